@@ -1,0 +1,33 @@
+# inferd: the two commands of the README, and the set-up they share.
+#   make run    set up (idempotent), build release, serve the default model on 127.0.0.1:8000
+#   make test   set up (idempotent), then the whole test suite (unit + integration, real binary)
+#   make setup  only the set-up: .venv tooling, ONNX Runtime library, default model
+
+CARGO ?= cargo
+ARGS ?=
+
+.PHONY: setup build run test check fixtures clean
+
+setup:
+	scripts/setup.sh
+
+build:
+	$(CARGO) build --release --locked
+
+run: setup build
+	target/release/inferd serve $(ARGS)
+
+check: setup build
+	target/release/inferd check $(ARGS)
+
+# The integration tests run the release binary, so `make run` and `make test` share one build.
+test: setup
+	$(CARGO) test --release --locked --workspace
+
+# Regenerates the committed test models and the default model's reference output.
+fixtures: setup
+	.venv/bin/python scripts/gen_test_models.py
+	.venv/bin/python scripts/make_reference.py
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,349 @@
+//! `inferd.toml`: schema, discovery, validation and command-line overrides.
+//!
+//! Relative paths in the file are resolved against the directory that holds the file, so the
+//! repository's own `inferd.toml` works from any working directory.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Name of the configuration file looked for when `--config` is not given.
+pub const CONFIG_FILE_NAME: &str = "inferd.toml";
+/// System-wide location, used by packaged installs (see `systemd/`).
+pub const SYSTEM_CONFIG: &str = "/etc/inferd/inferd.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+    #[error(
+        "no config file given and none found (looked for ./{CONFIG_FILE_NAME}, {CONFIG_FILE_NAME} \
+         beside or above the inferd binary, and {SYSTEM_CONFIG}); pass --config FILE"
+    )]
+    NotFound,
+    #[error("model '{model}': {message}")]
+    Model { model: String, message: String },
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub models: ModelsConfig,
+    pub runtime: RuntimeConfig,
+    /// Directory that relative paths are resolved against (the config file's directory).
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+    /// The file this configuration was read from, if any.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address every worker binds with SO_REUSEPORT.
+    pub listen: String,
+    /// Number of worker processes; 0 = as many as the CPU budget allows.
+    pub workers: usize,
+    /// ORT intra-op threads per worker; 0 = usable cores / workers.
+    pub threads: usize,
+    /// Permit workers x threads > usable cores (not recommended: p95 suffers).
+    pub allow_oversubscription: bool,
+    /// Pin each worker to its own disjoint CPU set (sched_setaffinity).
+    pub pin_workers: bool,
+    /// Unix socket for `inferd status`; created with mode 0600.
+    pub control_socket: PathBuf,
+    /// Request bodies above this size are refused with 413.
+    pub max_body_bytes: u64,
+    /// How long a stopping worker may take to finish its in-flight requests.
+    pub graceful_timeout_secs: f64,
+    /// How long a worker may take to load its models and warm up before it is killed.
+    pub boot_timeout_secs: f64,
+    /// Set net.ipv4.tcp_migrate_req=1 at start (when permitted) so connections queued on a
+    /// worker that stops accepting move to its siblings instead of being reset.
+    pub set_tcp_migrate_req: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8000".into(),
+            workers: 0,
+            threads: 0,
+            allow_oversubscription: false,
+            pin_workers: true,
+            control_socket: PathBuf::from("/run/inferd/control.sock"),
+            max_body_bytes: 16 * 1024 * 1024,
+            graceful_timeout_secs: 30.0,
+            boot_timeout_secs: 120.0,
+            set_tcp_migrate_req: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelsConfig {
+    /// Folder holding one sub-folder per model.
+    pub repository: PathBuf,
+    /// Model served when a request does not name one.
+    pub default: String,
+    /// Models every worker loads besides the default one.
+    pub load: Vec<String>,
+}
+
+impl Default for ModelsConfig {
+    fn default() -> Self {
+        ModelsConfig {
+            repository: PathBuf::from("models"),
+            default: "minilm".into(),
+            load: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Full path to libonnxruntime.so.1.xx; otherwise ORT_DYLIB_PATH, then the places
+    /// listed in `ortlib`.
+    pub ort_library: Option<PathBuf>,
+}
+
+/// Command-line values that take precedence over the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub workers: Option<usize>,
+    pub threads: Option<usize>,
+    pub control_socket: Option<PathBuf>,
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+            path: path.to_path_buf(),
+            error,
+        })?;
+        let mut config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        config.base_dir = absolute.parent().map(Path::to_path_buf).unwrap_or_default();
+        config.source = Some(absolute);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Loads `explicit` if given, else the first file found by [`discover`].
+    pub fn load(explicit: Option<&Path>) -> Result<Config, ConfigError> {
+        match explicit {
+            Some(path) => Config::from_file(path),
+            None => Config::from_file(&discover().ok_or(ConfigError::NotFound)?),
+        }
+    }
+
+    /// Applies command-line overrides, then validates again.
+    pub fn apply(&mut self, overrides: &Overrides) -> Result<(), ConfigError> {
+        if let Some(listen) = &overrides.listen {
+            self.server.listen = listen.clone();
+        }
+        if let Some(workers) = overrides.workers {
+            self.server.workers = workers;
+        }
+        if let Some(threads) = overrides.threads {
+            self.server.threads = threads;
+        }
+        if let Some(socket) = &overrides.control_socket {
+            // A path given on the command line is relative to the working directory.
+            self.server.control_socket =
+                std::path::absolute(socket).unwrap_or_else(|_| socket.clone());
+        }
+        self.validate()
+    }
+
+    /// Checks every value that can be checked without touching the system.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, message: String| Err(ConfigError::Invalid { key, message });
+        if let Err(e) = self.server.listen.parse::<SocketAddr>() {
+            return invalid(
+                "server.listen",
+                format!("'{}' is not an IP:port address ({e})", self.server.listen),
+            );
+        }
+        if self.server.workers > 1024 {
+            return invalid(
+                "server.workers",
+                format!("{} is more than 1024", self.server.workers),
+            );
+        }
+        if self.server.threads > 1024 {
+            return invalid(
+                "server.threads",
+                format!("{} is more than 1024", self.server.threads),
+            );
+        }
+        if self.server.max_body_bytes == 0 {
+            return invalid("server.max_body_bytes", "must be greater than 0".into());
+        }
+        for (key, value) in [
+            (
+                "server.graceful_timeout_secs",
+                self.server.graceful_timeout_secs,
+            ),
+            ("server.boot_timeout_secs", self.server.boot_timeout_secs),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return invalid(key, format!("{value} is not a positive number of seconds"));
+            }
+        }
+        if self.server.control_socket.as_os_str().is_empty() {
+            return invalid("server.control_socket", "must not be empty".into());
+        }
+        if self.models.default.is_empty() {
+            return invalid("models.default", "must name a model folder".into());
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.server
+            .listen
+            .parse()
+            .expect("validated in Config::validate")
+    }
+
+    /// Resolves a path from the file against the file's directory.
+    pub fn resolve(&self, path: &Path) -> PathBuf {
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            self.base_dir.join(path)
+        }
+    }
+
+    pub fn control_socket(&self) -> PathBuf {
+        self.resolve(&self.server.control_socket)
+    }
+
+    pub fn model_repository(&self) -> PathBuf {
+        self.resolve(&self.models.repository)
+    }
+
+    /// The models every worker loads, default first.
+    pub fn model_names(&self) -> Vec<String> {
+        let mut names = vec![self.models.default.clone()];
+        names.extend(
+            self.models
+                .load
+                .iter()
+                .filter(|n| **n != self.models.default)
+                .cloned(),
+        );
+        names
+    }
+}
+
+/// Finds the configuration used when `--config` is not given: `./inferd.toml`, then
+/// `inferd.toml` in the binary's folder or any folder above it (so `target/release/inferd`
+/// finds the repository's file), then `/etc/inferd/inferd.toml`.
+pub fn discover() -> Option<PathBuf> {
+    let mut candidates = vec![PathBuf::from(CONFIG_FILE_NAME)];
+    if let Ok(exe) = std::env::current_exe() {
+        candidates.extend(
+            exe.ancestors()
+                .skip(1)
+                .map(|dir| dir.join(CONFIG_FILE_NAME)),
+        );
+    }
+    candidates.push(PathBuf::from(SYSTEM_CONFIG));
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "t.toml".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let config = parse("").unwrap();
+        assert_eq!(config.server.listen, "127.0.0.1:8000");
+        assert_eq!(config.model_names(), vec!["minilm".to_string()]);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = parse("[server]\nworkerz = 2\n").unwrap_err().to_string();
+        assert!(err.contains("workerz"), "{err}");
+    }
+
+    #[test]
+    fn impossible_values_name_their_key() {
+        let err = parse("[server]\nlisten = \"localhost\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server.listen"), "{err}");
+        let err = parse("[server]\ngraceful_timeout_secs = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server.graceful_timeout_secs"), "{err}");
+        let err = parse("[server]\nworkers = \"two\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("workers"), "{err}");
+    }
+
+    #[test]
+    fn the_default_model_is_always_loaded_first() {
+        let config = parse("[models]\ndefault = \"a\"\nload = [\"b\", \"a\"]\n").unwrap();
+        assert_eq!(config.model_names(), vec!["a".to_string(), "b".to_string()]);
+    }
+
+    #[test]
+    fn overrides_win_and_are_validated() {
+        let mut config = parse("[server]\nworkers = 2\n").unwrap();
+        config
+            .apply(&Overrides {
+                workers: Some(3),
+                listen: Some("127.0.0.1:9".into()),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(config.server.workers, 3);
+        assert_eq!(config.listen_addr().port(), 9);
+        let err = config
+            .apply(&Overrides {
+                listen: Some("nope".into()),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("server.listen"));
+    }
+
+    #[test]
+    fn relative_paths_follow_the_file() {
+        let mut config = parse("[models]\nrepository = \"m\"\n").unwrap();
+        config.base_dir = PathBuf::from("/srv/inferd");
+        assert_eq!(config.model_repository(), PathBuf::from("/srv/inferd/m"));
+    }
+}

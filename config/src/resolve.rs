@@ -1,0 +1,57 @@
+//! A configuration turned into something the supervisor can execute: the CPU placement of each
+//! worker, the ONNX Runtime library and the model entries. `inferd check` prints it and
+//! `inferd serve` runs it; both refuse the same impossible plans with the same messages.
+
+use crate::cpu::{plan, CpuBudget, Plan, PlanError};
+use crate::model::ModelEntry;
+use crate::ortlib::{locate, OrtLibError, OrtLibrary};
+use crate::{Config, ConfigError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cpu plan: {0}")]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    OrtLibrary(#[from] OrtLibError),
+}
+
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub config: Config,
+    pub plan: Plan,
+    pub ort: OrtLibrary,
+    /// Default model first.
+    pub models: Vec<ModelEntry>,
+}
+
+impl Resolved {
+    pub fn new(config: Config) -> Result<Resolved, ResolveError> {
+        Resolved::with_budget(config, CpuBudget::detect())
+    }
+
+    pub fn with_budget(config: Config, budget: CpuBudget) -> Result<Resolved, ResolveError> {
+        let s = &config.server;
+        let plan = plan(
+            &budget,
+            s.workers,
+            s.threads,
+            s.allow_oversubscription,
+            s.pin_workers,
+        )?;
+        let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
+        let repository = config.model_repository();
+        let models = config
+            .model_names()
+            .iter()
+            .map(|name| ModelEntry::load(&repository, name))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Resolved {
+            config,
+            plan,
+            ort,
+            models,
+        })
+    }
+}

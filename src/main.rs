@@ -1,0 +1,208 @@
+//! `inferd`: the command line. `serve` runs the supervisor, `check` prints the plan, `status`
+//! asks a running server, and the hidden `worker` is what the supervisor executes for each
+//! worker process.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use inferd_config::cpu::format_cpus;
+use inferd_config::{Config, Overrides, Resolved};
+use inferd_supervisor::control::{self, Request};
+
+/// A production server for ONNX models: one supervisor, K pinned worker processes, one port.
+#[derive(Parser)]
+#[command(name = "inferd", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start the supervisor and its workers and serve until SIGTERM/SIGINT.
+    Serve(ServeArgs),
+    /// Print the resolved plan (cores, workers, threads, CPU sets, ONNX Runtime, models) and
+    /// exit non-zero if it is impossible.
+    Check(ServeArgs),
+    /// Show the pool of a running server.
+    Status(StatusArgs),
+    /// Internal: one worker process, started by `inferd serve`.
+    #[command(hide = true)]
+    Worker {
+        /// Descriptor of the supervisor's socketpair.
+        #[arg(long, default_value_t = inferd_config::spec::WORKER_CONTROL_FD)]
+        fd: i32,
+    },
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    /// Configuration file. Default: ./inferd.toml, else inferd.toml beside or above the
+    /// binary (the repository's own), else /etc/inferd/inferd.toml.
+    #[arg(long, env = "INFERD_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Address to serve on, e.g. 127.0.0.1:8000 (server.listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Number of worker processes; 0 = fill the CPU budget (server.workers).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// ORT intra-op threads per worker; 0 = usable cores / workers (server.threads).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Control socket used by `inferd status` (server.control_socket).
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Control socket of the server; default: the one in the configuration.
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let result = match cli.command {
+        Command::Worker { fd } => return ExitCode::from(inferd_worker::run(fd) as u8),
+        Command::Serve(args) => serve(args),
+        Command::Check(args) => check(args),
+        Command::Status(args) => status(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("inferd: error: {e:#}");
+            let code = e
+                .downcast_ref::<inferd_supervisor::SupervisorError>()
+                .map_or(1, |s| s.exit_code());
+            ExitCode::from(code as u8)
+        }
+    }
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_env("INFERD_LOG").unwrap_or_else(|_| EnvFilter::new("info,ort=warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+}
+
+fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
+    let mut config = Config::load(args.config.config.as_deref())?;
+    config.apply(&Overrides {
+        listen: args.listen.clone(),
+        workers: args.workers,
+        threads: args.threads,
+        control_socket: args.control_socket.clone(),
+    })?;
+    Ok(Resolved::new(config)?)
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let resolved = resolve(&args)?;
+    inferd_supervisor::run(resolved)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let resolved = resolve(&args)?;
+    let config = &resolved.config;
+    let plan = &resolved.plan;
+    println!(
+        "config:          {}",
+        config
+            .source
+            .as_ref()
+            .map_or("(defaults)".into(), |p| p.display().to_string())
+    );
+    println!("listen:          {}", config.server.listen);
+    println!("control socket:  {}", config.control_socket().display());
+    println!(
+        "usable cores:    {} ({})",
+        plan.budget.usable,
+        plan.budget.describe()
+    );
+    println!(
+        "workers:         {} x {} intra-op thread(s) = {} threads{}",
+        plan.workers.len(),
+        plan.threads_per_worker,
+        plan.total_threads(),
+        if plan.oversubscribed {
+            " (OVERSUBSCRIBED: allowed by server.allow_oversubscription)"
+        } else {
+            ""
+        }
+    );
+    for w in &plan.workers {
+        let cpus = if w.cpus.is_empty() {
+            "not pinned".to_string()
+        } else {
+            format_cpus(&w.cpus)
+        };
+        println!(
+            "  worker {}:      cpus {cpus}, {} thread(s)",
+            w.index, w.threads
+        );
+    }
+    println!(
+        "onnx runtime:    {} (from {})",
+        resolved.ort.path.display(),
+        resolved.ort.source
+    );
+    inferd_worker::model::init_runtime(&resolved.ort.path, 1)?;
+    for entry in &resolved.models {
+        let model = inferd_worker::model::Model::load(entry)
+            .with_context(|| format!("checking model '{}'", entry.name))?;
+        let meta = &model.meta;
+        println!(
+            "model {} (version {}, sha256 {}): {}",
+            meta.info.name,
+            meta.info.version,
+            meta.info.sha256,
+            entry.path.display()
+        );
+        for (kind, specs) in [("input ", &meta.inputs), ("output", &meta.outputs)] {
+            for s in specs {
+                println!("  {kind} {:<24} {:<6} {:?}", s.name, s.datatype, s.shape);
+            }
+        }
+    }
+    println!("plan OK");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let socket = match args.control_socket {
+        Some(path) => path,
+        None => Config::load(args.config.config.as_deref())?.control_socket(),
+    };
+    let response = control::query(&socket, &Request::Status)?;
+    let status = response.status.context("the server sent no status")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", status.render());
+    }
+    Ok(ExitCode::SUCCESS)
+}

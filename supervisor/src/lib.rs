@@ -1,0 +1,42 @@
+//! inferd-supervisor: the process that owns the pool. It never loads ONNX Runtime and never
+//! serves HTTP; it starts K workers (each a fresh exec of the `inferd` binary), restarts them
+//! when they die, answers the control socket, and stops them on SIGTERM/SIGINT.
+//!
+//! One loop, events in, decisions out ([`pool::Supervisor::run`]): signal handlers, control
+//! connections, worker messages and worker exits only enqueue an [`Event`]; the loop drains the
+//! queue and, on every tick, starts workers whose backoff has expired and kills those that
+//! overran their boot or grace timeout. A rolling reload will be a new generation of workers
+//! started and retired by the same loop.
+//!
+//! Must not touch: ONNX Runtime (a process that ran a session must never fork), HTTP.
+
+pub mod control;
+pub mod pool;
+mod signals;
+pub mod status;
+mod tcp;
+
+use std::process::ExitStatus;
+
+use inferd_config::spec::WorkerMessage;
+use tokio::sync::oneshot;
+
+pub use pool::{run, SupervisorError};
+
+/// Everything the supervisor's loop reacts to.
+#[derive(Debug)]
+pub enum Event {
+    Signal(i32),
+    Message {
+        slot: usize,
+        pid: u32,
+        message: WorkerMessage,
+    },
+    /// `status` is `None` if waiting for the process failed.
+    Exited {
+        slot: usize,
+        pid: u32,
+        status: Option<ExitStatus>,
+    },
+    Control(control::Request, oneshot::Sender<control::Response>),
+}

@@ -1,0 +1,226 @@
+//! The pool as `inferd status` shows it: one JSON document, and the table rendered from it.
+
+use std::fmt::Write;
+
+use inferd_config::cpu::format_cpus;
+use inferd_config::spec::ModelInfo;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Workers are booting; not all of them have been ready yet.
+    Starting,
+    /// Every slot has a ready worker.
+    Ready,
+    /// At least one slot has no ready worker (crash, restart, backoff).
+    Degraded,
+    /// SIGTERM/SIGINT received: workers are draining.
+    Stopping,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Spawned; loading ONNX Runtime and the models.
+    Starting,
+    /// Models loaded; warm-up runs in progress. Not bound to the port yet.
+    Warming,
+    /// Bound to the port and serving.
+    Ready,
+    /// Not accepting; finishing in-flight requests.
+    Draining,
+    /// No process in this slot (waiting for a restart after backoff).
+    Down,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub index: usize,
+    pub pid: Option<u32>,
+    pub generation: u64,
+    pub state: WorkerState,
+    pub cpus: Vec<usize>,
+    /// ORT intra-op threads (the worker's share of the cores).
+    pub threads: usize,
+    /// Threads of the process as the kernel counts them (documented: threads + 1).
+    pub os_threads: Option<u64>,
+    pub rss_bytes: Option<u64>,
+    /// Inference requests answered by the current process.
+    pub requests: u64,
+    pub in_flight: u64,
+    /// Times this slot's worker died without being asked to.
+    pub restarts: u32,
+    pub uptime_secs: Option<f64>,
+    pub models: Vec<ModelInfo>,
+    /// How the previous worker of this slot ended, if one did.
+    pub last_exit: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolStatus {
+    pub version: String,
+    pub pid: u32,
+    pub phase: Phase,
+    pub listen: String,
+    pub uptime_secs: f64,
+    pub usable_cores: usize,
+    pub cpu_budget: String,
+    pub threads_per_worker: usize,
+    /// Requests answered by the pool since start, retired workers included.
+    pub requests_total: u64,
+    pub workers: Vec<WorkerStatus>,
+}
+
+impl PoolStatus {
+    pub fn ready_workers(&self) -> usize {
+        self.workers
+            .iter()
+            .filter(|w| w.state == WorkerState::Ready)
+            .count()
+    }
+
+    /// The human-readable table `inferd status` prints.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "inferd {} (pid {}) {} on {}, up {}; {}/{} workers ready; {} requests served",
+            self.version,
+            self.pid,
+            serde_plain(&self.phase),
+            self.listen,
+            duration(self.uptime_secs),
+            self.ready_workers(),
+            self.workers.len(),
+            self.requests_total
+        );
+        let _ = writeln!(
+            out,
+            "cpu: {} usable cores ({}); {} intra-op thread(s) per worker\n",
+            self.usable_cores, self.cpu_budget, self.threads_per_worker
+        );
+        let header = [
+            "WORKER", "PID", "STATE", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME",
+            "MODEL",
+        ];
+        let mut rows = vec![header.map(String::from).to_vec()];
+        for w in &self.workers {
+            let models = w
+                .models
+                .iter()
+                .map(|m| format!("{}:{} ({})", m.name, m.version, m.sha256))
+                .collect::<Vec<_>>();
+            rows.push(vec![
+                w.index.to_string(),
+                w.pid.map_or("-".into(), |p| p.to_string()),
+                serde_plain(&w.state),
+                format_cpus(&w.cpus),
+                match w.os_threads {
+                    Some(os) => format!("{} ({os} os)", w.threads),
+                    None => w.threads.to_string(),
+                },
+                w.rss_bytes.map_or("-".into(), bytes),
+                w.requests.to_string(),
+                w.restarts.to_string(),
+                w.uptime_secs.map_or("-".into(), duration),
+                if models.is_empty() {
+                    "-".into()
+                } else {
+                    models.join(", ")
+                },
+            ]);
+        }
+        let widths: Vec<usize> = (0..header.len())
+            .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+            .collect();
+        for row in &rows {
+            let line: Vec<String> = row
+                .iter()
+                .zip(&widths)
+                .map(|(cell, w)| format!("{cell:<w$}"))
+                .collect();
+            let _ = writeln!(out, "{}", line.join("  ").trim_end());
+        }
+        for w in self.workers.iter().filter(|w| w.last_exit.is_some()) {
+            let _ = writeln!(
+                out,
+                "worker {} last exit: {}",
+                w.index,
+                w.last_exit.as_deref().unwrap_or_default()
+            );
+        }
+        out
+    }
+}
+
+fn serde_plain<T: Serialize>(value: &T) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+fn duration(secs: f64) -> String {
+    let s = secs as u64;
+    match s {
+        0..60 => format!("{secs:.1}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+fn bytes(b: u64) -> String {
+    format!("{:.1}MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_one_row_per_worker() {
+        let worker = |index| WorkerStatus {
+            index,
+            pid: Some(100 + index as u32),
+            generation: 1,
+            state: WorkerState::Ready,
+            cpus: vec![index],
+            threads: 1,
+            os_threads: Some(2),
+            rss_bytes: Some(50 << 20),
+            requests: 7,
+            in_flight: 0,
+            restarts: 0,
+            uptime_secs: Some(75.0),
+            models: vec![ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "abcd".into(),
+            }],
+            last_exit: None,
+        };
+        let status = PoolStatus {
+            version: "0".into(),
+            pid: 1,
+            phase: Phase::Ready,
+            listen: "127.0.0.1:8000".into(),
+            uptime_secs: 3.0,
+            usable_cores: 2,
+            cpu_budget: "affinity 0-1".into(),
+            threads_per_worker: 1,
+            requests_total: 14,
+            workers: vec![worker(0), worker(1)],
+        };
+        let table = status.render();
+        assert!(table.contains("ready on 127.0.0.1:8000"), "{table}");
+        assert!(table.contains("2/2 workers ready"), "{table}");
+        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd)")).collect();
+        assert_eq!(rows.len(), 2, "{table}");
+        assert!(rows[1].starts_with("1  "), "{table}");
+        assert!(
+            rows[1].contains("50.0MiB") && rows[1].contains("1m15s"),
+            "{table}"
+        );
+    }
+}

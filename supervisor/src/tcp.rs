@@ -1,0 +1,22 @@
+//! `net.ipv4.tcp_migrate_req`: when a SO_REUSEPORT listener closes, connections still in its
+//! accept queue are reset unless this is 1, in which case the kernel moves them to another
+//! listener of the same group. Draining workers close their listener, so inferd wants it on.
+
+use tracing::{info, warn};
+
+const SYSCTL: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
+
+pub fn ensure_migrate_req(set: bool) {
+    match std::fs::read_to_string(SYSCTL).map(|v| v.trim().to_string()) {
+        Ok(v) if v == "1" => {}
+        Ok(_) if set => match std::fs::write(SYSCTL, "1") {
+            Ok(()) => info!("set net.ipv4.tcp_migrate_req=1: connections queued on a stopping worker move to its siblings"),
+            Err(e) => warn!(
+                "net.ipv4.tcp_migrate_req is 0 and cannot be set ({e}): connections queued on a stopping worker \
+                 may be reset; run `sysctl -w net.ipv4.tcp_migrate_req=1` (see docs/sockets.md)"
+            ),
+        },
+        Ok(_) => warn!("net.ipv4.tcp_migrate_req is 0: connections queued on a stopping worker may be reset"),
+        Err(e) => warn!("cannot read {SYSCTL} ({e}): this kernel may reset connections queued on a stopping worker"),
+    }
+}

@@ -1,0 +1,235 @@
+//! What inferd refuses, and how it says so: a model that cannot load, a missing ONNX Runtime,
+//! an impossible CPU plan, a bad config key, a status query with no server.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn inferd(args: &[&str], dir: &TempDir) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir.path())
+        .env("INFERD_LOG", "info")
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_model_that_fails_to_load_stops_serve_with_its_error_and_no_respawn_loop() {
+    let dir = TempDir::new("broken");
+    let repo_dir = dir.path().join("models");
+    std::fs::create_dir_all(repo_dir.join("broken")).unwrap();
+    std::fs::write(repo_dir.join("broken/model.toml"), "name = \"broken\"\n").unwrap();
+    std::fs::write(
+        repo_dir.join("broken/model.onnx"),
+        b"this is not an onnx protobuf",
+    )
+    .unwrap();
+    let port = free_port();
+    write_config(
+        dir.path(),
+        port,
+        test_workers(),
+        &repo_dir,
+        "broken",
+        &[],
+        "",
+    );
+    let started = Instant::now();
+    let mut server = Server::start(dir, port, &[]);
+    let status = server.wait_exit(Duration::from_secs(20));
+    let log = server.log();
+    eprintln!(
+        "exited after {:.2} s with {status}",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "model-load failures exit with the reserved code 3; log:\n{log}"
+    );
+    assert!(
+        log.contains("could not load its model: model 'broken' failed to load from"),
+        "{log}"
+    );
+    assert!(
+        log.contains("protobuf") || log.contains("parsing"),
+        "the ONNX Runtime message is passed on: {log}"
+    );
+    let spawned = log.matches("started: pid").count();
+    assert_eq!(
+        spawned,
+        test_workers(),
+        "each slot is started once, never respawned:\n{log}"
+    );
+    assert!(
+        !server.socket.exists(),
+        "the control socket is removed on exit"
+    );
+}
+
+#[test]
+fn a_missing_onnx_runtime_is_explained() {
+    let dir = TempDir::new("noort");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
+    for command in ["check", "serve"] {
+        let out = Command::new(BIN)
+            .args([command, "--config", "inferd.toml"])
+            .current_dir(dir.path())
+            .env("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so.1.31.1")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains("ORT_DYLIB_PATH points to /nonexistent/libonnxruntime.so.1.31.1, which does not exist"), "{err}");
+    }
+    // A path that exists but is not the library: the worker reports it and serve stops.
+    std::fs::write(
+        dir.path().join("libonnxruntime.so.1.31.1"),
+        b"not a library",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--config", "inferd.toml"])
+        .current_dir(dir.path())
+        .env(
+            "ORT_DYLIB_PATH",
+            dir.path().join("libonnxruntime.so.1.31.1"),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot load ONNX Runtime from"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
+    let dir = TempDir::new("oversub");
+    let port = free_port();
+    let cores = std::thread::available_parallelism().unwrap().get();
+    write_config(dir.path(), port, cores, &test_models(), "typed", &[], "");
+    for command in ["check", "serve"] {
+        let out = inferd(
+            &[command, "--config", "inferd.toml", "--threads", "2"],
+            &dir,
+        );
+        assert!(
+            !out.status.success(),
+            "{command} accepted {cores} x 2 threads"
+        );
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!(
+                "{cores} workers x 2 threads = {} threads",
+                cores * 2
+            )),
+            "{err}"
+        );
+        assert!(err.contains("allow_oversubscription"), "{err}");
+    }
+    // With the operator's explicit permission it is accepted and flagged.
+    let out = inferd(
+        &["check", "--config", "inferd.toml", "--threads", "2"],
+        &dir,
+    );
+    assert!(!out.status.success());
+    std::fs::write(
+        dir.path().join("inferd.toml"),
+        std::fs::read_to_string(dir.path().join("inferd.toml"))
+            .unwrap()
+            .replace("[server]\n", "[server]\nallow_oversubscription = true\n"),
+    )
+    .unwrap();
+    let out = inferd(
+        &["check", "--config", "inferd.toml", "--threads", "2"],
+        &dir,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(text.contains("OVERSUBSCRIBED"), "{text}");
+}
+
+#[test]
+fn check_prints_the_plan_with_models_and_runtime() {
+    let dir = TempDir::new("check");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &["slow"], "");
+    let out = inferd(&["check", "--config", "inferd.toml"], &dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for expected in [
+        "usable cores:",
+        "worker 0:      cpus",
+        "onnx runtime:",
+        "model typed",
+        "input  f16_in",
+        "FP16",
+        "model slow",
+        "output y",
+        "plan OK",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn bad_config_values_are_refused_naming_the_key() {
+    let dir = TempDir::new("badkey");
+    std::fs::write(dir.path().join("inferd.toml"), "[server]\nworkerz = 2\n").unwrap();
+    let out = inferd(&["check", "--config", "inferd.toml"], &dir);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("unknown field `workerz`"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(
+        dir.path().join("inferd.toml"),
+        "[server]\nlisten = \"8000\"\n",
+    )
+    .unwrap();
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("config key `server.listen`"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(
+        dir.path().join("inferd.toml"),
+        "[models]\ndefault = \"absent\"\n",
+    )
+    .unwrap();
+    let out = inferd(&["check", "--config", "inferd.toml"], &dir);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("model 'absent'"), "{}", stderr(&out));
+}
+
+#[test]
+fn status_without_a_server_says_so_and_fails() {
+    let dir = TempDir::new("nostatus");
+    let socket = dir.path().join("none.sock");
+    let out = Command::new(BIN)
+        .args(["status", "--control-socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("inferd is not running"),
+        "{}",
+        stderr(&out)
+    );
+}

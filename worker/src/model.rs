@@ -1,0 +1,259 @@
+//! Loading and running models: the only place that talks to ONNX Runtime.
+//!
+//! One ORT environment per process, created once by [`init_runtime`] with a global intra-op
+//! thread pool of exactly the worker's share of threads (spinning off, inter-op 1); every
+//! session uses that pool, so a worker's thread count does not grow with its model count.
+//! Model loading stays here so that a prepared artefact (pre-packed, mmap'd weights) can later
+//! be loaded without touching the rest.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use inferd_config::model::ModelEntry;
+use inferd_config::spec::ModelInfo;
+use ort::environment::{Environment, GlobalThreadPoolOptions};
+use ort::session::Session;
+use ort::value::ValueType;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::tensor::{element_count, ort_type_name, DataType, TensorData};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot load ONNX Runtime from {path}: {message}")]
+    Runtime { path: String, message: String },
+    #[error("model '{model}' failed to load from {path}: {message}")]
+    Load {
+        model: String,
+        path: String,
+        message: String,
+    },
+    #[error("model '{model}' failed its warm-up run: {message}")]
+    Warmup { model: String, message: String },
+    #[error("model '{model}' rejected the input: {message}")]
+    InvalidInput { model: String, message: String },
+    #[error("model '{model}' failed: {message}")]
+    Run { model: String, message: String },
+    #[error("model '{model}' produced output '{output}' of a type inferd cannot return")]
+    UnsupportedOutput { model: String, output: String },
+    #[error("the model thread has stopped")]
+    EngineGone,
+}
+
+/// A named tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub data: TensorData,
+}
+
+/// An input or output as the model declares it; -1 marks a dynamic dimension.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+    /// `None` when inferd cannot carry this element type.
+    #[serde(skip)]
+    pub dtype: Option<DataType>,
+}
+
+/// What the HTTP side needs to know about a model; shared, read-only.
+#[derive(Debug, Clone)]
+pub struct ModelMeta {
+    pub info: ModelInfo,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+pub struct Model {
+    pub meta: ModelMeta,
+    entry: ModelEntry,
+    session: Session,
+}
+
+static ENVIRONMENT: OnceLock<Environment> = OnceLock::new();
+
+/// Loads libonnxruntime and creates the process's one environment. Call once, in the process
+/// that will run sessions, after it was created (never in a parent that later forks).
+pub fn init_runtime(
+    library: &Path,
+    intra_threads: usize,
+) -> Result<&'static Environment, ModelError> {
+    if let Some(env) = ENVIRONMENT.get() {
+        return Ok(env);
+    }
+    let fail = |message: String| ModelError::Runtime {
+        path: library.display().to_string(),
+        message,
+    };
+    // The library must be loaded before any other ort call: they all go through its API table.
+    let builder = ort::init_from(library).map_err(|e| fail(e.to_string()))?;
+    let pool = GlobalThreadPoolOptions::default()
+        .with_intra_threads(intra_threads)
+        .and_then(|p| p.with_inter_threads(1))
+        .and_then(|p| p.with_spin_control(false))
+        .map_err(|e| fail(e.to_string()))?;
+    let env = builder
+        .with_name("inferd")
+        .with_telemetry(false)
+        .with_global_thread_pool(pool)
+        .build()
+        .map_err(|e| fail(e.to_string()))?;
+    Ok(ENVIRONMENT.get_or_init(|| env))
+}
+
+impl Model {
+    /// Loads one model into a session that uses the global thread pool.
+    pub fn load(entry: &ModelEntry) -> Result<Model, ModelError> {
+        let fail = |message: String| ModelError::Load {
+            model: entry.name.clone(),
+            path: entry.path.display().to_string(),
+            message,
+        };
+        let env = ENVIRONMENT
+            .get()
+            .ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
+        let bytes = std::fs::read(&entry.path).map_err(|e| fail(e.to_string()))?;
+        let sha256: String = Sha256::digest(&bytes)
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let session = Session::builder(env)
+            .map_err(|e| fail(e.to_string()))?
+            .with_inter_threads(1)
+            .and_then(|b| b.with_parallel_execution(false))
+            .and_then(|b| b.with_intra_op_spinning(false))
+            .and_then(|b| b.with_inter_op_spinning(false))
+            .map_err(|e| fail(ort::Error::<()>::from(e).to_string()))?
+            .commit_from_memory(&bytes)
+            .map_err(|e| fail(e.to_string()))?;
+        let describe = |outlets: &[ort::value::Outlet]| -> Vec<TensorSpec> {
+            outlets
+                .iter()
+                .map(|o| match o.dtype() {
+                    ValueType::Tensor { ty, shape, .. } => TensorSpec {
+                        name: o.name().to_string(),
+                        datatype: ort_type_name(*ty),
+                        shape: shape.to_vec(),
+                        dtype: DataType::from_ort(*ty),
+                    },
+                    other => TensorSpec {
+                        name: o.name().to_string(),
+                        datatype: format!("{other:?}"),
+                        shape: Vec::new(),
+                        dtype: None,
+                    },
+                })
+                .collect()
+        };
+        let meta = ModelMeta {
+            info: ModelInfo {
+                name: entry.name.clone(),
+                version: entry.version.clone(),
+                sha256,
+            },
+            inputs: describe(session.inputs()),
+            outputs: describe(session.outputs()),
+        };
+        if let Some(bad) = meta.inputs.iter().find(|i| i.dtype.is_none()) {
+            return Err(fail(format!(
+                "input '{}' has type {}, which inferd cannot feed yet",
+                bad.name, bad.datatype
+            )));
+        }
+        Ok(Model {
+            meta,
+            entry: entry.clone(),
+            session,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.meta.info.name
+    }
+
+    /// Runs the model on already validated inputs and returns every output.
+    pub fn run(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+        let model = self.meta.info.name.clone();
+        let run_err = |e: ort::Error| match e.code() {
+            ort::error::ErrorCode::InvalidArgument => ModelError::InvalidInput {
+                model: model.clone(),
+                message: e.message().to_string(),
+            },
+            _ => ModelError::Run {
+                model: model.clone(),
+                message: e.message().to_string(),
+            },
+        };
+        let values = inputs
+            .into_iter()
+            .map(|t| Ok((t.name, t.data.into_ort(t.shape)?)))
+            .collect::<ort::Result<Vec<_>>>()
+            .map_err(run_err)?;
+        let outputs = self.session.run(values).map_err(run_err)?;
+        let mut result = Vec::with_capacity(self.meta.outputs.len());
+        for spec in &self.meta.outputs {
+            let unsupported = || ModelError::UnsupportedOutput {
+                model: model.clone(),
+                output: spec.name.clone(),
+            };
+            let value = outputs.get(&spec.name).ok_or_else(unsupported)?;
+            let (shape, data) = TensorData::from_ort(value)
+                .map_err(run_err)?
+                .ok_or_else(unsupported)?;
+            result.push(Tensor {
+                name: spec.name.clone(),
+                shape,
+                data,
+            });
+        }
+        Ok(result)
+    }
+
+    /// Runs the model once per configured batch size on zero inputs, so the first real request
+    /// does not pay for lazy initialisation (allocations, kernel selection, pre-packing).
+    pub fn warm_up(&mut self) -> Result<(), ModelError> {
+        let warmup = self.entry.warmup.clone();
+        let mut seen = Vec::new();
+        for &batch in &warmup.batch_sizes {
+            let inputs: Vec<Tensor> = self
+                .meta
+                .inputs
+                .iter()
+                .map(|spec| {
+                    let shape: Vec<i64> = spec
+                        .shape
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &d)| match (d, i) {
+                            (d, _) if d >= 0 => d,
+                            (_, 0) => batch as i64,
+                            _ => warmup.dynamic_dim as i64,
+                        })
+                        .collect();
+                    let len = element_count(&shape).unwrap_or(0);
+                    let dtype = spec.dtype.expect("checked in load");
+                    Tensor {
+                        name: spec.name.clone(),
+                        shape,
+                        data: dtype.zeros(len),
+                    }
+                })
+                .collect();
+            let shapes: Vec<Vec<i64>> = inputs.iter().map(|t| t.shape.clone()).collect();
+            if seen.contains(&shapes) {
+                continue; // fixed-shape model: one run is enough
+            }
+            seen.push(shapes);
+            self.run(inputs).map_err(|e| ModelError::Warmup {
+                model: self.entry.name.clone(),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,253 @@
+//! Boot and serve: spec in from the supervisor, models loaded and warmed, port bound, requests
+//! served until SIGTERM/SIGINT (or the supervisor's death, via PR_SET_PDEATHSIG), then drain.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use inferd_config::spec::{FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD};
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{error, info, warn};
+
+use crate::engine::Engine;
+use crate::http::{handle, AppState};
+use crate::model::{init_runtime, Model};
+
+/// Writes [`WorkerMessage`] lines to the supervisor. Writes are small and the supervisor reads
+/// continuously; a 1 s write timeout keeps a stopped supervisor from blocking the worker.
+struct Reporter(Mutex<UnixStream>);
+
+impl Reporter {
+    fn send(&self, message: &WorkerMessage) {
+        let mut line = serde_json::to_vec(message).expect("messages serialise");
+        line.push(b'\n');
+        let mut stream = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = stream.write_all(&line) {
+            warn!("cannot report to the supervisor: {e}");
+        }
+    }
+}
+
+struct Failure {
+    kind: FailureKind,
+    error: String,
+}
+
+fn failure(kind: FailureKind) -> impl FnOnce(String) -> Failure {
+    move |error| Failure { kind, error }
+}
+
+/// Entry point of `inferd worker`: `fd` is the worker's end of the supervisor's socketpair.
+/// Returns the process exit code.
+pub fn run(fd: RawFd) -> i32 {
+    // SAFETY: the supervisor hands the worker this descriptor and nothing else owns it.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let spec = match read_spec(&stream) {
+        Ok(spec) => spec,
+        Err(e) => {
+            error!("cannot read the worker spec on fd {fd}: {e} (this command is started by `inferd serve`)");
+            return EXIT_BOOT;
+        }
+    };
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    let reporter = Arc::new(Reporter(Mutex::new(stream)));
+    let span = tracing::info_span!("worker", index = spec.index, pid = std::process::id());
+    let _enter = span.enter();
+    match boot(&spec, &reporter) {
+        Ok((models, listener)) => serve(spec, models, listener, reporter),
+        Err(f) => {
+            error!("{}", f.error);
+            reporter.send(&WorkerMessage::Failed {
+                kind: f.kind,
+                error: f.error,
+            });
+            match f.kind {
+                FailureKind::ModelLoad => EXIT_MODEL_LOAD,
+                FailureKind::Boot => EXIT_BOOT,
+            }
+        }
+    }
+}
+
+fn read_spec(stream: &UnixStream) -> Result<WorkerSpec, String> {
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    serde_json::from_str(&line).map_err(|e| e.to_string())
+}
+
+/// Pins the process, loads the runtime and the models, warms them up and binds the port.
+fn boot(
+    spec: &WorkerSpec,
+    reporter: &Reporter,
+) -> Result<(Vec<Model>, std::net::TcpListener), Failure> {
+    if !spec.cpus.is_empty() {
+        // Before any thread exists, so every thread ORT creates inherits the mask.
+        let mut set = nix::sched::CpuSet::new();
+        for &cpu in &spec.cpus {
+            set.set(cpu)
+                .map_err(|e| failure(FailureKind::Boot)(format!("cpu {cpu}: {e}")))?;
+        }
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| {
+            failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus))
+        })?;
+    }
+    init_runtime(&spec.ort_library, spec.threads)
+        .map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    let mut models = Vec::with_capacity(spec.models.len());
+    for entry in &spec.models {
+        models
+            .push(Model::load(entry).map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?);
+    }
+    reporter.send(&WorkerMessage::Warming);
+    for model in &mut models {
+        let started = std::time::Instant::now();
+        model
+            .warm_up()
+            .map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?;
+        info!(
+            model = model.name(),
+            "warmed up in {:.0} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let listener = bind_reuseport(spec.listen).map_err(|e| {
+        failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.listen))
+    })?;
+    Ok((models, listener))
+}
+
+/// A listener of its own in the port's SO_REUSEPORT group: the kernel spreads new connections
+/// over the group's members, and a worker joins only once it is warm.
+fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+fn serve(
+    spec: WorkerSpec,
+    models: Vec<Model>,
+    listener: std::net::TcpListener,
+    reporter: Arc<Reporter>,
+) -> i32 {
+    let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
+    let infos = metas.iter().map(|m| m.info.clone()).collect();
+    let engine = match Engine::start(models) {
+        Ok(engine) => engine,
+        Err(e) => {
+            error!("cannot start the model thread: {e}");
+            return EXIT_BOOT;
+        }
+    };
+    let state = Arc::new(AppState {
+        worker: spec.index,
+        models: metas,
+        engine,
+        max_body_bytes: spec.max_body_bytes,
+        ready: false.into(),
+        requests: 0.into(),
+        in_flight: 0.into(),
+    });
+    // One thread for all I/O: the worker's CPU share belongs to the model.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!("cannot start the I/O runtime: {e}");
+            return EXIT_BOOT;
+        }
+    };
+    runtime.block_on(async move {
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                error!("cannot register the listener: {e}");
+                return EXIT_BOOT;
+            }
+        };
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            error!("cannot install signal handlers");
+            return EXIT_BOOT;
+        };
+        state.ready.store(true, Ordering::Relaxed);
+        reporter.send(&WorkerMessage::Ready { models: infos });
+        info!(listen = %spec.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");
+
+        let heartbeats = {
+            let (state, reporter) = (state.clone(), reporter.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    reporter.send(&heartbeat(&state));
+                }
+            })
+        };
+
+        // Tracks every open connection so that draining can wait for them.
+        let graceful = GracefulShutdown::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        let state = state.clone();
+                        let service = service_fn(move |request| handle(state.clone(), request));
+                        let connection = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service);
+                        let watched = graceful.watch(connection);
+                        tokio::spawn(async move {
+                            let _ = watched.await;
+                        });
+                    }
+                    Err(e) => {
+                        // Out of descriptors or similar: back off instead of spinning.
+                        warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+
+        // Drain: leave the port's group first (with net.ipv4.tcp_migrate_req=1 the kernel moves
+        // connections still queued on this listener to a sibling), then let every open
+        // connection finish its current request, bounded by the grace timeout.
+        state.ready.store(false, Ordering::Relaxed);
+        drop(listener);
+        reporter.send(&WorkerMessage::Draining);
+        info!("draining");
+        let grace = Duration::from_secs_f64(spec.graceful_timeout_secs);
+        tokio::select! {
+            _ = graceful.shutdown() => info!("drained; exiting"),
+            _ = tokio::time::sleep(grace) => warn!("grace timeout of {grace:?} reached; exiting with requests in flight"),
+        }
+        heartbeats.abort();
+        reporter.send(&heartbeat(&state));
+        0
+    })
+}
+
+fn heartbeat(state: &AppState) -> WorkerMessage {
+    WorkerMessage::Heartbeat {
+        requests: state.requests.load(Ordering::Relaxed),
+        in_flight: state.in_flight.load(Ordering::Relaxed),
+    }
+}
