@@ -107,3 +107,85 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     let log = server.log();
     assert!(log.contains("drained; exiting"), "{log}");
 }
+
+/// A worker that stops gracefully on its own (SIGTERM to the worker, not the supervisor)
+/// loses no request: it leaves the port's group first, connections queued on it move to its
+/// siblings (net.ipv4.tcp_migrate_req), and it finishes what it had accepted. The supervisor
+/// then replaces it.
+#[test]
+fn a_worker_that_drains_loses_no_request() {
+    if test_workers() < 2 {
+        eprintln!("needs 2 cores: a draining worker needs a sibling to take its traffic");
+        return;
+    }
+    let dir = TempDir::new("drain");
+    let port = free_port();
+    write_config(dir.path(), port, 2, &test_models(), "slow", &[], "");
+    let mut server = Server::start(dir, port, &[]);
+    let before = server.wait_ready(Duration::from_secs(60));
+    let victim = before["workers"][0]["pid"].as_i64().unwrap() as i32;
+    let addr = server.addr;
+
+    // Closed-loop clients, a new connection per request, each request ~10 ms of compute.
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut ok, mut failed) = (0u32, Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    match request(
+                        addr,
+                        "POST",
+                        "/v2/models/slow/infer",
+                        &[],
+                        &slow_body(2_000),
+                    ) {
+                        Ok(r) if r.status == 200 => ok += 1,
+                        Ok(r) => failed.push(format!("status {}", r.status)),
+                        Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), Signal::SIGTERM).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let status = server.status();
+        let w = &status["workers"][0];
+        if w["state"] == "ready" && w["pid"].as_i64() != Some(victim as i64) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replacement: {status:#}\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (mut ok, mut failed) = (0, Vec::new());
+    for c in clients {
+        let (o, f) = c.join().unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    eprintln!(
+        "{ok} requests answered while worker 0 drained and was replaced; {} failed",
+        failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(ok > 50, "only {ok} requests");
+    assert!(!process_exists(victim));
+    let _ = server.wait_ready(Duration::from_secs(1));
+}

@@ -33,8 +33,8 @@ pub struct WorkerSpec {
     /// CPUs the worker is pinned to (empty = not pinned).
     pub cpus: Vec<usize>,
     pub ort_library: PathBuf,
+    /// The default model first.
     pub models: Vec<ModelEntry>,
-    pub default_model: String,
     pub max_body_bytes: u64,
     pub graceful_timeout_secs: f64,
 }

@@ -402,7 +402,6 @@ impl Supervisor {
             cpus: placement.cpus.clone(),
             ort_library: self.resolved.ort.path.clone(),
             models: self.resolved.models.clone(),
-            default_model: config.models.default.clone(),
             max_body_bytes: config.server.max_body_bytes,
             graceful_timeout_secs: config.server.graceful_timeout_secs,
         };
