@@ -88,9 +88,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("inferd: error: {e:#}");
-            let code = e
-                .downcast_ref::<inferd_supervisor::SupervisorError>()
-                .map_or(1, |s| s.exit_code());
+            let code = e.downcast_ref::<inferd_supervisor::SupervisorError>().map_or(1, |s| s.exit_code());
             ExitCode::from(code as u8)
         }
     }
@@ -98,8 +96,7 @@ fn main() -> ExitCode {
 
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_env("INFERD_LOG").unwrap_or_else(|_| EnvFilter::new("info,ort=warn"));
+    let filter = EnvFilter::try_from_env("INFERD_LOG").unwrap_or_else(|_| EnvFilter::new("info,ort=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -129,51 +126,26 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let resolved = resolve(&args)?;
     let config = &resolved.config;
     let plan = &resolved.plan;
-    println!(
-        "config:          {}",
-        config
-            .source
-            .as_ref()
-            .map_or("(defaults)".into(), |p| p.display().to_string())
-    );
+    println!("config:          {}", config.source.as_ref().map_or("(defaults)".into(), |p| p.display().to_string()));
     println!("listen:          {}", config.server.listen);
     println!("control socket:  {}", config.control_socket().display());
-    println!(
-        "usable cores:    {} ({})",
-        plan.budget.usable,
-        plan.budget.describe()
-    );
+    println!("usable cores:    {} ({})", plan.budget.usable, plan.budget.describe());
     println!(
         "workers:         {} x {} intra-op thread(s) = {} threads{}",
         plan.workers.len(),
         plan.threads_per_worker,
         plan.total_threads(),
-        if plan.oversubscribed {
-            " (OVERSUBSCRIBED: allowed by server.allow_oversubscription)"
-        } else {
-            ""
-        }
+        if plan.oversubscribed { " (OVERSUBSCRIBED: allowed by server.allow_oversubscription)" } else { "" }
     );
     for w in &plan.workers {
-        let cpus = if w.cpus.is_empty() {
-            "not pinned".to_string()
-        } else {
-            format_cpus(&w.cpus)
-        };
-        println!(
-            "  worker {}:      cpus {cpus}, {} thread(s)",
-            w.index, w.threads
-        );
+        let cpus = if w.cpus.is_empty() { "not pinned".to_string() } else { format_cpus(&w.cpus) };
+        println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
     }
-    println!(
-        "onnx runtime:    {} (from {})",
-        resolved.ort.path.display(),
-        resolved.ort.source
-    );
+    println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
     inferd_worker::model::init_runtime(&resolved.ort.path, 1)?;
     for entry in &resolved.models {
-        let model = inferd_worker::model::Model::load(entry)
-            .with_context(|| format!("checking model '{}'", entry.name))?;
+        let model =
+            inferd_worker::model::Model::load(entry).with_context(|| format!("checking model '{}'", entry.name))?;
         let meta = &model.meta;
         println!(
             "model {} (version {}, sha256 {}): {}",

@@ -9,12 +9,7 @@ use std::time::{Duration, Instant};
 use common::*;
 
 fn inferd(args: &[&str], dir: &TempDir) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir.path())
-        .env("INFERD_LOG", "info")
-        .output()
-        .unwrap()
+    Command::new(BIN).args(args).current_dir(dir.path()).env("INFERD_LOG", "info").output().unwrap()
 }
 
 fn stderr(out: &Output) -> String {
@@ -27,52 +22,20 @@ fn a_model_that_fails_to_load_stops_serve_with_its_error_and_no_respawn_loop() {
     let repo_dir = dir.path().join("models");
     std::fs::create_dir_all(repo_dir.join("broken")).unwrap();
     std::fs::write(repo_dir.join("broken/model.toml"), "name = \"broken\"\n").unwrap();
-    std::fs::write(
-        repo_dir.join("broken/model.onnx"),
-        b"this is not an onnx protobuf",
-    )
-    .unwrap();
+    std::fs::write(repo_dir.join("broken/model.onnx"), b"this is not an onnx protobuf").unwrap();
     let port = free_port();
-    write_config(
-        dir.path(),
-        port,
-        test_workers(),
-        &repo_dir,
-        "broken",
-        &[],
-        "",
-    );
+    write_config(dir.path(), port, test_workers(), &repo_dir, "broken", &[], "");
     let started = Instant::now();
     let mut server = Server::start(dir, port, &[]);
     let status = server.wait_exit(Duration::from_secs(20));
     let log = server.log();
-    eprintln!(
-        "exited after {:.2} s with {status}",
-        started.elapsed().as_secs_f64()
-    );
-    assert_eq!(
-        status.code(),
-        Some(3),
-        "model-load failures exit with the reserved code 3; log:\n{log}"
-    );
-    assert!(
-        log.contains("could not load its model: model 'broken' failed to load from"),
-        "{log}"
-    );
-    assert!(
-        log.contains("protobuf") || log.contains("parsing"),
-        "the ONNX Runtime message is passed on: {log}"
-    );
+    eprintln!("exited after {:.2} s with {status}", started.elapsed().as_secs_f64());
+    assert_eq!(status.code(), Some(3), "model-load failures exit with the reserved code 3; log:\n{log}");
+    assert!(log.contains("could not load its model: model 'broken' failed to load from"), "{log}");
+    assert!(log.contains("protobuf") || log.contains("parsing"), "the ONNX Runtime message is passed on: {log}");
     let spawned = log.matches("started: pid").count();
-    assert_eq!(
-        spawned,
-        test_workers(),
-        "each slot is started once, never respawned:\n{log}"
-    );
-    assert!(
-        !server.socket.exists(),
-        "the control socket is removed on exit"
-    );
+    assert_eq!(spawned, test_workers(), "each slot is started once, never respawned:\n{log}");
+    assert!(!server.socket.exists(), "the control socket is removed on exit");
 }
 
 #[test]
@@ -89,29 +52,21 @@ fn a_missing_onnx_runtime_is_explained() {
             .unwrap();
         assert!(!out.status.success());
         let err = stderr(&out);
-        assert!(err.contains("ORT_DYLIB_PATH points to /nonexistent/libonnxruntime.so.1.31.1, which does not exist"), "{err}");
+        assert!(
+            err.contains("ORT_DYLIB_PATH points to /nonexistent/libonnxruntime.so.1.31.1, which does not exist"),
+            "{err}"
+        );
     }
     // A path that exists but is not the library: the worker reports it and serve stops.
-    std::fs::write(
-        dir.path().join("libonnxruntime.so.1.31.1"),
-        b"not a library",
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("libonnxruntime.so.1.31.1"), b"not a library").unwrap();
     let out = Command::new(BIN)
         .args(["serve", "--config", "inferd.toml"])
         .current_dir(dir.path())
-        .env(
-            "ORT_DYLIB_PATH",
-            dir.path().join("libonnxruntime.so.1.31.1"),
-        )
+        .env("ORT_DYLIB_PATH", dir.path().join("libonnxruntime.so.1.31.1"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("cannot load ONNX Runtime from"),
-        "{}",
-        stderr(&out)
-    );
+    assert!(stderr(&out).contains("cannot load ONNX Runtime from"), "{}", stderr(&out));
 }
 
 #[test]
@@ -121,29 +76,14 @@ fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
     let cores = std::thread::available_parallelism().unwrap().get();
     write_config(dir.path(), port, cores, &test_models(), "typed", &[], "");
     for command in ["check", "serve"] {
-        let out = inferd(
-            &[command, "--config", "inferd.toml", "--threads", "2"],
-            &dir,
-        );
-        assert!(
-            !out.status.success(),
-            "{command} accepted {cores} x 2 threads"
-        );
+        let out = inferd(&[command, "--config", "inferd.toml", "--threads", "2"], &dir);
+        assert!(!out.status.success(), "{command} accepted {cores} x 2 threads");
         let err = stderr(&out);
-        assert!(
-            err.contains(&format!(
-                "{cores} workers x 2 threads = {} threads",
-                cores * 2
-            )),
-            "{err}"
-        );
+        assert!(err.contains(&format!("{cores} workers x 2 threads = {} threads", cores * 2)), "{err}");
         assert!(err.contains("allow_oversubscription"), "{err}");
     }
     // With the operator's explicit permission it is accepted and flagged.
-    let out = inferd(
-        &["check", "--config", "inferd.toml", "--threads", "2"],
-        &dir,
-    );
+    let out = inferd(&["check", "--config", "inferd.toml", "--threads", "2"], &dir);
     assert!(!out.status.success());
     std::fs::write(
         dir.path().join("inferd.toml"),
@@ -152,10 +92,7 @@ fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
             .replace("[server]\n", "[server]\nallow_oversubscription = true\n"),
     )
     .unwrap();
-    let out = inferd(
-        &["check", "--config", "inferd.toml", "--threads", "2"],
-        &dir,
-    );
+    let out = inferd(&["check", "--config", "inferd.toml", "--threads", "2"], &dir);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(text.contains("OVERSUBSCRIBED"), "{text}");
@@ -190,28 +127,12 @@ fn bad_config_values_are_refused_naming_the_key() {
     std::fs::write(dir.path().join("inferd.toml"), "[server]\nworkerz = 2\n").unwrap();
     let out = inferd(&["check", "--config", "inferd.toml"], &dir);
     assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("unknown field `workerz`"),
-        "{}",
-        stderr(&out)
-    );
-    std::fs::write(
-        dir.path().join("inferd.toml"),
-        "[server]\nlisten = \"8000\"\n",
-    )
-    .unwrap();
+    assert!(stderr(&out).contains("unknown field `workerz`"), "{}", stderr(&out));
+    std::fs::write(dir.path().join("inferd.toml"), "[server]\nlisten = \"8000\"\n").unwrap();
     let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
     assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("config key `server.listen`"),
-        "{}",
-        stderr(&out)
-    );
-    std::fs::write(
-        dir.path().join("inferd.toml"),
-        "[models]\ndefault = \"absent\"\n",
-    )
-    .unwrap();
+    assert!(stderr(&out).contains("config key `server.listen`"), "{}", stderr(&out));
+    std::fs::write(dir.path().join("inferd.toml"), "[models]\ndefault = \"absent\"\n").unwrap();
     let out = inferd(&["check", "--config", "inferd.toml"], &dir);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("model 'absent'"), "{}", stderr(&out));
@@ -221,15 +142,7 @@ fn bad_config_values_are_refused_naming_the_key() {
 fn status_without_a_server_says_so_and_fails() {
     let dir = TempDir::new("nostatus");
     let socket = dir.path().join("none.sock");
-    let out = Command::new(BIN)
-        .args(["status", "--control-socket"])
-        .arg(&socket)
-        .output()
-        .unwrap();
+    let out = Command::new(BIN).args(["status", "--control-socket"]).arg(&socket).output().unwrap();
     assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("inferd is not running"),
-        "{}",
-        stderr(&out)
-    );
+    assert!(stderr(&out).contains("inferd is not running"), "{}", stderr(&out));
 }

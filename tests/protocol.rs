@@ -50,63 +50,29 @@ fn every_datatype_round_trips_through_the_model() {
     let server = typed_server("dtypes");
     let body = serde_json::to_vec(&json!({"id": "req-42", "inputs": typed_inputs()})).unwrap();
     let response = server.request("POST", "/v2/models/typed/infer", &body);
-    assert_eq!(
-        response.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&response.body)
-    );
+    assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
     let a = response.json();
     assert_eq!(a["id"], "req-42");
     assert_eq!(a["model_name"], "typed");
     assert_eq!(a["outputs"].as_array().unwrap().len(), 7);
     let f32_out = output(&a, "f32_out");
-    assert_eq!(
-        (f32_out["datatype"].as_str(), &f32_out["shape"]),
-        (Some("FP32"), &json!([2, 4]))
-    );
-    assert_eq!(
-        f32_out["data"],
-        json!([2.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, -13.5])
-    );
-    assert_eq!(
-        output(&a, "f64_out")["data"],
-        json!([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.25])
-    );
-    assert_eq!(
-        output(&a, "i32_out")["data"],
-        json!([7, 8, 5, 10, 2147483647, 12, 13, 14])
-    );
-    assert_eq!(
-        output(&a, "i64_out")["data"],
-        json!([-3, -6, -9, -12, -15, -18, -21, -9000000000i64])
-    );
-    assert_eq!(
-        output(&a, "bool_out")["data"],
-        json!([false, true, false, true, true, true, false, false])
-    );
+    assert_eq!((f32_out["datatype"].as_str(), &f32_out["shape"]), (Some("FP32"), &json!([2, 4])));
+    assert_eq!(f32_out["data"], json!([2.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, -13.5]));
+    assert_eq!(output(&a, "f64_out")["data"], json!([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.25]));
+    assert_eq!(output(&a, "i32_out")["data"], json!([7, 8, 5, 10, 2147483647, 12, 13, 14]));
+    assert_eq!(output(&a, "i64_out")["data"], json!([-3, -6, -9, -12, -15, -18, -21, -9000000000i64]));
+    assert_eq!(output(&a, "bool_out")["data"], json!([false, true, false, true, true, true, false, false]));
     assert_eq!(output(&a, "f16_out")["datatype"], "FP16");
-    assert_eq!(
-        output(&a, "f16_out")["data"],
-        json!([1.0, 2.0, 3.0, 4.0, -4.0, 0.0, 6.0, 2048.0])
-    );
+    assert_eq!(output(&a, "f16_out")["data"], json!([1.0, 2.0, 3.0, 4.0, -4.0, 0.0, 6.0, 2048.0]));
     assert_eq!(output(&a, "f32_sum")["data"], json!([6.5, 7.75]));
     assert_eq!(output(&a, "f32_sum")["shape"], json!([2]));
 
     // Output selection returns only what was asked for, in the order asked.
-    let body = serde_json::to_vec(
-        &json!({"inputs": typed_inputs(), "outputs": [{"name": "f32_sum"}, {"name": "bool_out"}]}),
-    )
-    .unwrap();
-    let a = server
-        .request("POST", "/v2/models/typed/infer", &body)
-        .json();
-    let names: Vec<&str> = a["outputs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o["name"].as_str().unwrap())
-        .collect();
+    let body =
+        serde_json::to_vec(&json!({"inputs": typed_inputs(), "outputs": [{"name": "f32_sum"}, {"name": "bool_out"}]}))
+            .unwrap();
+    let a = server.request("POST", "/v2/models/typed/infer", &body).json();
+    let names: Vec<&str> = a["outputs"].as_array().unwrap().iter().map(|o| o["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["f32_sum", "bool_out"]);
     assert!(a.get("id").is_none());
 }
@@ -116,42 +82,19 @@ fn metadata_and_health_endpoints() {
     let server = typed_server("meta");
     assert_eq!(server.request("GET", "/v2/health/live", b"").status, 200);
     assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
-    assert_eq!(
-        server.request("GET", "/v2/models/typed/ready", b"").status,
-        200
-    );
-    assert_eq!(
-        server
-            .request("GET", "/v2/models/typed/versions/1/ready", b"")
-            .status,
-        200
-    );
+    assert_eq!(server.request("GET", "/v2/models/typed/ready", b"").status, 200);
+    assert_eq!(server.request("GET", "/v2/models/typed/versions/1/ready", b"").status, 200);
     let meta = server.request("GET", "/v2", b"").json();
     assert_eq!(meta["name"], "inferd");
     let m = server.request("GET", "/v2/models/slow", b"").json();
     assert_eq!(m["name"], "slow");
     assert_eq!(m["versions"], json!(["1"]));
-    assert_eq!(
-        m["inputs"][0],
-        json!({"name": "x", "datatype": "FP32", "shape": [-1, 256]})
-    );
-    assert_eq!(
-        m["inputs"][1],
-        json!({"name": "iterations", "datatype": "INT64", "shape": [1]})
-    );
+    assert_eq!(m["inputs"][0], json!({"name": "x", "datatype": "FP32", "shape": [-1, 256]}));
+    assert_eq!(m["inputs"][1], json!({"name": "iterations", "datatype": "INT64", "shape": [1]}));
     let missing = server.request("GET", "/v2/models/nope", b"");
     assert_eq!(missing.status, 404);
-    assert!(
-        missing.error().contains("unknown model 'nope'"),
-        "{}",
-        missing.error()
-    );
-    assert_eq!(
-        server
-            .request("GET", "/v2/models/typed/versions/9", b"")
-            .status,
-        404
-    );
+    assert!(missing.error().contains("unknown model 'nope'"), "{}", missing.error());
+    assert_eq!(server.request("GET", "/v2/models/typed/versions/9", b"").status, 404);
 }
 
 #[test]
@@ -237,14 +180,7 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
             400,
             "unknown input 'zz'",
         ),
-        (
-            "unknown model",
-            "POST",
-            "/v2/models/nope/infer",
-            with(&|_| {}),
-            404,
-            "unknown model 'nope'",
-        ),
+        ("unknown model", "POST", "/v2/models/nope/infer", with(&|_| {}), 404, "unknown model 'nope'"),
         (
             "malformed JSON",
             "POST",
@@ -253,20 +189,12 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
             400,
             "not a valid inference request",
         ),
-        (
-            "no inputs field",
-            "POST",
-            "/v2/models/typed/infer",
-            b"{}".to_vec(),
-            400,
-            "missing field `inputs`",
-        ),
+        ("no inputs field", "POST", "/v2/models/typed/infer", b"{}".to_vec(), 400, "missing field `inputs`"),
         (
             "unknown output",
             "POST",
             "/v2/models/typed/infer",
-            serde_json::to_vec(&json!({"inputs": typed_inputs(), "outputs": [{"name": "nope"}]}))
-                .unwrap(),
+            serde_json::to_vec(&json!({"inputs": typed_inputs(), "outputs": [{"name": "nope"}]})).unwrap(),
             400,
             "unknown output 'nope'",
         ),
@@ -278,89 +206,40 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
             413,
             "larger than the limit of 65536 bytes",
         ),
-        (
-            "wrong method",
-            "GET",
-            "/v2/models/typed/infer",
-            Vec::new(),
-            405,
-            "method GET is not allowed",
-        ),
-        (
-            "no route",
-            "GET",
-            "/v1/models",
-            Vec::new(),
-            404,
-            "no route for GET /v1/models",
-        ),
+        ("wrong method", "GET", "/v2/models/typed/infer", Vec::new(), 405, "method GET is not allowed"),
+        ("no route", "GET", "/v1/models", Vec::new(), 404, "no route for GET /v1/models"),
     ];
     for (what, method, path, body, status, message) in cases {
         let r = server.request(method, path, &body);
-        assert_eq!(
-            r.status,
-            status,
-            "{what}: {}",
-            String::from_utf8_lossy(&r.body)
-        );
-        assert!(
-            r.error().contains(message),
-            "{what}: {:?} does not contain {message:?}",
-            r.error()
-        );
+        assert_eq!(r.status, status, "{what}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains(message), "{what}: {:?} does not contain {message:?}", r.error());
         assert_eq!(r.header("content-type"), Some("application/json"), "{what}");
     }
     // A body announced as too large is refused before it is read.
-    let r = request(
-        server.addr,
-        "POST",
-        "/v2/models/typed/infer",
-        &[("Content-Length", "99999999")],
-        b"",
-    )
-    .map(|r| r.status);
+    let r = request(server.addr, "POST", "/v2/models/typed/infer", &[("Content-Length", "99999999")], b"")
+        .map(|r| r.status);
     assert!(matches!(r, Ok(413)), "{r:?}");
 
     // The workers are still ready and serve a good request on every worker.
     assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
     let status = server.status();
     assert_eq!(status["phase"], "ready");
-    assert!(status["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|w| w["restarts"] == 0));
-    let ok = server.request(
-        "POST",
-        "/v2/models/typed/infer",
-        &infer_body(typed_inputs()),
-    );
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0));
+    let ok = server.request("POST", "/v2/models/typed/infer", &infer_body(typed_inputs()));
     assert_eq!(ok.status, 200);
 }
 
 #[test]
 fn tritonclient_speaks_to_inferd_with_json_tensors() {
     let python = repo().join(".venv/bin/python");
-    assert!(
-        python.is_file(),
-        "{} is missing: run `make setup` (`make test` does it first)",
-        python.display()
-    );
+    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
     let server = typed_server("triton");
     let out = std::process::Command::new(python)
         .arg(repo().join("tests/clients/tritonclient_check.py"))
         .arg(server.addr.to_string())
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "tritonclient check failed:\n{text}\nserver log:\n{}",
-        server.log()
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "tritonclient check failed:\n{text}\nserver log:\n{}", server.log());
     assert!(text.contains("all checks passed"), "{text}");
 }

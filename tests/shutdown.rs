@@ -15,15 +15,7 @@ use nix::sys::signal::Signal;
 fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     let dir = TempDir::new("sigterm");
     let port = free_port();
-    write_config(
-        dir.path(),
-        port,
-        test_workers(),
-        &test_models(),
-        "slow",
-        &[],
-        "",
-    );
+    write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     let workers = server.worker_pids();
@@ -63,32 +55,15 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     // Slow requests (~0.4 s of compute each, 3 per worker) still running or queued when SIGTERM
     // arrives 0.3 s later.
     let slow: Vec<_> = (0..6)
-        .map(|_| {
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    "POST",
-                    "/v2/models/slow/infer",
-                    &[],
-                    &slow_body(100_000),
-                )
-            })
-        })
+        .map(|_| std::thread::spawn(move || request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(100_000))))
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let term_at = Instant::now();
     server.signal(Signal::SIGTERM);
     for (i, handle) in slow.into_iter().enumerate() {
-        let r = handle
-            .join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("in-flight request {i} failed: {e}\n{}", server.log()));
-        assert_eq!(
-            r.status,
-            200,
-            "in-flight request {i}: {}",
-            String::from_utf8_lossy(&r.body)
-        );
+        let r =
+            handle.join().unwrap().unwrap_or_else(|e| panic!("in-flight request {i} failed: {e}\n{}", server.log()));
+        assert_eq!(r.status, 200, "in-flight request {i}: {}", String::from_utf8_lossy(&r.body));
         assert_eq!(r.json()["outputs"][0]["shape"], serde_json::json!([1, 256]));
     }
     let status = server.wait_exit(Duration::from_secs(30));
@@ -134,13 +109,7 @@ fn a_worker_that_drains_loses_no_request() {
             std::thread::spawn(move || {
                 let (mut ok, mut failed) = (0u32, Vec::new());
                 while !stop.load(Ordering::Relaxed) {
-                    match request(
-                        addr,
-                        "POST",
-                        "/v2/models/slow/infer",
-                        &[],
-                        &slow_body(2_000),
-                    ) {
+                    match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(2_000)) {
                         Ok(r) if r.status == 200 => ok += 1,
                         Ok(r) => failed.push(format!("status {}", r.status)),
                         Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
@@ -159,11 +128,7 @@ fn a_worker_that_drains_loses_no_request() {
         if w["state"] == "ready" && w["pid"].as_i64() != Some(victim as i64) {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "no replacement: {status:#}\n{}",
-            server.log()
-        );
+        assert!(Instant::now() < deadline, "no replacement: {status:#}\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(500));
@@ -174,10 +139,7 @@ fn a_worker_that_drains_loses_no_request() {
         ok += o;
         failed.extend(f);
     }
-    eprintln!(
-        "{ok} requests answered while worker 0 drained and was replaced; {} failed",
-        failed.len()
-    );
+    eprintln!("{ok} requests answered while worker 0 drained and was replaced; {} failed", failed.len());
     assert!(
         failed.is_empty(),
         "{} of {} requests failed: {:?}",

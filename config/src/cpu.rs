@@ -40,12 +40,7 @@ impl CpuBudget {
             Some((c, s)) => (Some(c), Some(s)),
             None => (None, None),
         };
-        CpuBudget {
-            affinity,
-            quota_cores,
-            quota_source,
-            usable,
-        }
+        CpuBudget { affinity, quota_cores, quota_source, usable }
     }
 
     /// The CPUs workers are pinned to: the first `usable` of the affinity mask.
@@ -87,13 +82,7 @@ pub enum PlanError {
         "{workers} workers x {threads} threads = {total} threads, but only {usable} cores are usable \
          ({detail}); lower server.workers or server.threads, or set server.allow_oversubscription = true"
     )]
-    Oversubscribed {
-        workers: usize,
-        threads: usize,
-        total: usize,
-        usable: usize,
-        detail: String,
-    },
+    Oversubscribed { workers: usize, threads: usize, total: usize, usable: usize, detail: String },
 }
 
 /// Splits the budget. `workers == 0` and `threads == 0` mean "derive from the budget".
@@ -114,13 +103,7 @@ pub fn plan(
     let total = workers * threads;
     let oversubscribed = total > usable;
     if oversubscribed && !allow_oversubscription {
-        return Err(PlanError::Oversubscribed {
-            workers,
-            threads,
-            total,
-            usable,
-            detail: budget.describe(),
-        });
+        return Err(PlanError::Oversubscribed { workers, threads, total, usable, detail: budget.describe() });
     }
     let cpus = budget.usable_cpus();
     let workers = (0..workers)
@@ -128,31 +111,20 @@ pub fn plan(
             index,
             // Past the budget (only with allow_oversubscription) the sets wrap around.
             cpus: if pin {
-                (0..threads)
-                    .map(|j| cpus[(index * threads + j) % cpus.len()])
-                    .collect()
+                (0..threads).map(|j| cpus[(index * threads + j) % cpus.len()]).collect()
             } else {
                 Vec::new()
             },
             threads,
         })
         .collect();
-    Ok(Plan {
-        budget: budget.clone(),
-        threads_per_worker: threads,
-        workers,
-        oversubscribed,
-    })
+    Ok(Plan { budget: budget.clone(), threads_per_worker: threads, workers, oversubscribed })
 }
 
 impl CpuBudget {
     /// One line saying where the number of usable cores came from.
     pub fn describe(&self) -> String {
-        let mut s = format!(
-            "affinity {} ({} cpus)",
-            format_cpus(&self.affinity),
-            self.affinity.len()
-        );
+        let mut s = format!("affinity {} ({} cpus)", format_cpus(&self.affinity), self.affinity.len());
         match (&self.quota_cores, &self.quota_source) {
             (Some(c), Some(src)) => s.push_str(&format!(", cgroup quota {c:.2} cores from {src}")),
             _ => s.push_str(", no cgroup CPU quota"),
@@ -172,11 +144,7 @@ pub fn format_cpus(cpus: &[usize]) -> String {
             i += 1;
             end = cpus[i];
         }
-        out.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
+        out.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
         i += 1;
     }
     if out.is_empty() {
@@ -188,13 +156,8 @@ pub fn format_cpus(cpus: &[usize]) -> String {
 
 fn affinity_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
-        Ok(set) => (0..nix::sched::CpuSet::count())
-            .filter(|&c| set.is_set(c).unwrap_or(false))
-            .collect(),
-        Err(_) => (0..std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1))
-            .collect(),
+        Ok(set) => (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect(),
+        Err(_) => (0..std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).collect(),
     }
 }
 
@@ -211,8 +174,7 @@ fn cgroup_quota() -> Option<(f64, String)> {
     };
     for line in cgroups.lines() {
         let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
             continue;
         };
         if controllers.is_empty() {
@@ -259,23 +221,12 @@ fn read_v2_quota(file: &Path) -> Option<(f64, String)> {
 }
 
 fn read_v1_quota(dir: &Path) -> Option<(f64, String)> {
-    let quota: i64 = std::fs::read_to_string(dir.join("cpu.cfs_quota_us"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let period: i64 = std::fs::read_to_string(dir.join("cpu.cfs_period_us"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    let quota: i64 = std::fs::read_to_string(dir.join("cpu.cfs_quota_us")).ok()?.trim().parse().ok()?;
+    let period: i64 = std::fs::read_to_string(dir.join("cpu.cfs_period_us")).ok()?.trim().parse().ok()?;
     if quota <= 0 || period <= 0 {
         return None;
     }
-    Some((
-        quota as f64 / period as f64,
-        dir.join("cpu.cfs_quota_us").display().to_string(),
-    ))
+    Some((quota as f64 / period as f64, dir.join("cpu.cfs_quota_us").display().to_string()))
 }
 
 #[cfg(test)]
@@ -318,11 +269,7 @@ mod tests {
     #[test]
     fn oversubscription_is_refused_unless_allowed() {
         let err = plan(&budget(2, None), 2, 2, false, true).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("2 workers x 2 threads = 4 threads"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("2 workers x 2 threads = 4 threads"), "{err}");
         let p = plan(&budget(2, None), 2, 2, true, true).unwrap();
         assert!(p.oversubscribed);
         assert_eq!(p.workers[1].cpus, vec![0, 1]);

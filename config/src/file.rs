@@ -16,10 +16,7 @@ pub const SYSTEM_CONFIG: &str = "/etc/inferd/inferd.toml";
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {error}")]
-    Read {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    Read { path: PathBuf, error: std::io::Error },
     #[error("config {path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("config key `{key}`: {message}")]
@@ -103,11 +100,7 @@ pub struct ModelsConfig {
 
 impl Default for ModelsConfig {
     fn default() -> Self {
-        ModelsConfig {
-            repository: PathBuf::from("models"),
-            default: "minilm".into(),
-            load: Vec::new(),
-        }
+        ModelsConfig { repository: PathBuf::from("models"), default: "minilm".into(), load: Vec::new() }
     }
 }
 
@@ -131,14 +124,10 @@ pub struct Overrides {
 impl Config {
     /// Reads and validates a configuration file.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
-            path: path.to_path_buf(),
-            error,
-        })?;
-        let mut config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|error| ConfigError::Read { path: path.to_path_buf(), error })?;
+        let mut config: Config = toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })?;
         let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         config.base_dir = absolute.parent().map(Path::to_path_buf).unwrap_or_default();
         config.source = Some(absolute);
@@ -167,8 +156,7 @@ impl Config {
         }
         if let Some(socket) = &overrides.control_socket {
             // A path given on the command line is relative to the working directory.
-            self.server.control_socket =
-                std::path::absolute(socket).unwrap_or_else(|_| socket.clone());
+            self.server.control_socket = std::path::absolute(socket).unwrap_or_else(|_| socket.clone());
         }
         self.validate()
     }
@@ -177,31 +165,19 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |key, message: String| Err(ConfigError::Invalid { key, message });
         if let Err(e) = self.server.listen.parse::<SocketAddr>() {
-            return invalid(
-                "server.listen",
-                format!("'{}' is not an IP:port address ({e})", self.server.listen),
-            );
+            return invalid("server.listen", format!("'{}' is not an IP:port address ({e})", self.server.listen));
         }
         if self.server.workers > 1024 {
-            return invalid(
-                "server.workers",
-                format!("{} is more than 1024", self.server.workers),
-            );
+            return invalid("server.workers", format!("{} is more than 1024", self.server.workers));
         }
         if self.server.threads > 1024 {
-            return invalid(
-                "server.threads",
-                format!("{} is more than 1024", self.server.threads),
-            );
+            return invalid("server.threads", format!("{} is more than 1024", self.server.threads));
         }
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0".into());
         }
         for (key, value) in [
-            (
-                "server.graceful_timeout_secs",
-                self.server.graceful_timeout_secs,
-            ),
+            ("server.graceful_timeout_secs", self.server.graceful_timeout_secs),
             ("server.boot_timeout_secs", self.server.boot_timeout_secs),
         ] {
             if !(value.is_finite() && value > 0.0) {
@@ -218,10 +194,7 @@ impl Config {
     }
 
     pub fn listen_addr(&self) -> SocketAddr {
-        self.server
-            .listen
-            .parse()
-            .expect("validated in Config::validate")
+        self.server.listen.parse().expect("validated in Config::validate")
     }
 
     /// Resolves a path from the file against the file's directory.
@@ -244,13 +217,7 @@ impl Config {
     /// The models every worker loads, default first.
     pub fn model_names(&self) -> Vec<String> {
         let mut names = vec![self.models.default.clone()];
-        names.extend(
-            self.models
-                .load
-                .iter()
-                .filter(|n| **n != self.models.default)
-                .cloned(),
-        );
+        names.extend(self.models.load.iter().filter(|n| **n != self.models.default).cloned());
         names
     }
 }
@@ -261,11 +228,7 @@ impl Config {
 pub fn discover() -> Option<PathBuf> {
     let mut candidates = vec![PathBuf::from(CONFIG_FILE_NAME)];
     if let Ok(exe) = std::env::current_exe() {
-        candidates.extend(
-            exe.ancestors()
-                .skip(1)
-                .map(|dir| dir.join(CONFIG_FILE_NAME)),
-        );
+        candidates.extend(exe.ancestors().skip(1).map(|dir| dir.join(CONFIG_FILE_NAME)));
     }
     candidates.push(PathBuf::from(SYSTEM_CONFIG));
     candidates.into_iter().find(|p| p.is_file())
@@ -276,10 +239,8 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: "t.toml".into(),
-            message: e.to_string(),
-        })?;
+        let config: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { path: "t.toml".into(), message: e.to_string() })?;
         config.validate()?;
         Ok(config)
     }
@@ -299,17 +260,11 @@ mod tests {
 
     #[test]
     fn impossible_values_name_their_key() {
-        let err = parse("[server]\nlisten = \"localhost\"\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("[server]\nlisten = \"localhost\"\n").unwrap_err().to_string();
         assert!(err.contains("server.listen"), "{err}");
-        let err = parse("[server]\ngraceful_timeout_secs = -1\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("[server]\ngraceful_timeout_secs = -1\n").unwrap_err().to_string();
         assert!(err.contains("server.graceful_timeout_secs"), "{err}");
-        let err = parse("[server]\nworkers = \"two\"\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("[server]\nworkers = \"two\"\n").unwrap_err().to_string();
         assert!(err.contains("workers"), "{err}");
     }
 
@@ -323,20 +278,11 @@ mod tests {
     fn overrides_win_and_are_validated() {
         let mut config = parse("[server]\nworkers = 2\n").unwrap();
         config
-            .apply(&Overrides {
-                workers: Some(3),
-                listen: Some("127.0.0.1:9".into()),
-                ..Default::default()
-            })
+            .apply(&Overrides { workers: Some(3), listen: Some("127.0.0.1:9".into()), ..Default::default() })
             .unwrap();
         assert_eq!(config.server.workers, 3);
         assert_eq!(config.listen_addr().port(), 9);
-        let err = config
-            .apply(&Overrides {
-                listen: Some("nope".into()),
-                ..Default::default()
-            })
-            .unwrap_err();
+        let err = config.apply(&Overrides { listen: Some("nope".into()), ..Default::default() }).unwrap_err();
         assert!(err.to_string().contains("server.listen"));
     }
 

@@ -48,10 +48,7 @@ pub struct Warmup {
 
 impl Default for Warmup {
     fn default() -> Self {
-        Warmup {
-            batch_sizes: vec![1, 4],
-            dynamic_dim: 16,
-        }
+        Warmup { batch_sizes: vec![1, 4], dynamic_dim: 16 }
     }
 }
 
@@ -68,22 +65,15 @@ pub struct ModelEntry {
 impl ModelEntry {
     /// Reads `<repository>/<name>/model.toml` and checks that the model file exists.
     pub fn load(repository: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
-        let err = |message: String| ConfigError::Model {
-            model: name.to_string(),
-            message,
-        };
+        let err = |message: String| ConfigError::Model { model: name.to_string(), message };
         let dir = repository.join(name);
         let config_path = dir.join(MODEL_CONFIG_FILE);
         if !dir.is_dir() {
-            return Err(err(format!(
-                "no folder {} in the model repository",
-                dir.display()
-            )));
+            return Err(err(format!("no folder {} in the model repository", dir.display())));
         }
         let text = std::fs::read_to_string(&config_path)
             .map_err(|e| err(format!("cannot read {}: {e}", config_path.display())))?;
-        let file: ModelFile =
-            toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
+        let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
             return Err(err(format!(
                 "{} says name = \"{}\"; it must match its folder name",
@@ -91,29 +81,17 @@ impl ModelEntry {
                 file.name
             )));
         }
-        if file.warmup.batch_sizes.is_empty()
-            || file.warmup.batch_sizes.contains(&0)
-            || file.warmup.dynamic_dim == 0
-        {
-            return Err(err(format!(
-                "{}: warmup sizes must be at least 1",
-                config_path.display()
-            )));
+        if file.warmup.batch_sizes.is_empty() || file.warmup.batch_sizes.contains(&0) || file.warmup.dynamic_dim == 0 {
+            return Err(err(format!("{}: warmup sizes must be at least 1", config_path.display())));
         }
-        let path =
-            std::path::absolute(dir.join(&file.file)).unwrap_or_else(|_| dir.join(&file.file));
+        let path = std::path::absolute(dir.join(&file.file)).unwrap_or_else(|_| dir.join(&file.file));
         if !path.is_file() {
             return Err(err(format!(
                 "model file {} not found (for the default model, `make setup` fetches it)",
                 path.display()
             )));
         }
-        Ok(ModelEntry {
-            name: file.name,
-            version: file.version,
-            path,
-            warmup: file.warmup,
-        })
+        Ok(ModelEntry { name: file.name, version: file.version, path, warmup: file.warmup })
     }
 }
 
@@ -122,8 +100,7 @@ mod tests {
     use super::*;
 
     fn repo_with(name: &str, toml: &str, onnx: bool) -> PathBuf {
-        let root =
-            std::env::temp_dir().join(format!("inferd-model-test-{}-{name}", std::process::id()));
+        let root = std::env::temp_dir().join(format!("inferd-model-test-{}-{name}", std::process::id()));
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(MODEL_CONFIG_FILE), toml).unwrap();

@@ -11,11 +11,7 @@ use std::path::{Path, PathBuf};
 /// ONNX Runtime versions older than this lack the C API that inferd's `ort` build uses.
 pub const MIN_ORT_VERSION: &str = "1.31";
 pub const VENDOR_DIR: &str = "vendor/onnxruntime/lib";
-pub const SYSTEM_DIRS: [&str; 3] = [
-    "/usr/lib/inferd",
-    "/usr/local/lib/inferd",
-    "/opt/inferd/lib",
-];
+pub const SYSTEM_DIRS: [&str; 3] = ["/usr/lib/inferd", "/usr/local/lib/inferd", "/opt/inferd/lib"];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrtLibrary {
@@ -40,35 +36,19 @@ pub enum OrtLibError {
 /// Finds the library; `base_dir` is the config file's folder.
 pub fn locate(configured: Option<&Path>, base_dir: &Path) -> Result<OrtLibrary, OrtLibError> {
     if let Some(path) = configured {
-        let path = if path.is_absolute() {
-            path.to_path_buf()
-        } else {
-            base_dir.join(path)
-        };
+        let path = if path.is_absolute() { path.to_path_buf() } else { base_dir.join(path) };
         return if path.is_file() {
-            Ok(OrtLibrary {
-                path,
-                source: "runtime.ort_library".into(),
-            })
+            Ok(OrtLibrary { path, source: "runtime.ort_library".into() })
         } else {
-            Err(OrtLibError::Missing {
-                what: "runtime.ort_library",
-                path,
-            })
+            Err(OrtLibError::Missing { what: "runtime.ort_library", path })
         };
     }
     if let Some(value) = std::env::var_os("ORT_DYLIB_PATH").filter(|v| !v.is_empty()) {
         let path = PathBuf::from(value);
         return if path.is_file() {
-            Ok(OrtLibrary {
-                path: std::path::absolute(&path).unwrap_or(path),
-                source: "ORT_DYLIB_PATH".into(),
-            })
+            Ok(OrtLibrary { path: std::path::absolute(&path).unwrap_or(path), source: "ORT_DYLIB_PATH".into() })
         } else {
-            Err(OrtLibError::Missing {
-                what: "ORT_DYLIB_PATH",
-                path,
-            })
+            Err(OrtLibError::Missing { what: "ORT_DYLIB_PATH", path })
         };
     }
     let mut dirs: Vec<PathBuf> = Vec::new();
@@ -83,10 +63,7 @@ pub fn locate(configured: Option<&Path>, base_dir: &Path) -> Result<OrtLibrary, 
     dirs.extend(SYSTEM_DIRS.iter().map(PathBuf::from));
     for dir in &dirs {
         if let Some(path) = library_in(dir) {
-            return Ok(OrtLibrary {
-                path,
-                source: format!("well-known folder {}", dir.display()),
-            });
+            return Ok(OrtLibrary { path, source: format!("well-known folder {}", dir.display()) });
         }
     }
     let tried = format!(
@@ -106,17 +83,10 @@ pub fn library_in(dir: &Path) -> Option<PathBuf> {
     let mut best: Option<(Vec<u64>, PathBuf)> = None;
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
         let name = entry.file_name();
-        let Some(version) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("libonnxruntime.so."))
-        else {
+        let Some(version) = name.to_str().and_then(|n| n.strip_prefix("libonnxruntime.so.")) else {
             continue;
         };
-        let Ok(parts) = version
-            .split('.')
-            .map(str::parse::<u64>)
-            .collect::<Result<Vec<_>, _>>()
-        else {
+        let Ok(parts) = version.split('.').map(str::parse::<u64>).collect::<Result<Vec<_>, _>>() else {
             continue;
         };
         if best.as_ref().is_none_or(|(b, _)| parts > *b) {
@@ -134,36 +104,17 @@ mod tests {
     fn picks_the_highest_versioned_name() {
         let dir = std::env::temp_dir().join(format!("inferd-ortlib-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for name in [
-            "libonnxruntime.so.1.9.0",
-            "libonnxruntime.so.1.31.1",
-            "libonnxruntime.so.1.31.0",
-            "other.so",
-        ] {
+        for name in ["libonnxruntime.so.1.9.0", "libonnxruntime.so.1.31.1", "libonnxruntime.so.1.31.0", "other.so"] {
             std::fs::write(dir.join(name), b"").unwrap();
         }
-        assert_eq!(
-            library_in(&dir).unwrap().file_name().unwrap(),
-            "libonnxruntime.so.1.31.1"
-        );
+        assert_eq!(library_in(&dir).unwrap().file_name().unwrap(), "libonnxruntime.so.1.31.1");
         std::fs::write(dir.join("libonnxruntime.so"), b"").unwrap();
-        assert_eq!(
-            library_in(&dir).unwrap().file_name().unwrap(),
-            "libonnxruntime.so"
-        );
+        assert_eq!(library_in(&dir).unwrap().file_name().unwrap(), "libonnxruntime.so");
     }
 
     #[test]
     fn a_configured_path_that_is_missing_is_an_error_not_a_fallback() {
-        let err = locate(
-            Some(Path::new("/nonexistent/libonnxruntime.so")),
-            Path::new("/"),
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("runtime.ort_library points to /nonexistent"),
-            "{err}"
-        );
+        let err = locate(Some(Path::new("/nonexistent/libonnxruntime.so")), Path::new("/")).unwrap_err();
+        assert!(err.to_string().contains("runtime.ort_library points to /nonexistent"), "{err}");
     }
 }

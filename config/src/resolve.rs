@@ -33,13 +33,7 @@ impl Resolved {
 
     pub fn with_budget(config: Config, budget: CpuBudget) -> Result<Resolved, ResolveError> {
         let s = &config.server;
-        let plan = plan(
-            &budget,
-            s.workers,
-            s.threads,
-            s.allow_oversubscription,
-            s.pin_workers,
-        )?;
+        let plan = plan(&budget, s.workers, s.threads, s.allow_oversubscription, s.pin_workers)?;
         let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
         let repository = config.model_repository();
         let models = config
@@ -47,11 +41,6 @@ impl Resolved {
             .iter()
             .map(|name| ModelEntry::load(&repository, name))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Resolved {
-            config,
-            plan,
-            ort,
-            models,
-        })
+        Ok(Resolved { config, plan, ort, models })
     }
 }

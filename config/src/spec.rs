@@ -77,10 +77,7 @@ mod tests {
 
     #[test]
     fn messages_are_one_json_object_each() {
-        let m = WorkerMessage::Heartbeat {
-            requests: 3,
-            in_flight: 1,
-        };
+        let m = WorkerMessage::Heartbeat { requests: 3, in_flight: 1 };
         let line = serde_json::to_string(&m).unwrap();
         assert_eq!(line, r#"{"event":"heartbeat","requests":3,"in_flight":1}"#);
         assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), m);

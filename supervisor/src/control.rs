@@ -36,11 +36,7 @@ pub struct Response {
 
 impl Response {
     pub fn error(message: impl Into<String>) -> Response {
-        Response {
-            ok: false,
-            status: None,
-            error: Some(message.into()),
-        }
+        Response { ok: false, status: None, error: Some(message.into()) }
     }
 }
 
@@ -49,15 +45,9 @@ pub enum ControlError {
     #[error("another inferd is already running with control socket {0}")]
     InUse(PathBuf),
     #[error("control socket {path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    Io { path: PathBuf, error: std::io::Error },
     #[error("inferd is not running: nothing listens on control socket {path} ({error})")]
-    NotRunning {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    NotRunning { path: PathBuf, error: std::io::Error },
     #[error("bad answer from the control socket: {0}")]
     BadAnswer(String),
     #[error("{0}")]
@@ -66,10 +56,7 @@ pub enum ControlError {
 
 /// Creates the socket (and its folder), replacing a stale file left by a dead server.
 pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
-    let io = |error| ControlError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
+    let io = |error| ControlError::Io { path: path.to_path_buf(), error };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
@@ -104,9 +91,7 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
     let peer = stream.peer_cred()?.uid();
     let (read, mut write) = stream.into_split();
     let response = if peer != me && peer != 0 {
-        Response::error(format!(
-            "permission denied: uid {peer} may not control this inferd (run as uid {me})"
-        ))
+        Response::error(format!("permission denied: uid {peer} may not control this inferd (run as uid {me})"))
     } else {
         let mut line = String::new();
         let mut reader = tokio::io::BufReader::new(read);
@@ -120,9 +105,7 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
                     if events.send(Event::Control(request, reply)).is_err() {
                         Response::error("the supervisor is shutting down")
                     } else {
-                        answer
-                            .await
-                            .unwrap_or_else(|_| Response::error("the supervisor is shutting down"))
+                        answer.await.unwrap_or_else(|_| Response::error("the supervisor is shutting down"))
                     }
                 }
             },
@@ -136,26 +119,17 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
 
 /// Client side, used by `inferd status`: one request, one response.
 pub fn query(path: &Path, request: &Request) -> Result<Response, ControlError> {
-    let io = |error| ControlError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
-    let mut stream = std::os::unix::net::UnixStream::connect(path).map_err(|error| {
-        ControlError::NotRunning {
-            path: path.to_path_buf(),
-            error,
-        }
-    })?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(io)?;
+    let io = |error| ControlError::Io { path: path.to_path_buf(), error };
+    let mut stream = std::os::unix::net::UnixStream::connect(path)
+        .map_err(|error| ControlError::NotRunning { path: path.to_path_buf(), error })?;
+    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
     let mut line = serde_json::to_vec(request).expect("requests serialise");
     line.push(b'\n');
     stream.write_all(&line).map_err(io)?;
     let mut answer = String::new();
     BufReader::new(stream).read_line(&mut answer).map_err(io)?;
-    let response: Response = serde_json::from_str(&answer)
-        .map_err(|e| ControlError::BadAnswer(format!("{e}: {answer:?}")))?;
+    let response: Response =
+        serde_json::from_str(&answer).map_err(|e| ControlError::BadAnswer(format!("{e}: {answer:?}")))?;
     match (response.ok, &response.error) {
         (false, Some(error)) => Err(ControlError::Refused(error.clone())),
         _ => Ok(response),

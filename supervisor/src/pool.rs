@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 
 use inferd_config::cpu::{format_cpus, Placement};
 use inferd_config::spec::{
-    FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD,
-    WORKER_CONTROL_FD,
+    FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
 };
 use inferd_config::Resolved;
 use nix::sys::signal::Signal;
@@ -102,9 +101,7 @@ pub struct Supervisor {
 pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
     // A single-threaded runtime: the supervisor's work is tiny, and its only extra thread is
     // signal-hook's forwarder.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
         let listener = control::bind(&socket)?;
@@ -120,10 +117,7 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
 }
 
 impl Supervisor {
-    fn new(
-        resolved: Resolved,
-        events: mpsc::UnboundedSender<Event>,
-    ) -> std::io::Result<Supervisor> {
+    fn new(resolved: Resolved, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Supervisor> {
         let slots = resolved
             .plan
             .workers
@@ -153,10 +147,7 @@ impl Supervisor {
         })
     }
 
-    async fn run(
-        &mut self,
-        queue: &mut mpsc::UnboundedReceiver<Event>,
-    ) -> Result<(), SupervisorError> {
+    async fn run(&mut self, queue: &mut mpsc::UnboundedReceiver<Event>) -> Result<(), SupervisorError> {
         let plan = &self.resolved.plan;
         info!(
             "inferd {} (pid {}) starting {} workers x {} intra-op threads on {}; {} usable cores ({}); ONNX Runtime {} ({}); models: {}",
@@ -220,16 +211,10 @@ impl Supervisor {
                 worker.state = WorkerState::Ready;
                 worker.ready_at = Some(Instant::now());
                 worker.models = models;
-                info!(
-                    "worker {slot} (pid {pid}) ready after {:.2} s",
-                    worker.started.elapsed().as_secs_f64()
-                );
+                info!("worker {slot} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
                 self.update_phase();
             }
-            WorkerMessage::Heartbeat {
-                requests,
-                in_flight,
-            } => {
+            WorkerMessage::Heartbeat { requests, in_flight } => {
                 worker.requests = requests;
                 worker.in_flight = in_flight;
             }
@@ -248,10 +233,7 @@ impl Supervisor {
         };
         self.retired_requests += worker.requests;
         let how = describe_exit(status);
-        slot.last_exit = Some(format!(
-            "pid {pid} {how} after {:.1} s",
-            worker.started.elapsed().as_secs_f64()
-        ));
+        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s", worker.started.elapsed().as_secs_f64()));
         if self.phase == Phase::Stopping {
             info!("worker {index} (pid {pid}) {how}");
             return;
@@ -308,10 +290,7 @@ impl Supervisor {
             if let Some(w) = slot.worker.as_mut() {
                 let booting = matches!(w.state, WorkerState::Starting | WorkerState::Warming);
                 if booting && w.failure.is_none() && w.started.elapsed() > boot_timeout {
-                    let error = format!(
-                        "not ready within server.boot_timeout_secs = {}",
-                        boot_timeout.as_secs_f64()
-                    );
+                    let error = format!("not ready within server.boot_timeout_secs = {}", boot_timeout.as_secs_f64());
                     warn!("worker {index} (pid {}) {error}; killing it", w.pid);
                     w.failure = Some((FailureKind::Boot, error));
                     let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
@@ -325,11 +304,7 @@ impl Supervisor {
 
     fn on_control(&mut self, request: Request) -> Response {
         match request {
-            Request::Status => Response {
-                ok: true,
-                status: Some(self.status()),
-                error: None,
-            },
+            Request::Status => Response { ok: true, status: Some(self.status()), error: None },
         }
     }
 
@@ -366,11 +341,7 @@ impl Supervisor {
         if self.phase == Phase::Stopping {
             return;
         }
-        let all_ready = self.slots.iter().all(|s| {
-            s.worker
-                .as_ref()
-                .is_some_and(|w| w.state == WorkerState::Ready)
-        });
+        let all_ready = self.slots.iter().all(|s| s.worker.as_ref().is_some_and(|w| w.state == WorkerState::Ready));
         let phase = match (all_ready, self.booted) {
             (true, _) => Phase::Ready,
             (false, true) => Phase::Degraded,
@@ -407,11 +378,7 @@ impl Supervisor {
         };
         match self.start_process(&spec) {
             Ok(pid) => {
-                info!(
-                    "worker {index} started: pid {pid}, cpus {}, {} threads",
-                    format_cpus(&spec.cpus),
-                    spec.threads
-                );
+                info!("worker {index} started: pid {pid}, cpus {}, {} threads", format_cpus(&spec.cpus), spec.threads);
                 self.slots[index].worker = Some(Worker {
                     pid,
                     generation: spec.generation,
@@ -450,6 +417,8 @@ impl Supervisor {
             .env("MKL_NUM_THREADS", &threads)
             .env("OPENBLAS_NUM_THREADS", &threads)
             .env("TOKENIZERS_PARALLELISM", "false")
+            // No ONNX Runtime telemetry thread (see worker/src/model.rs).
+            .env("ORT_DISABLE_TELEMETRY", "1")
             .stdin(Stdio::null());
         // SAFETY: between fork and exec only async-signal-safe libc calls are made, and no
         // allocation happens.
@@ -473,9 +442,7 @@ impl Supervisor {
         }
         let mut process = command.spawn()?;
         drop(theirs);
-        let pid = process
-            .id()
-            .ok_or_else(|| std::io::Error::other("worker exited at once"))?;
+        let pid = process.id().ok_or_else(|| std::io::Error::other("worker exited at once"))?;
         let mut line = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
         line.push(b'\n');
         (&ours).write_all(&line)?;
@@ -550,15 +517,12 @@ impl Supervisor {
 fn backoff(failures: u32) -> Duration {
     match failures {
         0 | 1 => Duration::ZERO,
-        n => Duration::from_millis(500u64.saturating_mul(1 << (n - 2).min(6)))
-            .min(Duration::from_secs(30)),
+        n => Duration::from_millis(500u64.saturating_mul(1 << (n - 2).min(6))).min(Duration::from_secs(30)),
     }
 }
 
 fn signal_name(signal: i32) -> &'static str {
-    Signal::try_from(signal)
-        .map(|s| s.as_str())
-        .unwrap_or("signal")
+    Signal::try_from(signal).map(|s| s.as_str()).unwrap_or("signal")
 }
 
 fn describe_exit(status: Option<ExitStatus>) -> String {
@@ -593,22 +557,13 @@ mod tests {
     #[test]
     fn backoff_grows_and_is_capped() {
         let delays: Vec<u64> = (1..=10).map(|n| backoff(n).as_millis() as u64).collect();
-        assert_eq!(
-            delays,
-            vec![0, 500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]
-        );
+        assert_eq!(delays, vec![0, 500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
     }
 
     #[test]
     fn exits_are_described() {
-        assert_eq!(
-            describe_exit(Some(ExitStatus::from_raw(3 << 8))),
-            "exited with code 3"
-        );
-        assert_eq!(
-            describe_exit(Some(ExitStatus::from_raw(9))),
-            "was killed by SIGKILL"
-        );
+        assert_eq!(describe_exit(Some(ExitStatus::from_raw(3 << 8))), "exited with code 3");
+        assert_eq!(describe_exit(Some(ExitStatus::from_raw(9))), "was killed by SIGKILL");
     }
 
     #[test]

@@ -8,14 +8,12 @@ use crate::Event;
 
 pub fn forward(events: mpsc::UnboundedSender<Event>) -> std::io::Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGQUIT])?;
-    std::thread::Builder::new()
-        .name("inferd-signals".into())
-        .spawn(move || {
-            for signal in signals.forever() {
-                if events.send(Event::Signal(signal)).is_err() {
-                    break;
-                }
+    std::thread::Builder::new().name("inferd-signals".into()).spawn(move || {
+        for signal in signals.forever() {
+            if events.send(Event::Signal(signal)).is_err() {
+                break;
             }
-        })?;
+        }
+    })?;
     Ok(())
 }

@@ -74,10 +74,7 @@ pub struct PoolStatus {
 
 impl PoolStatus {
     pub fn ready_workers(&self) -> usize {
-        self.workers
-            .iter()
-            .filter(|w| w.state == WorkerState::Ready)
-            .count()
+        self.workers.iter().filter(|w| w.state == WorkerState::Ready).count()
     }
 
     /// The human-readable table `inferd status` prints.
@@ -100,17 +97,11 @@ impl PoolStatus {
             "cpu: {} usable cores ({}); {} intra-op thread(s) per worker\n",
             self.usable_cores, self.cpu_budget, self.threads_per_worker
         );
-        let header = [
-            "WORKER", "PID", "STATE", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME",
-            "MODEL",
-        ];
+        let header = ["WORKER", "PID", "STATE", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME", "MODEL"];
         let mut rows = vec![header.map(String::from).to_vec()];
         for w in &self.workers {
-            let models = w
-                .models
-                .iter()
-                .map(|m| format!("{}:{} ({})", m.name, m.version, m.sha256))
-                .collect::<Vec<_>>();
+            let models =
+                w.models.iter().map(|m| format!("{}:{} ({})", m.name, m.version, m.sha256)).collect::<Vec<_>>();
             rows.push(vec![
                 w.index.to_string(),
                 w.pid.map_or("-".into(), |p| p.to_string()),
@@ -124,41 +115,24 @@ impl PoolStatus {
                 w.requests.to_string(),
                 w.restarts.to_string(),
                 w.uptime_secs.map_or("-".into(), duration),
-                if models.is_empty() {
-                    "-".into()
-                } else {
-                    models.join(", ")
-                },
+                if models.is_empty() { "-".into() } else { models.join(", ") },
             ]);
         }
-        let widths: Vec<usize> = (0..header.len())
-            .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-            .collect();
+        let widths: Vec<usize> =
+            (0..header.len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
         for row in &rows {
-            let line: Vec<String> = row
-                .iter()
-                .zip(&widths)
-                .map(|(cell, w)| format!("{cell:<w$}"))
-                .collect();
+            let line: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
             let _ = writeln!(out, "{}", line.join("  ").trim_end());
         }
         for w in self.workers.iter().filter(|w| w.last_exit.is_some()) {
-            let _ = writeln!(
-                out,
-                "worker {} last exit: {}",
-                w.index,
-                w.last_exit.as_deref().unwrap_or_default()
-            );
+            let _ = writeln!(out, "worker {} last exit: {}", w.index, w.last_exit.as_deref().unwrap_or_default());
         }
         out
     }
 }
 
 fn serde_plain<T: Serialize>(value: &T) -> String {
-    serde_json::to_value(value)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
 fn duration(secs: f64) -> String {
@@ -193,11 +167,7 @@ mod tests {
             in_flight: 0,
             restarts: 0,
             uptime_secs: Some(75.0),
-            models: vec![ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "abcd".into(),
-            }],
+            models: vec![ModelInfo { name: "m".into(), version: "1".into(), sha256: "abcd".into() }],
             last_exit: None,
         };
         let status = PoolStatus {
@@ -218,9 +188,6 @@ mod tests {
         let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd)")).collect();
         assert_eq!(rows.len(), 2, "{table}");
         assert!(rows[1].starts_with("1  "), "{table}");
-        assert!(
-            rows[1].contains("50.0MiB") && rows[1].contains("1m15s"),
-            "{table}"
-        );
+        assert!(rows[1].contains("50.0MiB") && rows[1].contains("1m15s"), "{table}");
     }
 }

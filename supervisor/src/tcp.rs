@@ -10,7 +10,9 @@ pub fn ensure_migrate_req(set: bool) {
     match std::fs::read_to_string(SYSCTL).map(|v| v.trim().to_string()) {
         Ok(v) if v == "1" => {}
         Ok(_) if set => match std::fs::write(SYSCTL, "1") {
-            Ok(()) => info!("set net.ipv4.tcp_migrate_req=1: connections queued on a stopping worker move to its siblings"),
+            Ok(()) => {
+                info!("set net.ipv4.tcp_migrate_req=1: connections queued on a stopping worker move to its siblings")
+            }
             Err(e) => warn!(
                 "net.ipv4.tcp_migrate_req is 0 and cannot be set ({e}): connections queued on a stopping worker \
                  may be reset; run `sysctl -w net.ipv4.tcp_migrate_req=1` (see docs/sockets.md)"

@@ -24,11 +24,7 @@ pub fn test_models() -> PathBuf {
 /// A port nobody listens on right now. Every worker binds the same port with SO_REUSEPORT,
 /// so the port must be chosen up front rather than by binding port 0.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// A fresh temporary folder, removed when dropped.
@@ -61,9 +57,7 @@ impl Drop for TempDir {
 
 /// Workers to start in tests: 2 where the machine has 2 usable cores, else 1.
 pub fn test_workers() -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(2)
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(2)
 }
 
 /// Writes an inferd.toml for a test into `dir`.
@@ -122,14 +116,8 @@ impl Server {
         let mut child = command.spawn().expect("spawn inferd");
         let log = Arc::new(Mutex::new(String::new()));
         for stream in [
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
         ]
         .into_iter()
         .flatten()
@@ -141,13 +129,7 @@ impl Server {
                 }
             });
         }
-        Server {
-            child,
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            socket,
-            dir,
-            log,
-        }
+        Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)), socket, dir, log }
     }
 
     pub fn log(&self) -> String {
@@ -166,22 +148,14 @@ impl Server {
             if let Ok(Some(exit)) = self.child.try_wait() {
                 panic!("inferd exited early with {exit}; log:\n{}", self.log());
             }
-            assert!(
-                Instant::now() < deadline,
-                "inferd not ready after {timeout:?}; log:\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "inferd not ready after {timeout:?}; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(100));
         }
     }
 
     /// `inferd status --json` against this server, if it answers.
     pub fn try_status(&self) -> Option<serde_json::Value> {
-        let out = Command::new(BIN)
-            .args(["status", "--json", "--control-socket"])
-            .arg(&self.socket)
-            .output()
-            .ok()?;
+        let out = Command::new(BIN).args(["status", "--json", "--control-socket"]).arg(&self.socket).output().ok()?;
         if !out.status.success() {
             return None;
         }
@@ -189,8 +163,7 @@ impl Server {
     }
 
     pub fn status(&self) -> serde_json::Value {
-        self.try_status()
-            .unwrap_or_else(|| panic!("inferd status failed; log:\n{}", self.log()))
+        self.try_status().unwrap_or_else(|| panic!("inferd status failed; log:\n{}", self.log()))
     }
 
     pub fn worker_pids(&self) -> Vec<i32> {
@@ -214,11 +187,7 @@ impl Server {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(
-                Instant::now() < deadline,
-                "inferd did not exit within {timeout:?}; log:\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "inferd did not exit within {timeout:?}; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -249,27 +218,17 @@ pub struct Response {
 
 impl Response {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!(
-                "body is not JSON ({e}): {}",
-                String::from_utf8_lossy(&self.body)
-            )
-        })
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// The `error` message of a v2 error body.
     pub fn error(&self) -> String {
-        self.json()["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("no error message in {:?}", self.json()))
-            .to_string()
+        self.json()["error"].as_str().unwrap_or_else(|| panic!("no error message in {:?}", self.json())).to_string()
     }
 }
 
@@ -284,10 +243,7 @@ pub fn request(
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(60)))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if !headers
-        .iter()
-        .any(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-    {
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-length")) {
         head.push_str(&format!("Content-Length: {}\r\n", body.len()));
     }
     for (k, v) in headers {
@@ -304,32 +260,18 @@ pub fn request(
 fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
     if raw.is_empty() {
         // Distinct from a partial response: the server closed without answering at all.
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            "connection closed before any response",
-        ));
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed before any response"));
     }
     let bad = |m: &str| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("{m}: {:?}", String::from_utf8_lossy(raw)),
-        )
+        std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{m}: {:?}", String::from_utf8_lossy(raw)))
     };
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| bad("no complete header"))?;
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no complete header"))?;
     let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("header not utf-8"))?;
     let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("no status"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect();
+    let status =
+        lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status"))?;
+    let headers: Vec<(String, String)> =
+        lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_string(), v.trim().to_string())).collect();
     let body = raw[end + 4..].to_vec();
     if let Some(len) = headers
         .iter()
@@ -340,11 +282,7 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
             return Err(bad("truncated body"));
         }
     }
-    Ok(Response {
-        status,
-        headers,
-        body,
-    })
+    Ok(Response { status, headers, body })
 }
 
 /// The JSON body of a v2 infer request.
@@ -364,20 +302,13 @@ pub fn slow_body(iterations: i64) -> Vec<u8> {
 /// CPUs in a process's affinity mask.
 pub fn affinity(pid: i32) -> Vec<usize> {
     let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(pid)).unwrap();
-    (0..nix::sched::CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap())
-        .collect()
+    (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap()).collect()
 }
 
 pub fn process_exists(pid: i32) -> bool {
     // A zombie still has a /proc entry; its state is 'Z'.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z'),
+        Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
         Err(_) => false,
     }
 }

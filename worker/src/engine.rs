@@ -28,34 +28,22 @@ impl Engine {
     /// Moves the loaded models onto a new thread named `inferd-model`.
     pub fn start(mut models: Vec<Model>) -> std::io::Result<Engine> {
         let (jobs, queue) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("inferd-model".into())
-            .spawn(move || {
-                while let Ok(job) = queue.recv() {
-                    if job.reply.is_closed() {
-                        continue; // the client went away while queued: skip the work
-                    }
-                    let result = models[job.model].run(job.inputs);
-                    let _ = job.reply.send(result);
+        std::thread::Builder::new().name("inferd-model".into()).spawn(move || {
+            while let Ok(job) = queue.recv() {
+                if job.reply.is_closed() {
+                    continue; // the client went away while queued: skip the work
                 }
-            })?;
+                let result = models[job.model].run(job.inputs);
+                let _ = job.reply.send(result);
+            }
+        })?;
         Ok(Engine { jobs })
     }
 
     /// Runs model number `model` (its index in the worker's model list).
-    pub async fn infer(
-        &self,
-        model: usize,
-        inputs: Vec<Tensor>,
-    ) -> Result<Vec<Tensor>, ModelError> {
+    pub async fn infer(&self, model: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
         let (reply, answer) = oneshot::channel();
-        self.jobs
-            .send(Job {
-                model,
-                inputs,
-                reply,
-            })
-            .map_err(|_| ModelError::EngineGone)?;
+        self.jobs.send(Job { model, inputs, reply }).map_err(|_| ModelError::EngineGone)?;
         answer.await.map_err(|_| ModelError::EngineGone)?
     }
 }

@@ -70,26 +70,17 @@ type Reply = Response<Full<Bytes>>;
 fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 
 fn error_reply(e: &ApiError) -> Reply {
-    json_reply(
-        e.status(),
-        serde_json::to_vec(&json!({ "error": e.to_string() })).expect("json"),
-    )
+    json_reply(e.status(), serde_json::to_vec(&json!({ "error": e.to_string() })).expect("json"))
 }
 
 pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<Reply, Infallible> {
-    let mut reply = route(&state, request)
-        .await
-        .unwrap_or_else(|e| error_reply(&e));
-    reply
-        .headers_mut()
-        .insert("x-inferd-worker", HeaderValue::from(state.worker));
+    let mut reply = route(&state, request).await.unwrap_or_else(|e| error_reply(&e));
+    reply.headers_mut().insert("x-inferd-worker", HeaderValue::from(state.worker));
     Ok(reply)
 }
 
@@ -122,8 +113,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     let path = request.uri().path().to_string();
     let method = request.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let route = parse_route(&segments)
-        .ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
+    let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
     let allowed = match route {
         Route::Infer(..) => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
@@ -146,10 +136,7 @@ fn readiness(ready: bool) -> Reply {
     if ready {
         json_reply(StatusCode::OK, b"{\"ready\":true}".to_vec())
     } else {
-        json_reply(
-            StatusCode::SERVICE_UNAVAILABLE,
-            b"{\"ready\":false}".to_vec(),
-        )
+        json_reply(StatusCode::SERVICE_UNAVAILABLE, b"{\"ready\":false}".to_vec())
     }
 }
 
@@ -164,30 +151,15 @@ fn server_metadata(state: &AppState) -> Reply {
 }
 
 fn model_metadata(meta: (usize, &ModelMeta)) -> Reply {
-    json_reply(
-        StatusCode::OK,
-        serde_json::to_vec(&protocol::ModelMetadata::of(meta.1)).expect("json"),
-    )
+    json_reply(StatusCode::OK, serde_json::to_vec(&protocol::ModelMetadata::of(meta.1)).expect("json"))
 }
 
 /// Finds a model by name (and version, when the path names one).
-fn model<'a>(
-    state: &'a AppState,
-    name: &str,
-    version: Option<&str>,
-) -> Result<(usize, &'a ModelMeta), ApiError> {
-    let (index, meta) = state
-        .models
-        .iter()
-        .enumerate()
-        .find(|(_, m)| m.info.name == name)
-        .ok_or_else(|| {
-            let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
-            ApiError::NotFound(format!(
-                "unknown model '{name}'; this server has {}",
-                known.join(", ")
-            ))
-        })?;
+fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
+    let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
+        let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
+        ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))
+    })?;
     match version {
         Some(v) if v != meta.info.version => Err(ApiError::NotFound(format!(
             "model '{name}' has no version '{v}'; it serves version '{}'",
@@ -217,19 +189,13 @@ async fn infer_inner(
     request: Request<Incoming>,
 ) -> Result<Reply, ApiError> {
     let (index, meta) = model(state, name, version)?;
-    if request
-        .headers()
-        .contains_key("inference-header-content-length")
-    {
+    if request.headers().contains_key("inference-header-content-length") {
         return Err(ApiError::BadRequest(
             "binary tensor data (Inference-Header-Content-Length) is not supported yet; send JSON tensors".into(),
         ));
     }
     let limit = state.max_body_bytes;
-    let declared = request
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit) {
         return Err(ApiError::TooLarge(limit));
     }
@@ -237,9 +203,7 @@ async fn infer_inner(
         .collect()
         .await
         .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
                 ApiError::TooLarge(limit)
             } else {
                 ApiError::BadRequest(format!("could not read the request body: {e}"))
@@ -248,8 +212,5 @@ async fn infer_inner(
         .to_bytes();
     let valid = protocol::parse_infer(&body, meta).map_err(ApiError::BadRequest)?;
     let outputs = state.engine.infer(index, valid.inputs).await?;
-    Ok(json_reply(
-        StatusCode::OK,
-        protocol::infer_response(meta, valid.id, &valid.outputs, outputs),
-    ))
+    Ok(json_reply(StatusCode::OK, protocol::infer_response(meta, valid.id, &valid.outputs, outputs)))
 }

@@ -9,10 +9,10 @@
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`tensor`]: datatypes and their conversions.
 //!
-//! Threads of a worker with T intra-op threads, T+2 in all (measured with ORT 1.31.1: 3 for
-//! T=1, 4 for T=2): 1 main thread running the async I/O (a current-thread tokio runtime), 1
+//! Threads of a worker with T intra-op threads: T+1 (measured with ORT 1.31.1: 2 for T=1,
+//! 3 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
 //! `inferd-model` thread that runs the sessions and is the T-th member of ORT's intra-op pool,
-//! T-1 ORT pool threads, and 1 ORT housekeeping thread that sleeps in a timed wait.
+//! and T-1 ORT pool threads. (ORT's telemetry thread, one more, is switched off.)
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

@@ -24,11 +24,7 @@ pub enum ModelError {
     #[error("cannot load ONNX Runtime from {path}: {message}")]
     Runtime { path: String, message: String },
     #[error("model '{model}' failed to load from {path}: {message}")]
-    Load {
-        model: String,
-        path: String,
-        message: String,
-    },
+    Load { model: String, path: String, message: String },
     #[error("model '{model}' failed its warm-up run: {message}")]
     Warmup { model: String, message: String },
     #[error("model '{model}' rejected the input: {message}")]
@@ -78,17 +74,16 @@ static ENVIRONMENT: OnceLock<Environment> = OnceLock::new();
 
 /// Loads libonnxruntime and creates the process's one environment. Call once, in the process
 /// that will run sessions, after it was created (never in a parent that later forks).
-pub fn init_runtime(
-    library: &Path,
-    intra_threads: usize,
-) -> Result<&'static Environment, ModelError> {
+pub fn init_runtime(library: &Path, intra_threads: usize) -> Result<&'static Environment, ModelError> {
     if let Some(env) = ENVIRONMENT.get() {
         return Ok(env);
     }
-    let fail = |message: String| ModelError::Runtime {
-        path: library.display().to_string(),
-        message,
-    };
+    let fail = |message: String| ModelError::Runtime { path: library.display().to_string(), message };
+    // ONNX Runtime 1.31's Linux build starts a telemetry thread that uploads usage data over
+    // HTTPS unless this is set (or it detects a CI system). A server's workers do not phone
+    // home, and the thread would count against the worker's thread budget. The process is
+    // still single-threaded here, so changing the environment is safe.
+    std::env::set_var("ORT_DISABLE_TELEMETRY", "1");
     // The library must be loaded before any other ort call: they all go through its API table.
     let builder = ort::init_from(library).map_err(|e| fail(e.to_string()))?;
     let pool = GlobalThreadPoolOptions::default()
@@ -113,15 +108,9 @@ impl Model {
             path: entry.path.display().to_string(),
             message,
         };
-        let env = ENVIRONMENT
-            .get()
-            .ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
+        let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         let bytes = std::fs::read(&entry.path).map_err(|e| fail(e.to_string()))?;
-        let sha256: String = Sha256::digest(&bytes)
-            .iter()
-            .take(8)
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let sha256: String = Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect();
         let session = Session::builder(env)
             .map_err(|e| fail(e.to_string()))?
             .with_inter_threads(1)
@@ -151,25 +140,14 @@ impl Model {
                 .collect()
         };
         let meta = ModelMeta {
-            info: ModelInfo {
-                name: entry.name.clone(),
-                version: entry.version.clone(),
-                sha256,
-            },
+            info: ModelInfo { name: entry.name.clone(), version: entry.version.clone(), sha256 },
             inputs: describe(session.inputs()),
             outputs: describe(session.outputs()),
         };
         if let Some(bad) = meta.inputs.iter().find(|i| i.dtype.is_none()) {
-            return Err(fail(format!(
-                "input '{}' has type {}, which inferd cannot feed yet",
-                bad.name, bad.datatype
-            )));
+            return Err(fail(format!("input '{}' has type {}, which inferd cannot feed yet", bad.name, bad.datatype)));
         }
-        Ok(Model {
-            meta,
-            entry: entry.clone(),
-            session,
-        })
+        Ok(Model { meta, entry: entry.clone(), session })
     }
 
     pub fn name(&self) -> &str {
@@ -180,14 +158,10 @@ impl Model {
     pub fn run(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
         let model = self.meta.info.name.clone();
         let run_err = |e: ort::Error| match e.code() {
-            ort::error::ErrorCode::InvalidArgument => ModelError::InvalidInput {
-                model: model.clone(),
-                message: e.message().to_string(),
-            },
-            _ => ModelError::Run {
-                model: model.clone(),
-                message: e.message().to_string(),
-            },
+            ort::error::ErrorCode::InvalidArgument => {
+                ModelError::InvalidInput { model: model.clone(), message: e.message().to_string() }
+            }
+            _ => ModelError::Run { model: model.clone(), message: e.message().to_string() },
         };
         let values = inputs
             .into_iter()
@@ -197,19 +171,10 @@ impl Model {
         let outputs = self.session.run(values).map_err(run_err)?;
         let mut result = Vec::with_capacity(self.meta.outputs.len());
         for spec in &self.meta.outputs {
-            let unsupported = || ModelError::UnsupportedOutput {
-                model: model.clone(),
-                output: spec.name.clone(),
-            };
+            let unsupported = || ModelError::UnsupportedOutput { model: model.clone(), output: spec.name.clone() };
             let value = outputs.get(&spec.name).ok_or_else(unsupported)?;
-            let (shape, data) = TensorData::from_ort(value)
-                .map_err(run_err)?
-                .ok_or_else(unsupported)?;
-            result.push(Tensor {
-                name: spec.name.clone(),
-                shape,
-                data,
-            });
+            let (shape, data) = TensorData::from_ort(value).map_err(run_err)?.ok_or_else(unsupported)?;
+            result.push(Tensor { name: spec.name.clone(), shape, data });
         }
         Ok(result)
     }
@@ -237,11 +202,7 @@ impl Model {
                         .collect();
                     let len = element_count(&shape).unwrap_or(0);
                     let dtype = spec.dtype.expect("checked in load");
-                    Tensor {
-                        name: spec.name.clone(),
-                        shape,
-                        data: dtype.zeros(len),
-                    }
+                    Tensor { name: spec.name.clone(), shape, data: dtype.zeros(len) }
                 })
                 .collect();
             let shapes: Vec<Vec<i64>> = inputs.iter().map(|t| t.shape.clone()).collect();
@@ -249,10 +210,8 @@ impl Model {
                 continue; // fixed-shape model: one run is enough
             }
             seen.push(shapes);
-            self.run(inputs).map_err(|e| ModelError::Warmup {
-                model: self.entry.name.clone(),
-                message: e.to_string(),
-            })?;
+            self.run(inputs)
+                .map_err(|e| ModelError::Warmup { model: self.entry.name.clone(), message: e.to_string() })?;
         }
         Ok(())
     }

@@ -88,28 +88,18 @@ pub struct ValidRequest {
 /// Parses the body of `POST /v2/models/{name}/infer`. The client may send no Content-Type
 /// (tritonclient does not), so the body is always read as JSON.
 pub fn parse_infer(body: &[u8], meta: &ModelMeta) -> Result<ValidRequest, String> {
-    let request: InferRequest = serde_json::from_slice(body)
-        .map_err(|e| format!("request body is not a valid inference request: {e}"))?;
+    let request: InferRequest =
+        serde_json::from_slice(body).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
     validate(request, meta)
 }
 
 fn validate(request: InferRequest, meta: &ModelMeta) -> Result<ValidRequest, String> {
     let model = &meta.info.name;
-    let names = |specs: &[TensorSpec]| {
-        specs
-            .iter()
-            .map(|s| format!("'{}'", s.name))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let names = |specs: &[TensorSpec]| specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ");
     let mut given: Vec<Option<RequestInput>> = meta.inputs.iter().map(|_| None).collect();
     for input in request.inputs {
         let Some(i) = meta.inputs.iter().position(|s| s.name == input.name) else {
-            return Err(format!(
-                "unknown input '{}'; model '{model}' has inputs {}",
-                input.name,
-                names(&meta.inputs)
-            ));
+            return Err(format!("unknown input '{}'; model '{model}' has inputs {}", input.name, names(&meta.inputs)));
         };
         if given[i].is_some() {
             return Err(format!("input '{}' is given twice", input.name));
@@ -148,24 +138,14 @@ fn validate(request: InferRequest, meta: &ModelMeta) -> Result<ValidRequest, Str
             indices
         }
     };
-    Ok(ValidRequest {
-        id: request.id,
-        inputs,
-        outputs,
-    })
+    Ok(ValidRequest { id: request.id, inputs, outputs })
 }
 
 fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor, String> {
     let name = &input.name;
-    let expected = spec
-        .dtype
-        .expect("models with inputs inferd cannot feed are refused at load");
+    let expected = spec.dtype.expect("models with inputs inferd cannot feed are refused at load");
     let Some(got) = DataType::from_name(&input.datatype) else {
-        let hint = if input.datatype == "BYTES" {
-            " (BYTES tensors are not supported yet)"
-        } else {
-            ""
-        };
+        let hint = if input.datatype == "BYTES" { " (BYTES tensors are not supported yet)" } else { "" };
         return Err(format!(
             "input '{name}': unknown datatype '{}'{hint}; expected {}",
             input.datatype,
@@ -173,11 +153,7 @@ fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor,
         ));
     };
     if got != expected {
-        return Err(format!(
-            "input '{name}': expected {}, got {}",
-            expected.name(),
-            got.name()
-        ));
+        return Err(format!("input '{name}': expected {}, got {}", expected.name(), got.name()));
     }
     if input.shape.len() != spec.shape.len() {
         return Err(format!(
@@ -190,9 +166,7 @@ fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor,
     }
     for (axis, (&want, &have)) in spec.shape.iter().zip(&input.shape).enumerate() {
         if have < 0 {
-            return Err(format!(
-                "input '{name}': dimension {axis} is {have}; dimensions must not be negative"
-            ));
+            return Err(format!("input '{name}': dimension {axis} is {have}; dimensions must not be negative"));
         }
         if want >= 0 && want != have {
             return Err(format!(
@@ -205,10 +179,7 @@ fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor,
         }
     }
     let Some(count) = element_count(&input.shape) else {
-        return Err(format!(
-            "input '{name}': shape {} is too large",
-            shape_text(&input.shape)
-        ));
+        return Err(format!("input '{name}': shape {} is too large", shape_text(&input.shape)));
     };
     // Flatten without allocating for `count`: the shape is only trusted once the data matches it.
     let mut flat = Vec::new();
@@ -221,16 +192,9 @@ fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor,
         ));
     }
     let data = expected.parse_json(&flat).map_err(|(i, v)| {
-        format!(
-            "input '{name}': element {i} is {v}, which is not a valid {} value",
-            expected.name()
-        )
+        format!("input '{name}': element {i} is {v}, which is not a valid {} value", expected.name())
     })?;
-    Ok(Tensor {
-        name: input.name,
-        shape: input.shape,
-        data,
-    })
+    Ok(Tensor { name: input.name, shape: input.shape, data })
 }
 
 /// Accepts both the flat form and nested row-major arrays.
@@ -261,40 +225,18 @@ fn kind(v: &Value) -> &'static str {
 }
 
 pub fn shape_text(shape: &[i64]) -> String {
-    format!(
-        "[{}]",
-        shape
-            .iter()
-            .map(|d| d.to_string())
-            .collect::<Vec<_>>()
-            .join(",")
-    )
+    format!("[{}]", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
 }
 
 /// Builds the response body from the model's outputs.
-pub fn infer_response(
-    meta: &ModelMeta,
-    id: Option<String>,
-    wanted: &[usize],
-    mut outputs: Vec<Tensor>,
-) -> Vec<u8> {
+pub fn infer_response(meta: &ModelMeta, id: Option<String>, wanted: &[usize], mut outputs: Vec<Tensor>) -> Vec<u8> {
     let mut taken: Vec<Option<Tensor>> = outputs.drain(..).map(Some).collect();
     let outputs = wanted
         .iter()
         .filter_map(|&i| taken.get_mut(i).and_then(Option::take))
-        .map(|t| ResponseOutput {
-            datatype: t.data.dtype().name(),
-            name: t.name,
-            shape: t.shape,
-            data: t.data,
-        })
+        .map(|t| ResponseOutput { datatype: t.data.dtype().name(), name: t.name, shape: t.shape, data: t.data })
         .collect();
-    let body = InferResponse {
-        model_name: &meta.info.name,
-        model_version: &meta.info.version,
-        id,
-        outputs,
-    };
+    let body = InferResponse { model_name: &meta.info.name, model_version: &meta.info.version, id, outputs };
     serde_json::to_vec(&body).expect("tensor data always serialises")
 }
 
@@ -311,19 +253,9 @@ mod tests {
             dtype: Some(dt),
         };
         ModelMeta {
-            info: ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "00".into(),
-            },
-            inputs: vec![
-                spec("a", DataType::F32, vec![-1, 2]),
-                spec("b", DataType::I64, vec![-1]),
-            ],
-            outputs: vec![
-                spec("y", DataType::F32, vec![-1]),
-                spec("z", DataType::F32, vec![-1]),
-            ],
+            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "00".into() },
+            inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
+            outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
         }
     }
 
@@ -336,10 +268,7 @@ mod tests {
 
     #[test]
     fn valid_request_is_ordered_like_the_model() {
-        let r = parse(&format!(
-            r#"{{"id":"7","inputs":[{B},{A}],"outputs":[{{"name":"z"}}]}}"#
-        ))
-        .unwrap();
+        let r = parse(&format!(r#"{{"id":"7","inputs":[{B},{A}],"outputs":[{{"name":"z"}}]}}"#)).unwrap();
         assert_eq!(r.id.as_deref(), Some("7"));
         assert_eq!(r.inputs[0].name, "a");
         assert_eq!(r.inputs[0].data, TensorData::F32(vec![1.0, 2.0]));
@@ -353,22 +282,11 @@ mod tests {
         assert_eq!(e, "input 'a': expected FP32, got INT32");
         let e = parse(&format!(r#"{{"inputs":[{A}]}}"#)).unwrap_err();
         assert!(e.starts_with("missing input 'b' (INT64 [-1])"), "{e}");
-        let e = parse(&format!(
-            r#"{{"inputs":[{},{B}]}}"#,
-            A.replace("[1,2]", "[1,3]")
-        ))
-        .unwrap_err();
+        let e = parse(&format!(r#"{{"inputs":[{},{B}]}}"#, A.replace("[1,2]", "[1,3]"))).unwrap_err();
         assert!(e.contains("dimension 1 must be 2"), "{e}");
-        let e = parse(&format!(
-            r#"{{"inputs":[{},{B}]}}"#,
-            A.replace("[[1,2]]", "[1]")
-        ))
-        .unwrap_err();
+        let e = parse(&format!(r#"{{"inputs":[{},{B}]}}"#, A.replace("[[1,2]]", "[1]"))).unwrap_err();
         assert_eq!(e, "input 'a': shape [1,2] needs 2 values, got 1");
-        let e = parse(&format!(
-            r#"{{"inputs":[{A},{B}],"outputs":[{{"name":"q"}}]}}"#
-        ))
-        .unwrap_err();
+        let e = parse(&format!(r#"{{"inputs":[{A},{B}],"outputs":[{{"name":"q"}}]}}"#)).unwrap_err();
         assert!(e.contains("unknown output 'q'"), "{e}");
         let e = parse("{\"inputs\": [").unwrap_err();
         assert!(e.contains("not a valid inference request"), "{e}");
@@ -378,9 +296,6 @@ mod tests {
     fn a_huge_shape_does_not_allocate() {
         let big = B.replace("\"shape\":[1]", "\"shape\":[1000000000]");
         let e = parse(&format!(r#"{{"inputs":[{A},{big}]}}"#)).unwrap_err();
-        assert_eq!(
-            e,
-            "input 'b': shape [1000000000] needs 1000000000 values, got 1"
-        );
+        assert_eq!(e, "input 'b': shape [1000000000] needs 1000000000 values, got 1");
     }
 }

@@ -64,10 +64,7 @@ pub fn run(fd: RawFd) -> i32 {
         Ok((models, listener)) => serve(spec, models, listener, reporter),
         Err(f) => {
             error!("{}", f.error);
-            reporter.send(&WorkerMessage::Failed {
-                kind: f.kind,
-                error: f.error,
-            });
+            reporter.send(&WorkerMessage::Failed { kind: f.kind, error: f.error });
             match f.kind {
                 FailureKind::ModelLoad => EXIT_MODEL_LOAD,
                 FailureKind::Boot => EXIT_BOOT,
@@ -78,50 +75,34 @@ pub fn run(fd: RawFd) -> i32 {
 
 fn read_spec(stream: &UnixStream) -> Result<WorkerSpec, String> {
     let mut line = String::new();
-    BufReader::new(stream)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
+    BufReader::new(stream).read_line(&mut line).map_err(|e| e.to_string())?;
     serde_json::from_str(&line).map_err(|e| e.to_string())
 }
 
 /// Pins the process, loads the runtime and the models, warms them up and binds the port.
-fn boot(
-    spec: &WorkerSpec,
-    reporter: &Reporter,
-) -> Result<(Vec<Model>, std::net::TcpListener), Failure> {
+fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>, std::net::TcpListener), Failure> {
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
         let mut set = nix::sched::CpuSet::new();
         for &cpu in &spec.cpus {
-            set.set(cpu)
-                .map_err(|e| failure(FailureKind::Boot)(format!("cpu {cpu}: {e}")))?;
+            set.set(cpu).map_err(|e| failure(FailureKind::Boot)(format!("cpu {cpu}: {e}")))?;
         }
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| {
-            failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus))
-        })?;
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+            .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
-    init_runtime(&spec.ort_library, spec.threads)
-        .map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    init_runtime(&spec.ort_library, spec.threads).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
     let mut models = Vec::with_capacity(spec.models.len());
     for entry in &spec.models {
-        models
-            .push(Model::load(entry).map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?);
+        models.push(Model::load(entry).map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?);
     }
     reporter.send(&WorkerMessage::Warming);
     for model in &mut models {
         let started = std::time::Instant::now();
-        model
-            .warm_up()
-            .map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?;
-        info!(
-            model = model.name(),
-            "warmed up in {:.0} ms",
-            started.elapsed().as_secs_f64() * 1e3
-        );
+        model.warm_up().map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?;
+        info!(model = model.name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
-    let listener = bind_reuseport(spec.listen).map_err(|e| {
-        failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.listen))
-    })?;
+    let listener = bind_reuseport(spec.listen)
+        .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.listen)))?;
     Ok((models, listener))
 }
 
@@ -138,12 +119,7 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
-fn serve(
-    spec: WorkerSpec,
-    models: Vec<Model>,
-    listener: std::net::TcpListener,
-    reporter: Arc<Reporter>,
-) -> i32 {
+fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, reporter: Arc<Reporter>) -> i32 {
     let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let engine = match Engine::start(models) {
@@ -163,10 +139,7 @@ fn serve(
         in_flight: 0.into(),
     });
     // One thread for all I/O: the worker's CPU share belongs to the model.
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             error!("cannot start the I/O runtime: {e}");

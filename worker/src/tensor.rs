@@ -209,9 +209,7 @@ pub fn ort_type_name(ty: TensorElementType) -> String {
 
 /// Number of elements of `shape`, or `None` if a dimension is negative or the product overflows.
 pub fn element_count(shape: &[i64]) -> Option<usize> {
-    shape.iter().try_fold(1usize, |acc, &d| {
-        usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
-    })
+    shape.iter().try_fold(1usize, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
 }
 
 #[cfg(test)]
@@ -234,28 +232,16 @@ mod tests {
 
     #[test]
     fn integers_are_range_checked() {
-        assert_eq!(
-            parse(DataType::I8, json!([1, -128])).unwrap(),
-            TensorData::I8(vec![1, -128])
-        );
+        assert_eq!(parse(DataType::I8, json!([1, -128])).unwrap(), TensorData::I8(vec![1, -128]));
         assert_eq!(parse(DataType::I8, json!([1, 128])).unwrap_err().0, 1);
-        assert_eq!(
-            parse(DataType::I32, json!([1.5])).unwrap_err(),
-            (0, "1.5".to_string())
-        );
+        assert_eq!(parse(DataType::I32, json!([1.5])).unwrap_err(), (0, "1.5".to_string()));
         assert!(parse(DataType::U64, json!([-1])).is_err());
-        assert_eq!(
-            parse(DataType::U64, json!([u64::MAX])).unwrap(),
-            TensorData::U64(vec![u64::MAX])
-        );
+        assert_eq!(parse(DataType::U64, json!([u64::MAX])).unwrap(), TensorData::U64(vec![u64::MAX]));
     }
 
     #[test]
     fn floats_bools_and_half() {
-        assert_eq!(
-            parse(DataType::F32, json!([1, 2.5])).unwrap(),
-            TensorData::F32(vec![1.0, 2.5])
-        );
+        assert_eq!(parse(DataType::F32, json!([1, 2.5])).unwrap(), TensorData::F32(vec![1.0, 2.5]));
         assert!(parse(DataType::F32, json!(["1"])).is_err());
         assert!(parse(DataType::Bool, json!([1])).is_err());
         let h = parse(DataType::F16, json!([0.5])).unwrap();
