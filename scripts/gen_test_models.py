@@ -6,7 +6,9 @@ Run with the tooling venv (scripts/setup.sh makes it):
     .venv/bin/python scripts/gen_test_models.py          # write, then check with onnxruntime
     .venv/bin/python scripts/gen_test_models.py --bench  # also time the `slow` model
 
-It writes tests/models/<name>/model.onnx and tests/models/<name>/model.toml.
+It writes tests/models/<name>/model.onnx and tests/models/<name>/model.toml
+(docs/configuration.md describes model.toml; the classification models'
+[tokenizer], [classification] and [image] sections come from here too).
 The output is byte-for-byte the same on every run (no timestamps, fixed names,
 constants stored as raw little-endian bytes), so regenerating leaves no git diff.
 
@@ -25,6 +27,28 @@ slow   x FLOAT ["batch", 256], iterations INT64 [1] -> y FLOAT ["batch", 256].
        A Loop runs iterations[0] times: x = tanh(x @ W). W (256x256) is built
        inside the graph as 0.06 * sin(0, 1, ..., 65535) so the file stays tiny.
        With iterations = [0], y == x. The cost grows linearly with iterations.
+
+classifier  task = "classification", a text model (tokenizer: the default
+       model's, models/minilm/tokenizer.json, max_length 128).
+         input_ids, attention_mask, token_type_ids INT64 ["batch", "sequence"]
+         -> logits FLOAT ["batch", 3], labels negative, neutral, positive (softmax).
+       A hashed bag of words: each token id picks row (id mod 1000) of a 1000x16
+       table built inside the graph as sin(row * freq[col]); the rows are averaged
+       over attention_mask (masked mean pooling), then logits = pooled @ W + b
+       with W 16x3 and b 3 stored in the file. token_type_ids enter as
+       0 * their sum, so they are a real input that changes nothing. W was
+       fitted once (least squares, rounded to 2 decimals) so that the four
+       CLASSIFIER_SENTENCES rank their labels in four different orders.
+
+cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
+         pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
+         labels red, green, blue, gray (softmax).
+       Conv 3->3 (3x3, pad 1: each output channel is a blur of its own input
+       channel plus a little of the others, bias +1 so the normalised -1..1
+       values stay positive) -> Relu -> GlobalAveragePool -> Flatten -> Gemm 3->4.
+       The Gemm scores colour c as CNN_GAIN * (mean of c - mean of the three)
+       and gray as the constant CNN_GRAY_BIAS: a dominant channel wins clearly,
+       and gray wins when the channels are about equal.
 """
 
 import argparse
@@ -44,6 +68,54 @@ OUT_DIR = REPO / "tests" / "models"
 
 SLOW_DIM = 256
 SLOW_SCALE = 0.06
+
+CLASSIFIER_LABELS = ["negative", "neutral", "positive"]
+CLASSIFIER_BUCKETS = 1000
+CLASSIFIER_DIM = 16
+# Column j of the hashed embedding table is sin(row * CLASSIFIER_FREQ[j]).
+CLASSIFIER_FREQ = [0.5 + (j + 1) * 0.6180339887 for j in range(CLASSIFIER_DIM)]
+# Fitted once by least squares so that the sentences below get the logits
+# (-2, 0, 2), (2.5, 0, -2), (-1, 2, 0) and (0.5, 1.5, -1), then rounded.
+CLASSIFIER_W = [
+    [1.96, -0.16, -1.59],
+    [0.65, -0.81, -0.04],
+    [-0.90, 1.48, -0.02],
+    [0.85, -1.14, -0.47],
+    [-1.23, -0.10, 1.05],
+    [-2.34, -0.13, 2.05],
+    [2.68, 0.19, -2.36],
+    [-0.20, 0.71, -0.39],
+    [2.24, -0.41, -1.62],
+    [-1.35, 0.29, 0.99],
+    [0.22, -0.03, -0.15],
+    [1.36, -0.88, -0.65],
+    [-1.02, 0.02, 1.19],
+    [0.93, -0.12, -0.96],
+    [-2.14, -0.56, 1.76],
+    [1.47, -1.43, -0.55],
+]
+CLASSIFIER_B = [0.0, 0.1, -0.1]
+# scripts/make_reference.py writes tests/fixtures/classifier_reference.json for these.
+CLASSIFIER_SENTENCES = [
+    "I absolutely love this, it works wonderfully!",
+    "This is the worst purchase I have ever made.",
+    "The package arrived on Tuesday afternoon.",
+    "Not bad, but the battery could be better.",
+]
+CLASSIFIER_RANKINGS = [
+    ["positive", "neutral", "negative"],
+    ["negative", "neutral", "positive"],
+    ["neutral", "positive", "negative"],
+    ["neutral", "negative", "positive"],
+]
+TOKENIZER = REPO / "models" / "minilm" / "tokenizer.json"
+
+CNN_LABELS = ["red", "green", "blue", "gray"]
+CNN_SIZE = 32
+CNN_OWN = 0.9     # weight of a channel's own 3x3 blur in its conv output
+CNN_CROSS = 0.05  # weight of each other channel's centre pixel
+CNN_GAIN = 10.0
+CNN_GRAY_BIAS = 3.0
 
 
 def const(name, value, dtype):
@@ -155,7 +227,111 @@ def slow_model():
     return make_model(graph)
 
 
-MODELS = {"typed": typed_model, "slow": slow_model}
+def classifier_model():
+    text_dims = ["batch", "sequence"]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, text_dims),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, text_dims),
+        helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, text_dims),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(CLASSIFIER_LABELS)])
+    ]
+    initializers = [
+        const("rows_start", 0.0, np.float32),
+        const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
+        const("rows_delta", 1.0, np.float32),
+        const("freq", CLASSIFIER_FREQ, np.float32),
+        const("buckets", CLASSIFIER_BUCKETS, np.int64),
+        const("axis_1", [1], np.int64),
+        const("axis_2", [2], np.int64),
+        const("min_count", 1e-9, np.float32),
+        const("zero", 0.0, np.float32),
+        const("w", CLASSIFIER_W, np.float32),
+        const("b", CLASSIFIER_B, np.float32),
+    ]
+    nodes = [
+        # table[r, j] = sin(r * freq[j]), shape [1000, 16].
+        helper.make_node("Range", ["rows_start", "rows_limit", "rows_delta"], ["rows"], name="table_range"),
+        helper.make_node("Unsqueeze", ["rows", "axis_1"], ["rows_column"], name="table_unsqueeze"),
+        helper.make_node("Mul", ["rows_column", "freq"], ["table_angles"], name="table_mul"),
+        helper.make_node("Sin", ["table_angles"], ["table"], name="table_sin"),
+        # Hashed embedding lookup: [batch, sequence, 16].
+        helper.make_node("Mod", ["input_ids", "buckets"], ["bucket_ids"], name="hash_mod"),
+        helper.make_node("Gather", ["table", "bucket_ids"], ["token_vectors"], name="embed_gather", axis=0),
+        # Masked mean over the sequence.
+        helper.make_node("Cast", ["attention_mask"], ["mask"], name="mask_cast", to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mask", "axis_2"], ["mask_3d"], name="mask_unsqueeze"),
+        helper.make_node("Mul", ["token_vectors", "mask_3d"], ["masked_vectors"], name="mask_mul"),
+        helper.make_node("ReduceSum", ["masked_vectors", "axis_1"], ["vector_sum"], name="pool_sum", keepdims=0),
+        helper.make_node("ReduceSum", ["mask", "axis_1"], ["token_count"], name="pool_count", keepdims=1),
+        helper.make_node("Max", ["token_count", "min_count"], ["safe_count"], name="pool_clamp"),
+        helper.make_node("Div", ["vector_sum", "safe_count"], ["pooled_text"], name="pool_div"),
+        # token_type_ids: + 0 * their sum, so the input is used but changes nothing.
+        helper.make_node("Cast", ["token_type_ids"], ["types"], name="types_cast", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["types", "axis_1"], ["types_sum"], name="types_sum", keepdims=1),
+        helper.make_node("Mul", ["types_sum", "zero"], ["types_zero"], name="types_mul"),
+        helper.make_node("Add", ["pooled_text", "types_zero"], ["pooled"], name="types_add"),
+        # Linear head.
+        helper.make_node("MatMul", ["pooled", "w"], ["scores"], name="head_matmul"),
+        helper.make_node("Add", ["scores", "b"], ["logits"], name="head_add"),
+    ]
+    graph = helper.make_graph(nodes, "classifier", inputs, outputs, initializer=initializers)
+    return make_model(graph)
+
+
+def cnn_conv_weights():
+    """[3, 3, 3, 3]: output channel c = CNN_OWN * 3x3 blur of channel c
+    + CNN_CROSS * the centre pixel of each other channel."""
+    blur = np.array([[1, 2, 1], [2, 4, 2], [1, 2, 1]], np.float64) / 16.0
+    w = np.zeros((3, 3, 3, 3), np.float64)
+    for out in range(3):
+        for inp in range(3):
+            if out == inp:
+                w[out, inp] = CNN_OWN * blur
+            else:
+                w[out, inp, 1, 1] = CNN_CROSS
+    return w
+
+
+def cnn_gemm_weights():
+    """[3, 4]: colour c scores CNN_GAIN * (x_c - mean(x)); gray scores nothing (its bias wins)."""
+    w = np.zeros((3, len(CNN_LABELS)), np.float64)
+    for c in range(3):
+        w[:, c] = -CNN_GAIN / 3.0
+        w[c, c] += CNN_GAIN
+    return w
+
+
+def cnn_model():
+    n = CNN_SIZE
+    inputs = [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, n, n])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(CNN_LABELS)])]
+    initializers = [
+        const("conv_w", cnn_conv_weights(), np.float32),
+        const("conv_b", [1.0, 1.0, 1.0], np.float32),
+        const("fc_w", cnn_gemm_weights(), np.float32),
+        const("fc_b", [0.0, 0.0, 0.0, CNN_GRAY_BIAS], np.float32),
+    ]
+    nodes = [
+        helper.make_node(
+            "Conv",
+            ["pixel_values", "conv_w", "conv_b"],
+            ["conv"],
+            name="conv",
+            kernel_shape=[3, 3],
+            pads=[1, 1, 1, 1],
+        ),
+        helper.make_node("Relu", ["conv"], ["relu"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["relu"], ["pooled"], name="pool"),
+        helper.make_node("Flatten", ["pooled"], ["features"], name="flatten", axis=1),
+        helper.make_node("Gemm", ["features", "fc_w", "fc_b"], ["logits"], name="fc"),
+    ]
+    graph = helper.make_graph(nodes, "cnn", inputs, outputs, initializer=initializers)
+    return make_model(graph)
+
+
+MODELS = {"typed": typed_model, "slow": slow_model, "classifier": classifier_model, "cnn": cnn_model}
 
 
 def write_if_changed(path, data):
@@ -169,12 +345,56 @@ def write_if_changed(path, data):
     return True
 
 
+def toml_list(values):
+    return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else repr(v) for v in values) + "]"
+
+
+def pipeline_toml(name):
+    """The model.toml lines after `file`: the task and its sections ("" for raw models)."""
+    if name == "classifier":
+        return (
+            f'task = "classification"\n'
+            f"\n"
+            f"[tokenizer]\n"
+            f"# Relative to this folder: the default model's tokenizer (scripts/setup.sh fetches it).\n"
+            f'file = "../../../models/minilm/tokenizer.json"\n'
+            f"max_length = 128\n"
+            f"\n"
+            f"[classification]\n"
+            f"labels = {toml_list(CLASSIFIER_LABELS)}\n"
+            f'activation = "softmax"\n'
+            f'output = "logits"\n'
+        )
+    if name == "cnn":
+        return (
+            f'task = "classification"\n'
+            f"\n"
+            f"[classification]\n"
+            f"labels = {toml_list(CNN_LABELS)}\n"
+            f'activation = "softmax"\n'
+            f'output = "logits"\n'
+            f"\n"
+            f"[image]\n"
+            f'input = "pixel_values"\n'
+            f"width = {CNN_SIZE}\n"
+            f"height = {CNN_SIZE}\n"
+            f'channels = "RGB"\n'
+            f'layout = "NCHW"\n'
+            f"scale = {1 / 255!r}\n"
+            f"mean = {toml_list([0.5, 0.5, 0.5])}\n"
+            f"std = {toml_list([0.5, 0.5, 0.5])}\n"
+            f"max_pixels = 40000000\n"
+        )
+    return ""
+
+
 def model_toml(name):
     return (
         f"# Test model generated by scripts/gen_test_models.py; do not edit.\n"
         f'name = "{name}"\n'
         f'version = "1"\n'
         f'file = "model.onnx"\n'
+        f"{pipeline_toml(name)}"
     ).encode()
 
 
@@ -240,7 +460,91 @@ def check_slow(path):
     assert np.isfinite(y3).all()
 
 
-CHECKS = {"typed": check_typed, "slow": check_slow}
+def softmax(logits):
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def text_feeds(id_rows, type_value=0):
+    """Pads token id lists with 0 to the longest, as the server does."""
+    length = max(len(r) for r in id_rows)
+    input_ids = np.zeros((len(id_rows), length), np.int64)
+    attention_mask = np.zeros((len(id_rows), length), np.int64)
+    for row, ids in enumerate(id_rows):
+        input_ids[row, : len(ids)] = ids
+        attention_mask[row, : len(ids)] = 1
+    token_type_ids = np.full((len(id_rows), length), type_value, np.int64)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+
+
+def check_classifier(path):
+    sess = session(path)
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask", "token_type_ids"]
+    freq = np.asarray(CLASSIFIER_FREQ, np.float32)
+    table = np.sin(np.arange(CLASSIFIER_BUCKETS, dtype=np.float32)[:, None] * freq[None, :])
+    w = np.asarray(CLASSIFIER_W, np.float32)
+    b = np.asarray(CLASSIFIER_B, np.float32)
+
+    def expected(id_rows):
+        return np.stack([table[np.asarray(ids) % CLASSIFIER_BUCKETS].mean(axis=0) @ w + b for ids in id_rows])
+
+    # Ids past the table wrap around; padding and token_type_ids change nothing.
+    rows = [[101, 7592, 999, 102], [101, 2023, 2003, 1037, 3231, 1012, 30521, 102]]
+    (logits,) = sess.run(["logits"], text_feeds(rows))
+    assert logits.shape == (2, len(CLASSIFIER_LABELS)), logits.shape
+    assert np.allclose(logits, expected(rows), rtol=1e-4, atol=1e-4), (logits, expected(rows))
+    (alone,) = sess.run(["logits"], text_feeds(rows[:1]))
+    assert np.allclose(alone[0], logits[0], rtol=1e-5, atol=1e-6), "padding changed the logits"
+    (typed,) = sess.run(["logits"], text_feeds(rows, type_value=1))
+    assert np.array_equal(typed, logits), "token_type_ids changed the logits"
+
+    if not TOKENIZER.exists():
+        print(f"classifier: {TOKENIZER.relative_to(REPO)} is missing (run scripts/setup.sh); rankings not checked")
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    tok.no_padding()
+    tok.no_truncation()
+    for sentence, ranking in zip(CLASSIFIER_SENTENCES, CLASSIFIER_RANKINGS):
+        (logits,) = sess.run(["logits"], text_feeds([tok.encode(sentence).ids]))
+        got = [CLASSIFIER_LABELS[i] for i in np.argsort(-logits[0], kind="stable")]
+        assert got == ranking, (sentence, got, ranking, logits)
+
+
+def cnn_pixels(rgb_images):
+    """uint8 [batch, 32, 32, 3] -> the model's normalised NCHW input."""
+    x = np.asarray(rgb_images, np.float32) * np.float32(1 / 255)
+    x = (x - np.float32(0.5)) / np.float32(0.5)
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def check_cnn(path):
+    sess = session(path)
+    n = CNN_SIZE
+    cases = [
+        ("red", (220, 30, 40)),
+        ("green", (50, 200, 30)),
+        ("blue", (20, 60, 230)),
+        ("gray", (128, 128, 128)),
+        ("gray", (200, 205, 195)),
+        ("gray", (10, 10, 10)),
+        ("red", (255, 120, 120)),
+    ]
+    images = np.stack([np.broadcast_to(np.asarray(rgb, np.uint8), (n, n, 3)) for _, rgb in cases])
+    (logits,) = sess.run(["logits"], {"pixel_values": cnn_pixels(images)})
+    assert logits.shape == (len(cases), len(CNN_LABELS)), logits.shape
+    probs = softmax(logits.astype(np.float64))
+    for (label, rgb), p in zip(cases, probs):
+        order = np.argsort(-p, kind="stable")
+        assert CNN_LABELS[order[0]] == label, (rgb, label, dict(zip(CNN_LABELS, p.round(3))))
+        assert p[order[0]] - p[order[1]] > 0.3, (rgb, "margin too small", dict(zip(CNN_LABELS, p.round(3))))
+    # One image alone gives what it gave in the batch.
+    (one,) = sess.run(["logits"], {"pixel_values": cnn_pixels(images[:1])})
+    assert np.allclose(one[0], logits[0], rtol=1e-5, atol=1e-5)
+
+
+CHECKS = {"typed": check_typed, "slow": check_slow, "classifier": check_classifier, "cnn": check_cnn}
 
 
 def bench_slow(path):
