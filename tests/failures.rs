@@ -146,3 +146,45 @@ fn status_without_a_server_says_so_and_fails() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("inferd is not running"), "{}", stderr(&out));
 }
+
+/// A model.toml whose pipeline does not fit the model is refused with the reason, by `check`
+/// and by `serve` (exit code 3, like any model that cannot load).
+#[test]
+fn a_pipeline_that_does_not_fit_its_model_is_refused() {
+    let dir = TempDir::new("misfit");
+    let models = dir.path().join("models");
+    let variants = [
+        ("cnn", "labels = [\"red\", \"green\", \"blue\"]", "3 labels, but output 'logits' has 4 logits per row"),
+        ("cnn", "width = 64", "image settings (64x32, Nchw) need FP32 [-1, 3, 32, 64]"),
+        ("cnn", "output = \"scores\"", "output 'scores' is not an output of the model (logits)"),
+        ("typed", "", "input 'f32_in' is not one the text pipeline produces"),
+    ];
+    for (i, (source, change, message)) in variants.iter().enumerate() {
+        let name = format!("misfit{i}");
+        let folder = models.join(&name);
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::copy(test_models().join(source).join("model.onnx"), folder.join("model.onnx")).unwrap();
+        let toml = if *source == "cnn" {
+            let original = std::fs::read_to_string(test_models().join("cnn/model.toml")).unwrap();
+            let key = change.split(' ').next().unwrap();
+            let line = original.lines().find(|l| l.starts_with(&format!("{key} ="))).unwrap().to_string();
+            original.replace("name = \"cnn\"", &format!("name = \"{name}\"")).replace(&line, change)
+        } else {
+            format!(
+                "name = \"{name}\"\ntask = \"embedding\"\n[tokenizer]\nfile = \"{}\"\n",
+                repo().join("models/minilm/tokenizer.json").display()
+            )
+        };
+        std::fs::write(folder.join("model.toml"), toml).unwrap();
+        let port = free_port();
+        write_config(dir.path(), port, 1, &models, &name, &[], "");
+        let out = inferd(&["check", "--config", "inferd.toml"], &dir);
+        assert!(!out.status.success(), "{name} ({change}) was accepted");
+        assert!(stderr(&out).contains(message), "{name}: {}", stderr(&out));
+        if i == 0 {
+            let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+            assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+            assert!(stderr(&out).contains(message), "{}", stderr(&out));
+        }
+    }
+}

@@ -17,7 +17,7 @@ fn typed_server(tag: &str) -> Server {
         test_workers(),
         &test_models(),
         "typed",
-        &["typed", "slow"],
+        &["slow", "classifier"],
         "max_body_bytes = 65536",
     );
     let mut server = Server::start(dir, port, &[]);
@@ -229,17 +229,28 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
     assert_eq!(ok.status, 200);
 }
 
-#[test]
-fn tritonclient_speaks_to_inferd_with_json_tensors() {
+fn tritonclient_check(mode: &[&str]) {
     let python = repo().join(".venv/bin/python");
     assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
     let server = typed_server("triton");
     let out = std::process::Command::new(python)
         .arg(repo().join("tests/clients/tritonclient_check.py"))
+        .args(mode)
         .arg(server.addr.to_string())
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "tritonclient check failed:\n{text}\nserver log:\n{}", server.log());
+    assert!(out.status.success(), "tritonclient check {mode:?} failed:\n{text}\nserver log:\n{}", server.log());
     assert!(text.contains("all checks passed"), "{text}");
+}
+
+#[test]
+fn tritonclient_speaks_to_inferd_with_json_tensors() {
+    tritonclient_check(&[]);
+}
+
+/// The binary tensor data extension (tritonclient's default) and BYTES tensors in and out.
+#[test]
+fn tritonclient_speaks_to_inferd_with_binary_tensors() {
+    tritonclient_check(&["--binary"]);
 }

@@ -61,6 +61,8 @@ pub struct ServerConfig {
     pub control_socket: PathBuf,
     /// Request bodies above this size are refused with 413.
     pub max_body_bytes: u64,
+    /// Texts or images in one `/embed`, `/predict` or pipeline `/infer` request; more get 413.
+    pub max_batch_inputs: usize,
     /// How long a stopping worker may take to finish its in-flight requests.
     pub graceful_timeout_secs: f64,
     /// How long a worker may take to load its models and warm up before it is killed.
@@ -80,6 +82,7 @@ impl Default for ServerConfig {
             pin_workers: true,
             control_socket: PathBuf::from("/run/inferd/control.sock"),
             max_body_bytes: 16 * 1024 * 1024,
+            max_batch_inputs: 64,
             graceful_timeout_secs: 30.0,
             boot_timeout_secs: 120.0,
             set_tcp_migrate_req: true,
@@ -175,6 +178,9 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0".into());
+        }
+        if self.server.max_batch_inputs == 0 {
+            return invalid("server.max_batch_inputs", "must be greater than 0".into());
         }
         for (key, value) in [
             ("server.graceful_timeout_secs", self.server.graceful_timeout_secs),

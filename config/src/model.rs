@@ -4,12 +4,24 @@
 //! name = "minilm"        # must match the folder name
 //! version = "1"          # free-form label shown in status and metadata
 //! file = "model.onnx"    # relative to the model's folder
+//! task = "embedding"     # "raw" (default) | "embedding" | "classification"
 //! [warmup]
 //! batch_sizes = [1, 4]   # warm-up runs, one per batch size
 //! dynamic_dim = 16       # value used for every other dynamic dimension
+//! [tokenizer]            # text models
+//! file = "tokenizer.json"
+//! max_length = 256       # tokens, special tokens included
+//! [embedding]            # task = "embedding"
+//! pooling = "mean"       # "mean" (over the attention mask) | "cls"
+//! normalize = true       # L2; the default for requests that do not say
+//! [classification]       # task = "classification"
+//! labels = ["negative", "positive"]
+//! activation = "softmax" # "softmax" | "sigmoid"
+//! [image]                # image models: see [`ImageConfig`]
 //! ```
 //!
-//! Later: tokenizer, task and pre/post-processing settings live here too.
+//! What can be checked without the model is checked here; whether the pipeline fits the
+//! model's inputs and outputs is checked when a worker (or `inferd check`) loads it.
 
 use std::path::{Path, PathBuf};
 
@@ -28,7 +40,13 @@ struct ModelFile {
     #[serde(default = "default_file")]
     file: PathBuf,
     #[serde(default)]
+    task: Task,
+    #[serde(default)]
     warmup: Warmup,
+    tokenizer: Option<TokenizerFile>,
+    embedding: Option<EmbeddingConfig>,
+    classification: Option<ClassificationConfig>,
+    image: Option<ImageConfig>,
 }
 
 fn default_version() -> String {
@@ -52,18 +70,161 @@ impl Default for Warmup {
     }
 }
 
-/// A model as the workers will load it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizerFile {
+    file: PathBuf,
+    #[serde(default = "default_max_length")]
+    max_length: usize,
+}
+
+fn default_max_length() -> usize {
+    512
+}
+
+/// What the model is for; decides which endpoints serve it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// Tensors in, tensors out (KServe v2 only).
+    #[default]
+    Raw,
+    /// Text in, one vector per text out (`/embed`).
+    Embedding,
+    /// Text or an image in, labels with scores out (`/predict`).
+    Classification,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerConfig {
+    /// Absolute path of `tokenizer.json`.
+    pub path: PathBuf,
+    pub max_length: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// Mean of the token vectors, padding excluded.
+    #[default]
+    Mean,
+    /// The first token's vector.
+    Cls,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddingConfig {
+    pub pooling: Pooling,
+    pub normalize: bool,
+    /// Output holding the token vectors `[batch, sequence, dim]` (or already pooled
+    /// `[batch, dim]`); default the first output.
+    pub output: Option<String>,
+}
+
+impl Default for EmbeddingConfig {
+    fn default() -> Self {
+        EmbeddingConfig { pooling: Pooling::Mean, normalize: true, output: None }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    #[default]
+    Softmax,
+    Sigmoid,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassificationConfig {
+    pub labels: Vec<String>,
+    #[serde(default)]
+    pub activation: Activation,
+    /// Output holding the logits `[batch, labels]`; default the first output.
+    #[serde(default)]
+    pub output: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChannelOrder {
+    #[default]
+    #[serde(rename = "RGB")]
+    Rgb,
+    #[serde(rename = "BGR")]
+    Bgr,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Layout {
+    #[default]
+    #[serde(rename = "NCHW")]
+    Nchw,
+    #[serde(rename = "NHWC")]
+    Nhwc,
+}
+
+/// How an encoded image becomes the model's input: decoded (PNG, JPEG), converted to three
+/// channels, resized to `width` x `height` (bilinear, whole image, aspect ratio not kept),
+/// then `(pixel * scale - mean) / std` per channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageConfig {
+    /// Model input fed with the image; default the first input.
+    #[serde(default)]
+    pub input: Option<String>,
+    pub width: u32,
+    pub height: u32,
+    #[serde(default)]
+    pub channels: ChannelOrder,
+    #[serde(default)]
+    pub layout: Layout,
+    #[serde(default = "default_scale")]
+    pub scale: f32,
+    #[serde(default = "default_mean")]
+    pub mean: [f32; 3],
+    #[serde(default = "default_std")]
+    pub std: [f32; 3],
+    /// Encoded images with more pixels than this are refused (413) before decoding.
+    #[serde(default = "default_max_pixels")]
+    pub max_pixels: u64,
+}
+
+fn default_scale() -> f32 {
+    1.0 / 255.0
+}
+
+fn default_mean() -> [f32; 3] {
+    [0.0; 3]
+}
+
+fn default_std() -> [f32; 3] {
+    [1.0; 3]
+}
+
+fn default_max_pixels() -> u64 {
+    40_000_000
+}
+
+/// A model as the workers will load it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelEntry {
     pub name: String,
     pub version: String,
     /// Absolute path of the ONNX file.
     pub path: PathBuf,
     pub warmup: Warmup,
+    pub task: Task,
+    pub tokenizer: Option<TokenizerConfig>,
+    pub embedding: Option<EmbeddingConfig>,
+    pub classification: Option<ClassificationConfig>,
+    pub image: Option<ImageConfig>,
 }
 
 impl ModelEntry {
-    /// Reads `<repository>/<name>/model.toml` and checks that the model file exists.
+    /// Reads `<repository>/<name>/model.toml` and checks that the files it names exist and
+    /// that its sections make sense together.
     pub fn load(repository: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
         let err = |message: String| ConfigError::Model { model: name.to_string(), message };
         let dir = repository.join(name);
@@ -91,8 +252,85 @@ impl ModelEntry {
                 path.display()
             )));
         }
-        Ok(ModelEntry { name: file.name, version: file.version, path, warmup: file.warmup })
+        let tokenizer = match file.tokenizer {
+            None => None,
+            Some(t) => {
+                let path = std::path::absolute(dir.join(&t.file)).unwrap_or_else(|_| dir.join(&t.file));
+                if !path.is_file() {
+                    return Err(err(format!("tokenizer file {} not found", path.display())));
+                }
+                if t.max_length < 2 {
+                    return Err(err("tokenizer.max_length must be at least 2".into()));
+                }
+                Some(TokenizerConfig { path, max_length: t.max_length })
+            }
+        };
+        check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
+        Ok(ModelEntry {
+            name: file.name,
+            version: file.version,
+            path,
+            warmup: file.warmup,
+            task: file.task,
+            tokenizer,
+            embedding: file.embedding,
+            classification: file.classification,
+            image: file.image,
+        })
     }
+}
+
+/// The combinations of sections that make sense, and values that cannot work.
+fn check_pipeline(
+    task: Task,
+    tokenizer: &Option<TokenizerConfig>,
+    embedding: &Option<EmbeddingConfig>,
+    classification: &Option<ClassificationConfig>,
+    image: &Option<ImageConfig>,
+) -> Result<(), String> {
+    match task {
+        Task::Raw => {
+            if tokenizer.is_some() || image.is_some() || embedding.is_some() || classification.is_some() {
+                return Err("task = \"raw\" takes no [tokenizer], [image], [embedding] or [classification] \
+                            section; set task"
+                    .into());
+            }
+        }
+        Task::Embedding => {
+            if tokenizer.is_none() {
+                return Err("task = \"embedding\" needs a [tokenizer] section".into());
+            }
+            if image.is_some() || classification.is_some() {
+                return Err("task = \"embedding\" takes no [image] or [classification] section".into());
+            }
+        }
+        Task::Classification => {
+            let Some(c) = classification else {
+                return Err("task = \"classification\" needs a [classification] section with labels".into());
+            };
+            if c.labels.is_empty() {
+                return Err("classification.labels must not be empty".into());
+            }
+            if tokenizer.is_some() == image.is_some() {
+                return Err("task = \"classification\" needs exactly one of [tokenizer] (text) or [image]".into());
+            }
+            if embedding.is_some() {
+                return Err("task = \"classification\" takes no [embedding] section".into());
+            }
+        }
+    }
+    if let Some(i) = image {
+        if i.width == 0 || i.height == 0 {
+            return Err("image.width and image.height must be at least 1".into());
+        }
+        if i.std.iter().any(|s| *s == 0.0 || !s.is_finite()) || i.mean.iter().any(|m| !m.is_finite()) {
+            return Err("image.std must be non-zero and image.mean finite".into());
+        }
+        if i.max_pixels == 0 {
+            return Err("image.max_pixels must be at least 1".into());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -117,6 +355,40 @@ mod tests {
         assert_eq!(entry.version, "1");
         assert_eq!(entry.warmup, Warmup::default());
         assert!(entry.path.ends_with("m1/model.onnx"));
+    }
+
+    #[test]
+    fn pipelines_are_read_and_checked() {
+        let repo = repo_with(
+            "c1",
+            "name = \"c1\"\ntask = \"classification\"\n[classification]\nlabels = [\"a\", \"b\"]\n\
+             [image]\nwidth = 8\nheight = 8\nmean = [0.5, 0.5, 0.5]\nstd = [0.5, 0.5, 0.5]\nlayout = \"NHWC\"\n",
+            true,
+        );
+        let entry = ModelEntry::load(&repo, "c1").unwrap();
+        let image = entry.image.unwrap();
+        assert_eq!((image.layout, image.channels, image.max_pixels), (Layout::Nhwc, ChannelOrder::Rgb, 40_000_000));
+        assert_eq!(entry.classification.unwrap().activation, Activation::Softmax);
+
+        let cases = [
+            ("task = \"embedding\"\n", "needs a [tokenizer]"),
+            ("task = \"classification\"\n", "needs a [classification] section"),
+            ("task = \"classification\"\n[classification]\nlabels = [\"a\"]\n", "exactly one of"),
+            ("[image]\nwidth = 8\nheight = 8\n", "task = \"raw\" takes no"),
+            ("[tokenizer]\nfile = \"absent.json\"\n", "tokenizer file"),
+            ("task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 0\n", "at least 1"),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 8\nstd = [1, 0, 1]\n",
+                "non-zero",
+            ),
+            ("task = \"sorting\"\n", "unknown variant"),
+        ];
+        for (i, (extra, message)) in cases.iter().enumerate() {
+            let name = format!("p{i}");
+            let repo = repo_with(&name, &format!("name = \"{name}\"\n{extra}"), true);
+            let e = ModelEntry::load(&repo, &name).unwrap_err().to_string();
+            assert!(e.contains(message), "case {i}: {e}");
+        }
     }
 
     #[test]

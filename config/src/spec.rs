@@ -36,6 +36,7 @@ pub struct WorkerSpec {
     /// The default model first.
     pub models: Vec<ModelEntry>,
     pub max_body_bytes: u64,
+    pub max_batch_inputs: usize,
     pub graceful_timeout_secs: f64,
 }
 

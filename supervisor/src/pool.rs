@@ -374,6 +374,7 @@ impl Supervisor {
             ort_library: self.resolved.ort.path.clone(),
             models: self.resolved.models.clone(),
             max_body_bytes: config.server.max_body_bytes,
+            max_batch_inputs: config.server.max_batch_inputs,
             graceful_timeout_secs: config.server.graceful_timeout_secs,
         };
         match self.start_process(&spec) {

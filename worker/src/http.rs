@@ -1,27 +1,34 @@
-//! HTTP routing for one worker: the KServe v2 REST endpoints and the one mapping from errors to
-//! status codes ([`ApiError::status`]).
+//! HTTP routing for one worker: KServe v2 REST, the TEI-compatible `/embed` and `/predict`,
+//! and the one mapping from errors to status codes ([`ApiError::status`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::engine::Engine;
-use crate::model::{ModelError, ModelMeta};
-use crate::protocol;
+use crate::model::{ModelError, ModelMeta, Tensor};
+use crate::pipeline::{Head, Pipeline, Text};
+use crate::protocol::{self, Parsed};
+use crate::tasks::{self, Options, PipelineInput, Rows};
+use crate::tei;
+use crate::tensor::TensorData;
 
 /// Everything a request handler may touch.
 pub struct AppState {
     pub worker: usize,
+    /// The default model first.
     pub models: Vec<ModelMeta>,
     pub engine: Engine,
     pub max_body_bytes: u64,
+    pub max_batch_inputs: usize,
     /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
     pub ready: AtomicBool,
     /// Inference requests answered, whatever their status.
@@ -35,8 +42,8 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     BadRequest(String),
-    #[error("request body is larger than the limit of {0} bytes (server.max_body_bytes)")]
-    TooLarge(u64),
+    #[error("{0}")]
+    TooLarge(String),
     #[error("method {0} is not allowed on {1}")]
     MethodNotAllowed(Method, String),
     #[error("{0}")]
@@ -65,9 +72,9 @@ impl From<ModelError> for ApiError {
     }
 }
 
-type Reply = Response<Full<Bytes>>;
+pub type Reply = Response<Full<Bytes>>;
 
-fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
+pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -84,7 +91,8 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<
     Ok(reply)
 }
 
-/// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it.
+/// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it, and a missing
+/// model name means the default model.
 enum Route<'a> {
     Server,
     Live,
@@ -92,12 +100,14 @@ enum Route<'a> {
     Model(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    Embed(Option<&'a str>),
+    Predict(Option<&'a str>),
 }
 
 fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
     Some(match *segments {
         ["v2"] => Route::Server,
-        ["v2", "health", "live"] => Route::Live,
+        ["v2", "health", "live"] | ["health"] => Route::Live,
         ["v2", "health", "ready"] => Route::Ready,
         ["v2", "models", name] => Route::Model(name, None),
         ["v2", "models", name, "versions", v] => Route::Model(name, Some(v)),
@@ -105,6 +115,10 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "versions", v, "ready"] => Route::ModelReady(name, Some(v)),
         ["v2", "models", name, "infer"] => Route::Infer(name, None),
         ["v2", "models", name, "versions", v, "infer"] => Route::Infer(name, Some(v)),
+        ["embed"] => Route::Embed(None),
+        ["v2", "models", name, "embed"] => Route::Embed(Some(name)),
+        ["predict"] => Route::Predict(None),
+        ["v2", "models", name, "predict"] => Route::Predict(Some(name)),
         _ => return None,
     })
 }
@@ -115,7 +129,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
     let allowed = match route {
-        Route::Infer(..) => method == Method::POST,
+        Route::Infer(..) | Route::Embed(_) | Route::Predict(_) => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
     };
     if !allowed {
@@ -126,10 +140,30 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         Route::Server => Ok(server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
         Route::Ready => Ok(readiness(ready)),
-        Route::Model(name, version) => model(state, name, version).map(model_metadata),
+        Route::Model(name, version) => model(state, name, version).map(|(_, m)| model_metadata(m)),
         Route::ModelReady(name, version) => model(state, name, version).map(|_| readiness(ready)),
-        Route::Infer(name, version) => infer(state, name, version, request).await,
+        Route::Infer(name, version) => counted(state, infer(state, name, version, request)).await,
+        Route::Embed(name) => {
+            let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
+            counted(state, async { tei::embed(state, index, meta, &read_body(state, request).await?).await }).await
+        }
+        Route::Predict(name) => {
+            let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
+            counted(state, async { tei::predict(state, index, meta, &read_body(state, request).await?).await }).await
+        }
     }
+}
+
+/// Counts an inference request for status and heartbeats, whatever its outcome.
+async fn counted(
+    state: &AppState,
+    work: impl std::future::Future<Output = Result<Reply, ApiError>>,
+) -> Result<Reply, ApiError> {
+    state.in_flight.fetch_add(1, Ordering::Relaxed);
+    let result = work.await;
+    state.in_flight.fetch_sub(1, Ordering::Relaxed);
+    state.requests.fetch_add(1, Ordering::Relaxed);
+    result
 }
 
 fn readiness(ready: bool) -> Reply {
@@ -144,14 +178,25 @@ fn server_metadata(state: &AppState) -> Reply {
     let body = json!({
         "name": "inferd",
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": [],
+        "extensions": ["binary_tensor_data"],
         "models": state.models.iter().map(|m| &m.info.name).collect::<Vec<_>>(),
     });
     json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
 }
 
-fn model_metadata(meta: (usize, &ModelMeta)) -> Reply {
-    json_reply(StatusCode::OK, serde_json::to_vec(&protocol::ModelMetadata::of(meta.1)).expect("json"))
+fn model_metadata(meta: &ModelMeta) -> Reply {
+    let pipeline = pipeline_io(meta).map(|(input, outputs)| {
+        let outputs: Vec<Value> = outputs
+            .iter()
+            .map(|(name, datatype, shape)| json!({"name": name, "datatype": datatype, "shape": shape}))
+            .collect();
+        json!({
+            "task": meta.task,
+            "inputs": [{"name": input, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": outputs,
+        })
+    });
+    json_reply(StatusCode::OK, serde_json::to_vec(&protocol::ModelMetadata::of(meta, pipeline)).expect("json"))
 }
 
 /// Finds a model by name (and version, when the path names one).
@@ -169,48 +214,172 @@ fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(
     }
 }
 
+/// The whole body, refusing more than `server.max_body_bytes` (early when Content-Length says so).
+async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes, ApiError> {
+    let limit = state.max_body_bytes;
+    let too_large = || {
+        ApiError::TooLarge(format!("request body is larger than the limit of {limit} bytes (server.max_body_bytes)"))
+    };
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Err(too_large());
+    }
+    Ok(Limited::new(request.into_body(), limit as usize)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                too_large()
+            } else {
+                ApiError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes())
+}
+
 async fn infer(
     state: &AppState,
     name: &str,
     version: Option<&str>,
     request: Request<Incoming>,
 ) -> Result<Reply, ApiError> {
-    state.in_flight.fetch_add(1, Ordering::Relaxed);
-    let result = infer_inner(state, name, version, request).await;
-    state.in_flight.fetch_sub(1, Ordering::Relaxed);
-    state.requests.fetch_add(1, Ordering::Relaxed);
-    result
+    let (index, meta) = model(state, name, version)?;
+    let header_length = match request.headers().get(protocol::HEADER_LENGTH) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .ok_or_else(|| ApiError::BadRequest("Inference-Header-Content-Length must be a byte count".into()))?,
+        ),
+    };
+    let body = read_body(state, request).await?;
+    let parsed = protocol::parse(&body, header_length).map_err(ApiError::BadRequest)?;
+    let model = &meta.info.name;
+    if let Some((input_name, outputs)) = pipeline_io(meta) {
+        if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
+            let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
+            let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+            let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
+            let id = parsed.id.clone();
+            let input = pipeline_input(meta, parsed)?;
+            let outcome = tasks::run(state, index, meta, input, Options { truncate, ..Options::default() }).await?;
+            let tensors = pipeline_tensors(&outcome.rows);
+            let mut reply = infer_reply(meta, id, tensors, &selection);
+            tasks::annotate(&mut reply, &outcome);
+            return Ok(reply);
+        }
+    }
+    let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
+    let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+    let id = parsed.id.clone();
+    let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
+    let outputs = state.engine.infer(index, inputs).await?;
+    Ok(infer_reply(meta, id, outputs, &selection))
 }
 
-async fn infer_inner(
-    state: &AppState,
-    name: &str,
-    version: Option<&str>,
-    request: Request<Incoming>,
-) -> Result<Reply, ApiError> {
-    let (index, meta) = model(state, name, version)?;
-    if request.headers().contains_key("inference-header-content-length") {
-        return Err(ApiError::BadRequest(
-            "binary tensor data (Inference-Header-Content-Length) is not supported yet; send JSON tensors".into(),
-        ));
+fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
+    let (body, header_length) = protocol::infer_response(meta, id, outputs, selection);
+    let mut reply = json_reply(StatusCode::OK, body);
+    if let Some(n) = header_length {
+        let headers = reply.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+        headers.insert(protocol::HEADER_LENGTH, HeaderValue::from(n));
     }
-    let limit = state.max_body_bytes;
-    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit) {
-        return Err(ApiError::TooLarge(limit));
+    reply
+}
+
+type OutputSpec = (&'static str, &'static str, Vec<i64>);
+
+/// The BYTES input a pipelined model takes through `/infer`, and the outputs it returns.
+fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
+    let input = match &*meta.pipeline {
+        Pipeline::Raw => return None,
+        Pipeline::Text(_) => "text",
+        Pipeline::Image(_) => "image",
+    };
+    let outputs = match meta.pipeline.head()? {
+        Head::Embedding { .. } => vec![("embedding", "FP32", vec![-1, -1])],
+        Head::Classification { labels, .. } => vec![
+            ("label", "BYTES", vec![-1]),
+            ("score", "FP32", vec![-1]),
+            ("probabilities", "FP32", vec![-1, labels.len() as i64]),
+        ],
+    };
+    Some((input, outputs))
+}
+
+/// The pipeline's input from a one-tensor request: UTF-8 texts, or encoded images (raw bytes
+/// when sent as binary data, base64 when sent as JSON strings).
+fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput, ApiError> {
+    let input = parsed.inputs.remove(0);
+    let name = input.tensor.name;
+    let TensorData::Bytes(items) = input.tensor.data else {
+        return Err(ApiError::BadRequest(format!(
+            "input '{name}': expected BYTES, got {}",
+            input.tensor.data.dtype().name()
+        )));
+    };
+    if !matches!(input.tensor.shape.as_slice(), [_] | [_, 1]) {
+        return Err(ApiError::BadRequest(format!(
+            "input '{name}': expected shape [n] or [n,1], got {}",
+            protocol::shape_text(&input.tensor.shape)
+        )));
     }
-    let body = Limited::new(request.into_body(), limit as usize)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                ApiError::TooLarge(limit)
-            } else {
-                ApiError::BadRequest(format!("could not read the request body: {e}"))
-            }
-        })?
-        .to_bytes();
-    let valid = protocol::parse_infer(&body, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.infer(index, valid.inputs).await?;
-    Ok(json_reply(StatusCode::OK, protocol::infer_response(meta, valid.id, &valid.outputs, outputs)))
+    let bad = |i: usize, what: &str| ApiError::BadRequest(format!("input '{name}': element {i} is not {what}"));
+    match &*meta.pipeline {
+        Pipeline::Text(_) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| String::from_utf8(b).map(Text::Single).map_err(|_| bad(i, "UTF-8 text")))
+            .collect::<Result<_, _>>()
+            .map(PipelineInput::Texts),
+        _ if input.binary => Ok(PipelineInput::Images(items)),
+        _ => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| {
+                base64::engine::general_purpose::STANDARD.decode(b.trim_ascii()).map_err(|_| bad(i, "base64"))
+            })
+            .collect::<Result<_, _>>()
+            .map(PipelineInput::Images),
+    }
+}
+
+/// The pipeline's result as v2 output tensors, named as [`pipeline_io`] lists them.
+fn pipeline_tensors(rows: &Rows) -> Vec<Tensor> {
+    match rows {
+        Rows::Embeddings(rows) => {
+            let dim = rows.first().map_or(0, Vec::len);
+            vec![Tensor {
+                name: "embedding".into(),
+                shape: vec![rows.len() as i64, dim as i64],
+                data: TensorData::F32(rows.concat()),
+            }]
+        }
+        Rows::Scores { labels, scores } => {
+            let n = scores.len() as i64;
+            let best: Vec<usize> = scores
+                .iter()
+                .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i))
+                .collect();
+            vec![
+                Tensor {
+                    name: "label".into(),
+                    shape: vec![n],
+                    data: TensorData::Bytes(best.iter().map(|&i| labels[i].as_bytes().to_vec()).collect()),
+                },
+                Tensor {
+                    name: "score".into(),
+                    shape: vec![n],
+                    data: TensorData::F32(best.iter().zip(scores).map(|(&i, row)| row[i]).collect()),
+                },
+                Tensor {
+                    name: "probabilities".into(),
+                    shape: vec![n, labels.len() as i64],
+                    data: TensorData::F32(scores.concat()),
+                },
+            ]
+        }
+    }
 }

@@ -19,8 +19,11 @@
 pub mod engine;
 pub mod http;
 pub mod model;
+pub mod pipeline;
 pub mod protocol;
 pub mod server;
+pub mod tasks;
+pub mod tei;
 pub mod tensor;
 
 pub use server::run;

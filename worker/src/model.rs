@@ -7,9 +7,9 @@
 //! be loaded without touching the rest.
 
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use inferd_config::model::ModelEntry;
+use inferd_config::model::{ModelEntry, Task};
 use inferd_config::spec::ModelInfo;
 use ort::environment::{Environment, GlobalThreadPoolOptions};
 use ort::session::Session;
@@ -17,6 +17,7 @@ use ort::value::ValueType;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::pipeline::Pipeline;
 use crate::tensor::{element_count, ort_type_name, DataType, TensorData};
 
 #[derive(Debug, thiserror::Error)]
@@ -60,8 +61,11 @@ pub struct TensorSpec {
 #[derive(Debug, Clone)]
 pub struct ModelMeta {
     pub info: ModelInfo,
+    pub task: Task,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
+    /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
+    pub pipeline: Arc<Pipeline>,
 }
 
 pub struct Model {
@@ -139,14 +143,19 @@ impl Model {
                 })
                 .collect()
         };
+        let inputs = describe(session.inputs());
+        let outputs = describe(session.outputs());
+        if let Some(bad) = inputs.iter().find(|i| i.dtype.is_none()) {
+            return Err(fail(format!("input '{}' has type {}, which inferd cannot feed", bad.name, bad.datatype)));
+        }
+        let pipeline = Pipeline::build(entry, &inputs, &outputs).map_err(|e| fail(format!("model.toml: {e}")))?;
         let meta = ModelMeta {
             info: ModelInfo { name: entry.name.clone(), version: entry.version.clone(), sha256 },
-            inputs: describe(session.inputs()),
-            outputs: describe(session.outputs()),
+            task: entry.task,
+            inputs,
+            outputs,
+            pipeline: Arc::new(pipeline),
         };
-        if let Some(bad) = meta.inputs.iter().find(|i| i.dtype.is_none()) {
-            return Err(fail(format!("input '{}' has type {}, which inferd cannot feed yet", bad.name, bad.datatype)));
-        }
         Ok(Model { meta, entry: entry.clone(), session })
     }
 

@@ -1,5 +1,6 @@
-//! KServe v2 / Open Inference Protocol, REST with JSON tensors: request parsing, validation
-//! against the model's declared inputs, and response bodies.
+//! KServe v2 / Open Inference Protocol over REST: request parsing (JSON tensors and the binary
+//! tensor data extension), validation against the model's declared inputs, output selection
+//! and response bodies.
 //!
 //! Every validation error names the input or output and says what was expected, e.g.
 //! `input 'input_ids': expected INT64, got FP32`.
@@ -10,191 +11,136 @@ use serde_json::{Map, Value};
 use crate::model::{ModelMeta, Tensor, TensorSpec};
 use crate::tensor::{element_count, DataType, TensorData};
 
-#[derive(Debug, Deserialize)]
-pub struct InferRequest {
-    #[serde(default)]
-    pub id: Option<String>,
-    #[serde(default)]
-    pub parameters: Option<Map<String, Value>>,
-    pub inputs: Vec<RequestInput>,
-    #[serde(default)]
-    pub outputs: Option<Vec<RequestOutput>>,
-}
+/// Header of the binary tensor data extension: the length of the JSON part of the body.
+pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
 #[derive(Debug, Deserialize)]
-pub struct RequestInput {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub datatype: String,
-    pub data: Value,
+struct InferRequest {
     #[serde(default)]
-    pub parameters: Option<Map<String, Value>>,
+    id: Option<String>,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+    inputs: Vec<RequestInput>,
+    #[serde(default)]
+    outputs: Option<Vec<RequestOutput>>,
 }
 
 #[derive(Debug, Deserialize)]
-pub struct RequestOutput {
-    pub name: String,
+struct RequestInput {
+    name: String,
+    shape: Vec<i64>,
+    datatype: String,
     #[serde(default)]
-    pub parameters: Option<Map<String, Value>>,
+    data: Option<Value>,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Serialize)]
-pub struct InferResponse<'a> {
-    pub model_name: &'a str,
-    pub model_version: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    pub outputs: Vec<ResponseOutput>,
+#[derive(Debug, Deserialize)]
+struct RequestOutput {
+    name: String,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Serialize)]
-pub struct ResponseOutput {
-    pub name: String,
-    pub datatype: &'static str,
-    pub shape: Vec<i64>,
-    pub data: TensorData,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ModelMetadata<'a> {
-    pub name: &'a str,
-    pub versions: [&'a str; 1],
-    pub platform: &'static str,
-    pub inputs: &'a [TensorSpec],
-    pub outputs: &'a [TensorSpec],
-}
-
-impl<'a> ModelMetadata<'a> {
-    pub fn of(meta: &'a ModelMeta) -> Self {
-        ModelMetadata {
-            name: &meta.info.name,
-            versions: [&meta.info.version],
-            platform: "onnxruntime_onnx",
-            inputs: &meta.inputs,
-            outputs: &meta.outputs,
-        }
-    }
-}
-
-/// A request checked against the model: inputs in the model's order, and the outputs to return.
+/// A request tensor, typed and checked against its own shape, not yet against the model.
 #[derive(Debug)]
-pub struct ValidRequest {
+pub struct InputTensor {
+    pub tensor: Tensor,
+    /// Sent as binary data rather than JSON (BYTES in JSON are text; in binary, raw bytes).
+    pub binary: bool,
+}
+
+/// One requested output; `binary` is its `binary_data` parameter when given.
+#[derive(Debug)]
+pub struct WantedOutput {
+    pub name: String,
+    pub binary: Option<bool>,
+}
+
+#[derive(Debug)]
+pub struct Parsed {
     pub id: Option<String>,
-    pub inputs: Vec<Tensor>,
-    /// Indices into the model's outputs, in the order the client asked for them.
-    pub outputs: Vec<usize>,
+    pub parameters: Map<String, Value>,
+    pub inputs: Vec<InputTensor>,
+    /// `None`: every output.
+    pub outputs: Option<Vec<WantedOutput>>,
+    /// The request's `binary_data_output` parameter: outputs go binary unless they say otherwise.
+    pub binary_output: bool,
 }
 
-/// Parses the body of `POST /v2/models/{name}/infer`. The client may send no Content-Type
-/// (tritonclient does not), so the body is always read as JSON.
-pub fn parse_infer(body: &[u8], meta: &ModelMeta) -> Result<ValidRequest, String> {
+/// Parses an infer request body. `header_length` is the value of
+/// `Inference-Header-Content-Length`: the JSON is that many bytes, binary tensor data follows.
+/// The body is read as JSON whatever its Content-Type (tritonclient sends none).
+pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String> {
+    let (json, mut binary) = match header_length {
+        None => (body, &[][..]),
+        Some(n) if n <= body.len() => body.split_at(n),
+        Some(n) => {
+            return Err(format!("Inference-Header-Content-Length is {n}, but the body has {} bytes", body.len()))
+        }
+    };
     let request: InferRequest =
-        serde_json::from_slice(body).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
-    validate(request, meta)
-}
-
-fn validate(request: InferRequest, meta: &ModelMeta) -> Result<ValidRequest, String> {
-    let model = &meta.info.name;
-    let names = |specs: &[TensorSpec]| specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ");
-    let mut given: Vec<Option<RequestInput>> = meta.inputs.iter().map(|_| None).collect();
+        serde_json::from_slice(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
+    let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
-        let Some(i) = meta.inputs.iter().position(|s| s.name == input.name) else {
-            return Err(format!("unknown input '{}'; model '{model}' has inputs {}", input.name, names(&meta.inputs)));
+        let name = input.name;
+        let Some(dtype) = DataType::from_name(&input.datatype) else {
+            return Err(format!("input '{name}': unknown datatype '{}'", input.datatype));
         };
-        if given[i].is_some() {
-            return Err(format!("input '{}' is given twice", input.name));
-        }
-        given[i] = Some(input);
-    }
-    let mut inputs = Vec::with_capacity(given.len());
-    for (spec, input) in meta.inputs.iter().zip(given) {
-        let Some(input) = input else {
+        if let Some(axis) = input.shape.iter().position(|&d| d < 0) {
             return Err(format!(
-                "missing input '{}' ({} {}); model '{model}' needs {}",
-                spec.name,
-                spec.datatype,
-                shape_text(&spec.shape),
-                names(&meta.inputs)
+                "input '{name}': dimension {axis} is {}; dimensions must not be negative",
+                input.shape[axis]
             ));
-        };
-        inputs.push(tensor_from_request(input, spec)?);
-    }
-    let outputs = match request.outputs {
-        None => (0..meta.outputs.len()).collect(),
-        Some(wanted) => {
-            let mut indices = Vec::with_capacity(wanted.len());
-            for out in wanted {
-                let Some(i) = meta.outputs.iter().position(|s| s.name == out.name) else {
-                    return Err(format!(
-                        "unknown output '{}'; model '{model}' has outputs {}",
-                        out.name,
-                        names(&meta.outputs)
-                    ));
-                };
-                if !indices.contains(&i) {
-                    indices.push(i);
-                }
-            }
-            indices
         }
-    };
-    Ok(ValidRequest { id: request.id, inputs, outputs })
+        let Some(count) = element_count(&input.shape) else {
+            return Err(format!("input '{name}': shape {} is too large", shape_text(&input.shape)));
+        };
+        let binary_size = input.parameters.as_ref().and_then(|p| p.get("binary_data_size"));
+        let (data, is_binary) = match (binary_size, &input.data) {
+            (Some(size), None) => {
+                let size = size.as_u64().ok_or_else(|| format!("input '{name}': binary_data_size must be a number"))?;
+                if size as usize > binary.len() {
+                    return Err(format!(
+                        "input '{name}': binary_data_size is {size}, but only {} bytes of binary data are left",
+                        binary.len()
+                    ));
+                }
+                let (mine, rest) = binary.split_at(size as usize);
+                binary = rest;
+                (dtype.parse_binary(mine, count).map_err(|e| format!("input '{name}': {e}"))?, true)
+            }
+            (None, Some(value)) => (json_data(&name, value, dtype, &input.shape, count)?, false),
+            (Some(_), Some(_)) => return Err(format!("input '{name}' has both 'data' and binary_data_size")),
+            (None, None) => return Err(format!("input '{name}' has no 'data' (and no binary_data_size)")),
+        };
+        inputs.push(InputTensor { tensor: Tensor { name, shape: input.shape, data }, binary: is_binary });
+    }
+    if !binary.is_empty() {
+        return Err(format!("{} bytes of binary data are left over after the inputs' binary_data_size", binary.len()));
+    }
+    let parameters = request.parameters.unwrap_or_default();
+    let flag = |p: &Map<String, Value>, key: &str| p.get(key).and_then(Value::as_bool);
+    let outputs = request.outputs.map(|outs| {
+        outs.into_iter()
+            .map(|o| WantedOutput { binary: o.parameters.as_ref().and_then(|p| flag(p, "binary_data")), name: o.name })
+            .collect()
+    });
+    let binary_output = flag(&parameters, "binary_data_output").unwrap_or(false);
+    Ok(Parsed { id: request.id, inputs, outputs, binary_output, parameters })
 }
 
-fn tensor_from_request(input: RequestInput, spec: &TensorSpec) -> Result<Tensor, String> {
-    let name = &input.name;
-    let expected = spec.dtype.expect("models with inputs inferd cannot feed are refused at load");
-    let Some(got) = DataType::from_name(&input.datatype) else {
-        let hint = if input.datatype == "BYTES" { " (BYTES tensors are not supported yet)" } else { "" };
-        return Err(format!(
-            "input '{name}': unknown datatype '{}'{hint}; expected {}",
-            input.datatype,
-            expected.name()
-        ));
-    };
-    if got != expected {
-        return Err(format!("input '{name}': expected {}, got {}", expected.name(), got.name()));
-    }
-    if input.shape.len() != spec.shape.len() {
-        return Err(format!(
-            "input '{name}': expected shape {} (rank {}), got {} (rank {})",
-            shape_text(&spec.shape),
-            spec.shape.len(),
-            shape_text(&input.shape),
-            input.shape.len()
-        ));
-    }
-    for (axis, (&want, &have)) in spec.shape.iter().zip(&input.shape).enumerate() {
-        if have < 0 {
-            return Err(format!("input '{name}': dimension {axis} is {have}; dimensions must not be negative"));
-        }
-        if want >= 0 && want != have {
-            return Err(format!(
-                "input '{name}': dimension {axis} must be {want} (model shape {}), got {} ",
-                shape_text(&spec.shape),
-                shape_text(&input.shape)
-            )
-            .trim_end()
-            .to_string());
-        }
-    }
-    let Some(count) = element_count(&input.shape) else {
-        return Err(format!("input '{name}': shape {} is too large", shape_text(&input.shape)));
-    };
+fn json_data(name: &str, value: &Value, dtype: DataType, shape: &[i64], count: usize) -> Result<TensorData, String> {
     // Flatten without allocating for `count`: the shape is only trusted once the data matches it.
     let mut flat = Vec::new();
-    flatten(&input.data, &mut flat).map_err(|m| format!("input '{name}': {m}"))?;
+    flatten(value, &mut flat).map_err(|m| format!("input '{name}': {m}"))?;
     if flat.len() != count {
-        return Err(format!(
-            "input '{name}': shape {} needs {count} values, got {}",
-            shape_text(&input.shape),
-            flat.len()
-        ));
+        return Err(format!("input '{name}': shape {} needs {count} values, got {}", shape_text(shape), flat.len()));
     }
-    let data = expected.parse_json(&flat).map_err(|(i, v)| {
-        format!("input '{name}': element {i} is {v}, which is not a valid {} value", expected.name())
-    })?;
-    Ok(Tensor { name: input.name, shape: input.shape, data })
+    dtype
+        .parse_json(&flat)
+        .map_err(|(i, v)| format!("input '{name}': element {i} is {v}, which is not a valid {} value", dtype.name()))
 }
 
 /// Accepts both the flat form and nested row-major arrays.
@@ -228,16 +174,177 @@ pub fn shape_text(shape: &[i64]) -> String {
     format!("[{}]", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
 }
 
-/// Builds the response body from the model's outputs.
-pub fn infer_response(meta: &ModelMeta, id: Option<String>, wanted: &[usize], mut outputs: Vec<Tensor>) -> Vec<u8> {
-    let mut taken: Vec<Option<Tensor>> = outputs.drain(..).map(Some).collect();
-    let outputs = wanted
+/// Checks the request's tensors against the model's inputs and returns them in the model's order.
+pub fn validate_inputs(inputs: Vec<InputTensor>, meta: &ModelMeta) -> Result<Vec<Tensor>, String> {
+    let model = &meta.info.name;
+    let mut given: Vec<Option<Tensor>> = meta.inputs.iter().map(|_| None).collect();
+    for input in inputs {
+        let tensor = input.tensor;
+        let Some(i) = meta.inputs.iter().position(|s| s.name == tensor.name) else {
+            return Err(format!("unknown input '{}'; model '{model}' has inputs {}", tensor.name, names(&meta.inputs)));
+        };
+        if given[i].is_some() {
+            return Err(format!("input '{}' is given twice", tensor.name));
+        }
+        check_against(&tensor, &meta.inputs[i])?;
+        given[i] = Some(tensor);
+    }
+    meta.inputs
         .iter()
-        .filter_map(|&i| taken.get_mut(i).and_then(Option::take))
-        .map(|t| ResponseOutput { datatype: t.data.dtype().name(), name: t.name, shape: t.shape, data: t.data })
-        .collect();
-    let body = InferResponse { model_name: &meta.info.name, model_version: &meta.info.version, id, outputs };
-    serde_json::to_vec(&body).expect("tensor data always serialises")
+        .zip(given)
+        .map(|(spec, tensor)| {
+            tensor.ok_or_else(|| {
+                format!(
+                    "missing input '{}' ({} {}); model '{model}' needs {}",
+                    spec.name,
+                    spec.datatype,
+                    shape_text(&spec.shape),
+                    names(&meta.inputs)
+                )
+            })
+        })
+        .collect()
+}
+
+fn names(specs: &[TensorSpec]) -> String {
+    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
+}
+
+fn check_against(tensor: &Tensor, spec: &TensorSpec) -> Result<(), String> {
+    let name = &tensor.name;
+    let expected = spec.dtype.expect("models with inputs inferd cannot feed are refused at load");
+    let got = tensor.data.dtype();
+    if got != expected {
+        return Err(format!("input '{name}': expected {}, got {}", expected.name(), got.name()));
+    }
+    if tensor.shape.len() != spec.shape.len() {
+        return Err(format!(
+            "input '{name}': expected shape {} (rank {}), got {} (rank {})",
+            shape_text(&spec.shape),
+            spec.shape.len(),
+            shape_text(&tensor.shape),
+            tensor.shape.len()
+        ));
+    }
+    for (axis, (&want, &have)) in spec.shape.iter().zip(&tensor.shape).enumerate() {
+        if want >= 0 && want != have {
+            return Err(format!(
+                "input '{name}': dimension {axis} must be {want} (model shape {}), got {}",
+                shape_text(&spec.shape),
+                shape_text(&tensor.shape)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Resolves the requested outputs against the names the model (or its pipeline) produces:
+/// indices into `available` in the order asked, each with whether it goes out as binary data.
+pub fn select_outputs(parsed: &Parsed, available: &[&str], model: &str) -> Result<Vec<(usize, bool)>, String> {
+    let Some(wanted) = &parsed.outputs else {
+        return Ok((0..available.len()).map(|i| (i, parsed.binary_output)).collect());
+    };
+    let mut selection: Vec<(usize, bool)> = Vec::with_capacity(wanted.len());
+    for out in wanted {
+        let Some(i) = available.iter().position(|n| *n == out.name) else {
+            return Err(format!(
+                "unknown output '{}'; model '{model}' has outputs {}",
+                out.name,
+                available.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+            ));
+        };
+        if !selection.iter().any(|(j, _)| *j == i) {
+            selection.push((i, out.binary.unwrap_or(parsed.binary_output)));
+        }
+    }
+    Ok(selection)
+}
+
+#[derive(Serialize)]
+struct InferResponse<'a> {
+    model_name: &'a str,
+    model_version: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+    outputs: Vec<ResponseOutput>,
+}
+
+#[derive(Serialize)]
+struct ResponseOutput {
+    name: String,
+    datatype: &'static str,
+    shape: Vec<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parameters: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<TensorData>,
+}
+
+/// The response body, and the JSON part's length when binary data follows it (the value of
+/// the `Inference-Header-Content-Length` response header).
+pub fn infer_response(
+    meta: &ModelMeta,
+    id: Option<String>,
+    outputs: Vec<Tensor>,
+    selection: &[(usize, bool)],
+) -> (Vec<u8>, Option<usize>) {
+    let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
+    let mut binary = Vec::new();
+    let mut json_outputs = Vec::with_capacity(selection.len());
+    for &(i, as_binary) in selection {
+        let Some(t) = taken.get_mut(i).and_then(Option::take) else { continue };
+        let datatype = t.data.dtype().name();
+        if as_binary {
+            let bytes = t.data.to_binary();
+            let parameters = Some(serde_json::json!({ "binary_data_size": bytes.len() }));
+            binary.extend_from_slice(&bytes);
+            json_outputs.push(ResponseOutput { name: t.name, datatype, shape: t.shape, parameters, data: None });
+        } else {
+            json_outputs.push(ResponseOutput {
+                name: t.name,
+                datatype,
+                shape: t.shape,
+                parameters: None,
+                data: Some(t.data),
+            });
+        }
+    }
+    let body =
+        InferResponse { model_name: &meta.info.name, model_version: &meta.info.version, id, outputs: json_outputs };
+    let mut bytes = serde_json::to_vec(&body).expect("tensor data always serialises");
+    if selection.iter().any(|(_, b)| *b) {
+        let header = bytes.len();
+        bytes.extend_from_slice(&binary);
+        (bytes, Some(header))
+    } else {
+        (bytes, None)
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelMetadata<'a> {
+    pub name: &'a str,
+    pub versions: [&'a str; 1],
+    pub platform: &'static str,
+    pub inputs: &'a [TensorSpec],
+    pub outputs: &'a [TensorSpec],
+    /// inferd's extension: the pre/post-processing in front of the model, if any, and the
+    /// tensors it takes and returns through `/infer`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<Value>,
+}
+
+impl<'a> ModelMetadata<'a> {
+    pub fn of(meta: &'a ModelMeta, pipeline: Option<Value>) -> Self {
+        ModelMetadata {
+            name: &meta.info.name,
+            versions: [&meta.info.version],
+            platform: "onnxruntime_onnx",
+            inputs: &meta.inputs,
+            outputs: &meta.outputs,
+            pipeline,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -246,6 +353,7 @@ mod tests {
     use inferd_config::spec::ModelInfo;
 
     fn meta() -> ModelMeta {
+        use inferd_config::model::Task;
         let spec = |name: &str, dt: DataType, shape: Vec<i64>| TensorSpec {
             name: name.into(),
             datatype: dt.name().into(),
@@ -254,13 +362,21 @@ mod tests {
         };
         ModelMeta {
             info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "00".into() },
+            task: Task::Raw,
+            pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
             outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
         }
     }
 
-    fn parse(body: &str) -> Result<ValidRequest, String> {
-        parse_infer(body.as_bytes(), &meta())
+    /// Parses and validates like the raw `/infer` path: (id, inputs, output selection).
+    fn parse_raw(body: &str) -> Result<(Option<String>, Vec<Tensor>, Vec<(usize, bool)>), String> {
+        let meta = meta();
+        let parsed = parse(body.as_bytes(), None)?;
+        let available: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
+        let selection = select_outputs(&parsed, &available, "m")?;
+        let id = parsed.id.clone();
+        Ok((id, validate_inputs(parsed.inputs, &meta)?, selection))
     }
 
     const A: &str = r#"{"name":"a","shape":[1,2],"datatype":"FP32","data":[[1,2]]}"#;
@@ -268,34 +384,67 @@ mod tests {
 
     #[test]
     fn valid_request_is_ordered_like_the_model() {
-        let r = parse(&format!(r#"{{"id":"7","inputs":[{B},{A}],"outputs":[{{"name":"z"}}]}}"#)).unwrap();
-        assert_eq!(r.id.as_deref(), Some("7"));
-        assert_eq!(r.inputs[0].name, "a");
-        assert_eq!(r.inputs[0].data, TensorData::F32(vec![1.0, 2.0]));
-        assert_eq!(r.outputs, vec![1]);
+        let (id, inputs, outputs) =
+            parse_raw(&format!(r#"{{"id":"7","inputs":[{B},{A}],"outputs":[{{"name":"z"}}]}}"#)).unwrap();
+        assert_eq!(id.as_deref(), Some("7"));
+        assert_eq!(inputs[0].name, "a");
+        assert_eq!(inputs[0].data, TensorData::F32(vec![1.0, 2.0]));
+        assert_eq!(outputs, vec![(1, false)]);
     }
 
     #[test]
     fn errors_name_the_input_and_the_expectation() {
         let wrong_type = A.replace("FP32", "INT32");
-        let e = parse(&format!(r#"{{"inputs":[{wrong_type},{B}]}}"#)).unwrap_err();
+        let e = parse_raw(&format!(r#"{{"inputs":[{wrong_type},{B}]}}"#)).unwrap_err();
         assert_eq!(e, "input 'a': expected FP32, got INT32");
-        let e = parse(&format!(r#"{{"inputs":[{A}]}}"#)).unwrap_err();
+        let e = parse_raw(&format!(r#"{{"inputs":[{A}]}}"#)).unwrap_err();
         assert!(e.starts_with("missing input 'b' (INT64 [-1])"), "{e}");
-        let e = parse(&format!(r#"{{"inputs":[{},{B}]}}"#, A.replace("[1,2]", "[1,3]"))).unwrap_err();
+        let wider = A.replace("[1,2],", "[1,3],").replace("[[1,2]]", "[[1,2,3]]");
+        let e = parse_raw(&format!(r#"{{"inputs":[{wider},{B}]}}"#)).unwrap_err();
         assert!(e.contains("dimension 1 must be 2"), "{e}");
-        let e = parse(&format!(r#"{{"inputs":[{},{B}]}}"#, A.replace("[[1,2]]", "[1]"))).unwrap_err();
+        let e = parse_raw(&format!(r#"{{"inputs":[{},{B}]}}"#, A.replace("[[1,2]]", "[1]"))).unwrap_err();
         assert_eq!(e, "input 'a': shape [1,2] needs 2 values, got 1");
-        let e = parse(&format!(r#"{{"inputs":[{A},{B}],"outputs":[{{"name":"q"}}]}}"#)).unwrap_err();
+        let e = parse_raw(&format!(r#"{{"inputs":[{A},{B}],"outputs":[{{"name":"q"}}]}}"#)).unwrap_err();
         assert!(e.contains("unknown output 'q'"), "{e}");
-        let e = parse("{\"inputs\": [").unwrap_err();
+        let e = parse_raw("{\"inputs\": [").unwrap_err();
         assert!(e.contains("not a valid inference request"), "{e}");
+    }
+
+    #[test]
+    fn binary_inputs_and_outputs() {
+        let json = r#"{"inputs":[{"name":"a","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}},
+            {"name":"b","shape":[1],"datatype":"INT64","data":[5]}],"parameters":{"binary_data_output":true},
+            "outputs":[{"name":"z","parameters":{"binary_data":false}},{"name":"y"}]}"#;
+        let mut body = json.as_bytes().to_vec();
+        body.extend_from_slice(&TensorData::F32(vec![1.5, -2.0]).to_binary());
+        let parsed = parse(&body, Some(json.len())).unwrap();
+        assert!(parsed.inputs[0].binary && !parsed.inputs[1].binary);
+        assert_eq!(parsed.inputs[0].tensor.data, TensorData::F32(vec![1.5, -2.0]));
+        assert_eq!(select_outputs(&parsed, &["y", "z"], "m").unwrap(), vec![(1, false), (0, true)]);
+
+        let e = parse(&body[..body.len() - 1], Some(json.len())).unwrap_err();
+        assert!(e.contains("binary_data_size is 8, but only 7 bytes"), "{e}");
+        let mut extra = body.clone();
+        extra.push(0);
+        assert!(parse(&extra, Some(json.len())).unwrap_err().contains("1 bytes of binary data are left over"));
+        assert!(parse(&body, Some(body.len() + 1)).unwrap_err().contains("Inference-Header-Content-Length"));
+
+        let out = vec![
+            Tensor { name: "y".into(), shape: vec![1], data: TensorData::F32(vec![3.0]) },
+            Tensor { name: "z".into(), shape: vec![1], data: TensorData::F32(vec![4.0]) },
+        ];
+        let (bytes, header) = infer_response(&meta(), None, out, &[(1, false), (0, true)]);
+        let header = header.unwrap();
+        let head: Value = serde_json::from_slice(&bytes[..header]).unwrap();
+        assert_eq!(head["outputs"][0]["data"], serde_json::json!([4.0]));
+        assert_eq!(head["outputs"][1]["parameters"]["binary_data_size"], 4);
+        assert_eq!(&bytes[header..], &3.0f32.to_le_bytes());
     }
 
     #[test]
     fn a_huge_shape_does_not_allocate() {
         let big = B.replace("\"shape\":[1]", "\"shape\":[1000000000]");
-        let e = parse(&format!(r#"{{"inputs":[{A},{big}]}}"#)).unwrap_err();
+        let e = parse_raw(&format!(r#"{{"inputs":[{A},{big}]}}"#)).unwrap_err();
         assert_eq!(e, "input 'b': shape [1000000000] needs 1000000000 values, got 1");
     }
 }

@@ -134,12 +134,14 @@ fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, 
         models: metas,
         engine,
         max_body_bytes: spec.max_body_bytes,
+        max_batch_inputs: spec.max_batch_inputs,
         ready: false.into(),
         requests: 0.into(),
         in_flight: 0.into(),
     });
-    // One thread for all I/O: the worker's CPU share belongs to the model.
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,
+    // started on demand, decodes images (see tasks.rs).
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(1).build() {
         Ok(rt) => rt,
         Err(e) => {
             error!("cannot start the I/O runtime: {e}");

@@ -1,8 +1,9 @@
 //! Tensors as the protocol sees them: a KServe v2 datatype, a shape, and flat typed data.
 //!
-//! One table ([`for_each_type!`]) lists every element type with its Rust type, its v2 name and
-//! its ONNX Runtime type; the enum, the JSON parsing and the ORT conversions are generated from
-//! it so a type cannot be half-supported.
+//! One table ([`for_each_type!`]) lists every numeric element type with its Rust type, its v2
+//! name and its ONNX Runtime type; the enums, JSON and binary parsing and the ORT conversions
+//! are generated from it so a type cannot be half-supported. BYTES (byte strings; ORT strings)
+//! is added by hand to each of them.
 
 use half::f16;
 use ort::value::{DynValue, TensorElementType, ValueType};
@@ -30,63 +31,118 @@ macro_rules! for_each_type {
 
 macro_rules! define_types {
     ($(($variant:ident, $rust:ty, $name:literal, $ort:ident)),* $(,)?) => {
-        /// Element types inferd can carry between JSON and ONNX Runtime.
+        /// Element types inferd can carry between the protocol and ONNX Runtime.
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum DataType { $($variant),* }
+        pub enum DataType { $($variant,)* Bytes }
 
-        /// Flat, row-major tensor contents.
+        /// Flat, row-major tensor contents. BYTES elements are raw byte strings.
         #[derive(Debug, Clone, PartialEq)]
-        pub enum TensorData { $($variant(Vec<$rust>)),* }
+        pub enum TensorData { $($variant(Vec<$rust>),)* Bytes(Vec<Vec<u8>>) }
 
         impl DataType {
-            /// The KServe v2 name ("FP32", "INT64", ...).
+            /// The KServe v2 name ("FP32", "INT64", "BYTES", ...).
             pub fn name(self) -> &'static str {
-                match self { $(DataType::$variant => $name),* }
+                match self { $(DataType::$variant => $name,)* DataType::Bytes => "BYTES" }
             }
 
             pub fn from_name(name: &str) -> Option<DataType> {
-                match name { $($name => Some(DataType::$variant),)* _ => None }
+                match name { $($name => Some(DataType::$variant),)* "BYTES" => Some(DataType::Bytes), _ => None }
             }
 
             pub fn from_ort(ty: TensorElementType) -> Option<DataType> {
-                match ty { $(TensorElementType::$ort => Some(DataType::$variant),)* _ => None }
+                match ty {
+                    $(TensorElementType::$ort => Some(DataType::$variant),)*
+                    TensorElementType::String => Some(DataType::Bytes),
+                    _ => None,
+                }
             }
 
-            /// A tensor of `len` zeros (false for BOOL), for warm-up inputs.
+            /// A tensor of `len` zeros (false, empty strings), for warm-up inputs.
             pub fn zeros(self, len: usize) -> TensorData {
-                match self { $(DataType::$variant => TensorData::$variant(vec![<$rust>::default(); len])),* }
+                match self {
+                    $(DataType::$variant => TensorData::$variant(vec![<$rust>::default(); len]),)*
+                    DataType::Bytes => TensorData::Bytes(vec![Vec::new(); len]),
+                }
             }
 
             /// Parses flat JSON values; `Err` carries the index and a description of the value.
             pub fn parse_json(self, values: &[&serde_json::Value]) -> Result<TensorData, (usize, String)> {
+                fn all<T>(values: &[&serde_json::Value], f: impl Fn(&serde_json::Value) -> Option<T>) -> Result<Vec<T>, (usize, String)> {
+                    values.iter().enumerate().map(|(i, v)| f(v).ok_or_else(|| (i, describe(v)))).collect()
+                }
                 match self {
-                    $(DataType::$variant => values
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| <$rust as FromJson>::from_json(v).ok_or_else(|| (i, describe(v))))
-                        .collect::<Result<Vec<_>, _>>()
-                        .map(TensorData::$variant),)*
+                    $(DataType::$variant => all(values, <$rust as Element>::from_json).map(TensorData::$variant),)*
+                    DataType::Bytes => all(values, |v| v.as_str().map(|s| s.as_bytes().to_vec())).map(TensorData::Bytes),
+                }
+            }
+
+            /// Decodes `count` elements of the binary tensor extension: little-endian, row-major;
+            /// BOOL one byte each; BYTES each a u32 little-endian length and that many bytes.
+            pub fn parse_binary(self, bytes: &[u8], count: usize) -> Result<TensorData, String> {
+                fn fixed<T: Element>(bytes: &[u8], count: usize) -> Result<Vec<T>, String> {
+                    let size = std::mem::size_of::<T>();
+                    if bytes.len() != count * size {
+                        return Err(format!("{} bytes of binary data for {count} elements of {size} bytes", bytes.len()));
+                    }
+                    bytes.chunks_exact(size).map(T::from_le).collect::<Option<Vec<T>>>().ok_or_else(|| "invalid BOOL byte (must be 0 or 1)".to_string())
+                }
+                match self {
+                    $(DataType::$variant => fixed::<$rust>(bytes, count).map(TensorData::$variant),)*
+                    DataType::Bytes => {
+                        let mut items = Vec::with_capacity(count.min(bytes.len() / 4));
+                        let mut rest = bytes;
+                        while rest.len() >= 4 {
+                            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                            let item = rest.get(4..4 + len).ok_or_else(|| format!("element {} claims {len} bytes, {} are left", items.len(), rest.len() - 4))?;
+                            items.push(item.to_vec());
+                            rest = &rest[4 + len..];
+                        }
+                        if !rest.is_empty() || items.len() != count {
+                            return Err(format!("binary BYTES data holds {} whole elements (+{} stray bytes), the shape needs {count}", items.len(), rest.len()));
+                        }
+                        Ok(TensorData::Bytes(items))
+                    }
                 }
             }
         }
 
         impl TensorData {
             pub fn dtype(&self) -> DataType {
-                match self { $(TensorData::$variant(_) => DataType::$variant),* }
+                match self { $(TensorData::$variant(_) => DataType::$variant,)* TensorData::Bytes(_) => DataType::Bytes }
             }
 
             pub fn len(&self) -> usize {
-                match self { $(TensorData::$variant(v) => v.len()),* }
+                match self { $(TensorData::$variant(v) => v.len(),)* TensorData::Bytes(v) => v.len() }
             }
 
             pub fn is_empty(&self) -> bool {
                 self.len() == 0
             }
 
-            /// Hands the data to ONNX Runtime without copying it.
+            /// The binary tensor extension's encoding of this data (see [`DataType::parse_binary`]).
+            pub fn to_binary(&self) -> Vec<u8> {
+                let mut out = Vec::new();
+                match self {
+                    $(TensorData::$variant(v) => v.iter().for_each(|x| x.write_le(&mut out)),)*
+                    TensorData::Bytes(v) => v.iter().for_each(|item| {
+                        out.extend_from_slice(&(item.len() as u32).to_le_bytes());
+                        out.extend_from_slice(item);
+                    }),
+                }
+                out
+            }
+
+            /// Hands the data to ONNX Runtime (numbers without copying; strings must be UTF-8).
             pub fn into_ort(self, shape: Vec<i64>) -> ort::Result<DynValue> {
                 match self {
                     $(TensorData::$variant(v) => Ok(ort::value::Tensor::from_array((shape, v))?.into_dyn()),)*
+                    TensorData::Bytes(v) => {
+                        let strings = v
+                            .into_iter()
+                            .map(|b| String::from_utf8(b).map_err(|_| ort::Error::new("a BYTES element is not UTF-8 text")))
+                            .collect::<ort::Result<Vec<String>>>()?;
+                        Ok(ort::value::Tensor::from_string_array((shape, strings.as_slice()))?.into_dyn())
+                    }
                 }
             }
 
@@ -101,6 +157,10 @@ macro_rules! define_types {
                         let (shape, data) = value.try_extract_tensor::<$rust>()?;
                         Ok(Some((shape.to_vec(), TensorData::$variant(data.to_vec()))))
                     })*
+                    TensorElementType::String => {
+                        let (shape, data) = value.try_extract_strings()?;
+                        Ok(Some((shape.to_vec(), TensorData::Bytes(data.into_iter().map(String::into_bytes).collect()))))
+                    }
                     _ => Ok(None),
                 }
             }
@@ -108,15 +168,12 @@ macro_rules! define_types {
 
         impl Serialize for TensorData {
             fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let mut seq = serializer.serialize_seq(Some(self.len()))?;
                 match self {
-                    $(TensorData::$variant(v) => {
-                        let mut seq = serializer.serialize_seq(Some(v.len()))?;
-                        for x in v {
-                            seq.serialize_element(&ToJson::to_json(*x))?;
-                        }
-                        seq.end()
-                    })*
+                    $(TensorData::$variant(v) => for x in v { seq.serialize_element(&Element::to_json(*x))?; },)*
+                    TensorData::Bytes(v) => for x in v { seq.serialize_element(&String::from_utf8_lossy(x))?; },
                 }
+                seq.end()
             }
         }
     };
@@ -124,68 +181,74 @@ macro_rules! define_types {
 
 for_each_type!(define_types);
 
-/// Conversion of one JSON value to an element; `None` when it does not fit the type.
-trait FromJson: Sized {
+/// What each element type needs: JSON in and out, little-endian bytes in and out.
+trait Element: Sized + Copy {
+    /// JSON value to element; `None` when it does not fit the type.
+    type Json: Serialize;
     fn from_json(v: &serde_json::Value) -> Option<Self>;
+    /// What the element becomes in JSON (f16 goes out as f32).
+    fn to_json(self) -> Self::Json;
+    fn from_le(bytes: &[u8]) -> Option<Self>;
+    fn write_le(&self, out: &mut Vec<u8>);
 }
 
-/// What an element becomes in JSON (f16 goes out as f32; everything else as itself).
-trait ToJson {
-    type Out: Serialize;
-    fn to_json(self) -> Self::Out;
-}
-
-impl FromJson for bool {
+impl Element for bool {
+    type Json = bool;
     fn from_json(v: &serde_json::Value) -> Option<bool> {
         v.as_bool()
     }
+    fn to_json(self) -> bool {
+        self
+    }
+    fn from_le(bytes: &[u8]) -> Option<bool> {
+        match bytes[0] {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
+    }
+    fn write_le(&self, out: &mut Vec<u8>) {
+        out.push(*self as u8);
+    }
 }
 
-macro_rules! ints {
-    ($($t:ty),*) => {$(
-        impl FromJson for $t {
+macro_rules! numbers {
+    ($($t:ty => $json:ty, $from:expr, $to:expr);* $(;)?) => {$(
+        impl Element for $t {
+            type Json = $json;
             fn from_json(v: &serde_json::Value) -> Option<$t> {
-                if let Some(i) = v.as_i64() { return <$t>::try_from(i).ok(); }
-                v.as_u64().and_then(|u| <$t>::try_from(u).ok())
+                let from: fn(&serde_json::Value) -> Option<$t> = $from;
+                from(v)
+            }
+            fn to_json(self) -> $json {
+                let to: fn($t) -> $json = $to;
+                to(self)
+            }
+            fn from_le(bytes: &[u8]) -> Option<$t> {
+                Some(<$t>::from_le_bytes(bytes.try_into().ok()?))
+            }
+            fn write_le(&self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
             }
         }
     )*};
 }
-ints!(u8, u16, u32, u64, i8, i16, i32, i64);
 
-impl FromJson for f64 {
-    fn from_json(v: &serde_json::Value) -> Option<f64> {
-        v.as_f64()
-    }
+macro_rules! integers {
+    ($($t:ty),*) => {
+        numbers! {$(
+            $t => $t,
+            |v| match v.as_i64() { Some(i) => <$t>::try_from(i).ok(), None => v.as_u64().and_then(|u| <$t>::try_from(u).ok()) },
+            |x| x;
+        )*}
+    };
 }
+integers!(u8, u16, u32, u64, i8, i16, i32, i64);
 
-impl FromJson for f32 {
-    fn from_json(v: &serde_json::Value) -> Option<f32> {
-        v.as_f64().map(|x| x as f32)
-    }
-}
-
-impl FromJson for f16 {
-    fn from_json(v: &serde_json::Value) -> Option<f16> {
-        v.as_f64().map(f16::from_f64)
-    }
-}
-
-macro_rules! to_json_identity {
-    ($($t:ty),*) => {$(
-        impl ToJson for $t {
-            type Out = $t;
-            fn to_json(self) -> $t { self }
-        }
-    )*};
-}
-to_json_identity!(bool, u8, u16, u32, u64, i8, i16, i32, i64, f32, f64);
-
-impl ToJson for f16 {
-    type Out = f32;
-    fn to_json(self) -> f32 {
-        self.to_f32()
-    }
+numbers! {
+    f32 => f32, |v| v.as_f64().map(|x| x as f32), |x| x;
+    f64 => f64, |v| v.as_f64(), |x| x;
+    f16 => f32, |v| v.as_f64().map(f16::from_f64), |x| x.to_f32();
 }
 
 fn describe(v: &serde_json::Value) -> String {
@@ -200,10 +263,9 @@ fn describe(v: &serde_json::Value) -> String {
 /// Name of an ORT element type as v2 spells it, also for the types inferd does not carry
 /// (they still show up in model metadata).
 pub fn ort_type_name(ty: TensorElementType) -> String {
-    match (DataType::from_ort(ty), ty) {
-        (Some(dt), _) => dt.name().to_string(),
-        (None, TensorElementType::String) => "BYTES".to_string(),
-        (None, other) => format!("{other:?}").to_uppercase(),
+    match DataType::from_ort(ty) {
+        Some(dt) => dt.name().to_string(),
+        None => format!("{ty:?}").to_uppercase(),
     }
 }
 
@@ -228,6 +290,7 @@ mod tests {
             assert_eq!(DataType::from_name(name).unwrap().name(), name);
         }
         assert!(DataType::from_name("fp32").is_none());
+        assert_eq!(DataType::from_name("BYTES"), Some(DataType::Bytes));
     }
 
     #[test]
@@ -246,6 +309,28 @@ mod tests {
         assert!(parse(DataType::Bool, json!([1])).is_err());
         let h = parse(DataType::F16, json!([0.5])).unwrap();
         assert_eq!(serde_json::to_string(&h).unwrap(), "[0.5]");
+    }
+
+    #[test]
+    fn binary_round_trips_every_type() {
+        let cases = [
+            TensorData::Bool(vec![true, false]),
+            TensorData::U16(vec![1, 65535]),
+            TensorData::I64(vec![-1, 1 << 40]),
+            TensorData::F16(vec![f16::from_f32(0.5), f16::from_f32(-2.0)]),
+            TensorData::F32(vec![1.5, -0.25]),
+            TensorData::F64(vec![1e300, -0.0]),
+            TensorData::Bytes(vec![b"Hi there".to_vec(), "Größe 🙂".as_bytes().to_vec()]),
+        ];
+        for data in cases {
+            let bytes = data.to_binary();
+            assert_eq!(data.dtype().parse_binary(&bytes, 2).unwrap(), data);
+            assert!(data.dtype().parse_binary(&bytes, 3).is_err(), "{data:?} with a wrong count");
+            assert!(data.dtype().parse_binary(&bytes[..bytes.len() - 1], 2).is_err(), "{data:?} cut short");
+        }
+        assert_eq!(TensorData::Bytes(vec![b"ab".to_vec()]).to_binary(), vec![2, 0, 0, 0, b'a', b'b']);
+        assert!(DataType::Bool.parse_binary(&[2], 1).is_err());
+        assert!(DataType::Bytes.parse_binary(&[200, 0, 0, 0, 1], 1).is_err());
     }
 
     #[test]

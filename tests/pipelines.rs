@@ -1,0 +1,184 @@
+//! Classification pipelines end to end: a text classifier through the TEI-compatible
+//! `/predict` and KServe v2 BYTES tensors, and a CNN fed encoded images, including hostile
+//! ones that must get a 4xx without hurting the worker. References come from
+//! scripts/make_reference.py (tokenizers/Pillow + onnxruntime in Python).
+
+mod common;
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::*;
+use serde_json::{json, Value};
+
+fn fixture(name: &str) -> Value {
+    serde_json::from_slice(&std::fs::read(repo().join("tests/fixtures").join(name)).unwrap()).unwrap()
+}
+
+fn image(name: &str) -> Vec<u8> {
+    std::fs::read(repo().join("tests/fixtures/images").join(name)).unwrap()
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// Default model `classifier` (so the short /predict path serves it), plus `cnn`.
+fn server(tag: &str) -> Server {
+    let tokenizer = repo().join("models/minilm/tokenizer.json");
+    assert!(tokenizer.is_file(), "{} is missing: run `make setup`", tokenizer.display());
+    let dir = TempDir::new(tag);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &test_models(), "classifier", &["cnn"], "max_batch_inputs = 8");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    server
+}
+
+fn post(server: &Server, path: &str, body: Value) -> Response {
+    server.request("POST", path, &serde_json::to_vec(&body).unwrap())
+}
+
+fn labels(list: &Value) -> Vec<&str> {
+    list.as_array().unwrap().iter().map(|p| p["label"].as_str().unwrap()).collect()
+}
+
+#[test]
+fn text_classifier_predicts_like_the_reference() {
+    let reference = fixture("classifier_reference.json");
+    let server = server("classify");
+    let cases = reference["cases"].as_array().unwrap();
+    for case in cases {
+        let r = post(&server, "/predict", json!({ "inputs": case["text"] }));
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let list = r.json();
+        assert_eq!(
+            labels(&list),
+            case["ranking"].as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect::<Vec<_>>()
+        );
+        let label_names: Vec<&str> =
+            reference["labels"].as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+        for p in list.as_array().unwrap() {
+            let i = label_names.iter().position(|l| *l == p["label"]).unwrap();
+            let want = case["probabilities"][i].as_f64().unwrap();
+            assert!((p["score"].as_f64().unwrap() - want).abs() < 1e-4, "{p} vs {want}");
+        }
+        // top_k, and raw scores (the logits).
+        let top = post(&server, "/v2/models/classifier/predict", json!({ "inputs": case["text"], "top_k": 1 })).json();
+        assert_eq!(top.as_array().unwrap().len(), 1);
+        assert_eq!(top[0]["label"], case["ranking"][0]);
+        let raw = post(&server, "/predict", json!({ "inputs": case["text"], "raw_scores": true })).json();
+        let best_logit =
+            case["logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        assert!((raw[0]["score"].as_f64().unwrap() - best_logit).abs() < 1e-4, "{raw}");
+    }
+    // A list of texts gets a list of lists, each as when sent alone.
+    let texts: Vec<&Value> = cases.iter().map(|c| &c["text"]).skip(1).collect();
+    let batch = post(&server, "/predict", json!({ "inputs": texts })).json();
+    assert_eq!(batch.as_array().unwrap().len(), 3);
+    for (row, case) in batch.as_array().unwrap().iter().zip(cases.iter().skip(1)) {
+        assert_eq!(labels(row)[0], case["ranking"][0]);
+    }
+    // As TEI does, a two-element list is one pair of texts.
+    let pair = post(&server, "/predict", json!({ "inputs": ["first text", "second text"] })).json();
+    assert_eq!(pair.as_array().unwrap().len(), 3, "one ranking of 3 labels: {pair}");
+
+    // Errors: empty text, no inputs, too many, wrong endpoint, a model that takes images.
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("/predict", json!({"inputs": ""}), 400, "input 0 is empty"),
+        ("/predict", json!({"top_k": 1}), 400, "missing 'inputs'"),
+        (
+            "/predict",
+            json!({"inputs": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}),
+            413,
+            "9 inputs in one request; the limit is 8",
+        ),
+        (
+            "/embed",
+            json!({"inputs": "x"}),
+            400,
+            "/embed needs an embedding model, but 'classifier' is a classification model",
+        ),
+        ("/v2/models/cnn/predict", json!({"inputs": "x"}), 400, "model 'cnn' takes images, not text"),
+        ("/predict", json!({"inputs": 5}), 400, "request body"),
+    ];
+    for (path, body, status, message) in cases {
+        let r = post(&server, path, body);
+        assert_eq!(r.status, status, "{path}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains(message), "{path}: {} does not contain {message:?}", r.error());
+    }
+}
+
+#[test]
+fn text_classifier_through_v2_bytes_tensors() {
+    let reference = fixture("classifier_reference.json");
+    let server = server("v2text");
+    let texts: Vec<&Value> = reference["cases"].as_array().unwrap().iter().map(|c| &c["text"]).collect();
+    let body = json!({
+        "id": "bytes-1",
+        "inputs": [{"name": "text", "shape": [texts.len()], "datatype": "BYTES", "data": texts}],
+        "outputs": [{"name": "label"}, {"name": "probabilities"}],
+    });
+    let r = post(&server, "/v2/models/classifier/infer", body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let a = r.json();
+    assert_eq!(a["id"], "bytes-1");
+    assert_eq!(a["outputs"][0]["datatype"], "BYTES");
+    let want: Vec<&Value> = reference["cases"].as_array().unwrap().iter().map(|c| &c["ranking"][0]).collect();
+    assert_eq!(a["outputs"][0]["data"], json!(want));
+    assert_eq!(a["outputs"][1]["shape"], json!([4, 3]));
+    // The raw tensors still work too: the model's own inputs bypass the pipeline.
+    let meta = server.request("GET", "/v2/models/classifier", b"").json();
+    assert_eq!(meta["pipeline"]["inputs"][0], json!({"name": "text", "datatype": "BYTES", "shape": [-1]}));
+    assert_eq!(meta["inputs"][0]["name"], "input_ids");
+    let r = post(
+        &server,
+        "/v2/models/classifier/infer",
+        json!({"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1]}]}),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("input 'text': expected BYTES, got FP32"), "{}", r.error());
+}
+
+#[test]
+fn cnn_classifies_images_and_refuses_hostile_ones() {
+    let reference = fixture("cnn_reference.json");
+    let mut server = server("images");
+    for case in reference["cases"].as_array().unwrap() {
+        let file = case["file"].as_str().unwrap();
+        let r = post(&server, "/v2/models/cnn/predict", json!({ "image_b64": b64(&image(file)) }));
+        assert_eq!(r.status, 200, "{file}: {}", String::from_utf8_lossy(&r.body));
+        let list = r.json();
+        assert_eq!(list[0]["label"], case["label"], "{file}: {list}");
+        let want =
+            case["probabilities"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        // A different bilinear implementation may move scores a little, never the class.
+        assert!((list[0]["score"].as_f64().unwrap() - want).abs() < 0.05, "{file}: {list} vs {want}");
+    }
+    // KServe v2 with the image as a BYTES tensor (base64 in JSON).
+    let body = json!({"inputs": [{"name": "image", "shape": [2], "datatype": "BYTES", "data": [b64(&image("red.png")), b64(&image("gray.jpg"))]}]});
+    let r = post(&server, "/v2/models/cnn/infer", body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["outputs"][0]["data"], json!(["red", "gray"]));
+
+    let hostile = [
+        ("truncated.jpg", 400, "corrupt or truncated"),
+        ("not_an_image.txt", 400, "not a PNG or JPEG image"),
+        ("zero.png", 400, "image 0: empty"),
+        ("huge.png", 413, "image 0 is 20000x20000 = 400000000 pixels, more than the model's limit of 40000000"),
+    ];
+    let before = server.worker_pids();
+    for (file, status, message) in hostile {
+        let r = post(&server, "/v2/models/cnn/predict", json!({ "image_b64": b64(&image(file)) }));
+        assert_eq!(r.status, status, "{file}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains(message), "{file}: {}", r.error());
+    }
+    let r = post(&server, "/v2/models/cnn/predict", json!({ "image_b64": "***" }));
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("image_b64 0 is not base64"), "{}", r.error());
+    // Every worker survived and is still ready.
+    assert_eq!(server.worker_pids(), before);
+    let status = server.wait_ready(Duration::from_secs(1));
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status:#}");
+    assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
+}

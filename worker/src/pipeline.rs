@@ -1,0 +1,475 @@
+//! Per-model pre- and post-processing: text through a tokenizer, images through a decoder,
+//! and the model's outputs turned into embeddings or labelled scores.
+//!
+//! A [`Pipeline`] is built when the model loads, against the model's declared inputs and
+//! outputs, so a `model.toml` that does not fit its model is refused at start (and by
+//! `inferd check`) instead of failing on the first request. Tokenisation runs on the worker's
+//! I/O thread; the model thread only runs the model.
+
+use std::io::Cursor;
+
+use image::{ImageFormat, ImageReader};
+use inferd_config::model::{Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Task};
+use tokenizers::{EncodeInput, Tokenizer, TruncationParams};
+
+use crate::model::{Tensor, TensorSpec};
+use crate::tensor::{DataType, TensorData};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("input {index} is empty")]
+    Empty { index: usize },
+    #[error(
+        "input {index} has {tokens} tokens, but the model takes at most {max}; shorten it or send \"truncate\": true"
+    )]
+    TooLong { index: usize, tokens: usize, max: usize },
+    #[error("input {index}: {message}")]
+    Tokenizer { index: usize, message: String },
+    #[error("image {index}: {message}")]
+    NotAnImage { index: usize, message: String },
+    #[error(
+        "image {index} is {width}x{height} = {pixels} pixels, more than the model's limit of {max} (image.max_pixels)"
+    )]
+    ImageTooLarge { index: usize, width: u32, height: u32, pixels: u64, max: u64 },
+    #[error("the model's output does not fit the pipeline: {0}")]
+    Output(String),
+}
+
+/// What the model does with its outputs.
+#[derive(Debug, Clone)]
+pub enum Head {
+    Embedding { output: usize, pooling: Pooling, normalize: bool },
+    Classification { output: usize, labels: Vec<String>, activation: Activation },
+}
+
+#[derive(Debug)]
+pub enum Pipeline {
+    /// Tensors in, tensors out.
+    Raw,
+    Text(TextPipeline),
+    Image(ImagePipeline),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum TextFeed {
+    Ids,
+    Mask,
+    TypeIds,
+}
+
+#[derive(Debug)]
+pub struct TextPipeline {
+    /// Padding and truncation off: the batch is padded to its longest sequence here.
+    plain: Tokenizer,
+    /// The same with truncation at `max_length`, for requests that allow it.
+    truncating: Tokenizer,
+    pub max_length: usize,
+    /// For every model input, in the model's order: what feeds it and its element type.
+    feeds: Vec<(String, TextFeed, DataType)>,
+    pub head: Head,
+}
+
+#[derive(Debug)]
+pub struct ImagePipeline {
+    pub config: ImageConfig,
+    input: String,
+    pub head: Head,
+}
+
+/// One text input: a sentence, or a pair for cross-encoders.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Text {
+    Single(String),
+    Pair(String, String),
+}
+
+/// A tokenised batch, ready for the model.
+pub struct Encoded {
+    pub inputs: Vec<Tensor>,
+    /// Tokens of each row before padding.
+    pub lengths: Vec<usize>,
+    /// Rows that were truncated.
+    pub truncated: Vec<usize>,
+}
+
+impl Pipeline {
+    /// Builds the pipeline `entry` asks for and checks it against the model's inputs and outputs.
+    pub fn build(entry: &ModelEntry, inputs: &[TensorSpec], outputs: &[TensorSpec]) -> Result<Pipeline, String> {
+        if entry.task == Task::Raw {
+            return Ok(Pipeline::Raw);
+        }
+        let head = head(entry, outputs)?;
+        if let Some(t) = &entry.tokenizer {
+            let load = || Tokenizer::from_file(&t.path).map_err(|e| format!("tokenizer {}: {e}", t.path.display()));
+            let mut plain = load()?;
+            plain.with_padding(None);
+            plain.with_truncation(None).map_err(|e| e.to_string())?;
+            let mut truncating = plain.clone();
+            truncating
+                .with_truncation(Some(TruncationParams { max_length: t.max_length, ..Default::default() }))
+                .map_err(|e| e.to_string())?;
+            let mut feeds = Vec::new();
+            for spec in inputs {
+                let feed = match spec.name.as_str() {
+                    "input_ids" => TextFeed::Ids,
+                    "attention_mask" => TextFeed::Mask,
+                    "token_type_ids" => TextFeed::TypeIds,
+                    other => {
+                        return Err(format!(
+                            "input '{other}' is not one the text pipeline produces (input_ids, attention_mask, \
+                             token_type_ids)"
+                        ))
+                    }
+                };
+                let dtype = spec.dtype.filter(|d| matches!(d, DataType::I64 | DataType::I32));
+                if spec.shape.len() != 2 || dtype.is_none() {
+                    return Err(format!(
+                        "input '{}' is {} {:?}; the text pipeline feeds INT64 or INT32 [batch, sequence]",
+                        spec.name, spec.datatype, spec.shape
+                    ));
+                }
+                feeds.push((spec.name.clone(), feed, dtype.expect("checked")));
+            }
+            if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
+                return Err("the model has no input 'input_ids' for the tokenizer to feed".into());
+            }
+            return Ok(Pipeline::Text(TextPipeline { plain, truncating, max_length: t.max_length, feeds, head }));
+        }
+        let config = entry.image.clone().ok_or("a classification model needs [tokenizer] or [image]")?;
+        if inputs.len() != 1 {
+            return Err(format!("an image model must have exactly one input, this one has {}", inputs.len()));
+        }
+        let spec = match &config.input {
+            Some(name) => {
+                inputs.iter().find(|i| &i.name == name).ok_or(format!("image.input '{name}' is not an input"))?
+            }
+            None => &inputs[0],
+        };
+        let (h, w) = (config.height as i64, config.width as i64);
+        let want = match config.layout {
+            Layout::Nchw => [-1, 3, h, w],
+            Layout::Nhwc => [-1, h, w, 3],
+        };
+        let fits =
+            spec.shape.len() == 4 && spec.shape.iter().zip(want).skip(1).all(|(&have, want)| have < 0 || have == want);
+        if spec.dtype != Some(DataType::F32) || !fits {
+            return Err(format!(
+                "input '{}' is {} {:?}; image settings ({}x{}, {:?}) need FP32 {:?}",
+                spec.name, spec.datatype, spec.shape, config.width, config.height, config.layout, want
+            ));
+        }
+        Ok(Pipeline::Image(ImagePipeline { input: spec.name.clone(), config, head }))
+    }
+
+    pub fn head(&self) -> Option<&Head> {
+        match self {
+            Pipeline::Raw => None,
+            Pipeline::Text(t) => Some(&t.head),
+            Pipeline::Image(i) => Some(&i.head),
+        }
+    }
+}
+
+fn head(entry: &ModelEntry, outputs: &[TensorSpec]) -> Result<Head, String> {
+    let pick = |name: &Option<String>| -> Result<(usize, &TensorSpec), String> {
+        match name {
+            Some(n) => outputs.iter().position(|o| &o.name == n).map(|i| (i, &outputs[i])).ok_or(format!(
+                "output '{n}' is not an output of the model ({})",
+                outputs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>().join(", ")
+            )),
+            None => outputs.first().map(|o| (0, o)).ok_or("the model has no outputs".to_string()),
+        }
+    };
+    match entry.task {
+        Task::Embedding => {
+            let e = entry.embedding.clone().unwrap_or_default();
+            let (output, spec) = pick(&e.output)?;
+            if spec.dtype != Some(DataType::F32) || !matches!(spec.shape.len(), 2 | 3) {
+                return Err(format!(
+                    "output '{}' is {} {:?}; embeddings need FP32 [batch, sequence, dim] or [batch, dim]",
+                    spec.name, spec.datatype, spec.shape
+                ));
+            }
+            Ok(Head::Embedding { output, pooling: e.pooling, normalize: e.normalize })
+        }
+        Task::Classification => {
+            let c = entry.classification.clone().expect("checked when model.toml was read");
+            let (output, spec) = pick(&c.output)?;
+            let width = spec.shape.last().copied();
+            if spec.dtype != Some(DataType::F32) || spec.shape.len() != 2 {
+                return Err(format!(
+                    "output '{}' is {} {:?}; classification needs FP32 [batch, labels]",
+                    spec.name, spec.datatype, spec.shape
+                ));
+            }
+            if width.is_some_and(|w| w >= 0 && w as usize != c.labels.len()) {
+                return Err(format!(
+                    "{} labels, but output '{}' has {} logits per row",
+                    c.labels.len(),
+                    spec.name,
+                    width.unwrap_or_default()
+                ));
+            }
+            Ok(Head::Classification { output, labels: c.labels, activation: c.activation })
+        }
+        Task::Raw => unreachable!("raw models have no head"),
+    }
+}
+
+impl TextPipeline {
+    /// Tokenises a batch and pads it to its longest row (never to a fixed length).
+    pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
+        let tokenizer = if truncate { &self.truncating } else { &self.plain };
+        let mut encodings = Vec::with_capacity(texts.len());
+        let mut truncated = Vec::new();
+        for (index, text) in texts.iter().enumerate() {
+            let input: EncodeInput = match text {
+                Text::Single(s) if s.is_empty() => return Err(PipelineError::Empty { index }),
+                Text::Pair(a, b) if a.is_empty() || b.is_empty() => return Err(PipelineError::Empty { index }),
+                Text::Single(s) => s.as_str().into(),
+                Text::Pair(a, b) => (a.as_str(), b.as_str()).into(),
+            };
+            let encoding = tokenizer
+                .encode_fast(input, true)
+                .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
+            if encoding.len() > self.max_length {
+                return Err(PipelineError::TooLong { index, tokens: encoding.len(), max: self.max_length });
+            }
+            if !encoding.get_overflowing().is_empty() {
+                truncated.push(index);
+            }
+            encodings.push(encoding);
+        }
+        let rows = encodings.len();
+        let width = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
+        let inputs = self
+            .feeds
+            .iter()
+            .map(|(name, feed, dtype)| {
+                let mut flat = vec![0i64; rows * width];
+                for (r, e) in encodings.iter().enumerate() {
+                    let values = match feed {
+                        TextFeed::Ids => e.get_ids(),
+                        TextFeed::Mask => e.get_attention_mask(),
+                        TextFeed::TypeIds => e.get_type_ids(),
+                    };
+                    for (c, &v) in values.iter().enumerate() {
+                        flat[r * width + c] = v as i64;
+                    }
+                }
+                let data = match dtype {
+                    DataType::I32 => TensorData::I32(flat.into_iter().map(|v| v as i32).collect()),
+                    _ => TensorData::I64(flat),
+                };
+                Tensor { name: name.clone(), shape: vec![rows as i64, width as i64], data }
+            })
+            .collect();
+        Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
+    }
+}
+
+impl ImagePipeline {
+    /// Decodes, resizes and normalises a batch of encoded images into the model's input.
+    pub fn preprocess(&self, images: &[Vec<u8>]) -> Result<Vec<Tensor>, PipelineError> {
+        let c = &self.config;
+        let (w, h) = (c.width as usize, c.height as usize);
+        let plane = w * h;
+        let mut data = vec![0f32; images.len() * 3 * plane];
+        for (n, bytes) in images.iter().enumerate() {
+            let rgb = decode(n, bytes, c)?;
+            let resized = image::imageops::resize(&rgb, c.width, c.height, image::imageops::FilterType::Triangle);
+            let base = n * 3 * plane;
+            for (i, pixel) in resized.pixels().enumerate() {
+                for ch in 0..3 {
+                    let source = match c.channels {
+                        ChannelOrder::Rgb => ch,
+                        ChannelOrder::Bgr => 2 - ch,
+                    };
+                    let value = (pixel.0[source] as f32 * c.scale - c.mean[ch]) / c.std[ch];
+                    let at = match c.layout {
+                        Layout::Nchw => base + ch * plane + i,
+                        Layout::Nhwc => base + i * 3 + ch,
+                    };
+                    data[at] = value;
+                }
+            }
+        }
+        let shape = match c.layout {
+            Layout::Nchw => vec![images.len() as i64, 3, h as i64, w as i64],
+            Layout::Nhwc => vec![images.len() as i64, h as i64, w as i64, 3],
+        };
+        Ok(vec![Tensor { name: self.input.clone(), shape, data: TensorData::F32(data) }])
+    }
+}
+
+/// PNG or JPEG to RGB, refusing anything else, and checking the pixel count from the header
+/// before a single pixel is decoded.
+fn decode(index: usize, bytes: &[u8], c: &ImageConfig) -> Result<image::RgbImage, PipelineError> {
+    let bad = |message: String| PipelineError::NotAnImage { index, message };
+    if bytes.is_empty() {
+        return Err(bad("empty".into()));
+    }
+    let reader = || -> Result<ImageReader<Cursor<&[u8]>>, PipelineError> {
+        let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.to_string()))?;
+        match reader.format() {
+            Some(ImageFormat::Png | ImageFormat::Jpeg) => Ok(reader),
+            _ => Err(bad("not a PNG or JPEG image".into())),
+        }
+    };
+    let header = reader()?;
+    // The JPEG decoder fills a cut-off image with grey instead of failing: a complete JPEG has
+    // its end-of-image marker after the last start-of-scan (entropy-coded data never contains
+    // an unescaped 0xFF 0xD9).
+    if header.format() == Some(ImageFormat::Jpeg) && !jpeg_complete(bytes) {
+        return Err(bad("corrupt or truncated: the JPEG data ends before its end-of-image marker".into()));
+    }
+    let (width, height) = header.into_dimensions().map_err(|e| bad(format!("unreadable header: {e}")))?;
+    let pixels = width as u64 * height as u64;
+    if pixels > c.max_pixels {
+        return Err(PipelineError::ImageTooLarge { index, width, height, pixels, max: c.max_pixels });
+    }
+    let mut decoder = reader()?;
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(width);
+    limits.max_image_height = Some(height);
+    limits.max_alloc = Some(pixels * 8 + (1 << 20));
+    decoder.limits(limits);
+    let decoded = decoder.decode().map_err(|e| bad(format!("corrupt or truncated: {e}")))?;
+    Ok(decoded.to_rgb8())
+}
+
+fn jpeg_complete(bytes: &[u8]) -> bool {
+    let last_scan = bytes.windows(2).rposition(|w| w == [0xFF, 0xDA]).unwrap_or(0);
+    bytes[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
+}
+
+impl Head {
+    /// The output the head reads.
+    pub fn output(&self) -> usize {
+        match self {
+            Head::Embedding { output, .. } | Head::Classification { output, .. } => *output,
+        }
+    }
+}
+
+/// Pools token vectors `[batch, sequence, dim]` (or passes `[batch, dim]` through), then
+/// L2-normalises when asked.
+pub fn embeddings(
+    output: &Tensor,
+    lengths: &[usize],
+    pooling: Pooling,
+    normalize: bool,
+) -> Result<Vec<Vec<f32>>, PipelineError> {
+    let TensorData::F32(values) = &output.data else {
+        return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
+    };
+    let dims: Vec<usize> = output.shape.iter().map(|&d| d as usize).collect();
+    let mut rows = match dims.as_slice() {
+        [b, d] if *b == lengths.len() => values.chunks(*d).map(<[f32]>::to_vec).collect::<Vec<_>>(),
+        [b, s, d] if *b == lengths.len() => (0..*b)
+            .map(|r| {
+                let row = &values[r * s * d..(r + 1) * s * d];
+                match pooling {
+                    Pooling::Cls => row[..*d].to_vec(),
+                    Pooling::Mean => {
+                        let n = lengths[r].clamp(1, *s);
+                        let mut sum = vec![0f32; *d];
+                        for token in row.chunks(*d).take(n) {
+                            sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
+                        }
+                        sum.iter().map(|x| x / n as f32).collect()
+                    }
+                }
+            })
+            .collect(),
+        _ => return Err(PipelineError::Output(format!("'{}' has shape {:?}", output.name, output.shape))),
+    };
+    if normalize {
+        for row in &mut rows {
+            let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+            row.iter_mut().for_each(|x| *x /= norm);
+        }
+    }
+    Ok(rows)
+}
+
+/// Scores per row, `raw` = the logits themselves, else softmax or sigmoid.
+pub fn scores(
+    output: &Tensor,
+    labels: usize,
+    activation: Activation,
+    raw: bool,
+) -> Result<Vec<Vec<f32>>, PipelineError> {
+    let TensorData::F32(values) = &output.data else {
+        return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
+    };
+    if output.shape.len() != 2 || output.shape[1] as usize != labels {
+        return Err(PipelineError::Output(format!(
+            "'{}' has shape {:?}, expected [batch, {labels}]",
+            output.name, output.shape
+        )));
+    }
+    Ok(values
+        .chunks(labels)
+        .map(|logits| match (raw, activation) {
+            (true, _) => logits.to_vec(),
+            (false, Activation::Sigmoid) => logits.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect(),
+            (false, Activation::Softmax) => {
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exp: Vec<f32> = logits.iter().map(|x| (x - max).exp()).collect();
+                let sum: f32 = exp.iter().sum();
+                exp.iter().map(|x| x / sum).collect()
+            }
+        })
+        .collect())
+}
+
+/// Labels with their scores, best first, at most `top_k`.
+pub fn ranked(labels: &[String], scores: &[f32], top_k: Option<usize>) -> Vec<(String, f32)> {
+    let mut pairs: Vec<(String, f32)> = labels.iter().cloned().zip(scores.iter().copied()).collect();
+    pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
+    pairs.truncate(top_k.unwrap_or(usize::MAX));
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_pooling_ignores_padding_and_normalises() {
+        // Two rows, sequence 3, dim 2; row 1 has one real token.
+        let out = Tensor {
+            name: "h".into(),
+            shape: vec![2, 3, 2],
+            data: TensorData::F32(vec![1., 2., 3., 4., 9., 9., 6., 8., 100., 100., 100., 100.]),
+        };
+        let e = embeddings(&out, &[2, 1], Pooling::Mean, false).unwrap();
+        assert_eq!(e, vec![vec![2., 3.], vec![6., 8.]]);
+        let e = embeddings(&out, &[2, 1], Pooling::Mean, true).unwrap();
+        assert!((e[1][0] - 0.6).abs() < 1e-6 && (e[1][1] - 0.8).abs() < 1e-6);
+        let e = embeddings(&out, &[2, 1], Pooling::Cls, false).unwrap();
+        assert_eq!(e[1], vec![6., 8.]);
+    }
+
+    #[test]
+    fn a_jpeg_without_its_end_marker_is_incomplete() {
+        assert!(jpeg_complete(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00, 0xFF, 0xD9]));
+        assert!(!jpeg_complete(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00]));
+        // An end marker before the last scan (a thumbnail's) does not count.
+        assert!(!jpeg_complete(&[0xFF, 0xD8, 0xFF, 0xD9, 0xFF, 0xDA, 1, 2]));
+    }
+
+    #[test]
+    fn softmax_sigmoid_raw_and_ranking() {
+        let out = Tensor { name: "l".into(), shape: vec![1, 3], data: TensorData::F32(vec![0., 1., 2.]) };
+        let s = scores(&out, 3, Activation::Softmax, false).unwrap();
+        assert!((s[0].iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert_eq!(scores(&out, 3, Activation::Softmax, true).unwrap()[0], vec![0., 1., 2.]);
+        assert!((scores(&out, 3, Activation::Sigmoid, false).unwrap()[0][0] - 0.5).abs() < 1e-6);
+        let labels: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        let r = ranked(&labels, &s[0], Some(2));
+        assert_eq!(r.iter().map(|p| p.0.as_str()).collect::<Vec<_>>(), ["c", "b"]);
+        assert!(scores(&out, 4, Activation::Softmax, false).is_err());
+    }
+}

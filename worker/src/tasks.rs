@@ -1,0 +1,143 @@
+//! Running a model through its pipeline: text or images in, embeddings or scores out. Shared by
+//! the TEI-compatible endpoints (`/embed`, `/predict`) and KServe v2 `/infer` with a BYTES
+//! input.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper::header::HeaderValue;
+use hyper::Response;
+
+use crate::http::{ApiError, AppState};
+use crate::model::ModelMeta;
+use crate::pipeline::{embeddings, scores, Head, Pipeline, PipelineError, Text};
+
+pub enum PipelineInput {
+    Texts(Vec<Text>),
+    /// Encoded images (PNG, JPEG).
+    Images(Vec<Vec<u8>>),
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Truncate texts longer than the model's limit instead of refusing them.
+    pub truncate: bool,
+    /// L2-normalise embeddings; `None` = the model's default.
+    pub normalize: Option<bool>,
+    /// Return logits instead of softmax/sigmoid scores.
+    pub raw_scores: bool,
+}
+
+pub enum Rows {
+    Embeddings(Vec<Vec<f32>>),
+    Scores { labels: Vec<String>, scores: Vec<Vec<f32>> },
+}
+
+pub struct Outcome {
+    pub rows: Rows,
+    /// Inputs that were truncated (only with `truncate`).
+    pub truncated: Vec<usize>,
+    /// Tokenising or decoding.
+    pub prepare: Duration,
+    /// Waiting for and running the model.
+    pub model: Duration,
+}
+
+impl From<PipelineError> for ApiError {
+    fn from(e: PipelineError) -> Self {
+        match e {
+            PipelineError::TooLong { .. } | PipelineError::ImageTooLarge { .. } => ApiError::TooLarge(e.to_string()),
+            PipelineError::Output(_) => ApiError::Internal(e.to_string()),
+            _ => ApiError::BadRequest(e.to_string()),
+        }
+    }
+}
+
+pub async fn run(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    input: PipelineInput,
+    options: Options,
+) -> Result<Outcome, ApiError> {
+    let count = match &input {
+        PipelineInput::Texts(t) => t.len(),
+        PipelineInput::Images(i) => i.len(),
+    };
+    if count == 0 {
+        return Err(ApiError::BadRequest("no inputs".into()));
+    }
+    if count > state.max_batch_inputs {
+        return Err(ApiError::TooLarge(format!(
+            "{count} inputs in one request; the limit is {} (server.max_batch_inputs)",
+            state.max_batch_inputs
+        )));
+    }
+    let model = &meta.info.name;
+    let started = Instant::now();
+    let (tensors, lengths, truncated) = match (&*meta.pipeline, input) {
+        (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
+            // On the I/O thread: tokenising a request takes well under a millisecond.
+            let encoded = p.encode(&texts, options.truncate)?;
+            (encoded.inputs, encoded.lengths, encoded.truncated)
+        }
+        (Pipeline::Image(_), PipelineInput::Images(images)) => {
+            // Decoding can take tens of milliseconds: off the I/O thread, onto the runtime's
+            // one blocking thread (started on demand).
+            let pipeline = Arc::clone(&meta.pipeline);
+            let tensors = tokio::task::spawn_blocking(move || match &*pipeline {
+                Pipeline::Image(p) => p.preprocess(&images),
+                _ => unreachable!("matched above"),
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("image decoding failed: {e}")))??;
+            (tensors, Vec::new(), Vec::new())
+        }
+        (Pipeline::Raw, _) => {
+            return Err(ApiError::BadRequest(format!(
+                "model '{model}' has no pipeline (task = \"raw\"); send its tensors to /v2/models/{model}/infer"
+            )))
+        }
+        (Pipeline::Text(_), PipelineInput::Images(_)) => {
+            return Err(ApiError::BadRequest(format!("model '{model}' takes text, not images")))
+        }
+        (Pipeline::Image(_), PipelineInput::Texts(_)) => {
+            return Err(ApiError::BadRequest(format!("model '{model}' takes images, not text")))
+        }
+    };
+    let prepare = started.elapsed();
+    let outputs = state.engine.infer(index, tensors).await?;
+    let model_time = started.elapsed() - prepare;
+    let head = meta.pipeline.head().expect("pipelines have a head");
+    let output = &outputs[head.output()];
+    let rows = match head {
+        Head::Embedding { pooling, normalize, .. } => {
+            Rows::Embeddings(embeddings(output, &lengths, *pooling, options.normalize.unwrap_or(*normalize))?)
+        }
+        Head::Classification { labels, activation, .. } => Rows::Scores {
+            labels: labels.clone(),
+            scores: scores(output, labels.len(), *activation, options.raw_scores)?,
+        },
+    };
+    Ok(Outcome { rows, truncated, prepare, model: model_time })
+}
+
+/// `x-inferd-truncated: 0,3` when inputs were truncated, and `Server-Timing` with the time
+/// spent preparing the inputs and in the model.
+pub fn annotate<B>(reply: &mut Response<B>, outcome: &Outcome) {
+    let headers = reply.headers_mut();
+    if !outcome.truncated.is_empty() {
+        let list = outcome.truncated.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        if let Ok(v) = HeaderValue::from_str(&list) {
+            headers.insert("x-inferd-truncated", v);
+        }
+    }
+    let timing = format!(
+        "prepare;dur={:.3}, model;dur={:.3}",
+        outcome.prepare.as_secs_f64() * 1e3,
+        outcome.model.as_secs_f64() * 1e3
+    );
+    if let Ok(v) = HeaderValue::from_str(&timing) {
+        headers.insert("server-timing", v);
+    }
+}
