@@ -6,7 +6,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: setup build run test check fixtures clean
+.PHONY: setup build run test check bench fixtures clean
 
 setup:
 	scripts/setup.sh
@@ -23,6 +23,10 @@ check: setup build
 # The integration tests run the release binary, so `make run` and `make test` share one build.
 test: setup
 	$(CARGO) test --release --locked --workspace
+
+# /embed latency and throughput against the raw ONNX Runtime loop (docs/benchmarks.md).
+bench: setup
+	bench/embed.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

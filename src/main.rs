@@ -154,6 +154,18 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             meta.info.sha256,
             entry.path.display()
         );
+        match (&entry.tokenizer, &entry.image) {
+            (Some(t), _) => println!(
+                "  task   {:?}: text, tokenizer {} (max_length {})",
+                entry.task,
+                t.path.display(),
+                t.max_length
+            ),
+            (_, Some(i)) => {
+                println!("  task   {:?}: images {}x{} {:?} {:?}", entry.task, i.width, i.height, i.channels, i.layout)
+            }
+            _ => println!("  task   {:?}: tensors in, tensors out", entry.task),
+        }
         for (kind, specs) in [("input ", &meta.inputs), ("output", &meta.outputs)] {
             for s in specs {
                 println!("  {kind} {:<24} {:<6} {:?}", s.name, s.datatype, s.shape);
