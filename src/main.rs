@@ -26,8 +26,12 @@ enum Command {
     /// Print the resolved plan (cores, workers, threads, CPU sets, ONNX Runtime, models) and
     /// exit non-zero if it is impossible.
     Check(ServeArgs),
-    /// Show the pool of a running server.
+    /// Show the pool of a running server. Exits 2 when the pool is degraded.
     Status(StatusArgs),
+    /// Swap models with a rolling replacement of the workers (the same as SIGHUP).
+    Reload(ReloadArgs),
+    /// Add (+1, the same as SIGTTIN) or drain (-1, SIGTTOU) one worker.
+    Scale(ScaleArgs),
     /// Internal: one worker process, started by `inferd serve`.
     #[command(hide = true)]
     Worker {
@@ -64,15 +68,61 @@ struct ServeArgs {
 }
 
 #[derive(Args)]
-struct StatusArgs {
+struct SocketArgs {
     #[command(flatten)]
     config: ConfigArg,
     /// Control socket of the server; default: the one in the configuration.
     #[arg(long)]
     control_socket: Option<PathBuf>,
+}
+
+impl SocketArgs {
+    fn path(&self) -> anyhow::Result<PathBuf> {
+        Ok(match &self.control_socket {
+            Some(path) => path.clone(),
+            None => Config::load(self.config.config.as_deref())?.control_socket(),
+        })
+    }
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Refresh the table in place every --interval seconds until interrupted.
+    #[arg(long)]
+    watch: bool,
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
+}
+
+#[derive(Args)]
+struct ReloadArgs {
+    #[command(flatten)]
+    socket: SocketArgs,
+    /// The model to swap (needed with --path when the server has several models).
+    #[arg(long)]
+    model: Option<String>,
+    /// New model: a folder with its model.toml, or an ONNX file. Without it the models are
+    /// read again from the repository (a forced recycle when nothing changed).
+    #[arg(long)]
+    path: Option<PathBuf>,
+    /// Follow the reload until every worker is replaced (default: until the new models
+    /// passed validation in the first new worker).
+    #[arg(long)]
+    wait: bool,
+}
+
+#[derive(Args)]
+struct ScaleArgs {
+    #[command(flatten)]
+    socket: SocketArgs,
+    /// +1 or -1.
+    #[arg(allow_negative_numbers = true)]
+    delta: String,
 }
 
 fn main() -> ExitCode {
@@ -83,6 +133,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Check(args) => check(args),
         Command::Status(args) => status(args),
+        Command::Reload(args) => reload(args),
+        Command::Scale(args) => scale(args),
     };
     match result {
         Ok(code) => code,
@@ -177,16 +229,38 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let socket = match args.control_socket {
-        Some(path) => path,
-        None => Config::load(args.config.config.as_deref())?.control_socket(),
-    };
-    let response = control::query(&socket, &Request::Status)?;
-    let status = response.status.context("the server sent no status")?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
-    } else {
-        print!("{}", status.render());
+    let socket = args.socket.path()?;
+    loop {
+        let response = control::query(&socket, &Request::Status, |_| {})?;
+        let status = response.status.context("the server sent no status")?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&status)?);
+        } else if args.watch {
+            // Clear the screen and home the cursor, then redraw.
+            print!("\x1b[2J\x1b[H{}", status.render());
+            std::io::Write::flush(&mut std::io::stdout())?;
+        } else {
+            print!("{}", status.render());
+        }
+        if !args.watch {
+            let degraded = status.phase == inferd_supervisor::status::Phase::Degraded;
+            return Ok(if degraded { ExitCode::from(2) } else { ExitCode::SUCCESS });
+        }
+        std::thread::sleep(std::time::Duration::from_secs_f64(args.interval.max(0.1)));
     }
+}
+
+fn reload(args: ReloadArgs) -> anyhow::Result<ExitCode> {
+    let path = args.path.map(|p| std::path::absolute(&p).unwrap_or(p));
+    let request = Request::Reload { model: args.model, path, wait: args.wait };
+    let response = control::query(&args.socket.path()?, &request, |p| println!("{p}"))?;
+    println!("{}", response.message.unwrap_or_default());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
+    let delta: i32 = args.delta.parse().with_context(|| format!("scale takes +1 or -1, not {}", args.delta))?;
+    let response = control::query(&args.socket.path()?, &Request::Scale { delta }, |p| println!("{p}"))?;
+    println!("{}", response.message.unwrap_or_default());
     Ok(ExitCode::SUCCESS)
 }

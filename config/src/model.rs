@@ -226,21 +226,37 @@ impl ModelEntry {
     /// Reads `<repository>/<name>/model.toml` and checks that the files it names exist and
     /// that its sections make sense together.
     pub fn load(repository: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
-        let err = |message: String| ConfigError::Model { model: name.to_string(), message };
         let dir = repository.join(name);
-        let config_path = dir.join(MODEL_CONFIG_FILE);
         if !dir.is_dir() {
-            return Err(err(format!("no folder {} in the model repository", dir.display())));
+            let message = format!("no folder {} in the model repository", dir.display());
+            return Err(ConfigError::Model { model: name.to_string(), message });
         }
+        ModelEntry::load_dir(&dir, name)
+    }
+
+    /// What `inferd reload --path` points at, for model `name`: a folder with its own
+    /// model.toml (whose name must be `name`), or a model file that replaces this entry's.
+    pub fn replaced_by(&self, path: &Path) -> Result<ModelEntry, ConfigError> {
+        let err = |message: String| ConfigError::Model { model: self.name.clone(), message };
+        if path.is_dir() {
+            return ModelEntry::load_dir(path, &self.name);
+        }
+        if !path.is_file() {
+            return Err(err(format!("{} is neither a model folder nor a model file", path.display())));
+        }
+        let path = std::path::absolute(path).map_err(|e| err(e.to_string()))?;
+        Ok(ModelEntry { path, ..self.clone() })
+    }
+
+    /// Reads `dir/model.toml`, which must describe model `name`.
+    fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
+        let err = |message: String| ConfigError::Model { model: name.to_string(), message };
+        let config_path = dir.join(MODEL_CONFIG_FILE);
         let text = std::fs::read_to_string(&config_path)
             .map_err(|e| err(format!("cannot read {}: {e}", config_path.display())))?;
         let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
-            return Err(err(format!(
-                "{} says name = \"{}\"; it must match its folder name",
-                config_path.display(),
-                file.name
-            )));
+            return Err(err(format!("{} says name = \"{}\"; it must be \"{name}\"", config_path.display(), file.name)));
         }
         if file.warmup.batch_sizes.is_empty() || file.warmup.batch_sizes.contains(&0) || file.warmup.dynamic_dim == 0 {
             return Err(err(format!("{}: warmup sizes must be at least 1", config_path.display())));
@@ -395,7 +411,7 @@ mod tests {
     fn errors_name_the_model_and_the_problem() {
         let repo = repo_with("m2", "name = \"other\"\n", true);
         let e = ModelEntry::load(&repo, "m2").unwrap_err().to_string();
-        assert!(e.contains("m2") && e.contains("folder name"), "{e}");
+        assert!(e.contains("m2") && e.contains("it must be \"m2\""), "{e}");
         let repo = repo_with("m3", "name = \"m3\"\n", false);
         let e = ModelEntry::load(&repo, "m3").unwrap_err().to_string();
         assert!(e.contains("not found"), "{e}");

@@ -48,6 +48,13 @@ pub struct ModelInfo {
     pub sha256: String,
 }
 
+impl ModelInfo {
+    /// `<version label>+<sha256 prefix>`: changes whenever the file does.
+    pub fn full_version(&self) -> String {
+        format!("{}+{}", self.version, self.sha256)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureKind {

@@ -1,8 +1,14 @@
-//! The control socket: a Unix stream socket, mode 0600, one JSON request line in and one JSON
-//! response line out per connection. Only the user running inferd (or root) is answered; the
-//! peer's uid is checked with SO_PEERCRED on top of the file mode.
+//! The control socket: a Unix stream socket, mode 0600, one JSON request line in and one or
+//! more JSON response lines out per connection. Only the user running inferd (or root) is
+//! answered; the peer's uid is checked with SO_PEERCRED on top of the file mode.
 //!
-//! Requests: `{"command":"status"}`. Responses: `{"ok":true,"status":{...}}` or
+//! Requests (`command` is the tag):
+//! - `{"command":"status"}`
+//! - `{"command":"reload","model":"minilm","path":"/models/minilm-v2","wait":true}` (all optional)
+//! - `{"command":"scale","delta":1}`
+//!
+//! Responses: zero or more progress lines `{"ok":true,"progress":"worker 1 of 2 ready ..."}`,
+//! then one final line: `{"ok":true,"status":{...}}`, `{"ok":true,"message":"..."}` or
 //! `{"ok":false,"error":"..."}`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -13,7 +19,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::status::PoolStatus;
@@ -23,11 +29,31 @@ use crate::Event;
 #[serde(tag = "command", rename_all = "snake_case")]
 pub enum Request {
     Status,
+    Reload {
+        /// The model to swap; with `path`, required unless the server has one model.
+        #[serde(default)]
+        model: Option<String>,
+        /// A model folder (with model.toml) or an ONNX file; without it the models are read
+        /// again from the repository (a forced recycle when nothing changed).
+        #[serde(default)]
+        path: Option<PathBuf>,
+        /// Stream progress until the last worker is replaced; otherwise answer once the new
+        /// models have passed validation in the first new worker.
+        #[serde(default)]
+        wait: bool,
+    },
+    Scale {
+        delta: i32,
+    },
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Response {
     pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<PoolStatus>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -36,9 +62,20 @@ pub struct Response {
 
 impl Response {
     pub fn error(message: impl Into<String>) -> Response {
-        Response { ok: false, status: None, error: Some(message.into()) }
+        Response { ok: false, error: Some(message.into()), ..Response::default() }
+    }
+
+    pub fn message(message: impl Into<String>) -> Response {
+        Response { ok: true, message: Some(message.into()), ..Response::default() }
+    }
+
+    pub fn progress(message: impl Into<String>) -> Response {
+        Response { ok: true, progress: Some(message.into()), ..Response::default() }
     }
 }
+
+/// Where the supervisor's answers to one request go; dropping it ends the connection.
+pub type Replies = mpsc::UnboundedSender<Response>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -74,9 +111,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 /// Accepts control connections and turns each request into an [`Event::Control`].
 pub async fn serve(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
+        let Ok((stream, _)) = listener.accept().await else { continue };
         let events = events.clone();
         tokio::spawn(async move {
             if let Err(e) = answer(stream, events).await {
@@ -90,48 +125,63 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
     let me = nix::unistd::geteuid().as_raw();
     let peer = stream.peer_cred()?.uid();
     let (read, mut write) = stream.into_split();
-    let response = if peer != me && peer != 0 {
-        Response::error(format!("permission denied: uid {peer} may not control this inferd (run as uid {me})"))
+    let (replies, mut answers) = mpsc::unbounded_channel();
+    if peer != me && peer != 0 {
+        let _ = replies.send(Response::error(format!(
+            "permission denied: uid {peer} may not control this inferd (run as uid {me})"
+        )));
     } else {
         let mut line = String::new();
         let mut reader = tokio::io::BufReader::new(read);
         match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-            Err(_) => Response::error("timed out waiting for a request line"),
+            Err(_) => drop(replies.send(Response::error("timed out waiting for a request line"))),
             Ok(Err(e)) => return Err(e),
             Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-                Err(e) => Response::error(format!("bad request: {e}")),
+                Err(e) => drop(replies.send(Response::error(format!("bad request: {e}")))),
                 Ok(request) => {
-                    let (reply, answer) = oneshot::channel();
-                    if events.send(Event::Control(request, reply)).is_err() {
-                        Response::error("the supervisor is shutting down")
-                    } else {
-                        answer.await.unwrap_or_else(|_| Response::error("the supervisor is shutting down"))
+                    if let Err(mpsc::error::SendError(Event::Control(_, replies))) =
+                        events.send(Event::Control(request, replies))
+                    {
+                        let _ = replies.send(Response::error("the supervisor is shutting down"));
                     }
                 }
             },
         }
-    };
-    let mut line = serde_json::to_vec(&response).expect("responses serialise");
-    line.push(b'\n');
-    write.write_all(&line).await?;
+    }
+    while let Some(response) = answers.recv().await {
+        let mut line = serde_json::to_vec(&response).expect("responses serialise");
+        line.push(b'\n');
+        write.write_all(&line).await?;
+    }
     write.shutdown().await
 }
 
-/// Client side, used by `inferd status`: one request, one response.
-pub fn query(path: &Path, request: &Request) -> Result<Response, ControlError> {
+/// Client side, used by the `inferd` commands: sends one request, calls `progress` for each
+/// progress line, and returns the final response (an error response becomes `Err`).
+pub fn query(path: &Path, request: &Request, mut progress: impl FnMut(&str)) -> Result<Response, ControlError> {
     let io = |error| ControlError::Io { path: path.to_path_buf(), error };
-    let mut stream = std::os::unix::net::UnixStream::connect(path)
-        .map_err(|error| ControlError::NotRunning { path: path.to_path_buf(), error })?;
-    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
+    let mut stream = std::os::unix::net::UnixStream::connect(path).map_err(|error| match error.kind() {
+        std::io::ErrorKind::PermissionDenied => ControlError::Refused(format!(
+            "permission denied: control socket {} belongs to another user (mode 0600); run as that user or root",
+            path.display()
+        )),
+        _ => ControlError::NotRunning { path: path.to_path_buf(), error },
+    })?;
     let mut line = serde_json::to_vec(request).expect("requests serialise");
     line.push(b'\n');
     stream.write_all(&line).map_err(io)?;
-    let mut answer = String::new();
-    BufReader::new(stream).read_line(&mut answer).map_err(io)?;
-    let response: Response =
-        serde_json::from_str(&answer).map_err(|e| ControlError::BadAnswer(format!("{e}: {answer:?}")))?;
-    match (response.ok, &response.error) {
-        (false, Some(error)) => Err(ControlError::Refused(error.clone())),
-        _ => Ok(response),
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut answer = String::new();
+        if reader.read_line(&mut answer).map_err(io)? == 0 {
+            return Err(ControlError::BadAnswer("the server closed the connection without an answer".into()));
+        }
+        let response: Response =
+            serde_json::from_str(&answer).map_err(|e| ControlError::BadAnswer(format!("{e}: {answer:?}")))?;
+        match (&response.progress, response.ok, &response.error) {
+            (Some(p), true, _) => progress(p),
+            (_, false, Some(error)) => return Err(ControlError::Refused(error.clone())),
+            _ => return Ok(response),
+        }
     }
 }

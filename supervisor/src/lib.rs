@@ -19,7 +19,6 @@ mod tcp;
 use std::process::ExitStatus;
 
 use inferd_config::spec::WorkerMessage;
-use tokio::sync::oneshot;
 
 pub use pool::{run, SupervisorError};
 
@@ -38,5 +37,5 @@ pub enum Event {
         pid: u32,
         status: Option<ExitStatus>,
     },
-    Control(control::Request, oneshot::Sender<control::Response>),
+    Control(control::Request, control::Replies),
 }

@@ -1,10 +1,16 @@
 //! Slots, workers and the supervisor's loop.
 //!
-//! A slot is a place in the pool with a fixed CPU set; a worker is the process currently in
-//! it. A slot whose worker dies gets a new one: at once the first time, then with exponential
+//! A slot is a place in the pool with a fixed CPU set; its `current` worker serves. A slot
+//! whose current worker dies gets a new one: at once the first time, then with exponential
 //! backoff (0.5 s doubling up to 30 s) while its workers keep dying young. A worker that
 //! reports a model-load or boot failure before the pool was ever ready stops the whole server
 //! with that error; later, the slot is retried with backoff while the others keep serving.
+//!
+//! Replacing a slot's worker (reload, recycling) never leaves the slot without a ready
+//! worker: an `incoming` worker is started beside the current one and only when it is ready
+//! does the old one become `retiring` (SIGTERM: it leaves the port's group and drains). A
+//! reload replaces the slots one after another; the first replacement is the validation of the
+//! new models: if it fails, nothing else changes.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -13,7 +19,8 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use inferd_config::cpu::{format_cpus, Placement};
+use inferd_config::cpu::{format_cpus, plan, Placement};
+use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
 };
@@ -24,7 +31,7 @@ use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::control::{self, ControlError, Request, Response};
+use crate::control::{self, ControlError, Replies, Request, Response};
 use crate::status::{Phase, PoolStatus, WorkerState, WorkerStatus};
 use crate::{signals, tcp, Event};
 
@@ -58,9 +65,20 @@ impl SupervisorError {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The slot's serving worker.
+    Current,
+    /// Started to replace the current worker; takes its place once ready.
+    Incoming,
+    /// Replaced: draining, then gone.
+    Retiring,
+}
+
 struct Worker {
     pid: u32,
     generation: u64,
+    role: Role,
     state: WorkerState,
     started: Instant,
     ready_at: Option<Instant>,
@@ -73,12 +91,39 @@ struct Worker {
 
 struct Slot {
     placement: Placement,
-    worker: Option<Worker>,
+    /// What this slot's workers run, and the pool generation that brought it.
+    models: Vec<ModelEntry>,
+    generation: u64,
+    workers: Vec<Worker>,
     restarts: u32,
     /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`].
     failures: u32,
     next_start: Option<Instant>,
     last_exit: Option<String>,
+    /// Being removed by `scale -1`: no restarts, gone once its workers are.
+    removing: bool,
+}
+
+impl Slot {
+    fn with_role(&self, role: Role) -> Option<&Worker> {
+        self.workers.iter().find(|w| w.role == role)
+    }
+
+    fn ready(&self) -> bool {
+        self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
+    }
+}
+
+/// A rolling reload in progress.
+struct Reload {
+    models: Vec<ModelEntry>,
+    generation: u64,
+    /// The slot being replaced now; slots below it run the new models.
+    slot: usize,
+    replies: Option<Replies>,
+    /// Keep `replies` until the last slot is done (else only until validation).
+    wait: bool,
+    started: Instant,
 }
 
 pub struct Supervisor {
@@ -90,7 +135,12 @@ pub struct Supervisor {
     /// True once every slot has been ready at the same time.
     booted: bool,
     started: Instant,
+    /// Incremented by every reload; workers carry the generation they were started for.
     generation: u64,
+    /// The models new slots (scale +1) run: those of the latest successful reload.
+    models: Vec<ModelEntry>,
+    reload: Option<Reload>,
+    reloads: (u64, u64),
     retired_requests: u64,
     stop_deadline: Option<Instant>,
     killed_all: bool,
@@ -118,28 +168,19 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
 
 impl Supervisor {
     fn new(resolved: Resolved, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Supervisor> {
-        let slots = resolved
-            .plan
-            .workers
-            .iter()
-            .map(|placement| Slot {
-                placement: placement.clone(),
-                worker: None,
-                restarts: 0,
-                failures: 0,
-                next_start: Some(Instant::now()),
-                last_exit: None,
-            })
-            .collect();
+        let slots = resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
         Ok(Supervisor {
             exe: std::env::current_exe()?,
+            models: resolved.models.clone(),
             resolved,
             events,
             slots,
             phase: Phase::Starting,
             booted: false,
             started: Instant::now(),
-            generation: 0,
+            generation: 1,
+            reload: None,
+            reloads: (0, 0),
             retired_requests: 0,
             stop_deadline: None,
             killed_all: false,
@@ -160,7 +201,7 @@ impl Supervisor {
             plan.budget.describe(),
             self.resolved.ort.path.display(),
             self.resolved.ort.source,
-            self.resolved.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "),
+            self.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "),
         );
         let mut tick = tokio::time::interval(TICK);
         loop {
@@ -168,7 +209,7 @@ impl Supervisor {
                 Some(event) = queue.recv() => self.on_event(event),
                 _ = tick.tick() => self.on_tick(),
             }
-            if self.phase == Phase::Stopping && self.slots.iter().all(|s| s.worker.is_none()) {
+            if self.phase == Phase::Stopping && self.slots.iter().all(|s| s.workers.is_empty()) {
                 return match self.fatal.take() {
                     Some(e) => Err(e),
                     None => {
@@ -191,27 +232,51 @@ impl Supervisor {
                     info!("SIGQUIT: stopping now");
                     self.begin_stop(true);
                 }
+                // The same actions the control socket takes, on the same code path.
+                libc::SIGHUP => self.act(Request::Reload { model: None, path: None, wait: false }, None),
+                libc::SIGTTIN => self.act(Request::Scale { delta: 1 }, None),
+                libc::SIGTTOU => self.act(Request::Scale { delta: -1 }, None),
                 _ => {}
             },
             Event::Message { slot, pid, message } => self.on_message(slot, pid, message),
             Event::Exited { slot, pid, status } => self.on_exit(slot, pid, status),
-            Event::Control(request, reply) => {
-                let _ = reply.send(self.on_control(request));
-            }
+            Event::Control(request, replies) => self.act(request, Some(replies)),
         }
     }
 
-    fn on_message(&mut self, slot: usize, pid: u32, message: WorkerMessage) {
-        let Some(worker) = self.slots[slot].worker.as_mut().filter(|w| w.pid == pid) else {
-            return;
+    /// Every action, whether it came from a signal (`replies` = None) or the control socket.
+    fn act(&mut self, request: Request, replies: Option<Replies>) {
+        let answer = match request {
+            Request::Status => Ok(Response { ok: true, status: Some(self.status()), ..Response::default() }),
+            Request::Reload { model, path, wait } => match self.start_reload(model, path, wait, replies.clone()) {
+                // The reload answers on its own as it goes.
+                Ok(()) => return,
+                Err(e) => Err(e),
+            },
+            Request::Scale { delta } => self.scale(delta).map(Response::message),
         };
+        match &answer {
+            Ok(r) => r.message.iter().for_each(|m| info!("{m}")),
+            Err(e) => warn!("{e}"),
+        }
+        if let Some(replies) = replies {
+            let _ = replies.send(answer.unwrap_or_else(Response::error));
+        }
+    }
+
+    fn on_message(&mut self, index: usize, pid: u32, message: WorkerMessage) {
+        let Some(slot) = self.slots.get_mut(index) else { return };
+        let Some(worker) = slot.workers.iter_mut().find(|w| w.pid == pid) else { return };
         match message {
             WorkerMessage::Warming => worker.state = WorkerState::Warming,
             WorkerMessage::Ready { models } => {
                 worker.state = WorkerState::Ready;
                 worker.ready_at = Some(Instant::now());
                 worker.models = models;
-                info!("worker {slot} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
+                info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
+                if worker.role == Role::Incoming {
+                    self.promote(index, pid);
+                }
                 self.update_phase();
             }
             WorkerMessage::Heartbeat { requests, in_flight } => {
@@ -226,13 +291,53 @@ impl Supervisor {
         }
     }
 
-    fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
+    /// An incoming worker is ready: it becomes the slot's current worker, and the one it
+    /// replaces drains and leaves.
+    fn promote(&mut self, index: usize, pid: u32) {
         let slot = &mut self.slots[index];
-        let Some(worker) = slot.worker.take_if(|w| w.pid == pid) else {
-            return;
-        };
+        for w in slot.workers.iter_mut() {
+            if w.pid == pid {
+                w.role = Role::Current;
+                slot.generation = w.generation;
+            } else if w.role == Role::Current {
+                w.role = Role::Retiring;
+                info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+            }
+        }
+        let Some(reload) = self.reload.as_mut().filter(|r| r.slot == index) else { return };
+        slot.models = reload.models.clone();
+        let total = self.slots.len();
+        let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
+        info!("reload: {progress}");
+        if let Some(replies) = &reload.replies {
+            let _ = replies.send(Response::progress(progress));
+            if index == 0 && !reload.wait {
+                let _ = replies.send(Response::message(format!(
+                    "the new models passed validation in worker 1; replacing the other {} worker(s) one by one",
+                    total - 1
+                )));
+                reload.replies = None;
+            }
+        }
+        self.advance_reload();
+    }
+
+    fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
+        let Some(slot) = self.slots.get_mut(index) else { return };
+        let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
+        let worker = slot.workers.remove(at);
         self.retired_requests += worker.requests;
         let how = describe_exit(status);
+        if worker.role == Role::Retiring || slot.removing {
+            info!("worker {index} (pid {pid}) retired: {how}");
+            if slot.removing && slot.workers.is_empty() {
+                self.slots.remove(index);
+                info!("scaled down to {} workers", self.slots.len());
+                self.update_phase();
+            }
+            return;
+        }
         slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s", worker.started.elapsed().as_secs_f64()));
         if self.phase == Phase::Stopping {
             info!("worker {index} (pid {pid}) {how}");
@@ -244,6 +349,13 @@ impl Supervisor {
             Some(EXIT_BOOT) => Some((FailureKind::Boot, format!("worker {how}"))),
             _ => None,
         });
+        if worker.role == Role::Incoming {
+            // A replacement that never became ready: the current worker keeps serving.
+            let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
+            error!("worker {index}: replacement (pid {pid}) failed: {error}");
+            self.abort_reload(index, &error);
+            return;
+        }
         slot.restarts += 1;
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER) {
             slot.failures = 0;
@@ -287,7 +399,7 @@ impl Supervisor {
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
-            if let Some(w) = slot.worker.as_mut() {
+            for w in slot.workers.iter_mut() {
                 let booting = matches!(w.state, WorkerState::Starting | WorkerState::Warming);
                 if booting && w.failure.is_none() && w.started.elapsed() > boot_timeout {
                     let error = format!("not ready within server.boot_timeout_secs = {}", boot_timeout.as_secs_f64());
@@ -295,16 +407,170 @@ impl Supervisor {
                     w.failure = Some((FailureKind::Boot, error));
                     let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
                 }
-            } else if slot.next_start.is_some_and(|t| now >= t) {
+            }
+            let serving_or_coming = slot.workers.iter().any(|w| w.role != Role::Retiring);
+            if !serving_or_coming && !slot.removing && slot.next_start.is_some_and(|t| now >= t) {
                 slot.next_start = None;
-                self.spawn(index);
+                let (models, generation) = (slot.models.clone(), slot.generation);
+                self.spawn(index, Role::Current, models, generation);
             }
         }
     }
 
-    fn on_control(&mut self, request: Request) -> Response {
-        match request {
-            Request::Status => Response { ok: true, status: Some(self.status()), error: None },
+    /// Starts a rolling reload: the named model (or all of them, read again) in a new
+    /// generation, slot by slot.
+    fn start_reload(
+        &mut self,
+        model: Option<String>,
+        path: Option<PathBuf>,
+        wait: bool,
+        replies: Option<Replies>,
+    ) -> Result<(), String> {
+        if self.phase == Phase::Stopping || !self.booted {
+            return Err("reload refused: the pool is starting or stopping".into());
+        }
+        if self.reload.is_some() {
+            return Err("reload refused: a reload is already in progress".into());
+        }
+        let models = self.new_models(model, path)?;
+        self.generation += 1;
+        let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
+        info!("reload to generation {}: {names}", self.generation);
+        if let Some(r) = &replies {
+            let _ = r.send(Response::progress(format!(
+                "generation {}: validating {names} in a new worker 1 of {}",
+                self.generation,
+                self.slots.len()
+            )));
+        }
+        self.reload =
+            Some(Reload { models, generation: self.generation, slot: 0, replies, wait, started: Instant::now() });
+        self.replace_slot(0);
+        self.update_phase();
+        Ok(())
+    }
+
+    /// The model list a reload installs.
+    fn new_models(&self, model: Option<String>, path: Option<PathBuf>) -> Result<Vec<ModelEntry>, String> {
+        let Some(path) = path else {
+            // No path: read every model again from the repository (new files, new model.toml).
+            let repository = self.resolved.config.model_repository();
+            let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
+            if let Some(name) = model.as_ref().filter(|n| !names.contains(n)) {
+                return Err(format!("reload refused: this server has no model '{name}'"));
+            }
+            return names
+                .iter()
+                .map(|name| match &model {
+                    Some(only) if only != name => {
+                        Ok(self.models.iter().find(|m| &m.name == name).cloned().expect("listed"))
+                    }
+                    _ => ModelEntry::load(&repository, name),
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("reload refused: {e}"));
+        };
+        let name = match model {
+            Some(name) => name,
+            None if self.models.len() == 1 => self.models[0].name.clone(),
+            None => return Err("reload refused: --path needs --model when the server has several models".into()),
+        };
+        let Some(at) = self.models.iter().position(|m| m.name == name) else {
+            return Err(format!("reload refused: this server has no model '{name}'"));
+        };
+        let mut models = self.models.clone();
+        models[at] = models[at].replaced_by(&path).map_err(|e| format!("reload refused: {e}"))?;
+        Ok(models)
+    }
+
+    /// Starts an incoming worker for slot `index` with the reload's models.
+    fn replace_slot(&mut self, index: usize) {
+        let reload = self.reload.as_ref().expect("called during a reload");
+        let (models, generation) = (reload.models.clone(), reload.generation);
+        self.spawn(index, Role::Incoming, models, generation);
+        if !self.slots[index].workers.iter().any(|w| w.role == Role::Incoming) {
+            self.abort_reload(index, "the new worker could not be started");
+        }
+    }
+
+    /// After slot `reload.slot` was replaced: the next slot, or done.
+    fn advance_reload(&mut self) {
+        let Some(reload) = self.reload.as_mut() else { return };
+        reload.slot += 1;
+        if reload.slot < self.slots.len() {
+            let next = reload.slot;
+            self.replace_slot(next);
+            return;
+        }
+        let reload = self.reload.take().expect("checked");
+        self.models = reload.models;
+        self.reloads.0 += 1;
+        let message = format!(
+            "reload complete: {} workers on generation {} after {:.1} s",
+            self.slots.len(),
+            reload.generation,
+            reload.started.elapsed().as_secs_f64()
+        );
+        info!("{message}");
+        if let Some(replies) = reload.replies {
+            let _ = replies.send(Response::message(message));
+        }
+        self.update_phase();
+    }
+
+    fn abort_reload(&mut self, index: usize, error: &str) {
+        let Some(reload) = self.reload.take() else { return };
+        self.reloads.1 += 1;
+        let kept = if index == 0 {
+            "every worker keeps the previous models".to_string()
+        } else {
+            format!("workers 1-{index} run generation {}, the others the previous models", reload.generation)
+        };
+        let message = format!("reload failed at worker {} of {}: {error}; {kept}", index + 1, self.slots.len());
+        error!("{message}");
+        if let Some(replies) = reload.replies {
+            let _ = replies.send(Response::error(message));
+        }
+        self.update_phase();
+    }
+
+    /// `scale +1` adds a slot when the CPU budget has room for it; `scale -1` drains the last.
+    fn scale(&mut self, delta: i32) -> Result<String, String> {
+        if self.phase == Phase::Stopping || !self.booted || self.reload.is_some() {
+            return Err("scale refused: the pool is starting, reloading or stopping".into());
+        }
+        let live: Vec<usize> = (0..self.slots.len()).filter(|&i| !self.slots[i].removing).collect();
+        match delta {
+            1 => {
+                let s = &self.resolved.config.server;
+                let threads = self.resolved.plan.threads_per_worker;
+                let plan =
+                    plan(&self.resolved.plan.budget, live.len() + 1, threads, s.allow_oversubscription, s.pin_workers)
+                        .map_err(|e| format!("scale +1 refused: {e}"))?;
+                let placement = plan.workers[live.len()].clone();
+                let cpus = format_cpus(&placement.cpus);
+                self.slots.push(new_slot(placement, self.models.clone(), self.generation));
+                self.update_phase();
+                Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
+            }
+            -1 => {
+                if live.len() <= 1 {
+                    return Err("scale -1 refused: the pool cannot go below 1 worker".into());
+                }
+                let index = *live.last().expect("at least 2");
+                let slot = &mut self.slots[index];
+                slot.removing = true;
+                for w in slot.workers.iter_mut() {
+                    w.role = Role::Retiring;
+                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+                }
+                if slot.workers.is_empty() {
+                    self.slots.remove(index);
+                }
+                self.update_phase();
+                Ok(format!("scaling down to {} workers: draining worker {index}", live.len() - 1))
+            }
+            other => Err(format!("scale refused: the step is +1 or -1, not {other}")),
         }
     }
 
@@ -322,6 +588,11 @@ impl Supervisor {
             // A worker enforces the grace period itself; the supervisor adds a margin before
             // it stops waiting.
             self.stop_deadline = Some(Instant::now() + grace + Duration::from_secs(2));
+            if let Some(reload) = self.reload.take() {
+                if let Some(replies) = reload.replies {
+                    let _ = replies.send(Response::error("reload abandoned: the server is stopping"));
+                }
+            }
         }
         if fast {
             self.signal_all(Signal::SIGKILL);
@@ -332,7 +603,7 @@ impl Supervisor {
     }
 
     fn signal_all(&self, signal: Signal) {
-        for worker in self.slots.iter().filter_map(|s| s.worker.as_ref()) {
+        for worker in self.slots.iter().flat_map(|s| s.workers.iter()) {
             let _ = nix::sys::signal::kill(Pid::from_raw(worker.pid as i32), signal);
         }
     }
@@ -341,13 +612,8 @@ impl Supervisor {
         if self.phase == Phase::Stopping {
             return;
         }
-        let all_ready = self.slots.iter().all(|s| s.worker.as_ref().is_some_and(|w| w.state == WorkerState::Ready));
-        let phase = match (all_ready, self.booted) {
-            (true, _) => Phase::Ready,
-            (false, true) => Phase::Degraded,
-            (false, false) => Phase::Starting,
-        };
-        if phase == Phase::Ready && !self.booted {
+        let all_ready = self.slots.iter().filter(|s| !s.removing).all(Slot::ready);
+        if all_ready && !self.booted {
             self.booted = true;
             info!(
                 "pool ready: {} workers serving on {} after {:.2} s",
@@ -355,34 +621,45 @@ impl Supervisor {
                 self.resolved.config.server.listen,
                 self.started.elapsed().as_secs_f64()
             );
-        } else if phase != self.phase {
+        }
+        let phase = match (self.booted, self.reload.is_some(), all_ready) {
+            (false, _, _) => Phase::Starting,
+            (true, true, _) => Phase::Reloading,
+            (true, false, true) => Phase::Ready,
+            (true, false, false) => Phase::Degraded,
+        };
+        if phase != self.phase && self.booted {
             info!("pool {:?} -> {:?}", self.phase, phase);
         }
         self.phase = phase;
     }
 
-    fn spawn(&mut self, index: usize) {
-        self.generation += 1;
+    fn spawn(&mut self, index: usize, role: Role, models: Vec<ModelEntry>, generation: u64) {
         let placement = &self.slots[index].placement;
         let config = &self.resolved.config;
         let spec = WorkerSpec {
             index,
-            generation: self.generation,
+            generation,
             listen: config.listen_addr(),
             threads: placement.threads,
             cpus: placement.cpus.clone(),
             ort_library: self.resolved.ort.path.clone(),
-            models: self.resolved.models.clone(),
+            models,
             max_body_bytes: config.server.max_body_bytes,
             max_batch_inputs: config.server.max_batch_inputs,
             graceful_timeout_secs: config.server.graceful_timeout_secs,
         };
         match self.start_process(&spec) {
             Ok(pid) => {
-                info!("worker {index} started: pid {pid}, cpus {}, {} threads", format_cpus(&spec.cpus), spec.threads);
-                self.slots[index].worker = Some(Worker {
+                info!(
+                    "worker {index} started: pid {pid}, cpus {}, {} threads, generation {generation}",
+                    format_cpus(&spec.cpus),
+                    spec.threads
+                );
+                self.slots[index].workers.push(Worker {
                     pid,
-                    generation: spec.generation,
+                    generation,
+                    role,
                     state: WorkerState::Starting,
                     started: Instant::now(),
                     ready_at: None,
@@ -397,7 +674,9 @@ impl Supervisor {
                 slot.failures += 1;
                 let delay = backoff(slot.failures).max(Duration::from_millis(500));
                 error!("cannot start worker {index}: {e}; retrying in {delay:?}");
-                slot.next_start = Some(Instant::now() + delay);
+                if role == Role::Current {
+                    slot.next_start = Some(Instant::now() + delay);
+                }
             }
         }
     }
@@ -474,18 +753,19 @@ impl Supervisor {
 
     fn status(&self) -> PoolStatus {
         let plan = &self.resolved.plan;
-        let workers = self
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(index, slot)| {
-                let w = slot.worker.as_ref();
+        let mut workers = Vec::new();
+        for (index, slot) in self.slots.iter().enumerate() {
+            let row = |w: Option<&Worker>| {
                 let (rss_bytes, os_threads) = w.map(|w| proc_status(w.pid)).unwrap_or((None, None));
                 WorkerStatus {
                     index,
                     pid: w.map(|w| w.pid),
-                    generation: w.map_or(0, |w| w.generation),
-                    state: w.map_or(WorkerState::Down, |w| w.state),
+                    generation: w.map_or(slot.generation, |w| w.generation),
+                    state: match w {
+                        None => WorkerState::Down,
+                        Some(w) if w.role == Role::Retiring => WorkerState::Draining,
+                        Some(w) => w.state,
+                    },
                     cpus: slot.placement.cpus.clone(),
                     threads: slot.placement.threads,
                     os_threads,
@@ -497,20 +777,42 @@ impl Supervisor {
                     models: w.map(|w| w.models.clone()).unwrap_or_default(),
                     last_exit: slot.last_exit.clone(),
                 }
-            })
-            .collect::<Vec<_>>();
+            };
+            if slot.workers.is_empty() {
+                workers.push(row(None));
+            }
+            workers.extend(slot.workers.iter().map(|w| row(Some(w))));
+        }
         PoolStatus {
             version: env!("CARGO_PKG_VERSION").into(),
             pid: std::process::id(),
             phase: self.phase,
+            generation: self.generation,
+            reload: self.reload.as_ref().map(|r| format!("replacing worker {} of {}", r.slot + 1, self.slots.len())),
             listen: self.resolved.config.server.listen.clone(),
             uptime_secs: self.started.elapsed().as_secs_f64(),
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
             threads_per_worker: plan.threads_per_worker,
             requests_total: self.retired_requests + workers.iter().map(|w| w.requests).sum::<u64>(),
+            reloads_succeeded: self.reloads.0,
+            reloads_failed: self.reloads.1,
             workers,
         }
+    }
+}
+
+fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> Slot {
+    Slot {
+        placement,
+        models,
+        generation,
+        workers: Vec::new(),
+        restarts: 0,
+        failures: 0,
+        next_start: Some(Instant::now()),
+        last_exit: None,
+        removing: false,
     }
 }
 

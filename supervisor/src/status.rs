@@ -15,6 +15,8 @@ pub enum Phase {
     Ready,
     /// At least one slot has no ready worker (crash, restart, backoff).
     Degraded,
+    /// A rolling reload is replacing the workers one by one.
+    Reloading,
     /// SIGTERM/SIGINT received: workers are draining.
     Stopping,
 }
@@ -62,6 +64,10 @@ pub struct PoolStatus {
     pub version: String,
     pub pid: u32,
     pub phase: Phase,
+    /// Incremented by every reload.
+    pub generation: u64,
+    /// What a reload in progress is doing.
+    pub reload: Option<String>,
     pub listen: String,
     pub uptime_secs: f64,
     pub usable_cores: usize,
@@ -69,6 +75,8 @@ pub struct PoolStatus {
     pub threads_per_worker: usize,
     /// Requests answered by the pool since start, retired workers included.
     pub requests_total: u64,
+    pub reloads_succeeded: u64,
+    pub reloads_failed: u64,
     pub workers: Vec<WorkerStatus>,
 }
 
@@ -94,10 +102,19 @@ impl PoolStatus {
         );
         let _ = writeln!(
             out,
-            "cpu: {} usable cores ({}); {} intra-op thread(s) per worker\n",
+            "cpu: {} usable cores ({}); {} intra-op thread(s) per worker",
             self.usable_cores, self.cpu_budget, self.threads_per_worker
         );
-        let header = ["WORKER", "PID", "STATE", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME", "MODEL"];
+        let _ = writeln!(
+            out,
+            "generation {}; reloads: {} succeeded, {} failed{}\n",
+            self.generation,
+            self.reloads_succeeded,
+            self.reloads_failed,
+            self.reload.as_ref().map_or(String::new(), |r| format!("; reloading: {r}"))
+        );
+        let header =
+            ["WORKER", "PID", "STATE", "GEN", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME", "MODEL"];
         let mut rows = vec![header.map(String::from).to_vec()];
         for w in &self.workers {
             let models =
@@ -106,6 +123,7 @@ impl PoolStatus {
                 w.index.to_string(),
                 w.pid.map_or("-".into(), |p| p.to_string()),
                 serde_plain(&w.state),
+                w.generation.to_string(),
                 format_cpus(&w.cpus),
                 match w.os_threads {
                     Some(os) => format!("{} ({os} os)", w.threads),
@@ -174,6 +192,10 @@ mod tests {
             version: "0".into(),
             pid: 1,
             phase: Phase::Ready,
+            generation: 1,
+            reload: None,
+            reloads_succeeded: 0,
+            reloads_failed: 0,
             listen: "127.0.0.1:8000".into(),
             uptime_secs: 3.0,
             usable_cores: 2,

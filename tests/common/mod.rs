@@ -156,7 +156,8 @@ impl Server {
     /// `inferd status --json` against this server, if it answers.
     pub fn try_status(&self) -> Option<serde_json::Value> {
         let out = Command::new(BIN).args(["status", "--json", "--control-socket"]).arg(&self.socket).output().ok()?;
-        if !out.status.success() {
+        // 2 = answered, but the pool is degraded.
+        if !matches!(out.status.code(), Some(0 | 2)) {
             return None;
         }
         serde_json::from_slice(&out.stdout).ok()

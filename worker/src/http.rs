@@ -140,18 +140,32 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         Route::Server => Ok(server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
         Route::Ready => Ok(readiness(ready)),
-        Route::Model(name, version) => model(state, name, version).map(|(_, m)| model_metadata(m)),
-        Route::ModelReady(name, version) => model(state, name, version).map(|_| readiness(ready)),
-        Route::Infer(name, version) => counted(state, infer(state, name, version, request)).await,
+        Route::Model(name, version) => model(state, name, version).map(|(_, m)| versioned(model_metadata(m), m)),
+        Route::ModelReady(name, version) => model(state, name, version).map(|(_, m)| versioned(readiness(ready), m)),
+        Route::Infer(name, version) => {
+            let (index, meta) = model(state, name, version)?;
+            counted(state, infer(state, index, meta, request)).await.map(|r| versioned(r, meta))
+        }
         Route::Embed(name) => {
             let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
-            counted(state, async { tei::embed(state, index, meta, &read_body(state, request).await?).await }).await
+            let work = async { tei::embed(state, index, meta, &read_body(state, request).await?).await };
+            counted(state, work).await.map(|r| versioned(r, meta))
         }
         Route::Predict(name) => {
             let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
-            counted(state, async { tei::predict(state, index, meta, &read_body(state, request).await?).await }).await
+            let work = async { tei::predict(state, index, meta, &read_body(state, request).await?).await };
+            counted(state, work).await.map(|r| versioned(r, meta))
         }
     }
+}
+
+/// `x-inferd-model-version: <version label>+<sha256 prefix>`: which model answered, so a
+/// client can see a rolling reload arrive.
+fn versioned(mut reply: Reply, meta: &ModelMeta) -> Reply {
+    if let Ok(v) = HeaderValue::from_str(&meta.info.full_version()) {
+        reply.headers_mut().insert("x-inferd-model-version", v);
+    }
+    reply
 }
 
 /// Counts an inference request for status and heartbeats, whatever its outcome.
@@ -239,11 +253,10 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes
 
 async fn infer(
     state: &AppState,
-    name: &str,
-    version: Option<&str>,
+    index: usize,
+    meta: &ModelMeta,
     request: Request<Incoming>,
 ) -> Result<Reply, ApiError> {
-    let (index, meta) = model(state, name, version)?;
     let header_length = match request.headers().get(protocol::HEADER_LENGTH) {
         None => None,
         Some(v) => Some(

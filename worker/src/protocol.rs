@@ -325,6 +325,8 @@ pub fn infer_response(
 pub struct ModelMetadata<'a> {
     pub name: &'a str,
     pub versions: [&'a str; 1],
+    /// inferd's extension: the version label plus a hash of the model file.
+    pub inferd_version: String,
     pub platform: &'static str,
     pub inputs: &'a [TensorSpec],
     pub outputs: &'a [TensorSpec],
@@ -339,6 +341,7 @@ impl<'a> ModelMetadata<'a> {
         ModelMetadata {
             name: &meta.info.name,
             versions: [&meta.info.version],
+            inferd_version: meta.info.full_version(),
             platform: "onnxruntime_onnx",
             inputs: &meta.inputs,
             outputs: &meta.outputs,

@@ -20,6 +20,9 @@ use crate::engine::Engine;
 use crate::http::{handle, AppState};
 use crate::model::{init_runtime, Model};
 
+/// How long a draining worker waits before closing connections that have no request in flight.
+const ACCEPTED_GRACE: Duration = Duration::from_millis(100);
+
 /// Writes [`WorkerMessage`] lines to the supervisor. Writes are small and the supervisor reads
 /// continuously; a 1 s write timeout keeps a stopped supervisor from blocking the worker.
 struct Reporter(Mutex<UnixStream>);
@@ -209,6 +212,11 @@ fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, 
         drop(listener);
         reporter.send(&WorkerMessage::Draining);
         info!("draining");
+        // A connection accepted just before the listener closed may not have been polled yet;
+        // told to shut down before reading its request, hyper would close it unanswered. Its
+        // client sent the request right after connecting, so a short pause lets it be read;
+        // then it counts as in flight and is answered.
+        tokio::time::sleep(ACCEPTED_GRACE).await;
         let grace = Duration::from_secs_f64(spec.graceful_timeout_secs);
         tokio::select! {
             _ = graceful.shutdown() => info!("drained; exiting"),

@@ -1,0 +1,357 @@
+//! Operating the pool: rolling reloads under load (command and SIGHUP, K=2 and K=1), reloads
+//! that must fail without hurting anyone, scaling within the CPU budget, and who may talk to
+//! the control socket.
+
+mod common;
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::json;
+
+/// A model repository of its own (the test rewrites files in it) holding `typed`.
+fn repository(dir: &Path) -> PathBuf {
+    let models = dir.join("models");
+    for name in ["typed", "classifier"] {
+        let folder = models.join(name);
+        std::fs::create_dir_all(&folder).unwrap();
+        for file in ["model.onnx", "model.toml"] {
+            std::fs::copy(test_models().join(name).join(file), folder.join(file)).unwrap();
+        }
+    }
+    let toml = std::fs::read_to_string(models.join("classifier/model.toml")).unwrap();
+    let tokenizer = repo().join("models/minilm/tokenizer.json");
+    std::fs::write(
+        models.join("classifier/model.toml"),
+        toml.replace("../../../models/minilm/tokenizer.json", &tokenizer.display().to_string()),
+    )
+    .unwrap();
+    models
+}
+
+/// The same model with different bytes: a second `doc_string` (field 6) appended to the
+/// ModelProto, which protobuf reads as the last value. Same behaviour, another file hash.
+fn variant(source: &Path, to: &Path, label: &str) {
+    let mut bytes = std::fs::read(source).unwrap();
+    bytes.push(0x32);
+    bytes.push(label.len() as u8);
+    bytes.extend_from_slice(label.as_bytes());
+    std::fs::write(to, bytes).unwrap();
+}
+
+fn start(tag: &str, workers: usize, load: &[&str]) -> Server {
+    let dir = TempDir::new(tag);
+    let port = free_port();
+    let models = repository(dir.path());
+    write_config(dir.path(), port, workers, &models, "typed", load, "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    server
+}
+
+fn typed_request() -> Vec<u8> {
+    infer_body(json!([
+        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
+        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
+        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
+        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
+    ]))
+}
+
+/// Closed-loop clients, a new connection per request, recording every failure and the model
+/// version each answer came from, in order.
+struct Load {
+    stop: Arc<AtomicBool>,
+    versions: Arc<Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>,
+}
+
+impl Load {
+    fn start(server: &Server, clients: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let versions = Arc::new(Mutex::new(Vec::new()));
+        let body = Arc::new(typed_request());
+        let threads = (0..clients)
+            .map(|_| {
+                let (stop, versions, body, addr) = (stop.clone(), versions.clone(), body.clone(), server.addr);
+                std::thread::spawn(move || {
+                    let (mut ok, mut failed) = (0u32, Vec::new());
+                    while !stop.load(Ordering::Relaxed) {
+                        match request(addr, "POST", "/v2/models/typed/infer", &[], &body) {
+                            Ok(r) if r.status == 200 => {
+                                ok += 1;
+                                versions.lock().unwrap().push(r.header("x-inferd-model-version").unwrap().to_string());
+                            }
+                            Ok(r) => failed.push(format!("status {}: {}", r.status, String::from_utf8_lossy(&r.body))),
+                            Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
+                        }
+                    }
+                    (ok, failed)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        Load { stop, versions, threads }
+    }
+
+    /// Stops the clients; returns (answered, failures, versions seen in order).
+    fn finish(self) -> (u32, Vec<String>, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        let (mut ok, mut failed) = (0, Vec::new());
+        for t in self.threads {
+            let (o, f) = t.join().unwrap();
+            ok += o;
+            failed.extend(f);
+        }
+        let versions = self.versions.lock().unwrap().clone();
+        (ok, failed, versions)
+    }
+}
+
+fn inferd(server: &Server, args: &[&str]) -> Output {
+    Command::new(BIN).args(args).arg("--control-socket").arg(&server.socket).output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn versions_of(status: &serde_json::Value) -> Vec<String> {
+    status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            format!("{}+{}", w["models"][0]["version"].as_str().unwrap(), w["models"][0]["sha256"].as_str().unwrap())
+        })
+        .collect()
+}
+
+fn reload_to_a_new_file_under_load(workers: usize) {
+    let mut server = start(&format!("reload{workers}"), workers, &[]);
+    let before = server.status();
+    let old = versions_of(&before)[0].clone();
+    let new_file = server.dir.path().join("typed-v2.onnx");
+    variant(&test_models().join("typed/model.onnx"), &new_file, "inferd test v2");
+
+    let load = Load::start(&server, 4);
+    let started = Instant::now();
+    let out = inferd(&server, &["reload", "--model", "typed", "--path", new_file.to_str().unwrap(), "--wait"]);
+    let took = started.elapsed();
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, failed, versions) = load.finish();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}\n{}", server.log());
+    assert!(log.contains(&format!("worker {workers} of {workers} ready")), "{log}");
+    assert!(log.contains("reload complete"), "{log}");
+    eprintln!("K={workers}: reload took {:.2} s; {ok} requests answered, {} failed", took.as_secs_f64(), failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} requests failed during the reload: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+
+    // Old answers, then new ones, and after the reload only the new version.
+    let after = server.wait_ready(Duration::from_secs(5));
+    let new = versions_of(&after)[0].clone();
+    assert_ne!(old, new);
+    assert!(versions_of(&after).iter().all(|v| *v == new), "{after:#}");
+    assert_eq!(after["generation"], 2);
+    assert_eq!(after["workers"].as_array().unwrap().len(), workers);
+    assert!(versions.contains(&old) && versions.contains(&new), "both versions answered");
+    let tail = &versions[versions.len().saturating_sub(10)..];
+    assert!(tail.iter().all(|v| *v == new), "after the reload: {tail:?}");
+    let meta = server.request("GET", "/v2/models/typed", b"").json();
+    assert_eq!(meta["inferd_version"], new.as_str());
+    // The old workers are gone.
+    for w in before["workers"].as_array().unwrap() {
+        assert!(!process_exists(w["pid"].as_i64().unwrap() as i32));
+    }
+}
+
+#[test]
+fn reload_to_a_new_file_under_load_with_two_workers() {
+    if test_workers() < 2 {
+        return eprintln!("needs 2 cores");
+    }
+    reload_to_a_new_file_under_load(2);
+}
+
+#[test]
+fn reload_to_a_new_file_under_load_with_one_worker() {
+    reload_to_a_new_file_under_load(1);
+}
+
+/// SIGHUP is `inferd reload`: the models are read again; unchanged files are a forced recycle,
+/// every worker replaced, still without a failed request.
+#[test]
+fn sighup_recycles_every_worker_without_a_failed_request() {
+    let workers = test_workers();
+    let mut server = start("sighup", workers, &[]);
+    let before: Vec<i32> = server.worker_pids();
+    let load = Load::start(&server, 4);
+    server.signal(Signal::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let after = loop {
+        let status = server.status();
+        let pids: Vec<i32> =
+            status["workers"].as_array().unwrap().iter().filter_map(|w| w["pid"].as_i64()).map(|p| p as i32).collect();
+        if status["phase"] == "ready" && status["generation"] == 2 && pids.iter().all(|p| !before.contains(p)) {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "no recycle: {status:#}\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, failed, _) = load.finish();
+    eprintln!("SIGHUP recycle: {ok} answered, {} failed", failed.len());
+    assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
+    assert_eq!(after["reloads_succeeded"], 1);
+    assert_eq!(after["workers"].as_array().unwrap().len(), workers);
+}
+
+#[test]
+fn a_reload_that_cannot_work_fails_and_the_old_models_keep_serving() {
+    let mut server = start("badreload", test_workers(), &["classifier"]);
+    let before = server.status();
+    let old = versions_of(&before)[0].clone();
+    let garbage = server.dir.path().join("garbage.onnx");
+    std::fs::write(&garbage, b"not an onnx model at all").unwrap();
+    let typed_file = test_models().join("typed/model.onnx");
+    let cases = [
+        (vec!["--model", "typed", "--path", garbage.to_str().unwrap()], "model 'typed' failed to load"),
+        // The classifier's text pipeline cannot feed typed's inputs.
+        (
+            vec!["--model", "classifier", "--path", typed_file.to_str().unwrap()],
+            "output 'logits' is not an output of the model",
+        ),
+        (vec!["--model", "nope", "--path", garbage.to_str().unwrap()], "this server has no model 'nope'"),
+        (vec!["--path", garbage.to_str().unwrap()], "--path needs --model"),
+    ];
+    for (args, message) in cases {
+        let load = Load::start(&server, 2);
+        let mut full = vec!["reload", "--wait"];
+        full.extend(args.iter().copied());
+        let out = inferd(&server, &full);
+        let (ok, failed, versions) = load.finish();
+        assert!(!out.status.success(), "{args:?} succeeded: {}", text(&out));
+        assert!(text(&out).contains(message), "{args:?}: {}", text(&out));
+        assert!(failed.is_empty(), "{args:?}: {:?}", &failed[..failed.len().min(5)]);
+        assert!(ok > 0 && versions.iter().all(|v| *v == old), "{args:?}: only the old version answers");
+    }
+    let after = server.wait_ready(Duration::from_secs(10));
+    assert_eq!(after["reloads_failed"], 2, "the two that started a new worker");
+    assert_eq!(
+        server.worker_pids(),
+        before["workers"].as_array().unwrap().iter().map(|w| w["pid"].as_i64().unwrap() as i32).collect::<Vec<_>>()
+    );
+    // A reload while the pool is fine afterwards still works.
+    let out = inferd(&server, &["reload", "--wait"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[test]
+fn scale_stays_within_the_cpu_budget() {
+    let workers = test_workers();
+    let mut server = start("scale", workers, &[]);
+    let usable = server.status()["usable_cores"].as_u64().unwrap() as usize;
+    if workers == usable {
+        let out = inferd(&server, &["scale", "+1"]);
+        assert!(!out.status.success());
+        assert!(
+            text(&out).contains(&format!("scale +1 refused: {} workers x 1 threads", workers + 1)),
+            "{}",
+            text(&out)
+        );
+    }
+    if workers < 2 {
+        return;
+    }
+    // -1 drains the last worker; SIGTTIN (= scale +1) brings one back, and it takes traffic.
+    let out = inferd(&server, &["scale", "-1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while server.status()["workers"].as_array().unwrap().len() != workers - 1 {
+        assert!(Instant::now() < deadline, "{:#}", server.status());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server.signal(Signal::SIGTTIN);
+    let status = loop {
+        let s = server.status();
+        if s["workers"].as_array().unwrap().len() == workers && s["phase"] == "ready" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "{s:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let last = &status["workers"][workers - 1];
+    assert_eq!(last["cpus"], json!([workers - 1]));
+    let index = (workers - 1).to_string();
+    let served = (0..200).any(|_| {
+        server.request("POST", "/v2/models/typed/infer", &typed_request()).header("x-inferd-worker")
+            == Some(index.as_str())
+    });
+    assert!(served, "the new worker never answered");
+}
+
+#[test]
+fn the_control_socket_refuses_other_users_and_status_says_when_no_server_runs() {
+    let server = start("perm", 1, &[]);
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&server.socket).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    if nix::unistd::geteuid().is_root() {
+        // Let "nobody" reach the socket's folder, so that only the socket's own mode stops it.
+        std::fs::set_permissions(server.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let out = Command::new(BIN)
+            .args(["status", "--control-socket"])
+            .arg(&server.socket)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(text(&out).contains("permission denied"), "{}", text(&out));
+    }
+    let out = Command::new(BIN)
+        .args(["status", "--control-socket"])
+        .arg(server.dir.path().join("nothing.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out).contains("inferd is not running"), "{}", text(&out));
+}
+
+#[test]
+fn status_exits_2_while_the_pool_is_degraded() {
+    let mut server = start("degraded", 1, &[]);
+    let out = inferd(&server, &["status"]);
+    assert!(out.status.success());
+    // The model file disappears, then the worker dies: its replacement cannot load, so the
+    // slot stays down (retried with backoff) and the pool is degraded.
+    let model = server.dir.path().join("models/typed/model.onnx");
+    std::fs::remove_file(&model).unwrap();
+    let pid = server.worker_pids()[0];
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = inferd(&server, &["status"]);
+        if out.status.code() == Some(2) {
+            assert!(text(&out).contains("degraded"), "{}", text(&out));
+            break;
+        }
+        assert!(Instant::now() < deadline, "never degraded: {}", text(&out));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Once the file is back, the next retry brings the pool back to ready.
+    std::fs::copy(test_models().join("typed/model.onnx"), &model).unwrap();
+    server.wait_ready(Duration::from_secs(20));
+}
