@@ -22,6 +22,7 @@ check: setup build
 
 # The integration tests run the release binary, so `make run` and `make test` share one build.
 test: setup
+	scripts/test-deps.sh
 	$(CARGO) test --release --locked --workspace
 
 # /embed latency and throughput against the raw ONNX Runtime loop (docs/benchmarks.md).

@@ -23,7 +23,7 @@ work=$(mktemp -d)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 results=$work/results.jsonl
 
-$INFERD serve --listen 127.0.0.1:$port --control-socket $work/ctl.sock 2>$work/inferd.log &
+$INFERD serve --listen 127.0.0.1:$port --admin-listen "" --control-socket $work/ctl.sock 2>$work/inferd.log &
 server=$!
 trap 'kill $server 2>/dev/null || true; rm -rf "$work"' EXIT
 for _ in $(seq 1 300); do

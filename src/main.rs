@@ -56,6 +56,9 @@ struct ServeArgs {
     /// Address to serve on, e.g. 127.0.0.1:8000 (server.listen).
     #[arg(long)]
     listen: Option<String>,
+    /// Address of the Prometheus metrics listener, "" for none (admin.listen).
+    #[arg(long)]
+    admin_listen: Option<String>,
     /// Number of worker processes; 0 = fill the CPU budget (server.workers).
     #[arg(long)]
     workers: Option<usize>,
@@ -161,6 +164,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
     let mut config = Config::load(args.config.config.as_deref())?;
     config.apply(&Overrides {
         listen: args.listen.clone(),
+        admin_listen: args.admin_listen.clone(),
         workers: args.workers,
         threads: args.threads,
         control_socket: args.control_socket.clone(),

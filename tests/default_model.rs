@@ -26,6 +26,7 @@ fn default_server() -> Server {
     // binary (the repository's) must be found.
     command
         .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", &test_workers().to_string()])
+        .args(["--admin-listen", ""])
         .arg("--control-socket")
         .arg(&socket)
         .env_remove("INFERD_CONFIG")

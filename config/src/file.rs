@@ -34,6 +34,7 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub server: ServerConfig,
+    pub admin: AdminConfig,
     pub models: ModelsConfig,
     pub runtime: RuntimeConfig,
     /// Directory that relative paths are resolved against (the config file's directory).
@@ -90,6 +91,20 @@ impl Default for ServerConfig {
     }
 }
 
+/// The supervisor's own HTTP listener: Prometheus metrics.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// `GET /metrics` is served here; empty = no admin listener.
+    pub listen: String,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig { listen: "127.0.0.1:9464".into() }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelsConfig {
@@ -119,6 +134,7 @@ pub struct RuntimeConfig {
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub listen: Option<String>,
+    pub admin_listen: Option<String>,
     pub workers: Option<usize>,
     pub threads: Option<usize>,
     pub control_socket: Option<PathBuf>,
@@ -151,6 +167,9 @@ impl Config {
         if let Some(listen) = &overrides.listen {
             self.server.listen = listen.clone();
         }
+        if let Some(admin) = &overrides.admin_listen {
+            self.admin.listen = admin.clone();
+        }
         if let Some(workers) = overrides.workers {
             self.server.workers = workers;
         }
@@ -169,6 +188,11 @@ impl Config {
         let invalid = |key, message: String| Err(ConfigError::Invalid { key, message });
         if let Err(e) = self.server.listen.parse::<SocketAddr>() {
             return invalid("server.listen", format!("'{}' is not an IP:port address ({e})", self.server.listen));
+        }
+        if !self.admin.listen.is_empty() {
+            if let Err(e) = self.admin.listen.parse::<SocketAddr>() {
+                return invalid("admin.listen", format!("'{}' is not an IP:port address ({e})", self.admin.listen));
+            }
         }
         if self.server.workers > 1024 {
             return invalid("server.workers", format!("{} is more than 1024", self.server.workers));

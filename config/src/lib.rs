@@ -17,6 +17,7 @@ pub mod model;
 pub mod ortlib;
 pub mod resolve;
 pub mod spec;
+pub mod stats;
 
 pub use file::{Config, ConfigError, Overrides};
 pub use resolve::{ResolveError, Resolved};

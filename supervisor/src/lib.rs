@@ -11,6 +11,7 @@
 //! Must not touch: ONNX Runtime (a process that ran a session must never fork), HTTP.
 
 pub mod control;
+mod metrics;
 pub mod pool;
 mod signals;
 pub mod status;
@@ -38,4 +39,6 @@ pub enum Event {
         status: Option<ExitStatus>,
     },
     Control(control::Request, control::Replies),
+    /// A Prometheus scrape wants the metrics text.
+    Scrape(tokio::sync::oneshot::Sender<String>),
 }

@@ -12,8 +12,9 @@
 //! reload replaces the slots one after another; the first replacement is the validation of the
 //! new models: if it fails, nothing else changes.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
@@ -24,6 +25,7 @@ use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
 };
+use inferd_config::stats::{Shared, Snapshot, LATENCY_BUCKETS, WORKER_STATS_FD};
 use inferd_config::Resolved;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -32,6 +34,7 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::control::{self, ControlError, Replies, Request, Response};
+use crate::metrics::{self, PoolMetrics};
 use crate::status::{Phase, PoolStatus, WorkerState, WorkerStatus};
 use crate::{signals, tcp, Event};
 
@@ -40,6 +43,9 @@ const STABLE_AFTER: Duration = Duration::from_secs(10);
 /// Consecutive deaths of one slot during start-up after which the server gives up.
 const MAX_BOOT_CRASHES: u32 = 5;
 const TICK: Duration = Duration::from_millis(200);
+/// Status shows request-latency percentiles over this window, from samples this far apart.
+const LATENCY_WINDOW: Duration = Duration::from_secs(60);
+const LATENCY_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SupervisorError {
@@ -82,11 +88,11 @@ struct Worker {
     state: WorkerState,
     started: Instant,
     ready_at: Option<Instant>,
-    requests: u64,
-    in_flight: u64,
     models: Vec<ModelInfo>,
     /// What the worker said before failing, or why the supervisor killed it.
     failure: Option<(FailureKind, String)>,
+    /// The counters it shares with the supervisor.
+    stats: Shared,
 }
 
 struct Slot {
@@ -141,7 +147,12 @@ pub struct Supervisor {
     models: Vec<ModelEntry>,
     reload: Option<Reload>,
     reloads: (u64, u64),
-    retired_requests: u64,
+    /// Final counts of every worker that has exited.
+    retired: Snapshot,
+    restarts_by_reason: BTreeMap<&'static str, u64>,
+    /// Request-latency buckets of the whole pool, sampled every few seconds, for the
+    /// last-minute percentiles in status.
+    latency_samples: VecDeque<(Instant, Vec<u64>)>,
     stop_deadline: Option<Instant>,
     killed_all: bool,
     fatal: Option<SupervisorError>,
@@ -159,6 +170,14 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
         let (events, mut queue) = mpsc::unbounded_channel();
         signals::forward(events.clone())?;
         tokio::spawn(control::serve(listener, events.clone()));
+        let admin = &resolved.config.admin.listen;
+        if !admin.is_empty() {
+            let listener = tokio::net::TcpListener::bind(admin)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin}: {e}")))?;
+            info!("metrics on http://{admin}/metrics");
+            tokio::spawn(metrics::serve(listener, events.clone()));
+        }
         let mut supervisor = Supervisor::new(resolved, events)?;
         let result = supervisor.run(&mut queue).await;
         let _ = std::fs::remove_file(&socket);
@@ -181,7 +200,9 @@ impl Supervisor {
             generation: 1,
             reload: None,
             reloads: (0, 0),
-            retired_requests: 0,
+            retired: Snapshot::default(),
+            restarts_by_reason: BTreeMap::new(),
+            latency_samples: VecDeque::new(),
             stop_deadline: None,
             killed_all: false,
             fatal: None,
@@ -241,6 +262,9 @@ impl Supervisor {
             Event::Message { slot, pid, message } => self.on_message(slot, pid, message),
             Event::Exited { slot, pid, status } => self.on_exit(slot, pid, status),
             Event::Control(request, replies) => self.act(request, Some(replies)),
+            Event::Scrape(reply) => {
+                let _ = reply.send(metrics::render(&self.metrics()));
+            }
         }
     }
 
@@ -279,10 +303,8 @@ impl Supervisor {
                 }
                 self.update_phase();
             }
-            WorkerMessage::Heartbeat { requests, in_flight } => {
-                worker.requests = requests;
-                worker.in_flight = in_flight;
-            }
+            // Counts are read from the shared counters; the heartbeat says the worker lives.
+            WorkerMessage::Heartbeat { .. } => {}
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
                 self.update_phase();
@@ -327,7 +349,7 @@ impl Supervisor {
         let Some(slot) = self.slots.get_mut(index) else { return };
         let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
         let worker = slot.workers.remove(at);
-        self.retired_requests += worker.requests;
+        self.retired.add(&worker.stats.snapshot().without_gauges());
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing {
             info!("worker {index} (pid {pid}) retired: {how}");
@@ -357,6 +379,13 @@ impl Supervisor {
             return;
         }
         slot.restarts += 1;
+        let reason = match (&failure, status.and_then(|s| s.signal())) {
+            (Some((FailureKind::ModelLoad, _)), _) => "model_load",
+            (Some((FailureKind::Boot, _)), _) => "boot",
+            (None, Some(_)) => "signal",
+            (None, None) => "exit",
+        };
+        *self.restarts_by_reason.entry(reason).or_default() += 1;
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER) {
             slot.failures = 0;
         }
@@ -388,6 +417,12 @@ impl Supervisor {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
+        if self.latency_samples.back().is_none_or(|(t, _)| now - *t >= LATENCY_SAMPLE_EVERY) {
+            self.latency_samples.push_back((now, self.totals().request_latency_buckets()));
+            while self.latency_samples.front().is_some_and(|(t, _)| now - *t > LATENCY_WINDOW + LATENCY_SAMPLE_EVERY) {
+                self.latency_samples.pop_front();
+            }
+        }
         if self.phase == Phase::Stopping {
             if self.stop_deadline.is_some_and(|d| now >= d) && !self.killed_all {
                 warn!("grace timeout passed; killing the remaining workers");
@@ -650,7 +685,7 @@ impl Supervisor {
             graceful_timeout_secs: config.server.graceful_timeout_secs,
         };
         match self.start_process(&spec) {
-            Ok(pid) => {
+            Ok((pid, stats)) => {
                 info!(
                     "worker {index} started: pid {pid}, cpus {}, {} threads, generation {generation}",
                     format_cpus(&spec.cpus),
@@ -663,10 +698,9 @@ impl Supervisor {
                     state: WorkerState::Starting,
                     started: Instant::now(),
                     ready_at: None,
-                    requests: 0,
-                    in_flight: 0,
                     models: Vec::new(),
                     failure: None,
+                    stats,
                 });
             }
             Err(e) => {
@@ -681,10 +715,25 @@ impl Supervisor {
         }
     }
 
-    /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3.
-    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<u32> {
+    /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
+    /// its shared counters as fd 4.
+    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<(u32, Shared)> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let child_fd = theirs.as_raw_fd();
+        let (stats, stats_fd) = Shared::create(&format!("inferd-worker-{}", spec.index))?;
+        // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
+        // neither dup2 can overwrite the other.
+        let high = |fd: i32| -> std::io::Result<OwnedFd> {
+            // SAFETY: fcntl on a descriptor we own; the result is a new descriptor we own.
+            let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+            if new < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(unsafe { OwnedFd::from_raw_fd(new) })
+            }
+        };
+        let (control, counters) = (high(theirs.as_raw_fd())?, high(stats_fd.as_raw_fd())?);
+        drop((theirs, stats_fd));
+        let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -704,11 +753,11 @@ impl Supervisor {
         // allocation happens.
         unsafe {
             command.pre_exec(move || {
-                if child_fd == WORKER_CONTROL_FD {
-                    let flags = libc::fcntl(child_fd, libc::F_GETFD);
-                    libc::fcntl(child_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-                } else if libc::dup2(child_fd, WORKER_CONTROL_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
+                // dup2 leaves the new descriptors without FD_CLOEXEC: they survive the exec.
+                for (from, to) in [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)] {
+                    if libc::dup2(from, to) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 // If the supervisor dies, the worker drains and exits instead of lingering.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
@@ -721,7 +770,7 @@ impl Supervisor {
             });
         }
         let mut process = command.spawn()?;
-        drop(theirs);
+        drop((control, counters));
         let pid = process.id().ok_or_else(|| std::io::Error::other("worker exited at once"))?;
         let mut line = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
         line.push(b'\n');
@@ -748,7 +797,7 @@ impl Supervisor {
             let status = process.wait().await.ok();
             let _ = events.send(Event::Exited { slot, pid, status });
         });
-        Ok(pid)
+        Ok((pid, stats))
     }
 
     fn status(&self) -> PoolStatus {
@@ -757,6 +806,7 @@ impl Supervisor {
         for (index, slot) in self.slots.iter().enumerate() {
             let row = |w: Option<&Worker>| {
                 let (rss_bytes, os_threads) = w.map(|w| proc_status(w.pid)).unwrap_or((None, None));
+                let counts = w.map(|w| w.stats.snapshot());
                 WorkerStatus {
                     index,
                     pid: w.map(|w| w.pid),
@@ -770,8 +820,9 @@ impl Supervisor {
                     threads: slot.placement.threads,
                     os_threads,
                     rss_bytes,
-                    requests: w.map_or(0, |w| w.requests),
-                    in_flight: w.map_or(0, |w| w.in_flight),
+                    requests: counts.as_ref().map_or(0, Snapshot::requests_total),
+                    in_flight: counts.as_ref().map_or(0, Snapshot::in_flight),
+                    queued: counts.as_ref().map_or(0, Snapshot::queued),
                     restarts: slot.restarts,
                     uptime_secs: w.map(|w| w.started.elapsed().as_secs_f64()),
                     models: w.map(|w| w.models.clone()).unwrap_or_default(),
@@ -794,10 +845,75 @@ impl Supervisor {
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
             threads_per_worker: plan.threads_per_worker,
-            requests_total: self.retired_requests + workers.iter().map(|w| w.requests).sum::<u64>(),
+            requests_total: self.totals().requests_total(),
+            latency_last_minute: self.latency_last_minute(),
             reloads_succeeded: self.reloads.0,
             reloads_failed: self.reloads.1,
             workers,
+        }
+    }
+}
+
+impl Supervisor {
+    /// The pool's counts: every exited worker's final counts plus the live workers' now.
+    fn totals(&self) -> Snapshot {
+        let mut totals = self.retired.clone();
+        for w in self.slots.iter().flat_map(|s| &s.workers) {
+            totals.add(&w.stats.snapshot());
+        }
+        totals
+    }
+
+    /// p50 and p99 of request latency over about the last minute, as the upper bound of the
+    /// histogram bucket each falls in (milliseconds; None: no requests, or beyond the last
+    /// bucket).
+    fn latency_last_minute(&self) -> Option<(f64, Option<f64>, Option<f64>)> {
+        let now = self.totals().request_latency_buckets();
+        let (start, old) =
+            self.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
+        let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a - b).collect();
+        let total: u64 = delta.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let quantile = |q: f64| {
+            let target = (q * total as f64).ceil() as u64;
+            let mut seen = 0;
+            delta
+                .iter()
+                .position(|n| {
+                    seen += n;
+                    seen >= target
+                })
+                .and_then(|i| LATENCY_BUCKETS.get(i).map(|b| b * 1e3))
+        };
+        Some((start.elapsed().as_secs_f64(), quantile(0.5), quantile(0.99)))
+    }
+
+    fn metrics(&self) -> PoolMetrics {
+        let mut model_info: Vec<ModelInfo> = Vec::new();
+        for w in self.slots.iter().flat_map(|s| &s.workers) {
+            for info in &w.models {
+                if !model_info.contains(info) {
+                    model_info.push(info.clone());
+                }
+            }
+        }
+        PoolMetrics {
+            models: self.models.iter().map(|m| m.name.clone()).collect(),
+            totals: self.totals(),
+            workers: self
+                .slots
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).0)))
+                .collect(),
+            ready: self.slots.iter().filter(|s| s.ready()).count(),
+            desired: self.slots.iter().filter(|s| !s.removing).count(),
+            restarts: self.restarts_by_reason.clone(),
+            reloads: self.reloads,
+            generation: self.generation,
+            model_info,
         }
     }
 }

@@ -51,6 +51,8 @@ pub struct WorkerStatus {
     /// Inference requests answered by the current process.
     pub requests: u64,
     pub in_flight: u64,
+    /// Requests waiting for the model thread.
+    pub queued: u64,
     /// Times this slot's worker died without being asked to.
     pub restarts: u32,
     pub uptime_secs: Option<f64>,
@@ -75,6 +77,9 @@ pub struct PoolStatus {
     pub threads_per_worker: usize,
     /// Requests answered by the pool since start, retired workers included.
     pub requests_total: u64,
+    /// (window seconds, p50 ms, p99 ms) of request latency over about the last minute; the
+    /// percentiles are histogram bucket upper bounds (None: above the last bucket).
+    pub latency_last_minute: Option<(f64, Option<f64>, Option<f64>)>,
     pub reloads_succeeded: u64,
     pub reloads_failed: u64,
     pub workers: Vec<WorkerStatus>,
@@ -105,6 +110,17 @@ impl PoolStatus {
             "cpu: {} usable cores ({}); {} intra-op thread(s) per worker",
             self.usable_cores, self.cpu_budget, self.threads_per_worker
         );
+        let ms = |v: Option<f64>| v.map_or("> 10 s".to_string(), |v| format!("<= {v} ms"));
+        let _ = writeln!(
+            out,
+            "latency over the last {}: {}",
+            self.latency_last_minute.map_or("minute".into(), |(s, _, _)| format!("{s:.0} s")),
+            self.latency_last_minute.map_or("no requests".into(), |(_, p50, p99)| format!(
+                "p50 {}, p99 {}",
+                ms(p50),
+                ms(p99)
+            ))
+        );
         let _ = writeln!(
             out,
             "generation {}; reloads: {} succeeded, {} failed{}\n",
@@ -113,8 +129,21 @@ impl PoolStatus {
             self.reloads_failed,
             self.reload.as_ref().map_or(String::new(), |r| format!("; reloading: {r}"))
         );
-        let header =
-            ["WORKER", "PID", "STATE", "GEN", "CPUS", "THREADS", "RSS", "REQUESTS", "RESTARTS", "UPTIME", "MODEL"];
+        let header = [
+            "WORKER",
+            "PID",
+            "STATE",
+            "GEN",
+            "CPUS",
+            "THREADS",
+            "RSS",
+            "REQUESTS",
+            "IN-FLIGHT",
+            "QUEUED",
+            "RESTARTS",
+            "UPTIME",
+            "MODEL",
+        ];
         let mut rows = vec![header.map(String::from).to_vec()];
         for w in &self.workers {
             let models =
@@ -131,6 +160,8 @@ impl PoolStatus {
                 },
                 w.rss_bytes.map_or("-".into(), bytes),
                 w.requests.to_string(),
+                w.in_flight.to_string(),
+                w.queued.to_string(),
                 w.restarts.to_string(),
                 w.uptime_secs.map_or("-".into(), duration),
                 if models.is_empty() { "-".into() } else { models.join(", ") },
@@ -183,6 +214,7 @@ mod tests {
             rss_bytes: Some(50 << 20),
             requests: 7,
             in_flight: 0,
+            queued: 0,
             restarts: 0,
             uptime_secs: Some(75.0),
             models: vec![ModelInfo { name: "m".into(), version: "1".into(), sha256: "abcd".into() }],
@@ -202,6 +234,7 @@ mod tests {
             cpu_budget: "affinity 0-1".into(),
             threads_per_worker: 1,
             requests_total: 14,
+            latency_last_minute: Some((60.0, Some(5.0), None)),
             workers: vec![worker(0), worker(1)],
         };
         let table = status.render();

@@ -74,7 +74,9 @@ pub fn write_config(
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = {workers}\nthreads = 1\ncontrol_socket = \"control.sock\"\n\
          graceful_timeout_secs = 20\nboot_timeout_secs = 60\n{extra}\n\
+         [admin]\nlisten = \"127.0.0.1:{}\"\n\
          [models]\nrepository = \"{}\"\ndefault = \"{default}\"\nload = [{}]\n",
+        free_port(),
         repository.display(),
         load.join(", ")
     );
@@ -130,6 +132,14 @@ impl Server {
             });
         }
         Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)), socket, dir, log }
+    }
+
+    /// The admin (metrics) address from the test's inferd.toml (see [`write_config`]).
+    pub fn admin_addr(&self) -> SocketAddr {
+        let text = std::fs::read_to_string(self.dir.path().join("inferd.toml")).unwrap();
+        let admin = text.split("[admin]").nth(1).expect("an [admin] section");
+        let line = admin.lines().find(|l| l.starts_with("listen")).unwrap();
+        line.split('"').nth(1).unwrap().parse().unwrap()
     }
 
     pub fn log(&self) -> String {

@@ -5,8 +5,10 @@
 //! worker's ORT thread pool. A dynamic batcher slots in here later: it would drain several
 //! jobs from the same channel before one `run`.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
+use inferd_config::stats::{Latency, Shared};
 use tokio::sync::oneshot;
 
 use crate::model::{Model, ModelError, Tensor};
@@ -14,6 +16,7 @@ use crate::model::{Model, ModelError, Tensor};
 struct Job {
     model: usize,
     inputs: Vec<Tensor>,
+    queued_at: Instant,
     reply: oneshot::Sender<Result<Vec<Tensor>, ModelError>>,
 }
 
@@ -22,28 +25,41 @@ struct Job {
 pub struct Engine {
     // std's channel: the receiving side is a plain thread that blocks on recv().
     jobs: mpsc::Sender<Job>,
+    stats: Arc<Shared>,
 }
 
 impl Engine {
     /// Moves the loaded models onto a new thread named `inferd-model`.
-    pub fn start(mut models: Vec<Model>) -> std::io::Result<Engine> {
+    /// Queue time, compute time and batch sizes go to `stats`.
+    pub fn start(mut models: Vec<Model>, stats: Arc<Shared>) -> std::io::Result<Engine> {
         let (jobs, queue) = mpsc::channel::<Job>();
+        let counters = stats.clone();
         std::thread::Builder::new().name("inferd-model".into()).spawn(move || {
             while let Ok(job) = queue.recv() {
+                counters.queued(-1);
                 if job.reply.is_closed() {
                     continue; // the client went away while queued: skip the work
                 }
+                let started = Instant::now();
+                counters.observe_latency(Latency::Queue, job.model, (started - job.queued_at).as_secs_f64());
+                let batch = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
+                counters.observe_batch(job.model, batch);
                 let result = models[job.model].run(job.inputs);
+                counters.observe_latency(Latency::Compute, job.model, started.elapsed().as_secs_f64());
                 let _ = job.reply.send(result);
             }
         })?;
-        Ok(Engine { jobs })
+        Ok(Engine { jobs, stats })
     }
 
     /// Runs model number `model` (its index in the worker's model list).
     pub async fn infer(&self, model: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
         let (reply, answer) = oneshot::channel();
-        self.jobs.send(Job { model, inputs, reply }).map_err(|_| ModelError::EngineGone)?;
+        self.stats.queued(1);
+        if self.jobs.send(Job { model, inputs, queued_at: Instant::now(), reply }).is_err() {
+            self.stats.queued(-1);
+            return Err(ModelError::EngineGone);
+        }
         answer.await.map_err(|_| ModelError::EngineGone)?
     }
 }

@@ -2,8 +2,9 @@
 //! and the one mapping from errors to status codes ([`ApiError::status`]).
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -12,6 +13,8 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
+
+use inferd_config::stats::{Latency, Shared, MAX_MODELS};
 
 use crate::engine::Engine;
 use crate::model::{ModelError, ModelMeta, Tensor};
@@ -31,9 +34,8 @@ pub struct AppState {
     pub max_batch_inputs: usize,
     /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
     pub ready: AtomicBool,
-    /// Inference requests answered, whatever their status.
-    pub requests: AtomicU64,
-    pub in_flight: AtomicU64,
+    /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
+    pub stats: Arc<Shared>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -143,20 +145,61 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         Route::Model(name, version) => model(state, name, version).map(|(_, m)| versioned(model_metadata(m), m)),
         Route::ModelReady(name, version) => model(state, name, version).map(|(_, m)| versioned(readiness(ready), m)),
         Route::Infer(name, version) => {
-            let (index, meta) = model(state, name, version)?;
-            counted(state, infer(state, index, meta, request)).await.map(|r| versioned(r, meta))
+            let found = model(state, name, version);
+            let row = found_index(&found);
+            let work = async {
+                let (index, meta) = found?;
+                infer(state, index, meta, request).await.map(|r| versioned(r, meta))
+            };
+            counted(state, row, 0, work).await
         }
         Route::Embed(name) => {
-            let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
-            let work = async { tei::embed(state, index, meta, &read_body(state, request).await?).await };
-            counted(state, work).await.map(|r| versioned(r, meta))
+            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
+            let row = found_index(&found);
+            let work = async {
+                let (index, meta) = found?;
+                tei::embed(state, index, meta, &read_body(state, request).await?).await.map(|r| versioned(r, meta))
+            };
+            counted(state, row, 1, work).await
         }
         Route::Predict(name) => {
-            let (index, meta) = model(state, name.unwrap_or(&state.models[0].info.name), None)?;
-            let work = async { tei::predict(state, index, meta, &read_body(state, request).await?).await };
-            counted(state, work).await.map(|r| versioned(r, meta))
+            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
+            let row = found_index(&found);
+            let work = async {
+                let (index, meta) = found?;
+                tei::predict(state, index, meta, &read_body(state, request).await?).await.map(|r| versioned(r, meta))
+            };
+            counted(state, row, 2, work).await
         }
     }
+}
+
+/// The counter row of a looked-up model (unknown models share the last one).
+fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
+    found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
+}
+
+/// Counts an inference request (by model, endpoint — an index of
+/// `inferd_config::stats::ENDPOINTS` — and status code) and its latency in the counters the
+/// supervisor reads, before the response is written: a client that got an answer was counted,
+/// even if the worker is killed the next instant.
+async fn counted(
+    state: &AppState,
+    model: usize,
+    endpoint: usize,
+    work: impl std::future::Future<Output = Result<Reply, ApiError>>,
+) -> Result<Reply, ApiError> {
+    let started = Instant::now();
+    state.stats.in_flight(1);
+    let result = work.await;
+    state.stats.in_flight(-1);
+    let code = match &result {
+        Ok(reply) => reply.status().as_u16(),
+        Err(e) => e.status().as_u16(),
+    };
+    state.stats.count_request(model, endpoint, code);
+    state.stats.observe_latency(Latency::Request, model, started.elapsed().as_secs_f64());
+    result
 }
 
 /// `x-inferd-model-version: <version label>+<sha256 prefix>`: which model answered, so a
@@ -166,18 +209,6 @@ fn versioned(mut reply: Reply, meta: &ModelMeta) -> Reply {
         reply.headers_mut().insert("x-inferd-model-version", v);
     }
     reply
-}
-
-/// Counts an inference request for status and heartbeats, whatever its outcome.
-async fn counted(
-    state: &AppState,
-    work: impl std::future::Future<Output = Result<Reply, ApiError>>,
-) -> Result<Reply, ApiError> {
-    state.in_flight.fetch_add(1, Ordering::Relaxed);
-    let result = work.await;
-    state.in_flight.fetch_sub(1, Ordering::Relaxed);
-    state.requests.fetch_add(1, Ordering::Relaxed);
-    result
 }
 
 fn readiness(ready: bool) -> Reply {

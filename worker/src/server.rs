@@ -13,6 +13,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use inferd_config::spec::{FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD};
+use inferd_config::stats::{Shared, WORKER_STATS_FD};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
@@ -63,8 +64,16 @@ pub fn run(fd: RawFd) -> i32 {
     let reporter = Arc::new(Reporter(Mutex::new(stream)));
     let span = tracing::info_span!("worker", index = spec.index, pid = std::process::id());
     let _enter = span.enter();
+    // SAFETY: the supervisor hands the worker this descriptor too; mapped here, then closed.
+    let stats = match Shared::map(unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_STATS_FD) }) {
+        Ok(stats) => Arc::new(stats),
+        Err(e) => {
+            error!("cannot map the counters on fd {WORKER_STATS_FD}: {e}");
+            return EXIT_BOOT;
+        }
+    };
     match boot(&spec, &reporter) {
-        Ok((models, listener)) => serve(spec, models, listener, reporter),
+        Ok((models, listener)) => serve(spec, models, listener, reporter, stats),
         Err(f) => {
             error!("{}", f.error);
             reporter.send(&WorkerMessage::Failed { kind: f.kind, error: f.error });
@@ -122,10 +131,16 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
-fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, reporter: Arc<Reporter>) -> i32 {
+fn serve(
+    spec: WorkerSpec,
+    models: Vec<Model>,
+    listener: std::net::TcpListener,
+    reporter: Arc<Reporter>,
+    stats: Arc<Shared>,
+) -> i32 {
     let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
-    let engine = match Engine::start(models) {
+    let engine = match Engine::start(models, stats.clone()) {
         Ok(engine) => engine,
         Err(e) => {
             error!("cannot start the model thread: {e}");
@@ -139,8 +154,7 @@ fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, 
         max_body_bytes: spec.max_body_bytes,
         max_batch_inputs: spec.max_batch_inputs,
         ready: false.into(),
-        requests: 0.into(),
-        in_flight: 0.into(),
+        stats,
     });
     // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,
     // started on demand, decodes images (see tasks.rs).
@@ -229,8 +243,6 @@ fn serve(spec: WorkerSpec, models: Vec<Model>, listener: std::net::TcpListener, 
 }
 
 fn heartbeat(state: &AppState) -> WorkerMessage {
-    WorkerMessage::Heartbeat {
-        requests: state.requests.load(Ordering::Relaxed),
-        in_flight: state.in_flight.load(Ordering::Relaxed),
-    }
+    let counts = state.stats.snapshot();
+    WorkerMessage::Heartbeat { requests: counts.requests_total(), in_flight: counts.in_flight() }
 }

@@ -1,0 +1,271 @@
+//! Counters a worker shares with the supervisor: one memfd per worker process, created by the
+//! supervisor and handed to the worker as fd 4, mapped by both.
+//!
+//! Shared memory rather than messages: the worker counts a request with an atomic add before
+//! its response is written, and the counts live in memory the supervisor also maps, so they
+//! survive the worker's SIGKILL (the supervisor folds a dead worker's final counts into the
+//! pool's totals) and cost the hot path no system call. The region is a flat array of
+//! `AtomicU64`; the functions below give each counter its index.
+
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// File descriptor of the counters in a worker.
+pub const WORKER_STATS_FD: i32 = 4;
+
+/// Models with counters of their own; requests for other names count as the last one.
+pub const MAX_MODELS: usize = 8;
+const MODEL_ROWS: usize = MAX_MODELS + 1;
+pub const ENDPOINTS: [&str; 3] = ["infer", "embed", "predict"];
+/// Status codes counted apart; any other counts as the last ("other").
+pub const CODES: [u16; 10] = [200, 400, 404, 405, 413, 429, 500, 503, 504, 0];
+/// Upper bounds (seconds) of the queue-time and compute-time histograms; +Inf follows.
+pub const LATENCY_BUCKETS: [f64; 14] =
+    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// Upper bounds of the batch-size histogram; +Inf follows.
+pub const BATCH_BUCKETS: [u64; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+
+/// Histogram slots: one per bucket (cumulative at export), +Inf, sum, count.
+const LATENCY_SLOTS: usize = LATENCY_BUCKETS.len() + 3;
+const BATCH_SLOTS: usize = BATCH_BUCKETS.len() + 3;
+const REQUESTS_AT: usize = 0;
+const QUEUE_AT: usize = REQUESTS_AT + MODEL_ROWS * ENDPOINTS.len() * CODES.len();
+const COMPUTE_AT: usize = QUEUE_AT + MAX_MODELS * LATENCY_SLOTS;
+const REQUEST_LATENCY_AT: usize = COMPUTE_AT + MAX_MODELS * LATENCY_SLOTS;
+const BATCH_AT: usize = REQUEST_LATENCY_AT + MAX_MODELS * LATENCY_SLOTS;
+const IN_FLIGHT_AT: usize = BATCH_AT + MAX_MODELS * BATCH_SLOTS;
+const QUEUED_AT: usize = IN_FLIGHT_AT + 1;
+/// Number of counters in a region.
+pub const LEN: usize = QUEUED_AT + 1;
+
+/// Which latency histogram.
+#[derive(Debug, Clone, Copy)]
+pub enum Latency {
+    /// Waiting for the model thread.
+    Queue,
+    /// Running the model.
+    Compute,
+    /// The whole request, from routing to the response (everything the worker spends on it).
+    Request,
+}
+
+pub fn request_index(model: usize, endpoint: usize, code: u16) -> usize {
+    let code = CODES.iter().position(|&c| c == code).unwrap_or(CODES.len() - 1);
+    REQUESTS_AT + (model.min(MAX_MODELS) * ENDPOINTS.len() + endpoint) * CODES.len() + code
+}
+
+fn latency_base(kind: Latency, model: usize) -> Option<usize> {
+    let at = match kind {
+        Latency::Queue => QUEUE_AT,
+        Latency::Compute => COMPUTE_AT,
+        Latency::Request => REQUEST_LATENCY_AT,
+    };
+    (model < MAX_MODELS).then_some(at + model * LATENCY_SLOTS)
+}
+
+/// A view of one histogram in a snapshot: per-bucket (not cumulative) counts incl. +Inf, the
+/// sum (seconds) and the count.
+pub struct Histogram<'a> {
+    pub buckets: &'a [u64],
+    pub sum: f64,
+    pub count: u64,
+}
+
+/// A mapped region of counters.
+pub struct Shared {
+    ptr: NonNull<AtomicU64>,
+}
+
+// SAFETY: the region is only ever accessed through atomics.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// A new zeroed region and the descriptor to hand to a worker.
+    pub fn create(name: &str) -> std::io::Result<(Shared, OwnedFd)> {
+        let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        nix::unistd::ftruncate(&fd, (LEN * 8) as i64)?;
+        let shared = Shared::map(&fd)?;
+        Ok((shared, fd))
+    }
+
+    /// Maps a region created by [`Shared::create`] (in the worker: fd 4).
+    pub fn map(fd: impl AsFd) -> std::io::Result<Shared> {
+        let len = NonZeroUsize::new(LEN * 8).expect("non-empty");
+        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+        // SAFETY: a fresh shared mapping of a file of exactly this size; nothing else aliases it
+        // in this process, and all access goes through AtomicU64 (valid for any bit pattern).
+        let ptr =
+            unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, fd, 0)? };
+        Ok(Shared { ptr: ptr.cast() })
+    }
+
+    fn counter(&self, index: usize) -> &AtomicU64 {
+        assert!(index < LEN);
+        // SAFETY: in bounds of the mapping, which lives as long as self.
+        unsafe { &*self.ptr.as_ptr().add(index) }
+    }
+
+    pub fn add(&self, index: usize, n: u64) {
+        self.counter(index).fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn sub(&self, index: usize, n: u64) {
+        self.counter(index).fetch_sub(n, Ordering::Relaxed);
+    }
+
+    pub fn count_request(&self, model: usize, endpoint: usize, code: u16) {
+        self.add(request_index(model, endpoint, code), 1);
+    }
+
+    pub fn observe_latency(&self, kind: Latency, model: usize, seconds: f64) {
+        let Some(base) = latency_base(kind, model) else { return };
+        let bucket = LATENCY_BUCKETS.iter().position(|&b| seconds <= b).unwrap_or(LATENCY_BUCKETS.len());
+        self.add(base + bucket, 1);
+        self.add(base + LATENCY_BUCKETS.len() + 1, (seconds * 1e6) as u64);
+        self.add(base + LATENCY_BUCKETS.len() + 2, 1);
+    }
+
+    pub fn observe_batch(&self, model: usize, size: u64) {
+        if model >= MAX_MODELS {
+            return;
+        }
+        let base = BATCH_AT + model * BATCH_SLOTS;
+        let bucket = BATCH_BUCKETS.iter().position(|&b| size <= b).unwrap_or(BATCH_BUCKETS.len());
+        self.add(base + bucket, 1);
+        self.add(base + BATCH_BUCKETS.len() + 1, size);
+        self.add(base + BATCH_BUCKETS.len() + 2, 1);
+    }
+
+    pub fn in_flight(&self, delta: i64) {
+        if delta >= 0 {
+            self.add(IN_FLIGHT_AT, delta as u64)
+        } else {
+            self.sub(IN_FLIGHT_AT, (-delta) as u64)
+        }
+    }
+
+    pub fn queued(&self, delta: i64) {
+        if delta >= 0 {
+            self.add(QUEUED_AT, delta as u64)
+        } else {
+            self.sub(QUEUED_AT, (-delta) as u64)
+        }
+    }
+
+    /// A copy of every counter.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot((0..LEN).map(|i| self.counter(i).load(Ordering::Relaxed)).collect())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), LEN * 8) };
+    }
+}
+
+/// Plain counts: one worker's at a moment, or the pool's totals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot(pub Vec<u64>);
+
+impl Default for Snapshot {
+    fn default() -> Self {
+        Snapshot(vec![0; LEN])
+    }
+}
+
+impl Snapshot {
+    /// Adds the counters of `other`; gauges (in flight, queued) add up as well, which is what
+    /// a pool total of live workers wants.
+    pub fn add(&mut self, other: &Snapshot) {
+        self.0.iter_mut().zip(&other.0).for_each(|(a, b)| *a += b);
+    }
+
+    /// Drops the gauges: what a dead worker leaves to the totals.
+    pub fn without_gauges(mut self) -> Snapshot {
+        self.0[IN_FLIGHT_AT] = 0;
+        self.0[QUEUED_AT] = 0;
+        self
+    }
+
+    pub fn requests(&self, model: usize, endpoint: usize, code: u16) -> u64 {
+        self.0[request_index(model, endpoint, code)]
+    }
+
+    /// Every request counted, whatever its model, endpoint or status.
+    pub fn requests_total(&self) -> u64 {
+        self.0[REQUESTS_AT..QUEUE_AT].iter().sum()
+    }
+
+    pub fn latency(&self, kind: Latency, model: usize) -> Histogram<'_> {
+        let base = latency_base(kind, model).expect("model < MAX_MODELS");
+        let n = LATENCY_BUCKETS.len();
+        Histogram {
+            buckets: &self.0[base..=base + n],
+            sum: self.0[base + n + 1] as f64 / 1e6,
+            count: self.0[base + n + 2],
+        }
+    }
+
+    /// Requests per latency bucket over every model (for percentiles in `inferd status`).
+    pub fn request_latency_buckets(&self) -> Vec<u64> {
+        let n = LATENCY_BUCKETS.len() + 1;
+        (0..n).map(|b| (0..MAX_MODELS).map(|m| self.0[REQUEST_LATENCY_AT + m * LATENCY_SLOTS + b]).sum()).collect()
+    }
+
+    pub fn batch(&self, model: usize) -> Histogram<'_> {
+        let base = BATCH_AT + model * BATCH_SLOTS;
+        let n = BATCH_BUCKETS.len();
+        Histogram { buckets: &self.0[base..=base + n], sum: self.0[base + n + 1] as f64, count: self.0[base + n + 2] }
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.0[IN_FLIGHT_AT]
+    }
+
+    pub fn queued(&self) -> u64 {
+        self.0[QUEUED_AT]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_of_one_region_see_the_same_counters() {
+        let (a, fd) = Shared::create("inferd-test").unwrap();
+        let b = Shared::map(&fd).unwrap();
+        a.count_request(0, 1, 200);
+        b.count_request(0, 1, 200);
+        b.count_request(3, 0, 418);
+        a.observe_latency(Latency::Compute, 2, 0.003);
+        a.observe_batch(2, 3);
+        a.in_flight(2);
+        a.in_flight(-1);
+        let s = b.snapshot();
+        assert_eq!(s.requests(0, 1, 200), 2);
+        assert_eq!(s.requests(3, 0, 0), 1, "unknown codes count as other");
+        assert_eq!(s.requests_total(), 3);
+        let h = s.latency(Latency::Compute, 2);
+        assert_eq!((h.count, h.buckets[3]), (1, 1), "0.003 s falls in the 0.005 bucket");
+        assert!((h.sum - 0.003).abs() < 1e-6);
+        assert_eq!(s.batch(2).buckets[2], 1, "3 falls in the 4 bucket");
+        assert_eq!(s.in_flight(), 1);
+        let mut total = Snapshot::default();
+        total.add(&s.clone().without_gauges());
+        total.add(&s);
+        assert_eq!(total.requests_total(), 6);
+        assert_eq!(total.in_flight(), 1);
+    }
+
+    #[test]
+    fn model_rows_beyond_the_limit_share_the_last() {
+        assert_eq!(request_index(MAX_MODELS + 5, 0, 200), request_index(MAX_MODELS, 0, 200));
+        assert!(request_index(MAX_MODELS, 2, 0) < QUEUE_AT);
+    }
+}

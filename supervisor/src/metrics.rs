@@ -1,0 +1,164 @@
+//! Prometheus text exposition of the pool, served by the supervisor on `admin.listen`
+//! (`GET /metrics`).
+//!
+//! Request counts and latency histograms come from the counters each worker shares with the
+//! supervisor (see `inferd_config::stats`): those of live workers plus the final counts of
+//! every worker that has exited, so a SIGKILLed worker does not take its counts with it.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::fmt::Write;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use inferd_config::spec::ModelInfo;
+use inferd_config::stats::{Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tracing::warn;
+
+use crate::Event;
+
+/// What the loop hands over for one scrape.
+pub struct PoolMetrics {
+    /// Model names by counter row.
+    pub models: Vec<String>,
+    pub totals: Snapshot,
+    /// (slot, pid, RSS bytes) of every live worker.
+    pub workers: Vec<(usize, u32, Option<u64>)>,
+    pub ready: usize,
+    pub desired: usize,
+    pub restarts: BTreeMap<&'static str, u64>,
+    pub reloads: (u64, u64),
+    pub generation: u64,
+    pub model_info: Vec<ModelInfo>,
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+fn histogram(out: &mut String, name: &str, labels: &str, h: &Histogram, bounds: &[String]) {
+    let mut cumulative = 0;
+    for (bound, count) in bounds.iter().map(String::as_str).chain(["+Inf"]).zip(h.buckets) {
+        cumulative += count;
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+    }
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+}
+
+pub fn render(m: &PoolMetrics) -> String {
+    let mut out = String::with_capacity(16 * 1024);
+    let rows =
+        m.models.iter().enumerate().map(|(i, n)| (i, n.as_str())).chain([(inferd_config::stats::MAX_MODELS, "other")]);
+    header(
+        &mut out,
+        "inferd_requests_total",
+        "counter",
+        "Inference requests answered, by model, endpoint and status code.",
+    );
+    for (row, model) in rows {
+        for (e, endpoint) in ENDPOINTS.iter().enumerate() {
+            for &code in &CODES {
+                let n = m.totals.requests(row, e, code);
+                if n > 0 {
+                    let code = if code == 0 { "other".to_string() } else { code.to_string() };
+                    let _ = writeln!(
+                        out,
+                        "inferd_requests_total{{model=\"{model}\",endpoint=\"{endpoint}\",code=\"{code}\"}} {n}"
+                    );
+                }
+            }
+        }
+    }
+    let latency_bounds: Vec<String> = LATENCY_BUCKETS.iter().map(|b| b.to_string()).collect();
+    let batch_bounds: Vec<String> = BATCH_BUCKETS.iter().map(|b| b.to_string()).collect();
+    for (name, kind, help) in [
+        ("inferd_request_duration_seconds", Latency::Request, "Time a worker spent on a request, routing to response."),
+        ("inferd_queue_duration_seconds", Latency::Queue, "Time a request waited for the model thread."),
+        ("inferd_compute_duration_seconds", Latency::Compute, "Time the model ran for a request."),
+    ] {
+        header(&mut out, name, "histogram", help);
+        for (row, model) in m.models.iter().enumerate() {
+            histogram(&mut out, name, &format!("model=\"{model}\""), &m.totals.latency(kind, row), &latency_bounds);
+        }
+    }
+    header(&mut out, "inferd_batch_size", "histogram", "Rows per model run.");
+    for (row, model) in m.models.iter().enumerate() {
+        histogram(&mut out, "inferd_batch_size", &format!("model=\"{model}\""), &m.totals.batch(row), &batch_bounds);
+    }
+    header(&mut out, "inferd_requests_in_flight", "gauge", "Requests being handled by the workers now.");
+    let _ = writeln!(out, "inferd_requests_in_flight {}", m.totals.in_flight());
+    header(&mut out, "inferd_requests_queued", "gauge", "Requests waiting for a model thread now.");
+    let _ = writeln!(out, "inferd_requests_queued {}", m.totals.queued());
+    header(&mut out, "inferd_worker_rss_bytes", "gauge", "Resident memory of each worker process.");
+    for (slot, pid, rss) in &m.workers {
+        if let Some(rss) = rss {
+            let _ = writeln!(out, "inferd_worker_rss_bytes{{worker=\"{slot}\",pid=\"{pid}\"}} {rss}");
+        }
+    }
+    header(&mut out, "inferd_workers_ready", "gauge", "Workers ready and serving.");
+    let _ = writeln!(out, "inferd_workers_ready {}", m.ready);
+    header(&mut out, "inferd_workers_desired", "gauge", "Workers the pool is meant to have.");
+    let _ = writeln!(out, "inferd_workers_desired {}", m.desired);
+    header(&mut out, "inferd_worker_restarts_total", "counter", "Workers replaced after dying, by reason.");
+    for (reason, n) in &m.restarts {
+        let _ = writeln!(out, "inferd_worker_restarts_total{{reason=\"{reason}\"}} {n}");
+    }
+    header(&mut out, "inferd_reloads_total", "counter", "Rolling reloads, by outcome.");
+    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"success\"}} {}", m.reloads.0);
+    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"failure\"}} {}", m.reloads.1);
+    header(&mut out, "inferd_generation", "gauge", "Pool generation: 1 at start, +1 per reload.");
+    let _ = writeln!(out, "inferd_generation {}", m.generation);
+    header(&mut out, "inferd_model_info", "gauge", "Models served now (1 per version being served).");
+    for info in &m.model_info {
+        let _ = writeln!(
+            out,
+            "inferd_model_info{{model=\"{}\",version=\"{}\",sha256=\"{}\"}} 1",
+            info.name, info.version, info.sha256
+        );
+    }
+    out
+}
+
+/// Serves `GET /metrics` on the admin listener; each scrape asks the loop for a snapshot.
+pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let events = events.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let events = events.clone();
+                async move {
+                    if request.uri().path() != "/metrics" {
+                        return Ok::<_, Infallible>(reply(StatusCode::NOT_FOUND, "try /metrics\n".into()));
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    if events.send(Event::Scrape(tx)).is_err() {
+                        return Ok(reply(StatusCode::SERVICE_UNAVAILABLE, "stopping\n".into()));
+                    }
+                    Ok(match rx.await {
+                        Ok(text) => reply(StatusCode::OK, text),
+                        Err(_) => reply(StatusCode::SERVICE_UNAVAILABLE, "stopping\n".into()),
+                    })
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
+                warn!("metrics connection: {e}");
+            }
+        });
+    }
+}
+
+fn reply(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
+    response
+}

@@ -1,0 +1,149 @@
+//! Prometheus metrics: a real Prometheus server (the Debian package, started here on
+//! loopback) scrapes the supervisor's admin listener, and its query API must count exactly
+//! the requests the test sent, also across a worker's SIGKILL.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn prometheus(dir: &std::path::Path, target: SocketAddr) -> Prometheus {
+    let binary = std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join("prometheus")).find(|p| p.is_file()))
+        .expect("no `prometheus` on PATH: `make test` installs it (scripts/test-deps.sh)");
+    let config = dir.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: inferd\n    static_configs:\n      - targets: ['{target}']\n"),
+    )
+    .unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let child = Command::new(binary)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg(format!("--web.listen-address={addr}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start prometheus");
+    Prometheus { child, addr }
+}
+
+/// Percent-encodes a PromQL query for a URL.
+fn encode(query: &str) -> String {
+    query
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The value of a scalar-ish PromQL query, if Prometheus has one yet.
+fn query(p: &Prometheus, promql: &str) -> Option<f64> {
+    let r = request(p.addr, "GET", &format!("/api/v1/query?query={}", encode(promql)), &[], b"").ok()?;
+    let v: Value = serde_json::from_slice(&r.body).ok()?;
+    v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+}
+
+fn wait_for(p: &Prometheus, promql: &str, want: f64) {
+    let deadline = Instant::now() + Duration::from_secs(45);
+    let mut last = None;
+    while Instant::now() < deadline {
+        last = query(p, promql);
+        if last == Some(want) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    panic!("Prometheus says {promql} = {last:?}, expected {want}");
+}
+
+fn good() -> Vec<u8> {
+    infer_body(json!([
+        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
+        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
+        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
+        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
+    ]))
+}
+
+#[test]
+fn prometheus_counts_every_request_across_a_worker_sigkill() {
+    let dir = TempDir::new("metrics");
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let prom_dir = TempDir::new("prometheus");
+    let prom = prometheus(prom_dir.path(), server.admin_addr());
+
+    let send = |server: &Server, good_n: usize, bad_n: usize| {
+        for _ in 0..good_n {
+            assert_eq!(server.request("POST", "/v2/models/typed/infer", &good()).status, 200);
+        }
+        for _ in 0..bad_n {
+            assert_eq!(server.request("POST", "/v2/models/typed/infer", b"{\"inputs\": 1}").status, 400);
+        }
+    };
+    send(&server, 120, 7);
+    // Every worker has answered something: SIGKILL worker 0 between requests.
+    let victim = server.worker_pids()[0];
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = server.status();
+        if s["phase"] == "ready" && s["workers"][0]["pid"].as_i64() != Some(victim as i64) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no replacement: {s:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    send(&server, 80, 3);
+
+    // The text the supervisor serves, straight.
+    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    let line = |prefix: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{text}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(line("inferd_requests_total{model=\"typed\",endpoint=\"infer\",code=\"200\"}"), 200.0);
+    assert_eq!(line("inferd_requests_total{model=\"typed\",endpoint=\"infer\",code=\"400\"}"), 10.0);
+    assert_eq!(line("inferd_worker_restarts_total{reason=\"signal\"}"), 1.0);
+    assert_eq!(line("inferd_compute_duration_seconds_count{model=\"typed\"}"), 200.0);
+    assert!(text.contains("inferd_model_info{model=\"typed\",version=\"1\",sha256=\""), "{text}");
+
+    // And what Prometheus scraped.
+    wait_for(&prom, "sum(inferd_requests_total)", 210.0);
+    wait_for(&prom, "sum(inferd_requests_total{code=\"400\"})", 10.0);
+    wait_for(&prom, "inferd_workers_ready", test_workers() as f64);
+    wait_for(&prom, "inferd_worker_restarts_total{reason=\"signal\"}", 1.0);
+}
