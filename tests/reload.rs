@@ -355,3 +355,41 @@ fn status_exits_2_while_the_pool_is_degraded() {
     std::fs::copy(test_models().join("typed/model.onnx"), &model).unwrap();
     server.wait_ready(Duration::from_secs(20));
 }
+
+/// server.max_requests recycles workers (with jitter) through the same gap-free replacement
+/// as a reload: under load, workers are replaced again and again, and no request fails.
+#[test]
+fn max_requests_recycles_workers_without_a_failed_request() {
+    let dir = TempDir::new("recycle");
+    let port = free_port();
+    let models = repository(dir.path());
+    write_config(
+        dir.path(),
+        port,
+        test_workers(),
+        &models,
+        "typed",
+        &[],
+        "max_requests = 300\nmax_requests_jitter = 50",
+    );
+    let mut server = Server::start(dir, port, &[]);
+    let before = server.wait_ready(Duration::from_secs(60));
+    let first: Vec<i32> = server.worker_pids();
+    let load = Load::start(&server, 4);
+    std::thread::sleep(Duration::from_secs(3));
+    let (ok, failed, _) = load.finish();
+    let after = server.wait_ready(Duration::from_secs(10));
+    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    let recycled: f64 = text
+        .lines()
+        .find(|l| l.starts_with("inferd_worker_recycles_total{reason=\"max_requests\"}"))
+        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap());
+    eprintln!("{ok} requests, {} failed, {recycled} recycles", failed.len());
+    assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
+    // A worker past its limit keeps serving until its replacement is ready, one replacement at
+    // a time: thousands of requests a second overshoot the limit, so only a floor is checked.
+    assert!(recycled >= 4.0, "{recycled} recycles for {ok} requests");
+    assert!(after["workers"].as_array().unwrap().iter().all(|w| !first.contains(&(w["pid"].as_i64().unwrap() as i32))));
+    assert_eq!(after["generation"], before["generation"], "recycling is not a reload");
+    assert!(after["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "recycles are not restarts");
+}

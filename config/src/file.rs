@@ -68,6 +68,12 @@ pub struct ServerConfig {
     pub graceful_timeout_secs: f64,
     /// How long a worker may take to load its models and warm up before it is killed.
     pub boot_timeout_secs: f64,
+    /// Replace a worker (gap-free, like a reload) after this many requests; 0 = never.
+    pub max_requests: u64,
+    /// Up to this many more requests, drawn per worker, so workers do not recycle together.
+    pub max_requests_jitter: u64,
+    /// Replace a worker (gap-free) once it is this old; 0 = never.
+    pub max_worker_age_secs: f64,
     /// Set net.ipv4.tcp_migrate_req=1 at start (when permitted) so connections queued on a
     /// worker that stops accepting move to its siblings instead of being reset.
     pub set_tcp_migrate_req: bool,
@@ -86,6 +92,9 @@ impl Default for ServerConfig {
             max_batch_inputs: 64,
             graceful_timeout_secs: 30.0,
             boot_timeout_secs: 120.0,
+            max_requests: 0,
+            max_requests_jitter: 0,
+            max_worker_age_secs: 0.0,
             set_tcp_migrate_req: true,
         }
     }
@@ -213,6 +222,9 @@ impl Config {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("{value} is not a positive number of seconds"));
             }
+        }
+        if !(self.server.max_worker_age_secs.is_finite() && self.server.max_worker_age_secs >= 0.0) {
+            return invalid("server.max_worker_age_secs", "must be 0 (never) or a number of seconds".into());
         }
         if self.server.control_socket.as_os_str().is_empty() {
             return invalid("server.control_socket", "must not be empty".into());

@@ -31,6 +31,7 @@ pub struct PoolMetrics {
     pub ready: usize,
     pub desired: usize,
     pub restarts: BTreeMap<&'static str, u64>,
+    pub recycles: BTreeMap<&'static str, u64>,
     pub reloads: (u64, u64),
     pub generation: u64,
     pub model_info: Vec<ModelInfo>,
@@ -107,6 +108,15 @@ pub fn render(m: &PoolMetrics) -> String {
     header(&mut out, "inferd_worker_restarts_total", "counter", "Workers replaced after dying, by reason.");
     for (reason, n) in &m.restarts {
         let _ = writeln!(out, "inferd_worker_restarts_total{{reason=\"{reason}\"}} {n}");
+    }
+    header(
+        &mut out,
+        "inferd_worker_recycles_total",
+        "counter",
+        "Workers replaced gap-free for reaching a limit, by reason.",
+    );
+    for (reason, n) in &m.recycles {
+        let _ = writeln!(out, "inferd_worker_recycles_total{{reason=\"{reason}\"}} {n}");
     }
     header(&mut out, "inferd_reloads_total", "counter", "Rolling reloads, by outcome.");
     let _ = writeln!(out, "inferd_reloads_total{{outcome=\"success\"}} {}", m.reloads.0);

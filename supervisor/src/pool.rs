@@ -46,6 +46,8 @@ const TICK: Duration = Duration::from_millis(200);
 /// Status shows request-latency percentiles over this window, from samples this far apart.
 const LATENCY_WINDOW: Duration = Duration::from_secs(60);
 const LATENCY_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// After a failed recycling replacement, the slot is not recycled again for this long.
+const RECYCLE_PAUSE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SupervisorError {
@@ -93,6 +95,8 @@ struct Worker {
     failure: Option<(FailureKind, String)>,
     /// The counters it shares with the supervisor.
     stats: Shared,
+    /// Requests after which it is recycled (server.max_requests plus its own jitter).
+    recycle_after: Option<u64>,
 }
 
 struct Slot {
@@ -108,6 +112,8 @@ struct Slot {
     last_exit: Option<String>,
     /// Being removed by `scale -1`: no restarts, gone once its workers are.
     removing: bool,
+    /// A recycling replacement failed: no new attempt before this.
+    recycle_pause: Option<Instant>,
 }
 
 impl Slot {
@@ -150,6 +156,7 @@ pub struct Supervisor {
     /// Final counts of every worker that has exited.
     retired: Snapshot,
     restarts_by_reason: BTreeMap<&'static str, u64>,
+    recycles_by_reason: BTreeMap<&'static str, u64>,
     /// Request-latency buckets of the whole pool, sampled every few seconds, for the
     /// last-minute percentiles in status.
     latency_samples: VecDeque<(Instant, Vec<u64>)>,
@@ -202,6 +209,7 @@ impl Supervisor {
             reloads: (0, 0),
             retired: Snapshot::default(),
             restarts_by_reason: BTreeMap::new(),
+            recycles_by_reason: BTreeMap::new(),
             latency_samples: VecDeque::new(),
             stop_deadline: None,
             killed_all: false,
@@ -375,6 +383,7 @@ impl Supervisor {
             // A replacement that never became ready: the current worker keeps serving.
             let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
             error!("worker {index}: replacement (pid {pid}) failed: {error}");
+            slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
             self.abort_reload(index, &error);
             return;
         }
@@ -431,6 +440,7 @@ impl Supervisor {
             }
             return;
         }
+        self.maybe_recycle(now);
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
@@ -450,6 +460,40 @@ impl Supervisor {
                 self.spawn(index, Role::Current, models, generation);
             }
         }
+    }
+
+    /// Recycling (server.max_requests, server.max_worker_age_secs): a worker past its limit is
+    /// replaced like in a reload, incoming first. One replacement at a time across the pool,
+    /// the worker furthest past its limit first, and none during a reload (which replaces
+    /// everyone anyway).
+    fn maybe_recycle(&mut self, now: Instant) {
+        let max_age = self.resolved.config.server.max_worker_age_secs;
+        if self.reload.is_some() || self.slots.iter().any(|s| s.with_role(Role::Incoming).is_some()) {
+            return;
+        }
+        // (how far past the limit, as a share of it; slot; reason)
+        let mut due: Option<(f64, usize, &'static str)> = None;
+        for (index, slot) in self.slots.iter().enumerate() {
+            if slot.removing || slot.recycle_pause.is_some_and(|t| now < t) {
+                continue;
+            }
+            let Some(w) = slot.with_role(Role::Current).filter(|w| w.state == WorkerState::Ready) else { continue };
+            let by_requests =
+                w.recycle_after.map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, "max_requests"));
+            let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, "max_age"));
+            for (over, reason) in [by_requests, by_age].into_iter().flatten() {
+                if over >= 1.0 && due.is_none_or(|(o, _, _)| over > o) {
+                    due = Some((over, index, reason));
+                }
+            }
+        }
+        let Some((_, index, reason)) = due else { return };
+        let slot = &self.slots[index];
+        let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
+        info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
+        *self.recycles_by_reason.entry(reason).or_default() += 1;
+        let (models, generation) = (slot.models.clone(), slot.generation);
+        self.spawn(index, Role::Incoming, models, generation);
     }
 
     /// Starts a rolling reload: the named model (or all of them, read again) in a new
@@ -701,6 +745,7 @@ impl Supervisor {
                     models: Vec::new(),
                     failure: None,
                     stats,
+                    recycle_after: recycle_threshold(&config.server),
                 });
             }
             Err(e) => {
@@ -911,6 +956,7 @@ impl Supervisor {
             ready: self.slots.iter().filter(|s| s.ready()).count(),
             desired: self.slots.iter().filter(|s| !s.removing).count(),
             restarts: self.restarts_by_reason.clone(),
+            recycles: self.recycles_by_reason.clone(),
             reloads: self.reloads,
             generation: self.generation,
             model_info,
@@ -929,7 +975,19 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> S
         next_start: Some(Instant::now()),
         last_exit: None,
         removing: false,
+        recycle_pause: None,
     }
+}
+
+/// server.max_requests plus a per-worker draw from 0..=server.max_requests_jitter.
+fn recycle_threshold(server: &inferd_config::file::ServerConfig) -> Option<u64> {
+    use std::hash::{BuildHasher, Hasher};
+    if server.max_requests == 0 {
+        return None;
+    }
+    // RandomState is seeded randomly per instance: enough randomness for spreading recycles.
+    let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    Some(server.max_requests + draw % (server.max_requests_jitter + 1))
 }
 
 /// 0 for the first failure, then 0.5 s doubling up to 30 s.
