@@ -68,6 +68,21 @@ pub struct ServerConfig {
     pub graceful_timeout_secs: f64,
     /// How long a worker may take to load its models and warm up before it is killed.
     pub boot_timeout_secs: f64,
+    /// Requests a worker lets wait for its model thread; more get 503 with Retry-After at once.
+    pub max_queue: usize,
+    /// Open connections per worker; past it the worker stops accepting until one closes.
+    pub max_connections: usize,
+    /// A client must send its request headers within this (slowloris).
+    pub header_timeout_secs: f64,
+    /// ... and its body within this.
+    pub body_timeout_secs: f64,
+    /// Largest request head (request line and headers) in bytes; more is refused (431).
+    pub max_header_bytes: usize,
+    /// Most headers in one request.
+    pub max_headers: usize,
+    /// A model run longer than this means the worker is stuck: it gets SIGABRT, then
+    /// SIGKILL on the next tick, and is replaced.
+    pub request_timeout_secs: f64,
     /// Replace a worker (gap-free, like a reload) after this many requests; 0 = never.
     pub max_requests: u64,
     /// Up to this many more requests, drawn per worker, so workers do not recycle together.
@@ -92,6 +107,13 @@ impl Default for ServerConfig {
             max_batch_inputs: 64,
             graceful_timeout_secs: 30.0,
             boot_timeout_secs: 120.0,
+            max_queue: 32,
+            max_connections: 1024,
+            header_timeout_secs: 10.0,
+            body_timeout_secs: 30.0,
+            max_header_bytes: 16 * 1024,
+            max_headers: 64,
+            request_timeout_secs: 60.0,
             max_requests: 0,
             max_requests_jitter: 0,
             max_worker_age_secs: 0.0,
@@ -212,12 +234,28 @@ impl Config {
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0".into());
         }
-        if self.server.max_batch_inputs == 0 {
-            return invalid("server.max_batch_inputs", "must be greater than 0".into());
+        for (key, value) in [
+            ("server.max_batch_inputs", self.server.max_batch_inputs),
+            ("server.max_queue", self.server.max_queue),
+            ("server.max_connections", self.server.max_connections),
+            ("server.max_headers", self.server.max_headers),
+        ] {
+            if value == 0 {
+                return invalid(key, "must be greater than 0".into());
+            }
+        }
+        if self.server.max_header_bytes < 8192 {
+            return invalid(
+                "server.max_header_bytes",
+                format!("{} is below the minimum of 8192", self.server.max_header_bytes),
+            );
         }
         for (key, value) in [
             ("server.graceful_timeout_secs", self.server.graceful_timeout_secs),
             ("server.boot_timeout_secs", self.server.boot_timeout_secs),
+            ("server.header_timeout_secs", self.server.header_timeout_secs),
+            ("server.body_timeout_secs", self.server.body_timeout_secs),
+            ("server.request_timeout_secs", self.server.request_timeout_secs),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("{value} is not a positive number of seconds"));

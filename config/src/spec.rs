@@ -37,7 +37,32 @@ pub struct WorkerSpec {
     pub models: Vec<ModelEntry>,
     pub max_body_bytes: u64,
     pub max_batch_inputs: usize,
+    pub limits: Limits,
     pub graceful_timeout_secs: f64,
+}
+
+/// What a worker refuses to let a client do (server.* keys of the same names).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Limits {
+    pub max_queue: usize,
+    pub max_connections: usize,
+    pub header_timeout_secs: f64,
+    pub body_timeout_secs: f64,
+    pub max_header_bytes: usize,
+    pub max_headers: usize,
+}
+
+impl Limits {
+    pub fn of(server: &crate::file::ServerConfig) -> Limits {
+        Limits {
+            max_queue: server.max_queue,
+            max_connections: server.max_connections,
+            header_timeout_secs: server.header_timeout_secs,
+            body_timeout_secs: server.body_timeout_secs,
+            max_header_bytes: server.max_header_bytes,
+            max_headers: server.max_headers,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

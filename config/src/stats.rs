@@ -37,8 +37,18 @@ const REQUEST_LATENCY_AT: usize = COMPUTE_AT + MAX_MODELS * LATENCY_SLOTS;
 const BATCH_AT: usize = REQUEST_LATENCY_AT + MAX_MODELS * LATENCY_SLOTS;
 const IN_FLIGHT_AT: usize = BATCH_AT + MAX_MODELS * BATCH_SLOTS;
 const QUEUED_AT: usize = IN_FLIGHT_AT + 1;
+/// CLOCK_MONOTONIC nanoseconds when the model thread started its current run (0: idle).
+const BUSY_SINCE_AT: usize = QUEUED_AT + 1;
+/// CLOCK_MONOTONIC nanoseconds of the model thread's last beat (it beats at least every second).
+const BEAT_AT: usize = BUSY_SINCE_AT + 1;
 /// Number of counters in a region.
-pub const LEN: usize = QUEUED_AT + 1;
+pub const LEN: usize = BEAT_AT + 1;
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
+pub fn monotonic_nanos() -> u64 {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
 
 /// Which latency histogram.
 #[derive(Debug, Clone, Copy)]
@@ -155,6 +165,28 @@ impl Shared {
         }
     }
 
+    /// Requests waiting for the model thread now.
+    pub fn queued_now(&self) -> u64 {
+        self.counter(QUEUED_AT).load(Ordering::Relaxed)
+    }
+
+    /// The model thread is alive (called from its loop).
+    pub fn beat(&self) {
+        self.counter(BEAT_AT).store(monotonic_nanos(), Ordering::Relaxed);
+    }
+
+    /// The model thread starts (`true`) or ends (`false`) a run.
+    pub fn busy(&self, running: bool) {
+        self.counter(BUSY_SINCE_AT).store(if running { monotonic_nanos() } else { 0 }, Ordering::Relaxed);
+    }
+
+    /// (seconds the current run has taken, if one runs; seconds since the last beat, if any).
+    pub fn model_thread(&self) -> (Option<f64>, Option<f64>) {
+        let now = monotonic_nanos();
+        let ago = |at: u64| (at != 0).then(|| now.saturating_sub(at) as f64 / 1e9);
+        (ago(self.counter(BUSY_SINCE_AT).load(Ordering::Relaxed)), ago(self.counter(BEAT_AT).load(Ordering::Relaxed)))
+    }
+
     /// A copy of every counter.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot((0..LEN).map(|i| self.counter(i).load(Ordering::Relaxed)).collect())
@@ -187,8 +219,9 @@ impl Snapshot {
 
     /// Drops the gauges: what a dead worker leaves to the totals.
     pub fn without_gauges(mut self) -> Snapshot {
-        self.0[IN_FLIGHT_AT] = 0;
-        self.0[QUEUED_AT] = 0;
+        for at in [IN_FLIGHT_AT, QUEUED_AT, BUSY_SINCE_AT, BEAT_AT] {
+            self.0[at] = 0;
+        }
         self
     }
 
@@ -256,6 +289,12 @@ mod tests {
         assert!((h.sum - 0.003).abs() < 1e-6);
         assert_eq!(s.batch(2).buckets[2], 1, "3 falls in the 4 bucket");
         assert_eq!(s.in_flight(), 1);
+        a.busy(true);
+        assert!(b.model_thread().0.is_some());
+        a.busy(false);
+        a.beat();
+        let (busy, beat) = b.model_thread();
+        assert!(busy.is_none() && beat.unwrap() < 1.0);
         let mut total = Snapshot::default();
         total.add(&s.clone().without_gauges());
         total.add(&s);

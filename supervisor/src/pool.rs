@@ -97,6 +97,8 @@ struct Worker {
     stats: Shared,
     /// Requests after which it is recycled (server.max_requests plus its own jitter).
     recycle_after: Option<u64>,
+    /// Why and when the supervisor sent SIGABRT to a stuck worker; SIGKILL follows a tick later.
+    stuck: Option<(String, Instant)>,
 }
 
 struct Slot {
@@ -368,7 +370,8 @@ impl Supervisor {
             }
             return;
         }
-        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s", worker.started.elapsed().as_secs_f64()));
+        let stuck = worker.stuck.as_ref().map_or(String::new(), |(why, _)| format!(" (stuck: {why})"));
+        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
         if self.phase == Phase::Stopping {
             info!("worker {index} (pid {pid}) {how}");
             return;
@@ -389,6 +392,7 @@ impl Supervisor {
         }
         slot.restarts += 1;
         let reason = match (&failure, status.and_then(|s| s.signal())) {
+            _ if worker.stuck.is_some() => "stuck",
             (Some((FailureKind::ModelLoad, _)), _) => "model_load",
             (Some((FailureKind::Boot, _)), _) => "boot",
             (None, Some(_)) => "signal",
@@ -414,7 +418,10 @@ impl Supervisor {
                 error!("worker {index}: {error}");
                 return self.fail(SupervisorError::Boot { slot: index, error });
             }
-            None => warn!("worker {index} (pid {pid}) {how}; replacing it"),
+            None => match &worker.stuck {
+                Some((why, _)) => warn!("worker {index} (pid {pid}) {how} after being stuck ({why}); replacing it"),
+                None => warn!("worker {index} (pid {pid}) {how}; replacing it"),
+            },
         }
         let delay = backoff(failures);
         if !delay.is_zero() {
@@ -440,6 +447,7 @@ impl Supervisor {
             }
             return;
         }
+        self.kill_stuck_workers();
         self.maybe_recycle(now);
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
@@ -458,6 +466,35 @@ impl Supervisor {
                 slot.next_start = None;
                 let (models, generation) = (slot.models.clone(), slot.generation);
                 self.spawn(index, Role::Current, models, generation);
+            }
+        }
+    }
+
+    /// A worker whose model run has lasted longer than server.request_timeout_secs, or whose
+    /// model thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
+    /// there (gunicorn's escalation); it is then replaced like any dead worker.
+    fn kill_stuck_workers(&mut self) {
+        let timeout = self.resolved.config.server.request_timeout_secs;
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            for w in slot.workers.iter_mut().filter(|w| w.ready_at.is_some()) {
+                if let Some((why, since)) = &w.stuck {
+                    if since.elapsed() >= TICK {
+                        warn!("worker {index} (pid {}) still there after SIGABRT ({why}); SIGKILL", w.pid);
+                        let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                    }
+                    continue;
+                }
+                let (busy, beat) = w.stats.model_thread();
+                let why = match (busy, beat) {
+                    (Some(b), _) if b > timeout => {
+                        format!("a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout}")
+                    }
+                    (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
+                    _ => continue,
+                };
+                error!("worker {index} (pid {}) is stuck: {why}; SIGABRT", w.pid);
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGABRT);
+                w.stuck = Some((why, Instant::now()));
             }
         }
     }
@@ -726,6 +763,7 @@ impl Supervisor {
             models,
             max_body_bytes: config.server.max_body_bytes,
             max_batch_inputs: config.server.max_batch_inputs,
+            limits: inferd_config::spec::Limits::of(&config.server),
             graceful_timeout_secs: config.server.graceful_timeout_secs,
         };
         match self.start_process(&spec) {
@@ -746,6 +784,7 @@ impl Supervisor {
                     failure: None,
                     stats,
                     recycle_after: recycle_threshold(&config.server),
+                    stuck: None,
                 });
             }
             Err(e) => {

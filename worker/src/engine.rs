@@ -26,16 +26,25 @@ pub struct Engine {
     // std's channel: the receiving side is a plain thread that blocks on recv().
     jobs: mpsc::Sender<Job>,
     stats: Arc<Shared>,
+    /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
+    max_queue: u64,
 }
 
 impl Engine {
     /// Moves the loaded models onto a new thread named `inferd-model`.
-    /// Queue time, compute time and batch sizes go to `stats`.
-    pub fn start(mut models: Vec<Model>, stats: Arc<Shared>) -> std::io::Result<Engine> {
+    /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
+    /// every second and the start of each run, which the supervisor watches for a stuck model.
+    pub fn start(mut models: Vec<Model>, stats: Arc<Shared>, max_queue: usize) -> std::io::Result<Engine> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let counters = stats.clone();
-        std::thread::Builder::new().name("inferd-model".into()).spawn(move || {
-            while let Ok(job) = queue.recv() {
+        std::thread::Builder::new().name("inferd-model".into()).spawn(move || loop {
+            counters.beat();
+            let job = match queue.recv_timeout(std::time::Duration::from_secs(1)) {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            {
                 counters.queued(-1);
                 if job.reply.is_closed() {
                     continue; // the client went away while queued: skip the work
@@ -44,16 +53,23 @@ impl Engine {
                 counters.observe_latency(Latency::Queue, job.model, (started - job.queued_at).as_secs_f64());
                 let batch = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
                 counters.observe_batch(job.model, batch);
+                counters.busy(true);
                 let result = models[job.model].run(job.inputs);
+                counters.busy(false);
                 counters.observe_latency(Latency::Compute, job.model, started.elapsed().as_secs_f64());
                 let _ = job.reply.send(result);
             }
         })?;
-        Ok(Engine { jobs, stats })
+        Ok(Engine { jobs, stats, max_queue: max_queue as u64 })
     }
 
     /// Runs model number `model` (its index in the worker's model list).
     pub async fn infer(&self, model: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+        // Backpressure: a full queue answers at once instead of growing its latency.
+        let waiting = self.stats.queued_now();
+        if waiting >= self.max_queue {
+            return Err(ModelError::Overloaded { waiting });
+        }
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
         if self.jobs.send(Job { model, inputs, queued_at: Instant::now(), reply }).is_err() {

@@ -32,6 +32,8 @@ pub struct AppState {
     pub engine: Engine,
     pub max_body_bytes: u64,
     pub max_batch_inputs: usize,
+    /// How long a client may take to send its body (server.body_timeout_secs).
+    pub body_timeout: std::time::Duration,
     /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
     pub ready: AtomicBool,
     /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
@@ -48,6 +50,11 @@ pub enum ApiError {
     TooLarge(String),
     #[error("method {0} is not allowed on {1}")]
     MethodNotAllowed(Method, String),
+    /// Backpressure: answered at once with 503 and Retry-After.
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Timeout(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -60,6 +67,8 @@ impl ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,6 +78,7 @@ impl From<ModelError> for ApiError {
     fn from(e: ModelError) -> Self {
         match e {
             ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
+            ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
             _ => ApiError::Internal(e.to_string()),
         }
     }
@@ -84,7 +94,11 @@ pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
 }
 
 fn error_reply(e: &ApiError) -> Reply {
-    json_reply(e.status(), serde_json::to_vec(&json!({ "error": e.to_string() })).expect("json"))
+    let mut reply = json_reply(e.status(), serde_json::to_vec(&json!({ "error": e.to_string() })).expect("json"));
+    if matches!(e, ApiError::Overloaded(_)) {
+        reply.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    reply
 }
 
 pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<Reply, Infallible> {
@@ -269,9 +283,13 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes
     if declared.is_some_and(|len| len > limit) {
         return Err(too_large());
     }
-    Ok(Limited::new(request.into_body(), limit as usize)
-        .collect()
+    let collect = Limited::new(request.into_body(), limit as usize).collect();
+    let timeout = state.body_timeout;
+    Ok(tokio::time::timeout(timeout, collect)
         .await
+        .map_err(|_| {
+            ApiError::Timeout(format!("the request body did not arrive within {timeout:?} (server.body_timeout_secs)"))
+        })?
         .map_err(|e| {
             if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
                 too_large()

@@ -36,6 +36,10 @@ pub enum ModelError {
     UnsupportedOutput { model: String, output: String },
     #[error("the model thread has stopped")]
     EngineGone,
+    #[error(
+        "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
+    )]
+    Overloaded { waiting: u64 },
 }
 
 /// A named tensor.

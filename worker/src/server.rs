@@ -140,7 +140,7 @@ fn serve(
 ) -> i32 {
     let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
-    let engine = match Engine::start(models, stats.clone()) {
+    let engine = match Engine::start(models, stats.clone(), spec.limits.max_queue) {
         Ok(engine) => engine,
         Err(e) => {
             error!("cannot start the model thread: {e}");
@@ -153,6 +153,7 @@ fn serve(
         engine,
         max_body_bytes: spec.max_body_bytes,
         max_batch_inputs: spec.max_batch_inputs,
+        body_timeout: Duration::from_secs_f64(spec.limits.body_timeout_secs),
         ready: false.into(),
         stats,
     });
@@ -194,18 +195,31 @@ fn serve(
 
         // Tracks every open connection so that draining can wait for them.
         let graceful = GracefulShutdown::new();
+        // One permit per open connection: at server.max_connections the worker stops
+        // accepting (new connections wait in the kernel's queue, or go to a sibling).
+        let connections = Arc::new(tokio::sync::Semaphore::new(spec.limits.max_connections));
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(Duration::from_secs_f64(spec.limits.header_timeout_secs))
+            .max_buf_size(spec.limits.max_header_bytes)
+            .max_headers(spec.limits.max_headers);
         loop {
+            let permit = tokio::select! {
+                permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            };
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
                         let state = state.clone();
                         let service = service_fn(move |request| handle(state.clone(), request));
-                        let connection = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), service);
+                        let connection = http.serve_connection(TokioIo::new(stream), service);
                         let watched = graceful.watch(connection);
                         tokio::spawn(async move {
                             let _ = watched.await;
+                            drop(permit);
                         });
                     }
                     Err(e) => {

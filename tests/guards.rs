@@ -1,0 +1,230 @@
+//! Guards: backpressure instead of collapse, stuck workers killed and replaced, hostile
+//! clients refused without hurting the worker.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn start(tag: &str, extra: &str) -> Server {
+    let dir = TempDir::new(tag);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &test_models(), "slow", &["typed"], extra);
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    server
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+}
+
+/// Three times more clients than the workers can serve at once: every request is answered,
+/// with 200 or an immediate 503 + Retry-After, and the pool serves normally right after.
+#[test]
+fn overload_gets_fast_503s_and_recovers_at_once() {
+    let server = start("overload", "max_queue = 2");
+    let addr = server.addr;
+    let stop = Arc::new(AtomicBool::new(false));
+    // ~10 ms of compute per request; 2 queued + 1 running per worker are admitted.
+    let clients: Vec<_> = (0..(9 * test_workers()))
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut results = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let r = request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(2_000));
+                    results.push((r.map(|r| (r.status, r.header("retry-after").map(String::from))), started.elapsed()));
+                }
+                results
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    let results: Vec<_> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    let mut ok = Vec::new();
+    let mut busy = Vec::new();
+    for (r, took) in &results {
+        match r {
+            Ok((200, _)) => ok.push(*took),
+            Ok((503, retry)) => {
+                assert_eq!(retry.as_deref(), Some("1"), "a 503 says when to retry");
+                busy.push(*took);
+            }
+            other => panic!("not 200 or 503: {other:?}"),
+        }
+    }
+    ok.sort();
+    busy.sort();
+    eprintln!(
+        "{} answered: {} x 200 (p50 {:.1} ms, p99 {:.1} ms), {} x 503 (p50 {:.1} ms, p99 {:.1} ms)",
+        results.len(),
+        ok.len(),
+        percentile(&ok, 0.5),
+        percentile(&ok, 0.99),
+        busy.len(),
+        percentile(&busy, 0.5),
+        percentile(&busy, 0.99)
+    );
+    assert!(!busy.is_empty(), "3x overload produced no 503");
+    assert!(ok.len() > 20, "the admitted requests were served");
+    // Recovery: with the load gone, requests are served at once.
+    for _ in 0..5 {
+        assert_eq!(server.request("POST", "/v2/models/slow/infer", &slow_body(2_000)).status, 200);
+    }
+    assert_eq!(server.status()["phase"], "ready");
+}
+
+/// A model run that never ends: the worker is killed within request_timeout plus a tick or
+/// two and replaced, the other worker serves throughout, and the hung client gets an error.
+#[test]
+fn a_stuck_worker_is_killed_and_replaced() {
+    let mut server = start("stuck", "request_timeout_secs = 1");
+    let before = server.status();
+    let addr = server.addr;
+    let hung = std::thread::spawn(move || {
+        let started = Instant::now();
+        let r = request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(1_000_000_000));
+        (r.map(|r| r.status), started.elapsed())
+    });
+    // Meanwhile the other worker(s) keep answering.
+    let mut served = 0;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if test_workers() > 1 {
+            let r = request(
+                server.addr,
+                "POST",
+                "/v2/models/typed/infer",
+                &[],
+                &infer_body(json!([
+                    {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                    {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
+                    {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
+                    {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+                    {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
+                    {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
+                ])),
+            );
+            // A request that lands on the stuck worker waits behind the hung run and dies
+            // with it; the others succeed.
+            if r.is_ok_and(|r| r.status == 200) {
+                served += 1;
+            }
+        }
+        let s = server.status();
+        let restarted = s["workers"].as_array().unwrap().iter().any(|w| w["restarts"] == 1 && w["state"] == "ready");
+        if restarted && s["phase"] == "ready" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no replacement: {s:#}\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (result, took) = hung.join().unwrap();
+    eprintln!("hung client: {result:?} after {:.2} s; {served} other requests served meanwhile", took.as_secs_f64());
+    assert!(result.is_err(), "the hung request ended without an answer: {result:?}");
+    let w = status["workers"].as_array().unwrap().iter().find(|w| w["restarts"] == 1).unwrap();
+    assert!(w["last_exit"].as_str().unwrap().contains("stuck: a model run has lasted"), "{w}");
+    assert!(server.log().contains("is stuck"), "{}", server.log());
+    if test_workers() > 1 {
+        assert!(served > 0);
+        let unaffected = status["workers"].as_array().unwrap().iter().filter(|w| w["restarts"] == 0).count();
+        assert_eq!(unaffected, before["workers"].as_array().unwrap().len() - 1);
+    }
+    let metrics = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    assert!(metrics.contains("inferd_worker_restarts_total{reason=\"stuck\"} 1"), "{metrics}");
+}
+
+/// Slowloris, oversized and too many headers, deep JSON, a tensor shape of 1e9, binary data
+/// that disagrees with its header: each refused, the worker still ready, its memory flat.
+#[test]
+fn hostile_clients_are_refused_and_cost_nothing_lasting() {
+    let server = start("hostile", "header_timeout_secs = 1\nmax_connections = 64");
+    let rss = |s: &serde_json::Value| -> u64 {
+        s["workers"].as_array().unwrap().iter().map(|w| w["rss_bytes"].as_u64().unwrap()).sum()
+    };
+    let before = rss(&server.status());
+
+    // Slowloris: 40 connections trickling a header byte every 200 ms.
+    let trickle: Vec<_> = (0..40)
+        .map(|_| {
+            let addr = server.addr;
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let started = Instant::now();
+                for b in b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaa" {
+                    if s.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                    if started.elapsed() > Duration::from_secs(4) {
+                        break;
+                    }
+                }
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                started.elapsed()
+            })
+        })
+        .collect();
+    // Meanwhile, normal requests are served.
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..10 {
+        assert_eq!(server.request("POST", "/v2/models/slow/infer", &slow_body(10)).status, 200);
+    }
+    for t in trickle {
+        let lasted = t.join().unwrap();
+        assert!(lasted < Duration::from_secs(4), "a slowloris connection was kept {lasted:?}");
+    }
+
+    let big_header = "x".repeat(20_000);
+    let r = request(server.addr, "GET", "/v2/health/ready", &[("X-Big", &big_header)], b"").unwrap();
+    assert_eq!(r.status, 431, "oversized header");
+    let many: Vec<(String, String)> = (0..100).map(|i| (format!("X-H{i}"), "v".into())).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let r = request(server.addr, "GET", "/v2/health/ready", &many, b"").unwrap();
+    assert_eq!(r.status, 431, "too many headers");
+
+    let deep = format!(
+        "{{\"inputs\": [{{\"name\": \"x\", \"shape\": [1], \"datatype\": \"FP32\", \"data\": {}{}}}]}}",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let r = server.request("POST", "/v2/models/slow/infer", deep.as_bytes());
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("recursion limit exceeded"), "{}", r.error());
+
+    let huge = json!({"inputs": [
+        {"name": "x", "shape": [1000000000, 256], "datatype": "FP32", "data": [1.0]},
+        {"name": "iterations", "shape": [1], "datatype": "INT64", "data": [1]},
+    ]});
+    let r = server.request("POST", "/v2/models/slow/infer", &serde_json::to_vec(&huge).unwrap());
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("needs 256000000000 values, got 1"), "{}", r.error());
+
+    let head = r#"{"inputs":[{"name":"x","shape":[1,256],"datatype":"FP32","parameters":{"binary_data_size":1024}},{"name":"iterations","shape":[1],"datatype":"INT64","data":[1]}]}"#;
+    let mut body = head.as_bytes().to_vec();
+    body.extend_from_slice(&[0u8; 1000]);
+    let len = head.len().to_string();
+    let r = request(server.addr, "POST", "/v2/models/slow/infer", &[("Inference-Header-Content-Length", &len)], &body)
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("binary_data_size is 1024, but only 1000 bytes"), "{}", r.error());
+
+    let after = server.status();
+    assert_eq!(after["phase"], "ready");
+    assert!(after["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0));
+    assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
+    let grown = rss(&after) as i64 - before as i64;
+    eprintln!("RSS of the pool: {} MiB before, {:+.1} MiB after", before >> 20, grown as f64 / 1048576.0);
+    assert!(grown < 16 << 20, "the pool's RSS grew by {grown} bytes");
+}
