@@ -228,6 +228,29 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    // The models are loaded in this process: its RSS now approximates one worker's before
+    // warm-up. `serve` measures worker 0 after warm-up and decides with the same rule.
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024);
+    let budget = inferd_config::memory::MemoryBudget::detect();
+    let (k, mib) = (plan.workers.len() as u64, |b: u64| b >> 20);
+    println!("memory:          {}", budget.describe());
+    println!(
+        "                 ~{} MiB per worker (this process with the models loaded); {k} workers ~{} MiB{}",
+        mib(rss),
+        mib(k * rss),
+        if rss > 0 && (k - 1) * (rss + rss / 10) > budget.room() {
+            "; DOES NOT FIT (serve refuses, or starts fewer with server.fit_workers_to_memory)"
+        } else {
+            "; fits"
+        }
+    );
     println!("plan OK");
     Ok(ExitCode::SUCCESS)
 }

@@ -83,6 +83,14 @@ pub struct ServerConfig {
     /// A model run longer than this means the worker is stuck: it gets SIGABRT, then
     /// SIGKILL on the next tick, and is replaced.
     pub request_timeout_secs: f64,
+    /// When K workers do not fit in memory (measured on the first worker after warm-up), start
+    /// as many as fit instead of refusing to start.
+    pub fit_workers_to_memory: bool,
+    /// RSS above which a worker is replaced gracefully; 0 = 85% of its share of the cgroup
+    /// memory limit when there is one, else none.
+    pub worker_memory_soft_limit_mb: u64,
+    /// RSS above which a worker is killed at once; 0 = 95% of its share of the cgroup limit.
+    pub worker_memory_hard_limit_mb: u64,
     /// Replace a worker (gap-free, like a reload) after this many requests; 0 = never.
     pub max_requests: u64,
     /// Up to this many more requests, drawn per worker, so workers do not recycle together.
@@ -114,6 +122,9 @@ impl Default for ServerConfig {
             max_header_bytes: 16 * 1024,
             max_headers: 64,
             request_timeout_secs: 60.0,
+            fit_workers_to_memory: false,
+            worker_memory_soft_limit_mb: 0,
+            worker_memory_hard_limit_mb: 0,
             max_requests: 0,
             max_requests_jitter: 0,
             max_worker_age_secs: 0.0,

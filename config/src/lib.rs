@@ -13,6 +13,7 @@
 
 pub mod cpu;
 pub mod file;
+pub mod memory;
 pub mod model;
 pub mod ortlib;
 pub mod resolve;

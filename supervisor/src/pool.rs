@@ -21,6 +21,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use inferd_config::cpu::{format_cpus, plan, Placement};
+use inferd_config::memory::MemoryBudget;
 use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
@@ -55,6 +56,8 @@ pub enum SupervisorError {
     ModelLoad { slot: usize, error: String },
     #[error("worker {slot} failed to start: {error}")]
     Boot { slot: usize, error: String },
+    #[error("memory plan: {0}")]
+    Memory(String),
     #[error(transparent)]
     Control(#[from] ControlError),
     #[error("{0}")]
@@ -99,6 +102,8 @@ struct Worker {
     recycle_after: Option<u64>,
     /// Why and when the supervisor sent SIGABRT to a stuck worker; SIGKILL follows a tick later.
     stuck: Option<(String, Instant)>,
+    /// Killed by the supervisor for passing the hard memory limit.
+    memory_killed: bool,
 }
 
 struct Slot {
@@ -116,6 +121,8 @@ struct Slot {
     removing: bool,
     /// A recycling replacement failed: no new attempt before this.
     recycle_pause: Option<Instant>,
+    /// Memory is tight: the next worker starts only once the retiring one has exited.
+    start_when_empty: bool,
 }
 
 impl Slot {
@@ -155,6 +162,10 @@ pub struct Supervisor {
     models: Vec<ModelEntry>,
     reload: Option<Reload>,
     reloads: (u64, u64),
+    /// RSS of the first worker after its warm-up: what one more worker costs.
+    worker_rss: Option<u64>,
+    /// (soft, hard) per-worker RSS limits in bytes.
+    memory_limits: (Option<u64>, Option<u64>),
     /// Final counts of every worker that has exited.
     retired: Snapshot,
     restarts_by_reason: BTreeMap<&'static str, u64>,
@@ -196,7 +207,12 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
 
 impl Supervisor {
     fn new(resolved: Resolved, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Supervisor> {
-        let slots = resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
+        let mut slots: Vec<Slot> =
+            resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
+        // The first worker starts alone: its RSS after warm-up decides whether the others fit.
+        for slot in slots.iter_mut().skip(1) {
+            slot.next_start = None;
+        }
         Ok(Supervisor {
             exe: std::env::current_exe()?,
             models: resolved.models.clone(),
@@ -209,6 +225,8 @@ impl Supervisor {
             generation: 1,
             reload: None,
             reloads: (0, 0),
+            worker_rss: None,
+            memory_limits: (None, None),
             retired: Snapshot::default(),
             restarts_by_reason: BTreeMap::new(),
             recycles_by_reason: BTreeMap::new(),
@@ -311,6 +329,12 @@ impl Supervisor {
                 if worker.role == Role::Incoming {
                     self.promote(index, pid);
                 }
+                if self.worker_rss.is_none() {
+                    if let Err(e) = self.memory_plan(pid) {
+                        error!("{e}");
+                        return self.fail(e);
+                    }
+                }
                 self.update_phase();
             }
             // Counts are read from the shared counters; the heartbeat says the worker lives.
@@ -393,6 +417,7 @@ impl Supervisor {
         slot.restarts += 1;
         let reason = match (&failure, status.and_then(|s| s.signal())) {
             _ if worker.stuck.is_some() => "stuck",
+            _ if worker.memory_killed => "memory_hard",
             (Some((FailureKind::ModelLoad, _)), _) => "model_load",
             (Some((FailureKind::Boot, _)), _) => "boot",
             (None, Some(_)) => "signal",
@@ -448,6 +473,7 @@ impl Supervisor {
             return;
         }
         self.kill_stuck_workers();
+        self.watch_memory();
         self.maybe_recycle(now);
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
@@ -462,12 +488,120 @@ impl Supervisor {
                 }
             }
             let serving_or_coming = slot.workers.iter().any(|w| w.role != Role::Retiring);
-            if !serving_or_coming && !slot.removing && slot.next_start.is_some_and(|t| now >= t) {
+            let wait_for_exit = slot.start_when_empty && !slot.workers.is_empty();
+            if !serving_or_coming && !wait_for_exit && !slot.removing && slot.next_start.is_some_and(|t| now >= t) {
                 slot.next_start = None;
+                slot.start_when_empty = false;
                 let (models, generation) = (slot.models.clone(), slot.generation);
                 self.spawn(index, Role::Current, models, generation);
             }
         }
+    }
+
+    /// Called once, when the first worker is ready: do the other K-1 fit? Its RSS after
+    /// warm-up is what each costs; they must fit, with 10% to spare, in what the machine and
+    /// the cgroup still allow. If not: refuse with the numbers, or (fit_workers_to_memory)
+    /// start as many as fit. Also sets the per-worker soft and hard RSS limits.
+    fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
+        let rss = proc_status(pid).0.unwrap_or(0).max(1);
+        self.worker_rss = Some(rss);
+        let budget = MemoryBudget::detect();
+        let mib = |b: u64| b / (1 << 20);
+        let k = self.slots.len() as u64;
+        // Room for the others with 10% to spare; under a cgroup limit, also a share of it per
+        // worker large enough that the soft limit (85% of the share) sits above a fresh
+        // worker's RSS, or workers would be replaced as soon as they start.
+        let mut fit = 1 + budget.room() / (rss + rss / 10);
+        if let Some(c) = &budget.cgroup {
+            fit = fit.min(c.limit / (rss + rss / 4));
+        }
+        let plan = format!(
+            "{k} workers need ~{} MiB ({} MiB each, measured on worker 0 after warm-up); {}; {fit} fit",
+            mib(k * rss),
+            mib(rss),
+            budget.describe()
+        );
+        if fit < k {
+            if !self.resolved.config.server.fit_workers_to_memory {
+                return Err(SupervisorError::Memory(format!(
+                    "{plan}; lower server.workers, or set server.fit_workers_to_memory = true to start fewer"
+                )));
+            }
+            warn!("memory plan: {plan}; starting {fit} workers (server.fit_workers_to_memory)");
+            self.slots.truncate(fit as usize);
+        } else {
+            info!("memory plan: {plan}");
+        }
+        let s = &self.resolved.config.server;
+        let share = budget.cgroup.as_ref().map(|c| c.limit / self.slots.len() as u64);
+        let limit = |mb: u64, share_pct: u64| if mb > 0 { Some(mb << 20) } else { share.map(|s| s / 100 * share_pct) };
+        self.memory_limits = (limit(s.worker_memory_soft_limit_mb, 85), limit(s.worker_memory_hard_limit_mb, 95));
+        if let (Some(soft), Some(hard)) = self.memory_limits {
+            info!("worker RSS limits: replace above {} MiB, kill above {} MiB", mib(soft), mib(hard));
+        }
+        for slot in self.slots.iter_mut().skip(1) {
+            slot.next_start.get_or_insert(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Per-worker RSS against the soft and hard limits, and the whole pool against its cgroup:
+    /// the worker that grows is replaced before the kernel picks a victim.
+    fn watch_memory(&mut self) {
+        let (soft, hard) = self.memory_limits;
+        let budget = MemoryBudget::detect();
+        // The pool itself close to its cgroup's limit: the biggest worker goes first.
+        let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
+        let mut biggest: Option<(u64, usize)> = None;
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            if slot.removing || slot.with_role(Role::Incoming).is_some() {
+                continue;
+            }
+            let Some(w) = slot.workers.iter_mut().find(|w| w.role == Role::Current && w.state == WorkerState::Ready)
+            else {
+                continue;
+            };
+            let Some(rss) = proc_status(w.pid).0 else { continue };
+            let mib = rss >> 20;
+            if hard.is_some_and(|h| rss > h) && !w.memory_killed {
+                error!("worker {index} (pid {}) RSS {mib} MiB is over the hard limit; killing it", w.pid);
+                w.memory_killed = true;
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                continue;
+            }
+            if soft.is_some_and(|s| rss > s) {
+                warn!("worker {index} (pid {}) RSS {mib} MiB is over the soft limit; replacing it", w.pid);
+                self.replace_for_memory(index, &budget);
+                continue;
+            }
+            if biggest.is_none_or(|(b, _)| rss > b) {
+                biggest = Some((rss, index));
+            }
+        }
+        if let (true, Some((rss, index))) = (pool_tight, biggest) {
+            warn!("the pool is above 92% of its cgroup memory limit; replacing worker {index} ({} MiB)", rss >> 20);
+            self.replace_for_memory(index, &budget);
+        }
+    }
+
+    /// Gracefully replaces a slot's worker for memory: the new one first when there is room for
+    /// it, else the old one drains and exits before the new one starts.
+    fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
+        *self.recycles_by_reason.entry("memory").or_default() += 1;
+        let room_for_one = self.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
+        let slot = &mut self.slots[index];
+        if room_for_one && self.reload.is_none() {
+            let (models, generation) = (slot.models.clone(), slot.generation);
+            self.spawn(index, Role::Incoming, models, generation);
+            return;
+        }
+        for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
+            w.role = Role::Retiring;
+            let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+        }
+        slot.start_when_empty = true;
+        slot.next_start = Some(Instant::now());
     }
 
     /// A worker whose model run has lasted longer than server.request_timeout_secs, or whose
@@ -785,6 +919,7 @@ impl Supervisor {
                     stats,
                     recycle_after: recycle_threshold(&config.server),
                     stuck: None,
+                    memory_killed: false,
                 });
             }
             Err(e) => {
@@ -931,6 +1066,15 @@ impl Supervisor {
             threads_per_worker: plan.threads_per_worker,
             requests_total: self.totals().requests_total(),
             latency_last_minute: self.latency_last_minute(),
+            memory: {
+                let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
+                format!(
+                    "{}; worker RSS limits: replace above {}, kill above {}",
+                    MemoryBudget::detect().describe(),
+                    mib(self.memory_limits.0),
+                    mib(self.memory_limits.1)
+                )
+            },
             reloads_succeeded: self.reloads.0,
             reloads_failed: self.reloads.1,
             workers,
@@ -1015,6 +1159,7 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> S
         last_exit: None,
         removing: false,
         recycle_pause: None,
+        start_when_empty: false,
     }
 }
 

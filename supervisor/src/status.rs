@@ -80,6 +80,8 @@ pub struct PoolStatus {
     /// (window seconds, p50 ms, p99 ms) of request latency over about the last minute; the
     /// percentiles are histogram bucket upper bounds (None: above the last bucket).
     pub latency_last_minute: Option<(f64, Option<f64>, Option<f64>)>,
+    /// The memory budget and the per-worker RSS limits.
+    pub memory: String,
     pub reloads_succeeded: u64,
     pub reloads_failed: u64,
     pub workers: Vec<WorkerStatus>,
@@ -110,6 +112,7 @@ impl PoolStatus {
             "cpu: {} usable cores ({}); {} intra-op thread(s) per worker",
             self.usable_cores, self.cpu_budget, self.threads_per_worker
         );
+        let _ = writeln!(out, "memory: {}", self.memory);
         let ms = |v: Option<f64>| v.map_or("> 10 s".to_string(), |v| format!("<= {v} ms"));
         let _ = writeln!(
             out,
@@ -235,6 +238,7 @@ mod tests {
             threads_per_worker: 1,
             requests_total: 14,
             latency_last_minute: Some((60.0, Some(5.0), None)),
+            memory: "MemAvailable 1000 MiB, no cgroup memory limit".into(),
             workers: vec![worker(0), worker(1)],
         };
         let table = status.render();

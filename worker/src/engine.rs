@@ -20,6 +20,19 @@ struct Job {
     reply: oneshot::Sender<Result<Vec<Tensor>, ModelError>>,
 }
 
+/// Test switch for the memory guards: with INFERD_TEST_LEAK_BYTES_PER_REQUEST=N in its
+/// environment, a worker leaks N touched bytes per model run, like a model or library that
+/// grows. Never set in production.
+fn leak_for_tests() {
+    static LEAK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let n = *LEAK.get_or_init(|| {
+        std::env::var("INFERD_TEST_LEAK_BYTES_PER_REQUEST").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    });
+    if n > 0 {
+        std::mem::forget(vec![1u8; n]);
+    }
+}
+
 /// Handle to the model thread; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
@@ -56,6 +69,7 @@ impl Engine {
                 counters.busy(true);
                 let result = models[job.model].run(job.inputs);
                 counters.busy(false);
+                leak_for_tests();
                 counters.observe_latency(Latency::Compute, job.model, started.elapsed().as_secs_f64());
                 let _ = job.reply.send(result);
             }

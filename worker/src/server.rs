@@ -21,8 +21,36 @@ use crate::engine::Engine;
 use crate::http::{handle, AppState};
 use crate::model::{init_runtime, Model};
 
-/// How long a draining worker waits before closing connections that have no request in flight.
-const ACCEPTED_GRACE: Duration = Duration::from_millis(100);
+/// Connections accepted whose first request has not been read yet. Draining waits for them:
+/// told to shut down before reading its request, hyper would close such a connection
+/// unanswered, although its client has sent the request (it did so right after connecting).
+#[derive(Default)]
+struct Fresh(std::sync::atomic::AtomicUsize);
+
+/// One accepted connection's place in [`Fresh`], given up at its first request or its end.
+struct FreshGuard {
+    fresh: Arc<Fresh>,
+    counted: std::sync::atomic::AtomicBool,
+}
+
+impl FreshGuard {
+    fn new(fresh: &Arc<Fresh>) -> Arc<FreshGuard> {
+        fresh.0.fetch_add(1, Ordering::Relaxed);
+        Arc::new(FreshGuard { fresh: fresh.clone(), counted: true.into() })
+    }
+
+    fn seen(&self) {
+        if self.counted.swap(false, Ordering::Relaxed) {
+            self.fresh.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for FreshGuard {
+    fn drop(&mut self) {
+        self.seen();
+    }
+}
 
 /// Writes [`WorkerMessage`] lines to the supervisor. Writes are small and the supervisor reads
 /// continuously; a 1 s write timeout keeps a stopped supervisor from blocking the worker.
@@ -198,6 +226,7 @@ fn serve(
         // One permit per open connection: at server.max_connections the worker stops
         // accepting (new connections wait in the kernel's queue, or go to a sibling).
         let connections = Arc::new(tokio::sync::Semaphore::new(spec.limits.max_connections));
+        let fresh = Arc::new(Fresh::default());
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(Duration::from_secs_f64(spec.limits.header_timeout_secs))
@@ -214,12 +243,17 @@ fn serve(
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
                         let state = state.clone();
-                        let service = service_fn(move |request| handle(state.clone(), request));
+                        let guard = FreshGuard::new(&fresh);
+                        let first = guard.clone();
+                        let service = service_fn(move |request| {
+                            first.seen();
+                            handle(state.clone(), request)
+                        });
                         let connection = http.serve_connection(TokioIo::new(stream), service);
                         let watched = graceful.watch(connection);
                         tokio::spawn(async move {
                             let _ = watched.await;
-                            drop(permit);
+                            drop((permit, guard));
                         });
                     }
                     Err(e) => {
@@ -240,11 +274,13 @@ fn serve(
         drop(listener);
         reporter.send(&WorkerMessage::Draining);
         info!("draining");
-        // A connection accepted just before the listener closed may not have been polled yet;
-        // told to shut down before reading its request, hyper would close it unanswered. Its
-        // client sent the request right after connecting, so a short pause lets it be read;
-        // then it counts as in flight and is answered.
-        tokio::time::sleep(ACCEPTED_GRACE).await;
+        // Connections accepted just before the listener closed get their first request read
+        // before the shutdown (bounded by the header timeout, which closes silent ones anyway).
+        let header_timeout = Duration::from_secs_f64(spec.limits.header_timeout_secs);
+        let waiting_since = std::time::Instant::now();
+        while fresh.0.load(Ordering::Relaxed) > 0 && waiting_since.elapsed() < header_timeout {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let grace = Duration::from_secs_f64(spec.graceful_timeout_secs);
         tokio::select! {
             _ = graceful.shutdown() => info!("drained; exiting"),

@@ -1,0 +1,163 @@
+//! Memory guards under a real cgroup (v1 `memory` controller, root): workers that grow with
+//! every request are replaced gracefully before the kernel's OOM killer fires, and no request
+//! fails. Also: a pool that cannot fit is refused at start with the numbers.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+
+/// A memory cgroup of its own, removed when dropped (after the processes in it are gone).
+struct Cgroup(PathBuf);
+
+impl Cgroup {
+    fn new(tag: &str, limit: u64) -> Cgroup {
+        let root = PathBuf::from("/sys/fs/cgroup/memory");
+        assert!(
+            root.join("memory.limit_in_bytes").is_file(),
+            "this test needs the cgroup v1 memory controller at {} and root",
+            root.display()
+        );
+        let dir = root.join(format!("inferd-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+        Cgroup(dir)
+    }
+
+    fn oom_kills(&self) -> u64 {
+        let text = std::fs::read_to_string(self.0.join("memory.oom_control")).unwrap();
+        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).map_or(0, |v| v.trim().parse().unwrap())
+    }
+
+    fn peak(&self) -> u64 {
+        std::fs::read_to_string(self.0.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap()
+    }
+
+    /// `inferd serve --config <dir>/inferd.toml` started inside this cgroup.
+    fn serve(&self, dir: TempDir, port: u16, leak_per_request: u64) -> Server {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg("echo $$ > \"$1\" && shift && exec \"$@\"")
+            .arg("sh")
+            .arg(self.0.join("cgroup.procs"))
+            .arg(BIN)
+            .args(["serve", "--config"])
+            .arg(dir.path().join("inferd.toml"))
+            .env("INFERD_TEST_LEAK_BYTES_PER_REQUEST", leak_per_request.to_string());
+        Server::spawn(command, dir, port, None)
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+fn typed_request() -> Vec<u8> {
+    infer_body(json!([
+        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
+        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
+        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
+        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
+    ]))
+}
+
+#[test]
+fn growing_workers_are_replaced_before_the_oom_killer() {
+    let cgroup = Cgroup::new("grow", 150 * MIB);
+    let dir = TempDir::new("grow");
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
+    // Each request leaks 256 KiB: 2 workers would pass the 150 MiB limit within ~350 requests.
+    let mut server = cgroup.serve(dir, port, 256 * 1024);
+    let status = server.wait_ready(Duration::from_secs(60));
+    assert!(status["memory"].as_str().unwrap().contains("cgroup limit 150 MiB"), "{status:#}");
+
+    // Paced closed-loop load, ~40 requests/s, for 12 s: ~480 requests, ~120 MiB leaked.
+    let stop = Arc::new(AtomicBool::new(false));
+    let addr = server.addr;
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut ok, mut failed) = (0, Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    match request(addr, "POST", "/v2/models/typed/infer", &[], &typed_request()) {
+                        Ok(r) if r.status == 200 => ok += 1,
+                        Ok(r) => failed.push(format!("status {}", r.status)),
+                        Err(e) => failed.push(e.to_string()),
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(12) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut ok, mut failed) = (0, Vec::new());
+    for c in clients {
+        let (o, f) = c.join().unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    let replaced: f64 = text
+        .lines()
+        .find(|l| l.starts_with("inferd_worker_recycles_total{reason=\"memory\"}"))
+        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap());
+    eprintln!(
+        "{ok} requests, {} failed; {replaced} workers replaced for memory; cgroup peak {} MiB of 150; OOM kills {}",
+        failed.len(),
+        cgroup.peak() / MIB,
+        cgroup.oom_kills()
+    );
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel's OOM killer fired\n{}", server.log());
+    assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
+    assert!(replaced >= 1.0, "no worker was replaced for memory\n{}", server.log());
+    assert!(!text.contains("reason=\"memory_hard\""), "a worker had to be killed: {text}");
+    assert!(server.log().contains("over the soft limit"), "{}", server.log());
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
+}
+
+#[test]
+fn a_pool_that_cannot_fit_is_refused_with_the_numbers() {
+    if test_workers() < 2 {
+        return eprintln!("needs 2 cores for 2 workers");
+    }
+    // Room for the supervisor and about one worker, not two.
+    let cgroup = Cgroup::new("fit", 70 * MIB);
+    let dir = TempDir::new("fit");
+    let port = free_port();
+    write_config(dir.path(), port, 2, &test_models(), "typed", &[], "");
+    let mut server = cgroup.serve(dir, port, 0);
+    let status = server.wait_exit(Duration::from_secs(30));
+    let log = server.log();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("memory plan: 2 workers need ~"), "{log}");
+    assert!(log.contains("cgroup limit 70 MiB"), "{log}");
+    assert!(log.contains("server.fit_workers_to_memory"), "{log}");
+    assert_eq!(cgroup.oom_kills(), 0);
+}
