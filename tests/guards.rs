@@ -228,3 +228,62 @@ fn hostile_clients_are_refused_and_cost_nothing_lasting() {
     eprintln!("RSS of the pool: {} MiB before, {:+.1} MiB after", before >> 20, grown as f64 / 1048576.0);
     assert!(grown < 16 << 20, "the pool's RSS grew by {grown} bytes");
 }
+
+fn metric(server: &Server, prefix: &str) -> f64 {
+    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    text.lines().find(|l| l.starts_with(prefix)).map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap())
+}
+
+/// A request whose client deadline passes while it waits for the model is dropped before
+/// the model sees it (504), and one whose body bytes would pass the worker's budget gets a
+/// fast 503.
+#[test]
+fn deadlines_and_the_bytes_in_flight_budget() {
+    let dir = TempDir::new("deadline");
+    let port = free_port();
+    write_config(
+        dir.path(),
+        port,
+        1,
+        &test_models(),
+        "slow",
+        &[],
+        "max_body_bytes = 65536\nmax_body_bytes_in_flight = 65536",
+    );
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let addr = server.addr;
+    // ~0.4 s of compute ahead in the queue.
+    let long = std::thread::spawn(move || {
+        request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(100_000)).map(|r| r.status)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let r = request(addr, "POST", "/v2/models/slow/infer", &[("X-Inferd-Deadline-Ms", "50")], &slow_body(10)).unwrap();
+    assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("deadline passed"), "{}", r.error());
+    assert_eq!(long.join().unwrap().unwrap(), 200);
+    assert_eq!(
+        metric(&server, "inferd_compute_duration_seconds_count{model=\"slow\"}"),
+        1.0,
+        "the dropped request never ran"
+    );
+    assert_eq!(metric(&server, "inferd_requests_total{model=\"slow\",endpoint=\"infer\",code=\"504\"}"), 1.0);
+    let r =
+        request(addr, "POST", "/v2/models/slow/infer", &[("X-Inferd-Deadline-Ms", "soon")], &slow_body(10)).unwrap();
+    assert_eq!(r.status, 400);
+
+    // One client holds 60000 body bytes (sending slowly); the next 10000 do not fit.
+    let mut slow_sender = std::net::TcpStream::connect(addr).unwrap();
+    slow_sender
+        .write_all(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 60000\r\n\r\n{\"inputs\":")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = request(addr, "POST", "/v2/models/slow/infer", &[("Content-Length", "10000")], &[b' '; 10000]).unwrap();
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("too many request bytes in flight"), "{}", r.error());
+    drop(slow_sender);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)).unwrap().status, 200);
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
+}

@@ -80,6 +80,8 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// Most headers in one request.
     pub max_headers: usize,
+    /// Request-body bytes one worker may hold at once; past it, 503 (at least max_body_bytes).
+    pub max_body_bytes_in_flight: u64,
     /// A model run longer than this means the worker is stuck: it gets SIGABRT, then
     /// SIGKILL on the next tick, and is replaced.
     pub request_timeout_secs: f64,
@@ -121,6 +123,7 @@ impl Default for ServerConfig {
             body_timeout_secs: 30.0,
             max_header_bytes: 16 * 1024,
             max_headers: 64,
+            max_body_bytes_in_flight: 256 * 1024 * 1024,
             request_timeout_secs: 60.0,
             fit_workers_to_memory: false,
             worker_memory_soft_limit_mb: 0,
@@ -254,6 +257,12 @@ impl Config {
             if value == 0 {
                 return invalid(key, "must be greater than 0".into());
             }
+        }
+        if self.server.max_body_bytes_in_flight < self.server.max_body_bytes {
+            return invalid(
+                "server.max_body_bytes_in_flight",
+                format!("must be at least server.max_body_bytes ({})", self.server.max_body_bytes),
+            );
         }
         if self.server.max_header_bytes < 8192 {
             return invalid(

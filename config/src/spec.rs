@@ -50,6 +50,7 @@ pub struct Limits {
     pub body_timeout_secs: f64,
     pub max_header_bytes: usize,
     pub max_headers: usize,
+    pub max_body_bytes_in_flight: u64,
 }
 
 impl Limits {
@@ -61,6 +62,7 @@ impl Limits {
             body_timeout_secs: server.body_timeout_secs,
             max_header_bytes: server.max_header_bytes,
             max_headers: server.max_headers,
+            max_body_bytes_in_flight: server.max_body_bytes_in_flight,
         }
     }
 }

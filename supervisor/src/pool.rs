@@ -1,8 +1,9 @@
 //! Slots, workers and the supervisor's loop.
 //!
 //! A slot is a place in the pool with a fixed CPU set; its `current` worker serves. A slot
-//! whose current worker dies gets a new one: at once the first time, then with exponential
-//! backoff (0.5 s doubling up to 30 s) while its workers keep dying young. A worker that
+//! whose current worker dies gets a new one: at once, unless its workers keep dying young
+//! (before serving for 1 s and for longer than they took to boot): then with exponential
+//! backoff (0.5 s doubling up to 30 s). A worker that
 //! reports a model-load or boot failure before the pool was ever ready stops the whole server
 //! with that error; later, the slot is retried with backoff while the others keep serving.
 //!
@@ -39,8 +40,10 @@ use crate::metrics::{self, PoolMetrics};
 use crate::status::{Phase, PoolStatus, WorkerState, WorkerStatus};
 use crate::{signals, tcp, Event};
 
-/// A worker that stays ready this long is healthy again: its slot's backoff resets.
-const STABLE_AFTER: Duration = Duration::from_secs(10);
+/// A worker that served at least this long, and longer than its own boot took, was not
+/// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
+/// seconds are replaced at once; a worker dying right after each boot is backed off.)
+const STABLE_AFTER: Duration = Duration::from_secs(1);
 /// Consecutive deaths of one slot during start-up after which the server gives up.
 const MAX_BOOT_CRASHES: u32 = 5;
 const TICK: Duration = Duration::from_millis(200);
@@ -424,7 +427,7 @@ impl Supervisor {
             (None, None) => "exit",
         };
         *self.restarts_by_reason.entry(reason).or_default() += 1;
-        if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER) {
+        if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
             slot.failures = 0;
         }
         slot.failures += 1;

@@ -17,6 +17,8 @@ struct Job {
     model: usize,
     inputs: Vec<Tensor>,
     queued_at: Instant,
+    /// Past this the job is dropped before it reaches the model.
+    deadline: Option<Instant>,
     reply: oneshot::Sender<Result<Vec<Tensor>, ModelError>>,
 }
 
@@ -63,6 +65,11 @@ impl Engine {
                     continue; // the client went away while queued: skip the work
                 }
                 let started = Instant::now();
+                if job.deadline.is_some_and(|d| started >= d) {
+                    let waited = started - job.queued_at;
+                    let _ = job.reply.send(Err(ModelError::DeadlineExceeded { waited }));
+                    continue;
+                }
                 counters.observe_latency(Latency::Queue, job.model, (started - job.queued_at).as_secs_f64());
                 let batch = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
                 counters.observe_batch(job.model, batch);
@@ -78,7 +85,12 @@ impl Engine {
     }
 
     /// Runs model number `model` (its index in the worker's model list).
-    pub async fn infer(&self, model: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    pub async fn infer(
+        &self,
+        model: usize,
+        inputs: Vec<Tensor>,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         // Backpressure: a full queue answers at once instead of growing its latency.
         let waiting = self.stats.queued_now();
         if waiting >= self.max_queue {
@@ -86,7 +98,7 @@ impl Engine {
         }
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
-        if self.jobs.send(Job { model, inputs, queued_at: Instant::now(), reply }).is_err() {
+        if self.jobs.send(Job { model, inputs, queued_at: Instant::now(), deadline, reply }).is_err() {
             self.stats.queued(-1);
             return Err(ModelError::EngineGone);
         }

@@ -34,6 +34,9 @@ pub struct AppState {
     pub max_batch_inputs: usize,
     /// How long a client may take to send its body (server.body_timeout_secs).
     pub body_timeout: std::time::Duration,
+    /// Bytes of request bodies the worker may hold at once (server.max_body_bytes_in_flight).
+    pub body_budget: Arc<tokio::sync::Semaphore>,
+    pub body_budget_total: u64,
     /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
     pub ready: AtomicBool,
     /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
@@ -56,6 +59,8 @@ pub enum ApiError {
     #[error("{0}")]
     Timeout(String),
     #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -69,6 +74,7 @@ impl ApiError {
             ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -79,6 +85,7 @@ impl From<ModelError> for ApiError {
         match e {
             ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
             ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
+            ModelError::DeadlineExceeded { .. } => ApiError::DeadlineExceeded(e.to_string()),
             _ => ApiError::Internal(e.to_string()),
         }
     }
@@ -152,6 +159,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         return Err(ApiError::MethodNotAllowed(method, path.clone()));
     }
     let ready = state.ready.load(Ordering::Relaxed);
+    let deadline = deadline(&request)?;
     match route {
         Route::Server => Ok(server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
@@ -163,7 +171,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             let row = found_index(&found);
             let work = async {
                 let (index, meta) = found?;
-                infer(state, index, meta, request).await.map(|r| versioned(r, meta))
+                infer(state, index, meta, request, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, row, 0, work).await
         }
@@ -172,7 +180,8 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             let row = found_index(&found);
             let work = async {
                 let (index, meta) = found?;
-                tei::embed(state, index, meta, &read_body(state, request).await?).await.map(|r| versioned(r, meta))
+                let body = read_body(state, request).await?;
+                tei::embed(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, row, 1, work).await
         }
@@ -181,11 +190,26 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             let row = found_index(&found);
             let work = async {
                 let (index, meta) = found?;
-                tei::predict(state, index, meta, &read_body(state, request).await?).await.map(|r| versioned(r, meta))
+                let body = read_body(state, request).await?;
+                tei::predict(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, row, 2, work).await
         }
     }
+}
+
+/// Header with the client's time budget for a request, in milliseconds from its arrival: a
+/// request still waiting for the model when it runs out is dropped and answered 504.
+pub const DEADLINE_HEADER: &str = "x-inferd-deadline-ms";
+
+fn deadline(request: &Request<Incoming>) -> Result<Option<Instant>, ApiError> {
+    let Some(value) = request.headers().get(DEADLINE_HEADER) else { return Ok(None) };
+    let ms = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .ok_or_else(|| ApiError::BadRequest(format!("{DEADLINE_HEADER} must be a whole number of milliseconds")))?;
+    Ok(Some(Instant::now() + std::time::Duration::from_millis(ms)))
 }
 
 /// The counter row of a looked-up model (unknown models share the last one).
@@ -274,7 +298,20 @@ fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(
 }
 
 /// The whole body, refusing more than `server.max_body_bytes` (early when Content-Length says so).
-async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes, ApiError> {
+/// The body and its share of the worker's body-bytes budget, held until the request is done.
+struct Body {
+    bytes: Bytes,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body, ApiError> {
     let limit = state.max_body_bytes;
     let too_large = || {
         ApiError::TooLarge(format!("request body is larger than the limit of {limit} bytes (server.max_body_bytes)"))
@@ -283,9 +320,18 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes
     if declared.is_some_and(|len| len > limit) {
         return Err(too_large());
     }
+    // Bodies being read or held by this worker may not add up past its budget: many large
+    // requests at once get a fast 503 instead of exhausting memory.
+    let claim = declared.unwrap_or(limit).max(1).min(u32::MAX as u64) as u32;
+    let budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
+        ApiError::Overloaded(format!(
+            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
+            state.body_budget_total
+        ))
+    })?;
     let collect = Limited::new(request.into_body(), limit as usize).collect();
     let timeout = state.body_timeout;
-    Ok(tokio::time::timeout(timeout, collect)
+    let bytes = tokio::time::timeout(timeout, collect)
         .await
         .map_err(|_| {
             ApiError::Timeout(format!("the request body did not arrive within {timeout:?} (server.body_timeout_secs)"))
@@ -297,7 +343,8 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Bytes
                 ApiError::BadRequest(format!("could not read the request body: {e}"))
             }
         })?
-        .to_bytes())
+        .to_bytes();
+    Ok(Body { bytes, _budget: budget })
 }
 
 async fn infer(
@@ -305,6 +352,7 @@ async fn infer(
     index: usize,
     meta: &ModelMeta,
     request: Request<Incoming>,
+    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     let header_length = match request.headers().get(protocol::HEADER_LENGTH) {
         None => None,
@@ -325,7 +373,8 @@ async fn infer(
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
-            let outcome = tasks::run(state, index, meta, input, Options { truncate, ..Options::default() }).await?;
+            let outcome =
+                tasks::run(state, index, meta, input, Options { truncate, deadline, ..Options::default() }).await?;
             let tensors = pipeline_tensors(&outcome.rows);
             let mut reply = infer_reply(meta, id, tensors, &selection);
             tasks::annotate(&mut reply, &outcome);
@@ -336,7 +385,7 @@ async fn infer(
     let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
     let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.infer(index, inputs).await?;
+    let outputs = state.engine.infer(index, inputs, deadline).await?;
     Ok(infer_reply(meta, id, outputs, &selection))
 }
 

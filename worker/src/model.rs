@@ -40,6 +40,8 @@ pub enum ModelError {
         "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
     )]
     Overloaded { waiting: u64 },
+    #[error("the request's deadline passed after {waited:?} in the queue; it never reached the model")]
+    DeadlineExceeded { waited: std::time::Duration },
 }
 
 /// A named tensor.

@@ -182,6 +182,8 @@ fn serve(
         max_body_bytes: spec.max_body_bytes,
         max_batch_inputs: spec.max_batch_inputs,
         body_timeout: Duration::from_secs_f64(spec.limits.body_timeout_secs),
+        body_budget: Arc::new(tokio::sync::Semaphore::new(spec.limits.max_body_bytes_in_flight as usize)),
+        body_budget_total: spec.limits.max_body_bytes_in_flight,
         ready: false.into(),
         stats,
     });

@@ -26,6 +26,8 @@ pub struct Options {
     pub normalize: Option<bool>,
     /// Return logits instead of softmax/sigmoid scores.
     pub raw_scores: bool,
+    /// Drop the request if it is still waiting for the model at this instant.
+    pub deadline: Option<Instant>,
 }
 
 pub enum Rows {
@@ -106,7 +108,7 @@ pub async fn run(
         }
     };
     let prepare = started.elapsed();
-    let outputs = state.engine.infer(index, tensors).await?;
+    let outputs = state.engine.infer(index, tensors, options.deadline).await?;
     let model_time = started.elapsed() - prepare;
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];

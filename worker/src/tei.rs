@@ -10,6 +10,8 @@
 //!   list input.
 //! - `/predict` (image): `{"image_b64": "<base64 PNG/JPEG>" | [...], "top_k": n}` -> the same.
 
+use std::time::Instant;
+
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
@@ -92,12 +94,18 @@ fn require(meta: &ModelMeta, task: Task, endpoint: &str) -> Result<(), ApiError>
     Err(ApiError::BadRequest(format!("{endpoint} needs {wanted} model, but '{}' is {other}", meta.info.name)))
 }
 
-pub async fn embed(state: &AppState, index: usize, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+pub async fn embed(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed")?;
     let request: EmbedRequest = parse(body)?;
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, normalize: request.normalize, raw_scores: false };
+    let options = Options { truncate: request.truncate, normalize: request.normalize, raw_scores: false, deadline };
     let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
@@ -105,7 +113,13 @@ pub async fn embed(state: &AppState, index: usize, meta: &ModelMeta, body: &[u8]
     Ok(reply)
 }
 
-pub async fn predict(state: &AppState, index: usize, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+pub async fn predict(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
     require(meta, Task::Classification, "/predict")?;
     let request: PredictRequest = parse(body)?;
     let (input, listed) = match (request.inputs, request.image_b64) {
@@ -136,7 +150,7 @@ pub async fn predict(state: &AppState, index: usize, meta: &ModelMeta, body: &[u
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("send either 'inputs' or 'image_b64', not both".into())),
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
-    let options = Options { truncate: request.truncate, normalize: None, raw_scores: request.raw_scores };
+    let options = Options { truncate: request.truncate, normalize: None, raw_scores: request.raw_scores, deadline };
     let outcome = tasks::run(state, index, meta, input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
