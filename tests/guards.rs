@@ -87,7 +87,7 @@ fn overload_gets_fast_503s_and_recovers_at_once() {
 /// two and replaced, the other worker serves throughout, and the hung client gets an error.
 #[test]
 fn a_stuck_worker_is_killed_and_replaced() {
-    let mut server = start("stuck", "request_timeout_secs = 1");
+    let server = start("stuck", "request_timeout_secs = 1");
     let before = server.status();
     let addr = server.addr;
     let hung = std::thread::spawn(move || {
@@ -100,20 +100,7 @@ fn a_stuck_worker_is_killed_and_replaced() {
     let deadline = Instant::now() + Duration::from_secs(15);
     let status = loop {
         if test_workers() > 1 {
-            let r = request(
-                server.addr,
-                "POST",
-                "/v2/models/typed/infer",
-                &[],
-                &infer_body(json!([
-                    {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-                    {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
-                    {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
-                    {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
-                    {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
-                    {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
-                ])),
-            );
+            let r = request(server.addr, "POST", "/v2/models/typed/infer", &[], &typed_request());
             // A request that lands on the stuck worker waits behind the hung run and dies
             // with it; the others succeed.
             if r.is_ok_and(|r| r.status == 200) {

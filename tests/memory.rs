@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::json;
 
 const MIB: u64 = 1 << 20;
 
@@ -67,17 +66,6 @@ impl Drop for Cgroup {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
-}
-
-fn typed_request() -> Vec<u8> {
-    infer_body(json!([
-        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
-        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
-        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
-        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
-        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
-    ]))
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 struct Prometheus {
     child: Child,
@@ -79,17 +79,6 @@ fn wait_for(p: &Prometheus, promql: &str, want: f64) {
     panic!("Prometheus says {promql} = {last:?}, expected {want}");
 }
 
-fn good() -> Vec<u8> {
-    infer_body(json!([
-        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
-        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
-        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
-        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
-        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
-    ]))
-}
-
 #[test]
 fn prometheus_counts_every_request_across_a_worker_sigkill() {
     let dir = TempDir::new("metrics");
@@ -102,7 +91,7 @@ fn prometheus_counts_every_request_across_a_worker_sigkill() {
 
     let send = |server: &Server, good_n: usize, bad_n: usize| {
         for _ in 0..good_n {
-            assert_eq!(server.request("POST", "/v2/models/typed/infer", &good()).status, 200);
+            assert_eq!(server.request("POST", "/v2/models/typed/infer", &typed_request()).status, 200);
         }
         for _ in 0..bad_n {
             assert_eq!(server.request("POST", "/v2/models/typed/infer", b"{\"inputs\": 1}").status, 400);

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use serde_json::json;
 
 fn start(tag: &str) -> Server {
     let dir = TempDir::new(tag);
@@ -18,17 +17,6 @@ fn start(tag: &str) -> Server {
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     server
-}
-
-fn small_request() -> Vec<u8> {
-    infer_body(json!([
-        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
-        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
-        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
-        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
-        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
-    ]))
 }
 
 #[test]
@@ -86,7 +74,7 @@ fn a_killed_worker_is_replaced_while_the_others_keep_answering() {
     let mut answered = 0;
     let replacement = loop {
         if test_workers() > 1 {
-            let r = server.request("POST", "/v2/models/typed/infer", &small_request());
+            let r = server.request("POST", "/v2/models/typed/infer", &typed_request());
             assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
             answered += 1;
         }
@@ -131,7 +119,7 @@ fn a_killed_worker_is_replaced_while_the_others_keep_answering() {
     }
     // The new worker takes traffic: some request is served by worker 0.
     let served_by_0 = (0..200).any(|_| {
-        let r = server.request("POST", "/v2/models/typed/infer", &small_request());
+        let r = server.request("POST", "/v2/models/typed/infer", &typed_request());
         assert_eq!(r.status, 200);
         r.header("x-inferd-worker") == Some("0")
     });

@@ -55,17 +55,6 @@ fn start(tag: &str, workers: usize, load: &[&str]) -> Server {
     server
 }
 
-fn typed_request() -> Vec<u8> {
-    infer_body(json!([
-        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
-        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
-        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
-        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
-        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
-    ]))
-}
-
 /// Closed-loop clients, a new connection per request, recording every failure and the model
 /// version each answer came from, in order.
 struct Load {
@@ -196,7 +185,7 @@ fn reload_to_a_new_file_under_load_with_one_worker() {
 #[test]
 fn sighup_recycles_every_worker_without_a_failed_request() {
     let workers = test_workers();
-    let mut server = start("sighup", workers, &[]);
+    let server = start("sighup", workers, &[]);
     let before: Vec<i32> = server.worker_pids();
     let load = Load::start(&server, 4);
     server.signal(Signal::SIGHUP);
@@ -262,7 +251,7 @@ fn a_reload_that_cannot_work_fails_and_the_old_models_keep_serving() {
 #[test]
 fn scale_stays_within_the_cpu_budget() {
     let workers = test_workers();
-    let mut server = start("scale", workers, &[]);
+    let server = start("scale", workers, &[]);
     let usable = server.status()["usable_cores"].as_u64().unwrap() as usize;
     if workers == usable {
         let out = inferd(&server, &["scale", "+1"]);

@@ -301,6 +301,18 @@ pub fn infer_body(inputs: serde_json::Value) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap()
 }
 
+/// A valid v2 request for the `typed` test model, one row of each datatype.
+pub fn typed_request() -> Vec<u8> {
+    infer_body(serde_json::json!([
+        {"name": "f32_in", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "f64_in", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]},
+        {"name": "i32_in", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]},
+        {"name": "i64_in", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "bool_in", "shape": [1, 4], "datatype": "BOOL", "data": [true, false, true, false]},
+        {"name": "f16_in", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 4]},
+    ]))
+}
+
 /// A v2 request for the `slow` test model that loops `iterations` times.
 pub fn slow_body(iterations: i64) -> Vec<u8> {
     let x: Vec<f32> = (0..256).map(|i| (i as f32) / 256.0).collect();
