@@ -1,0 +1,186 @@
+//! The supervisor's guards: the memory plan at start, the RSS watch, stuck-worker
+//! escalation (SIGABRT, then SIGKILL) and recycling after server.max_requests or an age.
+
+use super::*;
+
+impl Supervisor {
+    /// Called once, when the first worker is ready: do the other K-1 fit? Its RSS after
+    /// warm-up is what each costs; they must fit, with 10% to spare, in what the machine and
+    /// the cgroup still allow. If not: refuse with the numbers, or (fit_workers_to_memory)
+    /// start as many as fit. Also sets the per-worker soft and hard RSS limits.
+    pub(super) fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
+        let rss = proc_status(pid).0.unwrap_or(0).max(1);
+        self.worker_rss = Some(rss);
+        let budget = MemoryBudget::detect();
+        let mib = |b: u64| b / (1 << 20);
+        let k = self.slots.len() as u64;
+        // Room for the others with 10% to spare; under a cgroup limit, also a share of it per
+        // worker large enough that the soft limit (85% of the share) sits above a fresh
+        // worker's RSS, or workers would be replaced as soon as they start.
+        let mut fit = 1 + budget.room() / (rss + rss / 10);
+        if let Some(c) = &budget.cgroup {
+            fit = fit.min(c.limit / (rss + rss / 4));
+        }
+        let plan = format!(
+            "{k} workers need ~{} MiB ({} MiB each, measured on worker 0 after warm-up); {}; {fit} fit",
+            mib(k * rss),
+            mib(rss),
+            budget.describe()
+        );
+        if fit < k {
+            if !self.resolved.config.server.fit_workers_to_memory {
+                return Err(SupervisorError::Memory(format!(
+                    "{plan}; lower server.workers, or set server.fit_workers_to_memory = true to start fewer"
+                )));
+            }
+            warn!("memory plan: {plan}; starting {fit} workers (server.fit_workers_to_memory)");
+            self.slots.truncate(fit as usize);
+        } else {
+            info!("memory plan: {plan}");
+        }
+        let s = &self.resolved.config.server;
+        let share = budget.cgroup.as_ref().map(|c| c.limit / self.slots.len() as u64);
+        let limit = |mb: u64, share_pct: u64| if mb > 0 { Some(mb << 20) } else { share.map(|s| s / 100 * share_pct) };
+        self.memory_limits = (limit(s.worker_memory_soft_limit_mb, 85), limit(s.worker_memory_hard_limit_mb, 95));
+        if let (Some(soft), Some(hard)) = self.memory_limits {
+            info!("worker RSS limits: replace above {} MiB, kill above {} MiB", mib(soft), mib(hard));
+        }
+        for slot in self.slots.iter_mut().skip(1) {
+            slot.next_start.get_or_insert(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Per-worker RSS against the soft and hard limits, and the whole pool against its cgroup:
+    /// the worker that grows is replaced before the kernel picks a victim.
+    pub(super) fn watch_memory(&mut self) {
+        let (soft, hard) = self.memory_limits;
+        let budget = MemoryBudget::detect();
+        // The pool itself close to its cgroup's limit: the biggest worker goes first.
+        let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
+        let mut biggest: Option<(u64, usize)> = None;
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            if slot.removing || slot.with_role(Role::Incoming).is_some() {
+                continue;
+            }
+            let Some(w) = slot.workers.iter_mut().find(|w| w.role == Role::Current && w.state == WorkerState::Ready)
+            else {
+                continue;
+            };
+            let Some(rss) = proc_status(w.pid).0 else { continue };
+            let mib = rss >> 20;
+            if hard.is_some_and(|h| rss > h) && !w.memory_killed {
+                error!("worker {index} (pid {}) RSS {mib} MiB is over the hard limit; killing it", w.pid);
+                w.memory_killed = true;
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                continue;
+            }
+            if soft.is_some_and(|s| rss > s) {
+                warn!("worker {index} (pid {}) RSS {mib} MiB is over the soft limit; replacing it", w.pid);
+                self.replace_for_memory(index, &budget);
+                continue;
+            }
+            if biggest.is_none_or(|(b, _)| rss > b) {
+                biggest = Some((rss, index));
+            }
+        }
+        if let (true, Some((rss, index))) = (pool_tight, biggest) {
+            warn!("the pool is above 92% of its cgroup memory limit; replacing worker {index} ({} MiB)", rss >> 20);
+            self.replace_for_memory(index, &budget);
+        }
+    }
+
+    /// Gracefully replaces a slot's worker for memory: the new one first when there is room for
+    /// it, else the old one drains and exits before the new one starts.
+    pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
+        *self.recycles_by_reason.entry("memory").or_default() += 1;
+        let room_for_one = self.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
+        let slot = &mut self.slots[index];
+        if room_for_one && self.reload.is_none() {
+            let (models, generation) = (slot.models.clone(), slot.generation);
+            self.spawn(index, Role::Incoming, models, generation);
+            return;
+        }
+        for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
+            w.role = Role::Retiring;
+            let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+        }
+        slot.start_when_empty = true;
+        slot.next_start = Some(Instant::now());
+    }
+
+    /// A worker whose model run has lasted longer than server.request_timeout_secs, or whose
+    /// model thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
+    /// there (gunicorn's escalation); it is then replaced like any dead worker.
+    pub(super) fn kill_stuck_workers(&mut self) {
+        let timeout = self.resolved.config.server.request_timeout_secs;
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            for w in slot.workers.iter_mut().filter(|w| w.ready_at.is_some()) {
+                if let Some((why, since)) = &w.stuck {
+                    if since.elapsed() >= TICK {
+                        warn!("worker {index} (pid {}) still there after SIGABRT ({why}); SIGKILL", w.pid);
+                        let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                    }
+                    continue;
+                }
+                let (busy, beat) = w.stats.model_thread();
+                let why = match (busy, beat) {
+                    (Some(b), _) if b > timeout => {
+                        format!("a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout}")
+                    }
+                    (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
+                    _ => continue,
+                };
+                error!("worker {index} (pid {}) is stuck: {why}; SIGABRT", w.pid);
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGABRT);
+                w.stuck = Some((why, Instant::now()));
+            }
+        }
+    }
+
+    /// Recycling (server.max_requests, server.max_worker_age_secs): a worker past its limit is
+    /// replaced like in a reload, incoming first. One replacement at a time across the pool,
+    /// the worker furthest past its limit first, and none during a reload (which replaces
+    /// everyone anyway).
+    pub(super) fn maybe_recycle(&mut self, now: Instant) {
+        let max_age = self.resolved.config.server.max_worker_age_secs;
+        if self.reload.is_some() || self.slots.iter().any(|s| s.with_role(Role::Incoming).is_some()) {
+            return;
+        }
+        // (how far past the limit, as a share of it; slot; reason)
+        let mut due: Option<(f64, usize, &'static str)> = None;
+        for (index, slot) in self.slots.iter().enumerate() {
+            if slot.removing || slot.recycle_pause.is_some_and(|t| now < t) {
+                continue;
+            }
+            let Some(w) = slot.with_role(Role::Current).filter(|w| w.state == WorkerState::Ready) else { continue };
+            let by_requests =
+                w.recycle_after.map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, "max_requests"));
+            let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, "max_age"));
+            for (over, reason) in [by_requests, by_age].into_iter().flatten() {
+                if over >= 1.0 && due.is_none_or(|(o, _, _)| over > o) {
+                    due = Some((over, index, reason));
+                }
+            }
+        }
+        let Some((_, index, reason)) = due else { return };
+        let slot = &self.slots[index];
+        let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
+        info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
+        *self.recycles_by_reason.entry(reason).or_default() += 1;
+        let (models, generation) = (slot.models.clone(), slot.generation);
+        self.spawn(index, Role::Incoming, models, generation);
+    }
+}
+
+/// server.max_requests plus a per-worker draw from 0..=server.max_requests_jitter.
+pub(super) fn recycle_threshold(server: &inferd_config::file::ServerConfig) -> Option<u64> {
+    use std::hash::{BuildHasher, Hasher};
+    if server.max_requests == 0 {
+        return None;
+    }
+    // RandomState is seeded randomly per instance: enough randomness for spreading recycles.
+    let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    Some(server.max_requests + draw % (server.max_requests_jitter + 1))
+}

@@ -1,0 +1,163 @@
+//! Rolling reloads and scaling: which models a reload installs, replacing the slots one by
+//! one (the first replacement validates), and adding or draining a slot within the CPU plan.
+
+use super::*;
+
+impl Supervisor {
+    /// Starts a rolling reload: the named model (or all of them, read again) in a new
+    /// generation, slot by slot.
+    pub(super) fn start_reload(
+        &mut self,
+        model: Option<String>,
+        path: Option<PathBuf>,
+        wait: bool,
+        replies: Option<Replies>,
+    ) -> Result<(), String> {
+        if self.phase == Phase::Stopping || !self.booted {
+            return Err("reload refused: the pool is starting or stopping".into());
+        }
+        if self.reload.is_some() {
+            return Err("reload refused: a reload is already in progress".into());
+        }
+        let models = self.new_models(model, path)?;
+        self.generation += 1;
+        let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
+        info!("reload to generation {}: {names}", self.generation);
+        if let Some(r) = &replies {
+            let _ = r.send(Response::progress(format!(
+                "generation {}: validating {names} in a new worker 1 of {}",
+                self.generation,
+                self.slots.len()
+            )));
+        }
+        self.reload =
+            Some(Reload { models, generation: self.generation, slot: 0, replies, wait, started: Instant::now() });
+        self.replace_slot(0);
+        self.update_phase();
+        Ok(())
+    }
+
+    /// The model list a reload installs.
+    pub(super) fn new_models(&self, model: Option<String>, path: Option<PathBuf>) -> Result<Vec<ModelEntry>, String> {
+        let Some(path) = path else {
+            // No path: read every model again from the repository (new files, new model.toml).
+            let repository = self.resolved.config.model_repository();
+            let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
+            if let Some(name) = model.as_ref().filter(|n| !names.contains(n)) {
+                return Err(format!("reload refused: this server has no model '{name}'"));
+            }
+            return names
+                .iter()
+                .map(|name| match &model {
+                    Some(only) if only != name => {
+                        Ok(self.models.iter().find(|m| &m.name == name).cloned().expect("listed"))
+                    }
+                    _ => ModelEntry::load(&repository, name),
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("reload refused: {e}"));
+        };
+        let name = match model {
+            Some(name) => name,
+            None if self.models.len() == 1 => self.models[0].name.clone(),
+            None => return Err("reload refused: --path needs --model when the server has several models".into()),
+        };
+        let Some(at) = self.models.iter().position(|m| m.name == name) else {
+            return Err(format!("reload refused: this server has no model '{name}'"));
+        };
+        let mut models = self.models.clone();
+        models[at] = models[at].replaced_by(&path).map_err(|e| format!("reload refused: {e}"))?;
+        Ok(models)
+    }
+
+    /// Starts an incoming worker for slot `index` with the reload's models.
+    pub(super) fn replace_slot(&mut self, index: usize) {
+        let reload = self.reload.as_ref().expect("called during a reload");
+        let (models, generation) = (reload.models.clone(), reload.generation);
+        self.spawn(index, Role::Incoming, models, generation);
+        if !self.slots[index].workers.iter().any(|w| w.role == Role::Incoming) {
+            self.abort_reload(index, "the new worker could not be started");
+        }
+    }
+
+    /// After slot `reload.slot` was replaced: the next slot, or done.
+    pub(super) fn advance_reload(&mut self) {
+        let Some(reload) = self.reload.as_mut() else { return };
+        reload.slot += 1;
+        if reload.slot < self.slots.len() {
+            let next = reload.slot;
+            self.replace_slot(next);
+            return;
+        }
+        let reload = self.reload.take().expect("checked");
+        self.models = reload.models;
+        self.reloads.0 += 1;
+        let message = format!(
+            "reload complete: {} workers on generation {} after {:.1} s",
+            self.slots.len(),
+            reload.generation,
+            reload.started.elapsed().as_secs_f64()
+        );
+        info!("{message}");
+        if let Some(replies) = reload.replies {
+            let _ = replies.send(Response::message(message));
+        }
+        self.update_phase();
+    }
+
+    pub(super) fn abort_reload(&mut self, index: usize, error: &str) {
+        let Some(reload) = self.reload.take() else { return };
+        self.reloads.1 += 1;
+        let kept = if index == 0 {
+            "every worker keeps the previous models".to_string()
+        } else {
+            format!("workers 1-{index} run generation {}, the others the previous models", reload.generation)
+        };
+        let message = format!("reload failed at worker {} of {}: {error}; {kept}", index + 1, self.slots.len());
+        error!("{message}");
+        if let Some(replies) = reload.replies {
+            let _ = replies.send(Response::error(message));
+        }
+        self.update_phase();
+    }
+
+    /// `scale +1` adds a slot when the CPU budget has room for it; `scale -1` drains the last.
+    pub(super) fn scale(&mut self, delta: i32) -> Result<String, String> {
+        if self.phase == Phase::Stopping || !self.booted || self.reload.is_some() {
+            return Err("scale refused: the pool is starting, reloading or stopping".into());
+        }
+        let live: Vec<usize> = (0..self.slots.len()).filter(|&i| !self.slots[i].removing).collect();
+        match delta {
+            1 => {
+                let s = &self.resolved.config.server;
+                let threads = self.resolved.plan.threads_per_worker;
+                let plan =
+                    plan(&self.resolved.plan.budget, live.len() + 1, threads, s.allow_oversubscription, s.pin_workers)
+                        .map_err(|e| format!("scale +1 refused: {e}"))?;
+                let placement = plan.workers[live.len()].clone();
+                let cpus = format_cpus(&placement.cpus);
+                self.slots.push(new_slot(placement, self.models.clone(), self.generation));
+                self.update_phase();
+                Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
+            }
+            -1 => {
+                if live.len() <= 1 {
+                    return Err("scale -1 refused: the pool cannot go below 1 worker".into());
+                }
+                let index = *live.last().expect("at least 2");
+                let slot = &mut self.slots[index];
+                slot.removing = true;
+                for w in slot.workers.iter_mut() {
+                    w.role = Role::Retiring;
+                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+                }
+                if slot.workers.is_empty() {
+                    self.slots.remove(index);
+                }
+                self.update_phase();
+                Ok(format!("scaling down to {} workers: draining worker {index}", live.len() - 1))
+            }
+            other => Err(format!("scale refused: the step is +1 or -1, not {other}")),
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! What the supervisor tells: `inferd status`, the pool's counters and their last-minute
+//! latency percentiles, and the Prometheus metrics.
+
+use super::*;
+
+impl Supervisor {
+    pub(super) fn status(&self) -> PoolStatus {
+        let plan = &self.resolved.plan;
+        let mut workers = Vec::new();
+        for (index, slot) in self.slots.iter().enumerate() {
+            let row = |w: Option<&Worker>| {
+                let (rss_bytes, os_threads) = w.map(|w| proc_status(w.pid)).unwrap_or((None, None));
+                let counts = w.map(|w| w.stats.snapshot());
+                WorkerStatus {
+                    index,
+                    pid: w.map(|w| w.pid),
+                    generation: w.map_or(slot.generation, |w| w.generation),
+                    state: match w {
+                        None => WorkerState::Down,
+                        Some(w) if w.role == Role::Retiring => WorkerState::Draining,
+                        Some(w) => w.state,
+                    },
+                    cpus: slot.placement.cpus.clone(),
+                    threads: slot.placement.threads,
+                    os_threads,
+                    rss_bytes,
+                    requests: counts.as_ref().map_or(0, Snapshot::requests_total),
+                    in_flight: counts.as_ref().map_or(0, Snapshot::in_flight),
+                    queued: counts.as_ref().map_or(0, Snapshot::queued),
+                    restarts: slot.restarts,
+                    uptime_secs: w.map(|w| w.started.elapsed().as_secs_f64()),
+                    models: w.map(|w| w.models.clone()).unwrap_or_default(),
+                    last_exit: slot.last_exit.clone(),
+                }
+            };
+            if slot.workers.is_empty() {
+                workers.push(row(None));
+            }
+            workers.extend(slot.workers.iter().map(|w| row(Some(w))));
+        }
+        PoolStatus {
+            version: env!("CARGO_PKG_VERSION").into(),
+            pid: std::process::id(),
+            phase: self.phase,
+            generation: self.generation,
+            reload: self.reload.as_ref().map(|r| format!("replacing worker {} of {}", r.slot + 1, self.slots.len())),
+            listen: self.resolved.config.server.listen.clone(),
+            uptime_secs: self.started.elapsed().as_secs_f64(),
+            usable_cores: plan.budget.usable,
+            cpu_budget: plan.budget.describe(),
+            threads_per_worker: plan.threads_per_worker,
+            requests_total: self.totals().requests_total(),
+            latency_last_minute: self.latency_last_minute(),
+            memory: {
+                let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
+                format!(
+                    "{}; worker RSS limits: replace above {}, kill above {}",
+                    MemoryBudget::detect().describe(),
+                    mib(self.memory_limits.0),
+                    mib(self.memory_limits.1)
+                )
+            },
+            reloads_succeeded: self.reloads.0,
+            reloads_failed: self.reloads.1,
+            workers,
+        }
+    }
+
+    /// The pool's counts: every exited worker's final counts plus the live workers' now.
+    pub(super) fn totals(&self) -> Snapshot {
+        let mut totals = self.retired.clone();
+        for w in self.slots.iter().flat_map(|s| &s.workers) {
+            totals.add(&w.stats.snapshot());
+        }
+        totals
+    }
+
+    /// p50 and p99 of request latency over about the last minute, as the upper bound of the
+    /// histogram bucket each falls in (milliseconds; None: no requests, or beyond the last
+    /// bucket).
+    pub(super) fn latency_last_minute(&self) -> Option<(f64, Option<f64>, Option<f64>)> {
+        let now = self.totals().request_latency_buckets();
+        let (start, old) =
+            self.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
+        let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a - b).collect();
+        let total: u64 = delta.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let quantile = |q: f64| {
+            let target = (q * total as f64).ceil() as u64;
+            let mut seen = 0;
+            delta
+                .iter()
+                .position(|n| {
+                    seen += n;
+                    seen >= target
+                })
+                .and_then(|i| LATENCY_BUCKETS.get(i).map(|b| b * 1e3))
+        };
+        Some((start.elapsed().as_secs_f64(), quantile(0.5), quantile(0.99)))
+    }
+
+    pub(super) fn metrics(&self) -> PoolMetrics {
+        let mut model_info: Vec<ModelInfo> = Vec::new();
+        for w in self.slots.iter().flat_map(|s| &s.workers) {
+            for info in &w.models {
+                if !model_info.contains(info) {
+                    model_info.push(info.clone());
+                }
+            }
+        }
+        PoolMetrics {
+            models: self.models.iter().map(|m| m.name.clone()).collect(),
+            totals: self.totals(),
+            workers: self
+                .slots
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).0)))
+                .collect(),
+            ready: self.slots.iter().filter(|s| s.ready()).count(),
+            desired: self.slots.iter().filter(|s| !s.removing).count(),
+            restarts: self.restarts_by_reason.clone(),
+            recycles: self.recycles_by_reason.clone(),
+            reloads: self.reloads,
+            generation: self.generation,
+            model_info,
+        }
+    }
+}
+
+/// RSS in bytes and thread count from /proc/PID/status.
+pub(super) fn proc_status(pid: u32) -> (Option<u64>, Option<u64>) {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return (None, None);
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    (field("VmRSS:").map(|kb| kb * 1024), field("Threads:"))
+}
