@@ -11,7 +11,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -157,7 +157,7 @@ fn http(
     Ok(())
 }
 
-fn ort(model: &PathBuf, library: &PathBuf, parallel: usize, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
+fn ort(model: &Path, library: &Path, parallel: usize, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
     let folder = std::path::absolute(model)?;
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;

@@ -121,15 +121,14 @@ impl Model {
         let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         let bytes = std::fs::read(&entry.path).map_err(|e| fail(e.to_string()))?;
         let sha256: String = Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect();
-        let session = Session::builder(env)
-            .map_err(|e| fail(e.to_string()))?
-            .with_inter_threads(1)
-            .and_then(|b| b.with_parallel_execution(false))
-            .and_then(|b| b.with_intra_op_spinning(false))
-            .and_then(|b| b.with_inter_op_spinning(false))
-            .map_err(|e| fail(ort::Error::<()>::from(e).to_string()))?
-            .commit_from_memory(&bytes)
-            .map_err(|e| fail(e.to_string()))?;
+        // Builder errors carry the builder; keep only the message.
+        let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| fail(ort::Error::<()>::from(e).to_string()));
+        let builder = Session::builder(env).map_err(|e| fail(e.to_string()))?;
+        let builder = step(builder.with_inter_threads(1))?;
+        let builder = step(builder.with_parallel_execution(false))?;
+        let builder = step(builder.with_intra_op_spinning(false))?;
+        let mut builder = step(builder.with_inter_op_spinning(false))?;
+        let session = builder.commit_from_memory(&bytes).map_err(|e| fail(e.to_string()))?;
         let describe = |outlets: &[ort::value::Outlet]| -> Vec<TensorSpec> {
             outlets
                 .iter()

@@ -46,7 +46,7 @@ pub enum Head {
 pub enum Pipeline {
     /// Tensors in, tensors out.
     Raw,
-    Text(TextPipeline),
+    Text(Box<TextPipeline>),
     Image(ImagePipeline),
 }
 
@@ -133,7 +133,13 @@ impl Pipeline {
             if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
                 return Err("the model has no input 'input_ids' for the tokenizer to feed".into());
             }
-            return Ok(Pipeline::Text(TextPipeline { plain, truncating, max_length: t.max_length, feeds, head }));
+            return Ok(Pipeline::Text(Box::new(TextPipeline {
+                plain,
+                truncating,
+                max_length: t.max_length,
+                feeds,
+                head,
+            })));
         }
         let config = entry.image.clone().ok_or("a classification model needs [tokenizer] or [image]")?;
         if inputs.len() != 1 {
