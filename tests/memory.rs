@@ -37,6 +37,13 @@ impl Cgroup {
         text.lines().find_map(|l| l.strip_prefix("oom_kill ")).map_or(0, |v| v.trim().parse().unwrap())
     }
 
+    /// Kernel log lines that name this cgroup (the OOM killer names the memcg it acted in).
+    fn kernel_mentions(&self) -> Vec<String> {
+        let name = self.0.file_name().unwrap().to_string_lossy().to_string();
+        let out = Command::new("dmesg").output().expect("dmesg");
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains(&name)).map(String::from).collect()
+    }
+
     fn peak(&self) -> u64 {
         std::fs::read_to_string(self.0.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap()
     }
@@ -122,6 +129,7 @@ fn growing_workers_are_replaced_before_the_oom_killer() {
         cgroup.oom_kills()
     );
     assert_eq!(cgroup.oom_kills(), 0, "the kernel's OOM killer fired\n{}", server.log());
+    assert_eq!(cgroup.kernel_mentions(), Vec::<String>::new(), "the kernel log names the cgroup");
     assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
     assert!(replaced >= 1.0, "no worker was replaced for memory\n{}", server.log());
     assert!(!text.contains("reason=\"memory_hard\""), "a worker had to be killed: {text}");

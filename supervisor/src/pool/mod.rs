@@ -404,7 +404,11 @@ impl Supervisor {
             }
             return;
         }
-        let stuck = worker.stuck.as_ref().map_or(String::new(), |(why, _)| format!(" (stuck: {why})"));
+        let stuck = match (&worker.stuck, worker.memory_killed) {
+            (Some((why, _)), _) => format!(" (stuck: {why})"),
+            (None, true) => " (over the hard memory limit)".to_string(),
+            (None, false) => String::new(),
+        };
         slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
         if self.phase == Phase::Stopping {
             info!("worker {index} (pid {pid}) {how}");
