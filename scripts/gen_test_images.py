@@ -36,7 +36,6 @@ zero.png          0 bytes
 """
 
 import io
-import os
 import struct
 import sys
 import zlib
@@ -45,22 +44,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from gen_test_models import write_if_changed
+
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "tests" / "fixtures" / "images"
 
 HUGE_SIDE = 20000
 JPEG_QUALITY = 90
-
-
-def write_if_changed(path, data):
-    """Writes bytes to path through a temporary file; leaves an identical file alone."""
-    if path.exists() and path.read_bytes() == data:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".tmp-" + path.name)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return True
 
 
 def encode(image, fmt):

@@ -74,11 +74,11 @@ def require(cond, what):
         raise CheckFailed(what)
 
 
-def make_inputs():
+def make_inputs(binary=False):
     inputs = []
     for name, (datatype, data) in INPUTS.items():
         inp = httpclient.InferInput(name, list(data.shape), datatype)
-        inp.set_data_from_numpy(data, binary_data=False)
+        inp.set_data_from_numpy(data, binary_data=binary)
         inputs.append(inp)
     return inputs
 
@@ -175,15 +175,6 @@ CHECKS = [
 # --- --binary: the binary tensor extension -----------------------------------------
 
 
-def make_binary_inputs():
-    inputs = []
-    for name, (datatype, data) in INPUTS.items():
-        inp = httpclient.InferInput(name, list(data.shape), datatype)
-        inp.set_data_from_numpy(data, binary_data=True)
-        inputs.append(inp)
-    return inputs
-
-
 def compare_binary(result, name, datatype, want):
     """Like compare(), but the output must have come as binary data of the right size."""
     out = result.get_output(name)
@@ -206,7 +197,7 @@ def compare_binary(result, name, datatype, want):
 def check_binary_typed(client):
     want = expected_outputs()
     requested = [httpclient.InferRequestedOutput(name, binary_data=True) for name in want]
-    result = client.infer(MODEL, make_binary_inputs(), outputs=requested, request_id=REQUEST_ID)
+    result = client.infer(MODEL, make_inputs(binary=True), outputs=requested, request_id=REQUEST_ID)
     response = result.get_response()
     require(response.get("id") == REQUEST_ID, f"response id {response.get('id')!r}, expected {REQUEST_ID!r}")
     names = [o.get("name") for o in response.get("outputs", [])]
@@ -218,7 +209,7 @@ def check_binary_typed(client):
 def check_binary_in_json_out_typed(client):
     want = expected_outputs()
     requested = [httpclient.InferRequestedOutput(name, binary_data=False) for name in reversed(list(want))]
-    result = client.infer(MODEL, make_binary_inputs(), outputs=requested)
+    result = client.infer(MODEL, make_inputs(binary=True), outputs=requested)
     names = [o.get("name") for o in result.get_response().get("outputs", [])]
     require(names == list(reversed(list(want))), f"response outputs {names}, expected {list(reversed(list(want)))}")
     for name, (datatype, array) in want.items():
@@ -229,7 +220,7 @@ def check_binary_default_outputs(client):
     # No `outputs`: tritonclient sets the request parameter binary_data_output=true,
     # so every output must come back, as binary data.
     want = expected_outputs()
-    result = client.infer(MODEL, make_binary_inputs())
+    result = client.infer(MODEL, make_inputs(binary=True))
     names = [o.get("name") for o in result.get_response().get("outputs", [])]
     require(sorted(names) == sorted(want), f"response outputs {names}, expected {sorted(want)}")
     for name, (datatype, array) in want.items():
