@@ -190,3 +190,19 @@ fn a_pipeline_that_does_not_fit_its_model_is_refused() {
         }
     }
 }
+
+/// A worker memory limit that a fresh worker already passes is refused at start, instead of
+/// replacing workers forever.
+#[test]
+fn a_worker_memory_limit_below_a_fresh_worker_is_refused() {
+    let dir = TempDir::new("softlimit");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "worker_memory_soft_limit_mb = 5");
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("the soft worker memory limit (5 MiB) is not above a fresh worker's RSS"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -42,6 +42,17 @@ impl Supervisor {
         let share = budget.cgroup.as_ref().map(|c| c.limit / self.slots.len() as u64);
         let limit = |mb: u64, share_pct: u64| if mb > 0 { Some(mb << 20) } else { share.map(|s| s / 100 * share_pct) };
         self.memory_limits = (limit(s.worker_memory_soft_limit_mb, 85), limit(s.worker_memory_hard_limit_mb, 95));
+        // A limit a fresh worker already passes would replace (or kill) workers forever.
+        for (key, value) in [("soft", self.memory_limits.0), ("hard", self.memory_limits.1)] {
+            if value.is_some_and(|v| v <= rss + rss / 20) {
+                return Err(SupervisorError::Memory(format!(
+                    "the {key} worker memory limit ({} MiB) is not above a fresh worker's RSS ({} MiB); raise \
+                     server.worker_memory_{key}_limit_mb or the memory limit, or lower server.workers",
+                    mib(value.unwrap_or(0)),
+                    mib(rss)
+                )));
+            }
+        }
         if let (Some(soft), Some(hard)) = self.memory_limits {
             info!("worker RSS limits: replace above {} MiB, kill above {} MiB", mib(soft), mib(hard));
         }
