@@ -88,6 +88,8 @@ pub struct ServerConfig {
     /// When K workers do not fit in memory (measured on the first worker after warm-up), start
     /// as many as fit instead of refusing to start.
     pub fit_workers_to_memory: bool,
+    /// How often the supervisor samples the workers' RSS (at least every tick, 0.2 s).
+    pub memory_check_interval_secs: f64,
     /// RSS above which a worker is replaced gracefully; 0 = 85% of its share of the cgroup
     /// memory limit when there is one, else none.
     pub worker_memory_soft_limit_mb: u64,
@@ -126,6 +128,7 @@ impl Default for ServerConfig {
             max_body_bytes_in_flight: 256 * 1024 * 1024,
             request_timeout_secs: 60.0,
             fit_workers_to_memory: false,
+            memory_check_interval_secs: 0.2,
             worker_memory_soft_limit_mb: 0,
             worker_memory_hard_limit_mb: 0,
             max_requests: 0,
@@ -276,6 +279,7 @@ impl Config {
             ("server.header_timeout_secs", self.server.header_timeout_secs),
             ("server.body_timeout_secs", self.server.body_timeout_secs),
             ("server.request_timeout_secs", self.server.request_timeout_secs),
+            ("server.memory_check_interval_secs", self.server.memory_check_interval_secs),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("{value} is not a positive number of seconds"));

@@ -176,6 +176,8 @@ pub struct Supervisor {
     worker_rss: Option<u64>,
     /// (soft, hard) per-worker RSS limits in bytes.
     memory_limits: (Option<u64>, Option<u64>),
+    /// When the RSS watch last ran.
+    memory_checked: Option<Instant>,
     /// Final counts of every worker that has exited.
     retired: Snapshot,
     restarts_by_reason: BTreeMap<&'static str, u64>,
@@ -237,6 +239,7 @@ impl Supervisor {
             reloads: (0, 0),
             worker_rss: None,
             memory_limits: (None, None),
+            memory_checked: None,
             retired: Snapshot::default(),
             restarts_by_reason: BTreeMap::new(),
             recycles_by_reason: BTreeMap::new(),
@@ -487,7 +490,11 @@ impl Supervisor {
             return;
         }
         self.kill_stuck_workers();
-        self.watch_memory();
+        let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
+        if self.memory_checked.is_none_or(|t| now - t >= every) {
+            self.memory_checked = Some(now);
+            self.watch_memory();
+        }
         self.maybe_recycle(now);
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
