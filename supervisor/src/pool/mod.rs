@@ -400,8 +400,12 @@ impl Supervisor {
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing {
             info!("worker {index} (pid {pid}) retired: {how}");
-            if slot.removing && slot.workers.is_empty() {
-                self.slots.remove(index);
+            // Events name slots by index: only trailing slots may go, so no index shifts.
+            let before = self.slots.len();
+            while self.slots.last().is_some_and(|s| s.removing && s.workers.is_empty()) {
+                self.slots.pop();
+            }
+            if self.slots.len() < before {
                 info!("scaled down to {} workers", self.slots.len());
                 self.update_phase();
             }

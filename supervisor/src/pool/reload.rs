@@ -126,25 +126,30 @@ impl Supervisor {
         if self.phase == Phase::Stopping || !self.booted || self.reload.is_some() {
             return Err("scale refused: the pool is starting, reloading or stopping".into());
         }
-        let live: Vec<usize> = (0..self.slots.len()).filter(|&i| !self.slots[i].removing).collect();
+        // One step at a time: slots are named by index, so a draining one must be gone before
+        // the pool changes size again.
+        if let Some(i) = self.slots.iter().position(|s| s.removing) {
+            return Err(format!("scale refused: worker {i} is still draining from the last scale -1"));
+        }
+        let count = self.slots.len();
         match delta {
             1 => {
                 let s = &self.resolved.config.server;
                 let threads = self.resolved.plan.threads_per_worker;
                 let plan =
-                    plan(&self.resolved.plan.budget, live.len() + 1, threads, s.allow_oversubscription, s.pin_workers)
+                    plan(&self.resolved.plan.budget, count + 1, threads, s.allow_oversubscription, s.pin_workers)
                         .map_err(|e| format!("scale +1 refused: {e}"))?;
-                let placement = plan.workers[live.len()].clone();
+                let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
                 self.slots.push(new_slot(placement, self.models.clone(), self.generation));
                 self.update_phase();
                 Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
             }
             -1 => {
-                if live.len() <= 1 {
+                if count <= 1 {
                     return Err("scale -1 refused: the pool cannot go below 1 worker".into());
                 }
-                let index = *live.last().expect("at least 2");
+                let index = count - 1;
                 let slot = &mut self.slots[index];
                 slot.removing = true;
                 for w in slot.workers.iter_mut() {
@@ -152,10 +157,10 @@ impl Supervisor {
                     let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
                 }
                 if slot.workers.is_empty() {
-                    self.slots.remove(index);
+                    self.slots.pop(); // the last slot: no removing slot follows it (checked above)
                 }
                 self.update_phase();
-                Ok(format!("scaling down to {} workers: draining worker {index}", live.len() - 1))
+                Ok(format!("scaling down to {} workers: draining worker {index}", count - 1))
             }
             other => Err(format!("scale refused: the step is +1 or -1, not {other}")),
         }
