@@ -23,8 +23,18 @@ pub fn test_models() -> PathBuf {
 
 /// A port nobody listens on right now. Every worker binds the same port with SO_REUSEPORT,
 /// so the port must be chosen up front rather than by binding port 0.
+/// Never the same port twice in one test binary: tests run in parallel, and two servers
+/// given the same port would join one SO_REUSEPORT group and answer each other's requests.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A fresh temporary folder, removed when dropped.
