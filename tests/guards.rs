@@ -126,7 +126,7 @@ fn a_stuck_worker_is_killed_and_replaced() {
         let unaffected = status["workers"].as_array().unwrap().iter().filter(|w| w["restarts"] == 0).count();
         assert_eq!(unaffected, before["workers"].as_array().unwrap().len() - 1);
     }
-    let metrics = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+    let metrics = server.metrics_text();
     assert!(metrics.contains("inferd_worker_restarts_total{reason=\"stuck\"} 1"), "{metrics}");
 }
 
@@ -217,8 +217,7 @@ fn hostile_clients_are_refused_and_cost_nothing_lasting() {
 }
 
 fn metric(server: &Server, prefix: &str) -> f64 {
-    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
-    text.lines().find(|l| l.starts_with(prefix)).map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap())
+    metric_value(&server.metrics_text(), prefix).unwrap_or(0.0)
 }
 
 /// A request whose client deadline passes while it waits for the model is dropped before

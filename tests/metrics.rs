@@ -113,17 +113,8 @@ fn prometheus_counts_every_request_across_a_worker_sigkill() {
     send(&server, 80, 3);
 
     // The text the supervisor serves, straight.
-    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
-    let line = |prefix: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no {prefix} in:\n{text}"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let text = server.metrics_text();
+    let line = |prefix: &str| metric_value(&text, prefix).unwrap_or_else(|| panic!("no {prefix} in:\n{text}"));
     assert_eq!(line("inferd_requests_total{model=\"typed\",endpoint=\"infer\",code=\"200\"}"), 200.0);
     assert_eq!(line("inferd_requests_total{model=\"typed\",endpoint=\"infer\",code=\"400\"}"), 10.0);
     assert_eq!(line("inferd_worker_restarts_total{reason=\"signal\"}"), 1.0);

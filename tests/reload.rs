@@ -368,11 +368,8 @@ fn max_requests_recycles_workers_without_a_failed_request() {
     std::thread::sleep(Duration::from_secs(3));
     let (ok, failed, _) = load.finish();
     let after = server.wait_ready(Duration::from_secs(10));
-    let text = String::from_utf8(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap();
-    let recycled: f64 = text
-        .lines()
-        .find(|l| l.starts_with("inferd_worker_recycles_total{reason=\"max_requests\"}"))
-        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap());
+    let recycled =
+        metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}").unwrap_or(0.0);
     eprintln!("{ok} requests, {} failed, {recycled} recycles", failed.len());
     assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
     // A worker past its limit keeps serving until its replacement is ready, one replacement at

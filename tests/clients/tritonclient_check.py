@@ -89,6 +89,11 @@ def compare(result, name, datatype, want):
     require(out.get("datatype") == datatype, f"{name}: datatype {out.get('datatype')!r}, expected {datatype!r}")
     require(list(out.get("shape", [])) == list(want.shape), f"{name}: shape {out.get('shape')}, expected {list(want.shape)}")
     require("data" in out, f"{name}: no JSON 'data' (binary_data=False was asked for): {out}")
+    compare_values(result, name, want)
+
+
+def compare_values(result, name, want):
+    """The decoded output equals `want`: exactly, or within 1e-6 relative for floats."""
     got = result.as_numpy(name)
     require(got.dtype == want.dtype, f"{name}: numpy dtype {got.dtype}, expected {want.dtype}")
     if np.issubdtype(want.dtype, np.floating):
@@ -185,13 +190,7 @@ def compare_binary(result, name, datatype, want):
     require(size == want.nbytes, f"{name}: binary_data_size {size!r}, expected {want.nbytes} ({want.dtype} x {want.size})")
     require(out.get("datatype") == datatype, f"{name}: datatype {out.get('datatype')!r}, expected {datatype!r}")
     require(list(out.get("shape", [])) == list(want.shape), f"{name}: shape {out.get('shape')}, expected {list(want.shape)}")
-    got = result.as_numpy(name)
-    require(got.dtype == want.dtype, f"{name}: numpy dtype {got.dtype}, expected {want.dtype}")
-    if np.issubdtype(want.dtype, np.floating):
-        ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-6, atol=0)
-    else:
-        ok = np.array_equal(got, want)
-    require(ok, f"{name}: got {got.tolist()}, expected {want.tolist()}")
+    compare_values(result, name, want)
 
 
 def check_binary_typed(client):

@@ -152,6 +152,11 @@ impl Server {
         line.split('"').nth(1).unwrap().parse().unwrap()
     }
 
+    /// The supervisor's Prometheus text from its admin listener.
+    pub fn metrics_text(&self) -> String {
+        String::from_utf8(request(self.admin_addr(), "GET", "/metrics", &[], b"").unwrap().body).unwrap()
+    }
+
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
@@ -309,6 +314,11 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
 /// The JSON body of a v2 infer request.
 pub fn infer_body(inputs: serde_json::Value) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap()
+}
+
+/// The value of the first metrics line starting with `prefix` (name and labels).
+pub fn metric_value(text: &str, prefix: &str) -> Option<f64> {
+    text.lines().find(|l| l.starts_with(prefix)).map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
 }
 
 /// A valid v2 request for the `typed` test model, one row of each datatype.
