@@ -178,6 +178,12 @@ pub struct RuntimeConfig {
     pub ort_library: Option<PathBuf>,
 }
 
+impl ServerConfig {
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen.parse().expect("validated in Config::validate")
+    }
+}
+
 /// Command-line values that take precedence over the file.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
@@ -298,7 +304,7 @@ impl Config {
     }
 
     pub fn listen_addr(&self) -> SocketAddr {
-        self.server.listen.parse().expect("validated in Config::validate")
+        self.server.listen_addr()
     }
 
     /// Resolves a path from the file against the file's directory.

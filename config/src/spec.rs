@@ -5,11 +5,11 @@
 //! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and, once ready,
 //! a heartbeat every second. End-of-file on fd 3 tells the worker the supervisor is gone.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::file::ServerConfig;
 use crate::model::ModelEntry;
 
 /// File descriptor of the worker's end of the socketpair.
@@ -27,7 +27,6 @@ pub struct WorkerSpec {
     pub index: usize,
     /// Incremented for every worker started; tells replacements apart in logs and status.
     pub generation: u64,
-    pub listen: SocketAddr,
     /// ORT intra-op threads (the worker's share of the cores).
     pub threads: usize,
     /// CPUs the worker is pinned to (empty = not pinned).
@@ -35,36 +34,8 @@ pub struct WorkerSpec {
     pub ort_library: PathBuf,
     /// The default model first.
     pub models: Vec<ModelEntry>,
-    pub max_body_bytes: u64,
-    pub max_batch_inputs: usize,
-    pub limits: Limits,
-    pub graceful_timeout_secs: f64,
-}
-
-/// What a worker refuses to let a client do (server.* keys of the same names).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Limits {
-    pub max_queue: usize,
-    pub max_connections: usize,
-    pub header_timeout_secs: f64,
-    pub body_timeout_secs: f64,
-    pub max_header_bytes: usize,
-    pub max_headers: usize,
-    pub max_body_bytes_in_flight: u64,
-}
-
-impl Limits {
-    pub fn of(server: &crate::file::ServerConfig) -> Limits {
-        Limits {
-            max_queue: server.max_queue,
-            max_connections: server.max_connections,
-            header_timeout_secs: server.header_timeout_secs,
-            body_timeout_secs: server.body_timeout_secs,
-            max_header_bytes: server.max_header_bytes,
-            max_headers: server.max_headers,
-            max_body_bytes_in_flight: server.max_body_bytes_in_flight,
-        }
-    }
+    /// The [server] settings (limits and timeouts) the worker applies.
+    pub server: ServerConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

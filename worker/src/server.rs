@@ -141,8 +141,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>, std::net:
         model.warm_up().map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?;
         info!(model = model.name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
-    let listener = bind_reuseport(spec.listen)
-        .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.listen)))?;
+    let listener = bind_reuseport(spec.server.listen_addr())
+        .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
     Ok((models, listener))
 }
 
@@ -168,7 +168,7 @@ fn serve(
 ) -> i32 {
     let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
-    let engine = match Engine::start(models, stats.clone(), spec.limits.max_queue) {
+    let engine = match Engine::start(models, stats.clone(), spec.server.max_queue) {
         Ok(engine) => engine,
         Err(e) => {
             error!("cannot start the model thread: {e}");
@@ -179,11 +179,11 @@ fn serve(
         worker: spec.index,
         models: metas,
         engine,
-        max_body_bytes: spec.max_body_bytes,
-        max_batch_inputs: spec.max_batch_inputs,
-        body_timeout: Duration::from_secs_f64(spec.limits.body_timeout_secs),
-        body_budget: Arc::new(tokio::sync::Semaphore::new(spec.limits.max_body_bytes_in_flight as usize)),
-        body_budget_total: spec.limits.max_body_bytes_in_flight,
+        max_body_bytes: spec.server.max_body_bytes,
+        max_batch_inputs: spec.server.max_batch_inputs,
+        body_timeout: Duration::from_secs_f64(spec.server.body_timeout_secs),
+        body_budget: Arc::new(tokio::sync::Semaphore::new(spec.server.max_body_bytes_in_flight as usize)),
+        body_budget_total: spec.server.max_body_bytes_in_flight,
         ready: false.into(),
         stats,
     });
@@ -210,7 +210,7 @@ fn serve(
         };
         state.ready.store(true, Ordering::Relaxed);
         reporter.send(&WorkerMessage::Ready { models: infos });
-        info!(listen = %spec.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");
+        info!(listen = %spec.server.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");
 
         let heartbeats = {
             let (state, reporter) = (state.clone(), reporter.clone());
@@ -227,13 +227,13 @@ fn serve(
         let graceful = GracefulShutdown::new();
         // One permit per open connection: at server.max_connections the worker stops
         // accepting (new connections wait in the kernel's queue, or go to a sibling).
-        let connections = Arc::new(tokio::sync::Semaphore::new(spec.limits.max_connections));
+        let connections = Arc::new(tokio::sync::Semaphore::new(spec.server.max_connections));
         let fresh = Arc::new(Fresh::default());
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(Duration::from_secs_f64(spec.limits.header_timeout_secs))
-            .max_buf_size(spec.limits.max_header_bytes)
-            .max_headers(spec.limits.max_headers);
+            .header_read_timeout(Duration::from_secs_f64(spec.server.header_timeout_secs))
+            .max_buf_size(spec.server.max_header_bytes)
+            .max_headers(spec.server.max_headers);
         loop {
             let permit = tokio::select! {
                 permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
@@ -278,12 +278,12 @@ fn serve(
         info!("draining");
         // Connections accepted just before the listener closed get their first request read
         // before the shutdown (bounded by the header timeout, which closes silent ones anyway).
-        let header_timeout = Duration::from_secs_f64(spec.limits.header_timeout_secs);
+        let header_timeout = Duration::from_secs_f64(spec.server.header_timeout_secs);
         let waiting_since = std::time::Instant::now();
         while fresh.0.load(Ordering::Relaxed) > 0 && waiting_since.elapsed() < header_timeout {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let grace = Duration::from_secs_f64(spec.graceful_timeout_secs);
+        let grace = Duration::from_secs_f64(spec.server.graceful_timeout_secs);
         tokio::select! {
             _ = graceful.shutdown() => info!("drained; exiting"),
             _ = tokio::time::sleep(grace) => warn!("grace timeout of {grace:?} reached; exiting with requests in flight"),

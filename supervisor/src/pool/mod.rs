@@ -589,15 +589,11 @@ impl Supervisor {
         let spec = WorkerSpec {
             index,
             generation,
-            listen: config.listen_addr(),
             threads: placement.threads,
             cpus: placement.cpus.clone(),
             ort_library: self.resolved.ort.path.clone(),
             models,
-            max_body_bytes: config.server.max_body_bytes,
-            max_batch_inputs: config.server.max_batch_inputs,
-            limits: inferd_config::spec::Limits::of(&config.server),
-            graceful_timeout_secs: config.server.graceful_timeout_secs,
+            server: config.server.clone(),
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {

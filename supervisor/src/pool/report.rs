@@ -6,6 +6,7 @@ use super::*;
 impl Supervisor {
     pub(super) fn status(&self) -> PoolStatus {
         let plan = &self.resolved.plan;
+        let totals = self.totals();
         let mut workers = Vec::new();
         for (index, slot) in self.slots.iter().enumerate() {
             let row = |w: Option<&Worker>| {
@@ -49,8 +50,8 @@ impl Supervisor {
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
             threads_per_worker: plan.threads_per_worker,
-            requests_total: self.totals().requests_total(),
-            latency_last_minute: self.latency_last_minute(),
+            requests_total: totals.requests_total(),
+            latency_last_minute: self.latency_last_minute(&totals),
             memory: {
                 let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
                 format!(
@@ -78,8 +79,8 @@ impl Supervisor {
     /// p50 and p99 of request latency over about the last minute, as the upper bound of the
     /// histogram bucket each falls in (milliseconds; None: no requests, or beyond the last
     /// bucket).
-    pub(super) fn latency_last_minute(&self) -> Option<(f64, Option<f64>, Option<f64>)> {
-        let now = self.totals().request_latency_buckets();
+    pub(super) fn latency_last_minute(&self, totals: &Snapshot) -> Option<(f64, Option<f64>, Option<f64>)> {
+        let now = totals.request_latency_buckets();
         let (start, old) =
             self.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
         let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a - b).collect();
