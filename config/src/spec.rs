@@ -2,8 +2,9 @@
 //!
 //! The supervisor starts each worker as `inferd worker` (a fresh exec of its own binary, never
 //! a bare fork) with one end of a Unix socketpair as fd 3. It writes one JSON line, the
-//! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and, once ready,
-//! a heartbeat every second. End-of-file on fd 3 tells the worker the supervisor is gone.
+//! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and drains.
+//! Counts and the model thread's liveness go through shared memory instead (`stats`), and
+//! PR_SET_PDEATHSIG tells the worker when the supervisor is gone.
 
 use std::path::PathBuf;
 
@@ -69,8 +70,6 @@ pub enum WorkerMessage {
     Warming,
     /// Warm-up done and the listener is bound: the worker takes traffic from now on.
     Ready { models: Vec<ModelInfo> },
-    /// Sent every second while serving.
-    Heartbeat { requests: u64, in_flight: u64 },
     /// The worker stopped accepting and is finishing its in-flight requests.
     Draining,
     /// Sent just before exiting with [`EXIT_MODEL_LOAD`] or [`EXIT_BOOT`].
@@ -83,9 +82,9 @@ mod tests {
 
     #[test]
     fn messages_are_one_json_object_each() {
-        let m = WorkerMessage::Heartbeat { requests: 3, in_flight: 1 };
+        let m = WorkerMessage::Failed { kind: FailureKind::ModelLoad, error: "bad".into() };
         let line = serde_json::to_string(&m).unwrap();
-        assert_eq!(line, r#"{"event":"heartbeat","requests":3,"in_flight":1}"#);
+        assert_eq!(line, r#"{"event":"failed","kind":"model_load","error":"bad"}"#);
         assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), m);
     }
 }

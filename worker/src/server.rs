@@ -212,17 +212,6 @@ fn serve(
         reporter.send(&WorkerMessage::Ready { models: infos });
         info!(listen = %spec.server.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");
 
-        let heartbeats = {
-            let (state, reporter) = (state.clone(), reporter.clone());
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs(1));
-                loop {
-                    tick.tick().await;
-                    reporter.send(&heartbeat(&state));
-                }
-            })
-        };
-
         // Tracks every open connection so that draining can wait for them.
         let graceful = GracefulShutdown::new();
         // One permit per open connection: at server.max_connections the worker stops
@@ -288,13 +277,6 @@ fn serve(
             _ = graceful.shutdown() => info!("drained; exiting"),
             _ = tokio::time::sleep(grace) => warn!("grace timeout of {grace:?} reached; exiting with requests in flight"),
         }
-        heartbeats.abort();
-        reporter.send(&heartbeat(&state));
         0
     })
-}
-
-fn heartbeat(state: &AppState) -> WorkerMessage {
-    let counts = state.stats.snapshot();
-    WorkerMessage::Heartbeat { requests: counts.requests_total(), in_flight: counts.in_flight() }
 }

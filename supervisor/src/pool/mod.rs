@@ -350,8 +350,6 @@ impl Supervisor {
                 }
                 self.update_phase();
             }
-            // Counts are read from the shared counters; the heartbeat says the worker lives.
-            WorkerMessage::Heartbeat { .. } => {}
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
                 self.update_phase();
