@@ -62,7 +62,7 @@ struct ServeArgs {
     /// Number of worker processes; 0 = fill the CPU budget (server.workers).
     #[arg(long)]
     workers: Option<usize>,
-    /// ORT intra-op threads per worker; 0 = usable cores / workers (server.threads).
+    /// ORT intra-op threads per worker; 0 = derive from the CPU budget (server.threads).
     #[arg(long)]
     threads: Option<usize>,
     /// Control socket used by `inferd status` (server.control_socket).
@@ -198,7 +198,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
-    inferd_worker::model::init_runtime(&resolved.ort.path, 1)?;
+    inferd_worker::model::init_runtime(&resolved.ort.path, 1, false)?;
     for entry in &resolved.models {
         let model =
             inferd_worker::model::Model::load(entry).with_context(|| format!("checking model '{}'", entry.name))?;

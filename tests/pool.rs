@@ -41,8 +41,8 @@ fn status_lists_k_ready_workers_pinned_to_disjoint_cpus_within_the_budget() {
         let threads = w["threads"].as_u64().unwrap() as usize;
         assert_eq!(threads, status["threads_per_worker"].as_u64().unwrap() as usize);
         assert_eq!(threads, usable / k, "each worker's intra-op threads are its share of the cores");
-        // Documented in worker/src/lib.rs: T intra-op threads -> T + 1 OS threads.
-        assert_eq!(w["os_threads"].as_u64(), Some(threads as u64 + 1), "{w}");
+        // Documented in worker/src/lib.rs: T intra-op threads -> 2T + 1 OS threads.
+        assert_eq!(w["os_threads"].as_u64(), Some(2 * threads as u64 + 1), "{w}");
         assert!(w["rss_bytes"].as_u64().unwrap() > 1 << 20);
         assert_eq!(w["models"][0]["name"], "typed");
         total_threads += threads;

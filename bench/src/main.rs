@@ -55,9 +55,18 @@ enum Command {
         model: PathBuf,
         #[arg(long)]
         ort_library: PathBuf,
-        /// Threads, each with its own session (1 intra-op thread each).
+        /// Threads, each with its own session.
         #[arg(long, default_value_t = 1)]
         parallel: usize,
+        /// ORT intra-op threads, in one pool the sessions share (as in an inferd worker).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Texts per run (one ORT call on the padded batch).
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Let ORT's pool threads spin between parallel sections (server.intra_op_spinning).
+        #[arg(long)]
+        spin: bool,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
         #[arg(long)]
@@ -70,8 +79,9 @@ fn main() -> anyhow::Result<()> {
         Command::Http { addr, path, concurrency, seconds, texts, warmup } => {
             http(&addr, &path, concurrency, seconds, &read_texts(&texts)?, warmup)
         }
-        Command::Ort { model, ort_library, parallel, seconds, texts } => {
-            ort(&model, &ort_library, parallel, seconds, &read_texts(&texts)?)
+        Command::Ort { model, ort_library, parallel, threads, batch, spin, seconds, texts } => {
+            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin };
+            ort(&model, &ort_library, setup, seconds, &read_texts(&texts)?)
         }
     }
 }
@@ -151,22 +161,31 @@ fn http(
         &format!("http {path} c={concurrency}"),
         samples.iter().map(|s| s.latency).collect(),
         elapsed,
+        1,
         errors,
         prepare_share,
     );
     Ok(())
 }
 
-fn ort(model: &Path, library: &Path, parallel: usize, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
+struct OrtSetup {
+    parallel: usize,
+    threads: usize,
+    batch: usize,
+    spin: bool,
+}
+
+fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
+    let OrtSetup { parallel, threads, batch, spin } = setup;
     let folder = std::path::absolute(model)?;
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
     std::env::set_var("TOKENIZERS_PARALLELISM", "false");
-    init_runtime(library, 1)?;
+    init_runtime(library, threads, spin)?;
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
     let start = Arc::new(std::sync::Barrier::new(parallel + 1));
-    let threads: Vec<_> = (0..parallel)
+    let sessions: Vec<_> = (0..parallel)
         .map(|p| {
             let (entry, stop, texts, start) = (entry.clone(), stop.clone(), texts.to_vec(), start.clone());
             std::thread::spawn(move || -> anyhow::Result<Vec<Duration>> {
@@ -188,7 +207,9 @@ fn ort(model: &Path, library: &Path, parallel: usize, seconds: f64, texts: &[Str
                     bail!("ort mode needs an embedding model")
                 };
                 let mut run = |i: usize| -> anyhow::Result<()> {
-                    let encoded = text.encode(&[Text::Single(texts[i % texts.len()].clone())], false)?;
+                    let rows: Vec<Text> =
+                        (0..batch).map(|b| Text::Single(texts[(i * batch + b) % texts.len()].clone())).collect();
+                    let encoded = text.encode(&rows, false)?;
                     let outputs = model.run(encoded.inputs)?;
                     embeddings(&outputs[output], &encoded.lengths, pooling, normalize)?;
                     Ok(())
@@ -214,14 +235,24 @@ fn ort(model: &Path, library: &Path, parallel: usize, seconds: f64, texts: &[Str
     stop.store(true, Ordering::Relaxed);
     let elapsed = started.elapsed().as_secs_f64();
     let mut all = Vec::new();
-    for t in threads {
+    for t in sessions {
         all.extend(t.join().expect("ort thread")?);
     }
-    report(&format!("ort tokenize+run+pool parallel={parallel}"), all, elapsed, 0, None);
+    let label = format!("ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin}");
+    report(&label, all, elapsed, batch, 0, None);
     Ok(())
 }
 
-fn report(label: &str, mut latencies: Vec<Duration>, seconds: f64, errors: usize, prepare_share: Option<f64>) {
+/// Prints one line for people and one JSON line for scripts. `rows`: sequences per sample, so
+/// throughput is in sequences per second.
+fn report(
+    label: &str,
+    mut latencies: Vec<Duration>,
+    seconds: f64,
+    rows: usize,
+    errors: usize,
+    prepare_share: Option<f64>,
+) {
     latencies.sort();
     let pct = |p: f64| -> f64 {
         if latencies.is_empty() {
@@ -230,9 +261,9 @@ fn report(label: &str, mut latencies: Vec<Duration>, seconds: f64, errors: usize
         let i = ((latencies.len() as f64 - 1.0) * p).round() as usize;
         latencies[i].as_secs_f64() * 1e3
     };
-    let throughput = latencies.len() as f64 / seconds;
+    let throughput = (latencies.len() * rows) as f64 / seconds;
     println!(
-        "{label}: {:.1} req/s, p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, {} requests, {errors} errors{}",
+        "{label}: {:.1} seq/s, p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, {} requests, {errors} errors{}",
         throughput,
         pct(0.5),
         pct(0.95),

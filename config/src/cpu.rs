@@ -95,7 +95,15 @@ pub fn plan(
 ) -> Result<Plan, PlanError> {
     let usable = budget.usable;
     let (workers, threads) = match (workers, threads) {
-        (0, 0) => (usable, 1),
+        (0, 0) => {
+            // Workers of two threads each. A worker runs a lone request on both threads (~0.6x
+            // the single-thread time for MiniLM) and, under load, a batch per thread side by side
+            // (no thread synchronisation); more threads per run gain little for the small
+            // models served on CPUs (docs/tuning.md has the figures), and more workers keep
+            // a crash from taking a whole host's capacity. One core: one worker, one thread.
+            let workers = (usable / 2).max(1);
+            (workers, (usable / workers).max(1))
+        }
         (0, t) => ((usable / t).max(1), t),
         (k, 0) => (k, (usable / k).max(1)),
         (k, t) => (k, t),
@@ -248,8 +256,13 @@ mod tests {
     #[test]
     fn auto_plan_uses_every_core_once() {
         let p = plan(&budget(4, None), 0, 0, false, true).unwrap();
-        assert_eq!(p.workers.len(), 4);
+        assert_eq!((p.workers.len(), p.threads_per_worker), (2, 2));
         assert_eq!(p.total_threads(), 4);
+        assert_eq!(p.workers[1].cpus, vec![2, 3]);
+        for (cores, workers, threads) in [(1, 1, 1), (2, 1, 2), (3, 1, 3), (5, 2, 2), (16, 8, 2)] {
+            let p = plan(&budget(cores, None), 0, 0, false, true).unwrap();
+            assert_eq!((p.workers.len(), p.threads_per_worker), (workers, threads), "{cores} cores");
+        }
         let p = plan(&budget(8, None), 2, 0, false, true).unwrap();
         assert_eq!(p.threads_per_worker, 4);
         assert_eq!(p.workers[1].cpus, vec![4, 5, 6, 7]);

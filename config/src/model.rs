@@ -18,6 +18,10 @@
 //! labels = ["negative", "positive"]
 //! activation = "softmax" # "softmax" | "sigmoid"
 //! [image]                # image models: see [`ImageConfig`]
+//! [batching]             # see [`Batching`]; defaults shown
+//! max_batch_size = 32    # rows in one ORT run; 1 switches batching off
+//! max_batch_tokens = 8192 # text: rows x padded length in one run
+//! max_queue_delay_ms = 0 # how long a request may wait for company; 0 = only what already waits
 //! ```
 //!
 //! What can be checked without the model is checked here; whether the pipeline fits the
@@ -43,6 +47,8 @@ struct ModelFile {
     task: Task,
     #[serde(default)]
     warmup: Warmup,
+    #[serde(default)]
+    batching: Batching,
     tokenizer: Option<TokenizerFile>,
     embedding: Option<EmbeddingConfig>,
     classification: Option<ClassificationConfig>,
@@ -67,6 +73,47 @@ pub struct Warmup {
 impl Default for Warmup {
     fn default() -> Self {
         Warmup { batch_sizes: vec![1, 4], dynamic_dim: 16 }
+    }
+}
+
+/// Dynamic batching in the worker's model thread: requests for the same model that wait in the
+/// queue run as one ONNX Runtime call. Only models whose inputs and outputs all have a dynamic
+/// first (batch) dimension are batched.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Batching {
+    /// Most rows in one run; 1 = every request runs alone.
+    pub max_batch_size: usize,
+    /// Text models: most rows x padded sequence length in one run, so one long text does not
+    /// inflate a batch of short ones.
+    pub max_batch_tokens: usize,
+    /// How long the oldest waiting request may be held back for more to arrive. 0 = batch only
+    /// what is already waiting, so an idle server adds no latency.
+    pub max_queue_delay_ms: u64,
+}
+
+/// The longest `max_queue_delay_ms` accepted: batching is for milliseconds, not seconds.
+pub const MAX_QUEUE_DELAY_MS: u64 = 1000;
+
+impl Default for Batching {
+    fn default() -> Self {
+        Batching { max_batch_size: 32, max_batch_tokens: 8192, max_queue_delay_ms: 0 }
+    }
+}
+
+impl Batching {
+    fn check(&self) -> Result<(), String> {
+        if self.max_batch_size == 0 || self.max_batch_tokens == 0 {
+            return Err("batching.max_batch_size and batching.max_batch_tokens must be at least 1".into());
+        }
+        if self.max_queue_delay_ms > MAX_QUEUE_DELAY_MS {
+            return Err(format!(
+                "batching.max_queue_delay_ms = {} is more than {MAX_QUEUE_DELAY_MS}; a request should wait \
+                 milliseconds for company, not seconds",
+                self.max_queue_delay_ms
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -215,6 +262,7 @@ pub struct ModelEntry {
     /// Absolute path of the ONNX file.
     pub path: PathBuf,
     pub warmup: Warmup,
+    pub batching: Batching,
     pub task: Task,
     pub tokenizer: Option<TokenizerConfig>,
     pub embedding: Option<EmbeddingConfig>,
@@ -261,6 +309,7 @@ impl ModelEntry {
         if file.warmup.batch_sizes.is_empty() || file.warmup.batch_sizes.contains(&0) || file.warmup.dynamic_dim == 0 {
             return Err(err(format!("{}: warmup sizes must be at least 1", config_path.display())));
         }
+        file.batching.check().map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         let path = std::path::absolute(dir.join(&file.file)).unwrap_or_else(|_| dir.join(&file.file));
         if !path.is_file() {
             return Err(err(format!(
@@ -287,6 +336,7 @@ impl ModelEntry {
             version: file.version,
             path,
             warmup: file.warmup,
+            batching: file.batching,
             task: file.task,
             tokenizer,
             embedding: file.embedding,
@@ -398,6 +448,8 @@ mod tests {
                 "non-zero",
             ),
             ("task = \"sorting\"\n", "unknown variant"),
+            ("[batching]\nmax_batch_size = 0\n", "must be at least 1"),
+            ("[batching]\nmax_queue_delay_ms = 5000\n", "milliseconds"),
         ];
         for (i, (extra, message)) in cases.iter().enumerate() {
             let name = format!("p{i}");

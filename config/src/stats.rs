@@ -175,9 +175,10 @@ impl Shared {
         self.counter(BEAT_AT).store(monotonic_nanos(), Ordering::Relaxed);
     }
 
-    /// The model thread starts (`true`) or ends (`false`) a run.
-    pub fn busy(&self, running: bool) {
-        self.counter(BUSY_SINCE_AT).store(if running { monotonic_nanos() } else { 0 }, Ordering::Relaxed);
+    /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
+    /// when no run is in progress.
+    pub fn busy_since(&self, started: Option<u64>) {
+        self.counter(BUSY_SINCE_AT).store(started.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// (seconds the current run has taken, if one runs; seconds since the last beat, if any).
@@ -289,9 +290,9 @@ mod tests {
         assert!((h.sum - 0.003).abs() < 1e-6);
         assert_eq!(s.batch(2).buckets[2], 1, "3 falls in the 4 bucket");
         assert_eq!(s.in_flight(), 1);
-        a.busy(true);
+        a.busy_since(Some(monotonic_nanos()));
         assert!(b.model_thread().0.is_some());
-        a.busy(false);
+        a.busy_since(None);
         a.beat();
         let (busy, beat) = b.model_thread();
         assert!(busy.is_none() && beat.unwrap() < 1.0);

@@ -45,7 +45,7 @@ pub struct WorkerStatus {
     pub cpus: Vec<usize>,
     /// ORT intra-op threads (the worker's share of the cores).
     pub threads: usize,
-    /// Threads of the process as the kernel counts them (documented: threads + 1).
+    /// Threads of the process as the kernel counts them (documented: 2 x threads + 1).
     pub os_threads: Option<u64>,
     pub rss_bytes: Option<u64>,
     /// Inference requests answered by the current process.
@@ -59,6 +59,17 @@ pub struct WorkerStatus {
     pub models: Vec<ModelInfo>,
     /// How the previous worker of this slot ended, if one did.
     pub last_exit: Option<String>,
+}
+
+/// How one model's requests were batched since start: ORT runs by rows per run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BatchSizes {
+    pub model: String,
+    /// ORT runs and the rows they carried.
+    pub runs: u64,
+    pub rows: u64,
+    /// (upper bound of rows, runs) per histogram bucket; `None` = above the last bound.
+    pub histogram: Vec<(Option<u64>, u64)>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -84,6 +95,8 @@ pub struct PoolStatus {
     pub memory: String,
     pub reloads_succeeded: u64,
     pub reloads_failed: u64,
+    /// Per model, how requests were batched (dynamic batching in each worker's model thread).
+    pub batches: Vec<BatchSizes>,
     pub workers: Vec<WorkerStatus>,
 }
 
@@ -124,6 +137,22 @@ impl PoolStatus {
                 ms(p99)
             ))
         );
+        for b in self.batches.iter().filter(|b| b.runs > 0) {
+            let buckets: Vec<String> = b
+                .histogram
+                .iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(bound, n)| format!("{}: {n}", bound.map_or("more".into(), |v| format!("<={v}"))))
+                .collect();
+            let _ = writeln!(
+                out,
+                "batches of {}: {} runs, {:.1} rows per run ({})",
+                b.model,
+                b.runs,
+                b.rows as f64 / b.runs as f64,
+                buckets.join(", ")
+            );
+        }
         let _ = writeln!(
             out,
             "generation {}; reloads: {} succeeded, {} failed{}\n",
@@ -230,6 +259,12 @@ mod tests {
             generation: 1,
             reload: None,
             reloads_succeeded: 0,
+            batches: vec![BatchSizes {
+                model: "m".into(),
+                runs: 4,
+                rows: 10,
+                histogram: vec![(Some(1), 1), (None, 3)],
+            }],
             reloads_failed: 0,
             listen: "127.0.0.1:8000".into(),
             uptime_secs: 3.0,

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use inferd_config::stats::{Latency, Shared, MAX_MODELS};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, Join};
 use crate::model::{ModelError, ModelMeta, Tensor};
 use crate::pipeline::{Head, Pipeline, Text};
 use crate::protocol::{self, Parsed};
@@ -385,7 +385,7 @@ async fn infer(
     let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
     let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.infer(index, inputs, deadline).await?;
+    let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
     Ok(infer_reply(meta, id, outputs, &selection))
 }
 

@@ -5,14 +5,15 @@
 //! - [`server`]: boot sequence, listener, accept loop, graceful drain, reports to the supervisor;
 //! - [`http`]: routing and the one error-to-status mapping;
 //! - [`protocol`]: v2 JSON request validation and response bodies;
-//! - [`engine`]: the model thread that owns the sessions;
+//! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`tensor`]: datatypes and their conversions.
 //!
-//! Threads of a worker with T intra-op threads: T+1 (measured with ORT 1.31.1: 2 for T=1,
-//! 3 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
-//! `inferd-model` thread that runs the sessions and is the T-th member of ORT's intra-op pool,
-//! and T-1 ORT pool threads. (ORT's telemetry thread, one more, is switched off.)
+//! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
+//! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
+//! `inferd-batch` dispatcher that forms batches, T `inferd-lane-N` threads that run them (lane
+//! 0 also runs the wide sessions, as the T-th member of ORT's intra-op pool), and T-1 ORT pool
+//! threads. At most T of them compute at once. (ORT's telemetry thread is switched off.)
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

@@ -17,9 +17,9 @@ use inferd_config::stats::{Shared, WORKER_STATS_FD};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, Sessions};
 use crate::http::{handle, AppState};
-use crate::model::{init_runtime, Model};
+use crate::model::{init_runtime, Model, ModelError, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
 /// told to shut down before reading its request, hyper would close such a connection
@@ -120,7 +120,7 @@ fn read_spec(stream: &UnixStream) -> Result<WorkerSpec, String> {
 }
 
 /// Pins the process, loads the runtime and the models, warms them up and binds the port.
-fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>, std::net::TcpListener), Failure> {
+fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::net::TcpListener), Failure> {
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
         let mut set = nix::sched::CpuSet::new();
@@ -130,16 +130,31 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>, std::net:
         nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
-    init_runtime(&spec.ort_library, spec.threads).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    init_runtime(&spec.ort_library, spec.threads, spec.server.intra_op_spinning)
+        .map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    // Per model: one narrow session per thread (the lanes that run side by side under load)
+    // and, with more than one thread, a wide one on the whole pool (a request that has the
+    // worker to itself).
+    let load_error = |e: ModelError| failure(FailureKind::ModelLoad)(e.to_string());
     let mut models = Vec::with_capacity(spec.models.len());
     for entry in &spec.models {
-        models.push(Model::load(entry).map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?);
+        let narrow = (0..spec.threads.max(1))
+            .map(|_| Model::load_with(entry, Threads::Caller))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(load_error)?;
+        let wide = match spec.threads > 1 {
+            true => Some(Model::load_with(entry, Threads::Pool).map_err(load_error)?),
+            false => None,
+        };
+        models.push(Sessions { narrow, wide });
     }
     reporter.send(&WorkerMessage::Warming);
-    for model in &mut models {
+    for set in &mut models {
         let started = std::time::Instant::now();
-        model.warm_up().map_err(|e| failure(FailureKind::ModelLoad)(e.to_string()))?;
-        info!(model = model.name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+        for model in set.narrow.iter_mut().chain(set.wide.as_mut()) {
+            model.warm_up().map_err(load_error)?;
+        }
+        info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     let listener = bind_reuseport(spec.server.listen_addr())
         .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
@@ -161,12 +176,12 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 
 fn serve(
     spec: WorkerSpec,
-    models: Vec<Model>,
+    models: Vec<Sessions>,
     listener: std::net::TcpListener,
     reporter: Arc<Reporter>,
     stats: Arc<Shared>,
 ) -> i32 {
-    let metas = models.iter().map(|m| m.meta.clone()).collect::<Vec<_>>();
+    let metas = models.iter().map(|m| m.narrow[0].meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let engine = match Engine::start(models, stats.clone(), spec.server.max_queue) {
         Ok(engine) => engine,

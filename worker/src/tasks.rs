@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use hyper::header::HeaderValue;
 use hyper::Response;
 
+use crate::engine::Join;
 use crate::http::{ApiError, AppState};
 use crate::model::ModelMeta;
 use crate::pipeline::{embeddings, scores, Head, Pipeline, PipelineError, Text};
@@ -77,11 +78,11 @@ pub async fn run(
     }
     let model = &meta.info.name;
     let started = Instant::now();
-    let (tensors, lengths, truncated) = match (&*meta.pipeline, input) {
+    let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
             // On the I/O thread: tokenising a request takes well under a millisecond.
             let encoded = p.encode(&texts, options.truncate)?;
-            (encoded.inputs, encoded.lengths, encoded.truncated)
+            (encoded.inputs, encoded.lengths, encoded.truncated, Join::PadSequence)
         }
         (Pipeline::Image(_), PipelineInput::Images(images)) => {
             // Decoding can take tens of milliseconds: off the I/O thread, onto the runtime's
@@ -93,7 +94,7 @@ pub async fn run(
             })
             .await
             .map_err(|e| ApiError::Internal(format!("image decoding failed: {e}")))??;
-            (tensors, Vec::new(), Vec::new())
+            (tensors, Vec::new(), Vec::new(), Join::Exact)
         }
         (Pipeline::Raw, _) => {
             return Err(ApiError::BadRequest(format!(
@@ -108,7 +109,7 @@ pub async fn run(
         }
     };
     let prepare = started.elapsed();
-    let outputs = state.engine.infer(index, tensors, options.deadline).await?;
+    let outputs = state.engine.infer(index, tensors, join, options.deadline).await?;
     let model_time = started.elapsed() - prepare;
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];

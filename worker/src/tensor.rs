@@ -119,6 +119,38 @@ macro_rules! define_types {
                 self.len() == 0
             }
 
+            /// Appends `rows` rows of `src`, each `from` elements long, each padded with zeros
+            /// (false, empty strings) to `to` elements: how a batch is assembled from requests
+            /// whose rows differ in length. `false` when the element types differ.
+            pub fn extend_rows(&mut self, src: &TensorData, rows: usize, from: usize, to: usize) -> bool {
+                debug_assert!(to >= from && src.len() >= rows * from);
+                match (self, src) {
+                    $((TensorData::$variant(d), TensorData::$variant(s)) => {
+                        d.reserve(rows * to);
+                        for row in s.chunks_exact(from.max(1)).take(rows) {
+                            d.extend_from_slice(row);
+                            d.resize(d.len() + to - from, <$rust>::default());
+                        }
+                    })*
+                    (TensorData::Bytes(d), TensorData::Bytes(s)) => {
+                        for row in s.chunks_exact(from.max(1)).take(rows) {
+                            d.extend_from_slice(row);
+                            d.resize(d.len() + to - from, Vec::new());
+                        }
+                    }
+                    _ => return false,
+                }
+                true
+            }
+
+            /// Elements `range` (a run of whole rows when splitting a batch's output).
+            pub fn slice(&self, range: std::ops::Range<usize>) -> TensorData {
+                match self {
+                    $(TensorData::$variant(v) => TensorData::$variant(v[range].to_vec()),)*
+                    TensorData::Bytes(v) => TensorData::Bytes(v[range].to_vec()),
+                }
+            }
+
             /// The binary tensor extension's encoding of this data (see [`DataType::parse_binary`]).
             pub fn to_binary(&self) -> Vec<u8> {
                 let mut out = Vec::new();

@@ -27,7 +27,7 @@ use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
 };
-use inferd_config::stats::{Shared, Snapshot, LATENCY_BUCKETS, WORKER_STATS_FD};
+use inferd_config::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use inferd_config::Resolved;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -37,7 +37,7 @@ use tracing::{error, info, warn};
 
 use crate::control::{self, ControlError, Replies, Request, Response};
 use crate::metrics::{self, PoolMetrics};
-use crate::status::{Phase, PoolStatus, WorkerState, WorkerStatus};
+use crate::status::{BatchSizes, Phase, PoolStatus, WorkerState, WorkerStatus};
 use crate::{signals, tcp, Event};
 
 mod guards;

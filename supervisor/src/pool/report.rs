@@ -63,6 +63,22 @@ impl Supervisor {
             },
             reloads_succeeded: self.reloads.0,
             reloads_failed: self.reloads.1,
+            batches: self
+                .models
+                .iter()
+                .enumerate()
+                .filter(|(row, _)| *row < MAX_MODELS)
+                .map(|(row, m)| {
+                    let h = totals.batch(row);
+                    let bounds = BATCH_BUCKETS.iter().map(|&b| Some(b)).chain([None]);
+                    BatchSizes {
+                        model: m.name.clone(),
+                        runs: h.count,
+                        rows: h.sum as u64,
+                        histogram: bounds.zip(h.buckets.iter().copied()).collect(),
+                    }
+                })
+                .collect(),
             workers,
         }
     }

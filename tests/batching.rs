@@ -1,0 +1,155 @@
+//! Dynamic batching on the default model (all-MiniLM-L6-v2): requests that wait together run
+//! as one ONNX Runtime call, every answer equals the same request run alone, one request's bad
+//! values fail only that request, and the batch sizes show in `status` and `/metrics`.
+//!
+//! The worker has 2 threads: a lone request runs on the wide session (both threads), concurrent
+//! ones on the two narrow lanes, so the comparisons also cover wide against narrow.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// A model repository holding the default model with `batching` as its `[batching]` section.
+fn minilm_with(dir: &Path, batching: &str) -> PathBuf {
+    let source = repo().join("models/minilm");
+    assert!(source.join("model.onnx").is_file(), "run `make setup` (`make test` does it first)");
+    let target = dir.join("models/minilm");
+    std::fs::create_dir_all(&target).unwrap();
+    let toml = std::fs::read_to_string(source.join("model.toml")).unwrap();
+    let toml = toml
+        .replace("file = \"model.onnx\"", &format!("file = \"{}\"", source.join("model.onnx").display()))
+        .replace("file = \"tokenizer.json\"", &format!("file = \"{}\"", source.join("tokenizer.json").display()));
+    std::fs::write(target.join("model.toml"), format!("{toml}\n[batching]\n{batching}\n")).unwrap();
+    dir.join("models")
+}
+
+/// One worker with two threads (allowed on a one-core machine too), serving minilm.
+fn server(batching: &str) -> Server {
+    let dir = TempDir::new("batching");
+    let port = free_port();
+    let repository = minilm_with(dir.path(), batching);
+    let config = write_config(dir.path(), port, 1, &repository, "minilm", &[], "allow_oversubscription = true");
+    let text = std::fs::read_to_string(&config).unwrap().replace("threads = 1", "threads = 2");
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    server
+}
+
+fn embed(server: &Server, text: &str) -> Vec<f64> {
+    let response = server.request("POST", "/embed", &serde_json::to_vec(&json!({ "inputs": text })).unwrap());
+    assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+    response.json()[0].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+fn texts() -> Vec<String> {
+    let mut texts: Vec<String> = [
+        "hi",
+        "A short sentence.",
+        "The quick brown fox jumps over the lazy dog near the river bank.",
+        "Batching must not change the numbers a client gets back.",
+        "ONNX Runtime pads every row of a batch to the longest one.",
+        "Mean pooling ignores the padding through the attention mask.",
+    ]
+    .map(String::from)
+    .to_vec();
+    // Long texts too, so batches mix (or, past the token budget, refuse to mix) lengths.
+    texts.push("a much longer text about serving models on ordinary servers ".repeat(12));
+    texts.push("model ".repeat(200));
+    texts
+}
+
+#[test]
+fn concurrent_requests_are_batched_and_equal_single_runs() {
+    // The oldest request waits up to 30 ms for company: batches form even on a busy machine.
+    let server = server("max_batch_size = 8\nmax_queue_delay_ms = 30");
+    let texts = texts();
+    let alone: Vec<Vec<f64>> = texts.iter().map(|t| embed(&server, t)).collect();
+
+    let rounds = 3;
+    let answers: Vec<(usize, Vec<f64>)> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..texts.len() * 2)
+            .map(|c| {
+                let (server, texts) = (&server, &texts);
+                scope.spawn(move || {
+                    (0..rounds).map(|_| (c % texts.len(), embed(server, &texts[c % texts.len()]))).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        clients.into_iter().flat_map(|c| c.join().unwrap()).collect()
+    });
+    assert_eq!(answers.len(), texts.len() * 2 * rounds);
+    let worst = answers.iter().map(|(i, got)| max_diff(got, &alone[*i])).fold(0.0, f64::max);
+    eprintln!("max |batched - alone| = {worst:e} over {} answers", answers.len());
+    assert!(worst < 1e-5, "batched answers differ from single runs by {worst}");
+
+    // Every request was answered by the model, and some runs carried more than one of them.
+    let status = server.status();
+    let batches = &status["batches"][0];
+    assert_eq!(batches["model"], "minilm");
+    let (runs, rows) = (batches["runs"].as_u64().unwrap(), batches["rows"].as_u64().unwrap());
+    let requests = (texts.len() + answers.len()) as u64;
+    assert_eq!(rows, requests, "one row per text: {batches}");
+    assert!(runs < rows, "no run carried more than one request: {batches}");
+    let metrics = server.metrics_text();
+    let sum = metric_value(&metrics, "inferd_batch_size_sum{model=\"minilm\"}").unwrap();
+    let count = metric_value(&metrics, "inferd_batch_size_count{model=\"minilm\"}").unwrap();
+    assert_eq!((sum as u64, count as u64), (rows, runs), "/metrics and status agree");
+    let table =
+        std::process::Command::new(BIN).args(["status", "--control-socket"]).arg(&server.socket).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains(&format!("batches of minilm: {runs} runs")), "{table}");
+}
+
+/// The tokenised inputs of `ids` as a v2 request with one row.
+fn raw_request(ids: &[i64]) -> Vec<u8> {
+    let n = ids.len();
+    infer_body(json!([
+        {"name": "input_ids", "datatype": "INT64", "shape": [1, n], "data": ids},
+        {"name": "attention_mask", "datatype": "INT64", "shape": [1, n], "data": vec![1; n]},
+        {"name": "token_type_ids", "datatype": "INT64", "shape": [1, n], "data": vec![0; n]},
+    ]))
+}
+
+#[test]
+fn a_bad_request_fails_alone_and_its_batch_mates_are_answered() {
+    let server = server("max_batch_size = 16\nmax_queue_delay_ms = 50");
+    // Same shape, so they batch; the bad one has a token id far outside the vocabulary.
+    let good: Vec<Vec<i64>> = (0..7).map(|i| vec![101, 2000 + i, 2100 + i, 2200 + i, 102]).collect();
+    let bad = vec![101, 1_000_000_000, 2100, 2200, 102];
+    let alone: Vec<Value> =
+        good.iter().map(|ids| server.request("POST", "/v2/models/minilm/infer", &raw_request(ids)).json()).collect();
+
+    let (answers, refused) = std::thread::scope(|scope| {
+        let good: Vec<_> = good
+            .iter()
+            .map(|ids| {
+                let server = &server;
+                scope.spawn(move || server.request("POST", "/v2/models/minilm/infer", &raw_request(ids)))
+            })
+            .collect();
+        let bad = scope.spawn(|| server.request("POST", "/v2/models/minilm/infer", &raw_request(&bad)));
+        (good.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), bad.join().unwrap())
+    });
+    assert_ne!(refused.status, 200, "an out-of-vocabulary id cannot be embedded");
+    assert!(refused.error().contains("minilm"), "the error names the model: {}", refused.error());
+    for (i, answer) in answers.iter().enumerate() {
+        assert_eq!(answer.status, 200, "request {i}: {}", String::from_utf8_lossy(&answer.body));
+        let got = answer.json()["outputs"][0]["data"].clone();
+        let want = alone[i]["outputs"][0]["data"].clone();
+        let floats = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect::<Vec<_>>();
+        let diff = max_diff(&floats(&got), &floats(&want));
+        assert!(diff < 1e-5, "request {i} differs from its single run by {diff}");
+    }
+    // The pool is intact: the worker still answers.
+    assert_eq!(embed(&server, "still here").len(), 384);
+}
