@@ -25,9 +25,10 @@ test: setup
 	scripts/test-deps.sh
 	$(CARGO) test --release --locked --workspace
 
-# /embed latency and throughput against the raw ONNX Runtime loop (docs/benchmarks.md).
+# The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
+# in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md).
 bench: setup
-	bench/embed.sh
+	bench/compare.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

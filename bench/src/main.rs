@@ -47,6 +47,10 @@ enum Command {
         /// Requests sent before measuring, per client.
         #[arg(long, default_value_t = 20)]
         warmup: usize,
+        /// Also report, on a line of its own, the requests whose text is shorter than this many
+        /// bytes (how short texts fare in a mixed stream).
+        #[arg(long)]
+        short_below: Option<usize>,
     },
     /// The same texts through the same model with no server in between.
     Ort {
@@ -76,8 +80,9 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Http { addr, path, concurrency, seconds, texts, warmup } => {
-            http(&addr, &path, concurrency, seconds, &read_texts(&texts)?, warmup)
+        Command::Http { addr, path, concurrency, seconds, texts, warmup, short_below } => {
+            let load = HttpLoad { addr, path, concurrency, seconds, warmup, short_below };
+            http(&load, &read_texts(&texts)?)
         }
         Command::Ort { model, ort_library, parallel, threads, batch, spin, seconds, texts } => {
             let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin };
@@ -95,20 +100,25 @@ fn read_texts(path: &PathBuf) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
-/// One sample: client-side latency and the server's `prepare` time.
+/// One sample: client-side latency, the server's `prepare` time, and which text it sent.
 struct Sample {
     latency: Duration,
     prepare_ms: Option<f64>,
+    text: usize,
 }
 
-fn http(
-    addr: &str,
-    path: &str,
+struct HttpLoad {
+    addr: String,
+    path: String,
     concurrency: usize,
     seconds: f64,
-    texts: &[String],
     warmup: usize,
-) -> anyhow::Result<()> {
+    short_below: Option<usize>,
+}
+
+fn http(load: &HttpLoad, texts: &[String]) -> anyhow::Result<()> {
+    let HttpLoad { addr, path, concurrency, seconds, warmup, short_below } = load;
+    let (concurrency, seconds, warmup) = (*concurrency, *seconds, *warmup);
     let bodies: Arc<Vec<Vec<u8>>> =
         Arc::new(texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t })).unwrap()).collect());
     let stop = Arc::new(AtomicBool::new(false));
@@ -122,12 +132,12 @@ fn http(
                 let (mut samples, mut errors, mut i) = (Vec::new(), 0, c);
                 let mut warm = 0;
                 while !stop.load(Ordering::Relaxed) {
-                    let body = &bodies[i % bodies.len()];
+                    let text = i % bodies.len();
                     i += 1;
                     let started = Instant::now();
-                    match conn.post(&addr, &path, body) {
+                    match conn.post(&addr, &path, &bodies[text]) {
                         Ok((200, timing)) if measuring.load(Ordering::Relaxed) && warm >= warmup => {
-                            samples.push(Sample { latency: started.elapsed(), prepare_ms: timing })
+                            samples.push(Sample { latency: started.elapsed(), prepare_ms: timing, text })
                         }
                         Ok((200, _)) => warm += 1,
                         Ok(_) | Err(_) => {
@@ -165,6 +175,10 @@ fn http(
         errors,
         prepare_share,
     );
+    if let Some(limit) = short_below {
+        let short: Vec<Duration> = samples.iter().filter(|s| texts[s.text].len() < *limit).map(|s| s.latency).collect();
+        report(&format!("http {path} c={concurrency} texts under {limit} bytes"), short, elapsed, 1, 0, None);
+    }
     Ok(())
 }
 

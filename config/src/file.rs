@@ -125,7 +125,7 @@ impl Default for ServerConfig {
             max_batch_inputs: 64,
             graceful_timeout_secs: 30.0,
             boot_timeout_secs: 120.0,
-            max_queue: 32,
+            max_queue: 128,
             max_connections: 1024,
             header_timeout_secs: 10.0,
             body_timeout_secs: 30.0,

@@ -20,7 +20,7 @@
 //! [image]                # image models: see [`ImageConfig`]
 //! [batching]             # see [`Batching`]; defaults shown
 //! max_batch_size = 32    # rows in one ORT run; 1 switches batching off
-//! max_batch_tokens = 8192 # text: rows x padded length in one run
+//! max_batch_tokens = 512 # text: rows x padded length in one run
 //! max_queue_delay_ms = 0 # how long a request may wait for company; 0 = only what already waits
 //! ```
 //!
@@ -97,7 +97,7 @@ pub const MAX_QUEUE_DELAY_MS: u64 = 1000;
 
 impl Default for Batching {
     fn default() -> Self {
-        Batching { max_batch_size: 32, max_batch_tokens: 8192, max_queue_delay_ms: 0 }
+        Batching { max_batch_size: 32, max_batch_tokens: 512, max_queue_delay_ms: 0 }
     }
 }
 

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""bench/compare.sh's bookkeeping: one JSON line per measurement, then the table, the
+ratios against the targets of the performance issue, the SVG and the record blocks.
+
+    record.py add NAME CASE < (oha --output-format json | inferd-bench's JSON line)
+    record.py best RESULTS NAME          # best closed-loop req/s of NAME
+    record.py report RESULTS [--record 1] [--seconds S]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SVG = os.path.join(ROOT, "docs", "benchmarks-latest.svg")
+LABELS = {"inferd": "inferd (default plan)", "python": "gunicorn + uvicorn + FastAPI + onnxruntime"}
+
+
+def add(name, case):
+    raw = json.load(sys.stdin)
+    if "metrics" in raw:  # oha
+        m = raw["metrics"]
+        codes = raw.get("statusCodeDistribution", {})
+        # oha cuts the requests still in flight when its time is up: not the server's errors.
+        failed = {e: n for e, n in raw.get("errorDistribution", {}).items() if "aborted due to deadline" not in e}
+        errors = sum(failed.values()) + sum(n for c, n in codes.items() if c != "200")
+        row = {
+            "throughput": m["requests_per_sec"],
+            "p50_ms": m["latency_ms"]["p50"],
+            "p95_ms": m["latency_ms"]["p95"],
+            "p99_ms": m["latency_ms"]["p99"],
+            "requests": sum(codes.values()),
+            "errors": errors,
+        }
+    else:  # inferd-bench
+        row = {k: raw[k] for k in ("throughput", "p50_ms", "p95_ms", "p99_ms", "requests", "errors")}
+    print(json.dumps({"name": name, "case": case, **row}))
+
+
+def load(path):
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                r = json.loads(line)
+                rows[(r["name"], r["case"])] = r
+    return rows
+
+
+def best(path, name):
+    rows = load(path)
+    print(max(r["throughput"] for (n, c), r in rows.items() if n == name and c.startswith("c=")))
+
+
+def machine():
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, Linux {platform.release()}"
+
+
+def svg(rows, ceiling_batch1, ceiling_best):
+    """Throughput against p99 for each contender, one point per concurrency."""
+    w, h, left, bottom, top, right = 640, 400, 60, 50, 20, 20
+    series = {}
+    for (name, case), r in rows.items():
+        if case.startswith("c="):
+            series.setdefault(name, []).append((int(case[2:]), r["throughput"], r["p99_ms"]))
+    xmax = max([ceiling_best] + [t for s in series.values() for _, t, _ in s]) * 1.1
+    ymax = max(p for s in series.values() for _, _, p in s) * 1.15
+    x = lambda v: left + (w - left - right) * v / xmax
+    y = lambda v: h - bottom - (h - bottom - top) * v / ymax
+    colours = {"inferd": "#1f77b4", "python": "#d62728"}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+           f'<text x="{(w + left) / 2}" y="{h - 12}" text-anchor="middle">throughput, requests/s (closed loop, 1-32 connections)</text>',
+           f'<text x="16" y="{(h - bottom + top) / 2}" transform="rotate(-90 16 {(h - bottom + top) / 2})" text-anchor="middle">p99 latency, ms</text>']
+    for i in range(6):
+        xv, yv = xmax * i / 5, ymax * i / 5
+        out.append(f'<text x="{x(xv):.0f}" y="{h - bottom + 16}" text-anchor="middle">{xv:.0f}</text>')
+        out.append(f'<text x="{left - 6}" y="{y(yv) + 4:.0f}" text-anchor="end">{yv:.0f}</text>')
+    for value, label in ((ceiling_batch1, "raw ORT, batch 1"), (ceiling_best, "raw ORT, best batch")):
+        out.append(f'<line x1="{x(value):.1f}" y1="{top}" x2="{x(value):.1f}" y2="{h - bottom}" stroke="grey" stroke-dasharray="4 3"/>')
+        out.append(f'<text x="{x(value) - 4:.1f}" y="{top + 12}" text-anchor="end" fill="grey">{label}</text>')
+    for n, (name, points) in enumerate(sorted(series.items())):
+        points.sort()
+        colour = colours.get(name, "black")
+        path = " ".join(f"{x(t):.1f},{y(p):.1f}" for _, t, p in points)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        for c, t, p in points:
+            out.append(f'<circle cx="{x(t):.1f}" cy="{y(p):.1f}" r="3" fill="{colour}"/>')
+            out.append(f'<text x="{x(t) + 5:.1f}" y="{y(p) - 5:.1f}" fill="{colour}">c={c}</text>')
+        out.append(f'<text x="{left + 10}" y="{top + 30 + 16 * n}" fill="{colour}">{LABELS.get(name, name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def report(path, record, seconds):
+    rows = load(path)
+    get = lambda name, case, key: rows[(name, case)][key] if (name, case) in rows else float("nan")
+    single = get("ort", "single", "p50_ms")
+    batch1 = get("ort", "batch=1", "throughput")
+    batched = {c: r["throughput"] for (n, c), r in rows.items() if n == "ort" and c.startswith("batch=")}
+    best_case = max(batched, key=batched.get)
+    ceiling = batched[best_case]
+    names = [n for n in ("inferd", "python") if any(k[0] == n for k in rows)]
+    open_case = {n: next((c for (m, c) in rows if m == n and c.startswith("open=")), None) for n in names}
+
+    lines = [
+        f"Machine: {machine()}; {datetime.date.today()}; {seconds} s per point; load generator oha on the same cores.",
+        "",
+        f"Raw ONNX Runtime (no server): single-thread call {single:.2f} ms (p50); one session per core: "
+        + ", ".join(f"{c.split('=')[1]}: {t:.0f}" for c, t in sorted(batched.items(), key=lambda kv: int(kv[0].split('=')[1])))
+        + " sequences/s by batch size.",
+        "",
+        "| | c=1 req/s (p50 ms) | c=4 | c=16 (p99 ms) | c=32 (p99 ms) | open loop at 80% of best: p99 ms | errors | RSS, all processes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        cell = lambda c, lat: f"{get(n, c, 'throughput'):.0f} ({get(n, c, lat):.1f})"
+        errors = sum(r.get("errors", 0) for (m, _), r in rows.items() if m == n)
+        oc = open_case[n]
+        open_cell = f"{get(n, oc, 'p99_ms'):.1f} at {oc.split('=')[1]}/s" if oc else "-"
+        rss = rows.get((n, "rss"), {}).get("rss_bytes", 0) / 2**20
+        lines.append(
+            f"| {LABELS[n]} | {cell('c=1', 'p50_ms')} | {get(n, 'c=4', 'throughput'):.0f} | {cell('c=16', 'p99_ms')} "
+            f"| {cell('c=32', 'p99_ms')} | {open_cell} | {errors} | {rss:.0f} MiB |"
+        )
+    if "inferd" in names:
+        inferd_best = max(get("inferd", c, "throughput") for c in ("c=1", "c=4", "c=16", "c=32"))
+        p50 = get("inferd", "c=1", "p50_ms")
+        oc = open_case["inferd"]
+        checks = [
+            ("best throughput / best batched ceiling", inferd_best / ceiling, ">= 0.90", inferd_best / ceiling >= 0.90),
+            ("best throughput / batch-1 ceiling", inferd_best / batch1, "", None),
+            ("c=1 p50 / single-thread call", p50 / single, "<= 0.65", p50 / single <= 0.65),
+            ("c=32 p99 / single-thread call", get("inferd", "c=32", "p99_ms") / single, "<= 12",
+             get("inferd", "c=32", "p99_ms") / single <= 12),
+        ]
+        if oc:
+            r = get("inferd", oc, "p99_ms") / p50
+            checks.append(("open loop at 80%: p99 / unloaded p50", r, "<= 3", r <= 3))
+        if ("mixed", "short-in-mix") in rows:
+            r = get("mixed", "short-in-mix", "p99_ms") / get("mixed", "short-only", "p99_ms")
+            checks.append(("short texts' p99 with 1 in 8 of 256 tokens / alone (c=16)", r, "<= 2", r <= 2))
+        if "python" in names:
+            for c in ("c=1", "c=4", "c=16", "c=32"):
+                r = get("inferd", c, "throughput") / get("python", c, "throughput")
+                checks.append((f"inferd / Python req/s at {c}", r, ">= 1", r >= 1))
+        lines += ["", "| ratio | value | target | |", "|---|---:|---|---|"]
+        for label, value, target, ok in checks:
+            mark = "" if ok is None else ("met" if ok else "**missed**")
+            lines.append(f"| {label} | {value:.2f} | {target} | {mark} |")
+    table = "\n".join(lines)
+    print()
+    print(table)
+    if record:
+        with open(SVG, "w") as f:
+            f.write(svg(rows, batch1, ceiling))
+        block = table + "\n\n![throughput against p99](benchmarks-latest.svg)\n"
+        for doc, text in ((os.path.join(ROOT, "docs", "benchmarks.md"), block),
+                          (os.path.join(ROOT, "README.md"), block.replace("](benchmarks-latest.svg)", "](docs/benchmarks-latest.svg)"))):
+            with open(doc) as f:
+                content = f.read()
+            new, n = re.subn(r"(<!-- record:begin -->\n).*?(<!-- record:end -->)", lambda m: m.group(1) + text + m.group(2),
+                             content, flags=re.S)
+            if n:
+                with open(doc, "w") as f:
+                    f.write(new)
+                print(f"updated {os.path.relpath(doc, ROOT)}")
+        print(f"wrote {os.path.relpath(SVG, ROOT)}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("add")
+    a.add_argument("name")
+    a.add_argument("case")
+    b = sub.add_parser("best")
+    b.add_argument("results")
+    b.add_argument("name")
+    r = sub.add_parser("report")
+    r.add_argument("results")
+    r.add_argument("--record", type=int, default=1)
+    r.add_argument("--seconds", default="10")
+    args = parser.parse_args()
+    if args.command == "add":
+        add(args.name, args.case)
+    elif args.command == "best":
+        best(args.results, args.name)
+    else:
+        report(args.results, args.record, args.seconds)
+
+
+if __name__ == "__main__":
+    main()
