@@ -2,12 +2,15 @@
 //! asks a running server, and the hidden `worker` is what the supervisor executes for each
 //! worker process.
 
+mod tune;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use inferd_config::cpu::format_cpus;
+use inferd_config::model::BatchingOverride;
 use inferd_config::{Config, Overrides, Resolved};
 use inferd_supervisor::control::{self, Request};
 
@@ -32,6 +35,10 @@ enum Command {
     Reload(ReloadArgs),
     /// Add (+1, the same as SIGTTIN) or drain (-1, SIGTTOU) one worker.
     Scale(ScaleArgs),
+    /// Measure this host's plans for a model (workers x threads x batching) under a short load
+    /// at 1, 4 and 16 connections, print the table and the best plan for --goal; --write puts
+    /// it into the configuration and the model's model.toml, keeping their comments.
+    Tune(TuneArgs),
     /// Internal: one worker process, started by `inferd serve`.
     #[command(hide = true)]
     Worker {
@@ -68,6 +75,12 @@ struct ServeArgs {
     /// Control socket used by `inferd status` (server.control_socket).
     #[arg(long)]
     control_socket: Option<PathBuf>,
+    /// Rows per ORT run for every model, over model.toml's [batching] (1 = no batching).
+    #[arg(long)]
+    max_batch_size: Option<usize>,
+    /// How long a request may wait for company, for every model, over model.toml's [batching].
+    #[arg(long)]
+    max_queue_delay_ms: Option<u64>,
 }
 
 #[derive(Args)]
@@ -120,6 +133,25 @@ struct ReloadArgs {
 }
 
 #[derive(Args)]
+struct TuneArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The model to tune; default: the default model.
+    #[arg(long)]
+    model: Option<String>,
+    /// latency (lowest lone-request p50), throughput (most requests/s), or p99-under=MS (most
+    /// requests/s with p99 under MS milliseconds).
+    #[arg(long, default_value = "throughput")]
+    goal: tune::Goal,
+    /// Write the best plan into the configuration file and the model's model.toml.
+    #[arg(long)]
+    write: bool,
+    /// Measured seconds at each concurrency.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+}
+
+#[derive(Args)]
 struct ScaleArgs {
     #[command(flatten)]
     socket: SocketArgs,
@@ -138,6 +170,13 @@ fn main() -> ExitCode {
         Command::Status(args) => status(args),
         Command::Reload(args) => reload(args),
         Command::Scale(args) => scale(args),
+        Command::Tune(args) => tune::run(tune::Tune {
+            config: args.config.config,
+            model: args.model,
+            goal: args.goal,
+            write: args.write,
+            seconds: args.seconds,
+        }),
     };
     match result {
         Ok(code) => code,
@@ -168,6 +207,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
         workers: args.workers,
         threads: args.threads,
         control_socket: args.control_socket.clone(),
+        batching: BatchingOverride { max_batch_size: args.max_batch_size, max_queue_delay_ms: args.max_queue_delay_ms },
     })?;
     Ok(Resolved::new(config)?)
 }

@@ -1,16 +1,14 @@
 //! `inferd-bench`: the measuring side of inferd's benchmarks.
 //!
-//! - `http`: closed-loop clients, one keep-alive connection each, POSTing the same bodies in
-//!   turn for a fixed time; prints throughput, latency percentiles and, from the
-//!   `Server-Timing` header, the share of each request spent preparing inputs (tokenising).
+//! - `http`: closed-loop clients ([`inferd_bench::load`]), one keep-alive connection each,
+//!   POSTing the same bodies in turn for a fixed time; prints throughput, latency percentiles
+//!   and, from the `Server-Timing` header, the share of each request spent preparing inputs.
 //! - `ort`: the ceiling without any server: P threads, each with its own session of the same
 //!   model (1 intra-op thread each, the same settings inferd uses), running the same inputs
 //!   through the same tokenizer and pooling code, for a fixed time.
 //!
 //! Both print one JSON line (for scripts) after a human-readable line.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::ModelEntry;
 use inferd_worker::model::{init_runtime, Model};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
@@ -44,9 +43,9 @@ enum Command {
         /// Texts, one per line; each request embeds one, in turn.
         #[arg(long)]
         texts: PathBuf,
-        /// Requests sent before measuring, per client.
-        #[arg(long, default_value_t = 20)]
-        warmup: usize,
+        /// Seconds the clients run before measuring starts.
+        #[arg(long, default_value_t = 2.0)]
+        warmup: f64,
         /// Also report, on a line of its own, the requests whose text is shorter than this many
         /// bytes (how short texts fare in a mixed stream).
         #[arg(long)]
@@ -100,84 +99,36 @@ fn read_texts(path: &PathBuf) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
-/// One sample: client-side latency, the server's `prepare` time, and which text it sent.
-struct Sample {
-    latency: Duration,
-    prepare_ms: Option<f64>,
-    text: usize,
-}
-
 struct HttpLoad {
     addr: String,
     path: String,
     concurrency: usize,
     seconds: f64,
-    warmup: usize,
+    warmup: f64,
     short_below: Option<usize>,
 }
 
 fn http(load: &HttpLoad, texts: &[String]) -> anyhow::Result<()> {
-    let HttpLoad { addr, path, concurrency, seconds, warmup, short_below } = load;
-    let (concurrency, seconds, warmup) = (*concurrency, *seconds, *warmup);
-    let bodies: Arc<Vec<Vec<u8>>> =
-        Arc::new(texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t })).unwrap()).collect());
-    let stop = Arc::new(AtomicBool::new(false));
-    let measuring = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..concurrency)
-        .map(|c| {
-            let (addr, path, bodies, stop, measuring) =
-                (addr.to_string(), path.to_string(), bodies.clone(), stop.clone(), measuring.clone());
-            std::thread::spawn(move || -> anyhow::Result<(Vec<Sample>, usize)> {
-                let mut conn = Connection::open(&addr)?;
-                let (mut samples, mut errors, mut i) = (Vec::new(), 0, c);
-                let mut warm = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    let text = i % bodies.len();
-                    i += 1;
-                    let started = Instant::now();
-                    match conn.post(&addr, &path, &bodies[text]) {
-                        Ok((200, timing)) if measuring.load(Ordering::Relaxed) && warm >= warmup => {
-                            samples.push(Sample { latency: started.elapsed(), prepare_ms: timing, text })
-                        }
-                        Ok((200, _)) => warm += 1,
-                        Ok(_) | Err(_) => {
-                            errors += 1;
-                            conn = Connection::open(&addr)?;
-                        }
-                    }
-                }
-                Ok((samples, errors))
-            })
-        })
-        .collect();
-    // Let every client finish its warm-up before the clock starts.
-    std::thread::sleep(Duration::from_secs(2));
-    measuring.store(true, Ordering::Relaxed);
-    let started = Instant::now();
-    std::thread::sleep(Duration::from_secs_f64(seconds));
-    stop.store(true, Ordering::Relaxed);
-    let elapsed = started.elapsed().as_secs_f64();
-    let (mut samples, mut errors) = (Vec::new(), 0);
-    for c in clients {
-        let (s, e) = c.join().expect("client thread")?;
-        samples.extend(s);
-        errors += e;
-    }
+    let bodies =
+        texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t }))).collect::<Result<_, _>>()?;
+    let outcome = closed_loop(&Load {
+        addr: load.addr.clone(),
+        path: load.path.clone(),
+        bodies,
+        concurrency: load.concurrency,
+        seconds: load.seconds,
+        warmup: Duration::from_secs_f64(load.warmup),
+    })?;
+    let samples = &outcome.samples;
     let prepare: Vec<f64> = samples.iter().filter_map(|s| s.prepare_ms).collect();
     let mean_latency = samples.iter().map(|s| s.latency.as_secs_f64() * 1e3).sum::<f64>() / samples.len().max(1) as f64;
     let prepare_share =
         if prepare.is_empty() { None } else { Some(prepare.iter().sum::<f64>() / prepare.len() as f64 / mean_latency) };
-    report(
-        &format!("http {path} c={concurrency}"),
-        samples.iter().map(|s| s.latency).collect(),
-        elapsed,
-        1,
-        errors,
-        prepare_share,
-    );
-    if let Some(limit) = short_below {
-        let short: Vec<Duration> = samples.iter().filter(|s| texts[s.text].len() < *limit).map(|s| s.latency).collect();
-        report(&format!("http {path} c={concurrency} texts under {limit} bytes"), short, elapsed, 1, 0, None);
+    let label = format!("http {} c={}", load.path, load.concurrency);
+    report(&label, outcome.summary(), outcome.errors, prepare_share);
+    if let Some(limit) = load.short_below {
+        let short = samples.iter().filter(|s| texts[s.body].len() < limit).map(|s| s.latency).collect();
+        report(&format!("{label} texts under {limit} bytes"), Summary::of(short, outcome.elapsed, 1), 0, None);
     }
     Ok(())
 }
@@ -253,87 +204,24 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
         all.extend(t.join().expect("ort thread")?);
     }
     let label = format!("ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin}");
-    report(&label, all, elapsed, batch, 0, None);
+    report(&label, Summary::of(all, elapsed, batch), 0, None);
     Ok(())
 }
 
-/// Prints one line for people and one JSON line for scripts. `rows`: sequences per sample, so
-/// throughput is in sequences per second.
-fn report(
-    label: &str,
-    mut latencies: Vec<Duration>,
-    seconds: f64,
-    rows: usize,
-    errors: usize,
-    prepare_share: Option<f64>,
-) {
-    latencies.sort();
-    let pct = |p: f64| -> f64 {
-        if latencies.is_empty() {
-            return f64::NAN;
-        }
-        let i = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies[i].as_secs_f64() * 1e3
-    };
-    let throughput = (latencies.len() * rows) as f64 / seconds;
+/// Prints one line for people and one JSON line for scripts.
+fn report(label: &str, s: Summary, errors: usize, prepare_share: Option<f64>) {
     println!(
         "{label}: {:.1} seq/s, p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, {} requests, {errors} errors{}",
-        throughput,
-        pct(0.5),
-        pct(0.95),
-        pct(0.99),
-        latencies.len(),
-        prepare_share.map_or(String::new(), |s| format!(", tokenising {:.1}% of a request", s * 100.0))
+        s.throughput,
+        s.p50_ms,
+        s.p95_ms,
+        s.p99_ms,
+        s.requests,
+        prepare_share.map_or(String::new(), |p| format!(", tokenising {:.1}% of a request", p * 100.0))
     );
     println!(
         "{}",
-        serde_json::json!({"label": label, "throughput": throughput, "p50_ms": pct(0.5), "p95_ms": pct(0.95),
-            "p99_ms": pct(0.99), "requests": latencies.len(), "errors": errors, "prepare_share": prepare_share})
+        serde_json::json!({"label": label, "throughput": s.throughput, "p50_ms": s.p50_ms, "p95_ms": s.p95_ms,
+            "p99_ms": s.p99_ms, "requests": s.requests, "errors": errors, "prepare_share": prepare_share})
     );
-}
-
-/// A keep-alive HTTP/1.1 connection: enough client for JSON POSTs with Content-Length replies.
-struct Connection {
-    reader: BufReader<TcpStream>,
-}
-
-impl Connection {
-    fn open(addr: &str) -> anyhow::Result<Connection> {
-        let stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(Connection { reader: BufReader::new(stream) })
-    }
-
-    /// Returns the status and the `prepare` duration from `Server-Timing`, if any.
-    fn post(&mut self, addr: &str, path: &str, body: &[u8]) -> anyhow::Result<(u16, Option<f64>)> {
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        let stream = self.reader.get_mut();
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(body)?;
-        let mut line = String::new();
-        self.reader.read_line(&mut line)?;
-        let status: u16 = line.split(' ').nth(1).and_then(|s| s.parse().ok()).context("status line")?;
-        let (mut length, mut prepare) = (0usize, None);
-        loop {
-            line.clear();
-            self.reader.read_line(&mut line)?;
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            let Some((k, v)) = l.split_once(':') else { continue };
-            if k.eq_ignore_ascii_case("content-length") {
-                length = v.trim().parse()?;
-            } else if k.eq_ignore_ascii_case("server-timing") {
-                prepare = v.split(',').find_map(|m| m.trim().strip_prefix("prepare;dur=")?.parse().ok());
-            }
-        }
-        let mut body = vec![0; length];
-        self.reader.read_exact(&mut body)?;
-        Ok((status, prepare))
-    }
 }

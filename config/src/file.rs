@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::{BatchingOverride, ModelEntry};
+
 /// Name of the configuration file looked for when `--config` is not given.
 pub const CONFIG_FILE_NAME: &str = "inferd.toml";
 /// System-wide location, used by packaged installs (see `systemd/`).
@@ -43,6 +45,9 @@ pub struct Config {
     /// The file this configuration was read from, if any.
     #[serde(skip)]
     pub source: Option<PathBuf>,
+    /// Command-line batching settings for every model (not a file key).
+    #[serde(skip)]
+    pub batching: BatchingOverride,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -198,6 +203,7 @@ pub struct Overrides {
     pub workers: Option<usize>,
     pub threads: Option<usize>,
     pub control_socket: Option<PathBuf>,
+    pub batching: BatchingOverride,
 }
 
 impl Config {
@@ -236,6 +242,7 @@ impl Config {
         if let Some(threads) = overrides.threads {
             self.server.threads = threads;
         }
+        self.batching = overrides.batching;
         if let Some(socket) = &overrides.control_socket {
             // A path given on the command line is relative to the working directory.
             self.server.control_socket = std::path::absolute(socket).unwrap_or_else(|_| socket.clone());
@@ -328,6 +335,11 @@ impl Config {
 
     pub fn model_repository(&self) -> PathBuf {
         self.resolve(&self.models.repository)
+    }
+
+    /// Reads model `name` from the repository, with the command line's batching settings.
+    pub fn load_model(&self, name: &str) -> Result<ModelEntry, ConfigError> {
+        ModelEntry::load_with(&self.model_repository(), name, &self.batching)
     }
 
     /// The models every worker loads, default first.

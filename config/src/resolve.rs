@@ -35,12 +35,7 @@ impl Resolved {
         let s = &config.server;
         let plan = plan(&budget, s.workers, s.threads, s.allow_oversubscription, s.pin_workers)?;
         let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
-        let repository = config.model_repository();
-        let models = config
-            .model_names()
-            .iter()
-            .map(|name| ModelEntry::load(&repository, name))
-            .collect::<Result<Vec<_>, _>>()?;
+        let models = config.model_names().iter().map(|name| config.load_model(name)).collect::<Result<Vec<_>, _>>()?;
         Ok(Resolved { config, plan, ort, models })
     }
 }

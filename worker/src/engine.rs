@@ -220,6 +220,7 @@ impl Engine {
             counters: stats.clone(),
             engine: Arc::downgrade(&alive),
             last_light: None,
+            last_load: None,
         };
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
         Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
@@ -284,6 +285,9 @@ enum LaneState {
 /// with one request in 8 of 256 tokens before this rule).
 const HEAVY_TOKENS: usize = 256;
 
+/// Requests that overlapped this recently mean load: a lone one then runs narrow.
+const RECENT_LOAD: Duration = Duration::from_millis(50);
+
 /// How long after the last light batch started the last free lane stays reserved for light
 /// work; with only heavy work coming, every lane runs it.
 const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
@@ -304,6 +308,8 @@ struct Dispatcher {
     engine: std::sync::Weak<()>,
     /// When the last light batch started.
     last_light: Option<Instant>,
+    /// When a batch last started with other work waiting or running beside it.
+    last_load: Option<Instant>,
 }
 
 impl Dispatcher {
@@ -338,12 +344,20 @@ impl Dispatcher {
             if policy.max_rows > 1 && !policy.delay.is_zero() && anchor.rows.is_some() {
                 self.wait_for_company(&anchor);
             }
-            let batch = self.gather(anchor);
-            // Wide blocks every lane until it is done: only for one request that has the worker
-            // to itself. A batch of several means load, and load runs narrow: were full batches
-            // run wide back to back, the worker would pay thread synchronisation on every run.
-            let alone =
-                batch.len() == 1 && self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
+            // Lanes share what waits: a lane takes its share of it, not all of it, so the others
+            // (free now or soon) get work too and no request waits behind one oversized batch.
+            let free = self.lanes.iter().filter(|(_, s)| *s == LaneState::Idle).count();
+            let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
+            let batch = self.gather(anchor, waiting.div_ceil(self.lanes.len()));
+            let now = Instant::now();
+            let idle = batch.len() == 1 && self.pending.is_empty() && free == self.lanes.len();
+            if !idle {
+                self.last_load = Some(now);
+            }
+            // Wide blocks every lane until it is done, and costs more CPU per request than a
+            // narrow run: only for one request that has the worker to itself, and not while
+            // requests have been overlapping lately (a burst would then run wide one by one).
+            let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
             let (lane, wide) = if self.has_wide && alone { (0, true) } else { (lane, false) };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
@@ -430,10 +444,11 @@ impl Dispatcher {
         }
     }
 
-    /// The anchor plus the waiting jobs that fit it within the model's limits.
-    fn gather(&mut self, anchor: Job) -> Vec<Job> {
+    /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`.
+    fn gather(&mut self, anchor: Job, max_rows: usize) -> Vec<Job> {
         let policy = &self.policies[anchor.model];
-        let Some(mut rows) = anchor.rows.filter(|_| policy.max_rows > 1) else { return vec![anchor] };
+        let max_rows = max_rows.min(policy.max_rows);
+        let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);
         let mut candidates: Vec<usize> = (0..self.pending.len()).filter(|&i| anchor.fits(&self.pending[i])).collect();
         // Closest in length first (a stable sort: oldest first among equals).
@@ -444,7 +459,7 @@ impl Dispatcher {
             let (job_rows, job_width) = (job.rows.unwrap_or(usize::MAX), job.width);
             let new_rows = rows.saturating_add(job_rows);
             let (new_width, new_narrowest) = (width.max(job_width), narrowest.min(job_width));
-            if new_rows > policy.max_rows {
+            if new_rows > max_rows {
                 continue;
             }
             if anchor.join == Join::PadSequence
@@ -641,6 +656,7 @@ mod tests {
             counters: Arc::new(Shared::create("inferd-engine-test").unwrap().0),
             engine: std::sync::Weak::new(),
             last_light: None,
+            last_load: None,
         }
     }
 
@@ -650,26 +666,26 @@ mod tests {
         let mut pending = shorts();
         pending.insert(3, text_job(1, 256, 0));
         let mut d = dispatcher(32, 8192, pending);
-        let batch = d.gather(text_job(1, 17, 99));
+        let batch = d.gather(text_job(1, 17, 99), 64);
         assert_eq!(batch.len(), 16, "the anchor and the 15 short texts");
         assert!(batch.iter().all(|j| j.width == 17));
         assert_eq!(d.pending.len(), 1, "the long text waits for its own run");
 
         // No row is padded to more than twice its length: a long anchor runs without them.
         let mut d = dispatcher(32, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 256, 0)).len(), 1);
+        assert_eq!(d.gather(text_job(1, 256, 0), 64).len(), 1);
         let mut d = dispatcher(32, 8192, vec![text_job(1, 10, 0), text_job(1, 30, 0), text_job(1, 20, 0)]);
-        let widths: Vec<usize> = d.gather(text_job(1, 15, 0)).iter().map(|j| j.width).collect();
+        let widths: Vec<usize> = d.gather(text_job(1, 15, 0), 64).iter().map(|j| j.width).collect();
         assert_eq!(widths, [15, 20, 10], "closest first, then within 2x of the narrowest");
 
         // Rows and the token budget both bound a batch.
         let mut d = dispatcher(4, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0)).len(), 4);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 4);
         let mut d = dispatcher(32, 17 * 6, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0)).len(), 6);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 6);
         // Batching off (no dynamic batch dimension, or max_batch_size = 1): always alone.
         let mut d = dispatcher(1, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0)).len(), 1);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 1);
     }
 
     #[test]

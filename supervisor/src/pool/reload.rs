@@ -41,7 +41,6 @@ impl Supervisor {
     pub(super) fn new_models(&self, model: Option<String>, path: Option<PathBuf>) -> Result<Vec<ModelEntry>, String> {
         let Some(path) = path else {
             // No path: read every model again from the repository (new files, new model.toml).
-            let repository = self.resolved.config.model_repository();
             let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
             if let Some(name) = model.as_ref().filter(|n| !names.contains(n)) {
                 return Err(format!("reload refused: this server has no model '{name}'"));
@@ -52,7 +51,7 @@ impl Supervisor {
                     Some(only) if only != name => {
                         Ok(self.models.iter().find(|m| &m.name == name).cloned().expect("listed"))
                     }
-                    _ => ModelEntry::load(&repository, name),
+                    _ => self.resolved.config.load_model(name),
                 })
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("reload refused: {e}"));

@@ -1,0 +1,437 @@
+//! `inferd tune`: measures, on this host, the plans a model can be served with (workers x
+//! threads x batching) and picks the best for a goal; `--write` puts it into the files.
+//!
+//! Each candidate is a real `inferd serve` (this binary, the user's configuration, a free
+//! loopback port, its own control socket and process group) loaded by the closed-loop client
+//! of `inferd-bench` at a few concurrencies. Nothing is timed in-process: what is measured is
+//! what clients would see, HTTP and JSON included.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use inferd_bench::load::{closed_loop, Load, Summary};
+use inferd_config::model::{ModelEntry, Task, MODEL_CONFIG_FILE};
+use inferd_config::{Config, Resolved};
+use inferd_supervisor::control::{self, Request};
+
+/// The sentence text models are loaded with (17 tokens for MiniLM's tokenizer).
+const SENTENCE: &str = "The quick brown fox jumps over the lazy dog while the cat sleeps.";
+const CONCURRENCIES: [usize; 3] = [1, 4, 16];
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Goal {
+    /// Lowest p50 of a lone request.
+    Latency,
+    /// Most requests per second at any of the concurrencies.
+    Throughput,
+    /// Most requests per second at a concurrency whose p99 stays under this many ms.
+    P99Under(f64),
+}
+
+impl std::str::FromStr for Goal {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Goal, String> {
+        match s {
+            "latency" => Ok(Goal::Latency),
+            "throughput" => Ok(Goal::Throughput),
+            _ => match s.strip_prefix("p99-under=").map(str::parse::<f64>) {
+                Some(Ok(ms)) if ms > 0.0 && ms.is_finite() => Ok(Goal::P99Under(ms)),
+                _ => Err(format!("'{s}': use latency, throughput or p99-under=MS")),
+            },
+        }
+    }
+}
+
+pub struct Tune {
+    pub config: Option<PathBuf>,
+    pub model: Option<String>,
+    pub goal: Goal,
+    pub write: bool,
+    /// Measured seconds per concurrency.
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Candidate {
+    workers: usize,
+    threads: usize,
+    max_batch_size: usize,
+    max_queue_delay_ms: u64,
+}
+
+impl Candidate {
+    fn plan(&self) -> String {
+        format!("{} x {}", self.workers, self.threads)
+    }
+
+    fn batching(&self) -> String {
+        match (self.max_batch_size, self.max_queue_delay_ms) {
+            (1, _) => "off".into(),
+            (n, 0) => format!("up to {n}"),
+            (n, d) => format!("up to {n}, wait {d} ms"),
+        }
+    }
+}
+
+struct Measured {
+    candidate: Candidate,
+    /// One summary per concurrency of [`CONCURRENCIES`]; empty when the server did not start.
+    points: Vec<Summary>,
+    errors: usize,
+    rss_bytes: u64,
+    failure: Option<String>,
+}
+
+impl Measured {
+    fn best_throughput(&self, p99_under: Option<f64>) -> Option<f64> {
+        self.points.iter().filter(|p| p99_under.is_none_or(|ms| p.p99_ms <= ms)).map(|p| p.throughput).reduce(f64::max)
+    }
+
+    /// Higher is better; `None` when the candidate cannot meet the goal.
+    fn score(&self, goal: Goal) -> Option<f64> {
+        if self.failure.is_some() || self.errors > 0 {
+            return None;
+        }
+        match goal {
+            Goal::Latency => self.points.first().map(|p| -p.p50_ms),
+            Goal::Throughput => self.best_throughput(None),
+            Goal::P99Under(ms) => self.best_throughput(Some(ms)),
+        }
+    }
+}
+
+/// The plans worth trying on `usable` cores: 1, 2, 4, ... threads per worker (and all of them
+/// in one worker), each with batching off, on, and on with a 2 ms wait.
+fn candidates(usable: usize, max_batch_size: usize) -> Vec<Candidate> {
+    let mut threads: Vec<usize> =
+        std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).collect();
+    if !threads.contains(&usable) {
+        threads.push(usable);
+    }
+    let batch = max_batch_size.max(2);
+    threads
+        .into_iter()
+        .flat_map(|t| {
+            [(1, 0), (batch, 0), (batch, 2)].map(|(max_batch_size, max_queue_delay_ms)| Candidate {
+                workers: usable / t,
+                threads: t,
+                max_batch_size,
+                max_queue_delay_ms,
+            })
+        })
+        .collect()
+}
+
+pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
+    let config = Config::load(args.config.as_deref())?;
+    let resolved = Resolved::new(config.clone())?;
+    let name = args.model.clone().unwrap_or_else(|| config.models.default.clone());
+    let entry =
+        resolved.models.iter().find(|m| m.name == name).with_context(|| {
+            format!("model '{name}' is not served by this configuration (models.default, models.load)")
+        })?;
+    if entry.image.is_some() {
+        bail!("tune loads text and tensor models; '{name}' takes images");
+    }
+    if args.write && config.source.is_none() {
+        bail!("--write needs a configuration file to write (--config)");
+    }
+    let usable = resolved.plan.budget.usable;
+    let grid = candidates(usable, entry.batching.max_batch_size);
+    let per_candidate = 1.5 + CONCURRENCIES.len() as f64 * (args.seconds + 0.5);
+    eprintln!("tuning '{name}' on {usable} usable cores: {} candidates x ~{per_candidate:.0} s", grid.len());
+    let work = std::env::temp_dir().join(format!("inferd-tune-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let mut results = Vec::new();
+    for (i, candidate) in grid.iter().enumerate() {
+        let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        if !terminal {
+            eprintln!("[{}/{}] {} threads, batching {}", i + 1, grid.len(), candidate.plan(), candidate.batching());
+        }
+        let progress = |step: &str| {
+            if !terminal {
+                return;
+            }
+            let done = (i * 20) / grid.len();
+            eprint!(
+                "\r[{}{}] {}/{} {} threads, batching {}: {step:<24}",
+                "#".repeat(done),
+                " ".repeat(20 - done),
+                i + 1,
+                grid.len(),
+                candidate.plan(),
+                candidate.batching()
+            );
+            let _ = std::io::stderr().flush();
+        };
+        results.push(measure(&args, entry, *candidate, &work, progress));
+    }
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("\r[{}] done{:60}", "#".repeat(20), "");
+    }
+    let _ = std::fs::remove_dir_all(&work);
+
+    print_table(&results);
+    let best = results
+        .iter()
+        .filter_map(|m| m.score(args.goal).map(|s| (s, m)))
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, m)| m);
+    let Some(best) = best else {
+        println!("\nno candidate meets the goal {:?}", args.goal);
+        return Ok(ExitCode::from(1));
+    };
+    let c = best.candidate;
+    println!("\nbest for {:?}: {} workers x {} threads, batching {}", args.goal, c.workers, c.threads, c.batching());
+    if args.write {
+        let config_path = config.source.as_deref().expect("checked above");
+        write_plan(config_path, &config.model_repository().join(&name).join(MODEL_CONFIG_FILE), c)?;
+    } else {
+        println!(
+            "(--write puts it into {} and the model's model.toml)",
+            config.source.as_ref().map_or("the config".into(), |p| p.display().to_string())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(results: &[Measured]) {
+    let mut header = format!("\n{:<10} {:<20}", "workers", "batching");
+    for c in CONCURRENCIES {
+        header.push_str(&format!(" {:>22}", format!("c={c} req/s (p50/p99)")));
+    }
+    println!("{header} {:>10} {:>7}", "RSS", "errors");
+    for m in results {
+        let mut line = format!("{:<10} {:<20}", m.candidate.plan(), m.candidate.batching());
+        if let Some(failure) = &m.failure {
+            println!("{line} failed: {failure}");
+            continue;
+        }
+        for p in &m.points {
+            line.push_str(&format!(" {:>22}", format!("{:.0} ({:.1}/{:.1})", p.throughput, p.p50_ms, p.p99_ms)));
+        }
+        println!("{line} {:>6} MiB {:>7}", m.rss_bytes >> 20, m.errors);
+    }
+}
+
+/// Starts one candidate, loads it at each concurrency, reads its RSS, stops it.
+fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, progress: impl Fn(&str)) -> Measured {
+    let mut measured = Measured { candidate, points: Vec::new(), errors: 0, rss_bytes: 0, failure: None };
+    progress("starting");
+    let mut server = match Server::start(args.config.as_deref(), candidate, work) {
+        Ok(s) => s,
+        Err(e) => {
+            measured.failure = Some(format!("{e:#}"));
+            return measured;
+        }
+    };
+    let outcome = (|| -> anyhow::Result<()> {
+        server.wait_ready()?;
+        let (path, body) = request(&server.addr, entry)?;
+        for c in CONCURRENCIES {
+            progress(&format!("load at c={c}"));
+            let load = Load {
+                addr: server.addr.clone(),
+                path: path.clone(),
+                bodies: vec![body.clone()],
+                concurrency: c,
+                seconds: args.seconds,
+                warmup: Duration::from_millis(500),
+            };
+            let outcome = closed_loop(&load)?;
+            measured.errors += outcome.errors;
+            measured.points.push(outcome.summary());
+        }
+        let status = control::query(&server.socket, &Request::Status, |_| {})?.status.context("no status")?;
+        measured.rss_bytes = status.workers.iter().filter_map(|w| w.rss_bytes).sum();
+        Ok(())
+    })();
+    if let Err(e) = outcome {
+        measured.failure = Some(format!("{e:#}; log: {}", server.log_tail()));
+    }
+    server.stop();
+    measured
+}
+
+/// The request the model is loaded with: one sentence for text models, zeros for tensor models.
+fn request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> {
+    let name = &entry.name;
+    Ok(match entry.task {
+        Task::Embedding => {
+            (format!("/v2/models/{name}/embed"), serde_json::to_vec(&serde_json::json!({ "inputs": SENTENCE }))?)
+        }
+        Task::Classification => {
+            (format!("/v2/models/{name}/predict"), serde_json::to_vec(&serde_json::json!({ "inputs": SENTENCE }))?)
+        }
+        Task::Raw => {
+            let (status, body) = get(addr, &format!("/v2/models/{name}"))?;
+            anyhow::ensure!(status == 200, "model metadata: status {status}");
+            let meta: serde_json::Value = serde_json::from_slice(&body)?;
+            let inputs: Vec<serde_json::Value> = meta["inputs"]
+                .as_array()
+                .context("model metadata without inputs")?
+                .iter()
+                .map(|input| {
+                    let shape: Vec<i64> = input["shape"]
+                        .as_array()
+                        .map(|dims| {
+                            dims.iter()
+                                .enumerate()
+                                .map(|(i, d)| match d.as_i64().unwrap_or(-1) {
+                                    d if d >= 0 => d,
+                                    _ if i == 0 => 1,
+                                    _ => entry.warmup.dynamic_dim as i64,
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let n: i64 = shape.iter().product();
+                    let zero = match input["datatype"].as_str() {
+                        Some("BOOL") => serde_json::json!(false),
+                        Some("BYTES") => serde_json::json!(""),
+                        _ => serde_json::json!(0),
+                    };
+                    serde_json::json!({"name": input["name"], "datatype": input["datatype"], "shape": shape,
+                        "data": vec![zero; n.max(0) as usize]})
+                })
+                .collect();
+            (format!("/v2/models/{name}/infer"), serde_json::to_vec(&serde_json::json!({ "inputs": inputs }))?)
+        }
+    })
+}
+
+/// One GET on a fresh connection: (status, body).
+fn get(addr: &str, path: &str) -> anyhow::Result<(u16, Vec<u8>)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no complete response")?;
+    let status = std::str::from_utf8(&raw[..end])?.split(' ').nth(1).and_then(|s| s.parse().ok()).context("status")?;
+    Ok((status, raw[end + 4..].to_vec()))
+}
+
+/// A candidate's `inferd serve`, in its own process group.
+struct Server {
+    child: Child,
+    addr: String,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(config: Option<&Path>, c: Candidate, work: &Path) -> anyhow::Result<Server> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let addr = format!("127.0.0.1:{port}");
+        let socket = work.join("control.sock");
+        let log = work.join("serve.log");
+        let mut command = Command::new(std::env::current_exe()?);
+        command.arg("serve");
+        if let Some(config) = config {
+            command.arg("--config").arg(config);
+        }
+        command
+            .args(["--listen", &addr, "--admin-listen", ""])
+            .arg("--control-socket")
+            .arg(&socket)
+            .args(["--workers", &c.workers.to_string(), "--threads", &c.threads.to_string()])
+            .args(["--max-batch-size", &c.max_batch_size.to_string()])
+            .args(["--max-queue-delay-ms", &c.max_queue_delay_ms.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .process_group(0);
+        let child = command.spawn().context("cannot start inferd serve")?;
+        Ok(Server { child, addr, socket, log })
+    }
+
+    fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("inferd serve exited ({status}): {}", self.log_tail());
+            }
+            if get(&self.addr, "/v2/health/ready").is_ok_and(|(s, _)| s == 200) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!("not ready after 180 s: {}", self.log_tail())
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
+    /// SIGTERM to the group (the supervisor drains its workers), SIGKILL after 10 s.
+    fn stop(&mut self) {
+        use nix::sys::signal::{killpg, Signal};
+        let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = killpg(group, Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = killpg(group, Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// Puts the plan into the configuration (`server.workers`, `server.threads`) and the batching
+/// into the model's `model.toml` (`[batching]`), keeping every comment and other key.
+fn write_plan(config: &Path, model_toml: &Path, c: Candidate) -> anyhow::Result<()> {
+    set_keys(config, "server", &[("workers", c.workers as i64), ("threads", c.threads as i64)])?;
+    set_keys(
+        model_toml,
+        "batching",
+        &[("max_batch_size", c.max_batch_size as i64), ("max_queue_delay_ms", c.max_queue_delay_ms as i64)],
+    )
+}
+
+fn set_keys(path: &Path, section: &str, keys: &[(&str, i64)]) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut doc: toml_edit::DocumentMut = text.parse().with_context(|| format!("{} is not TOML", path.display()))?;
+    if !doc.contains_key(section) {
+        doc[section] = toml_edit::table(); // `[section]`, not an inline table
+    }
+    for &(key, value) in keys {
+        doc[section][key] = toml_edit::value(value);
+    }
+    std::fs::write(path, doc.to_string()).with_context(|| format!("cannot write {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn goals_parse_and_bad_ones_are_explained() {
+        assert_eq!("latency".parse::<Goal>(), Ok(Goal::Latency));
+        assert_eq!("p99-under=50".parse::<Goal>(), Ok(Goal::P99Under(50.0)));
+        assert!("p99-under=-1".parse::<Goal>().unwrap_err().contains("p99-under=MS"));
+        assert!("fast".parse::<Goal>().is_err());
+    }
+
+    #[test]
+    fn the_grid_covers_every_thread_split_within_the_cores() {
+        let grid = candidates(2, 32);
+        let plans: Vec<(usize, usize)> = grid.iter().map(|c| (c.workers, c.threads)).collect();
+        assert_eq!(plans, [(2, 1), (2, 1), (2, 1), (1, 2), (1, 2), (1, 2)]);
+        assert_eq!(grid[0].max_batch_size, 1, "batching off is a candidate");
+        let six: Vec<usize> = candidates(6, 32).iter().map(|c| c.threads).step_by(3).collect();
+        assert_eq!(six, [1, 2, 4, 6]);
+        assert!(candidates(6, 32).iter().all(|c| c.workers * c.threads <= 6));
+    }
+}

@@ -1,0 +1,84 @@
+//! `inferd tune`: the real binary starts a real server per candidate plan, loads it, prints one
+//! row per candidate and writes the best plan into the configuration and the model's
+//! model.toml, keeping their comments.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn usable_cores(config: &std::path::Path) -> usize {
+    let out = Command::new(BIN).arg("check").arg("--config").arg(config).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("usable cores:")).unwrap_or_else(|| panic!("{text}"));
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+#[test]
+fn tune_measures_each_candidate_and_writes_the_best_keeping_comments() {
+    let dir = TempDir::new("tune");
+    // A private copy of the model: --write edits its model.toml.
+    let repository = dir.path().join("models");
+    let model = repository.join("typed");
+    std::fs::create_dir_all(&model).unwrap();
+    for file in ["model.onnx", "model.toml"] {
+        std::fs::copy(test_models().join("typed").join(file), model.join(file)).unwrap();
+    }
+    let config = write_config(dir.path(), free_port(), 1, &repository, "typed", &[], "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("# operator's note: keep me\n{text}")).unwrap();
+    let usable = usable_cores(&config);
+
+    let out = Command::new(BIN)
+        .arg("tune")
+        .arg("--config")
+        .arg(&config)
+        .args(["--seconds", "0.3", "--goal", "throughput", "--write"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+
+    // One row per candidate: every thread split 1, 2, 4, ... (and all cores) x 3 batchings.
+    let mut splits: Vec<usize> = std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).collect();
+    if !splits.contains(&usable) {
+        splits.push(usable);
+    }
+    for threads in &splits {
+        let plan = format!("{} x {threads} ", usable / threads);
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with(&plan)).collect();
+        assert_eq!(rows.len(), 3, "plan {plan}: {stdout}");
+        assert!(rows.iter().all(|r| !r.contains("failed") && r.trim_end().ends_with(" 0")), "{stdout}");
+    }
+    assert!(stderr.contains(&format!("[{}/{}]", splits.len() * 3, splits.len() * 3)), "progress: {stderr}");
+
+    // The best plan is in the files, and nothing else changed.
+    let best = stdout.lines().find(|l| l.starts_with("best for Throughput: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let words: Vec<&str> = best.split_whitespace().collect();
+    let (workers, threads) = (words[3], words[6]);
+    let written = std::fs::read_to_string(&config).unwrap();
+    assert!(written.starts_with("# operator's note: keep me\n"), "{written}");
+    assert!(written.contains(&format!("workers = {workers}\n")), "{best}\n{written}");
+    assert!(written.contains(&format!("threads = {threads}\n")), "{best}\n{written}");
+    let other = |t: &str| -> Vec<String> {
+        t.lines().filter(|l| !l.starts_with("workers =") && !l.starts_with("threads =")).map(String::from).collect()
+    };
+    assert_eq!(other(&written)[1..], other(&text)[..], "only the plan changed");
+    let model_toml = std::fs::read_to_string(model.join("model.toml")).unwrap();
+    assert!(model_toml.starts_with("# Test model generated"), "{model_toml}");
+    let batch = if best.contains("batching off") { "1" } else { "32" };
+    assert!(model_toml.contains(&format!("[batching]\nmax_batch_size = {batch}\n")), "{best}\n{model_toml}");
+    // What was written is a valid configuration.
+    assert_eq!(usable_cores(&config), usable);
+    let check = Command::new(BIN).arg("check").arg("--config").arg(&config).output().unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+}
+
+#[test]
+fn a_goal_tune_does_not_know_is_refused_with_the_choices() {
+    let out = Command::new(BIN).args(["tune", "--goal", "fast"]).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("latency, throughput or p99-under=MS"), "{stderr}");
+}
