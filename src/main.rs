@@ -238,7 +238,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
-    inferd_worker::model::init_runtime(&resolved.ort.path, 1, false)?;
+    inferd_worker::model::init_runtime(&resolved.ort.path)?;
     for entry in &resolved.models {
         let model =
             inferd_worker::model::Model::load(entry).with_context(|| format!("checking model '{}'", entry.name))?;

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::ModelEntry;
-use inferd_worker::model::{init_runtime, Model};
+use inferd_worker::model::{init_runtime, Model, Threads};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
 
 #[derive(Parser)]
@@ -61,13 +61,14 @@ enum Command {
         /// Threads, each with its own session.
         #[arg(long, default_value_t = 1)]
         parallel: usize,
-        /// ORT intra-op threads, in one pool the sessions share (as in an inferd worker).
+        /// ORT intra-op threads per session: 1 = a narrow session, more = a wide one (its own
+        /// pool, as in an inferd worker).
         #[arg(long, default_value_t = 1)]
         threads: usize,
         /// Texts per run (one ORT call on the padded batch).
         #[arg(long, default_value_t = 1)]
         batch: usize,
-        /// Let ORT's pool threads spin between parallel sections (server.intra_op_spinning).
+        /// Let a wide session's pool threads spin between operators (server.intra_op_spinning).
         #[arg(long)]
         spin: bool,
         #[arg(long, default_value_t = 10.0)]
@@ -146,7 +147,8 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
     std::env::set_var("TOKENIZERS_PARALLELISM", "false");
-    init_runtime(library, threads, spin)?;
+    init_runtime(library)?;
+    let session_threads = if threads > 1 { Threads::Wide { threads, spin } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
     let start = Arc::new(std::sync::Barrier::new(parallel + 1));
@@ -154,11 +156,12 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
         .map(|p| {
             let (entry, stop, texts, start) = (entry.clone(), stop.clone(), texts.to_vec(), start.clone());
             std::thread::spawn(move || -> anyhow::Result<Vec<Duration>> {
-                let prepared = Model::load(&entry).map_err(anyhow::Error::from).and_then(|model| {
-                    let pipeline = model.meta.pipeline.clone();
-                    let Pipeline::Text(_) = &*pipeline else { bail!("ort mode needs a text model") };
-                    Ok((model, pipeline))
-                });
+                let prepared =
+                    Model::load_with(&entry, session_threads).map_err(anyhow::Error::from).and_then(|model| {
+                        let pipeline = model.meta.pipeline.clone();
+                        let Pipeline::Text(_) = &*pipeline else { bail!("ort mode needs a text model") };
+                        Ok((model, pipeline))
+                    });
                 let (mut model, pipeline) = match prepared {
                     Ok(p) => p,
                     Err(e) => {

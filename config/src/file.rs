@@ -59,10 +59,10 @@ pub struct ServerConfig {
     pub workers: usize,
     /// ORT intra-op threads per worker; 0 = derive from the CPU budget (see `cpu::plan`).
     pub threads: usize,
-    /// Let a worker's ORT pool threads spin briefly between parallel sections instead of
+    /// Let a wide session's pool threads spin between the operators of a run instead of
     /// sleeping: a lone request on 2 threads then takes ~0.6x the single-thread time instead of
-    /// ~1.0x (wake-ups per operator cost more than they save). The spin ends soon after a run,
-    /// so an idle server stays idle. No effect with 1 thread per worker.
+    /// ~1.0x (wake-ups per operator cost more than they save). The spinning stops when the run
+    /// ends, so an idle server stays idle. No effect with 1 thread per worker.
     pub intra_op_spinning: bool,
     /// Permit workers x threads > usable cores (not recommended: p95 suffers).
     pub allow_oversubscription: bool,

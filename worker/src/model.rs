@@ -1,10 +1,9 @@
 //! Loading and running models: the only place that talks to ONNX Runtime.
 //!
-//! One ORT environment per process, created once by [`init_runtime`] with a global intra-op
-//! thread pool of exactly the worker's share of threads (inter-op 1). A model is loaded as
-//! *wide* sessions on that pool ([`Threads::Pool`]) and *narrow* ones that run only on their
-//! calling thread ([`Threads::Caller`]); neither kind creates threads of its own, so a worker's
-//! thread count does not grow with its model count.
+//! One ORT environment per process, created once by [`init_runtime`]. A model is loaded as
+//! *narrow* sessions that run only on the thread that calls them ([`Threads::Narrow`], no pool
+//! threads) and, in a worker of T > 1 threads, a *wide* session with a pool of its own
+//! ([`Threads::Wide`]: the caller plus T-1 threads, asleep between runs).
 //! Model loading stays here so that a prepared artefact (pre-packed, mmap'd weights) can later
 //! be loaded without touching the rest.
 
@@ -13,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use inferd_config::model::{ModelEntry, Task};
 use inferd_config::spec::ModelInfo;
-use ort::environment::{Environment, GlobalThreadPoolOptions};
+use ort::environment::Environment;
 use ort::session::Session;
 use ort::value::ValueType;
 use serde::Serialize;
@@ -93,7 +92,7 @@ static ENVIRONMENT: OnceLock<Environment> = OnceLock::new();
 
 /// Loads libonnxruntime and creates the process's one environment. Call once, in the process
 /// that will run sessions, after it was created (never in a parent that later forks).
-pub fn init_runtime(library: &Path, intra_threads: usize, spin: bool) -> Result<&'static Environment, ModelError> {
+pub fn init_runtime(library: &Path) -> Result<&'static Environment, ModelError> {
     if let Some(env) = ENVIRONMENT.get() {
         return Ok(env);
     }
@@ -105,34 +104,27 @@ pub fn init_runtime(library: &Path, intra_threads: usize, spin: bool) -> Result<
     std::env::set_var("ORT_DISABLE_TELEMETRY", "1");
     // The library must be loaded before any other ort call: they all go through its API table.
     let builder = ort::init_from(library).map_err(|e| fail(e.to_string()))?;
-    let pool = GlobalThreadPoolOptions::default()
-        .with_intra_threads(intra_threads)
-        .and_then(|p| p.with_inter_threads(1))
-        .and_then(|p| p.with_spin_control(spin))
-        .map_err(|e| fail(e.to_string()))?;
-    let env = builder
-        .with_name("inferd")
-        .with_telemetry(false)
-        .with_global_thread_pool(pool)
-        .build()
-        .map_err(|e| fail(e.to_string()))?;
+    // No global thread pool: its threads would spin after every run, which a session's own
+    // pool can be told not to (see `Threads::Wide`).
+    let env = builder.with_name("inferd").with_telemetry(false).build().map_err(|e| fail(e.to_string()))?;
     Ok(ENVIRONMENT.get_or_init(|| env))
 }
 
 /// Which threads a session's operators run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
-    /// The process's one intra-op pool, all of the worker's threads: a *wide* session, for a
-    /// request that has the worker to itself.
-    Pool,
     /// Only the thread that calls `run`: a *narrow* session, one per lane, for runs side by side.
-    Caller,
+    Narrow,
+    /// `threads` in all (the caller and a pool of its own): a *wide* session, for a request
+    /// that has the worker to itself. `spin`: pool threads spin between the operators of a run
+    /// (server.intra_op_spinning).
+    Wide { threads: usize, spin: bool },
 }
 
 impl Model {
-    /// Loads one model into a session on the process's thread pool (`inferd check`, benches).
+    /// Loads one model into a narrow session (`inferd check`).
     pub fn load(entry: &ModelEntry) -> Result<Model, ModelError> {
-        Model::load_with(entry, Threads::Pool)
+        Model::load_with(entry, Threads::Narrow)
     }
 
     /// Loads one model into a session that runs on `threads`. Each session holds its own copy
@@ -161,11 +153,14 @@ impl Model {
         let builder = step(builder.with_execution_providers([cpu]))?;
         let builder = step(builder.with_memory_pattern(false))?;
         let mut builder = match threads {
-            Threads::Pool => builder,
-            Threads::Caller => {
-                let builder = step(builder.with_independent_thread_pool())?;
-                let builder = step(builder.with_intra_threads(1))?;
-                step(builder.with_intra_op_spinning(false))?
+            Threads::Narrow => step(builder.with_intra_threads(1))?,
+            // Pool threads may spin between the operators of a run but stop when it ends:
+            // measured on MiniLM at 20 lone requests/s, spinning past the end of each run cost
+            // 0.5 of a core (the worker used 774 ms of CPU per second, 246 with the stop).
+            Threads::Wide { threads, spin } => {
+                let builder = step(builder.with_intra_threads(threads))?;
+                let builder = step(builder.with_intra_op_spinning(spin))?;
+                step(builder.with_config_entry("session.force_spinning_stop", "1"))?
             }
         };
 

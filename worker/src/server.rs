@@ -130,8 +130,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
         nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
-    init_runtime(&spec.ort_library, spec.threads, spec.server.intra_op_spinning)
-        .map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
     // Per model: one narrow session per thread (the lanes that run side by side under load)
     // and, with more than one thread, a wide one on the whole pool (a request that has the
     // worker to itself).
@@ -139,11 +138,14 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
     let mut models = Vec::with_capacity(spec.models.len());
     for entry in &spec.models {
         let narrow = (0..spec.threads.max(1))
-            .map(|_| Model::load_with(entry, Threads::Caller))
+            .map(|_| Model::load_with(entry, Threads::Narrow))
             .collect::<Result<Vec<_>, _>>()
             .map_err(load_error)?;
         let wide = match spec.threads > 1 {
-            true => Some(Model::load_with(entry, Threads::Pool).map_err(load_error)?),
+            true => {
+                let wide = Threads::Wide { threads: spec.threads, spin: spec.server.intra_op_spinning };
+                Some(Model::load_with(entry, wide).map_err(load_error)?)
+            }
             false => None,
         };
         models.push(Sessions { narrow, wide });
