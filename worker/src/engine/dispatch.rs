@@ -1,0 +1,301 @@
+//! The dispatcher thread (`inferd-batch`): takes jobs from the I/O thread, forms batches and
+//! hands them to free lanes, deciding which job anchors the next batch, how much of what waits
+//! a lane takes, and when a batch runs wide.
+
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use inferd_config::stats::Shared;
+
+use super::batch::{Job, Join, Policy};
+use super::{Event, Work};
+use crate::model::ModelError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaneState {
+    Idle,
+    Light,
+    /// A batch anchored by a heavy job ([`super::HEAVY_TOKENS`]).
+    Heavy,
+}
+
+/// Requests that overlapped this recently mean load: a lone one then runs narrow.
+const RECENT_LOAD: Duration = Duration::from_millis(50);
+
+/// How long after the last light batch started the last free lane stays reserved for light
+/// work; with only heavy work coming, every lane runs it.
+const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
+
+/// Takes jobs, forms batches and hands them to free lanes.
+pub(super) struct Dispatcher {
+    inbox: mpsc::Receiver<Event>,
+    /// Jobs taken from the channel and not yet handed to a lane, oldest first.
+    pending: VecDeque<Job>,
+    policies: Vec<Policy>,
+    /// Each lane's work channel and what it runs.
+    lanes: Vec<(mpsc::Sender<Work>, LaneState)>,
+    has_wide: bool,
+    /// Lane 0 runs on every thread: no other lane may start until it is done.
+    wide_running: bool,
+    counters: Arc<Shared>,
+    /// Gone once every [`super::Engine`] handle is dropped.
+    engine: std::sync::Weak<()>,
+    /// When the last light batch started.
+    last_light: Option<Instant>,
+    /// When a batch last started with other work waiting or running beside it.
+    last_load: Option<Instant>,
+}
+
+impl Dispatcher {
+    /// `lanes`: each lane's work channel, all idle; `engine`: dropped with the last handle.
+    pub(super) fn new(
+        inbox: mpsc::Receiver<Event>,
+        policies: Vec<Policy>,
+        lanes: Vec<mpsc::Sender<Work>>,
+        has_wide: bool,
+        counters: Arc<Shared>,
+        engine: std::sync::Weak<()>,
+    ) -> Dispatcher {
+        Dispatcher {
+            inbox,
+            pending: VecDeque::new(),
+            policies,
+            lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
+            has_wide,
+            wide_running: false,
+            counters,
+            engine,
+            last_light: None,
+            last_load: None,
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            self.counters.beat();
+            self.drop_dead();
+            if self.dispatch().is_err() {
+                return; // a lane is gone: the worker is going down
+            }
+            // Nothing more can start until a job arrives, a lane finishes or a reservation for
+            // light work lapses.
+            let wait = self.reserved_until().map_or(Duration::from_secs(1), |t| t - Instant::now());
+            match self.inbox.recv_timeout(wait.min(Duration::from_secs(1))) {
+                Ok(event) => self.take(event),
+                Err(mpsc::RecvTimeoutError::Timeout) if self.engine.strong_count() == 0 => return,
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+            while let Ok(event) = self.inbox.try_recv() {
+                self.take(event);
+            }
+        }
+    }
+
+    /// Hands batches to free lanes while there is work that may start now.
+    fn dispatch(&mut self) -> Result<(), mpsc::SendError<Work>> {
+        while let Some(lane) = self.free_lane() {
+            let Some(anchor) = self.next_anchor() else { break };
+            let heavy = anchor.heavy();
+            let policy = &self.policies[anchor.model];
+            if policy.max_rows > 1 && !policy.delay.is_zero() && anchor.rows.is_some() {
+                self.wait_for_company(&anchor);
+            }
+            // Lanes share what waits: a lane takes its share of it, not all of it, so the others
+            // (free now or soon) get work too and no request waits behind one oversized batch.
+            let free = self.lanes.iter().filter(|(_, s)| *s == LaneState::Idle).count();
+            let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
+            let batch = self.gather(anchor, waiting.div_ceil(self.lanes.len()));
+            let now = Instant::now();
+            let idle = batch.len() == 1 && self.pending.is_empty() && free == self.lanes.len();
+            if !idle {
+                self.last_load = Some(now);
+            }
+            // Wide blocks every lane until it is done, and costs more CPU per request than a
+            // narrow run: only for one request that has the worker to itself, and not while
+            // requests have been overlapping lately (a burst would then run wide one by one).
+            let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
+            let (lane, wide) = if self.has_wide && alone { (0, true) } else { (lane, false) };
+            self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
+            if !heavy {
+                self.last_light = Some(Instant::now());
+            }
+            self.wide_running = wide;
+            self.lanes[lane].0.send(Work { batch, wide })?;
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, event: Event) {
+        match event {
+            Event::Job(job) => self.pending.push_back(job),
+            Event::Done { lane } => {
+                self.lanes[lane].1 = LaneState::Idle;
+                if lane == 0 {
+                    self.wide_running = false;
+                }
+            }
+        }
+    }
+
+    fn free_lane(&self) -> Option<usize> {
+        if self.wide_running {
+            return None;
+        }
+        self.lanes.iter().position(|(_, s)| *s == LaneState::Idle)
+    }
+
+    /// While light work ran lately, heavy work may not take the last free lane: until when.
+    fn reserved_until(&self) -> Option<Instant> {
+        let heavy_lanes = self.lanes.iter().filter(|(_, s)| *s == LaneState::Heavy).count();
+        if self.lanes.len() < 2 || heavy_lanes + 1 < self.lanes.len() {
+            return None;
+        }
+        self.last_light.map(|t| t + LIGHT_RESERVATION).filter(|&until| until > Instant::now())
+    }
+
+    /// The oldest waiting job; but when it is heavy and the last free lane is reserved for
+    /// light work, the oldest light job, or none (the heavy job waits for a lane).
+    fn next_anchor(&mut self) -> Option<Job> {
+        let index = match self.pending.front()?.heavy() && self.reserved_until().is_some() {
+            true => self.pending.iter().position(|j| !j.heavy())?,
+            false => 0,
+        };
+        self.pending.remove(index)
+    }
+
+    /// Removes jobs whose client went away (skipping the work) and answers those past their
+    /// deadline.
+    fn drop_dead(&mut self) {
+        let now = Instant::now();
+        let mut live = VecDeque::with_capacity(self.pending.len());
+        for job in self.pending.drain(..) {
+            if job.reply.is_closed() {
+                self.counters.queued(-1);
+            } else if job.expired(now) {
+                self.counters.queued(-1);
+                let waited = now - job.queued_at;
+                let _ = job.reply.send(Err(ModelError::DeadlineExceeded { waited }));
+            } else {
+                live.push_back(job);
+            }
+        }
+        self.pending = live;
+    }
+
+    /// Holds the anchor until its batch is full or `max_queue_delay_ms` after its arrival.
+    fn wait_for_company(&mut self, anchor: &Job) {
+        let policy = &self.policies[anchor.model];
+        let (until, max_rows) = (anchor.queued_at + policy.delay, policy.max_rows);
+        loop {
+            let rows: usize = anchor.rows.unwrap_or(1)
+                + self.pending.iter().filter(|j| anchor.fits(j)).filter_map(|j| j.rows).sum::<usize>();
+            let now = Instant::now();
+            if rows >= max_rows || now >= until {
+                return;
+            }
+            match self.inbox.recv_timeout(until - now) {
+                Ok(event) => self.take(event),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`.
+    fn gather(&mut self, anchor: Job, max_rows: usize) -> Vec<Job> {
+        let policy = &self.policies[anchor.model];
+        let max_rows = max_rows.min(policy.max_rows);
+        let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
+        let (mut width, mut narrowest) = (anchor.width, anchor.width);
+        let mut candidates: Vec<usize> = (0..self.pending.len()).filter(|&i| anchor.fits(&self.pending[i])).collect();
+        // Closest in length first (a stable sort: oldest first among equals).
+        candidates.sort_by_key(|&i| self.pending[i].width.abs_diff(anchor.width));
+        let mut chosen = Vec::new();
+        for i in candidates {
+            let job = &self.pending[i];
+            let (job_rows, job_width) = (job.rows.unwrap_or(usize::MAX), job.width);
+            let new_rows = rows.saturating_add(job_rows);
+            let (new_width, new_narrowest) = (width.max(job_width), narrowest.min(job_width));
+            if new_rows > max_rows {
+                continue;
+            }
+            if anchor.join == Join::PadSequence
+                && (new_rows * new_width > policy.max_tokens || new_width > 2 * new_narrowest)
+            {
+                continue;
+            }
+            (rows, width, narrowest) = (new_rows, new_width, new_narrowest);
+            chosen.push(i);
+        }
+        chosen.sort_unstable();
+        let mut batch = vec![anchor];
+        // Highest index first, so the lower indices stay valid.
+        for &i in chosen.iter().rev() {
+            batch.extend(self.pending.remove(i));
+        }
+        batch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::batch::tests::text_job;
+
+    fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
+        let (_, inbox) = mpsc::channel();
+        let policies = vec![Policy { max_rows, max_tokens, delay: Duration::ZERO }];
+        let counters = Arc::new(Shared::create("inferd-engine-test").unwrap().0);
+        let mut d = Dispatcher::new(inbox, policies, Vec::new(), false, counters, std::sync::Weak::new());
+        d.pending = pending.into();
+        d
+    }
+
+    #[test]
+    fn short_texts_batch_together_and_a_long_one_does_not_inflate_them() {
+        let shorts = || (0..15).map(|i| text_job(1, 17, i)).collect::<Vec<_>>();
+        let mut pending = shorts();
+        pending.insert(3, text_job(1, 256, 0));
+        let mut d = dispatcher(32, 8192, pending);
+        let batch = d.gather(text_job(1, 17, 99), 64);
+        assert_eq!(batch.len(), 16, "the anchor and the 15 short texts");
+        assert!(batch.iter().all(|j| j.width == 17));
+        assert_eq!(d.pending.len(), 1, "the long text waits for its own run");
+
+        // No row is padded to more than twice its length: a long anchor runs without them.
+        let mut d = dispatcher(32, 8192, shorts());
+        assert_eq!(d.gather(text_job(1, 256, 0), 64).len(), 1);
+        let mut d = dispatcher(32, 8192, vec![text_job(1, 10, 0), text_job(1, 30, 0), text_job(1, 20, 0)]);
+        let widths: Vec<usize> = d.gather(text_job(1, 15, 0), 64).iter().map(|j| j.width).collect();
+        assert_eq!(widths, [15, 20, 10], "closest first, then within 2x of the narrowest");
+
+        // Rows and the token budget both bound a batch.
+        let mut d = dispatcher(4, 8192, shorts());
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 4);
+        let mut d = dispatcher(32, 17 * 6, shorts());
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 6);
+        // Batching off (no dynamic batch dimension, or max_batch_size = 1): always alone.
+        let mut d = dispatcher(1, 8192, shorts());
+        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 1);
+    }
+
+    #[test]
+    fn the_last_free_lane_is_kept_for_light_work_while_it_comes() {
+        let lanes = || (0..2).map(|_| (mpsc::channel().0, LaneState::Idle)).collect::<Vec<_>>();
+        let mut d = dispatcher(32, 512, vec![text_job(1, 256, 0), text_job(1, 17, 0), text_job(1, 256, 1)]);
+        d.lanes = lanes();
+        // Both lanes free: the oldest job goes first, heavy or not.
+        assert_eq!(d.next_anchor().unwrap().width, 256);
+        // One lane runs heavy work and light work ran lately: the other lane takes light work,
+        // and a heavy job waits rather than take it.
+        d.lanes[0].1 = LaneState::Heavy;
+        d.last_light = Some(Instant::now());
+        assert_eq!(d.next_anchor().unwrap().width, 17);
+        assert!(d.next_anchor().is_none() && d.pending.len() == 1);
+        assert!(d.reserved_until().is_some());
+        // No light work for a while: heavy work may use every lane.
+        d.last_light = Some(Instant::now() - LIGHT_RESERVATION);
+        assert_eq!(d.next_anchor().unwrap().width, 256);
+    }
+}

@@ -1,0 +1,265 @@
+//! The engine: the one place sessions run, and the dynamic batcher in front of them.
+//!
+//! HTTP handlers never run inference on the async executor. They send a job (validated
+//! tensors and a `oneshot` reply) to the dispatcher thread and await the reply. Threads, for a
+//! worker with T threads:
+//! - `inferd-batch` ([`dispatch`]): keeps the waiting jobs, forms batches and hands each to a
+//!   free lane;
+//! - `inferd-lane-0` .. `inferd-lane-{T-1}` ([`Lane`]): each owns a *narrow* session (one
+//!   thread, its own) of every model and runs its batches on it; lane 0 also owns the *wide*
+//!   sessions (all T threads) and runs a request that has the worker to itself there.
+//!
+//! Batching ([`batch`]): the dispatcher takes the oldest job (the *anchor*) and adds the
+//! waiting jobs that fit it: same model, tensors that agree in every dimension but the first
+//! (text may also differ in length: rows are padded to the longest, none to more than twice
+//! its own), within the model's `max_batch_size` rows and `max_batch_tokens` padded tokens,
+//! and within this lane's share of what waits; closest in length first. The outputs are split
+//! back by rows. With `max_queue_delay_ms` > 0 the anchor waits up to that long after its
+//! arrival for company; with 0 (the default) only jobs already waiting join, so an idle server
+//! adds no latency. A batch that fails (one request's bad values, an output without a batch
+//! dimension) is rerun one job at a time, so a bad request fails alone. Long texts
+//! ([`HEAVY_TOKENS`]) may hold every lane but one while short ones keep coming.
+//!
+//! Contract per job, batched or not: a job whose client went away is skipped, one past its
+//! deadline is answered 504 without running, and the `queued` counter (which `max_queue`
+//! reads) counts it until a lane takes it.
+
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use inferd_config::stats::{Latency, Shared};
+use tokio::sync::oneshot;
+
+use crate::model::{Model, ModelError, Tensor};
+
+mod batch;
+mod dispatch;
+
+pub use batch::Join;
+use batch::{merge, split, Job, Policy};
+use dispatch::Dispatcher;
+
+/// A job of at least this many tokens (rows x padded length; other jobs count their rows) is
+/// *heavy*: one 256-token MiniLM text takes ~70 ms on one thread, 14x a short sentence. Heavy
+/// jobs may occupy all lanes but one while lighter jobs wait, so a stream of long texts does
+/// not hold short ones up behind it (measured: short texts' p99 went from 61 ms alone to 1.5 s
+/// with one request in 8 of 256 tokens before this rule).
+const HEAVY_TOKENS: usize = 256;
+
+/// Test switch for the memory guards: with INFERD_TEST_LEAK_BYTES_PER_REQUEST=N in its
+/// environment, a worker leaks N touched bytes per model run, like a model or library that
+/// grows. Never set in production.
+fn leak_for_tests() {
+    static LEAK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let n = *LEAK.get_or_init(|| {
+        std::env::var("INFERD_TEST_LEAK_BYTES_PER_REQUEST").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    });
+    if n > 0 {
+        // black_box: an allocation nobody reads or frees may otherwise be optimised away.
+        std::mem::forget(std::hint::black_box(vec![1u8; n]));
+    }
+}
+
+/// One model's sessions: the HTTP side only ever sees its `meta`.
+pub struct Sessions {
+    /// One narrow session (1 thread: its caller) per lane.
+    pub narrow: Vec<Model>,
+    /// A session on the worker's whole thread pool, when the worker has more than one thread.
+    pub wide: Option<Model>,
+}
+
+/// Handle to the model threads; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    // std's channel: the receiving side is a plain thread that blocks on recv().
+    events: mpsc::Sender<Event>,
+    stats: Arc<Shared>,
+    /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
+    max_queue: u64,
+    /// Dropped with the last handle: the lanes hold senders too, so the channel alone never
+    /// tells the dispatcher that nobody will send again.
+    _alive: Arc<()>,
+}
+
+/// What the dispatcher hears about: a new job from the I/O thread, or a lane that finished.
+enum Event {
+    Job(Job),
+    Done { lane: usize },
+}
+
+/// A batch for a lane, to run on its narrow sessions or (lane 0 only) the wide ones.
+struct Work {
+    batch: Vec<Job>,
+    wide: bool,
+}
+
+impl Engine {
+    /// Starts the dispatcher thread (`inferd-batch`) and one thread per lane (`inferd-lane-N`),
+    /// each owning the narrow session of every model for its lane; lane 0 also owns the wide
+    /// sessions. `models[m].narrow.len()` is the number of lanes, the same for every model.
+    ///
+    /// Scheduling: a batch runs *wide* (on every thread of the worker) when it is the only work
+    /// there is: nothing else waits and no lane is busy; otherwise batches run *narrow*, one per
+    /// lane, side by side, and nothing runs wide until every lane is free again. So a lone
+    /// request uses all the worker's cores, and a loaded worker pays no thread synchronisation.
+    ///
+    /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
+    /// every second and the start of the oldest run in progress, which the supervisor watches
+    /// for a stuck model.
+    pub fn start(models: Vec<Sessions>, stats: Arc<Shared>, max_queue: usize) -> std::io::Result<Engine> {
+        let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
+        let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
+        let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
+        let (events, inbox) = mpsc::channel::<Event>();
+        let alive = Arc::new(());
+        let clock = Arc::new(RunClock::new(lanes, stats.clone()));
+        // Regroup by lane: lane l gets the l-th narrow session of every model.
+        let mut per_lane: Vec<Vec<Model>> = (0..lanes).map(|_| Vec::new()).collect();
+        let mut wide = Vec::new();
+        for set in models {
+            for (lane, model) in set.narrow.into_iter().enumerate() {
+                per_lane[lane].push(model);
+            }
+            wide.extend(set.wide);
+        }
+        let mut wide = Some(wide).filter(|_| has_wide);
+        let mut senders = Vec::with_capacity(lanes);
+        for (index, narrow) in per_lane.into_iter().enumerate() {
+            let (work, queue) = mpsc::channel::<Work>();
+            let lane = Lane {
+                index,
+                narrow,
+                wide: if index == 0 { wide.take() } else { None },
+                done: events.clone(),
+                counters: stats.clone(),
+                clock: clock.clone(),
+            };
+            std::thread::Builder::new().name(format!("inferd-lane-{index}")).spawn(move || lane.run(queue))?;
+            senders.push(work);
+        }
+        let dispatcher = Dispatcher::new(inbox, policies, senders, has_wide, stats.clone(), Arc::downgrade(&alive));
+        std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
+        Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
+    }
+
+    /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
+    /// with other requests where `join` and the model's limits allow.
+    pub async fn infer(
+        &self,
+        model: usize,
+        inputs: Vec<Tensor>,
+        join: Join,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        // Backpressure: a full queue answers at once instead of growing its latency.
+        let waiting = self.stats.queued_now();
+        if waiting >= self.max_queue {
+            return Err(ModelError::Overloaded { waiting });
+        }
+        let (reply, answer) = oneshot::channel();
+        self.stats.queued(1);
+        if self.events.send(Event::Job(Job::new(model, inputs, join, deadline, reply))).is_err() {
+            self.stats.queued(-1);
+            return Err(ModelError::EngineGone);
+        }
+        answer.await.map_err(|_| ModelError::EngineGone)?
+    }
+}
+
+/// The start of each lane's current run, so the supervisor sees the oldest one (a stuck lane
+/// stays visible while another keeps finishing runs).
+struct RunClock {
+    // A mutex, not atomics: start and end must update the shared minimum together.
+    starts: std::sync::Mutex<Vec<u64>>,
+    counters: Arc<Shared>,
+}
+
+impl RunClock {
+    fn new(lanes: usize, counters: Arc<Shared>) -> RunClock {
+        RunClock { starts: std::sync::Mutex::new(vec![0; lanes]), counters }
+    }
+
+    fn set(&self, lane: usize, running: bool) {
+        let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
+        starts[lane] = if running { inferd_config::stats::monotonic_nanos() } else { 0 };
+        self.counters.busy_since(starts.iter().copied().filter(|&t| t != 0).min());
+    }
+}
+
+/// A thread that runs batches on its own sessions.
+struct Lane {
+    index: usize,
+    /// This lane's narrow session of every model.
+    narrow: Vec<Model>,
+    /// Lane 0 only: the wide session of every model.
+    wide: Option<Vec<Model>>,
+    done: mpsc::Sender<Event>,
+    counters: Arc<Shared>,
+    clock: Arc<RunClock>,
+}
+
+impl Lane {
+    fn run(mut self, work: mpsc::Receiver<Work>) {
+        while let Ok(Work { batch, wide }) = work.recv() {
+            self.execute(batch, wide);
+            if self.done.send(Event::Done { lane: self.index }).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn execute(&mut self, batch: Vec<Job>, wide: bool) {
+        let started = Instant::now();
+        let model = batch[0].model;
+        let counters = Arc::clone(&self.counters);
+        for job in &batch {
+            counters.queued(-1);
+            counters.observe_latency(Latency::Queue, model, (started - job.queued_at).as_secs_f64());
+        }
+        if batch.len() == 1 {
+            let job = batch.into_iter().next().expect("one job");
+            let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
+            let result = self.run_one(model, job.inputs, rows, wide);
+            counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
+            let _ = job.reply.send(result);
+            return;
+        }
+        let rows: Vec<usize> = batch.iter().map(|j| j.rows.expect("only batchable jobs are gathered")).collect();
+        let total: usize = rows.iter().sum();
+        let merged = merge(&batch, total);
+        let split = self.run_one(model, merged, total as u64, wide).ok().and_then(|outputs| split(outputs, &rows));
+        match split {
+            Some(parts) => {
+                let elapsed = started.elapsed().as_secs_f64();
+                for (job, part) in batch.into_iter().zip(parts) {
+                    counters.observe_latency(Latency::Compute, model, elapsed);
+                    let _ = job.reply.send(Ok(part));
+                }
+            }
+            None => {
+                // One request's values may have failed the batch: each runs alone and gets its
+                // own answer.
+                for job in batch {
+                    let one = Instant::now();
+                    let result = self.run_one(model, job.inputs, job.rows.unwrap_or(1) as u64, wide);
+                    counters.observe_latency(Latency::Compute, model, one.elapsed().as_secs_f64());
+                    let _ = job.reply.send(result);
+                }
+            }
+        }
+    }
+
+    /// One ORT call, counted as a batch of `rows`.
+    fn run_one(&mut self, model: usize, inputs: Vec<Tensor>, rows: u64, wide: bool) -> Result<Vec<Tensor>, ModelError> {
+        self.counters.observe_batch(model, rows);
+        self.clock.set(self.index, true);
+        let session = match (&mut self.wide, wide) {
+            (Some(sessions), true) => &mut sessions[model],
+            _ => &mut self.narrow[model],
+        };
+        let result = session.run(inputs);
+        self.clock.set(self.index, false);
+        leak_for_tests();
+        result
+    }
+}
