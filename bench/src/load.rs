@@ -96,10 +96,18 @@ pub fn closed_loop(load: &Load) -> anyhow::Result<Outcome> {
                     let started = Instant::now();
                     let counted = measuring.load(Ordering::Relaxed);
                     match conn.post(&addr, &path, &bodies[body]) {
-                        Ok((200, prepare_ms)) if counted => {
-                            samples.push(Sample { latency: started.elapsed(), prepare_ms, body })
+                        Ok(answer) if answer.status == 200 => {
+                            if counted {
+                                samples.push(Sample {
+                                    latency: started.elapsed(),
+                                    prepare_ms: answer.prepare_ms,
+                                    body,
+                                });
+                            }
+                            if answer.close {
+                                conn = Connection::open(&addr)?; // announced: not an error
+                            }
                         }
-                        Ok((200, _)) => {}
                         Ok(_) | Err(_) => {
                             errors += usize::from(counted);
                             conn = Connection::open(&addr)?;
@@ -125,6 +133,15 @@ pub fn closed_loop(load: &Load) -> anyhow::Result<Outcome> {
     Ok(Outcome { samples, errors, elapsed })
 }
 
+/// What a POST got back.
+pub struct Answer {
+    pub status: u16,
+    /// From `Server-Timing: prepare;dur=...`.
+    pub prepare_ms: Option<f64>,
+    /// The server announced `Connection: close`: the next request needs a new connection.
+    pub close: bool,
+}
+
 /// A keep-alive HTTP/1.1 connection: enough client for POSTs with Content-Length replies.
 pub struct Connection {
     reader: BufReader<TcpStream>,
@@ -138,8 +155,7 @@ impl Connection {
         Ok(Connection { reader: BufReader::new(stream) })
     }
 
-    /// Returns the status and the `prepare` duration from `Server-Timing`, if any.
-    pub fn post(&mut self, addr: &str, path: &str, body: &[u8]) -> anyhow::Result<(u16, Option<f64>)> {
+    pub fn post(&mut self, addr: &str, path: &str, body: &[u8]) -> anyhow::Result<Answer> {
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
@@ -150,7 +166,7 @@ impl Connection {
         let mut line = String::new();
         self.reader.read_line(&mut line)?;
         let status: u16 = line.split(' ').nth(1).and_then(|s| s.parse().ok()).context("status line")?;
-        let (mut length, mut prepare) = (0usize, None);
+        let (mut length, mut prepare_ms, mut close) = (0usize, None, false);
         loop {
             line.clear();
             self.reader.read_line(&mut line)?;
@@ -162,11 +178,13 @@ impl Connection {
             if k.eq_ignore_ascii_case("content-length") {
                 length = v.trim().parse()?;
             } else if k.eq_ignore_ascii_case("server-timing") {
-                prepare = v.split(',').find_map(|m| m.trim().strip_prefix("prepare;dur=")?.parse().ok());
+                prepare_ms = v.split(',').find_map(|m| m.trim().strip_prefix("prepare;dur=")?.parse().ok());
+            } else if k.eq_ignore_ascii_case("connection") {
+                close = v.trim().eq_ignore_ascii_case("close");
             }
         }
         let mut body = vec![0; length];
         self.reader.read_exact(&mut body)?;
-        Ok((status, prepare))
+        Ok(Answer { status, prepare_ms, close })
     }
 }

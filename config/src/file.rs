@@ -82,6 +82,11 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Open connections per worker; past it the worker stops accepting until one closes.
     pub max_connections: usize,
+    /// A keep-alive connection is closed (announced with `Connection: close`) after this many
+    /// requests, so the kernel places the client's next connection afresh: SO_REUSEPORT
+    /// spreads connections, not requests, and a few long-lived connections that landed on one
+    /// worker would otherwise leave its siblings idle for good. 0 = never.
+    pub max_requests_per_connection: u64,
     /// A client must send its request headers within this (slowloris).
     pub header_timeout_secs: f64,
     /// ... and its body within this.
@@ -132,6 +137,7 @@ impl Default for ServerConfig {
             boot_timeout_secs: 120.0,
             max_queue: 128,
             max_connections: 1024,
+            max_requests_per_connection: 100,
             header_timeout_secs: 10.0,
             body_timeout_secs: 30.0,
             max_header_bytes: 16 * 1024,

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -253,9 +254,22 @@ fn serve(
                         let state = state.clone();
                         let guard = FreshGuard::new(&fresh);
                         let first = guard.clone();
+                        // service_fn takes an Fn: the count is a Cell (one connection, one task).
+                        let (served, limit) = (std::cell::Cell::new(0u64), spec.server.max_requests_per_connection);
                         let service = service_fn(move |request| {
                             first.seen();
-                            handle(state.clone(), request)
+                            served.set(served.get() + 1);
+                            let served = served.get();
+                            let response = handle(state.clone(), request);
+                            async move {
+                                let mut reply = response.await?;
+                                // Announced, so the client knows before it sends again: its next
+                                // connection is hashed afresh over the SO_REUSEPORT group.
+                                if limit > 0 && served >= limit {
+                                    reply.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+                                }
+                                Ok::<_, std::convert::Infallible>(reply)
+                            }
                         });
                         let connection = http.serve_connection(TokioIo::new(stream), service);
                         let watched = graceful.watch(connection);
