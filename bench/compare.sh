@@ -1,35 +1,42 @@
 #!/usr/bin/env bash
-# The performance record (docs/benchmarks.md): in one sitting on this machine,
-#   (a) the raw ONNX Runtime ceiling: the single-thread call time, and sequences/s with one
-#       session per core at batch 1, 8, 16 and 32 (inferd-bench ort: no server);
+# The performance record (docs/benchmarks.md): in one sitting on this machine, following
+# ../shared/BENCHMARKING.md,
+#   (a) the raw ONNX Runtime ceiling, at the start and at the end of the sitting: the
+#       single-thread call time, and sequences/s with one session per core at batch 1, 8, 16
+#       and 32 (inferd-bench ort: no server); the mean of the two is the reference, and a
+#       sitting whose references (single-thread call, best batch) differ by more than 10% is
+#       void (the machine was busy);
 #   (b) inferd with its default plan under oha: closed loop at 1, 4, 16 and 32 keep-alive
 #       connections, then open loop at 80% of its best throughput;
 #   (c) the seeds' recipe (gunicorn + uvicorn + FastAPI + onnxruntime, bench/seeds/app.py, its
 #       own virtualenv): one worker per core, one intra-op thread each, under the same load;
-#   (d) the RSS of every process of each server after its load;
+#   (d) the RSS and PSS of every process of each server after its load;
 #   (e) inferd's token budget: p99 of short texts at 16 connections alone, and in a stream
 #       where every 8th request is a 256-token text.
-# Every request embeds the same 17-token sentence with POST /embed. The load generator runs
-# on the same cores as the server. Prints the table and the ratios, draws
+# (b), (c) and (e) run ROUNDS times (default 3), each server alone; the report takes medians.
+# Every request embeds the same 17-token sentence with POST /embed. The load generator (oha,
+# one worker thread) runs on the same cores as the server. Prints the table and the ratios, draws
 # docs/benchmarks-latest.svg and rewrites the record blocks of docs/benchmarks.md and
 # README.md (RECORD=0: print only).
 #
-#   bench/compare.sh                    # ~6 minutes on 2 cores
-#   SECONDS_PER=20 bench/compare.sh     # longer rounds
+#   bench/compare.sh                    # ~9 minutes on 2 cores
+#   ROUNDS=5 SECONDS_PER=10 bench/compare.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SECONDS_PER=${SECONDS_PER:-10}
+SECONDS_PER=${SECONDS_PER:-8}
+ROUNDS=${ROUNDS:-3}
 RECORD=${RECORD:-1}
 TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
 CORES=$(nproc)
 
 scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
-OHA=.tools/bin/oha
-if [[ ! -x $OHA ]]; then
+OHA_BIN=.tools/bin/oha
+if [[ ! -x $OHA_BIN ]]; then
     echo "installing oha (load generator) into .tools/ ..."
     cargo install oha --version 1.16.0 --locked --root .tools >/dev/null 2>&1
 fi
+OHA="$OHA_BIN --worker-threads 1 --no-tui"
 SEEDS=.cache/seeds-venv
 if [[ ! -x $SEEDS/bin/gunicorn ]]; then
     echo "setting up the seeds' recipe in $SEEDS ..."
@@ -55,12 +62,14 @@ ort_run() {
     target/release/inferd-bench ort --model models/minilm --ort-library "$LIB" --seconds "$SECONDS_PER" \
         --texts "$work/text.txt" "$@" | tail -n 1
 }
-echo "== raw ONNX Runtime"
-ort_run --parallel 1 --threads 1 --batch 1 | python3 bench/record.py add ort single >>"$results"
-for b in 1 8 16 32; do
-    ort_run --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort "batch=$b" >>"$results"
-done
-tail -n 5 "$results"
+ceiling() {
+    echo "== raw ONNX Runtime ($1 of the sitting)"
+    ort_run --parallel 1 --threads 1 --batch 1 | python3 bench/record.py add ort single "$1" | tee -a "$results"
+    for b in 1 8 16 32; do
+        ort_run --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort "batch=$b" "$1" | tee -a "$results"
+    done
+}
+ceiling start
 
 # Waits until `curl URL` answers 200, at most 120 s.
 wait_http() {
@@ -72,55 +81,66 @@ wait_http() {
     return 1
 }
 
-# Closed loop at each concurrency, open loop at 80% of the best, then the RSS of the server's
-# process group. $1: contender name, $2: port.
+# Closed loop at each concurrency, then open loop at 80% of the best. $1: contender name,
+# $2: port, $3: round.
 load() {
-    local name=$1 url="http://127.0.0.1:$2/embed" best=0
-    $OHA -z 3s -c 4 --no-tui -m POST -H 'content-type: application/json' -d "$body" "$url" >/dev/null
+    local name=$1 url="http://127.0.0.1:$2/embed" round=$3 best=0
+    $OHA -z 3s -c 4 -m POST -H 'content-type: application/json' -d "$body" "$url" >/dev/null
     for c in 1 4 16 32; do
-        $OHA -z "${SECONDS_PER}s" -c "$c" --no-tui --output-format json -m POST \
+        $OHA -z "${SECONDS_PER}s" -c "$c" --output-format json -m POST \
             -H 'content-type: application/json' -d "$body" "$url" |
-            python3 bench/record.py add "$name" "c=$c" | tee -a "$results"
+            python3 bench/record.py add "$name" "c=$c" "$round" | tee -a "$results"
     done
-    best=$(python3 bench/record.py best "$results" "$name")
+    best=$(python3 bench/record.py best "$results" "$name" "$round")
     rate=$(python3 -c "print(max(1, int(0.8 * $best)))")
-    $OHA -z "${SECONDS_PER}s" -q "$rate" -c 64 --latency-correction --no-tui --output-format json -m POST \
+    $OHA -z "${SECONDS_PER}s" -q "$rate" -c 64 --latency-correction --output-format json -m POST \
         -H 'content-type: application/json' -d "$body" "$url" |
-        python3 bench/record.py add "$name" "open=$rate" | tee -a "$results"
-    rss=$(ps -o rss= -g "$server" | awk '{s += $1} END {print s * 1024}')
-    echo "{\"name\": \"$name\", \"case\": \"rss\", \"rss_bytes\": $rss}" | tee -a "$results"
+        python3 bench/record.py add "$name" open "$round" | tee -a "$results"
 }
 
-# (b) inferd, default plan
-echo "== inferd"
-port=$(free_port)
-setsid target/release/inferd serve --listen "127.0.0.1:$port" --admin-listen "" \
-    --control-socket "$work/ctl.sock" 2>"$work/inferd.log" &
-server=$!
-wait_http "http://127.0.0.1:$port/v2/health/ready"
-target/release/inferd status --control-socket "$work/ctl.sock" | sed -n 2p
-load inferd "$port"
-target/release/inferd status --control-socket "$work/ctl.sock" | grep '^batches' || true
-# (e) short texts alone, then mixed with long ones (inferd-bench reports the short ones apart)
-{ for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
+# (e) short texts alone, then in a stream where every 8th request is a 256-token text
+# (inferd-bench reports the short ones apart); then (d), memory after work that included long
+# inputs. $1: contender name, $2: port, $3: round.
 mixed() {
-    target/release/inferd-bench http --addr "127.0.0.1:$port" --concurrency 16 --seconds "$SECONDS_PER" \
-        --short-below 200 "$@" | grep '^{' | tail -n 1
+    local name=$1 port=$2 round=$3
+    for stream in short-only short-in-mix; do
+        texts=$work/text.txt
+        [[ $stream == short-in-mix ]] && texts=$work/mixed.txt
+        target/release/inferd-bench http --addr "127.0.0.1:$port" --concurrency 16 --seconds "$SECONDS_PER" \
+            --warmup 1 --short-below 200 --texts "$texts" | grep '^{' | tail -n 1 |
+            python3 bench/record.py add "$name" "$stream" "$round" | tee -a "$results"
+    done
+    python3 bench/record.py memory "$name" "$round" $(pgrep -g "$server") | tee -a "$results"
 }
-mixed --texts "$work/text.txt" | python3 bench/record.py add mixed short-only | tee -a "$results"
-mixed --texts "$work/mixed.txt" | python3 bench/record.py add mixed short-in-mix | tee -a "$results"
-kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
+{ for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
 
-# (c) the seeds' recipe
-echo "== gunicorn + uvicorn + FastAPI + onnxruntime ($CORES workers x 1 thread)"
-port=$(free_port)
-SEEDS_MODEL_DIR=$PWD/models/minilm OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \
-    setsid "$SEEDS/bin/gunicorn" -w "$CORES" -k uvicorn.workers.UvicornWorker -b "127.0.0.1:$port" \
-    --chdir bench/seeds --log-level warning app:app 2>"$work/seeds.log" &
-server=$!
-wait_http "http://127.0.0.1:$port/health"
-sleep 2 # every worker imports, loads and warms up on its own
-load python "$port"
-kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
+for round in $(seq 1 "$ROUNDS"); do
+    # (b) inferd, default plan
+    echo "== round $round: inferd"
+    port=$(free_port)
+    setsid target/release/inferd serve --listen "127.0.0.1:$port" --admin-listen "" \
+        --control-socket "$work/ctl.sock" 2>"$work/inferd.log" &
+    server=$!
+    wait_http "http://127.0.0.1:$port/v2/health/ready"
+    target/release/inferd status --control-socket "$work/ctl.sock" | sed -n 2p
+    load inferd "$port" "$round"
+    mixed inferd "$port" "$round"
+    target/release/inferd status --control-socket "$work/ctl.sock" | grep '^batches' || true
+    kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
 
-python3 bench/record.py report "$results" --record "$RECORD" --seconds "$SECONDS_PER"
+    # (c) the seeds' recipe
+    echo "== round $round: gunicorn + uvicorn + FastAPI + onnxruntime ($CORES workers x 1 thread)"
+    port=$(free_port)
+    SEEDS_MODEL_DIR=$PWD/models/minilm OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \
+        setsid "$SEEDS/bin/gunicorn" -w "$CORES" -k uvicorn.workers.UvicornWorker -b "127.0.0.1:$port" \
+        --chdir bench/seeds --log-level warning app:app 2>"$work/seeds.log" &
+    server=$!
+    wait_http "http://127.0.0.1:$port/health"
+    sleep 2 # every worker imports, loads and warms up on its own
+    load python "$port" "$round"
+    mixed python "$port" "$round"
+    kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
+done
+ceiling end
+
+python3 bench/record.py report "$results" --record "$RECORD" --seconds "$SECONDS_PER" --rounds "$ROUNDS"
