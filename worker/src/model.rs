@@ -270,3 +270,32 @@ impl Model {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(inputs: &[&[i64]], outputs: &[&[i64]]) -> ModelMeta {
+        let spec = |shape: &&[i64]| TensorSpec {
+            name: "t".into(),
+            datatype: "FP32".into(),
+            shape: shape.to_vec(),
+            dtype: Some(DataType::F32),
+        };
+        ModelMeta {
+            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "0".into() },
+            task: Task::Raw,
+            inputs: inputs.iter().map(spec).collect(),
+            outputs: outputs.iter().map(spec).collect(),
+            pipeline: Arc::new(Pipeline::Raw),
+        }
+    }
+
+    #[test]
+    fn only_models_with_a_dynamic_first_dimension_everywhere_are_batched() {
+        assert!(meta(&[&[-1, 16], &[-1, -1]], &[&[-1, 384]]).batchable());
+        assert!(!meta(&[&[1, 16]], &[&[-1, 384]]).batchable(), "a fixed batch of 1");
+        assert!(!meta(&[&[-1, 16]], &[&[384]]).batchable(), "an output without rows");
+        assert!(!meta(&[&[]], &[&[-1]]).batchable(), "a scalar input");
+    }
+}
