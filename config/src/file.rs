@@ -345,7 +345,7 @@ impl Config {
 
     /// Reads model `name` from the repository, with the command line's batching settings.
     pub fn load_model(&self, name: &str) -> Result<ModelEntry, ConfigError> {
-        ModelEntry::load_with(&self.model_repository(), name, &self.batching)
+        self.batching.apply(ModelEntry::load(&self.model_repository(), name)?)
     }
 
     /// The models every worker loads, default first.

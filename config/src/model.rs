@@ -109,6 +109,17 @@ pub struct BatchingOverride {
     pub max_queue_delay_ms: Option<u64>,
 }
 
+impl BatchingOverride {
+    /// `entry` with these settings over its `[batching]`, checked like the file's.
+    pub fn apply(&self, mut entry: ModelEntry) -> Result<ModelEntry, ConfigError> {
+        let b = &mut entry.batching;
+        b.max_batch_size = self.max_batch_size.unwrap_or(b.max_batch_size);
+        b.max_queue_delay_ms = self.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
+        b.check().map_err(|message| ConfigError::Model { model: entry.name.clone(), message })?;
+        Ok(entry)
+    }
+}
+
 impl Batching {
     fn check(&self) -> Result<(), String> {
         if self.max_batch_size == 0 || self.max_batch_tokens == 0 {
@@ -288,16 +299,6 @@ impl ModelEntry {
             return Err(ConfigError::Model { model: name.to_string(), message });
         }
         ModelEntry::load_dir(&dir, name)
-    }
-
-    /// Reads `<repository>/<name>/model.toml` with `overrides` applied over its `[batching]`.
-    pub fn load_with(repository: &Path, name: &str, overrides: &BatchingOverride) -> Result<ModelEntry, ConfigError> {
-        let mut entry = ModelEntry::load(repository, name)?;
-        let b = &mut entry.batching;
-        b.max_batch_size = overrides.max_batch_size.unwrap_or(b.max_batch_size);
-        b.max_queue_delay_ms = overrides.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
-        b.check().map_err(|message| ConfigError::Model { model: name.to_string(), message })?;
-        Ok(entry)
     }
 
     /// What `inferd reload --path` points at, for model `name`: a folder with its own

@@ -65,7 +65,10 @@ impl Supervisor {
             return Err(format!("reload refused: this server has no model '{name}'"));
         };
         let mut models = self.models.clone();
-        models[at] = models[at].replaced_by(&path).map_err(|e| format!("reload refused: {e}"))?;
+        models[at] = models[at]
+            .replaced_by(&path)
+            .and_then(|entry| self.resolved.config.batching.apply(entry))
+            .map_err(|e| format!("reload refused: {e}"))?;
         Ok(models)
     }
 

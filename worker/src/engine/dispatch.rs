@@ -119,7 +119,7 @@ impl Dispatcher {
             let (lane, wide) = if self.has_wide && alone { (0, true) } else { (lane, false) };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
-                self.last_light = Some(Instant::now());
+                self.last_light = Some(now);
             }
             self.wide_running = wide;
             self.lanes[lane].0.send(Work { batch, wide })?;

@@ -98,10 +98,11 @@ impl Engine {
     /// each owning the narrow session of every model for its lane; lane 0 also owns the wide
     /// sessions. `models[m].narrow.len()` is the number of lanes, the same for every model.
     ///
-    /// Scheduling: a batch runs *wide* (on every thread of the worker) when it is the only work
-    /// there is: nothing else waits and no lane is busy; otherwise batches run *narrow*, one per
-    /// lane, side by side, and nothing runs wide until every lane is free again. So a lone
-    /// request uses all the worker's cores, and a loaded worker pays no thread synchronisation.
+    /// Scheduling (see [`dispatch`]): one request runs *wide* (on every thread of the worker)
+    /// when it is the only work there is and requests have not overlapped lately; otherwise
+    /// batches run *narrow*, one per lane, side by side, and nothing runs wide until every lane
+    /// is free again. So a lone request uses all the worker's cores, and a loaded worker pays
+    /// no thread synchronisation.
     ///
     /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
     /// every second and the start of the oldest run in progress, which the supervisor watches
@@ -218,10 +219,7 @@ impl Lane {
         }
         if batch.len() == 1 {
             let job = batch.into_iter().next().expect("one job");
-            let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
-            let result = self.run_one(model, job.inputs, rows, wide);
-            counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
-            let _ = job.reply.send(result);
+            self.run_alone(model, job, wide);
             return;
         }
         let rows: Vec<usize> = batch.iter().map(|j| j.rows.expect("only batchable jobs are gathered")).collect();
@@ -240,13 +238,19 @@ impl Lane {
                 // One request's values may have failed the batch: each runs alone and gets its
                 // own answer.
                 for job in batch {
-                    let one = Instant::now();
-                    let result = self.run_one(model, job.inputs, job.rows.unwrap_or(1) as u64, wide);
-                    counters.observe_latency(Latency::Compute, model, one.elapsed().as_secs_f64());
-                    let _ = job.reply.send(result);
+                    self.run_alone(model, job, wide);
                 }
             }
         }
+    }
+
+    /// One job in its own ORT call, answered.
+    fn run_alone(&mut self, model: usize, job: Job, wide: bool) {
+        let started = Instant::now();
+        let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
+        let result = self.run_one(model, job.inputs, rows, wide);
+        self.counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
+        let _ = job.reply.send(result);
     }
 
     /// One ORT call, counted as a batch of `rows`.
