@@ -15,6 +15,9 @@ use crate::model::ModelEntry;
 
 /// File descriptor of the worker's end of the socketpair.
 pub const WORKER_CONTROL_FD: i32 = 3;
+/// File descriptor of the listening socket a worker inherits when systemd passed one to the
+/// supervisor (socket activation): every worker accepts on that one socket.
+pub const WORKER_LISTENER_FD: i32 = 5;
 
 /// Exit code of a worker whose model failed to load or warm up: the supervisor does not
 /// respawn it in a loop (at start-up the whole server stops with the model's error).
@@ -37,6 +40,9 @@ pub struct WorkerSpec {
     pub models: Vec<ModelEntry>,
     /// The [server] settings (limits and timeouts) the worker applies.
     pub server: ServerConfig,
+    /// Serve on the socket at [`WORKER_LISTENER_FD`] instead of binding `server.listen`.
+    #[serde(default)]
+    pub inherited_listener: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -15,6 +15,7 @@ mod metrics;
 pub mod pool;
 mod signals;
 pub mod status;
+mod systemd;
 mod tcp;
 
 use std::process::ExitStatus;

@@ -13,7 +13,7 @@ use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
-use inferd_config::spec::{FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD};
+use inferd_config::spec::{FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_LISTENER_FD};
 use inferd_config::stats::{Shared, WORKER_STATS_FD};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
@@ -159,9 +159,28 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
         }
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
-    let listener = bind_reuseport(spec.server.listen_addr())
-        .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
+    let listener = match spec.inherited_listener {
+        true => inherited_listener(),
+        false => bind_reuseport(spec.server.listen_addr()),
+    }
+    .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
     Ok((models, listener))
+}
+
+/// The one socket systemd passed to the supervisor, shared by every worker: the kernel queues
+/// connections on it while no worker accepts (all of them warming, or the service restarting),
+/// and whichever worker is free takes the next. A worker only starts accepting once warm.
+fn inherited_listener() -> std::io::Result<std::net::TcpListener> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the supervisor put the socket at this fd for this process (see spec.rs); nothing
+    // else here uses it.
+    let socket = socket2::Socket::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_LISTENER_FD) });
+    if !socket.is_listener()? {
+        return Err(std::io::Error::other(format!("fd {WORKER_LISTENER_FD} is not a listening socket")));
+    }
+    socket.set_nonblocking(true)?;
+    socket.set_cloexec(true)?;
+    Ok(socket.into())
 }
 
 /// A listener of its own in the port's SO_REUSEPORT group: the kernel spreads new connections

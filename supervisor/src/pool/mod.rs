@@ -26,6 +26,7 @@ use inferd_config::memory::MemoryBudget;
 use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
+    WORKER_LISTENER_FD,
 };
 use inferd_config::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use inferd_config::Resolved;
@@ -38,6 +39,7 @@ use tracing::{error, info, warn};
 use crate::control::{self, ControlError, Replies, Request, Response};
 use crate::metrics::{self, PoolMetrics};
 use crate::status::{BatchSizes, Phase, PoolStatus, WorkerState, WorkerStatus};
+use crate::systemd::{self, Notifier};
 use crate::{signals, tcp, Event};
 
 mod guards;
@@ -70,7 +72,7 @@ pub enum SupervisorError {
     Memory(String),
     #[error(transparent)]
     Control(#[from] ControlError),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -188,17 +190,41 @@ pub struct Supervisor {
     stop_deadline: Option<Instant>,
     killed_all: bool,
     fatal: Option<SupervisorError>,
+    /// The listening socket systemd passed (socket activation), shared with every worker.
+    listener: Option<OwnedFd>,
+    notifier: Notifier,
+    /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
+    /// hung loop stops the watchdog pings.
+    hang_on_sigusr2: bool,
 }
 
 /// Runs the supervisor until the pool has stopped. Blocks the calling thread.
-pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
+pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
+    // Before any thread exists: taking the socket clears LISTEN_* from the environment.
+    let activated = match systemd::listener() {
+        Ok(Some(socket)) => {
+            let addr = socket.local_addr()?;
+            info!(
+                "serving on the socket systemd passed ({addr}); server.listen ({}) is not used",
+                resolved.config.server.listen
+            );
+            resolved.config.server.listen = addr.to_string();
+            // Above the fds a worker's are moved to (3-5), so that moving them cannot clobber it.
+            Some(dup_high(socket.as_raw_fd())?)
+        }
+        Ok(None) => None,
+        Err(e) => return Err(std::io::Error::new(e.kind(), format!("socket activation: {e}")).into()),
+    };
     // A single-threaded runtime: the supervisor's work is tiny, and its only extra thread is
     // signal-hook's forwarder.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
         let listener = control::bind(&socket)?;
-        tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
+        if activated.is_none() {
+            // Workers bind their own SO_REUSEPORT listeners (a shared socket needs no migration).
+            tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
+        }
         let (events, mut queue) = mpsc::unbounded_channel();
         signals::forward(events.clone())?;
         tokio::spawn(control::serve(listener, events.clone()));
@@ -210,7 +236,7 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
             info!("metrics on http://{admin}/metrics");
             tokio::spawn(metrics::serve(listener, events.clone()));
         }
-        let mut supervisor = Supervisor::new(resolved, events)?;
+        let mut supervisor = Supervisor::new(resolved, events, activated)?;
         let result = supervisor.run(&mut queue).await;
         let _ = std::fs::remove_file(&socket);
         result
@@ -218,7 +244,11 @@ pub fn run(resolved: Resolved) -> Result<(), SupervisorError> {
 }
 
 impl Supervisor {
-    fn new(resolved: Resolved, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Supervisor> {
+    fn new(
+        resolved: Resolved,
+        events: mpsc::UnboundedSender<Event>,
+        listener: Option<OwnedFd>,
+    ) -> std::io::Result<Supervisor> {
         let mut slots: Vec<Slot> =
             resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
         // The first worker starts alone: its RSS after warm-up decides whether the others fit.
@@ -247,6 +277,9 @@ impl Supervisor {
             stop_deadline: None,
             killed_all: false,
             fatal: None,
+            listener,
+            notifier: Notifier::from_env(),
+            hang_on_sigusr2: std::env::var_os("INFERD_TEST_HANG_ON_SIGUSR2").is_some_and(|v| v == "1"),
         })
     }
 
@@ -265,12 +298,18 @@ impl Supervisor {
             self.resolved.ort.source,
             self.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "),
         );
+        if let Some(every) = self.notifier.watchdog() {
+            info!("systemd watchdog on: pinging every {:.1} s", every.as_secs_f64());
+        }
         let mut tick = tokio::time::interval(TICK);
         loop {
             tokio::select! {
                 Some(event) = queue.recv() => self.on_event(event),
                 _ = tick.tick() => self.on_tick(),
             }
+            let mut notifier = std::mem::take(&mut self.notifier);
+            notifier.update(self.phase, || self.summary());
+            self.notifier = notifier;
             if self.phase == Phase::Stopping && self.slots.iter().all(|s| s.workers.is_empty()) {
                 return match self.fatal.take() {
                     Some(e) => Err(e),
@@ -298,6 +337,12 @@ impl Supervisor {
                 libc::SIGHUP => self.act(Request::Reload { model: None, path: None, wait: false }, None),
                 libc::SIGTTIN => self.act(Request::Scale { delta: 1 }, None),
                 libc::SIGTTOU => self.act(Request::Scale { delta: -1 }, None),
+                libc::SIGUSR2 if self.hang_on_sigusr2 => {
+                    warn!("SIGUSR2 with INFERD_TEST_HANG_ON_SIGUSR2=1: the supervisor's loop hangs now");
+                    loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    }
+                }
                 _ => {}
             },
             Event::Message { slot, pid, message } => self.on_message(slot, pid, message),
@@ -592,6 +637,7 @@ impl Supervisor {
             ort_library: self.resolved.ort.path.clone(),
             models,
             server: config.server.clone(),
+            inherited_listener: self.listener.is_some(),
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {
@@ -634,18 +680,11 @@ impl Supervisor {
         let (stats, stats_fd) = Shared::create(&format!("inferd-worker-{}", spec.index))?;
         // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
         // neither dup2 can overwrite the other.
-        let high = |fd: i32| -> std::io::Result<OwnedFd> {
-            // SAFETY: fcntl on a descriptor we own; the result is a new descriptor we own.
-            let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
-            if new < 0 {
-                Err(std::io::Error::last_os_error())
-            } else {
-                Ok(unsafe { OwnedFd::from_raw_fd(new) })
-            }
-        };
-        let (control, counters) = (high(theirs.as_raw_fd())?, high(stats_fd.as_raw_fd())?);
+        let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
         drop((theirs, stats_fd));
         let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
+        // The shared listening socket, if systemd passed one (already above 10: see `run`).
+        let listener_fd = self.listener.as_ref().map(|l| l.as_raw_fd());
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -661,12 +700,18 @@ impl Supervisor {
             // No ONNX Runtime telemetry thread (see worker/src/model.rs).
             .env("ORT_DISABLE_TELEMETRY", "1")
             .stdin(Stdio::null());
+        for name in systemd::VARIABLES {
+            command.env_remove(name);
+        }
         // SAFETY: between fork and exec only async-signal-safe libc calls are made, and no
         // allocation happens.
         unsafe {
             command.pre_exec(move || {
                 // dup2 leaves the new descriptors without FD_CLOEXEC: they survive the exec.
-                for (from, to) in [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)] {
+                let listener = listener_fd.map(|fd| (fd, WORKER_LISTENER_FD));
+                for (from, to) in
+                    [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)].into_iter().chain(listener)
+                {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -710,6 +755,17 @@ impl Supervisor {
             let _ = events.send(Event::Exited { slot, pid, status });
         });
         Ok((pid, stats))
+    }
+}
+
+/// A copy of `fd` numbered 10 or above, close-on-exec.
+fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+    if new < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(unsafe { OwnedFd::from_raw_fd(new) })
     }
 }
 

@@ -83,6 +83,24 @@ impl Supervisor {
         }
     }
 
+    /// The pool in one line, for systemd's STATUS= (`systemctl status inferd`).
+    pub(super) fn summary(&self) -> String {
+        let ready = self.slots.iter().filter(|s| s.ready()).count();
+        let restarts: u32 = self.slots.iter().map(|s| s.restarts).sum();
+        let mut line = format!(
+            "{}: {ready}/{} workers ready on {}, generation {}, {} requests, {restarts} restarts",
+            format!("{:?}", self.phase).to_lowercase(),
+            self.slots.len(),
+            self.resolved.config.server.listen,
+            self.generation,
+            self.totals().requests_total(),
+        );
+        if let Some(r) = &self.reload {
+            line += &format!("; reload: replacing worker {} of {}", r.slot + 1, self.slots.len());
+        }
+        line
+    }
+
     /// The pool's counts: every exited worker's final counts plus the live workers' now.
     pub(super) fn totals(&self) -> Snapshot {
         let mut totals = self.retired.clone();
