@@ -2,6 +2,7 @@
 //! asks a running server, and the hidden `worker` is what the supervisor executes for each
 //! worker process.
 
+mod logging;
 mod tune;
 
 use std::path::PathBuf;
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use inferd_config::cpu::format_cpus;
+use inferd_config::file::LogFormat;
 use inferd_config::model::BatchingOverride;
 use inferd_config::{Config, Overrides, Resolved};
 use inferd_supervisor::control::{self, Request};
@@ -162,10 +164,15 @@ struct ScaleArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    // The server's log format comes from its config (read again, with errors, by `resolve`).
+    let format = logging::from_env().unwrap_or_else(|| match &cli.command {
+        Command::Serve(args) => Config::load(args.config.config.as_deref()).map_or(LogFormat::Auto, |c| c.log.format),
+        _ => LogFormat::Text,
+    });
+    let format = logging::init(format);
     let result = match cli.command {
         Command::Worker { fd } => return ExitCode::from(inferd_worker::run(fd) as u8),
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(args, format),
         Command::Check(args) => check(args),
         Command::Status(args) => status(args),
         Command::Reload(args) => reload(args),
@@ -188,17 +195,6 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("INFERD_LOG").unwrap_or_else(|_| EnvFilter::new("info,ort=warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
-}
-
 fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
     let mut config = Config::load(args.config.config.as_deref())?;
     config.apply(&Overrides {
@@ -212,8 +208,10 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
     Ok(Resolved::new(config)?)
 }
 
-fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let resolved = resolve(&args)?;
+fn serve(args: ServeArgs, log_format: LogFormat) -> anyhow::Result<ExitCode> {
+    let mut resolved = resolve(&args)?;
+    // What this process uses, so that the workers log the same way.
+    resolved.config.log.format = log_format;
     inferd_supervisor::run(resolved)?;
     Ok(ExitCode::SUCCESS)
 }

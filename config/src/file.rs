@@ -39,6 +39,7 @@ pub struct Config {
     pub admin: AdminConfig,
     pub models: ModelsConfig,
     pub runtime: RuntimeConfig,
+    pub log: LogConfig,
     /// Directory that relative paths are resolved against (the config file's directory).
     #[serde(skip)]
     pub base_dir: PathBuf,
@@ -193,6 +194,43 @@ pub struct RuntimeConfig {
     /// Full path to libonnxruntime.so.1.xx; otherwise ORT_DYLIB_PATH, then the places
     /// listed in `ortlib`.
     pub ort_library: Option<PathBuf>,
+}
+
+/// How every process logs (stderr, or the journal's native protocol under systemd).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `auto` (the journal when stderr is connected to it, else text), `text`, `json` (one JSON
+    /// object per line) or `journal`. The environment variable INFERD_LOG_FORMAT wins.
+    pub format: LogFormat,
+    /// One line per answered request: client, method, path, status, bytes, duration, model,
+    /// worker and request id (target `inferd::access`, in the chosen format).
+    pub access_log: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Auto,
+    Text,
+    Json,
+    Journal,
+}
+
+impl LogFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Auto => "auto",
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+            LogFormat::Journal => "journal",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<LogFormat> {
+        [LogFormat::Auto, LogFormat::Text, LogFormat::Json, LogFormat::Journal].into_iter().find(|f| f.as_str() == text)
+    }
 }
 
 impl ServerConfig {

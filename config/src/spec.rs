@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::file::ServerConfig;
+use crate::file::{LogConfig, ServerConfig};
 use crate::model::ModelEntry;
 
 /// File descriptor of the worker's end of the socketpair.
@@ -43,6 +43,10 @@ pub struct WorkerSpec {
     /// Serve on the socket at [`WORKER_LISTENER_FD`] instead of binding `server.listen`.
     #[serde(default)]
     pub inherited_listener: bool,
+    /// The [log] settings (the format itself reaches the worker as INFERD_LOG_FORMAT, since
+    /// logging starts before the spec is read).
+    #[serde(default)]
+    pub log: LogConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,6 +2,7 @@
 //! and the one mapping from errors to status codes ([`ApiError::status`]).
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,6 +14,7 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
+use tracing::{debug, info, warn};
 
 use inferd_config::stats::{Latency, Shared, MAX_MODELS};
 
@@ -41,6 +43,30 @@ pub struct AppState {
     pub ready: AtomicBool,
     /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
     pub stats: Arc<Shared>,
+    /// log.access_log: one line per answered request.
+    pub access_log: bool,
+    pub request_ids: RequestIds,
+}
+
+/// Request ids for requests that come without a usable `X-Request-Id`: 16 hex digits, from a
+/// per-process random key (std's hasher keys) and a counter.
+#[derive(Default)]
+pub struct RequestIds {
+    key: std::collections::hash_map::RandomState,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl RequestIds {
+    /// The client's id when it is one (1-128 visible ASCII characters), else a new one.
+    fn for_request(&self, given: Option<&HeaderValue>) -> HeaderValue {
+        let usable = |v: &&HeaderValue| (1..=128).contains(&v.len()) && v.as_bytes().iter().all(u8::is_ascii_graphic);
+        if let Some(v) = given.filter(usable) {
+            return v.clone();
+        }
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let id = std::hash::BuildHasher::hash_one(&self.key, (std::process::id(), n));
+        HeaderValue::from_str(&format!("{id:016x}")).expect("hex digits")
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,9 +134,51 @@ fn error_reply(e: &ApiError) -> Reply {
     reply
 }
 
-pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<Reply, Infallible> {
-    let mut reply = route(&state, request).await.unwrap_or_else(|e| error_reply(&e));
-    reply.headers_mut().insert("x-inferd-worker", HeaderValue::from(state.worker));
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Every request: routed, answered, its id echoed, its failure logged with that id, and its
+/// access line written (log.access_log).
+pub async fn handle(state: Arc<AppState>, peer: SocketAddr, request: Request<Incoming>) -> Result<Reply, Infallible> {
+    let started = Instant::now();
+    let id = state.request_ids.for_request(request.headers().get(REQUEST_ID_HEADER));
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let mut reply = match route(&state, request).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            let request_id = id.to_str().unwrap_or_default();
+            if e.status().is_server_error() {
+                warn!(request_id, method = %method, path, status = e.status().as_u16(), "request failed: {e}");
+            } else {
+                debug!(request_id, method = %method, path, status = e.status().as_u16(), "request refused: {e}");
+            }
+            error_reply(&e)
+        }
+    };
+    if state.access_log {
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let model = match parse_route(&segments) {
+            Some(Route::Model(m, _) | Route::ModelReady(m, _) | Route::Infer(m, _)) => m,
+            Some(Route::Embed(m) | Route::Predict(m)) => m.unwrap_or(&state.models[0].info.name),
+            _ => "",
+        };
+        info!(
+            target: "inferd::access",
+            client = %peer,
+            method = %method,
+            path,
+            status = reply.status().as_u16(),
+            bytes = hyper::body::Body::size_hint(reply.body()).exact().unwrap_or(0),
+            duration_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0,
+            model,
+            worker = state.worker,
+            request_id = id.to_str().unwrap_or_default(),
+            "{method} {path} {}",
+            reply.status().as_u16()
+        );
+    }
+    let headers = reply.headers_mut();
+    headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
+    headers.insert(REQUEST_ID_HEADER, id);
     Ok(reply)
 }
 

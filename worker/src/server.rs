@@ -19,7 +19,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
 use crate::engine::{Engine, Sessions};
-use crate::http::{handle, AppState};
+use crate::http::{handle, AppState, RequestIds};
 use crate::model::{init_runtime, Model, ModelError, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
@@ -223,6 +223,8 @@ fn serve(
         body_budget_total: spec.server.max_body_bytes_in_flight,
         ready: false.into(),
         stats,
+        access_log: spec.log.access_log,
+        request_ids: RequestIds::default(),
     });
     // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,
     // started on demand, decodes images (see tasks.rs).
@@ -268,7 +270,7 @@ fn serve(
             };
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
+                    Ok((stream, peer)) => {
                         let _ = stream.set_nodelay(true);
                         let state = state.clone();
                         let guard = FreshGuard::new(&fresh);
@@ -279,7 +281,7 @@ fn serve(
                             first.seen();
                             served.set(served.get() + 1);
                             let served = served.get();
-                            let response = handle(state.clone(), request);
+                            let response = handle(state.clone(), peer, request);
                             async move {
                                 let mut reply = response.await?;
                                 // Announced, so the client knows before it sends again: its next

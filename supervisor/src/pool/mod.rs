@@ -638,6 +638,7 @@ impl Supervisor {
             models,
             server: config.server.clone(),
             inherited_listener: self.listener.is_some(),
+            log: config.log.clone(),
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {
@@ -699,6 +700,9 @@ impl Supervisor {
             .env("TOKENIZERS_PARALLELISM", "false")
             // No ONNX Runtime telemetry thread (see worker/src/model.rs).
             .env("ORT_DISABLE_TELEMETRY", "1")
+            // Logging starts before the spec is read: the format and the slot come this way.
+            .env("INFERD_LOG_FORMAT", self.resolved.config.log.format.as_str())
+            .env("INFERD_WORKER", spec.index.to_string())
             .stdin(Stdio::null());
         for name in systemd::VARIABLES {
             command.env_remove(name);
