@@ -9,9 +9,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{BatchingOverride, ModelEntry};
+use crate::stats::MAX_MODELS;
 
 /// Name of the configuration file looked for when `--config` is not given.
 pub const CONFIG_FILE_NAME: &str = "inferd.toml";
+/// The largest duration a `*_secs` key takes: a year (timers cannot hold an unbounded one).
+pub const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
 /// System-wide location, used by packaged installs (see `systemd/`).
 pub const SYSTEM_CONFIG: &str = "/etc/inferd/inferd.toml";
 
@@ -347,15 +351,29 @@ impl Config {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("{value} is not a positive number of seconds"));
             }
+            if value > MAX_SECONDS {
+                return invalid(key, format!("{value} s is more than a year ({MAX_SECONDS} s)"));
+            }
         }
-        if !(self.server.max_worker_age_secs.is_finite() && self.server.max_worker_age_secs >= 0.0) {
-            return invalid("server.max_worker_age_secs", "must be 0 (never) or a number of seconds".into());
+        let age = self.server.max_worker_age_secs;
+        if !(age.is_finite() && (0.0..=MAX_SECONDS).contains(&age)) {
+            return invalid(
+                "server.max_worker_age_secs",
+                format!("{age}: must be 0 (never) or up to a year of seconds"),
+            );
         }
         if self.server.control_socket.as_os_str().is_empty() {
             return invalid("server.control_socket", "must not be empty".into());
         }
         if self.models.default.is_empty() {
             return invalid("models.default", "must name a model folder".into());
+        }
+        let models = self.model_names().len();
+        if models > MAX_MODELS {
+            return invalid(
+                "models.load",
+                format!("{models} models; one server serves at most {MAX_MODELS} (its shared counters have a row per model)"),
+            );
         }
         Ok(())
     }
@@ -438,6 +456,20 @@ mod tests {
         assert!(err.contains("server.graceful_timeout_secs"), "{err}");
         let err = parse("[server]\nworkers = \"two\"\n").unwrap_err().to_string();
         assert!(err.contains("workers"), "{err}");
+    }
+
+    #[test]
+    fn what_timers_and_counters_cannot_hold_is_refused() {
+        for key in ["graceful_timeout_secs", "boot_timeout_secs", "request_timeout_secs", "max_worker_age_secs"] {
+            let err = parse(&format!("[server]\n{key} = 1e300\n")).unwrap_err().to_string();
+            assert!(err.contains(&format!("server.{key}")) && err.contains("year"), "{err}");
+        }
+        parse("[server]\nmax_worker_age_secs = 86400\n").unwrap();
+        let nine = (1..9).map(|i| format!("\"m{i}\"")).collect::<Vec<_>>().join(", ");
+        let err = parse(&format!("[models]\ndefault = \"m0\"\nload = [{nine}]\n")).unwrap_err().to_string();
+        assert!(err.contains("models.load") && err.contains("at most 8"), "{err}");
+        let eight = (1..8).map(|i| format!("\"m{i}\"")).collect::<Vec<_>>().join(", ");
+        parse(&format!("[models]\ndefault = \"m0\"\nload = [{eight}]\n")).unwrap();
     }
 
     #[test]

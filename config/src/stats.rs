@@ -20,7 +20,8 @@ pub const MAX_MODELS: usize = 8;
 const MODEL_ROWS: usize = MAX_MODELS + 1;
 pub const ENDPOINTS: [&str; 3] = ["infer", "embed", "predict"];
 /// Status codes counted apart; any other counts as the last ("other").
-pub const CODES: [u16; 10] = [200, 400, 404, 405, 413, 429, 500, 503, 504, 0];
+/// 499: the client closed the connection before the answer (nginx's code for it).
+pub const CODES: [u16; 11] = [200, 400, 404, 405, 413, 429, 499, 500, 503, 504, 0];
 /// Upper bounds (seconds) of the queue-time and compute-time histograms; +Inf follows.
 pub const LATENCY_BUCKETS: [f64; 14] =
     [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
@@ -81,6 +82,14 @@ pub struct Histogram<'a> {
     pub buckets: &'a [u64],
     pub sum: f64,
     pub count: u64,
+}
+
+impl Histogram<'static> {
+    /// No observations, `bounds + 1` buckets.
+    fn empty(bounds: usize) -> Histogram<'static> {
+        static ZEROS: [u64; 64] = [0; 64];
+        Histogram { buckets: &ZEROS[..=bounds.min(63)], sum: 0.0, count: 0 }
+    }
 }
 
 /// A mapped region of counters.
@@ -235,9 +244,10 @@ impl Snapshot {
         self.0[REQUESTS_AT..QUEUE_AT].iter().sum()
     }
 
+    /// A model's latency histogram (an empty one for a row the counters do not have).
     pub fn latency(&self, kind: Latency, model: usize) -> Histogram<'_> {
-        let base = latency_base(kind, model).expect("model < MAX_MODELS");
         let n = LATENCY_BUCKETS.len();
+        let Some(base) = latency_base(kind, model) else { return Histogram::empty(n) };
         Histogram {
             buckets: &self.0[base..=base + n],
             sum: self.0[base + n + 1] as f64 / 1e6,
@@ -252,8 +262,11 @@ impl Snapshot {
     }
 
     pub fn batch(&self, model: usize) -> Histogram<'_> {
-        let base = BATCH_AT + model * BATCH_SLOTS;
         let n = BATCH_BUCKETS.len();
+        if model >= MAX_MODELS {
+            return Histogram::empty(n);
+        }
+        let base = BATCH_AT + model * BATCH_SLOTS;
         Histogram { buckets: &self.0[base..=base + n], sum: self.0[base + n + 1] as f64, count: self.0[base + n + 2] }
     }
 
@@ -306,6 +319,9 @@ mod tests {
     #[test]
     fn model_rows_beyond_the_limit_share_the_last() {
         assert_eq!(request_index(MAX_MODELS + 5, 0, 200), request_index(MAX_MODELS, 0, 200));
+        let none = Snapshot::default();
+        assert_eq!(none.latency(Latency::Request, MAX_MODELS + 1).count, 0);
+        assert_eq!(none.batch(MAX_MODELS).buckets.len(), BATCH_BUCKETS.len() + 1);
         assert!(request_index(MAX_MODELS, 2, 0) < QUEUE_AT);
     }
 }

@@ -14,7 +14,9 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use inferd_config::spec::ModelInfo;
-use inferd_config::stats::{Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS};
+use inferd_config::stats::{
+    Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS, MAX_MODELS,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
@@ -51,10 +53,16 @@ fn histogram(out: &mut String, name: &str, labels: &str, h: &Histogram, bounds: 
     let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
 }
 
+/// A label value in the text exposition format: backslash, double quote and newline escaped.
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 pub fn render(m: &PoolMetrics) -> String {
     let mut out = String::with_capacity(16 * 1024);
-    let rows =
-        m.models.iter().enumerate().map(|(i, n)| (i, n.as_str())).chain([(inferd_config::stats::MAX_MODELS, "other")]);
+    // The counters have MAX_MODELS rows (config validation keeps the model list within them).
+    let models: Vec<(usize, String)> = m.models.iter().take(MAX_MODELS).map(|n| label(n)).enumerate().collect();
+    let rows = models.iter().map(|(i, n)| (*i, n.as_str())).chain([(MAX_MODELS, "other")]);
     header(
         &mut out,
         "inferd_requests_total",
@@ -83,13 +91,13 @@ pub fn render(m: &PoolMetrics) -> String {
         ("inferd_compute_duration_seconds", Latency::Compute, "Time the model ran for a request."),
     ] {
         header(&mut out, name, "histogram", help);
-        for (row, model) in m.models.iter().enumerate() {
-            histogram(&mut out, name, &format!("model=\"{model}\""), &m.totals.latency(kind, row), &latency_bounds);
+        for (row, model) in &models {
+            histogram(&mut out, name, &format!("model=\"{model}\""), &m.totals.latency(kind, *row), &latency_bounds);
         }
     }
     header(&mut out, "inferd_batch_size", "histogram", "Rows per model run.");
-    for (row, model) in m.models.iter().enumerate() {
-        histogram(&mut out, "inferd_batch_size", &format!("model=\"{model}\""), &m.totals.batch(row), &batch_bounds);
+    for (row, model) in &models {
+        histogram(&mut out, "inferd_batch_size", &format!("model=\"{model}\""), &m.totals.batch(*row), &batch_bounds);
     }
     header(&mut out, "inferd_requests_in_flight", "gauge", "Requests being handled by the workers now.");
     let _ = writeln!(out, "inferd_requests_in_flight {}", m.totals.in_flight());
@@ -128,7 +136,9 @@ pub fn render(m: &PoolMetrics) -> String {
         let _ = writeln!(
             out,
             "inferd_model_info{{model=\"{}\",version=\"{}\",sha256=\"{}\"}} 1",
-            info.name, info.version, info.sha256
+            label(&info.name),
+            label(&info.version),
+            label(&info.sha256)
         );
     }
     out
@@ -171,4 +181,29 @@ fn reply(status: StatusCode, body: String) -> Response<Full<Bytes>> {
         .headers_mut()
         .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped_and_rows_stay_within_the_counters() {
+        let nine: Vec<String> = (0..9).map(|i| format!("m{i}")).collect();
+        let text = render(&PoolMetrics {
+            models: nine,
+            totals: Snapshot::default(),
+            workers: Vec::new(),
+            ready: 1,
+            desired: 1,
+            restarts: BTreeMap::new(),
+            recycles: BTreeMap::new(),
+            reloads: (0, 0),
+            generation: 1,
+            model_info: vec![ModelInfo { name: "m\"0".into(), version: "v\"1\\\n".into(), sha256: "ab".into() }],
+        });
+        assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
+        assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));
+        assert!(!text.contains(r#"model="m8""#), "a ninth model has no counter row");
+    }
 }

@@ -288,24 +288,52 @@ fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
 /// Counts an inference request (by model, endpoint — an index of
 /// `inferd_config::stats::ENDPOINTS` — and status code) and its latency in the counters the
 /// supervisor reads, before the response is written: a client that got an answer was counted,
-/// even if the worker is killed the next instant.
+/// even if the worker is killed the next instant. A client that goes away first (hyper drops
+/// this future) is counted as 499, and its request leaves `in_flight` all the same.
 async fn counted(
     state: &AppState,
     model: usize,
     endpoint: usize,
     work: impl std::future::Future<Output = Result<Reply, ApiError>>,
 ) -> Result<Reply, ApiError> {
-    let started = Instant::now();
-    state.stats.in_flight(1);
+    let mut guard = InFlight::enter(state, model, endpoint);
     let result = work.await;
-    state.stats.in_flight(-1);
-    let code = match &result {
+    guard.answered(match &result {
         Ok(reply) => reply.status().as_u16(),
         Err(e) => e.status().as_u16(),
-    };
-    state.stats.count_request(model, endpoint, code);
-    state.stats.observe_latency(Latency::Request, model, started.elapsed().as_secs_f64());
+    });
     result
+}
+
+/// Status counted for a request whose client closed the connection before the answer.
+pub const CLIENT_CLOSED: u16 = 499;
+
+struct InFlight<'a> {
+    state: &'a AppState,
+    model: usize,
+    endpoint: usize,
+    started: Instant,
+    code: u16,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(state: &'a AppState, model: usize, endpoint: usize) -> InFlight<'a> {
+        state.stats.in_flight(1);
+        InFlight { state, model, endpoint, started: Instant::now(), code: CLIENT_CLOSED }
+    }
+
+    fn answered(&mut self, code: u16) {
+        self.code = code;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let stats = &self.state.stats;
+        stats.in_flight(-1);
+        stats.count_request(self.model, self.endpoint, self.code);
+        stats.observe_latency(Latency::Request, self.model, self.started.elapsed().as_secs_f64());
+    }
 }
 
 /// `x-inferd-model-version: <version label>+<sha256 prefix>`: which model answered, so a

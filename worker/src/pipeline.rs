@@ -370,6 +370,14 @@ pub fn embeddings(
         return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
     };
     let dims: Vec<usize> = output.shape.iter().map(|&d| d as usize).collect();
+    if dims.iter().skip(1).any(|&d| d == 0) || dims.iter().product::<usize>() != values.len() {
+        return Err(PipelineError::Output(format!(
+            "'{}' has shape {:?} for {} values: no embedding can be read from it",
+            output.name,
+            output.shape,
+            values.len()
+        )));
+    }
     let mut rows = match dims.as_slice() {
         [b, d] if *b == lengths.len() => values.chunks(*d).map(<[f32]>::to_vec).collect::<Vec<_>>(),
         [b, s, d] if *b == lengths.len() => (0..*b)
@@ -409,7 +417,7 @@ pub fn scores(
     let TensorData::F32(values) = &output.data else {
         return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
     };
-    if output.shape.len() != 2 || output.shape[1] as usize != labels {
+    if output.shape.len() != 2 || output.shape[1] as usize != labels || labels == 0 {
         return Err(PipelineError::Output(format!(
             "'{}' has shape {:?}, expected [batch, {labels}]",
             output.name, output.shape
@@ -456,6 +464,21 @@ mod tests {
         assert!((e[1][0] - 0.6).abs() < 1e-6 && (e[1][1] - 0.8).abs() < 1e-6);
         let e = embeddings(&out, &[2, 1], Pooling::Cls, false).unwrap();
         assert_eq!(e[1], vec![6., 8.]);
+    }
+
+    #[test]
+    fn zero_sized_outputs_are_a_model_error_not_a_panic() {
+        for shape in [vec![2, 0], vec![2, 3, 0], vec![2, 0, 4]] {
+            let out = Tensor { name: "h".into(), shape, data: TensorData::F32(vec![]) };
+            for pooling in [Pooling::Mean, Pooling::Cls] {
+                let err = embeddings(&out, &[1, 1], pooling, true).unwrap_err().to_string();
+                assert!(err.contains("no embedding"), "{err}");
+            }
+        }
+        let short = Tensor { name: "h".into(), shape: vec![2, 3, 2], data: TensorData::F32(vec![1.; 6]) };
+        assert!(embeddings(&short, &[1, 1], Pooling::Mean, false).is_err());
+        let none = Tensor { name: "l".into(), shape: vec![1, 0], data: TensorData::F32(vec![]) };
+        assert!(scores(&none, 0, Activation::Softmax, false).is_err());
     }
 
     #[test]

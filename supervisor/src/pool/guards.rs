@@ -21,6 +21,9 @@ impl Supervisor {
         if let Some(c) = &budget.cgroup {
             fit = fit.min(c.limit / (rss + rss / 4));
         }
+        // Never below the one worker that runs already: whether even it fits is the limits'
+        // check below, which says so instead of emptying the pool.
+        let fit = fit.max(1);
         let plan = format!(
             "{k} workers need ~{} MiB ({} MiB each, measured on worker 0 after warm-up); {}; {fit} fit",
             mib(k * rss),

@@ -740,6 +740,8 @@ impl Supervisor {
         let stream = tokio::net::UnixStream::from_std(ours)?;
         let slot = spec.index;
         let events = self.events.clone();
+        // One task per worker: its messages to EOF (the socket closes when it exits), then its
+        // exit, so that `Exited` never overtakes the `Failed` that explains it.
         tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stream).lines();
             while let Ok(Some(line)) = lines.next_line().await {
@@ -752,9 +754,6 @@ impl Supervisor {
                     }
                 }
             }
-        });
-        let events = self.events.clone();
-        tokio::spawn(async move {
             let status = process.wait().await.ok();
             let _ = events.send(Event::Exited { slot, pid, status });
         });

@@ -19,6 +19,12 @@ impl Supervisor {
         if self.reload.is_some() {
             return Err("reload refused: a reload is already in progress".into());
         }
+        // A reload replaces every slot; one that `scale -1` is draining must be gone first.
+        if let Some(i) = self.slots.iter().position(|s| s.removing) {
+            return Err(format!(
+                "reload refused: worker {i} is still draining from the last scale -1; retry once it is gone"
+            ));
+        }
         let models = self.new_models(model, path)?;
         self.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
