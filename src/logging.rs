@@ -44,11 +44,13 @@ pub fn init(format: LogFormat) -> LogFormat {
         }
         LogFormat::Journal => match tracing_journald::layer() {
             Ok(journal) => {
-                // Event fields become INFERD_<NAME> (INFERD_MODEL, INFERD_REQUEST_ID, ...).
+                // Event fields become INFERD_<NAME> (INFERD_MODEL, INFERD_REQUEST_ID, ...); a
+                // worker's lines read `inferd-worker-N[pid]: ...` in journalctl's default view.
                 let worker = std::env::var("INFERD_WORKER").ok();
+                let identifier = worker.as_ref().map_or("inferd".to_string(), |w| format!("inferd-worker-{w}"));
                 let journal = journal
                     .with_field_prefix(Some("INFERD".into()))
-                    .with_syslog_identifier("inferd".into())
+                    .with_syslog_identifier(identifier)
                     .with_custom_fields(worker.map(|w| ("INFERD_WORKER", w)));
                 tracing_subscriber::registry().with(filter()).with(journal).init();
             }
