@@ -2,11 +2,12 @@
 #   make run    set up (idempotent), build release, serve the default model on 127.0.0.1:8000
 #   make test   set up (idempotent), then the whole test suite (unit + integration, real binary)
 #   make setup  only the set-up: .venv tooling, ONNX Runtime library, default model
+#   make rpm    the CentOS/RHEL 8/9 package (glibc 2.28 binary) in target/rpm/ (docs/rhel.md)
 
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: setup build run test check bench fixtures clean
+.PHONY: setup build run test check bench fixtures release rpm clean
 
 setup:
 	scripts/setup.sh
@@ -34,6 +35,15 @@ bench: setup
 fixtures: setup
 	.venv/bin/python scripts/gen_test_models.py
 	.venv/bin/python scripts/make_reference.py
+
+# Release builds for CentOS/RHEL 8+ (glibc 2.28, zig as the linker), in target/rhel/; each
+# installs its own tools first (scripts/release-tools.sh: zig, cargo-zigbuild, cargo-generate-rpm,
+# rpm). `release` stops at the checked binary, `rpm` packs it into target/rpm/ (docs/rhel.md).
+release: setup
+	scripts/release.sh
+
+rpm: setup
+	scripts/release.sh rpm
 
 clean:
 	$(CARGO) clean

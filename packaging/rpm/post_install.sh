@@ -1,0 +1,16 @@
+# %post ($1: 1 on install, 2 on upgrade).
+# The model repository, owned by the service user. It is made here, not listed in the payload,
+# because cargo-generate-rpm 0.21.1 cannot package an empty folder; only when missing, so an
+# upgrade keeps the owner and mode an admin chose.
+[ -d /var/lib/inferd/models ] || install -d -m 0755 -o inferd -g inferd /var/lib/inferd /var/lib/inferd/models
+
+# What %systemd_post and %sysctl_apply do, without the macros (the package is built without
+# rpmbuild): only where systemd is the running init, so an install into a container image or
+# a chroot (rpm --root) does not fail.
+if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload >/dev/null 2>&1 || :
+    # Apply 99-inferd.conf now rather than at the next boot; a key the kernel lacks
+    # (tcp_migrate_req on RHEL 8's 4.18) is reported and skipped by systemd-sysctl.
+    /usr/lib/systemd/systemd-sysctl 99-inferd.conf >/dev/null 2>&1 || :
+fi
+exit 0
