@@ -83,26 +83,42 @@ fn overload_gets_fast_503s_and_recovers_at_once() {
     assert_eq!(server.status()["phase"], "ready");
 }
 
-/// A model run that never ends: the worker is killed within request_timeout plus a tick or
-/// two and replaced, the other worker serves throughout, and the hung client gets an error.
+/// A model run past request_timeout_secs is stopped by its worker: the client gets a 504 that
+/// names the limit, and the worker goes on serving (no restart, same processes).
+#[test]
+fn a_run_past_the_timeout_is_stopped_and_answered() {
+    let server = start("run-timeout", "request_timeout_secs = 1");
+    let pids = server.worker_pids();
+    let started = Instant::now();
+    // About an hour of compute.
+    let r = request(server.addr, "POST", "/v2/models/slow/infer", &[], &slow_body(1_000_000_000)).unwrap();
+    let took = started.elapsed();
+    eprintln!("the overlong request was answered {} after {:.2} s", r.status, took.as_secs_f64());
+    assert_eq!(r.status, 504, "{}", r.error());
+    assert!(r.error().contains("server.request_timeout_secs = 1"), "{}", r.error());
+    for _ in 0..4 {
+        assert_eq!(server.request("POST", "/v2/models/slow/infer", &slow_body(10)).status, 200);
+    }
+    let status = server.status();
+    assert_eq!(server.worker_pids(), pids, "a worker was replaced: {status:#}");
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status:#}");
+    assert!(server.log().contains("stopping it"), "{}", server.log());
+}
+
+/// A worker whose model thread stops beating (here: the whole process stopped) is killed
+/// (SIGABRT, then SIGKILL) and replaced, while the other worker serves throughout.
 #[test]
 fn a_stuck_worker_is_killed_and_replaced() {
     let server = start("stuck", "request_timeout_secs = 1");
     let before = server.status();
-    let addr = server.addr;
-    let hung = std::thread::spawn(move || {
-        let started = Instant::now();
-        let r = request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(1_000_000_000));
-        (r.map(|r| r.status), started.elapsed())
-    });
-    // Meanwhile the other worker(s) keep answering.
+    let stuck = before["workers"][0]["pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(stuck), nix::sys::signal::Signal::SIGSTOP).unwrap();
     let mut served = 0;
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if test_workers() > 1 {
+            // A connection the stopped worker accepted waits with it; the others succeed.
             let r = request(server.addr, "POST", "/v2/models/typed/infer", &[], &typed_request());
-            // A request that lands on the stuck worker waits behind the hung run and dies
-            // with it; the others succeed.
             if r.is_ok_and(|r| r.status == 200) {
                 served += 1;
             }
@@ -115,11 +131,10 @@ fn a_stuck_worker_is_killed_and_replaced() {
         assert!(Instant::now() < deadline, "no replacement: {s:#}\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
     };
-    let (result, took) = hung.join().unwrap();
-    eprintln!("hung client: {result:?} after {:.2} s; {served} other requests served meanwhile", took.as_secs_f64());
-    assert!(result.is_err(), "the hung request ended without an answer: {result:?}");
+    eprintln!("{served} other requests served meanwhile");
+    assert!(!process_exists(stuck), "the stuck worker is still there");
     let w = status["workers"].as_array().unwrap().iter().find(|w| w["restarts"] == 1).unwrap();
-    assert!(w["last_exit"].as_str().unwrap().contains("stuck: a model run has lasted"), "{w}");
+    assert!(w["last_exit"].as_str().unwrap().contains("stuck: the model thread has not beaten"), "{w}");
     assert!(server.log().contains("is stuck"), "{}", server.log());
     if test_workers() > 1 {
         assert!(served > 0);

@@ -178,7 +178,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
                     let rows: Vec<Text> =
                         (0..batch).map(|b| Text::Single(texts[(i * batch + b) % texts.len()].clone())).collect();
                     let encoded = text.encode(&rows, false)?;
-                    let outputs = model.run(encoded.inputs)?;
+                    let outputs = model.run(encoded.inputs, None)?;
                     embeddings(&outputs[output], &encoded.lengths, pooling, normalize)?;
                     Ok(())
                 };

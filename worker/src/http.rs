@@ -111,7 +111,9 @@ impl From<ModelError> for ApiError {
         match e {
             ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
             ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
-            ModelError::DeadlineExceeded { .. } => ApiError::DeadlineExceeded(e.to_string()),
+            ModelError::DeadlineExceeded { .. } | ModelError::Stopped { .. } => {
+                ApiError::DeadlineExceeded(e.to_string())
+            }
             _ => ApiError::Internal(e.to_string()),
         }
     }
@@ -138,10 +140,25 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// Every request: routed, answered, its id echoed, its failure logged with that id, and its
 /// access line written (log.access_log).
-pub async fn handle(state: Arc<AppState>, peer: SocketAddr, request: Request<Incoming>) -> Result<Reply, Infallible> {
+pub async fn handle(
+    state: Arc<AppState>,
+    peer: SocketAddr,
+    mut request: Request<Incoming>,
+) -> Result<Reply, Infallible> {
     let started = Instant::now();
     let id = state.request_ids.for_request(request.headers().get(REQUEST_ID_HEADER));
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    // A body left unread (an error answered before it was read, or a failed read) means hyper
+    // closes the connection after the answer: the answer must say so, or a keep-alive client
+    // sends its next request into a closing socket.
+    let body_read = match hyper::body::Body::is_end_stream(request.body()) {
+        true => None,
+        false => {
+            let flag = BodyRead::default();
+            request.extensions_mut().insert(flag.clone());
+            Some(flag)
+        }
+    };
     let mut reply = match route(&state, request).await {
         Ok(reply) => reply,
         Err(e) => {
@@ -179,8 +196,15 @@ pub async fn handle(state: Arc<AppState>, peer: SocketAddr, request: Request<Inc
     let headers = reply.headers_mut();
     headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
     headers.insert(REQUEST_ID_HEADER, id);
+    if body_read.is_some_and(|read| !read.0.load(Ordering::Relaxed)) {
+        headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+    }
     Ok(reply)
 }
+
+/// Set once a request's body has been read whole (see [`handle`]).
+#[derive(Clone, Default)]
+struct BodyRead(Arc<AtomicBool>);
 
 /// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it, and a missing
 /// model name means the default model.
@@ -425,6 +449,7 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
             state.body_budget_total
         ))
     })?;
+    let read = request.extensions().get::<BodyRead>().cloned();
     let collect = Limited::new(request.into_body(), limit as usize).collect();
     let timeout = state.body_timeout;
     let bytes = tokio::time::timeout(timeout, collect)
@@ -440,6 +465,9 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
             }
         })?
         .to_bytes();
+    if let Some(read) = read {
+        read.0.store(true, Ordering::Relaxed);
+    }
     Ok(Body { bytes, _budget: budget })
 }
 

@@ -43,6 +43,8 @@ pub enum ModelError {
     Overloaded { waiting: u64 },
     #[error("the request's deadline passed after {waited:?} in the queue; it never reached the model")]
     DeadlineExceeded { waited: std::time::Duration },
+    #[error("model '{model}' ran longer than server.request_timeout_secs = {limit} s and was stopped")]
+    Stopped { model: String, limit: f64 },
 }
 
 /// A named tensor.
@@ -208,8 +210,13 @@ impl Model {
         &self.meta.info.name
     }
 
-    /// Runs the model on already validated inputs and returns every output.
-    pub fn run(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    /// Runs the model on already validated inputs and returns every output; `options` lets
+    /// another thread stop the run (see the engine's run clock).
+    pub fn run(
+        &mut self,
+        inputs: Vec<Tensor>,
+        options: Option<&ort::session::RunOptions>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         let model = self.meta.info.name.clone();
         let run_err = |e: ort::Error| match e.code() {
             ort::error::ErrorCode::InvalidArgument => {
@@ -222,7 +229,11 @@ impl Model {
             .map(|t| Ok((t.name, t.data.into_ort(t.shape)?)))
             .collect::<ort::Result<Vec<_>>>()
             .map_err(run_err)?;
-        let outputs = self.session.run(values).map_err(run_err)?;
+        let outputs = match options {
+            Some(options) => self.session.run_with_options(values, options),
+            None => self.session.run(values),
+        }
+        .map_err(run_err)?;
         let mut result = Vec::with_capacity(self.meta.outputs.len());
         for spec in &self.meta.outputs {
             let unsupported = || ModelError::UnsupportedOutput { model: model.clone(), output: spec.name.clone() };
@@ -264,7 +275,7 @@ impl Model {
                 continue; // fixed-shape model: one run is enough
             }
             seen.push(shapes);
-            self.run(inputs)
+            self.run(inputs, None)
                 .map_err(|e| ModelError::Warmup { model: self.entry.name.clone(), message: e.to_string() })?;
         }
         Ok(())

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
+/// supervisor aborts the worker only if the run is still going this long after.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
 impl Supervisor {
     /// Called once, when the first worker is ready: do the other K-1 fit? Its RSS after
     /// warm-up is what each costs; they must fit, with 10% to spare, in what the machine and
@@ -124,7 +128,8 @@ impl Supervisor {
         slot.next_start = Some(Instant::now());
     }
 
-    /// A worker whose model run has lasted longer than server.request_timeout_secs, or whose
+    /// A worker whose model run has lasted longer than server.request_timeout_secs (plus
+    /// [`STOP_GRACE`] for the worker to stop it itself), or whose
     /// model thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
     /// there (gunicorn's escalation); it is then replaced like any dead worker.
     pub(super) fn kill_stuck_workers(&mut self) {
@@ -140,9 +145,11 @@ impl Supervisor {
                 }
                 let (busy, beat) = w.stats.model_thread();
                 let why = match (busy, beat) {
-                    (Some(b), _) if b > timeout => {
-                        format!("a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout}")
-                    }
+                    // The worker stops such a run itself at the timeout; one still going this
+                    // much later does not stop (a kernel that never returns).
+                    (Some(b), _) if b > timeout + STOP_GRACE.as_secs_f64() => format!(
+                        "a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout} and did not stop"
+                    ),
                     (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
                     _ => continue,
                 };

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use inferd_config::stats::Shared;
 
 use super::batch::{Job, Join, Policy};
-use super::{Event, Work};
+use super::{Event, RunClock, Work};
 use crate::model::ModelError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +22,9 @@ enum LaneState {
 
 /// Requests that overlapped this recently mean load: a lone one then runs narrow.
 const RECENT_LOAD: Duration = Duration::from_millis(50);
+
+/// While a lane runs, the dispatcher looks this often for a run past its timeout.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
 
 /// How long after the last light batch started the last free lane stays reserved for light
 /// work; with only heavy work coming, every lane runs it.
@@ -39,6 +42,7 @@ pub(super) struct Dispatcher {
     /// Lane 0 runs on every thread: no other lane may start until it is done.
     wide_running: bool,
     counters: Arc<Shared>,
+    clock: Arc<RunClock>,
     /// Gone once every [`super::Engine`] handle is dropped.
     engine: std::sync::Weak<()>,
     /// When the last light batch started.
@@ -55,6 +59,7 @@ impl Dispatcher {
         lanes: Vec<mpsc::Sender<Work>>,
         has_wide: bool,
         counters: Arc<Shared>,
+        clock: Arc<RunClock>,
         engine: std::sync::Weak<()>,
     ) -> Dispatcher {
         Dispatcher {
@@ -65,6 +70,7 @@ impl Dispatcher {
             has_wide,
             wide_running: false,
             counters,
+            clock,
             engine,
             last_light: None,
             last_load: None,
@@ -74,13 +80,16 @@ impl Dispatcher {
     pub(super) fn run(mut self) {
         loop {
             self.counters.beat();
+            self.clock.stop_overdue();
             self.drop_dead();
             if self.dispatch().is_err() {
                 return; // a lane is gone: the worker is going down
             }
             // Nothing more can start until a job arrives, a lane finishes or a reservation for
-            // light work lapses.
+            // light work lapses; while a lane runs, its run is watched for its timeout.
             let wait = self.reserved_until().map_or(Duration::from_secs(1), |t| t - Instant::now());
+            let busy = self.lanes.iter().any(|(_, s)| *s != LaneState::Idle);
+            let wait = if busy { wait.min(WATCH_EVERY) } else { wait };
             match self.inbox.recv_timeout(wait.min(Duration::from_secs(1))) {
                 Ok(event) => self.take(event),
                 Err(mpsc::RecvTimeoutError::Timeout) if self.engine.strong_count() == 0 => return,
@@ -247,7 +256,9 @@ mod tests {
         let (_, inbox) = mpsc::channel();
         let policies = vec![Policy { max_rows, max_tokens, delay: Duration::ZERO }];
         let counters = Arc::new(Shared::create("inferd-engine-test").unwrap().0);
-        let mut d = Dispatcher::new(inbox, policies, Vec::new(), false, counters, std::sync::Weak::new());
+        // No lanes: no run options, so no ONNX Runtime needed.
+        let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1)).unwrap());
+        let mut d = Dispatcher::new(inbox, policies, Vec::new(), false, counters, clock, std::sync::Weak::new());
         d.pending = pending.into();
         d
     }

@@ -22,13 +22,17 @@
 //!
 //! Contract per job, batched or not: a job whose client went away is skipped, one past its
 //! deadline is answered 504 without running, and the `queued` counter (which `max_queue`
-//! reads) counts it until a lane takes it.
+//! reads) counts it until a lane takes it. A run longer than `server.request_timeout_secs` is
+//! stopped through ORT's run options (the dispatcher watches the [`RunClock`]) and every
+//! request in it is answered 504; the worker goes on serving.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inferd_config::stats::{Latency, Shared};
 use tokio::sync::oneshot;
+use tracing::warn;
 
 use crate::model::{Model, ModelError, Tensor};
 
@@ -107,13 +111,18 @@ impl Engine {
     /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
     /// every second and the start of the oldest run in progress, which the supervisor watches
     /// for a stuck model.
-    pub fn start(models: Vec<Sessions>, stats: Arc<Shared>, max_queue: usize) -> std::io::Result<Engine> {
+    pub fn start(
+        models: Vec<Sessions>,
+        stats: Arc<Shared>,
+        max_queue: usize,
+        run_timeout: Duration,
+    ) -> std::io::Result<Engine> {
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
         let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
         let (events, inbox) = mpsc::channel::<Event>();
         let alive = Arc::new(());
-        let clock = Arc::new(RunClock::new(lanes, stats.clone()));
+        let clock = Arc::new(RunClock::new(lanes, stats.clone(), run_timeout).map_err(std::io::Error::other)?);
         // Regroup by lane: lane l gets the l-th narrow session of every model.
         let mut per_lane: Vec<Vec<Model>> = (0..lanes).map(|_| Vec::new()).collect();
         let mut wide = Vec::new();
@@ -138,7 +147,8 @@ impl Engine {
             std::thread::Builder::new().name(format!("inferd-lane-{index}")).spawn(move || lane.run(queue))?;
             senders.push(work);
         }
-        let dispatcher = Dispatcher::new(inbox, policies, senders, has_wide, stats.clone(), Arc::downgrade(&alive));
+        let dispatcher =
+            Dispatcher::new(inbox, policies, senders, has_wide, stats.clone(), clock, Arc::downgrade(&alive));
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
         Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
     }
@@ -168,22 +178,68 @@ impl Engine {
 }
 
 /// The start of each lane's current run, so the supervisor sees the oldest one (a stuck lane
-/// stays visible while another keeps finishing runs).
-struct RunClock {
-    // A mutex, not atomics: start and end must update the shared minimum together.
+/// stays visible while another keeps finishing runs), and the means to stop a run that
+/// overstays: each lane runs with its own ORT run options, which [`RunClock::stop_overdue`]
+/// sets to terminate.
+pub(super) struct RunClock {
+    // A mutex, not atomics: start and end must update the shared minimum together, and a run
+    // is stopped only while its lane still says it runs (see `set`).
     starts: std::sync::Mutex<Vec<u64>>,
     counters: Arc<Shared>,
+    stops: Vec<RunStop>,
+    timeout: Duration,
+}
+
+struct RunStop {
+    options: ort::session::RunOptions,
+    /// Set (under the clock's lock) when this lane's run was told to terminate.
+    stopped: AtomicBool,
 }
 
 impl RunClock {
-    fn new(lanes: usize, counters: Arc<Shared>) -> RunClock {
-        RunClock { starts: std::sync::Mutex::new(vec![0; lanes]), counters }
+    fn new(lanes: usize, counters: Arc<Shared>, timeout: Duration) -> ort::Result<RunClock> {
+        let stops = (0..lanes)
+            .map(|_| Ok(RunStop { options: ort::session::RunOptions::new()?, stopped: AtomicBool::new(false) }))
+            .collect::<ort::Result<_>>()?;
+        Ok(RunClock { starts: std::sync::Mutex::new(vec![0; lanes]), counters, stops, timeout })
     }
 
-    fn set(&self, lane: usize, running: bool) {
+    /// A lane starts or ends a run. Returns, at the end of a run, whether it was stopped.
+    fn set(&self, lane: usize, running: bool) -> bool {
         let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
         starts[lane] = if running { inferd_config::stats::monotonic_nanos() } else { 0 };
         self.counters.busy_since(starts.iter().copied().filter(|&t| t != 0).min());
+        drop(starts);
+        let stop = &self.stops[lane];
+        // No terminate can come after the start was cleared: the flag is final now.
+        if !running && stop.stopped.swap(false, Ordering::Relaxed) {
+            if let Err(e) = stop.options.unterminate() {
+                warn!("cannot reset lane {lane}'s run options: {e}");
+            }
+            return true;
+        }
+        false
+    }
+
+    fn options(&self, lane: usize) -> &ort::session::RunOptions {
+        &self.stops[lane].options
+    }
+
+    /// Tells every run that has lasted longer than the timeout to terminate (ORT stops between
+    /// operators; a kernel that never returns is left to the supervisor's SIGABRT).
+    pub(super) fn stop_overdue(&self) {
+        let starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
+        let now = inferd_config::stats::monotonic_nanos();
+        for (lane, &start) in starts.iter().enumerate() {
+            let overdue = start != 0 && now.saturating_sub(start) > self.timeout.as_nanos() as u64;
+            let stop = &self.stops[lane];
+            if overdue && !stop.stopped.swap(true, Ordering::Relaxed) {
+                warn!(lane, "a model run passed server.request_timeout_secs = {:?}; stopping it", self.timeout);
+                if let Err(e) = stop.options.terminate() {
+                    warn!("cannot stop lane {lane}'s run: {e}");
+                }
+            }
+        }
     }
 }
 
@@ -225,7 +281,16 @@ impl Lane {
         let rows: Vec<usize> = batch.iter().map(|j| j.rows.expect("only batchable jobs are gathered")).collect();
         let total: usize = rows.iter().sum();
         let merged = merge(&batch, total);
-        let split = self.run_one(model, merged, total as u64, wide).ok().and_then(|outputs| split(outputs, &rows));
+        let split = match self.run_one(model, merged, total as u64, wide) {
+            Err(ModelError::Stopped { model: name, limit }) => {
+                // Stopped for time: running each request alone would take as long again.
+                for job in batch {
+                    let _ = job.reply.send(Err(ModelError::Stopped { model: name.clone(), limit }));
+                }
+                return;
+            }
+            result => result.ok().and_then(|outputs| split(outputs, &rows)),
+        };
         match split {
             Some(parts) => {
                 let elapsed = started.elapsed().as_secs_f64();
@@ -261,9 +326,15 @@ impl Lane {
             (Some(sessions), true) => &mut sessions[model],
             _ => &mut self.narrow[model],
         };
-        let result = session.run(inputs);
-        self.clock.set(self.index, false);
+        let result = session.run(inputs, Some(self.clock.options(self.index)));
+        let stopped = self.clock.set(self.index, false);
         leak_for_tests();
-        result
+        match result {
+            // A run that finished just as it was told to stop keeps its answer.
+            Err(_) if stopped => {
+                Err(ModelError::Stopped { model: session.name().to_string(), limit: self.clock.timeout.as_secs_f64() })
+            }
+            result => result,
+        }
     }
 }
