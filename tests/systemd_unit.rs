@@ -18,7 +18,9 @@ fn the_units_under_a_real_systemd() {
     let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     match out.status.code() {
         Some(0) => println!("{said}"),
-        Some(77) => eprintln!("SKIPPED the_units_under_a_real_systemd: this host cannot run a systemd container\n{said}"),
+        Some(77) => {
+            eprintln!("SKIPPED the_units_under_a_real_systemd: this host cannot run a systemd container\n{said}")
+        }
         other => panic!("scripts/systemd-e2e.sh exited {other:?}:\n{said}"),
     }
 }
