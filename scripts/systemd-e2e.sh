@@ -115,6 +115,11 @@ check "POST /embed right after start answers 200" grep -q '^embed: 200 0 ' <<<"$
 status_text=$(in_ct systemctl show -p StatusText --value inferd)
 echo "      StatusText=$status_text"
 check "systemctl show -p StatusText carries inferd's STATUS= line" grep -q 'workers ready' <<<"$status_text"
+cache=$(in_ct sh -c 'ls -ld /var/cache/inferd /var/cache/inferd/minilm-*; cat /var/cache/inferd/minilm-*/manifest')
+echo "$cache" | show
+check "the weights are prepared once in /var/cache/inferd (CacheDirectory=) and shared" \
+    grep -q 'shared weights' <<<"$out"
+check "... an artefact with its manifest, owned by inferd" grep -q '^model.onnx.data ' <<<"$cache"
 in_ct systemctl status inferd --no-pager -n 0 | show
 
 step "2. systemctl reload under load: rolling, no failed request"

@@ -192,12 +192,22 @@ impl Default for ModelsConfig {
     }
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeConfig {
     /// Full path to libonnxruntime.so.1.xx; otherwise ORT_DYLIB_PATH, then the places
     /// listed in `ortlib`.
     pub ort_library: Option<PathBuf>,
+    /// Where each model's optimised weights are prepared once and mapped by every session of
+    /// every worker (relative: to the config file's folder); empty = each session loads its
+    /// own copy.
+    pub cache_dir: PathBuf,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { ort_library: None, cache_dir: PathBuf::from(".cache/inferd") }
+    }
 }
 
 /// How every process logs (stderr, or the journal's native protocol under systemd).
@@ -393,6 +403,11 @@ impl Config {
 
     pub fn control_socket(&self) -> PathBuf {
         self.resolve(&self.server.control_socket)
+    }
+
+    /// `runtime.cache_dir`, resolved; None when it is empty (shared weights off).
+    pub fn weights_cache(&self) -> Option<PathBuf> {
+        (!self.runtime.cache_dir.as_os_str().is_empty()).then(|| self.resolve(&self.runtime.cache_dir))
     }
 
     pub fn model_repository(&self) -> PathBuf {

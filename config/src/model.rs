@@ -5,6 +5,7 @@
 //! version = "1"          # free-form label shown in status and metadata
 //! file = "model.onnx"    # relative to the model's folder
 //! task = "embedding"     # "raw" (default) | "embedding" | "classification"
+//! share_weights = true   # one optimised copy of the weights for every session (runtime.cache_dir)
 //! [warmup]
 //! batch_sizes = [1, 4]   # warm-up runs, one per batch size
 //! dynamic_dim = 16       # value used for every other dynamic dimension
@@ -45,6 +46,8 @@ struct ModelFile {
     file: PathBuf,
     #[serde(default)]
     task: Task,
+    #[serde(default = "yes")]
+    share_weights: bool,
     #[serde(default)]
     warmup: Warmup,
     #[serde(default)]
@@ -57,6 +60,10 @@ struct ModelFile {
 
 fn default_version() -> String {
     "1".into()
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_file() -> PathBuf {
@@ -283,6 +290,11 @@ pub struct ModelEntry {
     pub warmup: Warmup,
     pub batching: Batching,
     pub task: Task,
+    /// Sessions map one prepared copy of the weights (with `runtime.cache_dir` set); false:
+    /// each session optimises and holds its own (a graph that must stay as written, or a load
+    /// time that matters more than memory).
+    #[serde(default = "yes")]
+    pub share_weights: bool,
     pub tokenizer: Option<TokenizerConfig>,
     pub embedding: Option<EmbeddingConfig>,
     pub classification: Option<ClassificationConfig>,
@@ -357,6 +369,7 @@ impl ModelEntry {
             warmup: file.warmup,
             batching: file.batching,
             task: file.task,
+            share_weights: file.share_weights,
             tokenizer,
             embedding: file.embedding,
             classification: file.classification,

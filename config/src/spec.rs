@@ -43,6 +43,9 @@ pub struct WorkerSpec {
     /// Serve on the socket at [`WORKER_LISTENER_FD`] instead of binding `server.listen`.
     #[serde(default)]
     pub inherited_listener: bool,
+    /// `runtime.cache_dir`, resolved: where shared weights are prepared (None: off).
+    #[serde(default)]
+    pub weights_cache: Option<PathBuf>,
     /// The [log] settings (the format itself reaches the worker as INFERD_LOG_FORMAT, since
     /// logging starts before the spec is read).
     #[serde(default)]
@@ -55,6 +58,10 @@ pub struct ModelInfo {
     pub version: String,
     /// First 16 hex digits of the SHA-256 of the model file.
     pub sha256: String,
+    /// `shared` (the weights are mapped from the artefact every session shares) or
+    /// `private: <why not>` (this session holds its own copy).
+    #[serde(default)]
+    pub weights: String,
 }
 
 impl ModelInfo {

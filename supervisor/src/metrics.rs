@@ -200,7 +200,12 @@ mod tests {
             recycles: BTreeMap::new(),
             reloads: (0, 0),
             generation: 1,
-            model_info: vec![ModelInfo { name: "m\"0".into(), version: "v\"1\\\n".into(), sha256: "ab".into() }],
+            model_info: vec![ModelInfo {
+                name: "m\"0".into(),
+                version: "v\"1\\\n".into(),
+                sha256: "ab".into(),
+                weights: "shared".into(),
+            }],
         });
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
         assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));

@@ -48,6 +48,10 @@ pub struct WorkerStatus {
     /// Threads of the process as the kernel counts them (documented: 2 x threads + 1).
     pub os_threads: Option<u64>,
     pub rss_bytes: Option<u64>,
+    /// Memory only this worker holds (RssAnon + RssShmem): RSS less the shared weights and
+    /// libraries. The memory guards watch this.
+    #[serde(default)]
+    pub private_bytes: Option<u64>,
     /// Inference requests answered by the current process.
     pub requests: u64,
     pub in_flight: u64,
@@ -91,7 +95,7 @@ pub struct PoolStatus {
     /// (window seconds, p50 ms, p99 ms) of request latency over about the last minute; the
     /// percentiles are histogram bucket upper bounds (None: above the last bucket).
     pub latency_last_minute: Option<(f64, Option<f64>, Option<f64>)>,
-    /// The memory budget and the per-worker RSS limits.
+    /// The memory budget and the per-worker limits of private memory.
     pub memory: String,
     pub reloads_succeeded: u64,
     pub reloads_failed: u64,
@@ -169,6 +173,7 @@ impl PoolStatus {
             "CPUS",
             "THREADS",
             "RSS",
+            "PRIVATE",
             "REQUESTS",
             "IN-FLIGHT",
             "QUEUED",
@@ -178,8 +183,15 @@ impl PoolStatus {
         ];
         let mut rows = vec![header.map(String::from).to_vec()];
         for w in &self.workers {
-            let models =
-                w.models.iter().map(|m| format!("{}:{} ({})", m.name, m.version, m.sha256)).collect::<Vec<_>>();
+            let models = w
+                .models
+                .iter()
+                .map(|m| {
+                    // `shared`: weights mapped from the one prepared copy; `private`: its own.
+                    let weights = m.weights.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?");
+                    format!("{}:{} ({}, {weights} weights)", m.name, m.version, m.sha256)
+                })
+                .collect::<Vec<_>>();
             rows.push(vec![
                 w.index.to_string(),
                 w.pid.map_or("-".into(), |p| p.to_string()),
@@ -191,6 +203,7 @@ impl PoolStatus {
                     None => w.threads.to_string(),
                 },
                 w.rss_bytes.map_or("-".into(), bytes),
+                w.private_bytes.map_or("-".into(), bytes),
                 w.requests.to_string(),
                 w.in_flight.to_string(),
                 w.queued.to_string(),
@@ -244,12 +257,18 @@ mod tests {
             threads: 1,
             os_threads: Some(2),
             rss_bytes: Some(50 << 20),
+            private_bytes: Some(20 << 20),
             requests: 7,
             in_flight: 0,
             queued: 0,
             restarts: 0,
             uptime_secs: Some(75.0),
-            models: vec![ModelInfo { name: "m".into(), version: "1".into(), sha256: "abcd".into() }],
+            models: vec![ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "abcd".into(),
+                weights: "shared".into(),
+            }],
             last_exit: None,
         };
         let status = PoolStatus {
@@ -279,9 +298,9 @@ mod tests {
         let table = status.render();
         assert!(table.contains("ready on 127.0.0.1:8000"), "{table}");
         assert!(table.contains("2/2 workers ready"), "{table}");
-        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd)")).collect();
+        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd, shared weights)")).collect();
         assert_eq!(rows.len(), 2, "{table}");
         assert!(rows[1].starts_with("1  "), "{table}");
-        assert!(rows[1].contains("50.0MiB") && rows[1].contains("1m15s"), "{table}");
+        assert!(rows[1].contains("50.0MiB  20.0MiB") && rows[1].contains("1m15s"), "{table}");
     }
 }

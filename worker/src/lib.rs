@@ -26,5 +26,6 @@ pub mod server;
 pub mod tasks;
 pub mod tei;
 pub mod tensor;
+pub mod weights;
 
 pub use server::run;

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use inferd_config::model::{ModelEntry, Task};
 use inferd_config::spec::ModelInfo;
 use ort::environment::Environment;
+use ort::session::builder::GraphOptimizationLevel;
 use ort::session::Session;
 use ort::value::ValueType;
 use serde::Serialize;
@@ -20,6 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::pipeline::Pipeline;
 use crate::tensor::{element_count, ort_type_name, DataType, TensorData};
+use crate::weights::{self, Weights};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -129,8 +131,8 @@ impl Model {
         Model::load_with(entry, Threads::Narrow)
     }
 
-    /// Loads one model into a session that runs on `threads`. Each session holds its own copy
-    /// of the weights (sharing them is issue 11's work).
+    /// Loads one model into a session that runs on `threads`, from the shared artefact of its
+    /// weights where `runtime.cache_dir` allows (see [`weights`]).
     pub fn load_with(entry: &ModelEntry, threads: Threads) -> Result<Model, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
@@ -139,21 +141,36 @@ impl Model {
         };
         let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         let bytes = std::fs::read(&entry.path).map_err(|e| fail(e.to_string()))?;
-        let sha256: String = Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect();
+        let digest = Sha256::digest(&bytes);
+        let sha256: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        // What every session of this process shares: one thread of its own by default.
+        let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
+            let plain = |r: ort::session::builder::BuilderResult| r.map_err(ort::Error::<()>::from);
+            let builder = Session::builder(env)?;
+            let builder = plain(builder.with_inter_threads(1))?;
+            let builder = plain(builder.with_parallel_execution(false))?;
+            let builder = plain(builder.with_inter_op_spinning(false))?;
+            // No arena: ONNX Runtime's CPU arena keeps the buffers of the largest batch ever
+            // run for good (a worker serving long texts grew from ~140 to ~530 MiB and stayed
+            // there), and every session of a worker would keep its own. Measured on MiniLM
+            // with 3 sessions per worker: 45 MiB less at the same speed. Memory patterns
+            // pre-plan buffers per input shape, which dynamic batches and sequence lengths
+            // never repeat.
+            let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
+            let builder = plain(builder.with_execution_providers([cpu]))?;
+            let builder = plain(builder.with_memory_pattern(false))?;
+            plain(builder.with_intra_threads(1))
+        };
+        let weights = weights::artefact(entry, &bytes, &digest, base);
         // Builder errors carry the builder; keep only the message.
         let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| fail(ort::Error::<()>::from(e).to_string()));
-        let builder = Session::builder(env).map_err(|e| fail(e.to_string()))?;
-        let builder = step(builder.with_inter_threads(1))?;
-        let builder = step(builder.with_parallel_execution(false))?;
-        let builder = step(builder.with_inter_op_spinning(false))?;
-        // No arena: ONNX Runtime's CPU arena keeps the buffers of the largest batch ever run
-        // for good (a worker serving long texts grew from ~140 to ~530 MiB and stayed there),
-        // and every session of a worker would keep its own. Measured on MiniLM with 3 sessions
-        // per worker: 45 MiB less at the same speed. Memory patterns pre-plan buffers per input
-        // shape, which dynamic batches and sequence lengths never repeat.
-        let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
-        let builder = step(builder.with_execution_providers([cpu]))?;
-        let builder = step(builder.with_memory_pattern(false))?;
+        let builder = base().map_err(|e| fail(e.to_string()))?;
+        // The artefact is optimised already (and for this CPU); optimising again would copy the
+        // weights it maps.
+        let builder = match &weights {
+            Weights::Shared(_) => step(builder.with_optimization_level(GraphOptimizationLevel::Disable))?,
+            Weights::Private(_) => builder,
+        };
         let mut builder = match threads {
             Threads::Narrow => step(builder.with_intra_threads(1))?,
             // Pool threads may spin between the operators of a run but stop when it ends:
@@ -166,7 +183,11 @@ impl Model {
             }
         };
 
-        let session = builder.commit_from_memory(&bytes).map_err(|e| fail(e.to_string()))?;
+        let session = match &weights {
+            Weights::Shared(path) => builder.commit_from_file(path),
+            Weights::Private(_) => builder.commit_from_memory(&bytes),
+        }
+        .map_err(|e| fail(e.to_string()))?;
         let describe = |outlets: &[ort::value::Outlet]| -> Vec<TensorSpec> {
             outlets
                 .iter()
@@ -193,7 +214,15 @@ impl Model {
         }
         let pipeline = Pipeline::build(entry, &inputs, &outputs).map_err(|e| fail(format!("model.toml: {e}")))?;
         let meta = ModelMeta {
-            info: ModelInfo { name: entry.name.clone(), version: entry.version.clone(), sha256 },
+            info: ModelInfo {
+                name: entry.name.clone(),
+                version: entry.version.clone(),
+                sha256,
+                weights: match &weights {
+                    Weights::Shared(_) => "shared".into(),
+                    Weights::Private(why) => format!("private: {why}"),
+                },
+            },
             task: entry.task,
             inputs,
             outputs,
@@ -294,7 +323,7 @@ mod tests {
             dtype: Some(DataType::F32),
         };
         ModelMeta {
-            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "0".into() },
+            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "0".into(), weights: String::new() },
             task: Task::Raw,
             inputs: inputs.iter().map(spec).collect(),
             outputs: outputs.iter().map(spec).collect(),

@@ -364,7 +364,7 @@ mod tests {
             dtype: Some(dt),
         };
         ModelMeta {
-            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "00".into() },
+            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "00".into(), weights: String::new() },
             task: Task::Raw,
             pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],

@@ -1,4 +1,4 @@
-//! The supervisor's guards: the memory plan at start, the RSS watch, stuck-worker
+//! The supervisor's guards: the memory plan at start, the memory watch, stuck-worker
 //! escalation (SIGABRT, then SIGKILL) and recycling after server.max_requests or an age.
 
 use super::*;
@@ -8,30 +8,36 @@ use super::*;
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
 impl Supervisor {
-    /// Called once, when the first worker is ready: do the other K-1 fit? Its RSS after
+    /// Called once, when the first worker is ready: do the other K-1 fit? Its private memory after
     /// warm-up is what each costs; they must fit, with 10% to spare, in what the machine and
     /// the cgroup still allow. If not: refuse with the numbers, or (fit_workers_to_memory)
-    /// start as many as fit. Also sets the per-worker soft and hard RSS limits.
+    /// start as many as fit. Also sets the per-worker soft and hard memory limits.
     pub(super) fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
-        let rss = proc_status(pid).0.unwrap_or(0).max(1);
+        let proc = proc_status(pid);
+        // What one more worker costs: its private memory. The weights it maps from the shared
+        // artefact (and the libraries) are in memory once, however many workers map them.
+        let rss = proc.private.or(proc.rss).unwrap_or(0).max(1);
+        let shared = proc.rss.unwrap_or(0).saturating_sub(rss);
         self.worker_rss = Some(rss);
         let budget = MemoryBudget::detect();
         let mib = |b: u64| b / (1 << 20);
         let k = self.slots.len() as u64;
-        // Room for the others with 10% to spare; under a cgroup limit, also a share of it per
-        // worker large enough that the soft limit (85% of the share) sits above a fresh
-        // worker's RSS, or workers would be replaced as soon as they start.
+        // Room for the others with 10% to spare; under a cgroup limit (which charges the
+        // shared pages once), also a share of it per worker large enough that the soft limit
+        // (85% of the share) sits above a fresh worker's private memory, or workers would be
+        // replaced as soon as they start.
         let mut fit = 1 + budget.room() / (rss + rss / 10);
         if let Some(c) = &budget.cgroup {
-            fit = fit.min(c.limit / (rss + rss / 4));
+            fit = fit.min(c.limit.saturating_sub(shared) / (rss + rss / 4));
         }
         // Never below the one worker that runs already: whether even it fits is the limits'
         // check below, which says so instead of emptying the pool.
         let fit = fit.max(1);
         let plan = format!(
-            "{k} workers need ~{} MiB ({} MiB each, measured on worker 0 after warm-up); {}; {fit} fit",
-            mib(k * rss),
+            "{k} workers need ~{} MiB ({} MiB private each, {} MiB shared once, measured on worker 0 after warm-up); {}; {fit} fit",
+            mib(k * rss + shared),
             mib(rss),
+            mib(shared),
             budget.describe()
         );
         if fit < k {
@@ -46,14 +52,14 @@ impl Supervisor {
             info!("memory plan: {plan}");
         }
         let s = &self.resolved.config.server;
-        let share = budget.cgroup.as_ref().map(|c| c.limit / self.slots.len() as u64);
+        let share = budget.cgroup.as_ref().map(|c| c.limit.saturating_sub(shared) / self.slots.len() as u64);
         let limit = |mb: u64, share_pct: u64| if mb > 0 { Some(mb << 20) } else { share.map(|s| s / 100 * share_pct) };
         self.memory_limits = (limit(s.worker_memory_soft_limit_mb, 85), limit(s.worker_memory_hard_limit_mb, 95));
         // A limit a fresh worker already passes would replace (or kill) workers forever.
         for (key, value) in [("soft", self.memory_limits.0), ("hard", self.memory_limits.1)] {
             if value.is_some_and(|v| v <= rss + rss / 20) {
                 return Err(SupervisorError::Memory(format!(
-                    "the {key} worker memory limit ({} MiB) is not above a fresh worker's RSS ({} MiB); raise \
+                    "the {key} worker memory limit ({} MiB) is not above a fresh worker's private memory ({} MiB); raise \
                      server.worker_memory_{key}_limit_mb or the memory limit, or lower server.workers",
                     mib(value.unwrap_or(0)),
                     mib(rss)
@@ -61,7 +67,11 @@ impl Supervisor {
             }
         }
         if let (Some(soft), Some(hard)) = self.memory_limits {
-            info!("worker RSS limits: replace above {} MiB, kill above {} MiB", mib(soft), mib(hard));
+            info!(
+                "worker memory limits (private memory): replace above {} MiB, kill above {} MiB",
+                mib(soft),
+                mib(hard)
+            );
         }
         for slot in self.slots.iter_mut().skip(1) {
             slot.next_start.get_or_insert(Instant::now());
@@ -69,7 +79,7 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Per-worker RSS against the soft and hard limits, and the whole pool against its cgroup:
+    /// Per-worker private memory against the soft and hard limits, and the whole pool against its cgroup:
     /// the worker that grows is replaced before the kernel picks a victim.
     pub(super) fn watch_memory(&mut self) {
         let (soft, hard) = self.memory_limits;
@@ -86,16 +96,16 @@ impl Supervisor {
             else {
                 continue;
             };
-            let Some(rss) = proc_status(w.pid).0 else { continue };
+            let Some(rss) = proc_status(w.pid).private else { continue };
             let mib = rss >> 20;
             if hard.is_some_and(|h| rss > h) && !w.memory_killed {
-                error!("worker {index} (pid {}) RSS {mib} MiB is over the hard limit; killing it", w.pid);
+                error!("worker {index} (pid {}) private memory {mib} MiB is over the hard limit; killing it", w.pid);
                 w.memory_killed = true;
                 let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
                 continue;
             }
             if soft.is_some_and(|s| rss > s) {
-                warn!("worker {index} (pid {}) RSS {mib} MiB is over the soft limit; replacing it", w.pid);
+                warn!("worker {index} (pid {}) private memory {mib} MiB is over the soft limit; replacing it", w.pid);
                 self.replace_for_memory(index, &budget);
                 continue;
             }

@@ -176,7 +176,7 @@ pub struct Supervisor {
     reloads: (u64, u64),
     /// RSS of the first worker after its warm-up: what one more worker costs.
     worker_rss: Option<u64>,
-    /// (soft, hard) per-worker RSS limits in bytes.
+    /// (soft, hard) per-worker limits of private memory in bytes.
     memory_limits: (Option<u64>, Option<u64>),
     /// When the RSS watch last ran.
     memory_checked: Option<Instant>,
@@ -639,6 +639,7 @@ impl Supervisor {
             server: config.server.clone(),
             inherited_listener: self.listener.is_some(),
             log: config.log.clone(),
+            weights_cache: config.weights_cache(),
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {
@@ -829,8 +830,8 @@ mod tests {
 
     #[test]
     fn own_status_is_readable() {
-        let (rss, threads) = proc_status(std::process::id());
-        assert!(rss.unwrap() > 0);
-        assert!(threads.unwrap() >= 1);
+        let own = proc_status(std::process::id());
+        assert!(own.rss.unwrap() > 0 && own.private.unwrap() > 0 && own.private <= own.rss);
+        assert!(own.threads.unwrap() >= 1);
     }
 }

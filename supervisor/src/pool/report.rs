@@ -10,7 +10,7 @@ impl Supervisor {
         let mut workers = Vec::new();
         for (index, slot) in self.slots.iter().enumerate() {
             let row = |w: Option<&Worker>| {
-                let (rss_bytes, os_threads) = w.map(|w| proc_status(w.pid)).unwrap_or((None, None));
+                let proc = w.map(|w| proc_status(w.pid)).unwrap_or_default();
                 let counts = w.map(|w| w.stats.snapshot());
                 WorkerStatus {
                     index,
@@ -23,8 +23,9 @@ impl Supervisor {
                     },
                     cpus: slot.placement.cpus.clone(),
                     threads: slot.placement.threads,
-                    os_threads,
-                    rss_bytes,
+                    os_threads: proc.threads,
+                    rss_bytes: proc.rss,
+                    private_bytes: proc.private,
                     requests: counts.as_ref().map_or(0, Snapshot::requests_total),
                     in_flight: counts.as_ref().map_or(0, Snapshot::in_flight),
                     queued: counts.as_ref().map_or(0, Snapshot::queued),
@@ -55,7 +56,7 @@ impl Supervisor {
             memory: {
                 let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
                 format!(
-                    "{}; worker RSS limits: replace above {}, kill above {}",
+                    "{}; worker memory limits (private): replace above {}, kill above {}",
                     MemoryBudget::detect().describe(),
                     mib(self.memory_limits.0),
                     mib(self.memory_limits.1)
@@ -140,7 +141,8 @@ impl Supervisor {
         let mut model_info: Vec<ModelInfo> = Vec::new();
         for w in self.slots.iter().flat_map(|s| &s.workers) {
             for info in &w.models {
-                if !model_info.contains(info) {
+                // One series per version served (how each worker holds its weights aside).
+                if !model_info.iter().any(|m| m.name == info.name && m.full_version() == info.full_version()) {
                     model_info.push(info.clone());
                 }
             }
@@ -152,7 +154,7 @@ impl Supervisor {
                 .slots
                 .iter()
                 .enumerate()
-                .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).0)))
+                .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).rss)))
                 .collect(),
             ready: self.slots.iter().filter(|s| s.ready()).count(),
             desired: self.slots.iter().filter(|s| !s.removing).count(),
@@ -166,9 +168,20 @@ impl Supervisor {
 }
 
 /// RSS in bytes and thread count from /proc/PID/status.
-pub(super) fn proc_status(pid: u32) -> (Option<u64>, Option<u64>) {
+/// What the kernel says of a process's memory and threads (bytes; None: not readable).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct ProcStatus {
+    pub rss: Option<u64>,
+    /// Pages no other process can share: anonymous and shmem (RssAnon + RssShmem). The
+    /// weights a worker maps from the shared artefact are file pages, counted in `rss` of
+    /// every worker but in memory once; the guards watch this instead.
+    pub private: Option<u64>,
+    pub threads: Option<u64>,
+}
+
+pub(super) fn proc_status(pid: u32) -> ProcStatus {
     let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return (None, None);
+        return ProcStatus::default();
     };
     let field = |name: &str| {
         text.lines()
@@ -176,5 +189,10 @@ pub(super) fn proc_status(pid: u32) -> (Option<u64>, Option<u64>) {
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse::<u64>().ok())
     };
-    (field("VmRSS:").map(|kb| kb * 1024), field("Threads:"))
+    let kb = |name: &str| field(name).map(|kb| kb * 1024);
+    ProcStatus {
+        rss: kb("VmRSS:"),
+        private: kb("RssAnon:").map(|anon| anon + kb("RssShmem:").unwrap_or(0)),
+        threads: field("Threads:"),
+    }
 }

@@ -1,0 +1,237 @@
+//! One copy of a model's weights in memory, however many sessions and workers.
+//!
+//! Loaded from the plain file, every ONNX Runtime session optimises the graph again and keeps
+//! its own weights (for the int8 MiniLM, fp32 after ORT folds the casts) and its own pre-packed
+//! GEMM matrices: a worker with 2 threads holds three sessions, so three copies. Instead, the
+//! first session of a model version prepares an *artefact* once: the optimised graph with its
+//! initializers in an external data file, pre-packed weights included
+//! (`session.save_external_prepacked_constant_initializers`). Sessions then load the artefact
+//! with graph optimisation off, and ORT maps its data file read-only: the pages are the page
+//! cache's, shared by every session of every worker.
+//!
+//! Artefacts live in `runtime.cache_dir`, one folder per model content (SHA-256), ONNX Runtime
+//! version and CPU (the optimised graph may use the CPU's own layouts), written to a temporary
+//! folder and renamed into place, with a manifest of the files' sizes and SHA-256: a folder
+//! whose files do not match (truncated, corrupted) is rebuilt, never loaded. Preparing a new
+//! version removes the model's older artefacts; a worker still running on one keeps its
+//! mapping (the kernel frees the files once nobody maps them).
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use inferd_config::model::ModelEntry;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::session::Session;
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+/// Changes whenever what an artefact holds or how it is written changes.
+const FORMAT: &str = "v1";
+const MODEL_FILE: &str = "model.onnx";
+const DATA_FILE: &str = "model.onnx.data";
+const MANIFEST: &str = "manifest";
+
+/// Where artefacts go (`runtime.cache_dir`), and what names the runtime and the CPU.
+struct Cache {
+    dir: PathBuf,
+    runtime: String,
+    cpu: String,
+}
+
+static CACHE: OnceLock<Option<Cache>> = OnceLock::new();
+/// Artefacts this process has checked against their manifest already.
+static VERIFIED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
+
+/// Turns shared weights on for this process (`dir` None: every session loads the plain file).
+/// `ort_library`: its file name carries the runtime's version.
+pub fn configure(dir: Option<PathBuf>, ort_library: &Path) {
+    let cache = dir.map(|dir| Cache {
+        dir,
+        runtime: ort_library
+            .file_name()
+            .map_or("ort".into(), |n| n.to_string_lossy().replace("libonnxruntime.so.", "ort")),
+        cpu: cpu_id(),
+    });
+    let _ = CACHE.set(cache);
+}
+
+/// How a session gets its weights: from the shared artefact, or its own copy (and why).
+pub enum Weights {
+    Shared(PathBuf),
+    Private(String),
+}
+
+/// The artefact for the model in `bytes` (SHA-256 `sha256`), prepared now if needed; a
+/// session then loads `Shared(path)` with graph optimisation off.
+pub fn artefact(
+    entry: &ModelEntry,
+    bytes: &[u8],
+    sha256: &[u8],
+    build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
+) -> Weights {
+    let name = entry.name.as_str();
+    if !entry.share_weights {
+        return Weights::Private("share_weights = false in model.toml".into());
+    }
+    let Some(Some(cache)) = CACHE.get() else { return Weights::Private("runtime.cache_dir is not set".into()) };
+    let hex: String = sha256.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let key = format!("{name}-{hex}-{}-{}-{FORMAT}", cache.runtime, cache.cpu);
+    let dir = cache.dir.join(&key);
+    match prepare(&cache.dir, &dir, name, bytes, build) {
+        Ok(()) => Weights::Shared(dir.join(MODEL_FILE)),
+        Err(e) => {
+            warn!(model = name, "cannot share this model's weights ({e}); each session loads its own copy");
+            Weights::Private(e)
+        }
+    }
+}
+
+fn prepare(
+    root: &Path,
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
+) -> Result<(), String> {
+    let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
+    let verified = verified.get_or_insert_with(HashSet::new);
+    if verified.contains(dir) {
+        return Ok(());
+    }
+    if dir.exists() {
+        match check(dir) {
+            Ok(()) => {
+                verified.insert(dir.to_path_buf());
+                return Ok(());
+            }
+            Err(e) => {
+                warn!(model = name, "shared weights in {} are damaged ({e}); preparing them again", dir.display());
+                std::fs::remove_dir_all(dir).map_err(|e| format!("cannot remove {}: {e}", dir.display()))?;
+            }
+        }
+    }
+    std::fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    let started = std::time::Instant::now();
+    let tmp =
+        root.join(format!(".tmp-{}-{}", std::process::id(), dir.file_name().unwrap_or_default().to_string_lossy()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    let written = write(&tmp, bytes, build);
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    match std::fs::rename(&tmp, dir) {
+        Ok(()) => {}
+        // Another worker got there first: use theirs, once it checks out.
+        Err(_) if dir.exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            check(dir)?;
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(format!("cannot move the artefact into {}: {e}", dir.display()));
+        }
+    }
+    info!(model = name, "shared weights prepared in {} ({:.1} s)", dir.display(), started.elapsed().as_secs_f64());
+    remove_older(root, dir, name);
+    verified.insert(dir.to_path_buf());
+    Ok(())
+}
+
+/// Writes the optimised model, its data file and the manifest into `tmp`.
+fn write(
+    tmp: &Path,
+    bytes: &[u8],
+    build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
+) -> Result<(), String> {
+    let err = |e: ort::Error| e.to_string();
+    let builder = build().map_err(err)?;
+    let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| ort::Error::<()>::from(e).to_string());
+    let builder = step(builder.with_optimization_level(GraphOptimizationLevel::All))?;
+    let builder = step(builder.with_optimized_model_path(tmp.join(MODEL_FILE)))?;
+    let builder =
+        step(builder.with_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE))?;
+    let builder =
+        step(builder.with_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))?;
+    let mut builder = step(builder.with_config_entry("session.save_external_prepacked_constant_initializers", "1"))?;
+    let session: Session = builder.commit_from_memory(bytes).map_err(err)?;
+    drop(session);
+    let mut manifest = String::new();
+    for file in [MODEL_FILE, DATA_FILE] {
+        let path = tmp.join(file);
+        // A model without initializers of 1 KiB or more has no data file.
+        if file == DATA_FILE && !path.exists() {
+            continue;
+        }
+        let (size, sha) = digest(&path)?;
+        manifest += &format!("{file} {size} {sha}\n");
+        std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let mut f = std::fs::File::create(tmp.join(MANIFEST)).map_err(|e| e.to_string())?;
+    f.write_all(manifest.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| e.to_string())
+}
+
+/// Every file the manifest lists has its size and SHA-256.
+fn check(dir: &Path) -> Result<(), String> {
+    let manifest = std::fs::read_to_string(dir.join(MANIFEST)).map_err(|e| format!("no manifest: {e}"))?;
+    let mut model = false;
+    for line in manifest.lines() {
+        let mut parts = line.split(' ');
+        let (Some(file), Some(size), Some(sha)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(format!("manifest line {line:?}"));
+        };
+        if file.contains('/') {
+            return Err(format!("manifest names {file:?}"));
+        }
+        model |= file == MODEL_FILE;
+        let (actual_size, actual_sha) = digest(&dir.join(file))?;
+        if actual_size.to_string() != size || actual_sha != sha {
+            return Err(format!(
+                "{file} is {actual_size} bytes with SHA-256 {actual_sha}, the manifest says {size} and {sha}"
+            ));
+        }
+    }
+    if !model {
+        return Err("the manifest lists no model".into());
+    }
+    Ok(())
+}
+
+fn digest(path: &Path) -> Result<(u64, String), String> {
+    let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut hasher = Sha256::new();
+    let size = std::io::copy(&mut file, &mut hasher).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((size, hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+/// Removes this model's other artefacts (older versions, other runtimes); mappings of them in
+/// running workers stay valid until those workers exit.
+fn remove_older(root: &Path, keep: &Path, name: &str) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    let prefix = format!("{name}-");
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let file = entry.file_name().to_string_lossy().to_string();
+        // Names are `{model}-{16 hex}-...`: the hex keeps `a` from matching `a-b`'s folders.
+        let ours = file.strip_prefix(&prefix).is_some_and(|rest| {
+            rest.len() > 17 && rest.as_bytes()[16] == b'-' && rest[..16].bytes().all(|b| b.is_ascii_hexdigit())
+        });
+        if ours && path != keep {
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => info!(model = name, "removed the older shared weights in {}", path.display()),
+                Err(e) => warn!(model = name, "cannot remove {}: {e}", path.display()),
+            }
+        }
+    }
+}
+
+/// The CPU, as far as the optimised graph may depend on it: model name and feature flags.
+fn cpu_id() -> String {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let pick = |key: &str| text.lines().find(|l| l.starts_with(key)).unwrap_or("").to_string();
+    let id = format!("{}\n{}\n{}", std::env::consts::ARCH, pick("model name"), pick("flags"));
+    Sha256::digest(id.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect()
+}
