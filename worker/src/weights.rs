@@ -113,6 +113,7 @@ fn prepare(
         }
     }
     std::fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    remove_abandoned(root);
     let started = std::time::Instant::now();
     let tmp =
         root.join(format!(".tmp-{}-{}", std::process::id(), dir.file_name().unwrap_or_default().to_string_lossy()));
@@ -224,6 +225,18 @@ fn remove_older(root: &Path, keep: &Path, name: &str) {
                 Ok(()) => info!(model = name, "removed the older shared weights in {}", path.display()),
                 Err(e) => warn!(model = name, "cannot remove {}: {e}", path.display()),
             }
+        }
+    }
+}
+
+/// Removes the temporary folders of preparations whose process is gone (killed mid-way).
+fn remove_abandoned(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().to_string();
+        let Some(pid) = file.strip_prefix(".tmp-").and_then(|rest| rest.split('-').next()) else { continue };
+        if pid.parse::<u32>().is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
 }
