@@ -140,8 +140,13 @@ impl Model {
             message,
         };
         let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
-        let bytes = std::fs::read(&entry.path).map_err(|e| fail(e.to_string()))?;
-        let digest = Sha256::digest(&bytes);
+        // Streamed: a model of hundreds of MB is not read into memory just to be hashed.
+        let digest = {
+            let mut file = std::fs::File::open(&entry.path).map_err(|e| fail(e.to_string()))?;
+            let mut hasher = Sha256::new();
+            std::io::copy(&mut file, &mut hasher).map_err(|e| fail(e.to_string()))?;
+            hasher.finalize()
+        };
         let sha256: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
         // What every session of this process shares: one thread of its own by default.
         let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
@@ -161,7 +166,7 @@ impl Model {
             let builder = plain(builder.with_memory_pattern(false))?;
             plain(builder.with_intra_threads(1))
         };
-        let weights = weights::artefact(entry, &bytes, &digest, base);
+        let weights = weights::artefact(entry, &digest, base);
         // Builder errors carry the builder; keep only the message.
         let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| fail(ort::Error::<()>::from(e).to_string()));
         let builder = base().map_err(|e| fail(e.to_string()))?;
@@ -185,7 +190,7 @@ impl Model {
 
         let session = match &weights {
             Weights::Shared(path) => builder.commit_from_file(path),
-            Weights::Private(_) => builder.commit_from_memory(&bytes),
+            Weights::Private(_) => builder.commit_from_file(&entry.path),
         }
         .map_err(|e| fail(e.to_string()))?;
         let describe = |outlets: &[ort::value::Outlet]| -> Vec<TensorSpec> {

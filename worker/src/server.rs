@@ -160,6 +160,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
         }
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
+    // Loading and warming left freed buffers in the allocator: give them back before serving.
+    crate::weights::trim();
     let listener = match spec.inherited_listener {
         true => inherited_listener(),
         false => bind_reuseport(spec.server.listen_addr()),

@@ -63,11 +63,10 @@ pub enum Weights {
     Private(String),
 }
 
-/// The artefact for the model in `bytes` (SHA-256 `sha256`), prepared now if needed; a
+/// The artefact for `entry`'s model file (SHA-256 `sha256`), prepared now if needed; a
 /// session then loads `Shared(path)` with graph optimisation off.
 pub fn artefact(
     entry: &ModelEntry,
-    bytes: &[u8],
     sha256: &[u8],
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
 ) -> Weights {
@@ -79,7 +78,7 @@ pub fn artefact(
     let hex: String = sha256.iter().take(8).map(|b| format!("{b:02x}")).collect();
     let key = format!("{name}-{hex}-{}-{}-{FORMAT}", cache.runtime, cache.cpu);
     let dir = cache.dir.join(&key);
-    match prepare(&cache.dir, &dir, name, bytes, build) {
+    match prepare(&cache.dir, &dir, name, &entry.path, build) {
         Ok(()) => Weights::Shared(dir.join(MODEL_FILE)),
         Err(e) => {
             warn!(model = name, "cannot share this model's weights ({e}); each session loads its own copy");
@@ -92,7 +91,7 @@ fn prepare(
     root: &Path,
     dir: &Path,
     name: &str,
-    bytes: &[u8],
+    source: &Path,
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
 ) -> Result<(), String> {
     let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
@@ -119,7 +118,10 @@ fn prepare(
         root.join(format!(".tmp-{}-{}", std::process::id(), dir.file_name().unwrap_or_default().to_string_lossy()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-    let written = write(&tmp, bytes, build);
+    let written = write(&tmp, source, build);
+    // The optimising session's buffers are freed now; hand the memory back to the system
+    // instead of keeping it in the allocator (hundreds of MB for a BERT-base model).
+    trim();
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
@@ -145,7 +147,7 @@ fn prepare(
 /// Writes the optimised model, its data file and the manifest into `tmp`.
 fn write(
     tmp: &Path,
-    bytes: &[u8],
+    source: &Path,
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
 ) -> Result<(), String> {
     let err = |e: ort::Error| e.to_string();
@@ -158,7 +160,7 @@ fn write(
     let builder =
         step(builder.with_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))?;
     let mut builder = step(builder.with_config_entry("session.save_external_prepacked_constant_initializers", "1"))?;
-    let session: Session = builder.commit_from_memory(bytes).map_err(err)?;
+    let session: Session = builder.commit_from_file(source).map_err(err)?;
     drop(session);
     let mut manifest = String::new();
     for file in [MODEL_FILE, DATA_FILE] {
@@ -226,6 +228,14 @@ fn remove_older(root: &Path, keep: &Path, name: &str) {
                 Err(e) => warn!(model = name, "cannot remove {}: {e}", path.display()),
             }
         }
+    }
+}
+
+/// Returns the allocator's free memory to the system (glibc keeps freed heap pages).
+pub fn trim() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
