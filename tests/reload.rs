@@ -156,9 +156,13 @@ fn reload_to_a_new_file_under_load(workers: usize) {
     assert!(versions_of(&after).iter().all(|v| *v == new), "{after:#}");
     assert_eq!(after["generation"], 2);
     assert_eq!(after["workers"].as_array().unwrap().len(), workers);
-    assert!(versions.contains(&old) && versions.contains(&new), "both versions answered");
+    assert!(
+        versions.contains(&old) && versions.contains(&new),
+        "both versions answered: old {old}, new {new}, seen {:?}",
+        versions.iter().collect::<std::collections::BTreeSet<_>>()
+    );
     let tail = &versions[versions.len().saturating_sub(10)..];
-    assert!(tail.iter().all(|v| *v == new), "after the reload: {tail:?}");
+    assert!(tail.iter().all(|v| *v == new), "after the reload: {tail:?}\n{}", server.log());
     let meta = server.request("GET", "/v2/models/typed", b"").json();
     assert_eq!(meta["inferd_version"], new.as_str());
     // The old workers are gone.

@@ -18,6 +18,15 @@ pub const WORKER_CONTROL_FD: i32 = 3;
 /// File descriptor of the listening socket a worker inherits when systemd passed one to the
 /// supervisor (socket activation): every worker accepts on that one socket.
 pub const WORKER_LISTENER_FD: i32 = 5;
+/// The two ends of the pool's hand-off socket (SOCK_SEQPACKET socketpair the supervisor
+/// holds open): a draining worker sends its idle keep-alive connections into the first (one
+/// message each: the connection's descriptor and the bytes already read from it), and every
+/// serving worker receives from the second, so the connection carries on in a sibling.
+pub const WORKER_HANDOFF_SEND_FD: i32 = 6;
+pub const WORKER_HANDOFF_RECV_FD: i32 = 7;
+// Signals a worker takes: SIGUSR1 retires it while its siblings carry on (replaced, scaled
+// down, recycled): it drains and hands its idle keep-alive connections over. SIGTERM drains
+// and closes them (the whole pool stops).
 
 /// Exit code of a worker whose model failed to load or warm up: the supervisor does not
 /// respawn it in a loop (at start-up the whole server stops with the model's error).
@@ -46,6 +55,10 @@ pub struct WorkerSpec {
     /// `runtime.cache_dir`, resolved: where shared weights are prepared (None: off).
     #[serde(default)]
     pub weights_cache: Option<PathBuf>,
+    /// Fds [`WORKER_HANDOFF_SEND_FD`] and [`WORKER_HANDOFF_RECV_FD`] are the pool's
+    /// hand-off socket.
+    #[serde(default)]
+    pub handoff: bool,
     /// The [log] settings (the format itself reaches the worker as INFERD_LOG_FORMAT, since
     /// logging starts before the spec is read).
     #[serde(default)]

@@ -18,6 +18,7 @@
 //! Must not touch: other workers, the supervisor's state, the process table.
 
 pub mod engine;
+pub mod handoff;
 pub mod http;
 pub mod model;
 pub mod pipeline;

@@ -12,13 +12,18 @@ use std::time::Duration;
 use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
-use inferd_config::spec::{FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_LISTENER_FD};
+use inferd_config::spec::{
+    FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD,
+    WORKER_LISTENER_FD,
+};
 use inferd_config::stats::{Shared, WORKER_STATS_FD};
+use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
-use tracing::{error, info, warn};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+use tracing::{debug, error, info, warn};
 
 use crate::engine::{Engine, Sessions};
+use crate::handoff::{Handoff, Prefixed};
 use crate::http::{handle, AppState, RequestIds};
 use crate::model::{init_runtime, Model, ModelError, Threads};
 
@@ -199,6 +204,109 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
+/// What open connections are told when the worker drains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    Serving,
+    /// The pool stops: finish the request in progress, then close.
+    Close,
+    /// Retired while siblings carry on: finish the request in progress, then hand the
+    /// connection to a sibling (see [`crate::handoff`]).
+    Handoff,
+}
+
+/// What every connection of this worker is served with.
+struct Connections {
+    state: Arc<AppState>,
+    http: hyper::server::conn::http1::Builder,
+    fresh: Arc<Fresh>,
+    /// server.max_requests_per_connection (0: no limit).
+    limit: u64,
+    drain: watch::Receiver<Drain>,
+    handoff: Option<Arc<Handoff>>,
+}
+
+impl Connections {
+    /// Serves one connection in a task of its own; `read`: bytes already read from it (by the
+    /// worker that handed it over). The permit is held until the connection is gone.
+    fn serve(&self, stream: tokio::net::TcpStream, peer: SocketAddr, read: Vec<u8>, permit: OwnedSemaphorePermit) {
+        let _ = stream.set_nodelay(true);
+        let state = self.state.clone();
+        let guard = FreshGuard::new(&self.fresh);
+        let first = guard.clone();
+        // Set once this connection is to close after its answer (the client asked, or the
+        // server announced it): such a connection is never handed over.
+        let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (closes, draining) = (closing.clone(), self.drain.clone());
+        // service_fn takes an Fn: the count is a Cell (one connection, one task).
+        let (served, limit) = (std::cell::Cell::new(0u64), self.limit);
+        let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            first.seen();
+            served.set(served.get() + 1);
+            let served = served.get();
+            let asked = request.version() == hyper::Version::HTTP_10
+                || request.headers().get(CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+            let response = handle(state.clone(), peer, request);
+            let (closes, draining) = (closes.clone(), draining.clone());
+            // Boxed: the connection is polled by hand (poll_without_shutdown), which needs an
+            // Unpin future.
+            Box::pin(async move {
+                let mut reply = response.await?;
+                // Announced, so the client knows before it sends again: after `limit`
+                // requests (its next connection is placed afresh by the kernel), and for a
+                // request answered while the worker drains (an idle connection is handed
+                // over instead, but this one was busy).
+                if (limit > 0 && served >= limit) || *draining.borrow() != Drain::Serving {
+                    reply.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                let announced = reply.headers().get(CONNECTION).is_some_and(|v| v.as_bytes() == b"close");
+                if asked || announced {
+                    closes.store(true, Ordering::Relaxed);
+                }
+                Ok::<_, std::convert::Infallible>(reply)
+            })
+        });
+        let mut connection = self.http.serve_connection(TokioIo::new(Prefixed::new(read, stream)), service);
+        let mut drain = self.drain.clone();
+        let handoff = self.handoff.clone();
+        tokio::spawn(async move {
+            let mut told = None;
+            let ended = loop {
+                tokio::select! {
+                    ended = std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)) => break ended,
+                    mode = drain.wait_for(|d| *d != Drain::Serving), if told.is_none() => {
+                        told = Some(mode.map_or(Drain::Close, |m| *m));
+                        // At a request boundary: now if idle, else after the current answer.
+                        std::pin::Pin::new(&mut connection).graceful_shutdown();
+                    }
+                }
+            };
+            let parts = connection.into_parts();
+            let (stream, unread) = parts.io.into_inner().into_parts();
+            match (told, ended, handoff) {
+                (Some(Drain::Handoff), Ok(()), Some(handoff)) if !closing.load(Ordering::Relaxed) => {
+                    // What hyper read, then what it had not read yet of an earlier hand-off.
+                    let mut read = parts.read_buf.to_vec();
+                    read.extend_from_slice(&unread);
+                    if let Err(e) = stream.into_std().and_then(|stream| handoff.send(stream, &read)) {
+                        debug!("closing a connection that could not be handed over: {e}");
+                    }
+                }
+                // Closed as hyper would: FIN after the last answer (a 4xx for a bad request
+                // included), so that the client reads it before the socket goes.
+                (_, ended, _) => {
+                    if let Err(e) = ended {
+                        debug!("connection ended: {e}");
+                    }
+                    let mut stream = stream;
+                    let _ = stream.shutdown().await;
+                }
+            }
+            drop((permit, guard));
+        });
+    }
+}
+
 fn serve(
     spec: WorkerSpec,
     models: Vec<Sessions>,
@@ -255,82 +363,93 @@ fn serve(
         reporter.send(&WorkerMessage::Ready { models: infos });
         info!(listen = %spec.server.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");
 
-        // Tracks every open connection so that draining can wait for them.
-        let graceful = GracefulShutdown::new();
+        let Ok(mut usr1) = signal(SignalKind::user_defined1()) else {
+            error!("cannot install signal handlers");
+            return EXIT_BOOT;
+        };
+        let handoff = match spec.handoff {
+            true => Handoff::adopt(WORKER_HANDOFF_SEND_FD, WORKER_HANDOFF_RECV_FD)
+                .map_err(|e| warn!("no connection hand-off ({e}): idle keep-alive connections are closed on retirement"))
+                .ok()
+                .map(Arc::new),
+            false => None,
+        };
         // One permit per open connection: at server.max_connections the worker stops
         // accepting (new connections wait in the kernel's queue, or go to a sibling).
+        // Draining waits until every permit is back.
         let connections = Arc::new(tokio::sync::Semaphore::new(spec.server.max_connections));
-        let fresh = Arc::new(Fresh::default());
+        let (drain, drained) = watch::channel(Drain::Serving);
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(Duration::from_secs_f64(spec.server.header_timeout_secs))
             .max_buf_size(spec.server.max_header_bytes)
             .max_headers(spec.server.max_headers);
-        loop {
+        let context = Connections {
+            state: state.clone(),
+            http,
+            fresh: Arc::new(Fresh::default()),
+            limit: spec.server.max_requests_per_connection,
+            drain: drained,
+            handoff: handoff.clone(),
+        };
+        let mode = loop {
             let permit = tokio::select! {
                 permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-                _ = term.recv() => break,
-                _ = int.recv() => break,
+                _ = term.recv() => break Drain::Close,
+                _ = int.recv() => break Drain::Close,
+                _ = usr1.recv() => break Drain::Handoff,
             };
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        let _ = stream.set_nodelay(true);
-                        let state = state.clone();
-                        let guard = FreshGuard::new(&fresh);
-                        let first = guard.clone();
-                        // service_fn takes an Fn: the count is a Cell (one connection, one task).
-                        let (served, limit) = (std::cell::Cell::new(0u64), spec.server.max_requests_per_connection);
-                        let service = service_fn(move |request| {
-                            first.seen();
-                            served.set(served.get() + 1);
-                            let served = served.get();
-                            let response = handle(state.clone(), peer, request);
-                            async move {
-                                let mut reply = response.await?;
-                                // Announced, so the client knows before it sends again: its next
-                                // connection is hashed afresh over the SO_REUSEPORT group.
-                                if limit > 0 && served >= limit {
-                                    reply.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-                                }
-                                Ok::<_, std::convert::Infallible>(reply)
-                            }
-                        });
-                        let connection = http.serve_connection(TokioIo::new(stream), service);
-                        let watched = graceful.watch(connection);
-                        tokio::spawn(async move {
-                            let _ = watched.await;
-                            drop((permit, guard));
-                        });
-                    }
+                    Ok((stream, peer)) => context.serve(stream, peer, Vec::new(), permit),
                     Err(e) => {
                         // Out of descriptors or similar: back off instead of spinning.
                         warn!("accept failed: {e}");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 },
-                _ = term.recv() => break,
-                _ = int.recv() => break,
+                // A connection a retiring sibling handed over, with the bytes it had read.
+                received = async { handoff.as_ref().expect("guarded").recv().await }, if handoff.is_some() => {
+                    match received.and_then(|(stream, read)| {
+                        let stream = tokio::net::TcpStream::from_std(stream)?;
+                        let peer = stream.peer_addr()?;
+                        Ok((stream, peer, read))
+                    }) {
+                        Ok((stream, peer, read)) => context.serve(stream, peer, read, permit),
+                        Err(e) => debug!("a connection handed over could not be taken: {e}"),
+                    }
+                }
+                _ = term.recv() => break Drain::Close,
+                _ = int.recv() => break Drain::Close,
+                _ = usr1.recv() => break Drain::Handoff,
             }
-        }
+        };
 
-        // Drain: leave the port's group first (with net.ipv4.tcp_migrate_req=1 the kernel moves
-        // connections still queued on this listener to a sibling), then let every open
-        // connection finish its current request, bounded by the grace timeout.
+        // Drain: stop taking connections (a SO_REUSEPORT listener leaves the port's group: with
+        // net.ipv4.tcp_migrate_req=1 the kernel moves connections still queued on it to a
+        // sibling; a listener shared through socket activation keeps them queued for the
+        // others), then end every open connection at a request boundary, bounded by the grace
+        // timeout: handed to a sibling when retired (SIGUSR1), closed when the pool stops.
         state.ready.store(false, Ordering::Relaxed);
         drop(listener);
         reporter.send(&WorkerMessage::Draining);
-        info!("draining");
-        // Connections accepted just before the listener closed get their first request read
-        // before the shutdown (bounded by the header timeout, which closes silent ones anyway).
-        let header_timeout = Duration::from_secs_f64(spec.server.header_timeout_secs);
-        let waiting_since = std::time::Instant::now();
-        while fresh.0.load(Ordering::Relaxed) > 0 && waiting_since.elapsed() < header_timeout {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let mode = if handoff.is_some() { mode } else { Drain::Close };
+        info!(handing_over = mode == Drain::Handoff, "draining");
+        if mode == Drain::Close {
+            // Connections accepted just before the listener closed get their first request
+            // read before the shutdown (bounded by the header timeout, which closes silent
+            // ones anyway). Handed over, they need no wait: their bytes travel with them.
+            let header_timeout = Duration::from_secs_f64(spec.server.header_timeout_secs);
+            let waiting_since = std::time::Instant::now();
+            while context.fresh.0.load(Ordering::Relaxed) > 0 && waiting_since.elapsed() < header_timeout {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
+        let _ = drain.send(mode);
+        let all = spec.server.max_connections.min(u32::MAX as usize) as u32;
         let grace = Duration::from_secs_f64(spec.server.graceful_timeout_secs);
         tokio::select! {
-            _ = graceful.shutdown() => info!("drained; exiting"),
+            _ = connections.acquire_many(all) => info!("drained; exiting"),
             _ = tokio::time::sleep(grace) => warn!("grace timeout of {grace:?} reached; exiting with requests in flight"),
         }
         0

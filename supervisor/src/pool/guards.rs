@@ -132,7 +132,7 @@ impl Supervisor {
         }
         for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
             w.role = Role::Retiring;
-            let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+            retire(w.pid);
         }
         slot.start_when_empty = true;
         slot.next_start = Some(Instant::now());

@@ -26,7 +26,7 @@ use inferd_config::memory::MemoryBudget;
 use inferd_config::model::ModelEntry;
 use inferd_config::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
-    WORKER_LISTENER_FD,
+    WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_config::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use inferd_config::Resolved;
@@ -192,6 +192,9 @@ pub struct Supervisor {
     fatal: Option<SupervisorError>,
     /// The listening socket systemd passed (socket activation), shared with every worker.
     listener: Option<OwnedFd>,
+    /// The pool's hand-off socket (send end, receive end), held open for the pool's life so
+    /// that connections handed over wait in it for a worker to take them.
+    handoff: Option<(OwnedFd, OwnedFd)>,
     notifier: Notifier,
     /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
     /// hung loop stops the watchdog pings.
@@ -278,6 +281,11 @@ impl Supervisor {
             killed_all: false,
             fatal: None,
             listener,
+            handoff: handoff_socket()
+                .map_err(|e| {
+                    warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
+                })
+                .ok(),
             notifier: Notifier::from_env(),
             hang_on_sigusr2: std::env::var_os("INFERD_TEST_HANG_ON_SIGUSR2").is_some_and(|v| v == "1"),
         })
@@ -414,7 +422,7 @@ impl Supervisor {
             } else if w.role == Role::Current {
                 w.role = Role::Retiring;
                 info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
-                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+                retire(w.pid);
             }
         }
         let Some(reload) = self.reload.as_mut().filter(|r| r.slot == index) else { return };
@@ -638,6 +646,7 @@ impl Supervisor {
             models,
             server: config.server.clone(),
             inherited_listener: self.listener.is_some(),
+            handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
         };
@@ -685,8 +694,10 @@ impl Supervisor {
         let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
         drop((theirs, stats_fd));
         let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
-        // The shared listening socket, if systemd passed one (already above 10: see `run`).
+        // The shared listening socket, if systemd passed one, and the hand-off socket (already
+        // above 10: see `run` and `handoff_socket`).
         let listener_fd = self.listener.as_ref().map(|l| l.as_raw_fd());
+        let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -714,9 +725,12 @@ impl Supervisor {
             command.pre_exec(move || {
                 // dup2 leaves the new descriptors without FD_CLOEXEC: they survive the exec.
                 let listener = listener_fd.map(|fd| (fd, WORKER_LISTENER_FD));
-                for (from, to) in
-                    [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)].into_iter().chain(listener)
-                {
+                let handoff = handoff_fds
+                    .map(|(send, recv)| [(send, WORKER_HANDOFF_SEND_FD), (recv, WORKER_HANDOFF_RECV_FD)])
+                    .into_iter()
+                    .flatten();
+                let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
+                for (from, to) in moves.into_iter().chain(listener).chain(handoff) {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -760,6 +774,20 @@ impl Supervisor {
         });
         Ok((pid, stats))
     }
+}
+
+/// Retires a worker whose siblings carry on: SIGUSR1 makes it drain and hand its idle
+/// keep-alive connections to them (SIGTERM, for a stopping pool, closes them).
+pub(super) fn retire(pid: u32) {
+    let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGUSR1);
+}
+
+/// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 10.
+fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    let (send, recv) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+        .map_err(std::io::Error::from)?;
+    Ok((dup_high(send.as_raw_fd())?, dup_high(recv.as_raw_fd())?))
 }
 
 /// A copy of `fd` numbered 10 or above, close-on-exec.

@@ -162,7 +162,7 @@ impl Supervisor {
                 slot.removing = true;
                 for w in slot.workers.iter_mut() {
                     w.role = Role::Retiring;
-                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGTERM);
+                    retire(w.pid);
                 }
                 if slot.workers.is_empty() {
                     self.slots.pop(); // the last slot: no removing slot follows it (checked above)
