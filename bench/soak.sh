@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Memory under a long mixed load (docs/configuration.md, "Shared weights"): the default model
+# served by the default plan, and `POST /embed` requests of 1 to 8 texts of 1 to 300 words
+# (truncated to the model's max_length) from 4 clients for SOAK_SECONDS; every 30 s, and at
+# the end, the PSS of each process of the pool and their sum. Memory that keeps growing past
+# the first minute would be a leak; the buffers of the largest batches are the plateau, and a
+# worker idle for a second hands them back. Prints one line per sample, the answered and failed
+# counts, and the memory once the pool has been idle for 3 s.
+#
+#   bench/soak.sh                      # 4 minutes
+#   SOAK_SECONDS=60 bench/soak.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+SOAK_SECONDS=${SOAK_SECONDS:-240}
+PORT=${PORT:-18500}
+
+scripts/setup.sh >/dev/null
+cargo build --release --locked -p inferd 2>&1 | tail -n 1
+work=$(mktemp -d /tmp/inferd-soak.XXXXXX)
+trap 'kill $sup 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+cat >"$work/inferd.toml" <<EOF
+[server]
+listen = "127.0.0.1:$PORT"
+control_socket = "control.sock"
+[admin]
+listen = ""
+[models]
+repository = "$PWD/models"
+default = "minilm"
+[runtime]
+cache_dir = "$work/cache"
+EOF
+target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
+sup=$!
+for _ in $(seq 300); do
+    target/release/inferd status --control-socket "$work/control.sock" 2>/dev/null | head -1 | grep -q ' ready on ' && break
+    sleep 0.2
+done
+
+pss() { # "total MiB (pid: MiB, ...)" over the supervisor and its workers
+    local total=0 parts=() kb
+    for pid in "$sup" $(pgrep -P "$sup"); do
+        kb=$(awk '/^Pss:/ { print $2 }' "/proc/$pid/smaps_rollup" 2>/dev/null || echo 0)
+        total=$((total + kb)); parts+=("$pid: $((kb / 1024))")
+    done
+    echo "$((total / 1024)) MiB ($(IFS=,; echo "${parts[*]}"))"
+}
+
+.venv/bin/python - "$PORT" "$SOAK_SECONDS" "$work/counts" <<'EOF' &
+import http.client, json, random, sys, threading, time
+port, seconds, out = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+words = ("the quick brown fox jumps over a lazy dog while servers answer requests about models "
+         "memory threads batches tokens embeddings and other things people write").split()
+end = time.time() + seconds
+counts = {"ok": 0, "failed": 0}
+lock = threading.Lock()
+def client(seed):
+    rnd = random.Random(seed)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    while time.time() < end:
+        texts = [" ".join(rnd.choice(words) for _ in range(rnd.randint(1, 300))) for _ in range(rnd.randint(1, 8))]
+        body = json.dumps({"inputs": texts, "truncate": True})
+        try:
+            conn.request("POST", "/embed", body, {"Content-Type": "application/json"})
+            r = conn.getresponse(); r.read()
+            ok = r.status == 200
+        except Exception:
+            ok = False
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        with lock:
+            counts["ok" if ok else "failed"] += 1
+threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+open(out, "w").write(json.dumps(counts))
+EOF
+load=$!
+echo "t=0s: $(pss)"
+for ((t = 30; t <= SOAK_SECONDS; t += 30)); do
+    sleep 30
+    echo "t=${t}s: $(pss)"
+done
+wait "$load"
+echo "at the end of the load: $(pss); requests: $(cat "$work/counts")"
+sleep 3
+echo "idle 3 s later: $(pss)"
