@@ -1,0 +1,311 @@
+//! Random sequences of operator actions and faults against a serving pool, with the pool's
+//! invariants checked after every step. Seeded and reproducible: the seed is printed, and
+//! INFERD_FAULT_SEED=N replays it; INFERD_FAULT_STEPS=N runs longer (default 12).
+//!
+//! Steps: a rolling reload (`inferd reload --wait`), a reload to a corrupt model (refused,
+//! nothing changes), SIGHUP, scale +1 / -1, SIGKILL of a worker, concurrent control clients.
+//! Keep-alive clients load the pool throughout, and workers are recycled after max_requests;
+//! the load pauses only around a SIGKILL, whose requests in flight would fail by design.
+//! After each step, within a bound: the supervisor is alive; the pool is ready with the
+//! intended number of workers, each alive, and no other worker process of the supervisor
+//! exists; with the load paused, nothing is in flight; the Prometheus request total equals the
+//! answers the clients received; and no request failed.
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use inferd_bench::load::Connection;
+use nix::sys::signal::Signal;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Keep-alive clients that can be paused; they count answers and failures.
+struct Load {
+    run: Arc<AtomicBool>,
+    /// Bumped when the clients' connections are known dead (their worker was killed): a
+    /// client then opens a new one, as a client that notices the close before reuse does.
+    epoch: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    busy: Arc<AtomicU64>,
+    answered: Arc<AtomicU64>,
+    failed: Arc<Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(addr: String, clients: usize) -> Load {
+        let (run, stop) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicBool::new(false)));
+        let epoch = Arc::new(AtomicU64::new(0));
+        let (busy, answered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..clients)
+            .map(|i| {
+                let (addr, run, stop, busy, answered, failed) =
+                    (addr.clone(), run.clone(), stop.clone(), busy.clone(), answered.clone(), failed.clone());
+                let epoch = epoch.clone();
+                std::thread::spawn(move || {
+                    let body = typed_request();
+                    let mut rng = Rng(i as u64 + 7);
+                    let mut connection = None;
+                    let mut opened_in = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        if !run.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(5));
+                            continue;
+                        }
+                        busy.fetch_add(1, Ordering::SeqCst);
+                        // Checked again: `pause` waits for `busy` to reach 0 after clearing `run`.
+                        if run.load(Ordering::SeqCst) {
+                            let now = epoch.load(Ordering::SeqCst);
+                            let c = match connection.take().filter(|_| opened_in == now) {
+                                Some(c) => Ok(c),
+                                None => {
+                                    opened_in = now;
+                                    Connection::open(&addr)
+                                }
+                            };
+                            match c.and_then(|mut c| c.post(&addr, "/v2/models/typed/infer", &body).map(|a| (c, a))) {
+                                Ok((c, answer)) => {
+                                    answered.fetch_add(1, Ordering::SeqCst);
+                                    if answer.status != 200 {
+                                        failed.lock().unwrap().push(format!("status {}", answer.status));
+                                    }
+                                    if !answer.close {
+                                        connection = Some(c);
+                                    }
+                                }
+                                Err(e) => failed.lock().unwrap().push(format!("{e:#}")),
+                            }
+                        }
+                        busy.fetch_sub(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(rng.below(20)));
+                    }
+                })
+            })
+            .collect();
+        Load { run, epoch, stop, busy, answered, failed, threads }
+    }
+
+    /// Stops sending and waits until no request is in flight.
+    fn pause(&self) {
+        self.run.store(false, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.busy.load(Ordering::SeqCst) > 0 {
+            assert!(Instant::now() < deadline, "the clients did not pause");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn resume(&self) {
+        self.run.store(true, Ordering::SeqCst);
+    }
+
+    fn finish(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.threads.into_iter().for_each(|t| t.join().unwrap());
+    }
+}
+
+fn control(server: &Server, args: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN).args(args).arg("--control-socket").arg(&server.socket).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr))
+}
+
+/// Worker processes whose parent is the supervisor.
+fn children(supervisor: u32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+        // fields[0] is the state, fields[1] the parent.
+        if fields.get(1) == Some(&supervisor.to_string().as_str()) && fields.first() != Some(&"Z") {
+            pids.push(pid);
+        }
+    }
+    pids.sort();
+    pids
+}
+
+/// The invariants, once the pool has had `bound` to settle with `workers` workers.
+fn check(server: &mut Server, load: &Load, workers: usize, step: &str, bound: Duration) {
+    let deadline = Instant::now() + bound;
+    let supervisor = server.child.id();
+    loop {
+        assert!(server.child.try_wait().unwrap().is_none(), "{step}: the supervisor died\n{}", server.log());
+        let status = server.status();
+        let all = status["workers"].as_array().unwrap();
+        let mut pids: Vec<i32> = all.iter().filter_map(|w| w["pid"].as_i64()).map(|p| p as i32).collect();
+        pids.sort();
+        let settled = status["phase"] == "ready"
+            && all.len() == workers
+            && all.iter().all(|w| w["state"] == "ready")
+            && pids.iter().all(|&p| process_exists(p))
+            && children(supervisor) == pids;
+        if settled {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{step}: not back to {workers} ready workers within {bound:?} (processes {:?}): {status:#}\n{}",
+            children(supervisor),
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    load.pause();
+    let status = server.status();
+    let in_flight: u64 = status["workers"].as_array().unwrap().iter().map(|w| w["in_flight"].as_u64().unwrap()).sum();
+    assert_eq!(in_flight, 0, "{step}: requests in flight with the clients paused: {status:#}");
+    let text = server.metrics_text();
+    let counted: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("inferd_requests_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    let answered = load.answered.load(Ordering::SeqCst);
+    assert_eq!(
+        counted as u64, answered,
+        "{step}: Prometheus counts {counted} requests, the clients got {answered} answers"
+    );
+    let failed = load.failed.lock().unwrap().clone();
+    assert!(failed.is_empty(), "{step}: {} requests failed: {failed:?}\n{}", failed.len(), server.log());
+    load.resume();
+}
+
+#[test]
+fn random_fault_sequences_keep_the_pool_whole() {
+    let seed: u64 = std::env::var("INFERD_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 % 1_000_000
+    });
+    let steps: usize = std::env::var("INFERD_FAULT_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
+    eprintln!("random fault sequence: seed {seed}, {steps} steps (INFERD_FAULT_SEED={seed} replays it)");
+    let max_workers = test_workers();
+    let dir = TempDir::new("faults");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "max_requests = 25\nmax_requests_jitter = 10");
+    let corrupt = dir.path().join("corrupt.onnx");
+    std::fs::write(&corrupt, b"this is not an ONNX model").unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let load = Load::start(server.addr.to_string(), 8);
+    let mut rng = Rng(seed);
+    let mut workers = 1;
+    let bound = Duration::from_secs(60);
+    let mut done = Vec::new();
+    for step in 0..steps {
+        let action = rng.below(7);
+        let name = match action {
+            0 => {
+                let (ok, said) = control(&server, &["reload", "--wait"]);
+                assert!(ok, "seed {seed} step {step}: reload failed: {said}\n{}", server.log());
+                "reload"
+            }
+            1 => {
+                let (ok, said) = control(&server, &["reload", "--wait", "--path", corrupt.to_str().unwrap()]);
+                assert!(!ok && said.contains("reload failed"), "seed {seed} step {step}: a corrupt reload: {said}");
+                "corrupt reload"
+            }
+            2 => {
+                let before = server.status()["generation"].as_u64().unwrap();
+                server.signal(Signal::SIGHUP);
+                // The reload it starts runs on its own: wait until it has begun.
+                let deadline = Instant::now() + bound;
+                while server.status()["generation"].as_u64().unwrap() == before {
+                    assert!(Instant::now() < deadline, "seed {seed} step {step}: SIGHUP started no reload");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                "SIGHUP"
+            }
+            3 if workers < max_workers => {
+                let (ok, said) = control(&server, &["scale", "+1"]);
+                assert!(ok, "seed {seed} step {step}: scale +1: {said}");
+                workers += 1;
+                "scale +1"
+            }
+            4 if workers > 1 => {
+                let (ok, said) = control(&server, &["scale", "-1"]);
+                assert!(ok, "seed {seed} step {step}: scale -1: {said}");
+                workers -= 1;
+                "scale -1"
+            }
+            5 => {
+                // Its requests in flight would fail by design: the clients pause first.
+                load.pause();
+                // A worker killed within a second of its start counts as crash-looping and
+                // its slot backs off (up to 30 s): kill one that has served a while, as an
+                // operator or the OOM killer would.
+                let deadline = Instant::now() + bound;
+                let pids = loop {
+                    let status = server.status();
+                    let all = status["workers"].as_array().unwrap();
+                    if all.iter().all(|w| w["uptime_secs"].as_f64().is_some_and(|u| u > 1.5)) {
+                        break all.iter().filter_map(|w| w["pid"].as_i64()).map(|p| p as i32).collect::<Vec<_>>();
+                    }
+                    assert!(Instant::now() < deadline, "seed {seed} step {step}: {status:#}");
+                    std::thread::sleep(Duration::from_millis(50));
+                };
+                let victim = pids[rng.below(pids.len() as u64) as usize];
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), Signal::SIGKILL).unwrap();
+                let deadline = Instant::now() + bound;
+                while process_exists(victim) {
+                    assert!(Instant::now() < deadline, "seed {seed} step {step}: the killed worker is still there");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                // Its connections died with it: the clients open new ones.
+                load.epoch.fetch_add(1, Ordering::SeqCst);
+                // The supervisor must have seen the exit before traffic resumes.
+                while server.worker_pids().contains(&victim) {
+                    assert!(Instant::now() < deadline, "seed {seed} step {step}: the dead worker is still listed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                "SIGKILL of a worker"
+            }
+            _ => {
+                let socket = server.socket.clone();
+                let statuses: Vec<_> = (0..4)
+                    .map(|_| {
+                        let socket = socket.clone();
+                        std::thread::spawn(move || {
+                            Command::new(BIN)
+                                .args(["status", "--json", "--control-socket"])
+                                .arg(&socket)
+                                .output()
+                                .unwrap()
+                        })
+                    })
+                    .collect();
+                let (ok, said) = control(&server, &["reload", "--wait"]);
+                for s in statuses {
+                    let out = s.join().unwrap();
+                    assert!(matches!(out.status.code(), Some(0 | 2)), "seed {seed} step {step}: status: {out:?}");
+                }
+                assert!(ok, "seed {seed} step {step}: reload beside status clients: {said}");
+                "reload with concurrent status clients"
+            }
+        };
+        done.push(name);
+        check(&mut server, &load, workers, &format!("seed {seed} step {step} ({name}) after {done:?}"), bound);
+    }
+    let answered = load.answered.load(Ordering::SeqCst);
+    load.finish();
+    let recycled = metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}");
+    eprintln!(
+        "seed {seed}: {steps} steps, 0 invariant violations, {answered} requests answered, recycled for max_requests: {recycled:?}"
+    );
+}
