@@ -174,11 +174,11 @@ pub struct Supervisor {
     models: Vec<ModelEntry>,
     reload: Option<Reload>,
     reloads: (u64, u64),
-    /// RSS of the first worker after its warm-up: what one more worker costs.
+    /// Private memory of the first worker after its warm-up: what one more worker costs.
     worker_rss: Option<u64>,
     /// (soft, hard) per-worker limits of private memory in bytes.
     memory_limits: (Option<u64>, Option<u64>),
-    /// When the RSS watch last ran.
+    /// When the memory watch last ran.
     memory_checked: Option<Instant>,
     /// Final counts of every worker that has exited.
     retired: Snapshot,
