@@ -1,14 +1,16 @@
 //! inferd-supervisor: the process that owns the pool. It never loads ONNX Runtime and never
-//! serves HTTP; it starts K workers (each a fresh exec of the `inferd` binary), restarts them
-//! when they die, answers the control socket, and stops them on SIGTERM/SIGINT.
+//! serves inference; it starts K workers (each a fresh exec of the `inferd` binary), restarts
+//! them when they die, answers the control socket and Prometheus scrapes (`GET /metrics` on
+//! the admin listener), tells systemd how the pool is (sd_notify), and stops them on
+//! SIGTERM/SIGINT.
 //!
 //! One loop, events in, decisions out ([`pool::Supervisor::run`]): signal handlers, control
-//! connections, worker messages and worker exits only enqueue an [`Event`]; the loop drains the
-//! queue and, on every tick, starts workers whose backoff has expired and kills those that
-//! overran their boot or grace timeout. A rolling reload will be a new generation of workers
-//! started and retired by the same loop.
+//! connections, metrics scrapes, worker messages and worker exits only enqueue an [`Event`];
+//! the loop drains the queue and, on every tick, starts workers whose backoff has expired,
+//! kills those that overran their boot or grace timeout, watches memory and recycles. A
+//! rolling reload is a new generation of workers started and retired by the same loop.
 //!
-//! Must not touch: ONNX Runtime (a process that ran a session must never fork), HTTP.
+//! Must not touch: ONNX Runtime (a process that ran a session must never fork).
 
 pub mod control;
 mod metrics;
