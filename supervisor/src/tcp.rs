@@ -15,7 +15,7 @@ pub fn ensure_migrate_req(set: bool) {
             }
             Err(e) => warn!(
                 "net.ipv4.tcp_migrate_req is 0 and cannot be set ({e}): connections queued on a stopping worker \
-                 may be reset; run `sysctl -w net.ipv4.tcp_migrate_req=1` (see docs/architecture.md, "Sockets")"
+                 may be reset; run `sysctl -w net.ipv4.tcp_migrate_req=1` (see the Sockets section of docs/architecture.md)"
             ),
         },
         Ok(_) => warn!("net.ipv4.tcp_migrate_req is 0: connections queued on a stopping worker may be reset"),
