@@ -28,9 +28,13 @@ const TAG: u8 = 1;
 
 /// This worker's ends of the hand-off socket.
 pub struct Handoff {
-    send: OwnedFd,
+    send: AsyncFd<OwnedFd>,
     recv: AsyncFd<OwnedFd>,
 }
+
+/// How long a hand-off waits for room in the socket (the kernel queues at most
+/// `net.unix.max_dgram_qlen` messages, 10 by default, until a sibling takes them).
+const SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Handoff {
     /// Takes fds `send` and `recv` (the supervisor put the socket there); call once.
@@ -44,30 +48,42 @@ impl Handoff {
         // SAFETY: an OwnedFd keeps its descriptor open and the same for its whole life.
         let recv = unsafe { AsyncFd::register_with_interest(recv, tokio::io::Interest::READABLE) }
             .map_err(|e| std::io::Error::other(e.to_string()))?;
+        // SAFETY: as above.
+        let send = unsafe { AsyncFd::register_with_interest(send, tokio::io::Interest::WRITABLE) }
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(Handoff { send, recv })
     }
 
     /// Hands `stream` and the bytes already read from it to whichever serving worker takes
-    /// them next. On an error the caller closes the connection, as a worker without a
-    /// hand-off would.
-    pub fn send(&self, stream: std::net::TcpStream, read: &[u8]) -> std::io::Result<()> {
+    /// them next, waiting up to [`SEND_WAIT`] for room. On an error the caller closes the
+    /// connection, as a worker without a hand-off would.
+    pub async fn send(&self, stream: std::net::TcpStream, read: &[u8]) -> std::io::Result<()> {
         if read.len() > MAX_PREFIX {
             return Err(std::io::Error::other("too many bytes already read"));
         }
         let tag = [TAG];
         let payload = [IoSlice::new(&tag), IoSlice::new(read)];
         let fds = [stream.as_raw_fd()];
-        // MSG_DONTWAIT: with nobody taking connections for long, the socket fills up; this
-        // connection is then closed rather than the drain blocked.
-        sendmsg::<()>(
-            self.send.as_raw_fd(),
-            &payload,
-            &[ControlMessage::ScmRights(&fds)],
-            MsgFlags::MSG_DONTWAIT,
-            None,
-        )?;
-        // The descriptor travels in the message; this copy is closed on drop.
-        Ok(())
+        let attempt = async {
+            loop {
+                let mut guard = self.send.writable().await?;
+                let sent = guard.try_io(|fd| {
+                    let rights = [ControlMessage::ScmRights(&fds)];
+                    sendmsg::<()>(fd.get_ref().as_raw_fd(), &payload, &rights, MsgFlags::MSG_DONTWAIT, None)
+                        .map_err(std::io::Error::from)
+                });
+                match sent {
+                    Ok(result) => return result.map(|_| ()),
+                    Err(_would_block) => continue,
+                }
+            }
+        };
+        // With nobody taking connections (every worker draining), the connection is closed
+        // rather than the drain held up. The descriptor travels in the message; this copy is
+        // closed on drop either way.
+        tokio::time::timeout(SEND_WAIT, attempt)
+            .await
+            .map_err(|_| std::io::Error::other("no serving worker took the connection"))?
     }
 
     /// The next connection handed to this worker, with the bytes already read from it.

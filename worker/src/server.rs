@@ -288,7 +288,11 @@ impl Connections {
                     // What hyper read, then what it had not read yet of an earlier hand-off.
                     let mut read = parts.read_buf.to_vec();
                     read.extend_from_slice(&unread);
-                    if let Err(e) = stream.into_std().and_then(|stream| handoff.send(stream, &read)) {
+                    let sent = match stream.into_std() {
+                        Ok(stream) => handoff.send(stream, &read).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = sent {
                         debug!("closing a connection that could not be handed over: {e}");
                     }
                 }
