@@ -23,6 +23,7 @@
 #   ROUNDS=5 SECONDS_PER=10 bench/compare.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/lib.sh
 SECONDS_PER=${SECONDS_PER:-8}
 ROUNDS=${ROUNDS:-3}
 RECORD=${RECORD:-1}
@@ -70,16 +71,6 @@ ceiling() {
     done
 }
 ceiling start
-
-# Waits until `curl URL` answers 200, at most 120 s.
-wait_http() {
-    for _ in $(seq 1 600); do
-        if curl -sf -o /dev/null "$1"; then return 0; fi
-        sleep 0.2
-    done
-    echo "server at $1 did not come up" >&2
-    return 1
-}
 
 # Closed loop at each concurrency, then open loop at 80% of the best. $1: contender name,
 # $2: port, $3: round.

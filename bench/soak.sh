@@ -11,6 +11,7 @@
 #   SOAK_SECONDS=60 bench/soak.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/lib.sh
 SOAK_SECONDS=${SOAK_SECONDS:-240}
 PORT=${PORT:-18500}
 
@@ -32,19 +33,7 @@ cache_dir = "$work/cache"
 EOF
 target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
 sup=$!
-for _ in $(seq 300); do
-    target/release/inferd status --control-socket "$work/control.sock" 2>/dev/null | head -1 | grep -q ' ready on ' && break
-    sleep 0.2
-done
-
-pss() { # "total MiB (pid: MiB, ...)" over the supervisor and its workers
-    local total=0 parts=() kb
-    for pid in "$sup" $(pgrep -P "$sup"); do
-        kb=$(awk '/^Pss:/ { print $2 }' "/proc/$pid/smaps_rollup" 2>/dev/null || echo 0)
-        total=$((total + kb)); parts+=("$pid: $((kb / 1024))")
-    done
-    echo "$((total / 1024)) MiB ($(IFS=,; echo "${parts[*]}"))"
-}
+wait_pool "$work/control.sock"
 
 .venv/bin/python - "$PORT" "$SOAK_SECONDS" "$work/counts" <<'EOF' &
 import http.client, json, random, sys, threading, time
@@ -74,12 +63,12 @@ threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
 open(out, "w").write(json.dumps(counts))
 EOF
 load=$!
-echo "t=0s: $(pss)"
+echo "t=0s: $(pool_pss "$sup")"
 for ((t = 30; t <= SOAK_SECONDS; t += 30)); do
     sleep 30
-    echo "t=${t}s: $(pss)"
+    echo "t=${t}s: $(pool_pss "$sup")"
 done
 wait "$load"
-echo "at the end of the load: $(pss); requests: $(cat "$work/counts")"
+echo "at the end of the load: $(pool_pss "$sup"); requests: $(cat "$work/counts")"
 sleep 3
-echo "idle 3 s later: $(pss)"
+echo "idle 3 s later: $(pool_pss "$sup")"

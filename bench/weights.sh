@@ -12,6 +12,7 @@
 #   MODEL=models/minilm bench/weights.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/lib.sh
 MODEL=${MODEL:-.cache/models/bertbase}
 PORT=${PORT:-18400}
 WORKERS=${WORKERS:-1 2 4}
@@ -33,15 +34,6 @@ echo "A text that is about as long as a typical sentence in a search query or a 
 cgroup=/sys/fs/cgroup/memory/inferd-weights-bench
 use_cgroup=0
 if [[ -w /sys/fs/cgroup/memory ]] && mkdir -p "$cgroup" 2>/dev/null; then use_cgroup=1; fi
-
-pss_of_pool() { # sum of Pss over the supervisor and its workers, in MiB
-    local pids=("$1" $(pgrep -P "$1")) total=0 kb
-    for pid in "${pids[@]}"; do
-        kb=$(awk '/^Pss:/ { print $2 }' "/proc/$pid/smaps_rollup" 2>/dev/null || echo 0)
-        total=$((total + kb))
-    done
-    echo $((total / 1024))
-}
 
 printf '%-8s %-8s %14s %16s %14s\n' workers weights "PSS all (MiB)" "cgroup (MiB)" "p50 c=1 (ms)"
 for k in $WORKERS; do
@@ -69,14 +61,11 @@ EOF
             target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
         fi
         sup=$!
-        for _ in $(seq 600); do
-            target/release/inferd status --control-socket "$work/control.sock" 2>/dev/null | head -1 | grep -q ' ready on ' && break
-            sleep 0.2
-        done
+        wait_pool "$work/control.sock"
         line=$(target/release/inferd-bench http --addr "127.0.0.1:$PORT" --texts "$work/texts.txt" \
             --concurrency 1 --seconds "$SECONDS_PER" --warmup 1 | tail -n 1)
         p50=$(python3 -c 'import json,sys; print("%.1f" % json.loads(sys.argv[1])["p50_ms"])' "$line")
-        pss=$(pss_of_pool "$sup")
+        pss=$(pool_pss "$sup" | cut -d' ' -f1)
         cg=-; [[ $use_cgroup == 1 ]] && cg=$(( $(cat $cgroup/memory.usage_in_bytes) / 1048576 ))
         printf '%-8s %-8s %14s %16s %14s\n' "$k" "$mode" "$pss" "$cg" "$p50"
         kill -TERM "$sup"; wait "$sup" 2>/dev/null || true

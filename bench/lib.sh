@@ -1,0 +1,33 @@
+# Helpers the benchmark scripts share; `source bench/lib.sh` from the repository root.
+
+# wait_http URL: waits until `curl URL` answers 200, at most 120 s.
+wait_http() {
+    for _ in $(seq 1 600); do
+        if curl -sf -o /dev/null "$1"; then return 0; fi
+        sleep 0.2
+    done
+    echo "server at $1 did not come up" >&2
+    return 1
+}
+
+# wait_pool SOCKET: waits until `inferd status` on the control socket says every worker is
+# ready, at most 120 s.
+wait_pool() {
+    for _ in $(seq 1 600); do
+        target/release/inferd status --control-socket "$1" 2>/dev/null | head -1 | grep -q ' ready on ' && return 0
+        sleep 0.2
+    done
+    echo "the pool behind $1 did not become ready" >&2
+    return 1
+}
+
+# pool_pss PID: "TOTAL MiB (pid: MiB, ...)", the PSS of PID and its children
+# (/proc/PID/smaps_rollup; bench/record.py's `memory` is the same sum for the record).
+pool_pss() {
+    local total=0 parts=() kb pid
+    for pid in "$1" $(pgrep -P "$1"); do
+        kb=$(awk '/^Pss:/ { print $2 }' "/proc/$pid/smaps_rollup" 2>/dev/null || echo 0)
+        total=$((total + kb)); parts+=("$pid: $((kb / 1024))")
+    done
+    echo "$((total / 1024)) MiB ($(IFS=,; echo "${parts[*]}"))"
+}
