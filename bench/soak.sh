@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Memory under a long mixed load (docs/configuration.md, "Shared weights"): the default model
+# Memory under a long mixed load (docs/configuration.md, "Memory"): the default model
 # served by the default plan, and `POST /embed` requests of 1 to 8 texts of 1 to 300 words
 # (truncated to the model's max_length) from 4 clients for SOAK_SECONDS; every 30 s, and at
 # the end, the PSS of each process of the pool and their sum. Memory that keeps growing past
-# the first minute would be a leak; the buffers of the largest batches are the plateau, and a
-# worker idle for a second hands them back. Prints one line per sample, the answered and failed
-# counts, and the memory once the pool has been idle for 3 s.
+# the first minute would be a leak; the buffers of the runs in progress and what the allocator
+# keeps (up to 64 MiB free after a run, nothing after a second idle) are the plateau. Prints
+# one line per sample, the answered and failed counts, and the memory once the pool has been
+# idle for 3 s.
 #
 #   bench/soak.sh                      # 4 minutes
 #   SOAK_SECONDS=60 bench/soak.sh

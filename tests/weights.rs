@@ -123,6 +123,23 @@ fn shared_weights_answer_exactly_as_private_ones_and_are_prepared_once() {
 }
 
 #[test]
+fn every_allocator_answers_exactly_as_the_default_one() {
+    // runtime.allocator changes where a run's buffers come from, never what it computes.
+    let default = answers(&serve("allocator-malloc", ""));
+    for choice in ["arena", "arena-shrink"] {
+        let server = serve(&format!("allocator-{choice}"), &format!("[runtime]\nallocator = \"{choice}\"\n"));
+        for ((path, a), (_, b)) in default.iter().zip(answers(&server)) {
+            assert!(
+                *a == b,
+                "{path}: allocator {choice} answers differently:\n{}\n{}",
+                String::from_utf8_lossy(a),
+                String::from_utf8_lossy(&b)
+            );
+        }
+    }
+}
+
+#[test]
 fn a_damaged_artefact_is_rebuilt_never_loaded() {
     let mut server = serve("weights-damaged", "");
     let before = answers(&server);

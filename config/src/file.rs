@@ -202,12 +202,30 @@ pub struct RuntimeConfig {
     /// every worker (relative: to the config file's folder); empty = each session loads its
     /// own copy.
     pub cache_dir: PathBuf,
+    /// Where a run's tensors come from (docs/configuration.md, "Memory").
+    pub allocator: Allocator,
 }
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { ort_library: None, cache_dir: PathBuf::from(".cache/inferd") }
+        RuntimeConfig { ort_library: None, cache_dir: PathBuf::from(".cache/inferd"), allocator: Allocator::default() }
     }
+}
+
+/// Where ONNX Runtime takes the buffers of a run from (`runtime.allocator`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Allocator {
+    /// No ORT arena and no memory patterns: every run mallocs its buffers, and buffers above
+    /// 256 KiB are mapped and unmapped (a fixed mmap threshold), so what a large batch needed
+    /// goes back to the system when it ends.
+    #[default]
+    Malloc,
+    /// ORT's defaults: a CPU arena per session (grown by powers of two, never shrunk) and
+    /// memory patterns.
+    Arena,
+    /// ORT's arena, shrunk back to its first chunk after every run.
+    ArenaShrink,
 }
 
 /// How every process logs (stderr, or the journal's native protocol under systemd).
@@ -471,6 +489,17 @@ mod tests {
         assert!(err.contains("server.graceful_timeout_secs"), "{err}");
         let err = parse("[server]\nworkers = \"two\"\n").unwrap_err().to_string();
         assert!(err.contains("workers"), "{err}");
+    }
+
+    #[test]
+    fn the_allocator_is_one_of_three() {
+        assert_eq!(parse("").unwrap().runtime.allocator, Allocator::Malloc);
+        assert_eq!(
+            parse("[runtime]\nallocator = \"arena-shrink\"\n").unwrap().runtime.allocator,
+            Allocator::ArenaShrink
+        );
+        let err = parse("[runtime]\nallocator = \"jemalloc\"\n").unwrap_err().to_string();
+        assert!(err.contains("jemalloc") && err.contains("arena-shrink"), "{err}");
     }
 
     #[test]

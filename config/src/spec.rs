@@ -55,6 +55,9 @@ pub struct WorkerSpec {
     /// `runtime.cache_dir`, resolved: where shared weights are prepared (None: off).
     #[serde(default)]
     pub weights_cache: Option<PathBuf>,
+    /// `runtime.allocator`.
+    #[serde(default)]
+    pub allocator: crate::file::Allocator,
     /// Fds [`WORKER_HANDOFF_SEND_FD`] and [`WORKER_HANDOFF_RECV_FD`] are the pool's
     /// hand-off socket.
     #[serde(default)]

@@ -7,6 +7,7 @@
 //! - [`protocol`]: v2 JSON request validation and response bodies;
 //! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
+//! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
 //! - [`tensor`]: datatypes and their conversions.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
@@ -17,6 +18,7 @@
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 
+pub mod allocator;
 pub mod engine;
 pub mod handoff;
 pub mod http;

@@ -10,6 +10,7 @@
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use inferd_config::file::Allocator;
 use inferd_config::model::{ModelEntry, Task};
 use inferd_config::spec::ModelInfo;
 use ort::environment::Environment;
@@ -155,15 +156,18 @@ impl Model {
             let builder = plain(builder.with_inter_threads(1))?;
             let builder = plain(builder.with_parallel_execution(false))?;
             let builder = plain(builder.with_inter_op_spinning(false))?;
-            // No arena: ONNX Runtime's CPU arena keeps the buffers of the largest batch ever
-            // run for good (a worker serving long texts grew from ~140 to ~530 MiB and stayed
-            // there), and every session of a worker would keep its own. Measured on MiniLM
-            // with 3 sessions per worker: 45 MiB less at the same speed. Memory patterns
-            // pre-plan buffers per input shape, which dynamic batches and sequence lengths
-            // never repeat.
-            let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
-            let builder = plain(builder.with_execution_providers([cpu]))?;
-            let builder = plain(builder.with_memory_pattern(false))?;
+            // runtime.allocator (see [`crate::allocator`]): by default no arena, which would
+            // keep the buffers of the largest batch for good in every session, and no memory
+            // patterns, which pre-plan buffers per input shape that dynamic batches and
+            // sequence lengths never repeat.
+            let builder = match crate::allocator::current() {
+                Allocator::Malloc => {
+                    let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
+                    let builder = plain(builder.with_execution_providers([cpu]))?;
+                    plain(builder.with_memory_pattern(false))?
+                }
+                Allocator::Arena | Allocator::ArenaShrink => builder,
+            };
             plain(builder.with_intra_threads(1))
         };
         let weights = weights::artefact(entry, &digest, base);

@@ -137,6 +137,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
     init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    crate::allocator::configure(spec.allocator);
     crate::weights::configure(spec.weights_cache.clone(), &spec.ort_library);
     // Per model: one narrow session per thread (the lanes that run side by side under load)
     // and, with more than one thread, a wide one on the whole pool (a request that has the
@@ -166,7 +167,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     // Loading and warming left freed buffers in the allocator: give them back before serving.
-    crate::weights::trim();
+    crate::allocator::trim();
     let listener = match spec.inherited_listener {
         true => inherited_listener(),
         false => bind_reuseport(spec.server.listen_addr()),

@@ -121,7 +121,7 @@ fn prepare(
     let written = write(&tmp, source, build);
     // The optimising session's buffers are freed now; hand the memory back to the system
     // instead of keeping it in the allocator (hundreds of MB for a BERT-base model).
-    trim();
+    crate::allocator::trim();
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
@@ -228,14 +228,6 @@ fn remove_older(root: &Path, keep: &Path, name: &str) {
                 Err(e) => warn!(model = name, "cannot remove {}: {e}", path.display()),
             }
         }
-    }
-}
-
-/// Returns the allocator's free memory to the system (glibc keeps freed heap pages).
-pub fn trim() {
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 

@@ -649,6 +649,7 @@ impl Supervisor {
             handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
+            allocator: config.runtime.allocator,
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {

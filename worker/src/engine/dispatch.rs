@@ -113,14 +113,13 @@ impl Dispatcher {
     }
 
     /// Without an arena, ONNX Runtime mallocs and frees every run's tensors, and glibc keeps
-    /// what a large batch freed (a 4-minute soak of 1-8 texts of up to 256 tokens held the
-    /// worker at 530-690 MiB PSS). Once the worker has been idle for [`TRIM_AFTER_IDLE`], that
-    /// memory goes back to the system; under load nothing changes (trimming after every
-    /// large run, or mapping large tensors on their own, cost a quarter of the throughput).
+    /// what was freed: the lanes hand back what passes [`crate::allocator::FREE_LIMIT`] after
+    /// each run, and once the worker has been idle for [`TRIM_AFTER_IDLE`] the rest goes back
+    /// too.
     fn trim_when_idle(&mut self) {
         let idle = self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
         if idle && !self.trimmed && self.last_run.is_some_and(|t| t.elapsed() >= TRIM_AFTER_IDLE) {
-            crate::weights::trim();
+            crate::allocator::trim();
             self.trimmed = true;
         }
     }

@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use inferd_config::file::Allocator;
 use inferd_config::stats::{Latency, Shared};
 use tokio::sync::oneshot;
 use tracing::warn;
@@ -199,7 +200,14 @@ struct RunStop {
 impl RunClock {
     fn new(lanes: usize, counters: Arc<Shared>, timeout: Duration) -> ort::Result<RunClock> {
         let stops = (0..lanes)
-            .map(|_| Ok(RunStop { options: ort::session::RunOptions::new()?, stopped: AtomicBool::new(false) }))
+            .map(|_| {
+                let mut options = ort::session::RunOptions::new()?;
+                if crate::allocator::current() == Allocator::ArenaShrink {
+                    // Every arena the run used goes back to its first chunk when it ends.
+                    options.set("memory.enable_memory_arena_shrinkage", "cpu:0")?;
+                }
+                Ok(RunStop { options, stopped: AtomicBool::new(false) })
+            })
             .collect::<ort::Result<_>>()?;
         Ok(RunClock { starts: std::sync::Mutex::new(vec![0; lanes]), counters, stops, timeout })
     }
@@ -259,6 +267,8 @@ impl Lane {
     fn run(mut self, work: mpsc::Receiver<Work>) {
         while let Ok(Work { batch, wide }) = work.recv() {
             self.execute(batch, wide);
+            // The answers are out: past its limit, what the batch freed goes back now.
+            crate::allocator::trim_if_over(crate::allocator::FREE_LIMIT);
             if self.done.send(Event::Done { lane: self.index }).is_err() {
                 return;
             }

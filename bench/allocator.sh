@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Where a worker's memory goes between runs, and what it costs (docs/configuration.md,
+# "Memory"): the default model and plan under each `runtime.allocator` choice, side by side in
+# one sitting, ROUNDS rounds in turn. Each round of a choice: a lone client (p50), 16 clients
+# with the 17-token sentence (req/s, p99), 16 clients where every 8th text has 256 tokens
+# (req/s, p99 of the short ones); then the PSS of the pool's processes right after that load
+# ("after work") and after 3 s idle. Prints every round and the medians.
+#
+#   bench/allocator.sh                  # ~5 minutes on 2 cores
+#   ROUNDS=5 SECONDS_PER=10 bench/allocator.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/lib.sh
+ROUNDS=${ROUNDS:-3}
+SECONDS_PER=${SECONDS_PER:-6}
+PORT=${PORT:-18520}
+TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
+# name | runtime.allocator | GLIBC_TUNABLES
+CHOICES=(
+    "malloc, trimmed past 64 MiB free (default)|malloc|"
+    "malloc, fixed 256 KiB mmap threshold|malloc|glibc.malloc.mmap_threshold=262144"
+    "ORT arena + memory patterns|arena|"
+    "ORT arena, shrunk after every run|arena-shrink|"
+)
+
+scripts/setup.sh >/dev/null
+cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
+work=$(mktemp -d /tmp/inferd-allocator.XXXXXX)
+sup=""
+trap '[[ -n $sup ]] && kill -- -$sup 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
+printf '%s\n' "$TEXT" >"$work/short.txt"
+{ for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
+load() { # $1 concurrency, $2 texts, [$3 --short-below N]: inferd-bench's JSON lines, as a list
+    target/release/inferd-bench http --addr "127.0.0.1:$PORT" --concurrency "$1" --seconds "$SECONDS_PER" \
+        --warmup 1 --texts "$2" ${3:-} | grep '^{' | paste -sd, | sed 's/^/[/; s/$/]/'
+}
+pss_mib() { pool_pss "$1" | cut -d' ' -f1; }
+
+for round in $(seq 1 "$ROUNDS"); do
+    for choice in "${CHOICES[@]}"; do
+        IFS='|' read -r name allocator tunables <<<"$choice"
+        cat >"$work/inferd.toml" <<TOML
+[server]
+listen = "127.0.0.1:$PORT"
+control_socket = "control.sock"
+[admin]
+listen = ""
+[models]
+repository = "$PWD/models"
+default = "minilm"
+[runtime]
+cache_dir = "$work/cache"
+allocator = "$allocator"
+TOML
+        if [[ -n $tunables ]]; then export GLIBC_TUNABLES=$tunables; else unset GLIBC_TUNABLES; fi
+        setsid target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
+        sup=$!
+        unset GLIBC_TUNABLES
+        wait_pool "$work/control.sock"
+        ready=$(pss_mib "$sup")
+        c1=$(load 1 "$work/short.txt")
+        c16=$(load 16 "$work/short.txt")
+        mixed=$(load 16 "$work/mixed.txt" "--short-below 200")
+        after=$(pss_mib "$sup")
+        sleep 3
+        idle=$(pss_mib "$sup")
+        kill -- -"$sup"; wait "$sup" 2>/dev/null || true; sup=""
+        python3 - "$work/results.jsonl" "$name" "$round" "$ready" "$c1" "$c16" "$mixed" "$after" "$idle" <<'PY'
+import json, sys
+out, name, rnd, ready, c1, c16, mixed, after, idle = sys.argv[1:]
+r = {"name": name, "round": int(rnd), "ready": int(ready), "c1": json.loads(c1), "c16": json.loads(c16),
+     "mixed": json.loads(mixed), "after": int(after), "idle": int(idle)}
+open(out, "a").write(json.dumps(r) + "\n")
+print(f"round {rnd}: {name}: c=1 p50 {r['c1'][0]['p50_ms']:.2f} ms, c=16 {r['c16'][0]['throughput']:.0f}/s, "
+      f"mixed {r['mixed'][0]['throughput']:.0f}/s, PSS after work {after} MiB, idle {idle} MiB", flush=True)
+PY
+    done
+done
+
+python3 - "$work/results.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+names = list(dict.fromkeys(r["name"] for r in rows))
+med = lambda xs: statistics.median(xs)
+print(f"\nmedians of {max(r['round'] for r in rows)} rounds (MiB: PSS of all the pool's processes)")
+print(f"| allocator | c=1 p50 ms | c=16 req/s | c=16 p99 ms | mixed req/s | mixed: short p99 ms | PSS ready | PSS after work | PSS idle 3 s |")
+print("|---|---|---|---|---|---|---|---|---|")
+for n in names:
+    rs = [r for r in rows if r["name"] == n]
+    print(f"| {n} | {med([r['c1'][0]['p50_ms'] for r in rs]):.2f} | {med([r['c16'][0]['throughput'] for r in rs]):.0f} | "
+          f"{med([r['c16'][0]['p99_ms'] for r in rs]):.1f} | {med([r['mixed'][0]['throughput'] for r in rs]):.0f} | "
+          f"{med([r['mixed'][-1]['p99_ms'] for r in rs]):.1f} | {med([r['ready'] for r in rs]):.0f} | "
+          f"{med([r['after'] for r in rs]):.0f} | {med([r['idle'] for r in rs]):.0f} |")
+PY
