@@ -170,7 +170,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
                     }
                 };
                 let Pipeline::Text(text) = &*pipeline else { unreachable!("checked above") };
-                let Head::Embedding { output, pooling, normalize } = text.head.clone() else {
+                let Head::Embedding { output, pooling, normalize, .. } = text.head.clone() else {
                     start.wait();
                     bail!("ort mode needs an embedding model")
                 };

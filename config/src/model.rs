@@ -15,6 +15,7 @@
 //! [embedding]            # task = "embedding"
 //! pooling = "mean"       # "mean" (over the attention mask) | "cls"
 //! normalize = true       # L2; the default for requests that do not say
+//! matryoshka = false     # true: a prefix of the vector is an embedding too (`dimensions`)
 //! [classification]       # task = "classification"
 //! labels = ["negative", "positive"]
 //! activation = "softmax" # "softmax" | "sigmoid"
@@ -193,11 +194,14 @@ pub struct EmbeddingConfig {
     /// Output holding the token vectors `[batch, sequence, dim]` (or already pooled
     /// `[batch, dim]`); default the first output.
     pub output: Option<String>,
+    /// Trained so that the first N dimensions are an embedding too (Matryoshka): requests may
+    /// ask for fewer dimensions (OpenAI's `dimensions`).
+    pub matryoshka: bool,
 }
 
 impl Default for EmbeddingConfig {
     fn default() -> Self {
-        EmbeddingConfig { pooling: Pooling::Mean, normalize: true, output: None }
+        EmbeddingConfig { pooling: Pooling::Mean, normalize: true, output: None, matryoshka: false }
     }
 }
 

@@ -16,6 +16,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
 
+use inferd_config::model::Task;
 use inferd_config::stats::{Latency, Shared, MAX_MODELS};
 
 use crate::engine::{Engine, Join};
@@ -23,8 +24,8 @@ use crate::model::{ModelError, ModelMeta, Tensor};
 use crate::pipeline::{Head, Pipeline, Text};
 use crate::protocol::{self, Parsed};
 use crate::tasks::{self, Options, PipelineInput, Rows};
-use crate::tei;
 use crate::tensor::TensorData;
+use crate::{openai, tei};
 
 /// Everything a request handler may touch.
 pub struct AppState {
@@ -128,8 +129,13 @@ pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
     response
 }
 
-fn error_reply(e: &ApiError) -> Reply {
-    let mut reply = json_reply(e.status(), serde_json::to_vec(&json!({ "error": e.to_string() })).expect("json"));
+fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
+    let body = match style {
+        ErrorStyle::V2 => json!({ "error": e.to_string() }),
+        ErrorStyle::Tei => tei::error_body(e),
+        ErrorStyle::OpenAi => openai::error_body(e),
+    };
+    let mut reply = json_reply(e.status(), serde_json::to_vec(&body).expect("json"));
     if matches!(e, ApiError::Overloaded(_)) {
         reply.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
@@ -168,7 +174,8 @@ pub async fn handle(
             } else {
                 debug!(request_id, method = %method, path, status = e.status().as_u16(), "request refused: {e}");
             }
-            error_reply(&e)
+            let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+            error_reply(&e, parse_route(&segments).map_or(ErrorStyle::V2, |r| r.error_style()))
         }
     };
     if state.access_log {
@@ -217,6 +224,44 @@ enum Route<'a> {
     Infer(&'a str, Option<&'a str>),
     Embed(Option<&'a str>),
     Predict(Option<&'a str>),
+    /// OpenAI's `POST /v1/embeddings`; the model is named in the body.
+    OpenAiEmbeddings,
+    /// text-embeddings-inference's routes for the default model.
+    Info,
+    Tokenize,
+    Decode,
+    Similarity,
+    /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
+    /// model's task.
+    Invocations,
+    /// SageMaker's health check.
+    Ping,
+}
+
+/// The shape of an error body: KServe v2's `{"error"}`, text-embeddings-inference's (with
+/// `error_type`) or OpenAI's.
+#[derive(Clone, Copy)]
+enum ErrorStyle {
+    V2,
+    Tei,
+    OpenAi,
+}
+
+impl Route<'_> {
+    fn error_style(&self) -> ErrorStyle {
+        match self {
+            Route::OpenAiEmbeddings => ErrorStyle::OpenAi,
+            Route::Embed(_)
+            | Route::Predict(_)
+            | Route::Info
+            | Route::Tokenize
+            | Route::Decode
+            | Route::Similarity
+            | Route::Invocations
+            | Route::Ping => ErrorStyle::Tei,
+            _ => ErrorStyle::V2,
+        }
+    }
 }
 
 fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
@@ -234,6 +279,13 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "embed"] => Route::Embed(Some(name)),
         ["predict"] => Route::Predict(None),
         ["v2", "models", name, "predict"] => Route::Predict(Some(name)),
+        ["v1", "embeddings"] | ["embeddings"] => Route::OpenAiEmbeddings,
+        ["info"] => Route::Info,
+        ["tokenize"] => Route::Tokenize,
+        ["decode"] => Route::Decode,
+        ["similarity"] => Route::Similarity,
+        ["invocations"] | [""] => Route::Invocations,
+        ["ping"] => Route::Ping,
         _ => return None,
     })
 }
@@ -244,7 +296,14 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
     let allowed = match route {
-        Route::Infer(..) | Route::Embed(_) | Route::Predict(_) => method == Method::POST,
+        Route::Infer(..)
+        | Route::Embed(_)
+        | Route::Predict(_)
+        | Route::OpenAiEmbeddings
+        | Route::Tokenize
+        | Route::Decode
+        | Route::Similarity
+        | Route::Invocations => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
     };
     if !allowed {
@@ -287,6 +346,56 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             };
             counted(state, row, 2, work).await
         }
+        Route::OpenAiEmbeddings => {
+            // The model is named in the body; a name this server does not load (a client's
+            // default) means the default model.
+            let body = match read_body(state, request).await {
+                Ok(body) => body,
+                Err(e) => return counted(state, 0, 1, async { Err(e) }).await,
+            };
+            let request = openai::parse(&body);
+            let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
+            let found = wanted.and_then(|name| model(state, name, None).ok()).unwrap_or((0, &state.models[0]));
+            let work = async {
+                let reply = openai::embeddings(state, found, request?, deadline).await?;
+                Ok(versioned(reply, found.1))
+            };
+            counted(state, found.0, 1, work).await
+        }
+        Route::Info => Ok(tei::info(state, &state.models[0])),
+        Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?),
+        Route::Decode => tei::decode(state, &state.models[0], &read_body(state, request).await?),
+        Route::Similarity => {
+            let meta = &state.models[0];
+            let work = async {
+                let body = read_body(state, request).await?;
+                tei::similarity(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
+            };
+            counted(state, 0, 1, work).await
+        }
+        Route::Invocations => {
+            let meta = &state.models[0];
+            let endpoint = match meta.task {
+                Task::Embedding => 1,
+                Task::Classification => 2,
+                Task::Raw => {
+                    return Err(ApiError::BadRequest(format!(
+                        "the default model '{}' has no pipeline; send its tensors to /v2/models/{0}/infer",
+                        meta.info.name
+                    )))
+                }
+            };
+            let work = async {
+                let body = read_body(state, request).await?;
+                let reply = match endpoint {
+                    1 => tei::embed(state, 0, meta, &body, deadline).await,
+                    _ => tei::predict(state, 0, meta, &body, deadline).await,
+                };
+                reply.map(|r| versioned(r, meta))
+            };
+            counted(state, 0, endpoint, work).await
+        }
+        Route::Ping => Ok(readiness(ready)),
     }
 }
 

@@ -23,6 +23,7 @@ pub mod engine;
 pub mod handoff;
 pub mod http;
 pub mod model;
+pub mod openai;
 pub mod pipeline;
 pub mod protocol;
 pub mod server;

@@ -78,6 +78,8 @@ pub struct ModelMeta {
     pub outputs: Vec<TensorSpec>,
     /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
     pub pipeline: Arc<Pipeline>,
+    /// model.toml's [batching], with the command line's overrides.
+    pub batching: inferd_config::model::Batching,
 }
 
 impl ModelMeta {
@@ -236,6 +238,7 @@ impl Model {
             inputs,
             outputs,
             pipeline: Arc::new(pipeline),
+            batching: entry.batching.clone(),
         };
         Ok(Model { meta, entry: entry.clone(), session })
     }
@@ -337,6 +340,7 @@ mod tests {
             inputs: inputs.iter().map(spec).collect(),
             outputs: outputs.iter().map(spec).collect(),
             pipeline: Arc::new(Pipeline::Raw),
+            batching: Default::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use std::io::Cursor;
 
 use image::{ImageFormat, ImageReader};
 use inferd_config::model::{Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Task};
-use tokenizers::{EncodeInput, Tokenizer, TruncationParams};
+use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
 use crate::model::{Tensor, TensorSpec};
 use crate::tensor::{DataType, TensorData};
@@ -38,7 +38,7 @@ pub enum PipelineError {
 /// What the model does with its outputs.
 #[derive(Debug, Clone)]
 pub enum Head {
-    Embedding { output: usize, pooling: Pooling, normalize: bool },
+    Embedding { output: usize, pooling: Pooling, normalize: bool, matryoshka: bool },
     Classification { output: usize, labels: Vec<String>, activation: Activation },
 }
 
@@ -81,6 +81,8 @@ pub struct ImagePipeline {
 pub enum Text {
     Single(String),
     Pair(String, String),
+    /// Already tokenised: the model's own token ids, fed as they are (no special tokens added).
+    Ids(Vec<u32>),
 }
 
 /// A tokenised batch, ready for the model.
@@ -196,7 +198,7 @@ fn head(entry: &ModelEntry, outputs: &[TensorSpec]) -> Result<Head, String> {
                     spec.name, spec.datatype, spec.shape
                 ));
             }
-            Ok(Head::Embedding { output, pooling: e.pooling, normalize: e.normalize })
+            Ok(Head::Embedding { output, pooling: e.pooling, normalize: e.normalize, matryoshka: e.matryoshka })
         }
         Task::Classification => {
             let c = entry.classification.clone().expect("checked when model.toml was read");
@@ -234,6 +236,14 @@ impl TextPipeline {
                 Text::Pair(a, b) if a.is_empty() || b.is_empty() => return Err(PipelineError::Empty { index }),
                 Text::Single(s) => s.as_str().into(),
                 Text::Pair(a, b) => (a.as_str(), b.as_str()).into(),
+                Text::Ids(ids) => {
+                    let (encoding, cut) = self.encode_ids(index, ids, truncate)?;
+                    if cut {
+                        truncated.push(index);
+                    }
+                    encodings.push(encoding);
+                    continue;
+                }
             };
             let encoding = tokenizer
                 .encode_fast(input, true)
@@ -272,6 +282,83 @@ impl TextPipeline {
             .collect();
         Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
     }
+
+    /// Token ids a client tokenised itself, checked against the vocabulary; truncated to
+    /// `max_length` when allowed (the second value says whether they were).
+    fn encode_ids(&self, index: usize, ids: &[u32], truncate: bool) -> Result<(Encoding, bool), PipelineError> {
+        if ids.is_empty() {
+            return Err(PipelineError::Empty { index });
+        }
+        let vocabulary = self.plain.get_vocab_size(true);
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
+            return Err(PipelineError::Tokenizer {
+                index,
+                message: format!("token id {bad} is not in the model's vocabulary of {vocabulary}"),
+            });
+        }
+        if ids.len() > self.max_length && !truncate {
+            return Err(PipelineError::TooLong { index, tokens: ids.len(), max: self.max_length });
+        }
+        let kept = &ids[..ids.len().min(self.max_length)];
+        let tokens = kept.iter().map(|&id| Token::new(id, String::new(), (0, 0))).collect();
+        Ok((Encoding::from_tokens(tokens, 0), kept.len() < ids.len()))
+    }
+
+    /// The tokens of one text as the model sees them (`/tokenize`): id, text, whether special,
+    /// and byte offsets into the text.
+    pub fn tokenize(&self, text: &Text, add_special_tokens: bool) -> Result<Vec<Piece>, PipelineError> {
+        let (input, source): (EncodeInput, String) = match text {
+            Text::Single(s) => (s.as_str().into(), s.clone()),
+            Text::Pair(a, b) => ((a.as_str(), b.as_str()).into(), a.clone()),
+            Text::Ids(_) => return Err(PipelineError::Tokenizer { index: 0, message: "already token ids".into() }),
+        };
+        let encoding = self
+            .plain
+            .encode(input, add_special_tokens)
+            .map_err(|e| PipelineError::Tokenizer { index: 0, message: e.to_string() })?;
+        let pieces = (0..encoding.len())
+            .map(|i| {
+                let (start, stop) = encoding.get_offsets()[i];
+                let special = encoding.get_special_tokens_mask()[i] == 1;
+                // Offsets of the second text of a pair point into that text.
+                let in_second = encoding.get_sequence_ids()[i] == Some(1);
+                let text = match (special, in_second, text) {
+                    (true, _, _) => encoding.get_tokens()[i].clone(),
+                    (false, true, Text::Pair(_, b)) => b.get(start..stop).unwrap_or_default().to_string(),
+                    _ => source.get(start..stop).unwrap_or_default().to_string(),
+                };
+                Piece {
+                    id: encoding.get_ids()[i],
+                    text,
+                    special,
+                    start: (!special).then_some(start),
+                    stop: (!special).then_some(stop),
+                }
+            })
+            .collect();
+        Ok(pieces)
+    }
+
+    /// Token ids back to text (`/decode`).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, PipelineError> {
+        self.plain
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| PipelineError::Tokenizer { index: 0, message: e.to_string() })
+    }
+
+    pub fn vocabulary_size(&self) -> usize {
+        self.plain.get_vocab_size(true)
+    }
+}
+
+/// One token of `/tokenize`'s answer, in text-embeddings-inference's shape.
+#[derive(Debug, serde::Serialize)]
+pub struct Piece {
+    pub id: u32,
+    pub text: String,
+    pub special: bool,
+    pub start: Option<usize>,
+    pub stop: Option<usize>,
 }
 
 impl ImagePipeline {

@@ -369,6 +369,7 @@ mod tests {
             pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
             outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
+            batching: Default::default(),
         }
     }
 

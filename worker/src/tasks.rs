@@ -40,6 +40,8 @@ pub struct Outcome {
     pub rows: Rows,
     /// Inputs that were truncated (only with `truncate`).
     pub truncated: Vec<usize>,
+    /// Tokens the model read, padding excluded (texts only).
+    pub tokens: usize,
     /// Tokenising or decoding.
     pub prepare: Duration,
     /// Waiting for and running the model.
@@ -122,7 +124,7 @@ pub async fn run(
             scores: scores(output, labels.len(), *activation, options.raw_scores)?,
         },
     };
-    Ok(Outcome { rows, truncated, prepare, model: model_time })
+    Ok(Outcome { rows, truncated, tokens: lengths.iter().sum(), prepare, model: model_time })
 }
 
 /// `x-inferd-truncated: 0,3` when inputs were truncated, and `Server-Timing` with the time

@@ -9,6 +9,13 @@
 //!   of texts and pairs -> `[{"label", "score"}, ...]` best first, or a list of those for a
 //!   list input.
 //! - `/predict` (image): `{"image_b64": "<base64 PNG/JPEG>" | [...], "top_k": n}` -> the same.
+//! - `/similarity`: `{"inputs": {"source_sentence": "a", "sentences": ["b", ...]}}` -> cosine
+//!   similarities `[f32, ...]`.
+//! - `GET /info`, `POST /tokenize`, `POST /decode`: the default model and its tokenizer.
+//! - `POST /` and `POST /invocations` (SageMaker): `/embed` or `/predict`, by the default
+//!   model's task; `GET /ping` answers like `/v2/health/ready`.
+//!
+//! Errors carry TEI's `error_type` beside the message.
 
 use std::time::Instant;
 
@@ -17,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::http::{json_reply, ApiError, AppState, Reply};
 use crate::model::ModelMeta;
-use crate::pipeline::{ranked, Text};
+use crate::pipeline::{ranked, Head, Pipeline, Text, TextPipeline};
 use crate::tasks::{self, Options, PipelineInput, Rows};
 use inferd_config::model::Task;
 
@@ -161,6 +168,206 @@ pub async fn predict(
         .collect();
     let body = if listed { serde_json::to_vec(&lists) } else { serde_json::to_vec(&lists[0]) };
     let mut reply = json_reply(hyper::StatusCode::OK, body.expect("predictions serialise"));
+    tasks::annotate(&mut reply, &outcome);
+    Ok(reply)
+}
+
+/// text-embeddings-inference's error body: the message and its `error_type`.
+pub fn error_body(e: &ApiError) -> serde_json::Value {
+    let kind = match e {
+        ApiError::Overloaded(_) => "Overloaded",
+        ApiError::Internal(_) | ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => "Backend",
+        ApiError::BadRequest(m) if m.starts_with("input ") && m.ends_with(" is empty") => "Empty",
+        _ => "Validation",
+    };
+    serde_json::json!({"error": e.to_string(), "error_type": kind})
+}
+
+fn text_pipeline<'a>(meta: &'a ModelMeta, endpoint: &str) -> Result<&'a TextPipeline, ApiError> {
+    match &*meta.pipeline {
+        Pipeline::Text(p) => Ok(p),
+        _ => Err(ApiError::BadRequest(format!(
+            "{endpoint} needs a text model, but '{}' has no tokenizer",
+            meta.info.name
+        ))),
+    }
+}
+
+/// `GET /info`: what the default model is and the limits requests meet.
+pub fn info(state: &AppState, meta: &ModelMeta) -> Reply {
+    let model_type = match meta.pipeline.head() {
+        Some(Head::Embedding { pooling, .. }) => serde_json::json!({"embedding": {"pooling": pooling}}),
+        Some(Head::Classification { labels, .. }) => {
+            let id2label: serde_json::Map<String, serde_json::Value> =
+                labels.iter().enumerate().map(|(i, l)| (i.to_string(), l.clone().into())).collect();
+            let label2id: serde_json::Map<String, serde_json::Value> =
+                labels.iter().enumerate().map(|(i, l)| (l.clone(), i.into())).collect();
+            serde_json::json!({"classifier": {"id2label": id2label, "label2id": label2id}})
+        }
+        None => serde_json::json!({"raw": {}}),
+    };
+    let max_input_length = match &*meta.pipeline {
+        Pipeline::Text(p) => Some(p.max_length),
+        _ => None,
+    };
+    let body = serde_json::json!({
+        "model_id": meta.info.name,
+        "model_sha": meta.info.sha256,
+        "model_version": meta.info.version,
+        "model_dtype": "float32",
+        "model_type": model_type,
+        "max_input_length": max_input_length,
+        "max_batch_tokens": meta.batching.max_batch_tokens,
+        "max_batch_requests": meta.batching.max_batch_size,
+        "max_client_batch_size": state.max_batch_inputs,
+        "auto_truncate": false,
+        "tokenization_workers": 1,
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    json_reply(hyper::StatusCode::OK, serde_json::to_vec(&body).expect("json"))
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    inputs: TokenizeInputs,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// As TEI reads it: a text, or a list of texts; a pair is a list of two inside the list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenizeInputs {
+    One(String),
+    Many(Vec<Sequence>),
+}
+
+/// `POST /tokenize`: `[[{"id", "text", "special", "start", "stop"}, ...], ...]`, one list per
+/// input (a single text too), offsets in bytes of the text (of the second text for its tokens).
+pub fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+    let pipeline = text_pipeline(meta, "/tokenize")?;
+    let request: TokenizeRequest = parse(body)?;
+    let sequences = match request.inputs {
+        TokenizeInputs::One(text) => vec![Sequence::Single(text)],
+        TokenizeInputs::Many(list) => list,
+    };
+    if sequences.len() > state.max_batch_inputs {
+        return Err(ApiError::TooLarge(format!(
+            "{} inputs in one request; the limit is {} (server.max_batch_inputs)",
+            sequences.len(),
+            state.max_batch_inputs
+        )));
+    }
+    let lists = sequences
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let text = match s {
+                Sequence::Single(t) => Text::Single(t),
+                Sequence::Pair(a, b) => Text::Pair(a, b),
+            };
+            pipeline.tokenize(&text, request.add_special_tokens).map_err(|e| {
+                ApiError::BadRequest(format!("input {i}: {}", e.to_string().trim_start_matches("input 0: ")))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(json_reply(hyper::StatusCode::OK, serde_json::to_vec(&lists).expect("json")))
+}
+
+#[derive(Deserialize)]
+struct DecodeRequest {
+    ids: OneOrMany<IdsOrId>,
+    #[serde(default = "yes")]
+    skip_special_tokens: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum IdsOrId {
+    Id(u32),
+    Ids(Vec<u32>),
+}
+
+/// `POST /decode`: `{"ids": [..] | [[..], ..], "skip_special_tokens": true}` -> a list of texts.
+pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+    let pipeline = text_pipeline(meta, "/decode")?;
+    let request: DecodeRequest = parse(body)?;
+    // One list of ids, or a list of lists.
+    let lists: Vec<Vec<u32>> = match request.ids {
+        OneOrMany::One(IdsOrId::Ids(ids)) => vec![ids],
+        OneOrMany::One(IdsOrId::Id(id)) => vec![vec![id]],
+        OneOrMany::Many(items) if items.iter().all(|i| matches!(i, IdsOrId::Id(_))) => {
+            vec![items.into_iter().map(|i| if let IdsOrId::Id(id) = i { id } else { 0 }).collect()]
+        }
+        OneOrMany::Many(items) => items
+            .into_iter()
+            .map(|i| match i {
+                IdsOrId::Ids(ids) => Ok(ids),
+                IdsOrId::Id(_) => Err(ApiError::BadRequest("'ids' mixes token ids and lists of them".into())),
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    if lists.len() > state.max_batch_inputs {
+        return Err(ApiError::TooLarge(format!(
+            "{} inputs in one request; the limit is {}",
+            lists.len(),
+            state.max_batch_inputs
+        )));
+    }
+    let vocabulary = pipeline.vocabulary_size();
+    let texts = lists
+        .iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
+                return Err(ApiError::BadRequest(format!(
+                    "ids {i}: token id {bad} is not in the model's vocabulary of {vocabulary}"
+                )));
+            }
+            pipeline.decode(ids, request.skip_special_tokens).map_err(|e| ApiError::BadRequest(format!("ids {i}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(json_reply(hyper::StatusCode::OK, serde_json::to_vec(&texts).expect("json")))
+}
+
+#[derive(Deserialize)]
+struct SimilarityRequest {
+    inputs: SimilarityInputs,
+    #[serde(default)]
+    truncate: bool,
+}
+
+#[derive(Deserialize)]
+struct SimilarityInputs {
+    source_sentence: String,
+    sentences: Vec<String>,
+}
+
+/// `POST /similarity` (sentence-transformers' sentence similarity): the cosine similarity of
+/// `source_sentence` to each of `sentences`, in their order.
+pub async fn similarity(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
+    require(meta, Task::Embedding, "/similarity")?;
+    let request: SimilarityRequest = parse(body)?;
+    if request.inputs.sentences.is_empty() {
+        return Err(ApiError::BadRequest("'inputs.sentences' is an empty list".into()));
+    }
+    let texts =
+        std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
+    let options = Options { truncate: request.truncate, normalize: Some(true), raw_scores: false, deadline };
+    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
+    let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
+    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&scores).expect("floats serialise"));
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
 }

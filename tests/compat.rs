@@ -1,0 +1,168 @@
+//! The clients users already run work unchanged: OpenAI's `/v1/embeddings` (checked with the
+//! real `openai` package and huggingface_hub's InferenceClient, tests/clients/openai_check.py)
+//! and the rest of text-embeddings-inference's routes (`/info`, `/tokenize`, `/decode`,
+//! `/similarity`, `POST /`, SageMaker's `/invocations` and `/ping`), each mistake answered
+//! with a 4xx in the shape its protocol uses.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// The default model (minilm) and the classifier test model, two workers where there are two
+/// cores.
+fn server(tag: &str, default: &str) -> Server {
+    let model = repo().join("models/minilm/model.onnx");
+    assert!(model.is_file(), "{} is missing: run `make setup` (`make test` does it first)", model.display());
+    let dir = TempDir::new(tag);
+    let repository = dir.path().join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
+    std::os::unix::fs::symlink(test_models().join("classifier"), repository.join("classifier")).unwrap();
+    let other = if default == "minilm" { "classifier" } else { "minilm" };
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &repository, default, &[other], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
+    server
+}
+
+fn post(server: &Server, path: &str, body: Value) -> Response {
+    server.request("POST", path, &serde_json::to_vec(&body).unwrap())
+}
+
+#[test]
+fn the_openai_client_and_huggingface_hub_get_the_reference_embeddings() {
+    let python = repo().join(".venv/bin/python");
+    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
+    let server = server("openai-client", "minilm");
+    let out = std::process::Command::new(python)
+        .arg(repo().join("tests/clients/openai_check.py"))
+        .arg(server.addr.to_string())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "client check failed:\n{text}\nserver log:\n{}", server.log());
+    assert!(text.contains("all checks passed"), "{text}");
+    // Counted as embedding requests of the model that answered: the script's six answers and
+    // its two refusals.
+    let metrics = server.metrics_text();
+    for (code, n) in [(200, 6.0), (400, 2.0)] {
+        let line = format!("inferd_requests_total{{model=\"minilm\",endpoint=\"embed\",code=\"{code}\"}}");
+        assert_eq!(metric_value(&metrics, &line), Some(n), "{line} in:\n{metrics}");
+    }
+}
+
+#[test]
+fn openai_embeddings_name_each_mistake_in_openais_shape() {
+    let server = server("openai-errors", "minilm");
+    let cases = [
+        (json!({"model": "minilm"}), "missing 'input'"),
+        (json!({"input": [1, "a"]}), "'input' must be a text"),
+        (json!({"input": [[1, 2], "a"]}), "'input' must be a text"),
+        (json!({"input": [-1]}), "token ids are whole numbers"),
+        (json!({"input": [4_000_000_000u64]}), "not in the model's vocabulary"),
+        (json!({"input": "x", "encoding_format": "hex"}), "'encoding_format'"),
+        (json!({"input": "x", "dimensions": 0}), "'dimensions' must be a positive"),
+        (json!({"input": "x", "dimensions": 385}), "gives 384"),
+        (json!({"input": "x", "model": 3}), "'model' must be a string"),
+        (json!({"input": ""}), "is empty"),
+        (json!({"input": "x", "model": "classifier"}), "not an embedding model"),
+        (json!(["input"]), "must be a JSON object"),
+    ];
+    for (body, message) in cases {
+        let r = post(&server, "/v1/embeddings", body.clone());
+        assert_eq!(r.status, 400, "{body}: {}", String::from_utf8_lossy(&r.body));
+        let error = &r.json()["error"];
+        assert_eq!(error["type"], "invalid_request_error", "{body}: {error}");
+        assert!(error["message"].as_str().unwrap().contains(message), "{body}: {error} lacks {message:?}");
+    }
+    // A text over the model's limit is refused unless the request allows truncation.
+    let long = "word ".repeat(400);
+    assert_eq!(post(&server, "/v1/embeddings", json!({"input": long})).status, 413);
+    let r = post(&server, "/embeddings", json!({"input": long, "truncate": true, "encoding_format": "float"}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 256);
+    // None of it disturbed the pool.
+    assert!(server.status()["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0));
+}
+
+#[test]
+fn text_embeddings_inference_routes_answer_like_it() {
+    let server = server("tei-routes", "minilm");
+    let info = server.request("GET", "/info", b"");
+    assert_eq!(info.status, 200);
+    let info = info.json();
+    assert_eq!(info["model_id"], "minilm");
+    assert_eq!(info["max_input_length"], 256);
+    assert_eq!(info["model_type"]["embedding"]["pooling"], "mean");
+
+    // /tokenize: one list per input, special tokens marked, offsets into the text.
+    let tokens = post(&server, "/tokenize", json!({"inputs": "Hello world"})).json();
+    let ids: Vec<u64> = tokens[0].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, [101, 7592, 2088, 102]);
+    assert_eq!(tokens[0][0], json!({"id": 101, "text": "[CLS]", "special": true, "start": null, "stop": null}));
+    assert_eq!(tokens[0][2], json!({"id": 2088, "text": "world", "special": false, "start": 6, "stop": 11}));
+    let two = post(&server, "/tokenize", json!({"inputs": ["a", "b c"], "add_special_tokens": false})).json();
+    assert_eq!(two.as_array().unwrap().len(), 2);
+    assert_eq!(two[1].as_array().unwrap().len(), 2);
+    let pair = post(&server, "/tokenize", json!({"inputs": [["first", "second"]]})).json();
+    let texts: Vec<&str> = pair[0].as_array().unwrap().iter().map(|t| t["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["[CLS]", "first", "[SEP]", "second", "[SEP]"]);
+
+    // /decode: one text per list of ids.
+    assert_eq!(post(&server, "/decode", json!({"ids": [101, 7592, 2088, 102]})).json(), json!(["hello world"]));
+    let both = post(&server, "/decode", json!({"ids": [[7592], [2088, 102]], "skip_special_tokens": false})).json();
+    assert_eq!(both, json!(["hello", "world [SEP]"]));
+
+    // /similarity: a near-paraphrase scores above an unrelated sentence; the same text scores 1.
+    let inputs = json!({"source_sentence": "A cat sits on the mat",
+                        "sentences": ["A kitten rests on a rug", "Stock markets fell today", "A cat sits on the mat"]});
+    let scores = post(&server, "/similarity", json!({ "inputs": inputs })).json();
+    let scores: Vec<f64> = scores.as_array().unwrap().iter().map(|s| s.as_f64().unwrap()).collect();
+    assert!(scores[0] > scores[1] + 0.2, "{scores:?}");
+    assert!((scores[2] - 1.0).abs() < 1e-4, "{scores:?}");
+
+    // POST / and /invocations are /embed for an embedding model; /ping is readiness.
+    let embed = post(&server, "/embed", json!({"inputs": "route me"})).body;
+    assert_eq!(post(&server, "/", json!({"inputs": "route me"})).body, embed);
+    assert_eq!(post(&server, "/invocations", json!({"inputs": "route me"})).body, embed);
+    assert_eq!(server.request("GET", "/ping", b"").status, 200);
+
+    // Mistakes: a 4xx with TEI's error_type.
+    let cases = [
+        ("/tokenize", json!({"inputs": 5}), "Validation"),
+        ("/decode", json!({"ids": [99_999_999]}), "Validation"),
+        ("/decode", json!({"ids": [[1], 2]}), "Validation"),
+        ("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": []}}), "Validation"),
+        ("/embed", json!({"inputs": ""}), "Empty"),
+        ("/", json!({"texts": "a"}), "Validation"),
+    ];
+    for (path, body, kind) in cases {
+        let r = post(&server, path, body.clone());
+        assert_eq!(r.status, 400, "{path} {body}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error_type"], kind, "{path} {body}");
+        assert!(!r.error().is_empty());
+    }
+    assert_eq!(server.request("GET", "/tokenize", b"").status, 405);
+}
+
+#[test]
+fn post_root_follows_the_default_models_task() {
+    let server = server("tei-root-classifier", "classifier");
+    let predict = post(&server, "/predict", json!({"inputs": "what a lovely day"}));
+    assert_eq!(predict.status, 200);
+    assert_eq!(post(&server, "/invocations", json!({"inputs": "what a lovely day"})).body, predict.body);
+    let info = server.request("GET", "/info", b"").json();
+    assert!(info["model_type"]["classifier"]["id2label"]["0"].is_string(), "{info}");
+    // /v1/embeddings still reaches the embedding model when it is named.
+    let r = post(&server, "/v1/embeddings", json!({"input": "x", "model": "minilm"}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["model"], "minilm");
+    // The default model is not an embedding model: a name it does not load means it.
+    let r = post(&server, "/v1/embeddings", json!({"input": "x", "model": "text-embedding-3-small"}));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("not an embedding model"));
+}
