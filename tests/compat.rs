@@ -125,6 +125,22 @@ fn text_embeddings_inference_routes_answer_like_it() {
     assert!(scores[0] > scores[1] + 0.2, "{scores:?}");
     assert!((scores[2] - 1.0).abs() < 1e-4, "{scores:?}");
 
+    // /embed_all: every token's vector; their mean is the pooled embedding before
+    // normalisation (onnxruntime's, tests/fixtures/minilm_embed_reference.json).
+    let reference: Value =
+        serde_json::from_slice(&std::fs::read(repo().join("tests/fixtures/minilm_embed_reference.json")).unwrap())
+            .unwrap();
+    let case = &reference["cases"][0];
+    let all = post(&server, "/embed_all", json!({"inputs": [case["text"]]}));
+    assert_eq!(all.status, 200, "{}", String::from_utf8_lossy(&all.body));
+    let tokens = all.json()[0].as_array().unwrap().clone();
+    assert_eq!(tokens.len() as u64, case["tokens"].as_u64().unwrap());
+    let raw = case["embedding_raw"].as_array().unwrap();
+    for (d, expected) in raw.iter().enumerate() {
+        let mean = tokens.iter().map(|t| t[d].as_f64().unwrap()).sum::<f64>() / tokens.len() as f64;
+        assert!((mean - expected.as_f64().unwrap()).abs() < 1e-4, "dimension {d}: {mean} vs {expected}");
+    }
+
     // POST / and /invocations are /embed for an embedding model; /ping is readiness.
     let embed = post(&server, "/embed", json!({"inputs": "route me"})).body;
     assert_eq!(post(&server, "/", json!({"inputs": "route me"})).body, embed);
@@ -138,6 +154,7 @@ fn text_embeddings_inference_routes_answer_like_it() {
         ("/decode", json!({"ids": [[1], 2]}), "Validation"),
         ("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": []}}), "Validation"),
         ("/embed", json!({"inputs": ""}), "Empty"),
+        ("/embed_all", json!({"inputs": []}), "Validation"),
         ("/", json!({"texts": "a"}), "Validation"),
     ];
     for (path, body, kind) in cases {

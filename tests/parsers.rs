@@ -82,6 +82,7 @@ fn seeds() -> Vec<Case> {
         json_case("/tokenize", json!({"inputs": ["a", ["b", "c"]], "add_special_tokens": false})),
         json_case("/decode", json!({"ids": [[101, 7592], [2088]], "skip_special_tokens": true})),
         json_case("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}})),
+        json_case("/embed_all", json!({"inputs": ["a b", "c"], "truncate": true})),
     ]
 }
 

@@ -231,6 +231,7 @@ enum Route<'a> {
     Tokenize,
     Decode,
     Similarity,
+    EmbedAll,
     /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
     /// model's task.
     Invocations,
@@ -257,6 +258,7 @@ impl Route<'_> {
             | Route::Tokenize
             | Route::Decode
             | Route::Similarity
+            | Route::EmbedAll
             | Route::Invocations
             | Route::Ping => ErrorStyle::Tei,
             _ => ErrorStyle::V2,
@@ -284,6 +286,7 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["tokenize"] => Route::Tokenize,
         ["decode"] => Route::Decode,
         ["similarity"] => Route::Similarity,
+        ["embed_all"] => Route::EmbedAll,
         ["invocations"] | [""] => Route::Invocations,
         ["ping"] => Route::Ping,
         _ => return None,
@@ -303,6 +306,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         | Route::Tokenize
         | Route::Decode
         | Route::Similarity
+        | Route::EmbedAll
         | Route::Invocations => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
     };
@@ -370,6 +374,14 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             let work = async {
                 let body = read_body(state, request).await?;
                 tei::similarity(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
+            };
+            counted(state, 0, 1, work).await
+        }
+        Route::EmbedAll => {
+            let meta = &state.models[0];
+            let work = async {
+                let body = read_body(state, request).await?;
+                tei::embed_all(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, 0, 1, work).await
         }
@@ -699,6 +711,22 @@ fn pipeline_tensors(rows: &Rows) -> Vec<Tensor> {
                 name: "embedding".into(),
                 shape: vec![rows.len() as i64, dim as i64],
                 data: TensorData::F32(rows.concat()),
+            }]
+        }
+        Rows::Tokens(rows) => {
+            // Padded to the longest input (not asked for by any v2 route today).
+            let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+            let dim = rows.iter().flatten().next().map_or(0, Vec::len);
+            let mut data = vec![0f32; rows.len() * width * dim];
+            for (r, tokens) in rows.iter().enumerate() {
+                for (t, vector) in tokens.iter().enumerate() {
+                    data[(r * width + t) * dim..][..dim].copy_from_slice(vector);
+                }
+            }
+            vec![Tensor {
+                name: "token_embeddings".into(),
+                shape: vec![rows.len() as i64, width as i64, dim as i64],
+                data: TensorData::F32(data),
             }]
         }
         Rows::Scores { labels, scores } => {

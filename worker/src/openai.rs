@@ -108,7 +108,8 @@ pub async fn embeddings(
         )));
     };
     let (normalize, matryoshka) = (*normalize, *matryoshka);
-    let options = Options { truncate: request.truncate, normalize: Some(normalize), raw_scores: false, deadline };
+    let options =
+        Options { truncate: request.truncate, normalize: Some(normalize), raw_scores: false, tokens: false, deadline };
     let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(request.texts), options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     if let Some(wanted) = request.dimensions {

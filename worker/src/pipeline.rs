@@ -445,6 +445,32 @@ impl Head {
     }
 }
 
+/// The vector of every token of every row (`/embed_all`), padding left out: from a
+/// `[batch, sequence, dim]` output only.
+pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Vec<f32>>>, PipelineError> {
+    let TensorData::F32(values) = &output.data else {
+        return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
+    };
+    let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
+    let [b, s, d] = dims[..] else {
+        return Err(PipelineError::Output(format!(
+            "'{}' has shape {:?}: token embeddings need [batch, sequence, dim]",
+            output.name, output.shape
+        )));
+    };
+    if b != lengths.len() || d == 0 || b * s * d != values.len() {
+        return Err(PipelineError::Output(format!(
+            "'{}' has shape {:?} for {} values",
+            output.name,
+            output.shape,
+            values.len()
+        )));
+    }
+    Ok((0..b)
+        .map(|r| values[r * s * d..(r + 1) * s * d].chunks(d).take(lengths[r].min(s)).map(<[f32]>::to_vec).collect())
+        .collect())
+}
+
 /// Pools token vectors `[batch, sequence, dim]` (or passes `[batch, dim]` through), then
 /// L2-normalises when asked.
 pub fn embeddings(

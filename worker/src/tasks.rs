@@ -11,7 +11,7 @@ use hyper::Response;
 use crate::engine::Join;
 use crate::http::{ApiError, AppState};
 use crate::model::ModelMeta;
-use crate::pipeline::{embeddings, scores, Head, Pipeline, PipelineError, Text};
+use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
 
 pub enum PipelineInput {
     Texts(Vec<Text>),
@@ -27,13 +27,20 @@ pub struct Options {
     pub normalize: Option<bool>,
     /// Return logits instead of softmax/sigmoid scores.
     pub raw_scores: bool,
+    /// Embedding models: every token's vector instead of the pooled one (`/embed_all`).
+    pub tokens: bool,
     /// Drop the request if it is still waiting for the model at this instant.
     pub deadline: Option<Instant>,
 }
 
 pub enum Rows {
     Embeddings(Vec<Vec<f32>>),
-    Scores { labels: Vec<String>, scores: Vec<Vec<f32>> },
+    /// Per input, the vector of each of its tokens.
+    Tokens(Vec<Vec<Vec<f32>>>),
+    Scores {
+        labels: Vec<String>,
+        scores: Vec<Vec<f32>>,
+    },
 }
 
 pub struct Outcome {
@@ -116,6 +123,7 @@ pub async fn run(
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];
     let rows = match head {
+        Head::Embedding { .. } if options.tokens => Rows::Tokens(token_embeddings(output, &lengths)?),
         Head::Embedding { pooling, normalize, .. } => {
             Rows::Embeddings(embeddings(output, &lengths, *pooling, options.normalize.unwrap_or(*normalize))?)
         }

@@ -11,6 +11,7 @@
 //! - `/predict` (image): `{"image_b64": "<base64 PNG/JPEG>" | [...], "top_k": n}` -> the same.
 //! - `/similarity`: `{"inputs": {"source_sentence": "a", "sentences": ["b", ...]}}` -> cosine
 //!   similarities `[f32, ...]`.
+//! - `/embed_all`: the same body as `/embed` -> `[[[f32, ...], ...], ...]`, every token's vector.
 //! - `GET /info`, `POST /tokenize`, `POST /decode`: the default model and its tokenizer.
 //! - `POST /` and `POST /invocations` (SageMaker): `/embed` or `/predict`, by the default
 //!   model's task; `GET /ping` answers like `/v2/health/ready`.
@@ -112,9 +113,40 @@ pub async fn embed(
     let request: EmbedRequest = parse(body)?;
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, normalize: request.normalize, raw_scores: false, deadline };
+    let options = Options {
+        truncate: request.truncate,
+        normalize: request.normalize,
+        raw_scores: false,
+        tokens: false,
+        deadline,
+    };
     let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
+    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
+    tasks::annotate(&mut reply, &outcome);
+    Ok(reply)
+}
+
+/// `POST /embed_all`: `{"inputs": ..., "truncate": false}` -> per input, the vector of each of
+/// its tokens (special tokens included, padding left out), not pooled or normalised.
+pub async fn embed_all(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
+    require(meta, Task::Embedding, "/embed_all")?;
+    let request: EmbedRequest = parse(body)?;
+    let (texts, _) = request.inputs.into_vec();
+    let texts = texts.into_iter().map(Text::Single).collect();
+    let options = Options { truncate: request.truncate, tokens: true, deadline, ..Options::default() };
+    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
+        // A model whose output is pooled already has no token vectors to give.
+        ApiError::Internal(m) if m.contains("token embeddings need") => ApiError::BadRequest(m),
+        e => e,
+    })?;
+    let Rows::Tokens(rows) = &outcome.rows else { unreachable!("asked for token embeddings") };
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
@@ -157,7 +189,13 @@ pub async fn predict(
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("send either 'inputs' or 'image_b64', not both".into())),
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
-    let options = Options { truncate: request.truncate, normalize: None, raw_scores: request.raw_scores, deadline };
+    let options = Options {
+        truncate: request.truncate,
+        normalize: None,
+        raw_scores: request.raw_scores,
+        tokens: false,
+        deadline,
+    };
     let outcome = tasks::run(state, index, meta, input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
@@ -363,7 +401,8 @@ pub async fn similarity(
     }
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, normalize: Some(true), raw_scores: false, deadline };
+    let options =
+        Options { truncate: request.truncate, normalize: Some(true), raw_scores: false, tokens: false, deadline };
     let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
