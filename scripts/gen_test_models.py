@@ -40,6 +40,11 @@ classifier  task = "classification", a text model (tokenizer: the default
        fitted once (least squares, rounded to 2 decimals) so that the four
        CLASSIFIER_SENTENCES rank their labels in four different orders.
 
+reranker  task = "classification" with one label, "score" (sigmoid): a cross-encoder
+       for /rerank. The classifier's graph with the positive column of W alone
+       (logit = pooled @ W[:, 2:3] + b[2]) over the (query, text) pair, so a
+       text's score depends on the query and on the text.
+
 cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
          pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
          labels red, green, blue, gray (softmax).
@@ -227,7 +232,7 @@ def slow_model():
     return make_model(graph)
 
 
-def classifier_model():
+def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier"):
     text_dims = ["batch", "sequence"]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, text_dims),
@@ -235,7 +240,7 @@ def classifier_model():
         helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, text_dims),
     ]
     outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(CLASSIFIER_LABELS)])
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(b)])
     ]
     initializers = [
         const("rows_start", 0.0, np.float32),
@@ -247,8 +252,8 @@ def classifier_model():
         const("axis_2", [2], np.int64),
         const("min_count", 1e-9, np.float32),
         const("zero", 0.0, np.float32),
-        const("w", CLASSIFIER_W, np.float32),
-        const("b", CLASSIFIER_B, np.float32),
+        const("w", w, np.float32),
+        const("b", b, np.float32),
     ]
     nodes = [
         # table[r, j] = sin(r * freq[j]), shape [1000, 16].
@@ -276,7 +281,7 @@ def classifier_model():
         helper.make_node("MatMul", ["pooled", "w"], ["scores"], name="head_matmul"),
         helper.make_node("Add", ["scores", "b"], ["logits"], name="head_add"),
     ]
-    graph = helper.make_graph(nodes, "classifier", inputs, outputs, initializer=initializers)
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     return make_model(graph)
 
 
@@ -331,7 +336,17 @@ def cnn_model():
     return make_model(graph)
 
 
-MODELS = {"typed": typed_model, "slow": slow_model, "classifier": classifier_model, "cnn": cnn_model}
+def reranker_model():
+    return classifier_model([row[2:3] for row in CLASSIFIER_W], CLASSIFIER_B[2:3], "reranker")
+
+
+MODELS = {
+    "typed": typed_model,
+    "slow": slow_model,
+    "classifier": classifier_model,
+    "reranker": reranker_model,
+    "cnn": cnn_model,
+}
 
 
 def write_if_changed(path, data):
@@ -363,6 +378,20 @@ def pipeline_toml(name):
             f"[classification]\n"
             f"labels = {toml_list(CLASSIFIER_LABELS)}\n"
             f'activation = "softmax"\n'
+            f'output = "logits"\n'
+        )
+    if name == "reranker":
+        return (
+            f'task = "classification"\n'
+            f"\n"
+            f"[tokenizer]\n"
+            f"# Relative to this folder: the default model's tokenizer (scripts/setup.sh fetches it).\n"
+            f'file = "../../../models/minilm/tokenizer.json"\n'
+            f"max_length = 128\n"
+            f"\n"
+            f"[classification]\n"
+            f'labels = ["score"]\n'
+            f'activation = "sigmoid"\n'
             f'output = "logits"\n'
         )
     if name == "cnn":
@@ -544,7 +573,21 @@ def check_cnn(path):
     assert np.allclose(one[0], logits[0], rtol=1e-5, atol=1e-5)
 
 
-CHECKS = {"typed": check_typed, "slow": check_slow, "classifier": check_classifier, "cnn": check_cnn}
+def check_reranker(path):
+    sess = session(path)
+    rows = [[101, 7592, 102, 2088, 102], [101, 7592, 102, 3231, 1012, 102]]
+    (logits,) = sess.run(["logits"], text_feeds(rows))
+    assert logits.shape == (2, 1), logits.shape
+    assert logits[0, 0] != logits[1, 0], "the text does not change the score"
+
+
+CHECKS = {
+    "typed": check_typed,
+    "slow": check_slow,
+    "classifier": check_classifier,
+    "reranker": check_reranker,
+    "cnn": check_cnn,
+}
 
 
 def bench_slow(path):

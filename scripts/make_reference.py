@@ -64,6 +64,15 @@ FIXTURES = REPO / "tests" / "fixtures"
 OUT = FIXTURES / "minilm_reference.json"
 EMBED_OUT = FIXTURES / "minilm_embed_reference.json"
 CLASSIFIER_DIR = REPO / "tests" / "models" / "classifier"
+RERANKER_DIR = REPO / "tests" / "models" / "reranker"
+RERANKER_OUT = FIXTURES / "reranker_reference.json"
+RERANK_QUERY = "How do I serve a model on many cores?"
+RERANK_TEXTS = [
+    "Start one worker process per core and pin each to its own CPUs.",
+    "The weather was lovely on the first day of spring.",
+    "Models are served by workers",
+    "I absolutely love this, it works wonderfully!",
+]
 CLASSIFIER_OUT = FIXTURES / "classifier_reference.json"
 CNN_DIR = REPO / "tests" / "models" / "cnn"
 CNN_OUT = FIXTURES / "cnn_reference.json"
@@ -287,6 +296,23 @@ def write_classifier_reference():
         print(f"  {c['text']!r}: {' > '.join(c['ranking'])} ({probs})")
 
 
+def write_reranker_reference():
+    tok = text_tokenizer(MODEL_DIR / "tokenizer.json")
+    sess = session(RERANKER_DIR / "model.onnx")
+    cases = []
+    for text in RERANK_TEXTS:
+        encoding = tok.encode(RERANK_QUERY, text)
+        feeds = single_feeds(encoding.ids)
+        feeds["token_type_ids"] = np.asarray([encoding.type_ids], np.int64)
+        (logits,) = sess.run(["logits"], feeds)
+        logit = float(logits[0][0])
+        cases.append({"text": text, "logit": logit, "score": float(1 / (1 + np.exp(-logit)))})
+    scores = [c["score"] for c in cases]
+    assert len(set(scores)) == len(scores), f"two texts score alike: {scores}"
+    write_json(RERANKER_OUT, {"model": "reranker", "query": RERANK_QUERY, "cases": cases})
+    print(f"{RERANKER_OUT.relative_to(REPO)}: {len(cases)} texts, scores {', '.join(f'{s:.4f}' for s in scores)}")
+
+
 def cnn_input(path, resample):
     """What the server's image pipeline feeds the cnn model, computed with Pillow."""
     with Image.open(path) as im:
@@ -345,6 +371,7 @@ def main():
     write_minilm_reference()
     write_embed_reference()
     write_classifier_reference()
+    write_reranker_reference()
     write_cnn_reference()
     return 0
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-/// The default model (minilm) and the classifier test model, two workers where there are two
-/// cores.
+/// The default model (minilm), the classifier and the reranker test models, `default` first;
+/// two workers where there are two cores.
 fn server(tag: &str, default: &str) -> Server {
     let model = repo().join("models/minilm/model.onnx");
     assert!(model.is_file(), "{} is missing: run `make setup` (`make test` does it first)", model.display());
@@ -20,10 +20,12 @@ fn server(tag: &str, default: &str) -> Server {
     let repository = dir.path().join("repo");
     std::fs::create_dir_all(&repository).unwrap();
     std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
-    std::os::unix::fs::symlink(test_models().join("classifier"), repository.join("classifier")).unwrap();
-    let other = if default == "minilm" { "classifier" } else { "minilm" };
+    for name in ["classifier", "reranker"] {
+        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
+    }
+    let others: Vec<&str> = ["minilm", "classifier", "reranker"].into_iter().filter(|&m| m != default).collect();
     let port = free_port();
-    write_config(dir.path(), port, test_workers(), &repository, default, &[other], "");
+    write_config(dir.path(), port, test_workers(), &repository, default, &others, "");
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(120));
     server
@@ -182,4 +184,52 @@ fn post_root_follows_the_default_models_task() {
     let r = post(&server, "/v1/embeddings", json!({"input": "x", "model": "text-embedding-3-small"}));
     assert_eq!(r.status, 400);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("not an embedding model"));
+}
+
+#[test]
+fn rerank_orders_texts_as_onnxruntime_scores_them() {
+    let reference: Value =
+        serde_json::from_slice(&std::fs::read(repo().join("tests/fixtures/reranker_reference.json")).unwrap()).unwrap();
+    let cases = reference["cases"].as_array().unwrap();
+    let texts: Vec<&str> = cases.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    let query = &reference["query"];
+    let server = server("rerank", "reranker");
+    let r = post(&server, "/rerank", json!({"query": query, "texts": texts, "return_text": true}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let ranks = r.json();
+    let ranks = ranks.as_array().unwrap();
+    assert_eq!(ranks.len(), texts.len());
+    let mut previous = f64::INFINITY;
+    for rank in ranks {
+        let i = rank["index"].as_u64().unwrap() as usize;
+        let score = rank["score"].as_f64().unwrap();
+        assert!((score - cases[i]["score"].as_f64().unwrap()).abs() < 1e-4, "{rank} vs {}", cases[i]);
+        assert_eq!(rank["text"], cases[i]["text"]);
+        assert!(score <= previous, "not best first: {ranks:?}");
+        previous = score;
+    }
+    // raw_scores: the logits; without return_text no text; any model by name.
+    let raw = post(&server, "/v2/models/reranker/rerank", json!({"query": query, "texts": texts, "raw_scores": true}));
+    for rank in raw.json().as_array().unwrap() {
+        let i = rank["index"].as_u64().unwrap() as usize;
+        assert!((rank["score"].as_f64().unwrap() - cases[i]["logit"].as_f64().unwrap()).abs() < 1e-4, "{rank}");
+        assert!(rank.get("text").is_none(), "{rank}");
+    }
+    // Mistakes: the wrong kind of model, nothing to rank, a text over the limit.
+    let long = "word ".repeat(200);
+    let cases = [
+        ("/v2/models/classifier/rerank", json!({"query": "q", "texts": ["a"]}), 400, "one label"),
+        ("/v2/models/minilm/rerank", json!({"query": "q", "texts": ["a"]}), 400, "classification"),
+        ("/rerank", json!({"query": "q", "texts": []}), 400, "empty"),
+        ("/rerank", json!({"texts": ["a"]}), 400, "query"),
+        ("/rerank", json!({"query": "q", "texts": [long]}), 413, "truncate"),
+    ];
+    for (path, body, status, message) in cases {
+        let r = post(&server, path, body.clone());
+        assert_eq!(r.status, status, "{path} {body}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains(message), "{path}: {:?} lacks {message:?}", r.error());
+        assert_eq!(r.json()["error_type"], "Validation", "{path}");
+    }
+    let r = post(&server, "/rerank", json!({"query": "q", "texts": [long], "truncate": true}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
 }

@@ -83,6 +83,7 @@ fn seeds() -> Vec<Case> {
         json_case("/decode", json!({"ids": [[101, 7592], [2088]], "skip_special_tokens": true})),
         json_case("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}})),
         json_case("/embed_all", json!({"inputs": ["a b", "c"], "truncate": true})),
+        json_case("/v2/models/reranker/rerank", json!({"query": "q", "texts": ["a", "b c"], "return_text": true})),
     ]
 }
 
@@ -301,11 +302,11 @@ fn mutated_requests_get_a_4xx_with_a_message_never_a_5xx_a_panic_or_a_hang() {
     let repository = dir.path().join("repo");
     std::fs::create_dir_all(&repository).unwrap();
     std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
-    for name in ["typed", "classifier"] {
+    for name in ["typed", "classifier", "reranker"] {
         std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
     }
     let port = free_port();
-    write_config(dir.path(), port, test_workers(), &repository, "minilm", &["typed", "classifier"], "");
+    write_config(dir.path(), port, test_workers(), &repository, "minilm", &["typed", "classifier", "reranker"], "");
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(120));
 

@@ -182,7 +182,7 @@ pub async fn handle(
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         let model = match parse_route(&segments) {
             Some(Route::Model(m, _) | Route::ModelReady(m, _) | Route::Infer(m, _)) => m,
-            Some(Route::Embed(m) | Route::Predict(m)) => m.unwrap_or(&state.models[0].info.name),
+            Some(Route::Embed(m) | Route::Predict(m) | Route::Rerank(m)) => m.unwrap_or(&state.models[0].info.name),
             _ => "",
         };
         info!(
@@ -232,6 +232,7 @@ enum Route<'a> {
     Decode,
     Similarity,
     EmbedAll,
+    Rerank(Option<&'a str>),
     /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
     /// model's task.
     Invocations,
@@ -259,6 +260,7 @@ impl Route<'_> {
             | Route::Decode
             | Route::Similarity
             | Route::EmbedAll
+            | Route::Rerank(_)
             | Route::Invocations
             | Route::Ping => ErrorStyle::Tei,
             _ => ErrorStyle::V2,
@@ -287,6 +289,8 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["decode"] => Route::Decode,
         ["similarity"] => Route::Similarity,
         ["embed_all"] => Route::EmbedAll,
+        ["rerank"] => Route::Rerank(None),
+        ["v2", "models", name, "rerank"] => Route::Rerank(Some(name)),
         ["invocations"] | [""] => Route::Invocations,
         ["ping"] => Route::Ping,
         _ => return None,
@@ -307,6 +311,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         | Route::Decode
         | Route::Similarity
         | Route::EmbedAll
+        | Route::Rerank(_)
         | Route::Invocations => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
     };
@@ -376,6 +381,16 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 tei::similarity(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, 0, 1, work).await
+        }
+        Route::Rerank(name) => {
+            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
+            let row = found_index(&found);
+            let work = async {
+                let (index, meta) = found?;
+                let body = read_body(state, request).await?;
+                tei::rerank(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
+            };
+            counted(state, row, 2, work).await
         }
         Route::EmbedAll => {
             let meta = &state.models[0];

@@ -11,6 +11,9 @@
 //! - `/predict` (image): `{"image_b64": "<base64 PNG/JPEG>" | [...], "top_k": n}` -> the same.
 //! - `/similarity`: `{"inputs": {"source_sentence": "a", "sentences": ["b", ...]}}` -> cosine
 //!   similarities `[f32, ...]`.
+//! - `/rerank` (cross-encoders: a classification model with one label): `{"query": "q",
+//!   "texts": [...], "raw_scores", "return_text", "truncate"}` -> `[{"index", "score"}, ...]`
+//!   best first.
 //! - `/embed_all`: the same body as `/embed` -> `[[[f32, ...], ...], ...]`, every token's vector.
 //! - `GET /info`, `POST /tokenize`, `POST /decode`: the default model and its tokenizer.
 //! - `POST /` and `POST /invocations` (SageMaker): `/embed` or `/predict`, by the default
@@ -206,6 +209,73 @@ pub async fn predict(
         .collect();
     let body = if listed { serde_json::to_vec(&lists) } else { serde_json::to_vec(&lists[0]) };
     let mut reply = json_reply(hyper::StatusCode::OK, body.expect("predictions serialise"));
+    tasks::annotate(&mut reply, &outcome);
+    Ok(reply)
+}
+
+#[derive(Deserialize)]
+struct RerankRequest {
+    query: String,
+    texts: Vec<String>,
+    #[serde(default)]
+    truncate: bool,
+    #[serde(default)]
+    raw_scores: bool,
+    #[serde(default)]
+    return_text: bool,
+}
+
+#[derive(Serialize)]
+struct Rank {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<String>,
+    score: f32,
+}
+
+/// `POST /rerank`: `{"query": "q", "texts": ["a", ...], "raw_scores": false, "return_text":
+/// false, "truncate": false}` -> `[{"index", "score"[, "text"]}, ...]`, best first. The model
+/// is a cross-encoder: a classification model with one label, run on each (query, text) pair;
+/// the score is the sigmoid of its logit (the logit with `raw_scores`).
+pub async fn rerank(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
+    require(meta, Task::Classification, "/rerank")?;
+    if let Some(Head::Classification { labels, .. }) = meta.pipeline.head() {
+        if labels.len() != 1 {
+            return Err(ApiError::BadRequest(format!(
+                "/rerank needs a cross-encoder (a classification model with one label), but '{}' has {} labels",
+                meta.info.name,
+                labels.len()
+            )));
+        }
+    }
+    let request: RerankRequest = parse(body)?;
+    if request.texts.is_empty() {
+        return Err(ApiError::BadRequest("'texts' is an empty list".into()));
+    }
+    let pairs = request.texts.iter().map(|t| Text::Pair(request.query.clone(), t.clone())).collect();
+    let options = Options { truncate: request.truncate, raw_scores: true, deadline, ..Options::default() };
+    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(pairs), options).await?;
+    let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
+    let mut ranks: Vec<Rank> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, row)| {
+            let logit = row.first().copied().unwrap_or(f32::NAN);
+            Rank {
+                index: i,
+                text: request.return_text.then(|| request.texts[i].clone()),
+                score: if request.raw_scores { logit } else { 1.0 / (1.0 + (-logit).exp()) },
+            }
+        })
+        .collect();
+    ranks.sort_by(|a, b| b.score.total_cmp(&a.score));
+    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&ranks).expect("ranks serialise"));
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
 }
