@@ -48,10 +48,10 @@ fn the_openai_client_and_huggingface_hub_get_the_reference_embeddings() {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "client check failed:\n{text}\nserver log:\n{}", server.log());
     assert!(text.contains("all checks passed"), "{text}");
-    // Counted as embedding requests of the model that answered: the script's six answers and
-    // its two refusals.
+    // Counted as embedding requests of the model that answered: the script's eight answers
+    // (five from openai, two from LangChain, one from huggingface_hub) and its two refusals.
     let metrics = server.metrics_text();
-    for (code, n) in [(200, 6.0), (400, 2.0)] {
+    for (code, n) in [(200, 8.0), (400, 2.0)] {
         let line = format!("inferd_requests_total{{model=\"minilm\",endpoint=\"embed\",code=\"{code}\"}}");
         assert_eq!(metric_value(&metrics, &line), Some(n), "{line} in:\n{metrics}");
     }
@@ -154,6 +154,7 @@ fn text_embeddings_inference_routes_answer_like_it() {
         ("/tokenize", json!({"inputs": 5}), "Validation"),
         ("/decode", json!({"ids": [99_999_999]}), "Validation"),
         ("/decode", json!({"ids": [[1], 2]}), "Validation"),
+        ("/decode", json!({"ids": []}), "Validation"),
         ("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": []}}), "Validation"),
         ("/embed", json!({"inputs": ""}), "Empty"),
         ("/embed_all", json!({"inputs": []}), "Validation"),

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks a running inferd serving the default model (minilm) with the clients users already
-run: the `openai` package (`/v1/embeddings`) and huggingface_hub's InferenceClient (TEI's
-`POST /`), against tests/fixtures/minilm_embed_reference.json (onnxruntime in Python).
+run: the `openai` package and LangChain's OpenAIEmbeddings (`/v1/embeddings`) and
+huggingface_hub's InferenceClient (TEI's `POST /`), against
+tests/fixtures/minilm_embed_reference.json (onnxruntime in Python).
 
     .venv/bin/python tests/clients/openai_check.py 127.0.0.1:8123
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import openai
 from huggingface_hub import InferenceClient
+from langchain_openai import OpenAIEmbeddings
 
 ROOT = Path(__file__).resolve().parents[2]
 reference = json.loads((ROOT / "tests/fixtures/minilm_embed_reference.json").read_text())
@@ -69,6 +71,13 @@ try:
     check("empty input", False, "no error")
 except openai.BadRequestError as e:
     check("empty input: message", "empty" in str(e), str(e))
+
+# LangChain, as it is configured for a server that is not OpenAI's: texts, not tiktoken ids
+# of OpenAI's vocabulary (check_embedding_ctx_length=False).
+chain = OpenAIEmbeddings(base_url=f"http://{addr}/v1", api_key="unused", model="minilm", check_embedding_ctx_length=False)
+documents = chain.embed_documents(texts)
+check("LangChain embed_documents", len(documents) == len(texts) and all(close(d, e) for d, e in zip(documents, expected)))
+check("LangChain embed_query", close(chain.embed_query(texts[0]), expected[0]))
 
 # huggingface_hub's client posts TEI's body to the server's root.
 hub = InferenceClient(model=f"http://{addr}")

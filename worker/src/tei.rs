@@ -408,16 +408,23 @@ pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, 
     let lists: Vec<Vec<u32>> = match request.ids {
         OneOrMany::One(IdsOrId::Ids(ids)) => vec![ids],
         OneOrMany::One(IdsOrId::Id(id)) => vec![vec![id]],
-        OneOrMany::Many(items) if items.iter().all(|i| matches!(i, IdsOrId::Id(_))) => {
-            vec![items.into_iter().map(|i| if let IdsOrId::Id(id) = i { id } else { 0 }).collect()]
+        OneOrMany::Many(items) => {
+            let (ids, lists): (Vec<_>, Vec<_>) = items.into_iter().partition(|i| matches!(i, IdsOrId::Id(_)));
+            let unwrap = |items: Vec<IdsOrId>| -> Vec<Vec<u32>> {
+                items
+                    .into_iter()
+                    .map(|i| match i {
+                        IdsOrId::Id(id) => vec![id],
+                        IdsOrId::Ids(ids) => ids,
+                    })
+                    .collect()
+            };
+            match (ids.is_empty(), lists.is_empty()) {
+                (false, false) => return Err(ApiError::BadRequest("'ids' mixes token ids and lists of them".into())),
+                (false, true) => vec![unwrap(ids).concat()],
+                _ => unwrap(lists),
+            }
         }
-        OneOrMany::Many(items) => items
-            .into_iter()
-            .map(|i| match i {
-                IdsOrId::Ids(ids) => Ok(ids),
-                IdsOrId::Id(_) => Err(ApiError::BadRequest("'ids' mixes token ids and lists of them".into())),
-            })
-            .collect::<Result<_, _>>()?,
     };
     if lists.len() > state.max_batch_inputs {
         return Err(ApiError::TooLarge(format!(
@@ -431,6 +438,9 @@ pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, 
         .iter()
         .enumerate()
         .map(|(i, ids)| {
+            if ids.is_empty() {
+                return Err(ApiError::BadRequest(format!("ids {i} is an empty list")));
+            }
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
                 return Err(ApiError::BadRequest(format!(
                     "ids {i}: token id {bad} is not in the model's vocabulary of {vocabulary}"
