@@ -3,9 +3,11 @@
 //! INFERD_FAULT_SEED=N replays it; INFERD_FAULT_STEPS=N runs longer (default 12).
 //!
 //! Steps: a rolling reload (`inferd reload --wait`), a reload to a corrupt model (refused,
-//! nothing changes), SIGHUP, scale +1 / -1, SIGKILL of a worker, concurrent control clients.
-//! Keep-alive clients load the pool throughout, and workers are recycled after max_requests;
-//! the load pauses only around a SIGKILL, whose requests in flight would fail by design.
+//! nothing changes), SIGHUP, scale +1 / -1, SIGKILL of a worker, SIGSTOP of a worker (stuck:
+//! the supervisor must notice its silent model thread, kill and replace it), concurrent
+//! control clients. Keep-alive clients load the pool throughout, and workers are recycled
+//! after max_requests; the load pauses only around a SIGKILL or SIGSTOP, whose requests in
+//! flight would fail by design.
 //! After each step, within a bound: the supervisor is alive; the pool is ready with the
 //! intended number of workers, each alive, and no other worker process of the supervisor
 //! exists; with the load paused, nothing is in flight; the Prometheus request total equals the
@@ -198,7 +200,9 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let max_workers = test_workers();
     let dir = TempDir::new("faults");
     let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "max_requests = 25\nmax_requests_jitter = 10");
+    // request_timeout_secs: a worker whose model thread is silent this long is stuck.
+    let extra = "max_requests = 25\nmax_requests_jitter = 10\nrequest_timeout_secs = 5";
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], extra);
     let corrupt = dir.path().join("corrupt.onnx");
     std::fs::write(&corrupt, b"this is not an ONNX model").unwrap();
     let mut server = Server::start(dir, port, &[]);
@@ -209,7 +213,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let bound = Duration::from_secs(60);
     let mut done = Vec::new();
     for step in 0..steps {
-        let action = rng.below(7);
+        let action = rng.below(8);
         let name = match action {
             0 => {
                 let (ok, said) = control(&server, &["reload", "--wait"]);
@@ -244,7 +248,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
                 workers -= 1;
                 "scale -1"
             }
-            5 => {
+            5 | 6 => {
                 // Its requests in flight would fail by design: the clients pause first.
                 load.pause();
                 // A worker killed within a second of its start counts as crash-looping and
@@ -261,7 +265,10 @@ fn random_fault_sequences_keep_the_pool_whole() {
                     std::thread::sleep(Duration::from_millis(50));
                 };
                 let victim = pids[rng.below(pids.len() as u64) as usize];
-                nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), Signal::SIGKILL).unwrap();
+                // SIGSTOP: the supervisor sees the model thread's beat stop, then SIGABRTs and
+                // SIGKILLs it (request_timeout_secs = 5 above).
+                let signal = if action == 5 { Signal::SIGKILL } else { Signal::SIGSTOP };
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), signal).unwrap();
                 let deadline = Instant::now() + bound;
                 while process_exists(victim) {
                     assert!(Instant::now() < deadline, "seed {seed} step {step}: the killed worker is still there");
@@ -274,7 +281,11 @@ fn random_fault_sequences_keep_the_pool_whole() {
                     assert!(Instant::now() < deadline, "seed {seed} step {step}: the dead worker is still listed");
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                "SIGKILL of a worker"
+                if action == 5 {
+                    "SIGKILL of a worker"
+                } else {
+                    "SIGSTOP of a worker"
+                }
             }
             _ => {
                 let socket = server.socket.clone();
@@ -305,7 +316,12 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let answered = load.answered.load(Ordering::SeqCst);
     load.finish();
     let recycled = metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}");
+    let mut kinds = std::collections::BTreeMap::new();
+    for name in &done {
+        *kinds.entry(*name).or_insert(0) += 1;
+    }
     eprintln!(
-        "seed {seed}: {steps} steps, 0 invariant violations, {answered} requests answered, recycled for max_requests: {recycled:?}"
+        "seed {seed}: {steps} steps {kinds:?}, 0 invariant violations, {answered} requests answered, recycled for \
+         max_requests: {recycled:?}"
     );
 }
