@@ -45,7 +45,7 @@ pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
         Some(Value::String(name)) => Some(name.clone()),
         Some(_) => return Err(bad("'model' must be a string".into())),
     };
-    let base64 = match fields.get("encoding_format").and_then(|v| if v.is_null() { None } else { Some(v) }) {
+    let base64 = match fields.get("encoding_format").filter(|v| !v.is_null()) {
         None => false,
         Some(Value::String(f)) if f == "float" => false,
         Some(Value::String(f)) if f == "base64" => true,
