@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 
 use crate::http::{json_reply, ApiError, AppState, Reply};
 use crate::model::ModelMeta;
-use crate::pipeline::{Head, Text};
+use crate::pipeline::{l2_normalize, Head, Text};
 use crate::tasks::{self, Options, PipelineInput, Rows};
 
 /// The request, checked field by field so that each mistake names its field.
@@ -130,8 +130,7 @@ pub async fn embeddings(
         for row in rows.iter_mut() {
             row.truncate(wanted);
             if normalize {
-                let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-                row.iter_mut().for_each(|x| *x /= norm);
+                l2_normalize(row);
             }
         }
     }

@@ -289,13 +289,7 @@ impl TextPipeline {
         if ids.is_empty() {
             return Err(PipelineError::Empty { index });
         }
-        let vocabulary = self.plain.get_vocab_size(true);
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
-            return Err(PipelineError::Tokenizer {
-                index,
-                message: format!("token id {bad} is not in the model's vocabulary of {vocabulary}"),
-            });
-        }
+        self.known_ids(index, ids)?;
         if ids.len() > self.max_length && !truncate {
             return Err(PipelineError::TooLong { index, tokens: ids.len(), max: self.max_length });
         }
@@ -304,18 +298,31 @@ impl TextPipeline {
         Ok((Encoding::from_tokens(tokens, 0), kept.len() < ids.len()))
     }
 
-    /// The tokens of one text as the model sees them (`/tokenize`): id, text, whether special,
-    /// and byte offsets into the text.
-    pub fn tokenize(&self, text: &Text, add_special_tokens: bool) -> Result<Vec<Piece>, PipelineError> {
-        let (input, source): (EncodeInput, String) = match text {
-            Text::Single(s) => (s.as_str().into(), s.clone()),
-            Text::Pair(a, b) => ((a.as_str(), b.as_str()).into(), a.clone()),
-            Text::Ids(_) => return Err(PipelineError::Tokenizer { index: 0, message: "already token ids".into() }),
+    /// Every id within the vocabulary (an id past it would index the model's embedding table
+    /// out of bounds).
+    fn known_ids(&self, index: usize, ids: &[u32]) -> Result<(), PipelineError> {
+        let vocabulary = self.plain.get_vocab_size(true);
+        match ids.iter().find(|&&id| id as usize >= vocabulary) {
+            Some(bad) => Err(PipelineError::Tokenizer {
+                index,
+                message: format!("token id {bad} is not in the model's vocabulary of {vocabulary}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The tokens of input `index` as the model sees them (`/tokenize`): id, text, whether
+    /// special, and byte offsets into the text.
+    pub fn tokenize(&self, index: usize, text: &Text, add_special_tokens: bool) -> Result<Vec<Piece>, PipelineError> {
+        let (input, source): (EncodeInput, &str) = match text {
+            Text::Single(s) => (s.as_str().into(), s),
+            Text::Pair(a, b) => ((a.as_str(), b.as_str()).into(), a),
+            Text::Ids(_) => return Err(PipelineError::Tokenizer { index, message: "already token ids".into() }),
         };
         let encoding = self
             .plain
             .encode(input, add_special_tokens)
-            .map_err(|e| PipelineError::Tokenizer { index: 0, message: e.to_string() })?;
+            .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
         let pieces = (0..encoding.len())
             .map(|i| {
                 let (start, stop) = encoding.get_offsets()[i];
@@ -339,15 +346,12 @@ impl TextPipeline {
         Ok(pieces)
     }
 
-    /// Token ids back to text (`/decode`).
-    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, PipelineError> {
+    /// Input `index`'s token ids back to text (`/decode`).
+    pub fn decode(&self, index: usize, ids: &[u32], skip_special_tokens: bool) -> Result<String, PipelineError> {
+        self.known_ids(index, ids)?;
         self.plain
             .decode(ids, skip_special_tokens)
-            .map_err(|e| PipelineError::Tokenizer { index: 0, message: e.to_string() })
-    }
-
-    pub fn vocabulary_size(&self) -> usize {
-        self.plain.get_vocab_size(true)
+            .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })
     }
 }
 
@@ -445,6 +449,12 @@ impl Head {
     }
 }
 
+/// Scales `row` to unit length (a zero vector stays zero).
+pub fn l2_normalize(row: &mut [f32]) {
+    let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    row.iter_mut().for_each(|x| *x /= norm);
+}
+
 /// The vector of every token of every row (`/embed_all`), padding left out: from a
 /// `[batch, sequence, dim]` output only.
 pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Vec<f32>>>, PipelineError> {
@@ -512,10 +522,7 @@ pub fn embeddings(
         _ => return Err(PipelineError::Output(format!("'{}' has shape {:?}", output.name, output.shape))),
     };
     if normalize {
-        for row in &mut rows {
-            let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-            row.iter_mut().for_each(|x| *x /= norm);
-        }
+        rows.iter_mut().for_each(|row| l2_normalize(row));
     }
     Ok(rows)
 }

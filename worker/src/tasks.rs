@@ -65,6 +65,17 @@ impl From<PipelineError> for ApiError {
     }
 }
 
+/// Refuses a request with more inputs than `server.max_batch_inputs` (413).
+pub fn within_limit(state: &AppState, count: usize) -> Result<(), ApiError> {
+    match count > state.max_batch_inputs {
+        true => Err(ApiError::TooLarge(format!(
+            "{count} inputs in one request; the limit is {} (server.max_batch_inputs)",
+            state.max_batch_inputs
+        ))),
+        false => Ok(()),
+    }
+}
+
 pub async fn run(
     state: &AppState,
     index: usize,
@@ -79,12 +90,7 @@ pub async fn run(
     if count == 0 {
         return Err(ApiError::BadRequest("no inputs".into()));
     }
-    if count > state.max_batch_inputs {
-        return Err(ApiError::TooLarge(format!(
-            "{count} inputs in one request; the limit is {} (server.max_batch_inputs)",
-            state.max_batch_inputs
-        )));
-    }
+    within_limit(state, count)?;
     let model = &meta.info.name;
     let started = Instant::now();
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {

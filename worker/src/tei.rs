@@ -64,6 +64,15 @@ enum Sequence {
     Pair(String, String),
 }
 
+impl From<Sequence> for Text {
+    fn from(s: Sequence) -> Text {
+        match s {
+            Sequence::Single(t) => Text::Single(t),
+            Sequence::Pair(a, b) => Text::Pair(a, b),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct PredictRequest {
     #[serde(default)]
@@ -167,13 +176,7 @@ pub async fn predict(
     let (input, listed) = match (request.inputs, request.image_b64) {
         (Some(inputs), None) => {
             let (seqs, listed) = inputs.into_vec();
-            let texts = seqs
-                .into_iter()
-                .map(|s| match s {
-                    Sequence::Single(t) => Text::Single(t),
-                    Sequence::Pair(a, b) => Text::Pair(a, b),
-                })
-                .collect();
+            let texts = seqs.into_iter().map(Text::from).collect();
             (PipelineInput::Texts(texts), listed)
         }
         (None, Some(images)) => {
@@ -363,25 +366,11 @@ pub fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply
         TokenizeInputs::One(text) => vec![Sequence::Single(text)],
         TokenizeInputs::Many(list) => list,
     };
-    if sequences.len() > state.max_batch_inputs {
-        return Err(ApiError::TooLarge(format!(
-            "{} inputs in one request; the limit is {} (server.max_batch_inputs)",
-            sequences.len(),
-            state.max_batch_inputs
-        )));
-    }
+    tasks::within_limit(state, sequences.len())?;
     let lists = sequences
         .into_iter()
         .enumerate()
-        .map(|(i, s)| {
-            let text = match s {
-                Sequence::Single(t) => Text::Single(t),
-                Sequence::Pair(a, b) => Text::Pair(a, b),
-            };
-            pipeline.tokenize(&text, request.add_special_tokens).map_err(|e| {
-                ApiError::BadRequest(format!("input {i}: {}", e.to_string().trim_start_matches("input 0: ")))
-            })
-        })
+        .map(|(i, s)| pipeline.tokenize(i, &Text::from(s), request.add_special_tokens))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(json_reply(hyper::StatusCode::OK, serde_json::to_vec(&lists).expect("json")))
 }
@@ -426,27 +415,13 @@ pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, 
             }
         }
     };
-    if lists.len() > state.max_batch_inputs {
-        return Err(ApiError::TooLarge(format!(
-            "{} inputs in one request; the limit is {}",
-            lists.len(),
-            state.max_batch_inputs
-        )));
-    }
-    let vocabulary = pipeline.vocabulary_size();
+    tasks::within_limit(state, lists.len())?;
     let texts = lists
         .iter()
         .enumerate()
-        .map(|(i, ids)| {
-            if ids.is_empty() {
-                return Err(ApiError::BadRequest(format!("ids {i} is an empty list")));
-            }
-            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocabulary) {
-                return Err(ApiError::BadRequest(format!(
-                    "ids {i}: token id {bad} is not in the model's vocabulary of {vocabulary}"
-                )));
-            }
-            pipeline.decode(ids, request.skip_special_tokens).map_err(|e| ApiError::BadRequest(format!("ids {i}: {e}")))
+        .map(|(i, ids)| match ids.is_empty() {
+            true => Err(ApiError::BadRequest(format!("ids {i} is an empty list"))),
+            false => Ok(pipeline.decode(i, ids, request.skip_special_tokens)?),
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(json_reply(hyper::StatusCode::OK, serde_json::to_vec(&texts).expect("json")))
