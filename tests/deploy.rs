@@ -13,7 +13,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -45,15 +45,6 @@ fn venv_bin(tool: &str) -> PathBuf {
         path.display()
     );
     path
-}
-
-/// A system tool that scripts/test-deps.sh installs.
-fn system_bin(tool: &str, package: &str) -> PathBuf {
-    std::env::var_os("PATH")
-        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(tool)).find(|p| p.is_file()))
-        .unwrap_or_else(|| {
-            panic!("no `{tool}` on PATH: `make test` installs it (scripts/test-deps.sh, Debian package {package})")
-        })
 }
 
 /// Runs a command to its end: (success, stdout + stderr).
@@ -578,60 +569,13 @@ fn exported_series(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// A Prometheus server (Debian's package) scraping `target` every second; killed on drop.
-struct Prometheus {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Prometheus {
-    fn start(dir: &Path, target: SocketAddr) -> Prometheus {
-        let binary = system_bin("prometheus", "prometheus");
-        let config = dir.join("prometheus.yml");
-        let scrape = format!(
-            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: inferd\n    static_configs:\n      - targets: ['{target}']\n"
-        );
-        std::fs::write(&config, scrape).unwrap();
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let child = Command::new(binary)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
-            .arg(format!("--web.listen-address={addr}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start prometheus");
-        Prometheus { child, addr }
-    }
-
-    /// The query API's answer: Ok(Some(series in the result)), Ok(None) while the server does
-    /// not answer yet, or Err(what Prometheus said against the query).
-    fn query(&self, promql: &str) -> Result<Option<usize>, String> {
-        let encoded: String = promql
-            .bytes()
-            .map(|b| {
-                if b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
-                    (b as char).to_string()
-                } else {
-                    format!("%{b:02X}")
-                }
-            })
-            .collect();
-        let Ok(r) = request(self.addr, "GET", &format!("/api/v1/query?query={encoded}"), &[], b"") else {
-            return Ok(None);
-        };
-        let Ok(v) = serde_json::from_slice::<Value>(&r.body) else { return Ok(None) };
-        match v["status"].as_str() {
-            Some("success") => Ok(Some(v["data"]["result"].as_array().map_or(1, Vec::len))),
-            _ => Err(format!("{}: {}", v["errorType"], v["error"])),
-        }
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// The query API's answer: Ok(Some(series in the result)), Ok(None) while the server does
+/// not answer yet, or Err(what Prometheus said against the query).
+fn series(prom: &Prometheus, promql: &str) -> Result<Option<usize>, String> {
+    let Some(v) = prom.query(promql) else { return Ok(None) };
+    match v["status"].as_str() {
+        Some("success") => Ok(Some(v["data"]["result"].as_array().map_or(1, Vec::len))),
+        _ => Err(format!("{}: {}", v["errorType"], v["error"])),
     }
 }
 
@@ -704,7 +648,7 @@ fn dashboard_alerts_and_adapter_use_only_metrics_a_live_inferd_exports() {
         let answers: Vec<(&String, &String, Option<usize>)> = queries
             .iter()
             .map(|(place, q)| {
-                (place, q, prom.query(q).unwrap_or_else(|e| panic!("Prometheus refuses {place}: {e}\n{q}")))
+                (place, q, series(&prom, q).unwrap_or_else(|e| panic!("Prometheus refuses {place}: {e}\n{q}")))
             })
             .collect();
         let panels_without_data: BTreeSet<&str> = answers

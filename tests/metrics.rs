@@ -4,66 +4,13 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::Value;
-
-struct Prometheus {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn prometheus(dir: &std::path::Path, target: SocketAddr) -> Prometheus {
-    let binary = std::env::var_os("PATH")
-        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join("prometheus")).find(|p| p.is_file()))
-        .expect("no `prometheus` on PATH: `make test` installs it (scripts/test-deps.sh)");
-    let config = dir.join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: inferd\n    static_configs:\n      - targets: ['{target}']\n"),
-    )
-    .unwrap();
-    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let child = Command::new(binary)
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
-        .arg(format!("--web.listen-address={addr}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start prometheus");
-    Prometheus { child, addr }
-}
-
-/// Percent-encodes a PromQL query for a URL.
-fn encode(query: &str) -> String {
-    query
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
 
 /// The value of a scalar-ish PromQL query, if Prometheus has one yet.
 fn query(p: &Prometheus, promql: &str) -> Option<f64> {
-    let r = request(p.addr, "GET", &format!("/api/v1/query?query={}", encode(promql)), &[], b"").ok()?;
-    let v: Value = serde_json::from_slice(&r.body).ok()?;
-    v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+    p.query(promql)?["data"]["result"][0]["value"][1].as_str()?.parse().ok()
 }
 
 fn wait_for(p: &Prometheus, promql: &str, want: f64) {
@@ -87,7 +34,7 @@ fn prometheus_counts_every_request_across_a_worker_sigkill() {
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     let prom_dir = TempDir::new("prometheus");
-    let prom = prometheus(prom_dir.path(), server.admin_addr());
+    let prom = Prometheus::start(prom_dir.path(), server.admin_addr());
 
     let send = |server: &Server, good_n: usize, bad_n: usize| {
         for _ in 0..good_n {

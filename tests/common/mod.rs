@@ -355,3 +355,61 @@ pub fn process_exists(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// The path of `tool` on PATH; panics naming the Debian package `make test` installs it from
+/// (scripts/test-deps.sh).
+pub fn system_bin(tool: &str, package: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(tool)).find(|p| p.is_file()))
+        .unwrap_or_else(|| {
+            panic!("no `{tool}` on PATH: `make test` installs it (scripts/test-deps.sh, Debian package {package})")
+        })
+}
+
+/// A real Prometheus server (Debian's package) on loopback, scraping `target` every second;
+/// killed on drop.
+pub struct Prometheus {
+    child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Prometheus {
+    pub fn start(dir: &Path, target: SocketAddr) -> Prometheus {
+        let binary = system_bin("prometheus", "prometheus");
+        let config = dir.join("prometheus.yml");
+        let scrape = format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: inferd\n    static_configs:\n      - targets: ['{target}']\n"
+        );
+        std::fs::write(&config, scrape).unwrap();
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus");
+        Prometheus { child, addr }
+    }
+
+    /// The query API's JSON answer to `promql`, None while the server does not answer.
+    pub fn query(&self, promql: &str) -> Option<serde_json::Value> {
+        let encoded: String = promql
+            .bytes()
+            .map(|b| match b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
+                true => (b as char).to_string(),
+                false => format!("%{b:02X}"),
+            })
+            .collect();
+        let r = request(self.addr, "GET", &format!("/api/v1/query?query={encoded}"), &[], b"").ok()?;
+        serde_json::from_slice(&r.body).ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
