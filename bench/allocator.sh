@@ -39,19 +39,7 @@ pss_mib() { pool_pss "$1" | cut -d' ' -f1; }
 for round in $(seq 1 "$ROUNDS"); do
     for choice in "${CHOICES[@]}"; do
         IFS='|' read -r name allocator tunables <<<"$choice"
-        cat >"$work/inferd.toml" <<TOML
-[server]
-listen = "127.0.0.1:$PORT"
-control_socket = "control.sock"
-[admin]
-listen = ""
-[models]
-repository = "$PWD/models"
-default = "minilm"
-[runtime]
-cache_dir = "$work/cache"
-allocator = "$allocator"
-TOML
+        default_pool_config "$work/inferd.toml" "$PORT" "$work/cache" "$allocator"
         if [[ -n $tunables ]]; then export GLIBC_TUNABLES=$tunables; else unset GLIBC_TUNABLES; fi
         setsid target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
         sup=$!

@@ -31,3 +31,22 @@ pool_pss() {
     done
     echo "$((total / 1024)) MiB ($(IFS=,; echo "${parts[*]}"))"
 }
+
+# default_pool_config FILE PORT CACHE [ALLOCATOR]: an inferd.toml serving the default model
+# with the default plan on 127.0.0.1:PORT, its control socket beside FILE, shared weights in
+# CACHE, no metrics listener; runtime.allocator when given.
+default_pool_config() {
+    cat >"$1" <<TOML
+[server]
+listen = "127.0.0.1:$2"
+control_socket = "control.sock"
+[admin]
+listen = ""
+[models]
+repository = "$PWD/models"
+default = "minilm"
+[runtime]
+cache_dir = "$3"
+${4:+allocator = \"$4\"}
+TOML
+}

@@ -20,18 +20,7 @@ scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd 2>&1 | tail -n 1
 work=$(mktemp -d /tmp/inferd-soak.XXXXXX)
 trap 'kill $sup 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
-cat >"$work/inferd.toml" <<EOF
-[server]
-listen = "127.0.0.1:$PORT"
-control_socket = "control.sock"
-[admin]
-listen = ""
-[models]
-repository = "$PWD/models"
-default = "minilm"
-[runtime]
-cache_dir = "$work/cache"
-EOF
+default_pool_config "$work/inferd.toml" "$PORT" "$work/cache"
 target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
 sup=$!
 wait_pool "$work/control.sock"

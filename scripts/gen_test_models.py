@@ -366,7 +366,8 @@ def toml_list(values):
 
 def pipeline_toml(name):
     """The model.toml lines after `file`: the task and its sections ("" for raw models)."""
-    if name == "classifier":
+    if name in ("classifier", "reranker"):
+        labels, activation = (CLASSIFIER_LABELS, "softmax") if name == "classifier" else (["score"], "sigmoid")
         return (
             f'task = "classification"\n'
             f"\n"
@@ -376,22 +377,8 @@ def pipeline_toml(name):
             f"max_length = 128\n"
             f"\n"
             f"[classification]\n"
-            f"labels = {toml_list(CLASSIFIER_LABELS)}\n"
-            f'activation = "softmax"\n'
-            f'output = "logits"\n'
-        )
-    if name == "reranker":
-        return (
-            f'task = "classification"\n'
-            f"\n"
-            f"[tokenizer]\n"
-            f"# Relative to this folder: the default model's tokenizer (scripts/setup.sh fetches it).\n"
-            f'file = "../../../models/minilm/tokenizer.json"\n'
-            f"max_length = 128\n"
-            f"\n"
-            f"[classification]\n"
-            f'labels = ["score"]\n'
-            f'activation = "sigmoid"\n'
+            f"labels = {toml_list(labels)}\n"
+            f'activation = "{activation}"\n'
             f'output = "logits"\n'
         )
     if name == "cnn":
