@@ -65,6 +65,9 @@ struct ServeArgs {
     /// Address to serve on, e.g. 127.0.0.1:8000 (server.listen).
     #[arg(long)]
     listen: Option<String>,
+    /// Address to serve KServe v2 over gRPC on, "" for none (server.grpc_listen).
+    #[arg(long)]
+    grpc_listen: Option<String>,
     /// Address of the Prometheus metrics listener, "" for none (admin.listen).
     #[arg(long)]
     admin_listen: Option<String>,
@@ -199,6 +202,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
     let mut config = Config::load(args.config.config.as_deref())?;
     config.apply(&Overrides {
         listen: args.listen.clone(),
+        grpc_listen: args.grpc_listen.clone(),
         admin_listen: args.admin_listen.clone(),
         workers: args.workers,
         threads: args.threads,
@@ -222,6 +226,9 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let plan = &resolved.plan;
     println!("config:          {}", config.source.as_ref().map_or("(defaults)".into(), |p| p.display().to_string()));
     println!("listen:          {}", config.server.listen);
+    if !config.server.grpc_listen.is_empty() {
+        println!("grpc listen:     {}", config.server.grpc_listen);
+    }
     println!("control socket:  {}", config.control_socket().display());
     println!("usable cores:    {} ({})", plan.budget.usable, plan.budget.describe());
     println!(

@@ -60,6 +60,9 @@ pub struct Config {
 pub struct ServerConfig {
     /// Address every worker binds with SO_REUSEPORT.
     pub listen: String,
+    /// Address every worker also serves KServe v2 over gRPC on (SO_REUSEPORT, joined after
+    /// warm-up like `listen`); empty = no gRPC.
+    pub grpc_listen: String,
     /// Number of worker processes; 0 = as many as the CPU budget allows.
     pub workers: usize,
     /// ORT intra-op threads per worker; 0 = derive from the CPU budget (see `cpu::plan`).
@@ -130,6 +133,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             listen: "127.0.0.1:8000".into(),
+            grpc_listen: String::new(),
             workers: 0,
             threads: 0,
             intra_op_spinning: true,
@@ -269,12 +273,18 @@ impl ServerConfig {
     pub fn listen_addr(&self) -> SocketAddr {
         self.listen.parse().expect("validated in Config::validate")
     }
+
+    /// The gRPC address, when gRPC is on.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        (!self.grpc_listen.is_empty()).then(|| self.grpc_listen.parse().expect("validated in Config::validate"))
+    }
 }
 
 /// Command-line values that take precedence over the file.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub listen: Option<String>,
+    pub grpc_listen: Option<String>,
     pub admin_listen: Option<String>,
     pub workers: Option<usize>,
     pub threads: Option<usize>,
@@ -309,6 +319,9 @@ impl Config {
         if let Some(listen) = &overrides.listen {
             self.server.listen = listen.clone();
         }
+        if let Some(grpc) = &overrides.grpc_listen {
+            self.server.grpc_listen = grpc.clone();
+        }
         if let Some(admin) = &overrides.admin_listen {
             self.admin.listen = admin.clone();
         }
@@ -335,6 +348,20 @@ impl Config {
         if !self.admin.listen.is_empty() {
             if let Err(e) = self.admin.listen.parse::<SocketAddr>() {
                 return invalid("admin.listen", format!("'{}' is not an IP:port address ({e})", self.admin.listen));
+            }
+        }
+        if !self.server.grpc_listen.is_empty() {
+            match self.server.grpc_listen.parse::<SocketAddr>() {
+                Err(e) => {
+                    return invalid(
+                        "server.grpc_listen",
+                        format!("'{}' is not an IP:port address ({e})", self.server.grpc_listen),
+                    )
+                }
+                Ok(grpc) if [&self.server.listen, &self.admin.listen].iter().any(|a| a.parse() == Ok(grpc)) => {
+                    return invalid("server.grpc_listen", format!("{grpc} is already server.listen or admin.listen"))
+                }
+                Ok(_) => {}
             }
         }
         if self.server.workers > 1024 {
@@ -489,6 +516,13 @@ mod tests {
         assert!(err.contains("server.graceful_timeout_secs"), "{err}");
         let err = parse("[server]\nworkers = \"two\"\n").unwrap_err().to_string();
         assert!(err.contains("workers"), "{err}");
+        let err = parse("[server]\ngrpc_listen = \"8001\"\n").unwrap_err().to_string();
+        assert!(err.contains("server.grpc_listen") && err.contains("IP:port"), "{err}");
+        let err = parse("[server]\ngrpc_listen = \"127.0.0.1:8000\"\n").unwrap_err().to_string();
+        assert!(err.contains("server.grpc_listen") && err.contains("already"), "{err}");
+        let config = parse("[server]\ngrpc_listen = \"127.0.0.1:8001\"\n").unwrap();
+        assert_eq!(config.server.grpc_addr().map(|a| a.port()), Some(8001));
+        assert_eq!(parse("").unwrap().server.grpc_addr(), None);
     }
 
     #[test]

@@ -441,7 +441,7 @@ fn deadline(request: &Request<Incoming>) -> Result<Option<Instant>, ApiError> {
 }
 
 /// The counter row of a looked-up model (unknown models share the last one).
-fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
+pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
     found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
 }
 
@@ -450,19 +450,30 @@ fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
 /// supervisor reads, before the response is written: a client that got an answer was counted,
 /// even if the worker is killed the next instant. A client that goes away first (hyper drops
 /// this future) is counted as 499, and its request leaves `in_flight` all the same.
-async fn counted(
+pub async fn counted<T: Answer>(
     state: &AppState,
     model: usize,
     endpoint: usize,
-    work: impl std::future::Future<Output = Result<Reply, ApiError>>,
-) -> Result<Reply, ApiError> {
+    work: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
     let mut guard = InFlight::enter(state, model, endpoint);
     let result = work.await;
     guard.answered(match &result {
-        Ok(reply) => reply.status().as_u16(),
+        Ok(answer) => answer.code(),
         Err(e) => e.status().as_u16(),
     });
     result
+}
+
+/// The status code an answer is counted under.
+pub trait Answer {
+    fn code(&self) -> u16;
+}
+
+impl Answer for Reply {
+    fn code(&self) -> u16 {
+        self.status().as_u16()
+    }
 }
 
 /// Status counted for a request whose client closed the connection before the answer.
@@ -539,7 +550,7 @@ fn model_metadata(meta: &ModelMeta) -> Reply {
 }
 
 /// Finds a model by name (and version, when the path names one).
-fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
+pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
     let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
         let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
         ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))
@@ -625,6 +636,33 @@ async fn infer(
     };
     let body = read_body(state, request).await?;
     let parsed = protocol::parse(&body, header_length).map_err(ApiError::BadRequest)?;
+    let inferred = run_parsed(state, index, meta, parsed, deadline).await?;
+    let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
+    if let Some(outcome) = &inferred.outcome {
+        tasks::annotate(&mut reply, outcome);
+    }
+    Ok(reply)
+}
+
+/// A v2 request's answer before it is encoded (as JSON and binary data, or as protobuf).
+pub struct Inferred {
+    pub id: Option<String>,
+    pub outputs: Vec<Tensor>,
+    /// (index into `outputs`, binary): the outputs asked for, in the order asked.
+    pub selection: Vec<(usize, bool)>,
+    /// How a pipeline ran the request (for the Server-Timing header); `None` for raw tensors.
+    pub outcome: Option<tasks::Outcome>,
+}
+
+/// Runs a parsed v2 request, REST or gRPC: one BYTES input named as the pipeline's goes
+/// through the model's pipeline (text or image), anything else to the model's own tensors.
+pub async fn run_parsed(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    parsed: Parsed,
+    deadline: Option<Instant>,
+) -> Result<Inferred, ApiError> {
     let model = &meta.info.name;
     if let Some((input_name, outputs)) = pipeline_io(meta) {
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
@@ -635,10 +673,8 @@ async fn infer(
             let input = pipeline_input(meta, parsed)?;
             let outcome =
                 tasks::run(state, index, meta, input, Options { truncate, deadline, ..Options::default() }).await?;
-            let tensors = pipeline_tensors(&outcome.rows);
-            let mut reply = infer_reply(meta, id, tensors, &selection);
-            tasks::annotate(&mut reply, &outcome);
-            return Ok(reply);
+            let outputs = pipeline_tensors(&outcome.rows);
+            return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
         }
     }
     let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
@@ -646,7 +682,7 @@ async fn infer(
     let id = parsed.id.clone();
     let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
     let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
-    Ok(infer_reply(meta, id, outputs, &selection))
+    Ok(Inferred { id, outputs, selection, outcome: None })
 }
 
 fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
@@ -660,10 +696,10 @@ fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selec
     reply
 }
 
-type OutputSpec = (&'static str, &'static str, Vec<i64>);
+pub type OutputSpec = (&'static str, &'static str, Vec<i64>);
 
 /// The BYTES input a pipelined model takes through `/infer`, and the outputs it returns.
-fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
+pub fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
     let input = match &*meta.pipeline {
         Pipeline::Raw => return None,
         Pipeline::Text(_) => "text",

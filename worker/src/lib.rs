@@ -1,10 +1,12 @@
 //! inferd-worker: one worker process. It loads ONNX Runtime and its models, warms them up,
-//! and only then binds the shared port (SO_REUSEPORT) and serves KServe v2 over HTTP/1.1.
+//! and only then binds the shared port (SO_REUSEPORT) and serves KServe v2 over HTTP/1.1 (and
+//! over gRPC on a second shared port when `server.grpc_listen` is set).
 //!
 //! Layout:
 //! - [`server`]: boot sequence, listener, accept loop, graceful drain, reports to the supervisor;
 //! - [`http`]: routing and the one error-to-status mapping;
 //! - [`protocol`]: v2 JSON request validation and response bodies;
+//! - [`grpc`]: the same protocol over gRPC (`inference.GRPCInferenceService`);
 //! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
@@ -20,6 +22,7 @@
 
 pub mod allocator;
 pub mod engine;
+pub mod grpc;
 pub mod handoff;
 pub mod http;
 pub mod model;

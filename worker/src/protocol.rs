@@ -85,18 +85,7 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
         let name = input.name;
-        let Some(dtype) = DataType::from_name(&input.datatype) else {
-            return Err(format!("input '{name}': unknown datatype '{}'", input.datatype));
-        };
-        if let Some(axis) = input.shape.iter().position(|&d| d < 0) {
-            return Err(format!(
-                "input '{name}': dimension {axis} is {}; dimensions must not be negative",
-                input.shape[axis]
-            ));
-        }
-        let Some(count) = element_count(&input.shape) else {
-            return Err(format!("input '{name}': shape {} is too large", shape_text(&input.shape)));
-        };
+        let (dtype, count) = declared(&name, &input.datatype, &input.shape)?;
         let binary_size = input.parameters.as_ref().and_then(|p| p.get("binary_data_size"));
         let (data, is_binary) = match (binary_size, &input.data) {
             (Some(size), None) => {
@@ -129,6 +118,20 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     });
     let binary_output = flag(&parameters, "binary_data_output").unwrap_or(false);
     Ok(Parsed { id: request.id, inputs, outputs, binary_output, parameters })
+}
+
+/// An input's declared datatype and element count, checked (REST and gRPC alike).
+pub fn declared(name: &str, datatype: &str, shape: &[i64]) -> Result<(DataType, usize), String> {
+    let Some(dtype) = DataType::from_name(datatype) else {
+        return Err(format!("input '{name}': unknown datatype '{datatype}'"));
+    };
+    if let Some(axis) = shape.iter().position(|&d| d < 0) {
+        return Err(format!("input '{name}': dimension {axis} is {}; dimensions must not be negative", shape[axis]));
+    }
+    let Some(count) = element_count(shape) else {
+        return Err(format!("input '{name}': shape {} is too large", shape_text(shape)));
+    };
+    Ok((dtype, count))
 }
 
 fn json_data(name: &str, value: &Value, dtype: DataType, shape: &[i64], count: usize) -> Result<TensorData, String> {

@@ -107,7 +107,7 @@ pub fn run(fd: RawFd) -> i32 {
         }
     };
     match boot(&spec, &reporter) {
-        Ok((models, listener)) => serve(spec, models, listener, reporter, stats),
+        Ok((models, listeners)) => serve(spec, models, listeners, reporter, stats),
         Err(f) => {
             error!("{}", f.error);
             reporter.send(&WorkerMessage::Failed { kind: f.kind, error: f.error });
@@ -125,8 +125,14 @@ fn read_spec(stream: &UnixStream) -> Result<WorkerSpec, String> {
     serde_json::from_str(&line).map_err(|e| e.to_string())
 }
 
-/// Pins the process, loads the runtime and the models, warms them up and binds the port.
-fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::net::TcpListener), Failure> {
+/// The worker's ports: HTTP, and gRPC when server.grpc_listen is set.
+struct Listeners {
+    http: std::net::TcpListener,
+    grpc: Option<std::net::TcpListener>,
+}
+
+/// Pins the process, loads the runtime and the models, warms them up and binds the ports.
+fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listeners), Failure> {
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
         let mut set = nix::sched::CpuSet::new();
@@ -173,7 +179,11 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, std::n
         false => bind_reuseport(spec.server.listen_addr()),
     }
     .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
-    Ok((models, listener))
+    let grpc =
+        spec.server.grpc_addr().map(bind_reuseport).transpose().map_err(|e| {
+            failure(FailureKind::Boot)(format!("cannot listen on {} (gRPC): {e}", spec.server.grpc_listen))
+        })?;
+    Ok((models, Listeners { http: listener, grpc }))
 }
 
 /// The one socket systemd passed to the supervisor, shared by every worker: the kernel queues
@@ -312,10 +322,89 @@ impl Connections {
     }
 }
 
+/// Returns once the worker drains (or the drain signal is gone).
+async fn draining(drain: &mut watch::Receiver<Drain>) {
+    let _ = drain.wait_for(|d| *d != Drain::Serving).await;
+}
+
+/// What a gRPC connection is served with, from the [server] settings.
+#[derive(Clone, Copy)]
+struct GrpcLimits {
+    max_header_bytes: usize,
+    /// How long a peer may leave a keep-alive ping unanswered (server.header_timeout_secs).
+    idle: Duration,
+}
+
+/// Accepts gRPC connections (HTTP/2, each request a stream) until the worker drains, under
+/// the same per-worker connection limit as HTTP. On drain each connection is told GOAWAY:
+/// streams in progress finish, and the client opens its next connection to a sibling (this
+/// worker has left the port's SO_REUSEPORT group); gRPC clients retry a stream the GOAWAY
+/// refused on their own.
+async fn serve_grpc(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    connections: Arc<tokio::sync::Semaphore>,
+    mut drain: watch::Receiver<Drain>,
+    limits: GrpcLimits,
+) {
+    let service = crate::grpc::service(state);
+    loop {
+        let permit = tokio::select! {
+            permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            _ = draining(&mut drain) => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    warn!("gRPC accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = draining(&mut drain) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = service.clone();
+        let call = service_fn(move |request| {
+            use tonic::codegen::Service;
+            service.clone().call(request)
+        });
+        let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+        http2
+            .timer(hyper_util::rt::TokioTimer::new())
+            .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
+            .keep_alive_interval(Some(Duration::from_secs(30)))
+            .keep_alive_timeout(limits.idle);
+        let mut connection = http2.serve_connection(TokioIo::new(stream), call);
+        let mut drain = drain.clone();
+        tokio::spawn(async move {
+            let mut told = false;
+            loop {
+                tokio::select! {
+                    ended = &mut connection => {
+                        if let Err(e) = ended {
+                            debug!("gRPC connection ended: {e}");
+                        }
+                        break;
+                    }
+                    _ = draining(&mut drain), if !told => {
+                        told = true;
+                        std::pin::Pin::new(&mut connection).graceful_shutdown();
+                    }
+                }
+            }
+            drop(permit);
+        });
+    }
+    // Dropping the listener leaves the port's group: new connections go to the siblings.
+    drop(listener);
+}
+
 fn serve(
     spec: WorkerSpec,
     models: Vec<Sessions>,
-    listener: std::net::TcpListener,
+    listeners: Listeners,
     reporter: Arc<Reporter>,
     stats: Arc<Shared>,
 ) -> i32 {
@@ -353,7 +442,9 @@ fn serve(
         }
     };
     runtime.block_on(async move {
-        let listener = match tokio::net::TcpListener::from_std(listener) {
+        let registered = tokio::net::TcpListener::from_std(listeners.http)
+            .and_then(|http| Ok((http, listeners.grpc.map(tokio::net::TcpListener::from_std).transpose()?)));
+        let (listener, grpc) = match registered {
             Ok(l) => l,
             Err(e) => {
                 error!("cannot register the listener: {e}");
@@ -397,6 +488,13 @@ fn serve(
             drain: drained,
             handoff: handoff.clone(),
         };
+        if let Some(grpc) = grpc {
+            let limits = GrpcLimits {
+                max_header_bytes: spec.server.max_header_bytes,
+                idle: Duration::from_secs_f64(spec.server.header_timeout_secs),
+            };
+            tokio::spawn(serve_grpc(grpc, state.clone(), connections.clone(), context.drain.clone(), limits));
+        }
         let mode = loop {
             let permit = tokio::select! {
                 permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),

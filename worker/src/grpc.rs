@@ -1,0 +1,487 @@
+//! KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, see
+//! worker/proto/grpc_predict_v2.proto): health, metadata and ModelInfer, served on
+//! `server.grpc_listen` by every worker beside its HTTP port.
+//!
+//! A request takes the same path as a REST one once decoded: the model lookup, the counters
+//! (endpoint `infer`), the pipeline or raw tensors ([`crate::http::run_parsed`]), deadlines,
+//! backpressure and the body budget. Errors are gRPC status codes carrying the same messages as
+//! the REST answers ([`status`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+use tonic::{Request, Response, Status};
+
+use crate::http::{self, Answer, ApiError, AppState, Inferred};
+use crate::model::{ModelMeta, Tensor};
+use crate::protocol::{self, InputTensor, Parsed, WantedOutput};
+use crate::tensor::{DataType, TensorData};
+
+/// The code generated from worker/proto/grpc_predict_v2.proto.
+pub mod proto {
+    tonic::include_proto!("inference");
+}
+
+use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use proto::model_infer_response::InferOutputTensor;
+use proto::model_metadata_response::TensorMetadata;
+use proto::{infer_parameter::ParameterChoice, InferParameter, InferTensorContents};
+
+/// The service one worker serves on each of its gRPC connections.
+pub fn service(state: Arc<AppState>) -> GrpcInferenceServiceServer<Grpc> {
+    // A message may be as large as a REST body (server.max_body_bytes); tonic answers a larger
+    // one with OUT_OF_RANGE before it is decoded. Answers are not limited: the model's outputs
+    // for an accepted request are sent whatever their size, as over REST.
+    let limit = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
+    GrpcInferenceServiceServer::new(Grpc { state })
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(usize::MAX)
+}
+
+pub struct Grpc {
+    state: Arc<AppState>,
+}
+
+/// The only place an [`ApiError`] becomes a gRPC status.
+pub fn status(e: ApiError) -> Status {
+    let message = e.to_string();
+    match e {
+        ApiError::NotFound(_) => Status::not_found(message),
+        ApiError::BadRequest(_) | ApiError::TooLarge(_) | ApiError::MethodNotAllowed(..) => {
+            Status::invalid_argument(message)
+        }
+        ApiError::Overloaded(_) => Status::resource_exhausted(message),
+        ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
+        ApiError::Internal(_) => Status::internal(message),
+    }
+}
+
+/// A model by name; an empty version means the one served.
+fn find<'a>(state: &'a AppState, name: &str, version: &str) -> Result<(usize, &'a ModelMeta), ApiError> {
+    http::model(state, name, Some(version).filter(|v| !v.is_empty()))
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Grpc {
+    async fn server_live(
+        &self,
+        _: Request<proto::ServerLiveRequest>,
+    ) -> Result<Response<proto::ServerLiveResponse>, Status> {
+        Ok(Response::new(proto::ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _: Request<proto::ServerReadyRequest>,
+    ) -> Result<Response<proto::ServerReadyResponse>, Status> {
+        Ok(Response::new(proto::ServerReadyResponse { ready: self.state.ready.load(Ordering::Relaxed) }))
+    }
+
+    async fn model_ready(
+        &self,
+        request: Request<proto::ModelReadyRequest>,
+    ) -> Result<Response<proto::ModelReadyResponse>, Status> {
+        let request = request.into_inner();
+        find(&self.state, &request.name, &request.version).map_err(status)?;
+        Ok(Response::new(proto::ModelReadyResponse { ready: self.state.ready.load(Ordering::Relaxed) }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<proto::ServerMetadataRequest>,
+    ) -> Result<Response<proto::ServerMetadataResponse>, Status> {
+        Ok(Response::new(proto::ServerMetadataResponse {
+            name: "inferd".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            extensions: Vec::new(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<proto::ModelMetadataRequest>,
+    ) -> Result<Response<proto::ModelMetadataResponse>, Status> {
+        let request = request.into_inner();
+        let (_, meta) = find(&self.state, &request.name, &request.version).map_err(status)?;
+        Ok(Response::new(metadata(meta)))
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<proto::ModelInferRequest>,
+    ) -> Result<Response<proto::ModelInferResponse>, Status> {
+        let state = &*self.state;
+        let started = Instant::now();
+        let deadline = deadline(request.metadata()).map_err(Status::invalid_argument)?;
+        let request = request.into_inner();
+        let (model, version) = (request.model_name.clone(), request.model_version.clone());
+        let found = find(state, &model, &version);
+        let row = http::found_index(&found);
+        let work = async {
+            let (index, meta) = found?;
+            let _budget = claim_budget(state, &request)?;
+            let raw = !request.raw_input_contents.is_empty();
+            let parsed = parse(request).map_err(ApiError::BadRequest)?;
+            let inferred = http::run_parsed(state, index, meta, parsed, deadline).await?;
+            Ok(Infer(encode(meta, inferred, raw)))
+        };
+        let result = http::counted(state, row, 0, work).await;
+        if state.access_log {
+            let code = result.as_ref().map_or_else(|e| e.status().as_u16(), Answer::code);
+            tracing::info!(
+                target: "inferd::access",
+                method = "grpc",
+                path = "inference.GRPCInferenceService/ModelInfer",
+                status = code,
+                duration_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0,
+                model,
+                worker = state.worker,
+                "gRPC ModelInfer {model} {code}"
+            );
+        }
+        result.map(|Infer(response)| Response::new(response)).map_err(status)
+    }
+}
+
+struct Infer(proto::ModelInferResponse);
+
+impl Answer for Infer {
+    fn code(&self) -> u16 {
+        200
+    }
+}
+
+/// What a client sends the model: a pipelined model's BYTES input and outputs (as
+/// `/v2/models/{name}` lists under `pipeline`), else the model's own tensors.
+fn metadata(meta: &ModelMeta) -> proto::ModelMetadataResponse {
+    let tensor = |name: &str, datatype: &str, shape: &[i64]| TensorMetadata {
+        name: name.into(),
+        datatype: datatype.into(),
+        shape: shape.to_vec(),
+    };
+    let (inputs, outputs) = match http::pipeline_io(meta) {
+        Some((input, outputs)) => (
+            vec![tensor(input, "BYTES", &[-1])],
+            outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape)).collect(),
+        ),
+        None => (
+            meta.inputs.iter().map(|s| tensor(&s.name, &s.datatype, &s.shape)).collect(),
+            meta.outputs.iter().map(|s| tensor(&s.name, &s.datatype, &s.shape)).collect(),
+        ),
+    };
+    proto::ModelMetadataResponse {
+        name: meta.info.name.clone(),
+        versions: vec![meta.info.version.clone()],
+        platform: "onnxruntime_onnx".into(),
+        inputs,
+        outputs,
+    }
+}
+
+/// The client's `grpc-timeout` (an integer of at most 8 digits and a unit: H M S m u n) as a
+/// deadline from now.
+fn deadline(metadata: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, String> {
+    let Some(value) = metadata.get("grpc-timeout") else { return Ok(None) };
+    let bad = || format!("grpc-timeout {value:?} is not 1-8 digits and a unit (H, M, S, m, u, n)");
+    let text = value.to_str().map_err(|_| bad())?;
+    let (digits, unit) = text.split_at(text.len().saturating_sub(1));
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let timeout = match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return Err(bad()),
+    };
+    Ok(Some(Instant::now() + timeout))
+}
+
+/// The request's tensor bytes, taken from the worker's body budget
+/// (server.max_body_bytes_in_flight) for as long as the request is served, as a REST body is.
+fn claim_budget(
+    state: &AppState,
+    request: &proto::ModelInferRequest,
+) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    let typed: usize = request.inputs.iter().filter_map(|i| i.contents.as_ref()).map(contents_size).sum();
+    let raw: usize = request.raw_input_contents.iter().map(Vec::len).sum();
+    let claim = (typed + raw).clamp(1, u32::MAX as usize) as u32;
+    state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
+        ApiError::Overloaded(format!(
+            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
+            state.body_budget_total
+        ))
+    })
+}
+
+fn contents_size(c: &InferTensorContents) -> usize {
+    c.bool_contents.len()
+        + 4 * (c.int_contents.len() + c.uint_contents.len() + c.fp32_contents.len())
+        + 8 * (c.int64_contents.len() + c.uint64_contents.len() + c.fp64_contents.len())
+        + c.bytes_contents.iter().map(|b| b.len() + 4).sum::<usize>()
+}
+
+/// A ModelInferRequest as the REST parser's [`Parsed`]: every input typed and checked against
+/// its own shape, from `raw_input_contents` (one entry per input) or its typed `contents`.
+fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {
+    let proto::ModelInferRequest { id, parameters, inputs, outputs, raw_input_contents, .. } = request;
+    if !raw_input_contents.is_empty() && raw_input_contents.len() != inputs.len() {
+        return Err(format!(
+            "raw_input_contents has {} entries for {} inputs; send one per input, in order, or none",
+            raw_input_contents.len(),
+            inputs.len()
+        ));
+    }
+    let mut raw = raw_input_contents.into_iter();
+    let mut tensors = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let name = input.name;
+        let (dtype, count) = protocol::declared(&name, &input.datatype, &input.shape)?;
+        let data = match (raw.next(), input.contents) {
+            (Some(bytes), None) => dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?,
+            (Some(_), Some(_)) => {
+                return Err(format!("input '{name}' has both contents and raw_input_contents; send one of them"))
+            }
+            (None, Some(contents)) => typed(&name, dtype, count, contents)?,
+            (None, None) => {
+                return Err(format!("input '{name}' has no contents (and there are no raw_input_contents)"))
+            }
+        };
+        // gRPC carries bytes as bytes: an image pipeline takes them as they are (no base64).
+        tensors.push(InputTensor { tensor: Tensor { name, shape: input.shape, data }, binary: true });
+    }
+    let outputs = (!outputs.is_empty())
+        .then(|| outputs.into_iter().map(|o| WantedOutput { name: o.name, binary: None }).collect());
+    Ok(Parsed {
+        id: Some(id).filter(|id| !id.is_empty()),
+        parameters: parameters.into_iter().map(|(k, v)| (k, parameter(v))).collect::<Map<String, Value>>(),
+        inputs: tensors,
+        outputs,
+        binary_output: false,
+    })
+}
+
+fn parameter(p: InferParameter) -> Value {
+    match p.parameter_choice {
+        Some(ParameterChoice::BoolParam(b)) => Value::from(b),
+        Some(ParameterChoice::Int64Param(i)) => Value::from(i),
+        Some(ParameterChoice::StringParam(s)) => Value::from(s),
+        Some(ParameterChoice::DoubleParam(d)) => Value::from(d),
+        Some(ParameterChoice::Uint64Param(u)) => Value::from(u),
+        None => Value::Null,
+    }
+}
+
+/// Typed contents: the field the datatype names, with exactly `count` values in range.
+fn typed(name: &str, dtype: DataType, count: usize, c: InferTensorContents) -> Result<TensorData, String> {
+    fn narrow<S: Copy + std::fmt::Display, T: TryFrom<S>>(
+        name: &str,
+        values: Vec<S>,
+        kind: &str,
+    ) -> Result<Vec<T>, String> {
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                T::try_from(v)
+                    .map_err(|_| format!("input '{name}': element {i} is {v}, which is not a valid {kind} value"))
+            })
+            .collect()
+    }
+    let (field, data) = match dtype {
+        DataType::Bool => ("bool_contents", TensorData::Bool(c.bool_contents)),
+        DataType::I8 => ("int_contents", TensorData::I8(narrow(name, c.int_contents, "INT8")?)),
+        DataType::I16 => ("int_contents", TensorData::I16(narrow(name, c.int_contents, "INT16")?)),
+        DataType::I32 => ("int_contents", TensorData::I32(c.int_contents)),
+        DataType::I64 => ("int64_contents", TensorData::I64(c.int64_contents)),
+        DataType::U8 => ("uint_contents", TensorData::U8(narrow(name, c.uint_contents, "UINT8")?)),
+        DataType::U16 => ("uint_contents", TensorData::U16(narrow(name, c.uint_contents, "UINT16")?)),
+        DataType::U32 => ("uint_contents", TensorData::U32(c.uint_contents)),
+        DataType::U64 => ("uint64_contents", TensorData::U64(c.uint64_contents)),
+        DataType::F32 => ("fp32_contents", TensorData::F32(c.fp32_contents)),
+        DataType::F64 => ("fp64_contents", TensorData::F64(c.fp64_contents)),
+        DataType::Bytes => ("bytes_contents", TensorData::Bytes(c.bytes_contents)),
+        DataType::F16 => {
+            return Err(format!("input '{name}': FP16 has no typed contents; send it in raw_input_contents"))
+        }
+    };
+    if data.len() != count {
+        return Err(format!("input '{name}': {} has {} values, the shape needs {count}", field, data.len()));
+    }
+    Ok(data)
+}
+
+/// The answer, raw when the request was raw or an output has no typed field (FP16), else typed.
+fn encode(meta: &ModelMeta, inferred: Inferred, raw: bool) -> proto::ModelInferResponse {
+    let Inferred { id, outputs, selection, .. } = inferred;
+    let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
+    let chosen: Vec<Tensor> = selection.iter().filter_map(|&(i, _)| taken.get_mut(i).and_then(Option::take)).collect();
+    let raw = raw || chosen.iter().any(|t| t.data.dtype() == DataType::F16);
+    let mut response = proto::ModelInferResponse {
+        model_name: meta.info.name.clone(),
+        model_version: meta.info.version.clone(),
+        id: id.unwrap_or_default(),
+        ..Default::default()
+    };
+    for t in chosen {
+        let mut output = InferOutputTensor {
+            name: t.name,
+            datatype: t.data.dtype().name().into(),
+            shape: t.shape,
+            ..Default::default()
+        };
+        if raw {
+            response.raw_output_contents.push(t.data.to_binary());
+        } else {
+            output.contents = Some(contents(t.data));
+        }
+        response.outputs.push(output);
+    }
+    response
+}
+
+fn contents(data: TensorData) -> InferTensorContents {
+    let mut c = InferTensorContents::default();
+    match data {
+        TensorData::Bool(v) => c.bool_contents = v,
+        TensorData::I8(v) => c.int_contents = v.into_iter().map(i32::from).collect(),
+        TensorData::I16(v) => c.int_contents = v.into_iter().map(i32::from).collect(),
+        TensorData::I32(v) => c.int_contents = v,
+        TensorData::I64(v) => c.int64_contents = v,
+        TensorData::U8(v) => c.uint_contents = v.into_iter().map(u32::from).collect(),
+        TensorData::U16(v) => c.uint_contents = v.into_iter().map(u32::from).collect(),
+        TensorData::U32(v) => c.uint_contents = v,
+        TensorData::U64(v) => c.uint64_contents = v,
+        TensorData::F32(v) => c.fp32_contents = v,
+        TensorData::F64(v) => c.fp64_contents = v,
+        TensorData::Bytes(v) => c.bytes_contents = v,
+        TensorData::F16(_) => unreachable!("FP16 outputs are sent raw (see encode)"),
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata_with(timeout: &str) -> tonic::metadata::MetadataMap {
+        let mut m = tonic::metadata::MetadataMap::new();
+        m.insert("grpc-timeout", timeout.parse().unwrap());
+        m
+    }
+
+    #[test]
+    fn grpc_timeouts_become_deadlines() {
+        let now = Instant::now();
+        let at = deadline(&metadata_with("1500m")).unwrap().unwrap();
+        assert!(at >= now + Duration::from_millis(1500) && at < now + Duration::from_secs(60));
+        assert!(deadline(&metadata_with("2H")).unwrap().unwrap() >= now + Duration::from_secs(7200));
+        assert_eq!(deadline(&tonic::metadata::MetadataMap::new()).unwrap(), None);
+        for bad in ["", "m", "123456789m", "10x", "-5S", "1.5S"] {
+            assert!(deadline(&metadata_with(bad)).is_err(), "{bad}");
+        }
+    }
+
+    fn input(
+        name: &str,
+        datatype: &str,
+        shape: Vec<i64>,
+        contents: Option<InferTensorContents>,
+    ) -> proto::model_infer_request::InferInputTensor {
+        proto::model_infer_request::InferInputTensor {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape,
+            contents,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn typed_and_raw_inputs_parse_alike() {
+        let typed_request = proto::ModelInferRequest {
+            inputs: vec![input(
+                "x",
+                "INT16",
+                vec![1, 2],
+                Some(InferTensorContents { int_contents: vec![-3, 300], ..Default::default() }),
+            )],
+            ..Default::default()
+        };
+        let raw_request = proto::ModelInferRequest {
+            inputs: vec![input("x", "INT16", vec![1, 2], None)],
+            raw_input_contents: vec![[(-3i16).to_le_bytes(), 300i16.to_le_bytes()].concat()],
+            ..Default::default()
+        };
+        for request in [typed_request, raw_request] {
+            let parsed = parse(request).unwrap();
+            assert_eq!(parsed.inputs[0].tensor.data, TensorData::I16(vec![-3, 300]));
+            assert_eq!(parsed.inputs[0].tensor.shape, vec![1, 2]);
+        }
+    }
+
+    #[test]
+    fn each_bad_input_is_named() {
+        let contents = |v: Vec<i32>| Some(InferTensorContents { int_contents: v, ..Default::default() });
+        let cases = [
+            (vec![input("x", "INT8", vec![2], contents(vec![1, 200]))], vec![], "element 1 is 200"),
+            (
+                vec![input("x", "INT32", vec![3], contents(vec![1, 2]))],
+                vec![],
+                "int_contents has 2 values, the shape needs 3",
+            ),
+            (vec![input("x", "FP32", vec![2], contents(vec![1, 2]))], vec![], "fp32_contents has 0 values"),
+            (vec![input("x", "FP16", vec![1], contents(vec![1]))], vec![], "raw_input_contents"),
+            (vec![input("x", "FLOAT", vec![1], None)], vec![vec![0; 4]], "unknown datatype 'FLOAT'"),
+            (vec![input("x", "FP32", vec![-1], None)], vec![vec![0; 4]], "must not be negative"),
+            (vec![input("x", "FP32", vec![2], None)], vec![vec![0; 4]], "4 bytes of binary data for 2 elements"),
+            (vec![input("x", "FP32", vec![1], None)], vec![], "has no contents"),
+            (vec![input("x", "FP32", vec![1], contents(vec![]))], vec![vec![0; 4]], "both contents and raw"),
+            (
+                vec![input("x", "FP32", vec![1], None), input("y", "FP32", vec![1], None)],
+                vec![vec![0; 4]],
+                "1 entries for 2 inputs",
+            ),
+        ];
+        for (inputs, raw_input_contents, message) in cases {
+            let err = parse(proto::ModelInferRequest { inputs, raw_input_contents, ..Default::default() }).unwrap_err();
+            assert!(err.contains(message), "{err} (wanted {message})");
+        }
+    }
+
+    #[test]
+    fn fp16_outputs_go_raw() {
+        let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
+        let meta = ModelMeta {
+            info: inferd_config::spec::ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "00".into(),
+                weights: String::new(),
+            },
+            task: inferd_config::model::Task::Raw,
+            pipeline: Arc::new(crate::pipeline::Pipeline::Raw),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            batching: Default::default(),
+        };
+        let inferred = |outputs| Inferred { id: None, outputs, selection: vec![(0, false), (1, false)], outcome: None };
+        let typed =
+            encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", TensorData::I64(vec![2]))]), false);
+        assert!(typed.raw_output_contents.is_empty());
+        assert_eq!(typed.outputs[1].contents.as_ref().unwrap().int64_contents, vec![2]);
+        let half = TensorData::F16(vec![half::f16::from_f32(0.5)]);
+        let raw = encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", half)]), false);
+        assert_eq!(
+            raw.raw_output_contents,
+            vec![1f32.to_le_bytes().to_vec(), half::f16::from_f32(0.5).to_le_bytes().to_vec()]
+        );
+        assert!(raw.outputs.iter().all(|o| o.contents.is_none()));
+    }
+}
