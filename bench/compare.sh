@@ -12,8 +12,10 @@
 #       own virtualenv): one worker per core, one intra-op thread each, under the same load;
 #   (d) the RSS and PSS of every process of each server after its load;
 #   (e) inferd's token budget: p99 of short texts at 16 connections alone, and in a stream
-#       where every 8th request is a 256-token text.
-# (b), (c) and (e) run ROUNDS times (default 3), each server alone; the report takes medians.
+#       where every 8th request is a 256-token text;
+#   (f) inferd over HTTP (/embed) and over gRPC (ModelInfer, the text as a raw BYTES tensor) with
+#       one load generator for both (inferd-bench, one connection per client) at 1 and 16.
+# (b), (c), (e) and (f) run ROUNDS times (default 3), each server alone; the report takes medians.
 # Every request embeds the same 17-token sentence with POST /embed. The load generator (oha,
 # one worker thread) runs on the same cores as the server. Prints the table and the ratios, draws
 # docs/benchmarks-latest.svg and rewrites the record blocks of docs/benchmarks.md and
@@ -103,19 +105,30 @@ mixed() {
     done
     python3 bench/record.py memory "$name" "$round" $(pgrep -g "$server") | tee -a "$results"
 }
+# (f) $1: HTTP port, $2: gRPC port, $3: round.
+protocols() {
+    for c in 1 16; do
+        target/release/inferd-bench http --addr "127.0.0.1:$1" --concurrency "$c" --seconds "$SECONDS_PER" \
+            --warmup 1 --texts "$work/text.txt" | grep '^{' | python3 bench/record.py add inferd-http "c=$c" "$3" | tee -a "$results"
+        target/release/inferd-bench grpc --addr "127.0.0.1:$2" --concurrency "$c" --seconds "$SECONDS_PER" \
+            --warmup 1 --texts "$work/text.txt" | grep '^{' | python3 bench/record.py add inferd-grpc "c=$c" "$3" | tee -a "$results"
+    done
+}
 { for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
 
 for round in $(seq 1 "$ROUNDS"); do
     # (b) inferd, default plan
     echo "== round $round: inferd"
     port=$(free_port)
-    setsid target/release/inferd serve --listen "127.0.0.1:$port" --admin-listen "" \
+    gport=$(free_port)
+    setsid target/release/inferd serve --listen "127.0.0.1:$port" --grpc-listen "127.0.0.1:$gport" --admin-listen "" \
         --control-socket "$work/ctl.sock" 2>"$work/inferd.log" &
     server=$!
     wait_http "http://127.0.0.1:$port/v2/health/ready"
     target/release/inferd status --control-socket "$work/ctl.sock" | sed -n 2p
     load inferd "$port" "$round"
     mixed inferd "$port" "$round"
+    protocols "$port" "$gport" "$round"
     target/release/inferd status --control-socket "$work/ctl.sock" | grep '^batches' || true
     kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
 

@@ -181,6 +181,16 @@ def report(path, record, seconds, rounds):
             f"| {get(n, 'short-only', 'p99_ms'):.1f} / {get(n, 'short-in-mix', 'p99_ms'):.1f} ms "
             f"| {errors} | {rss:.0f} ({pss:.0f}) MiB |"
         )
+    if any(k[0] == "inferd-grpc" for k in rows):
+        cell = lambda n, c, lat: f"{get(n, c, 'throughput'):.0f} req/s ({lat} {get(n, c, lat + '_ms'):.1f} ms)"
+        errors = sum(r.get("errors", 0) for (m, _), rs in rows.items() if m.startswith("inferd-") for r in rs)
+        lines += [
+            "",
+            "inferd over HTTP and over gRPC, one load generator for both (inferd-bench, one connection per "
+            f"client; ModelInfer with the text as a raw BYTES tensor): c=1 HTTP {cell('inferd-http', 'c=1', 'p50')}, "
+            f"gRPC {cell('inferd-grpc', 'c=1', 'p50')}; c=16 HTTP {cell('inferd-http', 'c=16', 'p99')}, "
+            f"gRPC {cell('inferd-grpc', 'c=16', 'p99')}; {errors} errors.",
+        ]
     if "inferd" in names:
         inferd_best = max(get("inferd", c, "throughput") for c in ("c=1", "c=4", "c=16", "c=32"))
         p50 = get("inferd", "c=1", "p50_ms")

@@ -3,6 +3,8 @@
 //! - `http`: closed-loop clients ([`inferd_bench::load`]), one keep-alive connection each,
 //!   POSTing the same bodies in turn for a fixed time; prints throughput, latency percentiles
 //!   and, from the `Server-Timing` header, the share of each request spent preparing inputs.
+//! - `grpc`: the same closed loop over KServe v2 gRPC (ModelInfer with the text as a raw BYTES
+//!   tensor, as tritonclient.grpc sends it), one HTTP/2 connection per client;
 //! - `ort`: the ceiling without any server: P threads, each with its own session of the same
 //!   model (1 intra-op thread each, the same settings inferd uses), running the same inputs
 //!   through the same tokenizer and pooling code, for a fixed time.
@@ -51,6 +53,22 @@ enum Command {
         #[arg(long)]
         short_below: Option<usize>,
     },
+    /// Load an inferd gRPC port (server.grpc_listen) with ModelInfer of one text each.
+    Grpc {
+        /// host:port
+        #[arg(long)]
+        addr: String,
+        #[arg(long, default_value = "minilm")]
+        model: String,
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        #[arg(long)]
+        texts: PathBuf,
+        #[arg(long, default_value_t = 2.0)]
+        warmup: f64,
+    },
     /// The same texts through the same model with no server in between.
     Ort {
         /// Model folder (with model.toml), e.g. models/minilm.
@@ -83,6 +101,10 @@ fn main() -> anyhow::Result<()> {
         Command::Http { addr, path, concurrency, seconds, texts, warmup, short_below } => {
             let load = HttpLoad { addr, path, concurrency, seconds, warmup, short_below };
             http(&load, &read_texts(&texts)?)
+        }
+        Command::Grpc { addr, model, concurrency, seconds, texts, warmup } => {
+            let load = GrpcLoad { addr, model, concurrency, seconds, warmup };
+            grpc(&load, &read_texts(&texts)?)
         }
         Command::Ort { model, ort_library, parallel, threads, batch, spin, seconds, texts } => {
             let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin };
@@ -131,6 +153,83 @@ fn http(load: &HttpLoad, texts: &[String]) -> anyhow::Result<()> {
         let short = samples.iter().filter(|s| texts[s.body].len() < limit).map(|s| s.latency).collect();
         report(&format!("{label} texts under {limit} bytes"), Summary::of(short, outcome.elapsed, 1), 0, None);
     }
+    Ok(())
+}
+
+struct GrpcLoad {
+    addr: String,
+    model: String,
+    concurrency: usize,
+    seconds: f64,
+    warmup: f64,
+}
+
+/// C clients, each on its own channel (one HTTP/2 connection), send ModelInfer in turn: the
+/// load shape of `http`, over gRPC. All on one thread, as oha runs.
+fn grpc(load: &GrpcLoad, texts: &[String]) -> anyhow::Result<()> {
+    use inferd_worker::grpc::proto::{
+        grpc_inference_service_client::GrpcInferenceServiceClient, model_infer_request::InferInputTensor,
+        ModelInferRequest,
+    };
+    let requests: Vec<ModelInferRequest> = texts
+        .iter()
+        .map(|t| ModelInferRequest {
+            model_name: load.model.clone(),
+            inputs: vec![InferInputTensor {
+                name: "text".into(),
+                datatype: "BYTES".into(),
+                shape: vec![1],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![[&(t.len() as u32).to_le_bytes()[..], t.as_bytes()].concat()],
+            ..Default::default()
+        })
+        .collect();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (latencies, errors, elapsed) = runtime.block_on(async {
+        let stop = Arc::new(AtomicBool::new(false));
+        let measuring = Arc::new(AtomicBool::new(false));
+        let mut clients = Vec::new();
+        for c in 0..load.concurrency {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", load.addr))?
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .with_context(|| format!("connect {}", load.addr))?;
+            let mut client = GrpcInferenceServiceClient::new(channel).max_decoding_message_size(64 << 20);
+            let (requests, stop, measuring) = (requests.clone(), stop.clone(), measuring.clone());
+            clients.push(tokio::spawn(async move {
+                let (mut latencies, mut errors, mut i) = (Vec::new(), 0usize, c);
+                while !stop.load(Ordering::Relaxed) {
+                    let request = requests[i % requests.len()].clone();
+                    i += 1;
+                    let counted = measuring.load(Ordering::Relaxed);
+                    let started = Instant::now();
+                    match client.model_infer(request).await {
+                        Ok(_) if counted => latencies.push(started.elapsed()),
+                        Ok(_) => {}
+                        Err(_) => errors += usize::from(counted),
+                    }
+                }
+                (latencies, errors)
+            }));
+        }
+        tokio::time::sleep(Duration::from_secs_f64(load.warmup)).await;
+        measuring.store(true, Ordering::Relaxed);
+        let started = Instant::now();
+        tokio::time::sleep(Duration::from_secs_f64(load.seconds)).await;
+        stop.store(true, Ordering::Relaxed);
+        let elapsed = started.elapsed().as_secs_f64();
+        let (mut latencies, mut errors) = (Vec::new(), 0);
+        for c in clients {
+            let (l, e) = c.await?;
+            latencies.extend(l);
+            errors += e;
+        }
+        anyhow::Ok((latencies, errors, elapsed))
+    })?;
+    let label = format!("grpc ModelInfer {} c={}", load.model, load.concurrency);
+    report(&label, Summary::of(latencies, elapsed, 1), errors, None);
     Ok(())
 }
 
