@@ -165,17 +165,21 @@ impl Default for ServerConfig {
     }
 }
 
-/// The supervisor's own HTTP listener: Prometheus metrics.
+/// The supervisor's own HTTP listener: Prometheus metrics, Triton's statistics and model
+/// repository extensions.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     /// `GET /metrics` is served here; empty = no admin listener.
     pub listen: String,
+    /// Allow Triton's `POST /v2/repository/models/{name}/load` and `/unload` here (rolling
+    /// reloads that add or remove a model): off unless the operator turns it on.
+    pub model_control: bool,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        AdminConfig { listen: "127.0.0.1:9464".into() }
+        AdminConfig { listen: "127.0.0.1:9464".into(), model_control: false }
     }
 }
 

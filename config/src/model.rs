@@ -332,7 +332,7 @@ impl ModelEntry {
     }
 
     /// Reads `dir/model.toml`, which must describe model `name`.
-    fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
+    pub fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
         let err = |message: String| ConfigError::Model { model: name.to_string(), message };
         let config_path = dir.join(MODEL_CONFIG_FILE);
         let text = std::fs::read_to_string(&config_path)

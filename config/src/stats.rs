@@ -36,7 +36,11 @@ const QUEUE_AT: usize = REQUESTS_AT + MODEL_ROWS * ENDPOINTS.len() * CODES.len()
 const COMPUTE_AT: usize = QUEUE_AT + MAX_MODELS * LATENCY_SLOTS;
 const REQUEST_LATENCY_AT: usize = COMPUTE_AT + MAX_MODELS * LATENCY_SLOTS;
 const BATCH_AT: usize = REQUEST_LATENCY_AT + MAX_MODELS * LATENCY_SLOTS;
-const IN_FLIGHT_AT: usize = BATCH_AT + MAX_MODELS * BATCH_SLOTS;
+/// Per model: microseconds spent on requests that failed (any answer but 200), and the Unix
+/// time in milliseconds of the last answer (a maximum, not a sum, across workers).
+const ANSWERS_AT: usize = BATCH_AT + MAX_MODELS * BATCH_SLOTS;
+const ANSWER_SLOTS: usize = 2;
+const IN_FLIGHT_AT: usize = ANSWERS_AT + MAX_MODELS * ANSWER_SLOTS;
 const QUEUED_AT: usize = IN_FLIGHT_AT + 1;
 /// CLOCK_MONOTONIC nanoseconds when the model thread started its current run (0: idle).
 const BUSY_SINCE_AT: usize = QUEUED_AT + 1;
@@ -158,6 +162,20 @@ impl Shared {
         self.add(base + BATCH_BUCKETS.len() + 2, 1);
     }
 
+    /// A request of `model` was answered with `code` after `seconds` (beside its count and
+    /// latency): what Triton's statistics split into success and failure, and when.
+    pub fn answered(&self, model: usize, code: u16, seconds: f64) {
+        if model >= MAX_MODELS {
+            return;
+        }
+        let base = ANSWERS_AT + model * ANSWER_SLOTS;
+        if code != 200 {
+            self.add(base, (seconds * 1e6) as u64);
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        self.counter(base + 1).fetch_max(now as u64, Ordering::Relaxed);
+    }
+
     pub fn in_flight(&self, delta: i64) {
         if delta >= 0 {
             self.add(IN_FLIGHT_AT, delta as u64)
@@ -220,11 +238,74 @@ impl Default for Snapshot {
     }
 }
 
+/// Where each model's counters lie in a region: (start of row 0, counters per row, rows).
+const MODEL_SECTIONS: [(usize, usize, usize); 6] = [
+    (REQUESTS_AT, ENDPOINTS.len() * CODES.len(), MODEL_ROWS),
+    (QUEUE_AT, LATENCY_SLOTS, MAX_MODELS),
+    (COMPUTE_AT, LATENCY_SLOTS, MAX_MODELS),
+    (REQUEST_LATENCY_AT, LATENCY_SLOTS, MAX_MODELS),
+    (BATCH_AT, BATCH_SLOTS, MAX_MODELS),
+    (ANSWERS_AT, ANSWER_SLOTS, MAX_MODELS),
+];
+
+/// The counter holding a time of the last answer: combined by maximum, not sum.
+fn is_last_answer(index: usize) -> bool {
+    (ANSWERS_AT..IN_FLIGHT_AT).contains(&index) && (index - ANSWERS_AT) % ANSWER_SLOTS == 1
+}
+
 impl Snapshot {
     /// Adds the counters of `other`; gauges (in flight, queued) add up as well, which is what
     /// a pool total of live workers wants.
     pub fn add(&mut self, other: &Snapshot) {
-        self.0.iter_mut().zip(&other.0).for_each(|(a, b)| *a += b);
+        for (i, (a, b)) in self.0.iter_mut().zip(&other.0).enumerate() {
+            *a = if is_last_answer(i) { (*a).max(*b) } else { *a + b };
+        }
+    }
+
+    /// The same counts with each model's counters moved to another row: `rows[i]` is the new
+    /// row of row `i` (`None`: dropped); the row of unknown models stays. How the supervisor
+    /// adds up workers that list the same models in different orders (after an unload, or
+    /// while a reload rolls).
+    pub fn remapped(&self, rows: &[Option<usize>]) -> Snapshot {
+        let mut out = self.clone();
+        for &(at, width, count) in &MODEL_SECTIONS {
+            out.0[at..at + width * count].fill(0);
+        }
+        for &(at, width, count) in &MODEL_SECTIONS {
+            for row in 0..count {
+                let target = if row == MAX_MODELS { Some(MAX_MODELS) } else { rows.get(row).copied().flatten() };
+                let Some(target) = target.filter(|&t| t < count) else { continue };
+                for k in 0..width {
+                    let (from, to) = (at + row * width + k, at + target * width + k);
+                    out.0[to] = if is_last_answer(to) { out.0[to].max(self.0[from]) } else { out.0[to] + self.0[from] };
+                }
+            }
+        }
+        out
+    }
+
+    /// A model's answers: (answered 200, seconds they took, answered otherwise, seconds those
+    /// took, Unix milliseconds of the last answer).
+    pub fn outcomes(&self, model: usize) -> (u64, f64, u64, f64, u64) {
+        if model >= MAX_MODELS {
+            return (0, 0.0, 0, 0.0, 0);
+        }
+        let codes = |pick: fn(u16) -> bool| -> u64 {
+            (0..ENDPOINTS.len())
+                .flat_map(|e| CODES.iter().filter(|&&c| pick(c)).map(move |&c| (e, c)))
+                .map(|(e, c)| self.requests(model, e, c))
+                .sum()
+        };
+        let base = ANSWERS_AT + model * ANSWER_SLOTS;
+        let failed_seconds = self.0[base] as f64 / 1e6;
+        let all_seconds = self.latency(Latency::Request, model).sum;
+        (
+            codes(|c| c == 200),
+            (all_seconds - failed_seconds).max(0.0),
+            codes(|c| c != 200),
+            failed_seconds,
+            self.0[base + 1],
+        )
     }
 
     /// Drops the gauges: what a dead worker leaves to the totals.
@@ -303,6 +384,22 @@ mod tests {
         assert!((h.sum - 0.003).abs() < 1e-6);
         assert_eq!(s.batch(2).buckets[2], 1, "3 falls in the 4 bucket");
         assert_eq!(s.in_flight(), 1);
+        // Rows follow the models: model 2's counters become row 0's, model 0's are dropped.
+        let moved = s.remapped(&[None, Some(1), Some(0)]);
+        assert_eq!((moved.requests(0, 1, 200), moved.requests(3, 0, 0)), (0, 0));
+        assert_eq!(moved.latency(Latency::Compute, 0).count, 1);
+        assert_eq!(moved.batch(0).buckets[2], 1);
+        assert_eq!(moved.latency(Latency::Compute, 2).count, 0);
+        assert_eq!(moved.in_flight(), 1, "gauges stay");
+        a.answered(1, 200, 0.5);
+        a.answered(1, 503, 0.25);
+        a.observe_latency(Latency::Request, 1, 0.5);
+        a.observe_latency(Latency::Request, 1, 0.25);
+        let (_, ok_seconds, _, failed_seconds, last) = b.snapshot().outcomes(1);
+        assert!((ok_seconds - 0.5).abs() < 1e-6 && (failed_seconds - 0.25).abs() < 1e-6);
+        let mut twice = b.snapshot();
+        twice.add(&b.snapshot());
+        assert_eq!(twice.outcomes(1).4, last, "the last answer's time is a maximum, not a sum");
         a.busy_since(Some(monotonic_nanos()));
         assert!(b.model_thread().0.is_some());
         a.busy_since(None);

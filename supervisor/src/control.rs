@@ -6,6 +6,9 @@
 //! - `{"command":"status"}`
 //! - `{"command":"reload","model":"minilm","path":"/models/minilm-v2","wait":true}` (all optional)
 //! - `{"command":"scale","delta":1}`
+//! - `{"command":"load","model":"reranker","path":"/models/reranker"}` (path optional) and
+//!   `{"command":"unload","model":"reranker"}`: Triton's repository extension (see `admin`);
+//!   both answer once every worker runs the new model list.
 //!
 //! Responses: zero or more progress lines `{"ok":true,"progress":"worker 1 of 2 ready ..."}`,
 //! then one final line: `{"ok":true,"status":{...}}`, `{"ok":true,"message":"..."}` or
@@ -44,6 +47,17 @@ pub enum Request {
     },
     Scale {
         delta: i32,
+    },
+    /// Serve `model` in every worker: read again (from `path` when given) if the pool serves
+    /// it, else added from the repository (or the folder `path`). A rolling reload.
+    Load {
+        model: String,
+        #[serde(default)]
+        path: Option<PathBuf>,
+    },
+    /// Stop serving `model` (not the default one): a rolling reload without it.
+    Unload {
+        model: String,
     },
 }
 

@@ -12,6 +12,7 @@
 //!
 //! Must not touch: ONNX Runtime (a process that ran a session must never fork).
 
+mod admin;
 pub mod control;
 mod metrics;
 pub mod pool;
@@ -42,6 +43,7 @@ pub enum Event {
         status: Option<ExitStatus>,
     },
     Control(control::Request, control::Replies),
-    /// A Prometheus scrape wants the metrics text.
-    Scrape(tokio::sync::oneshot::Sender<String>),
+    /// The admin listener wants the pool's counters and models (a Prometheus scrape, Triton's
+    /// statistics or repository index).
+    Scrape(tokio::sync::oneshot::Sender<metrics::PoolMetrics>),
 }

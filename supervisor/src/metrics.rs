@@ -1,32 +1,25 @@
 //! Prometheus text exposition of the pool, served by the supervisor on `admin.listen`
-//! (`GET /metrics`).
+//! (`GET /metrics`, see [`crate::admin`]).
 //!
 //! Request counts and latency histograms come from the counters each worker shares with the
 //! supervisor (see `inferd_config::stats`): those of live workers plus the final counts of
 //! every worker that has exited, so a SIGKILLed worker does not take its counts with it.
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::fmt::Write;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Request, Response, StatusCode};
 use inferd_config::spec::ModelInfo;
 use inferd_config::stats::{
     Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS, MAX_MODELS,
 };
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
-use tracing::warn;
-
-use crate::Event;
 
 /// What the loop hands over for one scrape.
+#[derive(Debug)]
 pub struct PoolMetrics {
     /// Model names by counter row.
     pub models: Vec<String>,
+    /// Their version labels.
+    pub versions: Vec<String>,
     pub totals: Snapshot,
     /// (slot, pid, RSS bytes) of every live worker.
     pub workers: Vec<(usize, u32, Option<u64>)>,
@@ -144,45 +137,6 @@ pub fn render(m: &PoolMetrics) -> String {
     out
 }
 
-/// Serves `GET /metrics` on the admin listener; each scrape asks the loop for a snapshot.
-pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
-        let events = events.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                let events = events.clone();
-                async move {
-                    if request.uri().path() != "/metrics" {
-                        return Ok::<_, Infallible>(reply(StatusCode::NOT_FOUND, "try /metrics\n".into()));
-                    }
-                    let (tx, rx) = oneshot::channel();
-                    if events.send(Event::Scrape(tx)).is_err() {
-                        return Ok(reply(StatusCode::SERVICE_UNAVAILABLE, "stopping\n".into()));
-                    }
-                    Ok(match rx.await {
-                        Ok(text) => reply(StatusCode::OK, text),
-                        Err(_) => reply(StatusCode::SERVICE_UNAVAILABLE, "stopping\n".into()),
-                    })
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
-                warn!("metrics connection: {e}");
-            }
-        });
-    }
-}
-
-fn reply(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
-    response
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +145,7 @@ mod tests {
     fn label_values_are_escaped_and_rows_stay_within_the_counters() {
         let nine: Vec<String> = (0..9).map(|i| format!("m{i}")).collect();
         let text = render(&PoolMetrics {
+            versions: vec!["1".into(); 9],
             models: nine,
             totals: Snapshot::default(),
             workers: Vec::new(),

@@ -502,8 +502,10 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let stats = &self.state.stats;
         stats.in_flight(-1);
+        let seconds = self.started.elapsed().as_secs_f64();
         stats.count_request(self.model, self.endpoint, self.code);
-        stats.observe_latency(Latency::Request, self.model, self.started.elapsed().as_secs_f64());
+        stats.observe_latency(Latency::Request, self.model, seconds);
+        stats.answered(self.model, self.code, seconds);
     }
 }
 

@@ -37,17 +37,17 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::control::{self, ControlError, Replies, Request, Response};
-use crate::metrics::{self, PoolMetrics};
+use crate::metrics::PoolMetrics;
 use crate::status::{BatchSizes, Phase, PoolStatus, WorkerState, WorkerStatus};
 use crate::systemd::{self, Notifier};
-use crate::{signals, tcp, Event};
+use crate::{admin, signals, tcp, Event};
 
 mod guards;
 mod reload;
 mod report;
 
 use guards::recycle_threshold;
-use report::proc_status;
+use report::{proc_status, rows_of};
 
 /// A worker that served at least this long, and longer than its own boot took, was not
 /// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
@@ -237,7 +237,11 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin}: {e}")))?;
             info!("metrics on http://{admin}/metrics");
-            tokio::spawn(metrics::serve(listener, events.clone()));
+            let routes = admin::Admin {
+                repository: resolved.config.model_repository(),
+                model_control: resolved.config.admin.model_control,
+            };
+            tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
         let mut supervisor = Supervisor::new(resolved, events, activated)?;
         let result = supervisor.run(&mut queue).await;
@@ -357,7 +361,7 @@ impl Supervisor {
             Event::Exited { slot, pid, status } => self.on_exit(slot, pid, status),
             Event::Control(request, replies) => self.act(request, Some(replies)),
             Event::Scrape(reply) => {
-                let _ = reply.send(metrics::render(&self.metrics()));
+                let _ = reply.send(self.metrics());
             }
         }
     }
@@ -372,6 +376,14 @@ impl Supervisor {
                 Err(e) => Err(e),
             },
             Request::Scale { delta } => self.scale(delta).map(Response::message),
+            Request::Load { model, path } => match self.start_load(model, path, replies.clone()) {
+                Ok(()) => return,
+                Err(e) => Err(e),
+            },
+            Request::Unload { model } => match self.start_unload(model, replies.clone()) {
+                Ok(()) => return,
+                Err(e) => Err(e),
+            },
         };
         match &answer {
             Ok(r) => r.message.iter().for_each(|m| info!("{m}")),
@@ -447,7 +459,7 @@ impl Supervisor {
         let Some(slot) = self.slots.get_mut(index) else { return };
         let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
         let worker = slot.workers.remove(at);
-        self.retired.add(&worker.stats.snapshot().without_gauges());
+        self.retired.add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing {
             info!("worker {index} (pid {pid}) retired: {how}");

@@ -13,19 +13,85 @@ impl Supervisor {
         wait: bool,
         replies: Option<Replies>,
     ) -> Result<(), String> {
+        self.can_roll("reload")?;
+        let models = self.new_models(model, path)?;
+        self.roll(models, wait, replies);
+        Ok(())
+    }
+
+    /// Whether a rolling reload (`what`) may start now.
+    fn can_roll(&self, what: &str) -> Result<(), String> {
         if self.phase == Phase::Stopping || !self.booted {
-            return Err("reload refused: the pool is starting or stopping".into());
+            return Err(format!("{what} refused: the pool is starting or stopping"));
         }
         if self.reload.is_some() {
-            return Err("reload refused: a reload is already in progress".into());
+            return Err(format!("{what} refused: a reload is already in progress"));
         }
         // A reload replaces every slot; one that `scale -1` is draining must be gone first.
         if let Some(i) = self.slots.iter().position(|s| s.removing) {
             return Err(format!(
-                "reload refused: worker {i} is still draining from the last scale -1; retry once it is gone"
+                "{what} refused: worker {i} is still draining from the last scale -1; retry once it is gone"
             ));
         }
-        let models = self.new_models(model, path)?;
+        Ok(())
+    }
+
+    /// Triton's repository `load`: a model the pool serves is read again, as `reload --model`
+    /// does; another is added, from the repository or from the folder `path`, to every worker.
+    /// Answers once the last worker runs it.
+    pub(super) fn start_load(
+        &mut self,
+        model: String,
+        path: Option<PathBuf>,
+        replies: Option<Replies>,
+    ) -> Result<(), String> {
+        if self.models.iter().any(|m| m.name == model) {
+            return self.start_reload(Some(model), path, true, replies);
+        }
+        self.can_roll("load")?;
+        if self.models.len() >= MAX_MODELS {
+            return Err(format!(
+                "load refused: the pool serves {} models, the most one server counts (its shared counters have a row per model)",
+                self.models.len()
+            ));
+        }
+        let config = &self.resolved.config;
+        let entry = match &path {
+            Some(dir) if dir.is_dir() => ModelEntry::load_dir(dir, &model),
+            Some(other) => return Err(format!(
+                "load refused: {} is not a model folder (a model the server does not serve yet needs its model.toml)",
+                other.display()
+            )),
+            None => config.load_model(&model),
+        }
+        .and_then(|entry| config.batching.apply(entry))
+        .map_err(|e| format!("load refused: {e}"))?;
+        let mut models = self.models.clone();
+        models.push(entry);
+        self.roll(models, true, replies);
+        Ok(())
+    }
+
+    /// Triton's repository `unload`: every worker is replaced by one without the model. The
+    /// default model stays (requests that name no model go to it).
+    pub(super) fn start_unload(&mut self, model: String, replies: Option<Replies>) -> Result<(), String> {
+        self.can_roll("unload")?;
+        let Some(at) = self.models.iter().position(|m| m.name == model) else {
+            return Err(format!("unload refused: this server does not serve a model '{model}'"));
+        };
+        if at == 0 {
+            return Err(format!(
+                "unload refused: '{model}' is the default model (models.default), which requests without a model name go to"
+            ));
+        }
+        let mut models = self.models.clone();
+        models.remove(at);
+        self.roll(models, true, replies);
+        Ok(())
+    }
+
+    /// Starts replacing every slot, one by one, with workers running `models`.
+    fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) {
         self.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
         info!("reload to generation {}: {names}", self.generation);
@@ -40,7 +106,6 @@ impl Supervisor {
             Some(Reload { models, generation: self.generation, slot: 0, replies, wait, started: Instant::now() });
         self.replace_slot(0);
         self.update_phase();
-        Ok(())
     }
 
     /// The model list a reload installs.
@@ -98,6 +163,11 @@ impl Supervisor {
             return;
         }
         let reload = self.reload.take().expect("checked");
+        // The counters of exited workers follow the models into their rows in the new list
+        // (an unloaded model's are dropped; see `totals`).
+        let rows: Vec<Option<usize>> =
+            self.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
+        self.retired = self.retired.remapped(&rows);
         self.models = reload.models;
         self.reloads.0 += 1;
         let message = format!(

@@ -102,11 +102,12 @@ impl Supervisor {
         line
     }
 
-    /// The pool's counts: every exited worker's final counts plus the live workers' now.
+    /// The pool's counts: every exited worker's final counts plus the live workers' now, each
+    /// model in its row of the pool's model list (`self.models`).
     pub(super) fn totals(&self) -> Snapshot {
         let mut totals = self.retired.clone();
         for w in self.slots.iter().flat_map(|s| &s.workers) {
-            totals.add(&w.stats.snapshot());
+            totals.add(&w.stats.snapshot().remapped(&rows_of(&self.models, &w.models)));
         }
         totals
     }
@@ -118,7 +119,8 @@ impl Supervisor {
         let now = totals.request_latency_buckets();
         let (start, old) =
             self.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
-        let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a - b).collect();
+        // Saturating: the counts of a model that was unloaded leave the totals.
+        let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a.saturating_sub(*b)).collect();
         let total: u64 = delta.iter().sum();
         if total == 0 {
             return None;
@@ -149,6 +151,7 @@ impl Supervisor {
         }
         PoolMetrics {
             models: self.models.iter().map(|m| m.name.clone()).collect(),
+            versions: self.models.iter().map(|m| m.version.clone()).collect(),
             totals: self.totals(),
             workers: self
                 .slots
@@ -195,4 +198,10 @@ pub(super) fn proc_status(pid: u32) -> ProcStatus {
         private: kb("RssAnon:").map(|anon| anon + kb("RssShmem:").unwrap_or(0)),
         threads: field("Threads:"),
     }
+}
+
+/// Where the counter rows of a worker serving `served` (in its order) go in the pool's, which
+/// serves `pool`: a model the pool no longer serves is dropped.
+pub(super) fn rows_of(pool: &[ModelEntry], served: &[ModelInfo]) -> Vec<Option<usize>> {
+    served.iter().map(|m| pool.iter().position(|n| n.name == m.name)).collect()
 }

@@ -1,0 +1,330 @@
+//! The supervisor's HTTP listener (`admin.listen`; loopback by default): Prometheus metrics
+//! and Triton's statistics and model repository extensions.
+//!
+//! - `GET /metrics`: the Prometheus text ([`crate::metrics`]);
+//! - `GET /v2/models/stats`, `/v2/models/{name}[/versions/{v}]/stats`: Triton's statistics
+//!   (tritonclient's `get_inference_statistics`) from the pool's shared counters;
+//! - `POST /v2/repository/index`: every model folder of the repository, READY when the pool
+//!   serves it;
+//! - `POST /v2/repository/models/{name}/load` and `.../unload`: a rolling reload that adds,
+//!   reads again or removes the model (see `pool/reload.rs`), answered once every worker runs
+//!   the new list. Only with `admin.model_control = true`: these change what the public port
+//!   serves, so they stay off the public port altogether (whose clients are not the operator)
+//!   and need the operator's opt-in on this one, as Triton's `--model-control-mode=explicit`.
+
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use inferd_config::model::ModelEntry;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tracing::{info, warn};
+
+use crate::control;
+use crate::metrics::{self, PoolMetrics};
+use crate::Event;
+
+/// What the admin routes need besides the loop.
+pub struct Admin {
+    /// models.repository: the folders `repository/index` lists and `load` reads.
+    pub repository: PathBuf,
+    /// admin.model_control: `load` and `unload` are allowed.
+    pub model_control: bool,
+}
+
+type Reply = Response<Full<Bytes>>;
+
+pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, admin: Admin) {
+    let admin = Arc::new(admin);
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let (events, admin) = (events.clone(), admin.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let (events, admin) = (events.clone(), admin.clone());
+                async move { Ok::<_, Infallible>(route(request, &events, &admin).await) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
+                warn!("admin connection: {e}");
+            }
+        });
+    }
+}
+
+async fn route(request: Request<Incoming>, events: &mpsc::UnboundedSender<Event>, admin: &Admin) -> Reply {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let get = method == Method::GET || method == Method::HEAD;
+    match (get, method == Method::POST, segments.as_slice()) {
+        (true, _, ["metrics"]) => match snapshot(events).await {
+            Some(m) => text_reply(StatusCode::OK, metrics::render(&m)),
+            None => stopping(),
+        },
+        (true, _, ["v2", "models", "stats"]) => statistics(events, None, None).await,
+        (true, _, ["v2", "models", name, "stats"]) => statistics(events, Some(name), None).await,
+        (true, _, ["v2", "models", name, "versions", v, "stats"]) => statistics(events, Some(name), Some(v)).await,
+        (_, true, ["v2", "repository", "index"]) => match read_json(request).await {
+            Ok(body) => index(events, admin, body.get("ready").and_then(Value::as_bool).unwrap_or(false)).await,
+            Err(e) => e,
+        },
+        (_, true, ["v2", "repository", "models", name, action @ ("load" | "unload")]) => {
+            let name = name.to_string();
+            let load = *action == "load";
+            if !admin.model_control {
+                return error(
+                    StatusCode::FORBIDDEN,
+                    format!("model control is off: set admin.model_control = true to {action} models here"),
+                );
+            }
+            let body = match read_json(request).await {
+                Ok(body) => body,
+                Err(e) => return e,
+            };
+            let request = match load_request(name, load, &body) {
+                Ok(r) => r,
+                Err(message) => return error(StatusCode::BAD_REQUEST, message),
+            };
+            control_request(events, request).await
+        }
+        (false, false, _) => error(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} is not allowed on {path}")),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            format!("no route for {method} {path} (try /metrics, /v2/models/stats, /v2/repository/index)"),
+        ),
+    }
+}
+
+/// The pool's counters and models, from the loop.
+async fn snapshot(events: &mpsc::UnboundedSender<Event>) -> Option<PoolMetrics> {
+    let (tx, rx) = oneshot::channel();
+    events.send(Event::Scrape(tx)).ok()?;
+    rx.await.ok()
+}
+
+/// The control request a `load` or `unload` body asks for. Triton's `config` and `file:`
+/// parameters (a Triton model configuration, model files in the request) have no inferd
+/// counterpart: a model is a folder with its model.toml, named by `parameters.path` or found
+/// in the repository.
+fn load_request(model: String, load: bool, body: &Value) -> Result<control::Request, String> {
+    let parameters = match body.get("parameters") {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(p)) => p.clone(),
+        Some(other) => return Err(format!("'parameters' must be an object, got {other}")),
+    };
+    if !load {
+        // unload_dependents: inferd has no ensembles, so nothing depends on a model.
+        return Ok(control::Request::Unload { model });
+    }
+    let mut path = None;
+    for (key, value) in parameters {
+        match (key.as_str(), value) {
+            ("path", Value::String(p)) => path = Some(PathBuf::from(p)),
+            ("path", other) => return Err(format!("parameters.path must be a string, got {other}")),
+            ("config", _) => {
+                return Err("inferd does not take a Triton model configuration: give parameters.path, a folder with \
+                            the model's model.toml, or put the model in the repository"
+                    .into())
+            }
+            (k, _) if k.starts_with("file:") => {
+                return Err(format!("inferd does not take model files in the request ('{k}'): give parameters.path"))
+            }
+            _ => {}
+        }
+    }
+    Ok(control::Request::Load { model, path })
+}
+
+/// Sends a control request to the loop and answers with its final response.
+async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control::Request) -> Reply {
+    let (replies, mut answers) = mpsc::unbounded_channel();
+    if events.send(Event::Control(request, replies)).is_err() {
+        return stopping();
+    }
+    let mut last = None;
+    while let Some(answer) = answers.recv().await {
+        if answer.progress.is_none() {
+            last = Some(answer);
+            break;
+        }
+    }
+    match last {
+        Some(control::Response { ok: true, message, .. }) => {
+            let message = message.unwrap_or_default();
+            info!("admin: {message}");
+            json_reply(StatusCode::OK, &json!({ "message": message }))
+        }
+        // Refused before anything changed (unknown model, a reload in progress, ...), or the
+        // new workers failed and the pool keeps what it served.
+        Some(control::Response { error: Some(error), .. }) => {
+            let status =
+                if error.contains("refused") { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+            self::error(status, error)
+        }
+        _ => stopping(),
+    }
+}
+
+/// Triton's repository index: every folder of the repository with a model.toml, and every
+/// model the pool serves from elsewhere (`load` with a path).
+async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only: bool) -> Reply {
+    let Some(m) = snapshot(events).await else { return stopping() };
+    let mut entries: Vec<Value> = m
+        .models
+        .iter()
+        .zip(&m.versions)
+        .map(|(name, version)| json!({"name": name, "version": version, "state": "READY", "reason": ""}))
+        .collect();
+    if !ready_only {
+        let mut folders: Vec<String> = std::fs::read_dir(&admin.repository)
+            .map(|dir| dir.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        folders.sort();
+        for name in folders.into_iter().filter(|n| !m.models.contains(n)) {
+            if !admin.repository.join(&name).join(inferd_config::model::MODEL_CONFIG_FILE).is_file() {
+                continue;
+            }
+            let (version, reason) = match ModelEntry::load(&admin.repository, &name) {
+                Ok(entry) => (entry.version, "unloaded".to_string()),
+                Err(e) => (String::new(), e.to_string()),
+            };
+            entries.push(json!({"name": name, "version": version, "state": "UNAVAILABLE", "reason": reason}));
+        }
+    }
+    json_reply(StatusCode::OK, &Value::Array(entries))
+}
+
+/// Triton's statistics of one model (or every model) and version.
+async fn statistics(events: &mpsc::UnboundedSender<Event>, name: Option<&str>, version: Option<&str>) -> Reply {
+    let Some(m) = snapshot(events).await else { return stopping() };
+    let rows: Vec<usize> = match name {
+        None => (0..m.models.len()).collect(),
+        Some(name) => match m.models.iter().position(|n| n == name) {
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    format!("unknown model '{name}'; this server has {}", m.models.join(", ")),
+                )
+            }
+            Some(row) if version.is_some_and(|v| v != m.versions[row]) => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "model '{name}' has no version '{}'; it serves version '{}'",
+                        version.unwrap_or(""),
+                        m.versions[row]
+                    ),
+                )
+            }
+            Some(row) => vec![row],
+        },
+    };
+    let stats: Vec<Value> = rows.into_iter().map(|row| model_statistics(&m, row)).collect();
+    json_reply(StatusCode::OK, &json!({ "model_stats": stats }))
+}
+
+/// One model's statistics in Triton's shape. From inferd's counters: success and fail are
+/// requests answered 200 and otherwise with the time they took in the worker; queue and
+/// compute_infer are the per-request queue and model times; inference_count and
+/// execution_count are the rows run and the model calls (batches). inferd does not time input
+/// and output preparation apart from the request (compute_input and compute_output are 0), has
+/// no response cache (cache_hit, cache_miss 0), and its batch-size histogram has buckets, not
+/// sizes, so batch_stats is empty (the histogram is in /metrics).
+fn model_statistics(m: &PoolMetrics, row: usize) -> Value {
+    use inferd_config::stats::Latency;
+    let t = &m.totals;
+    let (ok, ok_seconds, failed, failed_seconds, last) = t.outcomes(row);
+    let duration = |count: u64, seconds: f64| json!({"count": count, "ns": (seconds * 1e9).round() as u64});
+    let queue = t.latency(Latency::Queue, row);
+    let compute = t.latency(Latency::Compute, row);
+    let batches = t.batch(row);
+    json!({
+        "name": m.models[row],
+        "version": m.versions[row],
+        "last_inference": last,
+        "inference_count": batches.sum as u64,
+        "execution_count": batches.count,
+        "inference_stats": {
+            "success": duration(ok, ok_seconds),
+            "fail": duration(failed, failed_seconds),
+            "queue": duration(queue.count, queue.sum),
+            "compute_input": duration(0, 0.0),
+            "compute_infer": duration(compute.count, compute.sum),
+            "compute_output": duration(0, 0.0),
+            "cache_hit": duration(0, 0.0),
+            "cache_miss": duration(0, 0.0),
+        },
+        "batch_stats": [],
+    })
+}
+
+/// A small JSON body (an empty one is `{}`).
+async fn read_json(request: Request<Incoming>) -> Result<Value, Reply> {
+    let bytes = Limited::new(request.into_body(), 64 * 1024)
+        .collect()
+        .await
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("could not read the request body (at most 64 KiB): {e}")))?
+        .to_bytes();
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(json!({}));
+    }
+    match serde_json::from_slice::<Value>(&bytes) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err(error(StatusCode::BAD_REQUEST, "the request body must be a JSON object".into())),
+        Err(e) => Err(error(StatusCode::BAD_REQUEST, format!("the request body is not JSON: {e}"))),
+    }
+}
+
+fn json_reply(status: StatusCode, body: &Value) -> Reply {
+    let mut response = Response::new(Full::new(Bytes::from(serde_json::to_vec(body).expect("json"))));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+fn text_reply(status: StatusCode, body: String) -> Reply {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    response
+}
+
+/// Triton's error shape.
+fn error(status: StatusCode, message: String) -> Reply {
+    json_reply(status, &json!({ "error": message }))
+}
+
+fn stopping() -> Reply {
+    error(StatusCode::SERVICE_UNAVAILABLE, "the supervisor is stopping".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_bodies_become_control_requests_or_name_the_problem() {
+        let r = load_request("m".into(), true, &json!({})).unwrap();
+        assert!(matches!(r, control::Request::Load { ref model, path: None } if model == "m"));
+        let r = load_request("m".into(), true, &json!({"parameters": {"path": "/srv/m"}})).unwrap();
+        assert!(matches!(r, control::Request::Load { path: Some(ref p), .. } if p == &PathBuf::from("/srv/m")));
+        let r = load_request("m".into(), false, &json!({"parameters": {"unload_dependents": true}})).unwrap();
+        assert!(matches!(r, control::Request::Unload { ref model } if model == "m"));
+        for (body, words) in [
+            (json!({"parameters": {"config": "{}"}}), "Triton model configuration"),
+            (json!({"parameters": {"file:1/model.onnx": "AAAA"}}), "'file:1/model.onnx'"),
+            (json!({"parameters": {"path": 3}}), "parameters.path must be a string"),
+            (json!({"parameters": []}), "'parameters' must be an object"),
+        ] {
+            let err = load_request("m".into(), true, &body).unwrap_err();
+            assert!(err.contains(words), "{err}");
+        }
+    }
+}

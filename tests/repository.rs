@@ -1,0 +1,82 @@
+//! Triton's model repository and statistics extensions on the admin listener: tritonclient.http
+//! lists, loads and unloads models (rolling reloads) and reads the pool's statistics
+//! (tests/clients/triton_repository_check.py); load and unload stay off unless
+//! admin.model_control turns them on.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// `typed` (the default), `classifier` and `slow` served from a repository that also holds
+/// `reranker`; `admin` is added to the [admin] section.
+fn server(tag: &str, admin: &str) -> Server {
+    let dir = TempDir::new(tag);
+    let repository = dir.path().join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    for name in ["typed", "classifier", "slow", "reranker"] {
+        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
+    }
+    let port = free_port();
+    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", &format!("[admin]\n{admin}\n"));
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    server
+}
+
+fn admin_post(server: &Server, path: &str, body: &str) -> Response {
+    request(server.admin_addr(), "POST", path, &[], body.as_bytes()).unwrap()
+}
+
+#[test]
+fn tritonclient_loads_unloads_and_reads_statistics() {
+    let python = repo().join(".venv/bin/python");
+    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
+    let server = server("repository", "model_control = true");
+    let out = std::process::Command::new(python)
+        .arg(repo().join("tests/clients/triton_repository_check.py"))
+        .args([server.admin_addr().to_string(), server.addr.to_string()])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "repository check failed:\n{text}\nserver log:\n{}", server.log());
+    assert!(text.contains("repository: all checks passed"), "{text}");
+    // Two rolling reloads (load, unload); the refused ones changed nothing.
+    let status = server.status();
+    assert_eq!(status["generation"], 3, "{status}");
+    assert_eq!(status["reloads_succeeded"], 2, "{status}");
+    let models: Vec<&str> =
+        status["workers"][0]["models"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(models, ["typed", "slow", "reranker"], "{status}");
+    // The metrics follow the models: classifier's series are gone, typed's counts stayed.
+    let metrics = server.metrics_text();
+    assert!(!metrics.contains("model=\"classifier\""), "{metrics}");
+    let line = "inferd_requests_total{model=\"typed\",endpoint=\"infer\",code=\"200\"}";
+    assert_eq!(metric_value(&metrics, line), Some(3.0), "{metrics}");
+}
+
+#[test]
+fn load_and_unload_stay_off_unless_model_control_is_on() {
+    let server = server("repository-off", "");
+    for action in ["load", "unload"] {
+        let r = admin_post(&server, &format!("/v2/repository/models/slow/{action}"), "");
+        assert_eq!(r.status, 403, "{action}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains("admin.model_control = true"), "{}", r.error());
+    }
+    // Reading stays open: the index and the statistics.
+    let r = admin_post(&server, "/v2/repository/index", "{\"ready\": true}");
+    assert_eq!(r.status, 200);
+    let index = r.json();
+    let names: Vec<&str> = index.as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["typed", "classifier", "slow"], "ready only: reranker is not listed");
+    let r = request(server.admin_addr(), "GET", "/v2/models/stats", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["model_stats"].as_array().unwrap().len(), 3);
+    let r = admin_post(&server, "/v2/repository/index", "[1]");
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("JSON object"), "{}", r.error());
+    assert_eq!(server.status()["generation"], 1, "nothing was reloaded");
+}
