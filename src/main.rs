@@ -10,11 +10,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use inferd_config::cpu::format_cpus;
 use inferd_config::file::LogFormat;
 use inferd_config::model::BatchingOverride;
-use inferd_config::{Config, Overrides, Resolved};
+use inferd_config::{Config, Overrides};
 use inferd_supervisor::control::{self, Request};
+use inferd_supervisor::plan::cpu::format_cpus;
+use inferd_supervisor::plan::Resolved;
 
 /// A production server for ONNX models: one supervisor, K pinned worker processes, one port.
 #[derive(Parser)]
@@ -45,7 +46,7 @@ enum Command {
     #[command(hide = true)]
     Worker {
         /// Descriptor of the supervisor's socketpair.
-        #[arg(long, default_value_t = inferd_config::spec::WORKER_CONTROL_FD)]
+        #[arg(long, default_value_t = inferd_ipc::spec::WORKER_CONTROL_FD)]
         fd: i32,
     },
 }
@@ -283,7 +284,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024);
-    let budget = inferd_config::memory::MemoryBudget::detect();
+    let budget = inferd_supervisor::plan::memory::MemoryBudget::detect();
     let (k, mib) = (plan.workers.len() as u64, |b: u64| b >> 20);
     println!("memory:          {}", budget.describe());
     println!(

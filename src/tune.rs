@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::{ModelEntry, Task, MODEL_CONFIG_FILE};
-use inferd_config::{Config, Resolved};
+use inferd_config::Config;
 use inferd_supervisor::control::{self, Request};
+use inferd_supervisor::plan::Resolved;
 
 /// The sentence text models are loaded with (17 tokens for MiniLM's tokenizer).
 const SENTENCE: &str = "The quick brown fox jumps over the lazy dog while the cat sleeps.";

@@ -105,7 +105,9 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
         f(&mut inputs);
         infer_body(Value::Array(inputs))
     };
-    let cases: Vec<(&str, &str, &str, Vec<u8>, u16, &str)> = vec![
+    // (case, method, path, body, status, words of the error)
+    type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "wrong dtype",
             "POST",

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::MAX_MODELS;
 use crate::model::{BatchingOverride, ModelEntry};
-use crate::stats::MAX_MODELS;
 
 /// Name of the configuration file looked for when `--config` is not given.
 pub const CONFIG_FILE_NAME: &str = "inferd.toml";

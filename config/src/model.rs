@@ -36,6 +36,8 @@ use serde::{Deserialize, Serialize};
 use crate::ConfigError;
 
 pub const MODEL_CONFIG_FILE: &str = "model.toml";
+/// The most models one server serves: the counters workers share have a row for each.
+pub const MAX_MODELS: usize = 8;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::file::{LogConfig, ServerConfig};
-use crate::model::ModelEntry;
+use inferd_config::file::{Allocator, LogConfig, ServerConfig};
+use inferd_config::model::ModelEntry;
 
 /// File descriptor of the worker's end of the socketpair.
 pub const WORKER_CONTROL_FD: i32 = 3;
@@ -57,7 +57,7 @@ pub struct WorkerSpec {
     pub weights_cache: Option<PathBuf>,
     /// `runtime.allocator`.
     #[serde(default)]
-    pub allocator: crate::file::Allocator,
+    pub allocator: Allocator,
     /// Fds [`WORKER_HANDOFF_SEND_FD`] and [`WORKER_HANDOFF_RECV_FD`] are the pool's
     /// hand-off socket.
     #[serde(default)]

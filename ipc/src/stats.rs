@@ -15,8 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// File descriptor of the counters in a worker.
 pub const WORKER_STATS_FD: i32 = 4;
 
-/// Models with counters of their own; requests for other names count as the last one.
-pub const MAX_MODELS: usize = 8;
+/// Models with counters of their own (the most one server serves, checked by the config);
+/// requests for other names count as the last row.
+pub use inferd_config::model::MAX_MODELS;
 const MODEL_ROWS: usize = MAX_MODELS + 1;
 pub const ENDPOINTS: [&str; 3] = ["infer", "embed", "predict"];
 /// Status codes counted apart; any other counts as the last ("other").

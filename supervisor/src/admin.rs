@@ -238,7 +238,7 @@ async fn statistics(events: &mpsc::UnboundedSender<Event>, name: Option<&str>, v
 /// no response cache (cache_hit, cache_miss 0), and its batch-size histogram has buckets, not
 /// sizes, so batch_stats is empty (the histogram is in /metrics).
 fn model_statistics(m: &PoolMetrics, row: usize) -> Value {
-    use inferd_config::stats::Latency;
+    use inferd_ipc::stats::Latency;
     let t = &m.totals;
     let (ok, ok_seconds, failed, failed_seconds, last) = t.outcomes(row);
     let duration = |count: u64, seconds: f64| json!({"count": count, "ns": (seconds * 1e9).round() as u64});

@@ -1,8 +1,9 @@
 //! inferd-supervisor: the process that owns the pool. It never loads ONNX Runtime and never
-//! serves inference; it starts K workers (each a fresh exec of the `inferd` binary), restarts
-//! them when they die, answers the control socket and Prometheus scrapes (`GET /metrics` on
-//! the admin listener), tells systemd how the pool is (sd_notify), and stops them on
-//! SIGTERM/SIGINT.
+//! serves inference; it plans the pool from the configuration and the machine ([`plan`]: CPU
+//! placement, memory budget), starts K workers (each a fresh exec of the `inferd` binary),
+//! restarts them when they die, answers the control socket and the admin listener (Prometheus
+//! `GET /metrics`, Triton's statistics and model repository), tells systemd how the pool is
+//! (sd_notify), and stops them on SIGTERM/SIGINT.
 //!
 //! One loop, events in, decisions out ([`pool::Supervisor::run`]): signal handlers, control
 //! connections, metrics scrapes, worker messages and worker exits only enqueue an [`Event`];
@@ -15,6 +16,7 @@
 mod admin;
 pub mod control;
 mod metrics;
+pub mod plan;
 pub mod pool;
 mod signals;
 pub mod status;
@@ -23,7 +25,7 @@ mod tcp;
 
 use std::process::ExitStatus;
 
-use inferd_config::spec::WorkerMessage;
+use inferd_ipc::spec::WorkerMessage;
 
 pub use pool::{run, SupervisorError};
 

@@ -2,16 +2,14 @@
 //! (`GET /metrics`, see [`crate::admin`]).
 //!
 //! Request counts and latency histograms come from the counters each worker shares with the
-//! supervisor (see `inferd_config::stats`): those of live workers plus the final counts of
+//! supervisor (see `inferd_ipc::stats`): those of live workers plus the final counts of
 //! every worker that has exited, so a SIGKILLed worker does not take its counts with it.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use inferd_config::spec::ModelInfo;
-use inferd_config::stats::{
-    Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS, MAX_MODELS,
-};
+use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::stats::{Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS, MAX_MODELS};
 
 /// What the loop hands over for one scrape.
 #[derive(Debug)]

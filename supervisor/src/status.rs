@@ -2,8 +2,8 @@
 
 use std::fmt::Write;
 
-use inferd_config::cpu::format_cpus;
-use inferd_config::spec::ModelInfo;
+use crate::plan::cpu::format_cpus;
+use inferd_ipc::spec::ModelInfo;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 //! `server.grpc_listen` by every worker beside its HTTP port.
 //!
 //! A request takes the same path as a REST one once decoded: the model lookup, the counters
-//! (endpoint `infer`), the pipeline or raw tensors ([`crate::http::run_parsed`]), deadlines,
+//! (endpoint `infer`), the pipeline or raw tensors ([`crate::infer::run_parsed`]), deadlines,
 //! backpressure and the body budget. Errors are gRPC status codes carrying the same messages as
 //! the REST answers ([`status`]).
 
@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
-use crate::http::{self, Answer, ApiError, AppState, Inferred};
-use crate::model::{ModelMeta, Tensor};
+use crate::app::{self, Answer, ApiError, AppState};
+use crate::infer::{self, Inferred};
+use crate::model::ModelMeta;
 use crate::protocol::{self, InputTensor, Parsed, WantedOutput};
-use crate::tensor::{DataType, TensorData};
+use crate::tensor::{DataType, Tensor, TensorData};
 
 /// The code generated from worker/proto/grpc_predict_v2.proto.
 pub mod proto {
@@ -60,7 +61,7 @@ pub fn status(e: ApiError) -> Status {
 
 /// A model by name; an empty version means the one served.
 fn find<'a>(state: &'a AppState, name: &str, version: &str) -> Result<(usize, &'a ModelMeta), ApiError> {
-    http::model(state, name, Some(version).filter(|v| !v.is_empty()))
+    app::model(state, name, Some(version).filter(|v| !v.is_empty()))
 }
 
 #[tonic::async_trait]
@@ -118,16 +119,16 @@ impl GrpcInferenceService for Grpc {
         let request = request.into_inner();
         let (model, version) = (request.model_name.clone(), request.model_version.clone());
         let found = find(state, &model, &version);
-        let row = http::found_index(&found);
+        let row = app::found_index(&found);
         let work = async {
             let (index, meta) = found?;
             let _budget = claim_budget(state, &request)?;
             let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
-            let inferred = http::run_parsed(state, index, meta, parsed, deadline).await?;
+            let inferred = infer::run_parsed(state, index, meta, parsed, deadline).await?;
             Ok(Infer(encode(meta, inferred, raw)))
         };
-        let result = http::counted(state, row, 0, work).await;
+        let result = app::counted(state, row, 0, work).await;
         if state.access_log {
             let code = result.as_ref().map_or_else(|e| e.status().as_u16(), Answer::code);
             tracing::info!(
@@ -161,7 +162,7 @@ fn metadata(meta: &ModelMeta) -> proto::ModelMetadataResponse {
         datatype: datatype.into(),
         shape: shape.to_vec(),
     };
-    let (inputs, outputs) = match http::pipeline_io(meta) {
+    let (inputs, outputs) = match infer::pipeline_io(meta) {
         Some((input, outputs)) => (
             vec![tensor(input, "BYTES", &[-1])],
             outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape)).collect(),
@@ -459,7 +460,7 @@ mod tests {
     fn fp16_outputs_go_raw() {
         let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
         let meta = ModelMeta {
-            info: inferd_config::spec::ModelInfo {
+            info: inferd_ipc::spec::ModelInfo {
                 name: "m".into(),
                 version: "1".into(),
                 sha256: "00".into(),

@@ -7,7 +7,7 @@
 //! reload. inferd instead hands them over: a retiring worker (SIGUSR1) stops each connection
 //! at a request boundary, takes back its socket and whatever bytes hyper had already read,
 //! and sends both through the pool's hand-off socket (a SOCK_SEQPACKET socketpair the
-//! supervisor holds open, fds 6 and 7 of every worker; see `inferd_config::spec`); a serving
+//! supervisor holds open, fds 6 and 7 of every worker; see `inferd_ipc::spec`); a serving
 //! sibling receives them and carries on serving the connection as if it had accepted it. The
 //! client sees nothing: its socket is never closed.
 

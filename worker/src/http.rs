@@ -1,5 +1,5 @@
-//! HTTP routing for one worker: KServe v2 REST, the TEI-compatible `/embed` and `/predict`,
-//! and the one mapping from errors to status codes ([`ApiError::status`]).
+//! HTTP routing for one worker: KServe v2 REST, text-embeddings-inference's and OpenAI's routes
+//! (handled in `tei` and `openai`), and each protocol's error bodies.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -7,127 +7,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use base64::Engine as _;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Request, StatusCode};
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
 
 use inferd_config::model::Task;
-use inferd_config::stats::{Latency, Shared, MAX_MODELS};
 
-use crate::engine::{Engine, Join};
-use crate::model::{ModelError, ModelMeta, Tensor};
-use crate::pipeline::{Head, Pipeline, Text};
-use crate::protocol::{self, Parsed};
-use crate::tasks::{self, Options, PipelineInput, Rows};
-use crate::tensor::TensorData;
+use crate::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
+use crate::infer::{pipeline_io, run_parsed};
+use crate::model::ModelMeta;
+use crate::protocol;
+use crate::tasks;
+use crate::tensor::Tensor;
 use crate::{openai, tei};
-
-/// Everything a request handler may touch.
-pub struct AppState {
-    pub worker: usize,
-    /// The default model first.
-    pub models: Vec<ModelMeta>,
-    pub engine: Engine,
-    pub max_body_bytes: u64,
-    pub max_batch_inputs: usize,
-    /// How long a client may take to send its body (server.body_timeout_secs).
-    pub body_timeout: std::time::Duration,
-    /// Bytes of request bodies the worker may hold at once (server.max_body_bytes_in_flight).
-    pub body_budget: Arc<tokio::sync::Semaphore>,
-    pub body_budget_total: u64,
-    /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
-    pub ready: AtomicBool,
-    /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
-    pub stats: Arc<Shared>,
-    /// log.access_log: one line per answered request.
-    pub access_log: bool,
-    pub request_ids: RequestIds,
-}
-
-/// Request ids for requests that come without a usable `X-Request-Id`: 16 hex digits, from a
-/// per-process random key (std's hasher keys) and a counter.
-#[derive(Default)]
-pub struct RequestIds {
-    key: std::collections::hash_map::RandomState,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl RequestIds {
-    /// The client's id when it is one (1-128 visible ASCII characters), else a new one.
-    fn for_request(&self, given: Option<&HeaderValue>) -> HeaderValue {
-        let usable = |v: &&HeaderValue| (1..=128).contains(&v.len()) && v.as_bytes().iter().all(u8::is_ascii_graphic);
-        if let Some(v) = given.filter(usable) {
-            return v.clone();
-        }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let id = std::hash::BuildHasher::hash_one(&self.key, (std::process::id(), n));
-        HeaderValue::from_str(&format!("{id:016x}")).expect("hex digits")
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ApiError {
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    TooLarge(String),
-    #[error("method {0} is not allowed on {1}")]
-    MethodNotAllowed(Method, String),
-    /// Backpressure: answered at once with 503 and Retry-After.
-    #[error("{0}")]
-    Overloaded(String),
-    #[error("{0}")]
-    Timeout(String),
-    #[error("{0}")]
-    DeadlineExceeded(String),
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl ApiError {
-    /// The only place an error becomes a status code.
-    pub fn status(&self) -> StatusCode {
-        match self {
-            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-}
-
-impl From<ModelError> for ApiError {
-    fn from(e: ModelError) -> Self {
-        match e {
-            ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
-            ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
-            ModelError::DeadlineExceeded { .. } | ModelError::Stopped { .. } => {
-                ApiError::DeadlineExceeded(e.to_string())
-            }
-            _ => ApiError::Internal(e.to_string()),
-        }
-    }
-}
-
-pub type Reply = Response<Full<Bytes>>;
-
-pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
 
 fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
     let body = match style {
@@ -440,75 +336,6 @@ fn deadline(request: &Request<Incoming>) -> Result<Option<Instant>, ApiError> {
     Ok(Some(Instant::now() + std::time::Duration::from_millis(ms)))
 }
 
-/// The counter row of a looked-up model (unknown models share the last one).
-pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
-    found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
-}
-
-/// Counts an inference request (by model, endpoint — an index of
-/// `inferd_config::stats::ENDPOINTS` — and status code) and its latency in the counters the
-/// supervisor reads, before the response is written: a client that got an answer was counted,
-/// even if the worker is killed the next instant. A client that goes away first (hyper drops
-/// this future) is counted as 499, and its request leaves `in_flight` all the same.
-pub async fn counted<T: Answer>(
-    state: &AppState,
-    model: usize,
-    endpoint: usize,
-    work: impl std::future::Future<Output = Result<T, ApiError>>,
-) -> Result<T, ApiError> {
-    let mut guard = InFlight::enter(state, model, endpoint);
-    let result = work.await;
-    guard.answered(match &result {
-        Ok(answer) => answer.code(),
-        Err(e) => e.status().as_u16(),
-    });
-    result
-}
-
-/// The status code an answer is counted under.
-pub trait Answer {
-    fn code(&self) -> u16;
-}
-
-impl Answer for Reply {
-    fn code(&self) -> u16 {
-        self.status().as_u16()
-    }
-}
-
-/// Status counted for a request whose client closed the connection before the answer.
-pub const CLIENT_CLOSED: u16 = 499;
-
-struct InFlight<'a> {
-    state: &'a AppState,
-    model: usize,
-    endpoint: usize,
-    started: Instant,
-    code: u16,
-}
-
-impl<'a> InFlight<'a> {
-    fn enter(state: &'a AppState, model: usize, endpoint: usize) -> InFlight<'a> {
-        state.stats.in_flight(1);
-        InFlight { state, model, endpoint, started: Instant::now(), code: CLIENT_CLOSED }
-    }
-
-    fn answered(&mut self, code: u16) {
-        self.code = code;
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        let stats = &self.state.stats;
-        stats.in_flight(-1);
-        let seconds = self.started.elapsed().as_secs_f64();
-        stats.count_request(self.model, self.endpoint, self.code);
-        stats.observe_latency(Latency::Request, self.model, seconds);
-        stats.answered(self.model, self.code, seconds);
-    }
-}
-
 /// `x-inferd-model-version: <version label>+<sha256 prefix>`: which model answered, so a
 /// client can see a rolling reload arrive.
 fn versioned(mut reply: Reply, meta: &ModelMeta) -> Reply {
@@ -549,21 +376,6 @@ fn model_metadata(meta: &ModelMeta) -> Reply {
         })
     });
     json_reply(StatusCode::OK, serde_json::to_vec(&protocol::ModelMetadata::of(meta, pipeline)).expect("json"))
-}
-
-/// Finds a model by name (and version, when the path names one).
-pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
-    let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
-        let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
-        ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))
-    })?;
-    match version {
-        Some(v) if v != meta.info.version => Err(ApiError::NotFound(format!(
-            "model '{name}' has no version '{v}'; it serves version '{}'",
-            meta.info.version
-        ))),
-        _ => Ok((index, meta)),
-    }
 }
 
 /// The whole body, refusing more than `server.max_body_bytes` (early when Content-Length says so).
@@ -646,47 +458,6 @@ async fn infer(
     Ok(reply)
 }
 
-/// A v2 request's answer before it is encoded (as JSON and binary data, or as protobuf).
-pub struct Inferred {
-    pub id: Option<String>,
-    pub outputs: Vec<Tensor>,
-    /// (index into `outputs`, binary): the outputs asked for, in the order asked.
-    pub selection: Vec<(usize, bool)>,
-    /// How a pipeline ran the request (for the Server-Timing header); `None` for raw tensors.
-    pub outcome: Option<tasks::Outcome>,
-}
-
-/// Runs a parsed v2 request, REST or gRPC: one BYTES input named as the pipeline's goes
-/// through the model's pipeline (text or image), anything else to the model's own tensors.
-pub async fn run_parsed(
-    state: &AppState,
-    index: usize,
-    meta: &ModelMeta,
-    parsed: Parsed,
-    deadline: Option<Instant>,
-) -> Result<Inferred, ApiError> {
-    let model = &meta.info.name;
-    if let Some((input_name, outputs)) = pipeline_io(meta) {
-        if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
-            let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
-            let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
-            let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
-            let id = parsed.id.clone();
-            let input = pipeline_input(meta, parsed)?;
-            let outcome =
-                tasks::run(state, index, meta, input, Options { truncate, deadline, ..Options::default() }).await?;
-            let outputs = pipeline_tensors(&outcome.rows);
-            return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
-        }
-    }
-    let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
-    let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
-    let id = parsed.id.clone();
-    let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
-    Ok(Inferred { id, outputs, selection, outcome: None })
-}
-
 fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
     let (body, header_length) = protocol::infer_response(meta, id, outputs, selection);
     let mut reply = json_reply(StatusCode::OK, body);
@@ -696,115 +467,4 @@ fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selec
         headers.insert(protocol::HEADER_LENGTH, HeaderValue::from(n));
     }
     reply
-}
-
-pub type OutputSpec = (&'static str, &'static str, Vec<i64>);
-
-/// The BYTES input a pipelined model takes through `/infer`, and the outputs it returns.
-pub fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
-    let input = match &*meta.pipeline {
-        Pipeline::Raw => return None,
-        Pipeline::Text(_) => "text",
-        Pipeline::Image(_) => "image",
-    };
-    let outputs = match meta.pipeline.head()? {
-        Head::Embedding { .. } => vec![("embedding", "FP32", vec![-1, -1])],
-        Head::Classification { labels, .. } => vec![
-            ("label", "BYTES", vec![-1]),
-            ("score", "FP32", vec![-1]),
-            ("probabilities", "FP32", vec![-1, labels.len() as i64]),
-        ],
-    };
-    Some((input, outputs))
-}
-
-/// The pipeline's input from a one-tensor request: UTF-8 texts, or encoded images (raw bytes
-/// when sent as binary data, base64 when sent as JSON strings).
-fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput, ApiError> {
-    let input = parsed.inputs.remove(0);
-    let name = input.tensor.name;
-    let TensorData::Bytes(items) = input.tensor.data else {
-        return Err(ApiError::BadRequest(format!(
-            "input '{name}': expected BYTES, got {}",
-            input.tensor.data.dtype().name()
-        )));
-    };
-    if !matches!(input.tensor.shape.as_slice(), [_] | [_, 1]) {
-        return Err(ApiError::BadRequest(format!(
-            "input '{name}': expected shape [n] or [n,1], got {}",
-            protocol::shape_text(&input.tensor.shape)
-        )));
-    }
-    let bad = |i: usize, what: &str| ApiError::BadRequest(format!("input '{name}': element {i} is not {what}"));
-    match &*meta.pipeline {
-        Pipeline::Text(_) => items
-            .into_iter()
-            .enumerate()
-            .map(|(i, b)| String::from_utf8(b).map(Text::Single).map_err(|_| bad(i, "UTF-8 text")))
-            .collect::<Result<_, _>>()
-            .map(PipelineInput::Texts),
-        _ if input.binary => Ok(PipelineInput::Images(items)),
-        _ => items
-            .into_iter()
-            .enumerate()
-            .map(|(i, b)| {
-                base64::engine::general_purpose::STANDARD.decode(b.trim_ascii()).map_err(|_| bad(i, "base64"))
-            })
-            .collect::<Result<_, _>>()
-            .map(PipelineInput::Images),
-    }
-}
-
-/// The pipeline's result as v2 output tensors, named as [`pipeline_io`] lists them.
-fn pipeline_tensors(rows: &Rows) -> Vec<Tensor> {
-    match rows {
-        Rows::Embeddings(rows) => {
-            let dim = rows.first().map_or(0, Vec::len);
-            vec![Tensor {
-                name: "embedding".into(),
-                shape: vec![rows.len() as i64, dim as i64],
-                data: TensorData::F32(rows.concat()),
-            }]
-        }
-        Rows::Tokens(rows) => {
-            // Padded to the longest input (not asked for by any v2 route today).
-            let width = rows.iter().map(Vec::len).max().unwrap_or(0);
-            let dim = rows.iter().flatten().next().map_or(0, Vec::len);
-            let mut data = vec![0f32; rows.len() * width * dim];
-            for (r, tokens) in rows.iter().enumerate() {
-                for (t, vector) in tokens.iter().enumerate() {
-                    data[(r * width + t) * dim..][..dim].copy_from_slice(vector);
-                }
-            }
-            vec![Tensor {
-                name: "token_embeddings".into(),
-                shape: vec![rows.len() as i64, width as i64, dim as i64],
-                data: TensorData::F32(data),
-            }]
-        }
-        Rows::Scores { labels, scores } => {
-            let n = scores.len() as i64;
-            let best: Vec<usize> = scores
-                .iter()
-                .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i))
-                .collect();
-            vec![
-                Tensor {
-                    name: "label".into(),
-                    shape: vec![n],
-                    data: TensorData::Bytes(best.iter().map(|&i| labels[i].as_bytes().to_vec()).collect()),
-                },
-                Tensor {
-                    name: "score".into(),
-                    shape: vec![n],
-                    data: TensorData::F32(best.iter().zip(scores).map(|(&i, row)| row[i]).collect()),
-                },
-                Tensor {
-                    name: "probabilities".into(),
-                    shape: vec![n, labels.len() as i64],
-                    data: TensorData::F32(scores.concat()),
-                },
-            ]
-        }
-    }
 }

@@ -3,10 +3,15 @@
 //! over gRPC on a second shared port when `server.grpc_listen` is set).
 //!
 //! Layout:
-//! - [`server`]: boot sequence, listener, accept loop, graceful drain, reports to the supervisor;
-//! - [`http`]: routing and the one error-to-status mapping;
+//! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the supervisor;
+//! - [`app`]: what every handler shares: the worker's state, the one error type and its status
+//!   codes, model lookup, request counting;
+//! - [`http`]: REST routing and error bodies; [`tei`] and [`openai`]: those APIs' handlers;
 //! - [`protocol`]: v2 JSON request validation and response bodies;
 //! - [`grpc`]: the same protocol over gRPC (`inference.GRPCInferenceService`);
+//! - [`infer`]: a parsed v2 request run through the pipeline or the model's tensors (REST and
+//!   gRPC); [`tasks`]: pipelined requests (texts, images) through the engine;
+//! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
 //! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
@@ -21,10 +26,12 @@
 //! Must not touch: other workers, the supervisor's state, the process table.
 
 pub mod allocator;
+pub mod app;
 pub mod engine;
 pub mod grpc;
 pub mod handoff;
 pub mod http;
+pub mod infer;
 pub mod model;
 pub mod openai;
 pub mod pipeline;

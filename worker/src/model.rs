@@ -12,16 +12,15 @@ use std::sync::{Arc, OnceLock};
 
 use inferd_config::file::Allocator;
 use inferd_config::model::{ModelEntry, Task};
-use inferd_config::spec::ModelInfo;
+use inferd_ipc::spec::ModelInfo;
 use ort::environment::Environment;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::session::Session;
 use ort::value::ValueType;
-use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::pipeline::Pipeline;
-use crate::tensor::{element_count, ort_type_name, DataType, TensorData};
+use crate::tensor::{element_count, ort_type_name, DataType, Tensor, TensorData, TensorSpec};
 use crate::weights::{self, Weights};
 
 #[derive(Debug, thiserror::Error)]
@@ -48,25 +47,6 @@ pub enum ModelError {
     DeadlineExceeded { waited: std::time::Duration },
     #[error("model '{model}' ran longer than server.request_timeout_secs = {limit} s and was stopped")]
     Stopped { model: String, limit: f64 },
-}
-
-/// A named tensor.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tensor {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub data: TensorData,
-}
-
-/// An input or output as the model declares it; -1 marks a dynamic dimension.
-#[derive(Debug, Clone, Serialize)]
-pub struct TensorSpec {
-    pub name: String,
-    pub datatype: String,
-    pub shape: Vec<i64>,
-    /// `None` when inferd cannot carry this element type.
-    #[serde(skip)]
-    pub dtype: Option<DataType>,
 }
 
 /// What the HTTP side needs to know about a model; shared, read-only.

@@ -20,7 +20,7 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use crate::http::{json_reply, ApiError, AppState, Reply};
+use crate::app::{json_reply, ApiError, AppState, Reply};
 use crate::model::ModelMeta;
 use crate::pipeline::{l2_normalize, Head, Text};
 use crate::tasks::{self, Options, PipelineInput, Rows};

@@ -12,8 +12,8 @@ use image::{ImageFormat, ImageReader};
 use inferd_config::model::{Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Task};
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
-use crate::model::{Tensor, TensorSpec};
 use crate::tensor::{DataType, TensorData};
+use crate::tensor::{Tensor, TensorSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {

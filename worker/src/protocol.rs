@@ -8,8 +8,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::model::{ModelMeta, Tensor, TensorSpec};
-use crate::tensor::{element_count, DataType, TensorData};
+use crate::model::ModelMeta;
+use crate::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
 
 /// Header of the binary tensor data extension: the length of the JSON part of the body.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -356,7 +356,7 @@ impl<'a> ModelMetadata<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inferd_config::spec::ModelInfo;
+    use inferd_ipc::spec::ModelInfo;
 
     fn meta() -> ModelMeta {
         use inferd_config::model::Task;
@@ -376,8 +376,11 @@ mod tests {
         }
     }
 
-    /// Parses and validates like the raw `/infer` path: (id, inputs, output selection).
-    fn parse_raw(body: &str) -> Result<(Option<String>, Vec<Tensor>, Vec<(usize, bool)>), String> {
+    /// (id, inputs, output selection).
+    type Checked = (Option<String>, Vec<Tensor>, Vec<(usize, bool)>);
+
+    /// Parses and validates like the raw `/infer` path.
+    fn parse_raw(body: &str) -> Result<Checked, String> {
         let meta = meta();
         let parsed = parse(body.as_bytes(), None)?;
         let available: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();

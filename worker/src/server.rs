@@ -12,19 +12,20 @@ use std::time::Duration;
 use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use inferd_config::spec::{
+use inferd_ipc::spec::{
     FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD,
     WORKER_LISTENER_FD,
 };
-use inferd_config::stats::{Shared, WORKER_STATS_FD};
+use inferd_ipc::stats::{Shared, WORKER_STATS_FD};
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, OwnedSemaphorePermit};
 use tracing::{debug, error, info, warn};
 
+use crate::app::{AppState, RequestIds};
 use crate::engine::{Engine, Sessions};
 use crate::handoff::{Handoff, Prefixed};
-use crate::http::{handle, AppState, RequestIds};
+use crate::http::handle;
 use crate::model::{init_runtime, Model, ModelError, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:

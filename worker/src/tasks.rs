@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use hyper::header::HeaderValue;
 use hyper::Response;
 
+use crate::app::{ApiError, AppState};
 use crate::engine::Join;
-use crate::http::{ApiError, AppState};
 use crate::model::ModelMeta;
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
 

@@ -26,7 +26,7 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
-use crate::http::{json_reply, ApiError, AppState, Reply};
+use crate::app::{json_reply, ApiError, AppState, Reply};
 use crate::model::ModelMeta;
 use crate::pipeline::{ranked, Head, Pipeline, Text, TextPipeline};
 use crate::tasks::{self, Options, PipelineInput, Rows};

@@ -9,6 +9,25 @@ use half::f16;
 use ort::value::{DynValue, TensorElementType, ValueType};
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 
+/// A named tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub data: TensorData,
+}
+
+/// An input or output as the model declares it; -1 marks a dynamic dimension.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+    /// `None` when inferd cannot carry this element type.
+    #[serde(skip)]
+    pub dtype: Option<DataType>,
+}
+
 /// Calls `$m!` with the table: (variant, rust type, v2 name, ORT element type).
 macro_rules! for_each_type {
     ($m:ident) => {

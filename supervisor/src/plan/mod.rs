@@ -2,10 +2,13 @@
 //! worker, the ONNX Runtime library and the model entries. `inferd check` prints it and
 //! `inferd serve` runs it; both refuse the same impossible plans with the same messages.
 
-use crate::cpu::{plan, CpuBudget, Plan, PlanError};
-use crate::model::ModelEntry;
-use crate::ortlib::{locate, OrtLibError, OrtLibrary};
-use crate::{Config, ConfigError};
+pub mod cpu;
+pub mod memory;
+
+use cpu::{plan, CpuBudget, Plan, PlanError};
+use inferd_config::model::ModelEntry;
+use inferd_config::ortlib::{locate, OrtLibError, OrtLibrary};
+use inferd_config::{Config, ConfigError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {

@@ -21,15 +21,15 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use inferd_config::cpu::{format_cpus, plan, Placement};
-use inferd_config::memory::MemoryBudget;
+use crate::plan::cpu::{format_cpus, plan, Placement};
+use crate::plan::memory::MemoryBudget;
+use crate::plan::Resolved;
 use inferd_config::model::ModelEntry;
-use inferd_config::spec::{
+use inferd_ipc::spec::{
     FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
     WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
-use inferd_config::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
-use inferd_config::Resolved;
+use inferd_ipc::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tokio::io::AsyncBufReadExt;

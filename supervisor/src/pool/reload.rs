@@ -58,10 +58,12 @@ impl Supervisor {
         let config = &self.resolved.config;
         let entry = match &path {
             Some(dir) if dir.is_dir() => ModelEntry::load_dir(dir, &model),
-            Some(other) => return Err(format!(
+            Some(other) => {
+                return Err(format!(
                 "load refused: {} is not a model folder (a model the server does not serve yet needs its model.toml)",
                 other.display()
-            )),
+            ))
+            }
             None => config.load_model(&model),
         }
         .and_then(|entry| config.batching.apply(entry))

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::HEAVY_TOKENS;
-use crate::model::{Model, ModelError, Tensor};
+use crate::model::{Model, ModelError};
 use crate::tensor::element_count;
+use crate::tensor::Tensor;
 
 /// How a job's tensors may be combined with other jobs' tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use inferd_config::stats::Shared;
+use inferd_ipc::stats::Shared;
 
 use super::batch::{Job, Join, Policy};
 use super::{Event, RunClock, Work};

@@ -31,11 +31,12 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
-use inferd_config::stats::{Latency, Shared};
+use inferd_ipc::stats::{Latency, Shared};
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use crate::model::{Model, ModelError, Tensor};
+use crate::model::{Model, ModelError};
+use crate::tensor::Tensor;
 
 mod batch;
 mod dispatch;
@@ -215,7 +216,7 @@ impl RunClock {
     /// A lane starts or ends a run. Returns, at the end of a run, whether it was stopped.
     fn set(&self, lane: usize, running: bool) -> bool {
         let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
-        starts[lane] = if running { inferd_config::stats::monotonic_nanos() } else { 0 };
+        starts[lane] = if running { inferd_ipc::stats::monotonic_nanos() } else { 0 };
         self.counters.busy_since(starts.iter().copied().filter(|&t| t != 0).min());
         drop(starts);
         let stop = &self.stops[lane];
@@ -237,7 +238,7 @@ impl RunClock {
     /// operators; a kernel that never returns is left to the supervisor's SIGABRT).
     pub(super) fn stop_overdue(&self) {
         let starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
-        let now = inferd_config::stats::monotonic_nanos();
+        let now = inferd_ipc::stats::monotonic_nanos();
         for (lane, &start) in starts.iter().enumerate() {
             let overdue = start != 0 && now.saturating_sub(start) > self.timeout.as_nanos() as u64;
             let stop = &self.stops[lane];

@@ -1,0 +1,12 @@
+//! inferd-ipc: what the supervisor and its workers say to each other.
+//!
+//! - [`spec`]: the worker's command line contract: the descriptors it is handed, the
+//!   [`spec::WorkerSpec`] line it reads at start, the [`spec::WorkerMessage`] lines it writes
+//!   back, its exit codes;
+//! - [`stats`]: the counters each worker shares with the supervisor through a memfd (request
+//!   counts, latency and batch histograms, liveness of the model thread).
+//!
+//! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
+
+pub mod spec;
+pub mod stats;

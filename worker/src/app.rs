@@ -1,0 +1,203 @@
+//! What every request handler touches, whatever its protocol (REST routes in `http`, TEI and
+//! OpenAI handlers, gRPC): the worker's state, the one error type and its status codes, model
+//! lookup, and the counting of each request in the counters the supervisor reads.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Response, StatusCode};
+
+use inferd_ipc::stats::{Latency, Shared, MAX_MODELS};
+
+use crate::engine::Engine;
+use crate::model::{ModelError, ModelMeta};
+
+/// Everything a request handler may touch.
+pub struct AppState {
+    pub worker: usize,
+    /// The default model first.
+    pub models: Vec<ModelMeta>,
+    pub engine: Engine,
+    pub max_body_bytes: u64,
+    pub max_batch_inputs: usize,
+    /// How long a client may take to send its body (server.body_timeout_secs).
+    pub body_timeout: std::time::Duration,
+    /// Bytes of request bodies the worker may hold at once (server.max_body_bytes_in_flight).
+    pub body_budget: Arc<tokio::sync::Semaphore>,
+    pub body_budget_total: u64,
+    /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
+    pub ready: AtomicBool,
+    /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
+    pub stats: Arc<Shared>,
+    /// log.access_log: one line per answered request.
+    pub access_log: bool,
+    pub request_ids: RequestIds,
+}
+
+/// Request ids for requests that come without a usable `X-Request-Id`: 16 hex digits, from a
+/// per-process random key (std's hasher keys) and a counter.
+#[derive(Default)]
+pub struct RequestIds {
+    key: std::collections::hash_map::RandomState,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl RequestIds {
+    /// The client's id when it is one (1-128 visible ASCII characters), else a new one.
+    pub fn for_request(&self, given: Option<&HeaderValue>) -> HeaderValue {
+        let usable = |v: &&HeaderValue| (1..=128).contains(&v.len()) && v.as_bytes().iter().all(u8::is_ascii_graphic);
+        if let Some(v) = given.filter(usable) {
+            return v.clone();
+        }
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let id = std::hash::BuildHasher::hash_one(&self.key, (std::process::id(), n));
+        HeaderValue::from_str(&format!("{id:016x}")).expect("hex digits")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    TooLarge(String),
+    #[error("method {0} is not allowed on {1}")]
+    MethodNotAllowed(Method, String),
+    /// Backpressure: answered at once with 503 and Retry-After.
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// The only place an error becomes a status code.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl From<ModelError> for ApiError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
+            ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
+            ModelError::DeadlineExceeded { .. } | ModelError::Stopped { .. } => {
+                ApiError::DeadlineExceeded(e.to_string())
+            }
+            _ => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+pub type Reply = Response<Full<Bytes>>;
+
+pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// The counter row of a looked-up model (unknown models share the last one).
+pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
+    found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
+}
+
+/// Counts an inference request (by model, endpoint — an index of
+/// `inferd_ipc::stats::ENDPOINTS` — and status code) and its latency in the counters the
+/// supervisor reads, before the response is written: a client that got an answer was counted,
+/// even if the worker is killed the next instant. A client that goes away first (hyper drops
+/// this future) is counted as 499, and its request leaves `in_flight` all the same.
+pub async fn counted<T: Answer>(
+    state: &AppState,
+    model: usize,
+    endpoint: usize,
+    work: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    let mut guard = InFlight::enter(state, model, endpoint);
+    let result = work.await;
+    guard.answered(match &result {
+        Ok(answer) => answer.code(),
+        Err(e) => e.status().as_u16(),
+    });
+    result
+}
+
+/// The status code an answer is counted under.
+pub trait Answer {
+    fn code(&self) -> u16;
+}
+
+impl Answer for Reply {
+    fn code(&self) -> u16 {
+        self.status().as_u16()
+    }
+}
+
+/// Status counted for a request whose client closed the connection before the answer.
+pub const CLIENT_CLOSED: u16 = 499;
+
+struct InFlight<'a> {
+    state: &'a AppState,
+    model: usize,
+    endpoint: usize,
+    started: Instant,
+    code: u16,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(state: &'a AppState, model: usize, endpoint: usize) -> InFlight<'a> {
+        state.stats.in_flight(1);
+        InFlight { state, model, endpoint, started: Instant::now(), code: CLIENT_CLOSED }
+    }
+
+    fn answered(&mut self, code: u16) {
+        self.code = code;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let stats = &self.state.stats;
+        stats.in_flight(-1);
+        let seconds = self.started.elapsed().as_secs_f64();
+        stats.count_request(self.model, self.endpoint, self.code);
+        stats.observe_latency(Latency::Request, self.model, seconds);
+        stats.answered(self.model, self.code, seconds);
+    }
+}
+
+/// Finds a model by name (and version, when the path names one).
+pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
+    let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
+        let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
+        ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))
+    })?;
+    match version {
+        Some(v) if v != meta.info.version => Err(ApiError::NotFound(format!(
+            "model '{name}' has no version '{v}'; it serves version '{}'",
+            meta.info.version
+        ))),
+        _ => Ok((index, meta)),
+    }
+}

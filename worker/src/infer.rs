@@ -1,0 +1,167 @@
+//! A KServe v2 inference request once parsed, REST or gRPC alike: the pipeline (text or image)
+//! for a pipelined model's BYTES input, the model's own tensors otherwise.
+
+use std::time::Instant;
+
+use base64::Engine as _;
+use serde_json::Value;
+
+use crate::app::{ApiError, AppState};
+use crate::engine::Join;
+use crate::model::ModelMeta;
+use crate::pipeline::{Head, Pipeline, Text};
+use crate::protocol::{self, Parsed};
+use crate::tasks::{self, Options, PipelineInput, Rows};
+use crate::tensor::{Tensor, TensorData};
+
+/// A v2 request's answer before it is encoded (as JSON and binary data, or as protobuf).
+pub struct Inferred {
+    pub id: Option<String>,
+    pub outputs: Vec<Tensor>,
+    /// (index into `outputs`, binary): the outputs asked for, in the order asked.
+    pub selection: Vec<(usize, bool)>,
+    /// How a pipeline ran the request (for the Server-Timing header); `None` for raw tensors.
+    pub outcome: Option<tasks::Outcome>,
+}
+
+/// Runs a parsed v2 request, REST or gRPC: one BYTES input named as the pipeline's goes
+/// through the model's pipeline (text or image), anything else to the model's own tensors.
+pub async fn run_parsed(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    parsed: Parsed,
+    deadline: Option<Instant>,
+) -> Result<Inferred, ApiError> {
+    let model = &meta.info.name;
+    if let Some((input_name, outputs)) = pipeline_io(meta) {
+        if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
+            let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
+            let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+            let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
+            let id = parsed.id.clone();
+            let input = pipeline_input(meta, parsed)?;
+            let outcome =
+                tasks::run(state, index, meta, input, Options { truncate, deadline, ..Options::default() }).await?;
+            let outputs = pipeline_tensors(&outcome.rows);
+            return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
+        }
+    }
+    let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
+    let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+    let id = parsed.id.clone();
+    let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
+    let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
+    Ok(Inferred { id, outputs, selection, outcome: None })
+}
+
+pub type OutputSpec = (&'static str, &'static str, Vec<i64>);
+
+/// The BYTES input a pipelined model takes through `/infer`, and the outputs it returns.
+pub fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
+    let input = match &*meta.pipeline {
+        Pipeline::Raw => return None,
+        Pipeline::Text(_) => "text",
+        Pipeline::Image(_) => "image",
+    };
+    let outputs = match meta.pipeline.head()? {
+        Head::Embedding { .. } => vec![("embedding", "FP32", vec![-1, -1])],
+        Head::Classification { labels, .. } => vec![
+            ("label", "BYTES", vec![-1]),
+            ("score", "FP32", vec![-1]),
+            ("probabilities", "FP32", vec![-1, labels.len() as i64]),
+        ],
+    };
+    Some((input, outputs))
+}
+
+/// The pipeline's input from a one-tensor request: UTF-8 texts, or encoded images (raw bytes
+/// when sent as binary data, base64 when sent as JSON strings).
+fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput, ApiError> {
+    let input = parsed.inputs.remove(0);
+    let name = input.tensor.name;
+    let TensorData::Bytes(items) = input.tensor.data else {
+        return Err(ApiError::BadRequest(format!(
+            "input '{name}': expected BYTES, got {}",
+            input.tensor.data.dtype().name()
+        )));
+    };
+    if !matches!(input.tensor.shape.as_slice(), [_] | [_, 1]) {
+        return Err(ApiError::BadRequest(format!(
+            "input '{name}': expected shape [n] or [n,1], got {}",
+            protocol::shape_text(&input.tensor.shape)
+        )));
+    }
+    let bad = |i: usize, what: &str| ApiError::BadRequest(format!("input '{name}': element {i} is not {what}"));
+    match &*meta.pipeline {
+        Pipeline::Text(_) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| String::from_utf8(b).map(Text::Single).map_err(|_| bad(i, "UTF-8 text")))
+            .collect::<Result<_, _>>()
+            .map(PipelineInput::Texts),
+        _ if input.binary => Ok(PipelineInput::Images(items)),
+        _ => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| {
+                base64::engine::general_purpose::STANDARD.decode(b.trim_ascii()).map_err(|_| bad(i, "base64"))
+            })
+            .collect::<Result<_, _>>()
+            .map(PipelineInput::Images),
+    }
+}
+
+/// The pipeline's result as v2 output tensors, named as [`pipeline_io`] lists them.
+fn pipeline_tensors(rows: &Rows) -> Vec<Tensor> {
+    match rows {
+        Rows::Embeddings(rows) => {
+            let dim = rows.first().map_or(0, Vec::len);
+            vec![Tensor {
+                name: "embedding".into(),
+                shape: vec![rows.len() as i64, dim as i64],
+                data: TensorData::F32(rows.concat()),
+            }]
+        }
+        Rows::Tokens(rows) => {
+            // Padded to the longest input (not asked for by any v2 route today).
+            let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+            let dim = rows.iter().flatten().next().map_or(0, Vec::len);
+            let mut data = vec![0f32; rows.len() * width * dim];
+            for (r, tokens) in rows.iter().enumerate() {
+                for (t, vector) in tokens.iter().enumerate() {
+                    data[(r * width + t) * dim..][..dim].copy_from_slice(vector);
+                }
+            }
+            vec![Tensor {
+                name: "token_embeddings".into(),
+                shape: vec![rows.len() as i64, width as i64, dim as i64],
+                data: TensorData::F32(data),
+            }]
+        }
+        Rows::Scores { labels, scores } => {
+            let n = scores.len() as i64;
+            let best: Vec<usize> = scores
+                .iter()
+                .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i))
+                .collect();
+            vec![
+                Tensor {
+                    name: "label".into(),
+                    shape: vec![n],
+                    data: TensorData::Bytes(best.iter().map(|&i| labels[i].as_bytes().to_vec()).collect()),
+                },
+                Tensor {
+                    name: "score".into(),
+                    shape: vec![n],
+                    data: TensorData::F32(best.iter().zip(scores).map(|(&i, row)| row[i]).collect()),
+                },
+                Tensor {
+                    name: "probabilities".into(),
+                    shape: vec![n, labels.len() as i64],
+                    data: TensorData::F32(scores.concat()),
+                },
+            ]
+        }
+    }
+}
