@@ -2,12 +2,15 @@
 //! invariants checked after every step. Seeded and reproducible: the seed is printed, and
 //! INFERD_FAULT_SEED=N replays it; INFERD_FAULT_STEPS=N runs longer (default 12).
 //!
-//! Steps: a rolling reload (`inferd reload --wait`), a reload to a corrupt model (refused,
-//! nothing changes), SIGHUP, scale +1 / -1, SIGKILL of a worker, SIGSTOP of a worker (stuck:
-//! the supervisor must notice its silent model thread, kill and replace it), concurrent
-//! control clients. Keep-alive clients load the pool throughout, and workers are recycled
-//! after max_requests; the load pauses only around a SIGKILL or SIGSTOP, whose requests in
-//! flight would fail by design.
+//! Steps: a rolling reload (`inferd reload --wait`), a reload to a corrupt model file and one
+//! to a misfit model (a folder whose model.toml wants a text classifier, with a model that is
+//! not one): both refused, nothing changes; SIGHUP, scale +1 / -1, SIGKILL of a worker,
+//! SIGSTOP of a worker (stuck: the supervisor must notice its silent model thread, kill and
+//! replace it), concurrent control clients. Keep-alive clients load the pool throughout;
+//! workers are recycled after max_requests, and every request leaks 400 KiB in the worker
+//! (INFERD_TEST_LEAK_BYTES_PER_REQUEST) against a 32 MiB soft limit, so workers are also
+//! replaced for memory as they go. The load pauses only around a SIGKILL or SIGSTOP, whose
+//! requests in flight would fail by design.
 //! After each step, within a bound: the supervisor is alive; the pool is ready with the
 //! intended number of workers, each alive, and no other worker process of the supervisor
 //! exists; with the load paused, nothing is in flight; the Prometheus request total equals the
@@ -201,11 +204,32 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let dir = TempDir::new("faults");
     let port = free_port();
     // request_timeout_secs: a worker whose model thread is silent this long is stuck.
-    let extra = "max_requests = 25\nmax_requests_jitter = 10\nrequest_timeout_secs = 5";
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], extra);
+    // A fresh typed worker holds ~9 MiB of private memory: with the leak below it passes the
+    // soft limit after a few dozen requests (1-4 replacements in 20 steps), about when
+    // max_requests would recycle it (25-35), if no reload replaced it first.
+    let extra = "max_requests = 25\nmax_requests_jitter = 10\nrequest_timeout_secs = 5\n\
+                 worker_memory_soft_limit_mb = 32";
+    let config = write_config(dir.path(), port, 1, &test_models(), "typed", &[], extra);
     let corrupt = dir.path().join("corrupt.onnx");
     std::fs::write(&corrupt, b"this is not an ONNX model").unwrap();
-    let mut server = Server::start(dir, port, &[]);
+    // The typed model under a model.toml for a text classifier: it loads, but has neither the
+    // tokenizer's inputs nor a `logits` output.
+    let misfit = dir.path().join("misfit");
+    std::fs::create_dir(&misfit).unwrap();
+    std::os::unix::fs::symlink(test_models().join("typed/model.onnx"), misfit.join("model.onnx")).unwrap();
+    let classifier = std::fs::read_to_string(test_models().join("classifier/model.toml")).unwrap();
+    let tokenizer = repo().join("models/minilm/tokenizer.json");
+    let toml = classifier
+        .replace("name = \"classifier\"", "name = \"typed\"")
+        .replace("\"../../../models/minilm/tokenizer.json\"", &format!("{:?}", tokenizer.to_str().unwrap()));
+    std::fs::write(misfit.join("model.toml"), toml).unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env("INFERD_TEST_LEAK_BYTES_PER_REQUEST", (400 * 1024).to_string());
+    let mut server = Server::spawn(command, dir, port, None);
     server.wait_ready(Duration::from_secs(60));
     let load = Load::start(server.addr.to_string(), 8);
     let mut rng = Rng(seed);
@@ -213,7 +237,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let bound = Duration::from_secs(60);
     let mut done = Vec::new();
     for step in 0..steps {
-        let action = rng.below(8);
+        let action = rng.below(9);
         let name = match action {
             0 => {
                 let (ok, said) = control(&server, &["reload", "--wait"]);
@@ -224,6 +248,11 @@ fn random_fault_sequences_keep_the_pool_whole() {
                 let (ok, said) = control(&server, &["reload", "--wait", "--path", corrupt.to_str().unwrap()]);
                 assert!(!ok && said.contains("reload failed"), "seed {seed} step {step}: a corrupt reload: {said}");
                 "corrupt reload"
+            }
+            8 => {
+                let (ok, said) = control(&server, &["reload", "--wait", "--path", misfit.to_str().unwrap()]);
+                assert!(!ok && said.contains("reload failed"), "seed {seed} step {step}: a misfit reload: {said}");
+                "misfit reload"
             }
             2 => {
                 let before = server.status()["generation"].as_u64().unwrap();
@@ -315,13 +344,16 @@ fn random_fault_sequences_keep_the_pool_whole() {
     }
     let answered = load.answered.load(Ordering::SeqCst);
     load.finish();
-    let recycled = metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}");
+    let metrics = server.metrics_text();
+    let recycled = metric_value(&metrics, "inferd_worker_recycles_total{reason=\"max_requests\"}");
+    let replaced = metric_value(&metrics, "inferd_worker_recycles_total{reason=\"memory\"}");
     let mut kinds = std::collections::BTreeMap::new();
     for name in &done {
         *kinds.entry(*name).or_insert(0) += 1;
     }
     eprintln!(
         "seed {seed}: {steps} steps {kinds:?}, 0 invariant violations, {answered} requests answered, recycled for \
-         max_requests: {recycled:?}"
+         max_requests: {recycled:?}, replaced for memory: {replaced:?}"
     );
+    assert!(!metrics.contains("reason=\"memory_hard\""), "no worker may be killed for memory: {metrics}");
 }

@@ -73,8 +73,8 @@ impl Supervisor {
                 mib(hard)
             );
         }
-        for slot in self.slots.iter_mut().skip(1) {
-            slot.next_start.get_or_insert(Instant::now());
+        for slot in self.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
+            slot.start = Start::At(Instant::now());
         }
         Ok(())
     }
@@ -89,7 +89,7 @@ impl Supervisor {
         let mut biggest: Option<(u64, usize)> = None;
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
-            if slot.removing || slot.with_role(Role::Incoming).is_some() {
+            if slot.removing() || slot.with_role(Role::Incoming).is_some() {
                 continue;
             }
             let Some(w) = slot.workers.iter_mut().find(|w| w.role == Role::Current && w.state == WorkerState::Ready)
@@ -134,8 +134,7 @@ impl Supervisor {
             w.role = Role::Retiring;
             retire(w.pid);
         }
-        slot.start_when_empty = true;
-        slot.next_start = Some(Instant::now());
+        slot.start = Start::WhenEmpty;
     }
 
     /// A worker whose model run has lasted longer than server.request_timeout_secs (plus
@@ -182,7 +181,7 @@ impl Supervisor {
         // (how far past the limit, as a share of it; slot; reason)
         let mut due: Option<(f64, usize, &'static str)> = None;
         for (index, slot) in self.slots.iter().enumerate() {
-            if slot.removing || slot.recycle_pause.is_some_and(|t| now < t) {
+            if slot.removing() || slot.recycle_pause.is_some_and(|t| now < t) {
                 continue;
             }
             let Some(w) = slot.with_role(Role::Current).filter(|w| w.state == WorkerState::Ready) else { continue };

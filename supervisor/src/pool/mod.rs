@@ -12,6 +12,15 @@
 //! does the old one become `retiring` (SIGTERM: it leaves the port's group and drains). A
 //! reload replaces the slots one after another; the first replacement is the validation of the
 //! new models: if it fails, nothing else changes.
+//!
+//! The states, in one place each: a worker's [`Role`] in its slot and its [`WorkerState`] as it
+//! reports it; a slot's [`Start`], the only thing that starts a current worker (at an instant,
+//! held at boot, once its retiring workers are gone, or never again while `scale -1` removes
+//! it); the pool's [`Phase`], derived from the slots and the reload in progress by
+//! [`Supervisor::phase`] and never stored. Each worker has one task that forwards its messages
+//! until EOF and then reaps it, so its exit never overtakes what it said. Signals, control
+//! requests and scrapes only enqueue an [`Event`]; the loop handles one at a time, and every
+//! operator action checks the state it finds and is refused whole when it cannot apply.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
@@ -127,17 +136,44 @@ struct Slot {
     restarts: u32,
     /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`].
     failures: u32,
-    next_start: Option<Instant>,
+    /// When it starts its next current worker (see [`Start`]).
+    start: Start,
     last_exit: Option<String>,
-    /// Being removed by `scale -1`: no restarts, gone once its workers are.
-    removing: bool,
     /// A recycling replacement failed: no new attempt before this.
     recycle_pause: Option<Instant>,
-    /// Memory is tight: the next worker starts only once the retiring one has exited.
-    start_when_empty: bool,
+}
+
+/// When a slot starts its next current worker: the one place that says what may start one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// Nothing to start: its current worker serves or is on its way.
+    No,
+    /// Held at boot until the first worker's memory says whether this one fits.
+    Held,
+    /// At this instant: now, or once a crash's backoff has passed.
+    At(Instant),
+    /// Once its retiring workers have exited (memory is too tight for two), then at once.
+    WhenEmpty,
+    /// Being removed by `scale -1`: never again; the slot goes once its workers are gone.
+    Removing,
 }
 
 impl Slot {
+    /// Whether its next current worker should start now.
+    fn due(&self, now: Instant) -> bool {
+        let serving_or_coming = self.workers.iter().any(|w| w.role != Role::Retiring);
+        !serving_or_coming
+            && match self.start {
+                Start::At(t) => now >= t,
+                Start::WhenEmpty => self.workers.is_empty(),
+                Start::No | Start::Held | Start::Removing => false,
+            }
+    }
+
+    fn removing(&self) -> bool {
+        self.start == Start::Removing
+    }
+
     fn with_role(&self, role: Role) -> Option<&Worker> {
         self.workers.iter().find(|w| w.role == role)
     }
@@ -164,7 +200,9 @@ pub struct Supervisor {
     exe: PathBuf,
     events: mpsc::UnboundedSender<Event>,
     slots: Vec<Slot>,
-    phase: Phase,
+    /// SIGTERM, SIGINT, SIGQUIT or a fatal error: the pool is going down (the phase, derived
+    /// in [`Supervisor::phase`], says Stopping from then on).
+    stopping: bool,
     /// True once every slot has been ready at the same time.
     booted: bool,
     started: Instant,
@@ -260,7 +298,7 @@ impl Supervisor {
             resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
         // The first worker starts alone: its RSS after warm-up decides whether the others fit.
         for slot in slots.iter_mut().skip(1) {
-            slot.next_start = None;
+            slot.start = Start::Held;
         }
         Ok(Supervisor {
             exe: std::env::current_exe()?,
@@ -268,7 +306,7 @@ impl Supervisor {
             resolved,
             events,
             slots,
-            phase: Phase::Starting,
+            stopping: false,
             booted: false,
             started: Instant::now(),
             generation: 1,
@@ -315,14 +353,16 @@ impl Supervisor {
         }
         let mut tick = tokio::time::interval(TICK);
         loop {
+            let before = self.phase();
             tokio::select! {
                 Some(event) = queue.recv() => self.on_event(event),
                 _ = tick.tick() => self.on_tick(),
             }
+            let phase = self.settle(before);
             let mut notifier = std::mem::take(&mut self.notifier);
-            notifier.update(self.phase, || self.summary());
+            notifier.update(phase, || self.summary());
             self.notifier = notifier;
-            if self.phase == Phase::Stopping && self.slots.iter().all(|s| s.workers.is_empty()) {
+            if phase == Phase::Stopping && self.slots.iter().all(|s| s.workers.is_empty()) {
                 return match self.fatal.take() {
                     Some(e) => Err(e),
                     None => {
@@ -413,11 +453,9 @@ impl Supervisor {
                         return self.fail(e);
                     }
                 }
-                self.update_phase();
             }
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
-                self.update_phase();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
         }
@@ -461,16 +499,15 @@ impl Supervisor {
         let worker = slot.workers.remove(at);
         self.retired.add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
         let how = describe_exit(status);
-        if worker.role == Role::Retiring || slot.removing {
+        if worker.role == Role::Retiring || slot.removing() {
             info!("worker {index} (pid {pid}) retired: {how}");
             // Events name slots by index: only trailing slots may go, so no index shifts.
             let before = self.slots.len();
-            while self.slots.last().is_some_and(|s| s.removing && s.workers.is_empty()) {
+            while self.slots.last().is_some_and(|s| s.removing() && s.workers.is_empty()) {
                 self.slots.pop();
             }
             if self.slots.len() < before {
                 info!("scaled down to {} workers", self.slots.len());
-                self.update_phase();
             }
             return;
         }
@@ -480,7 +517,7 @@ impl Supervisor {
             (None, false) => String::new(),
         };
         slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
-        if self.phase == Phase::Stopping {
+        if self.stopping {
             info!("worker {index} (pid {pid}) {how}");
             return;
         }
@@ -536,8 +573,7 @@ impl Supervisor {
         if !delay.is_zero() {
             info!("worker {index}: next start in {delay:?} ({failures} failures in a row)");
         }
-        self.slots[index].next_start = Some(Instant::now() + delay);
-        self.update_phase();
+        self.slots[index].start = Start::At(Instant::now() + delay);
     }
 
     fn on_tick(&mut self) {
@@ -548,7 +584,7 @@ impl Supervisor {
                 self.latency_samples.pop_front();
             }
         }
-        if self.phase == Phase::Stopping {
+        if self.stopping {
             if self.stop_deadline.is_some_and(|d| now >= d) && !self.killed_all {
                 warn!("grace timeout passed; killing the remaining workers");
                 self.signal_all(Signal::SIGKILL);
@@ -575,11 +611,8 @@ impl Supervisor {
                     let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
                 }
             }
-            let serving_or_coming = slot.workers.iter().any(|w| w.role != Role::Retiring);
-            let wait_for_exit = slot.start_when_empty && !slot.workers.is_empty();
-            if !serving_or_coming && !wait_for_exit && !slot.removing && slot.next_start.is_some_and(|t| now >= t) {
-                slot.next_start = None;
-                slot.start_when_empty = false;
+            if slot.due(now) {
+                slot.start = Start::No;
                 let (models, generation) = (slot.models.clone(), slot.generation);
                 self.spawn(index, Role::Current, models, generation);
             }
@@ -594,8 +627,8 @@ impl Supervisor {
     }
 
     fn begin_stop(&mut self, fast: bool) {
-        if self.phase != Phase::Stopping {
-            self.phase = Phase::Stopping;
+        if !self.stopping {
+            self.stopping = true;
             let grace = Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs);
             // A worker enforces the grace period itself; the supervisor adds a margin before
             // it stops waiting.
@@ -620,12 +653,24 @@ impl Supervisor {
         }
     }
 
-    fn update_phase(&mut self) {
-        if self.phase == Phase::Stopping {
-            return;
+    /// The pool's phase, from the slots and the reload in progress: never stored.
+    fn phase(&self) -> Phase {
+        if self.stopping {
+            return Phase::Stopping;
         }
-        let all_ready = self.slots.iter().filter(|s| !s.removing).all(Slot::ready);
-        if all_ready && !self.booted {
+        let all_ready = self.slots.iter().filter(|s| !s.removing()).all(Slot::ready);
+        match (self.booted, self.reload.is_some(), all_ready) {
+            (false, _, _) => Phase::Starting,
+            (true, true, _) => Phase::Reloading,
+            (true, false, true) => Phase::Ready,
+            (true, false, false) => Phase::Degraded,
+        }
+    }
+
+    /// After each event or tick: the pool has booted once every slot has been ready at the same
+    /// time; a change of phase is logged. Returns the phase now.
+    fn settle(&mut self, before: Phase) -> Phase {
+        if !self.booted && !self.stopping && self.slots.iter().filter(|s| !s.removing()).all(Slot::ready) {
             self.booted = true;
             info!(
                 "pool ready: {} workers serving on {} after {:.2} s",
@@ -634,16 +679,11 @@ impl Supervisor {
                 self.started.elapsed().as_secs_f64()
             );
         }
-        let phase = match (self.booted, self.reload.is_some(), all_ready) {
-            (false, _, _) => Phase::Starting,
-            (true, true, _) => Phase::Reloading,
-            (true, false, true) => Phase::Ready,
-            (true, false, false) => Phase::Degraded,
-        };
-        if phase != self.phase && self.booted {
-            info!("pool {:?} -> {:?}", self.phase, phase);
+        let phase = self.phase();
+        if phase != before && self.booted {
+            info!("pool {before:?} -> {phase:?}");
         }
-        self.phase = phase;
+        phase
     }
 
     fn spawn(&mut self, index: usize, role: Role, models: Vec<ModelEntry>, generation: u64) {
@@ -691,7 +731,7 @@ impl Supervisor {
                 let delay = backoff(slot.failures).max(Duration::from_millis(500));
                 error!("cannot start worker {index}: {e}; retrying in {delay:?}");
                 if role == Role::Current {
-                    slot.next_start = Some(Instant::now() + delay);
+                    slot.start = Start::At(Instant::now() + delay);
                 }
             }
         }
@@ -822,11 +862,9 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> S
         workers: Vec::new(),
         restarts: 0,
         failures: 0,
-        next_start: Some(Instant::now()),
+        start: Start::At(Instant::now()),
         last_exit: None,
-        removing: false,
         recycle_pause: None,
-        start_when_empty: false,
     }
 }
 
@@ -867,6 +905,55 @@ mod tests {
     fn exits_are_described() {
         assert_eq!(describe_exit(Some(ExitStatus::from_raw(3 << 8))), "exited with code 3");
         assert_eq!(describe_exit(Some(ExitStatus::from_raw(9))), "was killed by SIGKILL");
+    }
+
+    fn worker(role: Role) -> Worker {
+        Worker {
+            pid: 1,
+            generation: 1,
+            role,
+            state: WorkerState::Ready,
+            started: Instant::now(),
+            ready_at: None,
+            models: Vec::new(),
+            failure: None,
+            stats: Shared::create("inferd-test").unwrap().0,
+            recycle_after: None,
+            stuck: None,
+            memory_killed: false,
+        }
+    }
+
+    #[test]
+    fn only_a_slots_start_state_starts_its_worker() {
+        let now = Instant::now();
+        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1);
+        let later = now + Duration::from_secs(5);
+        for (start, due) in [
+            (Start::At(now), true),
+            (Start::At(later), false),
+            (Start::Held, false),
+            (Start::No, false),
+            (Start::Removing, false),
+            (Start::WhenEmpty, true),
+        ] {
+            slot.start = start;
+            assert_eq!(slot.due(now), due, "{start:?}, no workers");
+        }
+        // A retiring worker holds back WhenEmpty (memory for one only), not a timed start.
+        slot.workers.push(worker(Role::Retiring));
+        slot.start = Start::WhenEmpty;
+        assert!(!slot.due(now));
+        slot.start = Start::At(now);
+        assert!(slot.due(now));
+        // A current or incoming worker: nothing to start, whatever the state says.
+        for role in [Role::Current, Role::Incoming] {
+            slot.workers = vec![worker(role)];
+            assert!(!slot.due(now), "{role:?}");
+        }
+        assert!(!slot.removing());
+        slot.start = Start::Removing;
+        assert!(slot.removing());
     }
 
     #[test]

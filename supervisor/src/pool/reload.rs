@@ -21,14 +21,14 @@ impl Supervisor {
 
     /// Whether a rolling reload (`what`) may start now.
     fn can_roll(&self, what: &str) -> Result<(), String> {
-        if self.phase == Phase::Stopping || !self.booted {
+        if self.stopping || !self.booted {
             return Err(format!("{what} refused: the pool is starting or stopping"));
         }
         if self.reload.is_some() {
             return Err(format!("{what} refused: a reload is already in progress"));
         }
         // A reload replaces every slot; one that `scale -1` is draining must be gone first.
-        if let Some(i) = self.slots.iter().position(|s| s.removing) {
+        if let Some(i) = self.slots.iter().position(Slot::removing) {
             return Err(format!(
                 "{what} refused: worker {i} is still draining from the last scale -1; retry once it is gone"
             ));
@@ -107,7 +107,6 @@ impl Supervisor {
         self.reload =
             Some(Reload { models, generation: self.generation, slot: 0, replies, wait, started: Instant::now() });
         self.replace_slot(0);
-        self.update_phase();
     }
 
     /// The model list a reload installs.
@@ -182,7 +181,6 @@ impl Supervisor {
         if let Some(replies) = reload.replies {
             let _ = replies.send(Response::message(message));
         }
-        self.update_phase();
     }
 
     pub(super) fn abort_reload(&mut self, index: usize, error: &str) {
@@ -198,17 +196,16 @@ impl Supervisor {
         if let Some(replies) = reload.replies {
             let _ = replies.send(Response::error(message));
         }
-        self.update_phase();
     }
 
     /// `scale +1` adds a slot when the CPU budget has room for it; `scale -1` drains the last.
     pub(super) fn scale(&mut self, delta: i32) -> Result<String, String> {
-        if self.phase == Phase::Stopping || !self.booted || self.reload.is_some() {
+        if self.stopping || !self.booted || self.reload.is_some() {
             return Err("scale refused: the pool is starting, reloading or stopping".into());
         }
         // One step at a time: slots are named by index, so a draining one must be gone before
         // the pool changes size again.
-        if let Some(i) = self.slots.iter().position(|s| s.removing) {
+        if let Some(i) = self.slots.iter().position(Slot::removing) {
             return Err(format!("scale refused: worker {i} is still draining from the last scale -1"));
         }
         let count = self.slots.len();
@@ -222,7 +219,6 @@ impl Supervisor {
                 let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
                 self.slots.push(new_slot(placement, self.models.clone(), self.generation));
-                self.update_phase();
                 Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
             }
             -1 => {
@@ -231,7 +227,7 @@ impl Supervisor {
                 }
                 let index = count - 1;
                 let slot = &mut self.slots[index];
-                slot.removing = true;
+                slot.start = Start::Removing;
                 for w in slot.workers.iter_mut() {
                     w.role = Role::Retiring;
                     retire(w.pid);
@@ -239,7 +235,6 @@ impl Supervisor {
                 if slot.workers.is_empty() {
                     self.slots.pop(); // the last slot: no removing slot follows it (checked above)
                 }
-                self.update_phase();
                 Ok(format!("scaling down to {} workers: draining worker {index}", count - 1))
             }
             other => Err(format!("scale refused: the step is +1 or -1, not {other}")),

@@ -43,7 +43,7 @@ impl Supervisor {
         PoolStatus {
             version: env!("CARGO_PKG_VERSION").into(),
             pid: std::process::id(),
-            phase: self.phase,
+            phase: self.phase(),
             generation: self.generation,
             reload: self.reload.as_ref().map(|r| format!("replacing worker {} of {}", r.slot + 1, self.slots.len())),
             listen: self.resolved.config.server.listen.clone(),
@@ -90,7 +90,7 @@ impl Supervisor {
         let restarts: u32 = self.slots.iter().map(|s| s.restarts).sum();
         let mut line = format!(
             "{}: {ready}/{} workers ready on {}, generation {}, {} requests, {restarts} restarts",
-            format!("{:?}", self.phase).to_lowercase(),
+            format!("{:?}", self.phase()).to_lowercase(),
             self.slots.len(),
             self.resolved.config.server.listen,
             self.generation,
@@ -160,7 +160,7 @@ impl Supervisor {
                 .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).rss)))
                 .collect(),
             ready: self.slots.iter().filter(|s| s.ready()).count(),
-            desired: self.slots.iter().filter(|s| !s.removing).count(),
+            desired: self.slots.iter().filter(|s| !s.removing()).count(),
             restarts: self.restarts_by_reason.clone(),
             recycles: self.recycles_by_reason.clone(),
             reloads: self.reloads,
