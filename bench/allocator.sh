@@ -6,8 +6,9 @@
 # (req/s, p99 of the short ones); then the PSS of the pool's processes right after that load
 # ("after work") and after 3 s idle. Prints every round and the medians.
 #
-#   bench/allocator.sh                  # ~5 minutes on 2 cores
+#   bench/allocator.sh                  # ~6 minutes on 2 cores
 #   ROUNDS=5 SECONDS_PER=10 bench/allocator.sh
+#   ONLY="malloc shared-arena" bench/allocator.sh   # only these runtime.allocator values
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/lib.sh
@@ -17,11 +18,13 @@ PORT=${PORT:-18520}
 TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
 # name | runtime.allocator | GLIBC_TUNABLES
 CHOICES=(
-    "malloc, trimmed past 64 MiB free (default)|malloc|"
+    "malloc, trimmed past 64 MiB free|malloc|"
     "malloc, fixed 256 KiB mmap threshold|malloc|glibc.malloc.mmap_threshold=262144"
     "ORT arena + memory patterns|arena|"
     "ORT arena, shrunk after every run|arena-shrink|"
+    "one ORT arena per worker, shared by its sessions (default)|shared-arena|"
 )
+ONLY=${ONLY:-}
 
 scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
@@ -39,6 +42,7 @@ pss_mib() { pool_pss "$1" | cut -d' ' -f1; }
 for round in $(seq 1 "$ROUNDS"); do
     for choice in "${CHOICES[@]}"; do
         IFS='|' read -r name allocator tunables <<<"$choice"
+        [[ -z $ONLY || " $ONLY " == *" $allocator "* ]] || continue
         default_pool_config "$work/inferd.toml" "$PORT" "$work/cache" "$allocator"
         if [[ -n $tunables ]]; then export GLIBC_TUNABLES=$tunables; else unset GLIBC_TUNABLES; fi
         setsid target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &

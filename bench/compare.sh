@@ -10,7 +10,8 @@
 #       connections, then open loop at 80% of its best throughput;
 #   (c) the seeds' recipe (gunicorn + uvicorn + FastAPI + onnxruntime, bench/seeds/app.py, its
 #       own virtualenv): one worker per core, one intra-op thread each, under the same load;
-#   (d) the RSS and PSS of every process of each server after its load;
+#   (d) the RSS and PSS of every process of each server after the 17-token load of (b), and
+#       again after (e), whose stream includes 256-token texts;
 #   (e) inferd's token budget: p99 of short texts at 16 connections alone, and in a stream
 #       where every 8th request is a 256-token text;
 #   (f) inferd over HTTP (/embed) and over gRPC (ModelInfer, the text as a raw BYTES tensor) with
@@ -103,7 +104,7 @@ mixed() {
             --warmup 1 --short-below 200 --texts "$texts" | grep '^{' | tail -n 1 |
             python3 bench/record.py add "$name" "$stream" "$round" | tee -a "$results"
     done
-    python3 bench/record.py memory "$name" "$round" $(pgrep -g "$server") | tee -a "$results"
+    python3 bench/record.py memory "$name" memory "$round" $(pgrep -g "$server") | tee -a "$results"
 }
 # (f) $1: HTTP port, $2: gRPC port, $3: round.
 protocols() {
@@ -127,6 +128,7 @@ for round in $(seq 1 "$ROUNDS"); do
     wait_http "http://127.0.0.1:$port/v2/health/ready"
     target/release/inferd status --control-socket "$work/ctl.sock" | sed -n 2p
     load inferd "$port" "$round"
+    python3 bench/record.py memory inferd memory-short "$round" $(pgrep -g "$server") | tee -a "$results"
     mixed inferd "$port" "$round"
     protocols "$port" "$gport" "$round"
     target/release/inferd status --control-socket "$work/ctl.sock" | grep '^batches' || true
@@ -142,6 +144,7 @@ for round in $(seq 1 "$ROUNDS"); do
     wait_http "http://127.0.0.1:$port/health"
     sleep 2 # every worker imports, loads and warms up on its own
     load python "$port" "$round"
+    python3 bench/record.py memory python memory-short "$round" $(pgrep -g "$server") | tee -a "$results"
     mixed python "$port" "$round"
     kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
 done

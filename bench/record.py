@@ -3,7 +3,7 @@
 ratios against the targets of the performance issue, the SVG and the record blocks.
 
     record.py add NAME CASE ROUND < (oha --output-format json | inferd-bench's JSON line)
-    record.py memory NAME ROUND PID...   # RSS and PSS of those processes
+    record.py memory NAME CASE ROUND PID...   # RSS and PSS of those processes (CASE: memory, memory-short)
     record.py best RESULTS NAME ROUND    # best closed-loop req/s of NAME in ROUND
     record.py report RESULTS [--record 1] [--seconds S] [--rounds N]
 
@@ -47,7 +47,7 @@ def add(name, case, round_):
     print(json.dumps({"name": name, "case": case, "round": round_, **row}))
 
 
-def memory(name, round_, pids):
+def memory(name, case, round_, pids):
     """RSS and PSS (kB fields of /proc/PID/smaps_rollup) summed over `pids`, in bytes."""
     rss = pss = 0
     for pid in pids:
@@ -58,7 +58,7 @@ def memory(name, round_, pids):
             continue  # exited meanwhile
         kb = lambda k: int(fields.get(k, "0 kB").split()[0]) * 1024
         rss, pss = rss + kb("Rss"), pss + kb("Pss")
-    print(json.dumps({"name": name, "case": "memory", "round": round_, "rss_bytes": rss, "pss_bytes": pss,
+    print(json.dumps({"name": name, "case": case, "round": round_, "rss_bytes": rss, "pss_bytes": pss,
                       "processes": len(pids)}))
 
 
@@ -168,18 +168,18 @@ def report(path, record, seconds, rounds):
         + " sequences/s by batch size.",
         "",
         "| | c=1 req/s (p50 ms) | c=4 | c=16 (p99 ms) | c=32 (p99 ms) | open loop at 80% of best: req/s (p99 ms) "
-        "| short texts' p99, alone / 1 in 8 long (c=16) | errors | RSS (PSS), all processes, after long inputs |",
+        "| short texts' p99, alone / 1 in 8 long (c=16) | errors | RSS (PSS), all processes: after the 17-token load / after long inputs too |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         cell = lambda c, lat: f"{get(n, c, 'throughput'):.0f} ({get(n, c, lat):.1f})"
         errors = sum(r.get("errors", 0) for (m, _), rs in rows.items() if m == n for r in rs)
-        rss, pss = get(n, "memory", "rss_bytes") / 2**20, get(n, "memory", "pss_bytes") / 2**20
+        mib = lambda case: f"{get(n, case, 'rss_bytes') / 2**20:.0f} ({get(n, case, 'pss_bytes') / 2**20:.0f})"
         lines.append(
             f"| {LABELS[n]} | {cell('c=1', 'p50_ms')} | {get(n, 'c=4', 'throughput'):.0f} | {cell('c=16', 'p99_ms')} "
             f"| {cell('c=32', 'p99_ms')} | {cell('open', 'p99_ms')} "
             f"| {get(n, 'short-only', 'p99_ms'):.1f} / {get(n, 'short-in-mix', 'p99_ms'):.1f} ms "
-            f"| {errors} | {rss:.0f} ({pss:.0f}) MiB |"
+            f"| {errors} | {mib('memory-short')} / {mib('memory')} MiB |"
         )
     if any(k[0] == "inferd-grpc" for k in rows):
         cell = lambda n, c, lat: f"{get(n, c, 'throughput'):.0f} req/s ({lat} {get(n, c, lat + '_ms'):.1f} ms)"
@@ -246,6 +246,7 @@ def main():
     a.add_argument("round")
     m = sub.add_parser("memory")
     m.add_argument("name")
+    m.add_argument("case")
     m.add_argument("round")
     m.add_argument("pids", nargs="*")
     b = sub.add_parser("best")
@@ -261,7 +262,7 @@ def main():
     if args.command == "add":
         add(args.name, args.case, args.round)
     elif args.command == "memory":
-        memory(args.name, args.round, args.pids)
+        memory(args.name, args.case, args.round, args.pids)
     elif args.command == "best":
         best(args.results, args.name, args.round)
     else:

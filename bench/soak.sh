@@ -10,17 +10,19 @@
 #
 #   bench/soak.sh                      # 4 minutes
 #   SOAK_SECONDS=60 bench/soak.sh
+#   ALLOCATOR=shared-arena bench/soak.sh   # another runtime.allocator
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/lib.sh
 SOAK_SECONDS=${SOAK_SECONDS:-240}
+ALLOCATOR=${ALLOCATOR:-}  # empty: the default (shared-arena)
 PORT=${PORT:-18500}
 
 scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd 2>&1 | tail -n 1
 work=$(mktemp -d /tmp/inferd-soak.XXXXXX)
 trap 'kill $sup 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
-default_pool_config "$work/inferd.toml" "$PORT" "$work/cache"
+default_pool_config "$work/inferd.toml" "$PORT" "$work/cache" "$ALLOCATOR"
 target/release/inferd serve --config "$work/inferd.toml" 2>"$work/log" &
 sup=$!
 wait_pool "$work/control.sock"

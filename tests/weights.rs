@@ -126,7 +126,7 @@ fn shared_weights_answer_exactly_as_private_ones_and_are_prepared_once() {
 fn every_allocator_answers_exactly_as_the_default_one() {
     // runtime.allocator changes where a run's buffers come from, never what it computes.
     let default = answers(&serve("allocator-malloc", ""));
-    for choice in ["arena", "arena-shrink"] {
+    for choice in ["arena", "arena-shrink", "shared-arena"] {
         let server = serve(&format!("allocator-{choice}"), &format!("[runtime]\nallocator = \"{choice}\"\n"));
         for ((path, a), (_, b)) in default.iter().zip(answers(&server)) {
             assert!(

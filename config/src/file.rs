@@ -224,16 +224,19 @@ impl Default for RuntimeConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Allocator {
-    /// No ORT arena and no memory patterns: every run mallocs its buffers, and buffers above
-    /// 256 KiB are mapped and unmapped (a fixed mmap threshold), so what a large batch needed
-    /// goes back to the system when it ends.
-    #[default]
+    /// No ORT arena and no memory patterns: every run mallocs its buffers, and free memory
+    /// past a limit goes back to the system after a run (see the worker's `allocator`).
     Malloc,
     /// ORT's defaults: a CPU arena per session (grown by powers of two, never shrunk) and
     /// memory patterns.
     Arena,
     /// ORT's arena, shrunk back to its first chunk after every run.
     ArenaShrink,
+    /// One ORT arena per worker process, shared by all its sessions (every lane, the wide
+    /// session, every model), grown by what a run asks rather than by powers of two; no
+    /// memory patterns. The default: the arena's speed at about half its memory.
+    #[default]
+    SharedArena,
 }
 
 /// How every process logs (stderr, or the journal's native protocol under systemd).
@@ -530,14 +533,14 @@ mod tests {
     }
 
     #[test]
-    fn the_allocator_is_one_of_three() {
-        assert_eq!(parse("").unwrap().runtime.allocator, Allocator::Malloc);
-        assert_eq!(
-            parse("[runtime]\nallocator = \"arena-shrink\"\n").unwrap().runtime.allocator,
-            Allocator::ArenaShrink
-        );
+    fn the_allocator_is_one_of_four() {
+        assert_eq!(parse("").unwrap().runtime.allocator, Allocator::SharedArena);
+        for (name, choice) in [("arena-shrink", Allocator::ArenaShrink), ("malloc", Allocator::Malloc)] {
+            let text = format!("[runtime]\nallocator = \"{name}\"\n");
+            assert_eq!(parse(&text).unwrap().runtime.allocator, choice);
+        }
         let err = parse("[runtime]\nallocator = \"jemalloc\"\n").unwrap_err().to_string();
-        assert!(err.contains("jemalloc") && err.contains("arena-shrink"), "{err}");
+        assert!(err.contains("jemalloc") && err.contains("shared-arena"), "{err}");
     }
 
     #[test]

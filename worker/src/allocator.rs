@@ -1,17 +1,19 @@
 //! Where a run's buffers come from (`runtime.allocator`), and handing freed memory back.
 //!
 //! ONNX Runtime's CPU arena keeps the buffers of the largest batch a session ever ran, for
-//! good, in every session of every worker. inferd's default (`malloc`) runs without it: each
-//! run mallocs its tensors and frees them. glibc keeps what was freed as well (it raises its
-//! mmap threshold to the largest block freed, so a batch of long texts leaves its buffers on
-//! the heap): so after each run, memory goes back to the system when more than [`FREE_LIMIT`]
-//! lies free, and all of it after a second idle (`engine::dispatch`).
+//! good, in every session: a worker with two lanes and a wide session holds three of them.
+//! inferd's default (`shared-arena`) registers one arena with the process's environment,
+//! which every session of the worker uses, extended by what a run asks rather than doubled.
+//! Without an arena (`malloc`), each run mallocs its tensors and frees them; glibc keeps what
+//! was freed (it raises its mmap threshold to the largest block freed), so after each run
+//! memory goes back to the system when more than [`FREE_LIMIT`] lies free, and all of it after
+//! a second idle (`engine::dispatch`): the least memory, for page faults on every large batch.
 //!
-//! Measured by `bench/allocator.sh` and `bench/soak.sh` (docs/configuration.md, "Memory"):
-//! the pool's PSS right after a mixed load went from ~250 to ~135 MiB at the same speed on
-//! short texts, and under a soak of long texts from 600-665 to 310-490 MiB, for ~15% of its
-//! throughput (pages faulted in again). ORT's arena is ~30% faster on long texts and holds
-//! ~175 MiB more per worker (`runtime.allocator = "arena"`).
+//! Measured by `bench/allocator.sh` and `bench/soak.sh` in one sitting (docs/configuration.md,
+//! "Memory"): on a mixed stream (1 in 8 texts of 256 tokens) the shared arena answers 119
+//! req/s with 219 MiB PSS after it, one arena per session 115 with 310, malloc 89 with 134;
+//! under the 2-minute soak of long texts 649 requests at a 580 MiB plateau, 645 at 1000 MiB,
+//! 525 at 137-461 MiB. Short texts run at the same speed with all three.
 
 use std::sync::OnceLock;
 
@@ -24,9 +26,54 @@ pub const FREE_LIMIT: usize = 64 << 20;
 
 static CHOICE: OnceLock<Allocator> = OnceLock::new();
 
-/// Sets this process's allocator, once, before the first session is built.
-pub fn configure(choice: Allocator) {
+/// Sets this process's allocator, once, after the environment is created and before the
+/// first session is built: `shared-arena` registers the arena all its sessions use.
+pub fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), String> {
+    if choice == Allocator::SharedArena {
+        register_shared_arena(env)?;
+    }
     let _ = CHOICE.set(choice);
+    Ok(())
+}
+
+/// Registers a CPU arena with the environment (sessions opt in with
+/// `session.use_env_allocators`), extended by what each allocation asks
+/// (`arena_extend_strategy` 1, kSameAsRequested) instead of doubling. Through the C API: ort
+/// 2.0.0-rc.15 does not wrap it.
+fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), String> {
+    use ort::sys::{OrtAllocatorType, OrtArenaCfg, OrtMemType, OrtMemoryInfo, OrtStatusPtr};
+    use ort::AsPointer;
+    let api = ort::api();
+    // SAFETY: every call below is the C API used as documented: the out-pointers are written
+    // on success, the status is released after its message is read, and the memory info and
+    // arena configuration are released once the environment has copied what it needs.
+    unsafe {
+        let check = |status: OrtStatusPtr| -> Result<(), String> {
+            if status.0.is_null() {
+                return Ok(());
+            }
+            let message = std::ffi::CStr::from_ptr((api.GetErrorMessage)(status.0)).to_string_lossy().into_owned();
+            (api.ReleaseStatus)(status.0);
+            Err(format!("cannot register the shared arena: {message}"))
+        };
+        let mut info: *mut OrtMemoryInfo = std::ptr::null_mut();
+        check((api.CreateCpuMemoryInfo)(
+            OrtAllocatorType::OrtArenaAllocator,
+            OrtMemType::OrtMemTypeDefault,
+            &mut info,
+        ))?;
+        let keys = [c"arena_extend_strategy".as_ptr()];
+        let values = [1usize];
+        let mut config: *mut OrtArenaCfg = std::ptr::null_mut();
+        let made = check((api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), keys.len(), &mut config));
+        let registered =
+            made.and_then(|()| check((api.CreateAndRegisterAllocator)(env.ptr().cast_mut(), info, config)));
+        if !config.is_null() {
+            (api.ReleaseArenaCfg)(config);
+        }
+        (api.ReleaseMemoryInfo)(info);
+        registered
+    }
 }
 
 /// This process's choice (`malloc` where nothing was configured, as in `inferd check`).

@@ -138,10 +138,9 @@ impl Model {
             let builder = plain(builder.with_inter_threads(1))?;
             let builder = plain(builder.with_parallel_execution(false))?;
             let builder = plain(builder.with_inter_op_spinning(false))?;
-            // runtime.allocator (see [`crate::allocator`]): by default no arena, which would
-            // keep the buffers of the largest batch for good in every session, and no memory
-            // patterns, which pre-plan buffers per input shape that dynamic batches and
-            // sequence lengths never repeat.
+            // runtime.allocator (see [`crate::allocator`]). Memory patterns, which pre-plan
+            // buffers per input shape that dynamic batches and sequence lengths never repeat,
+            // are off except with ORT's own defaults (`arena`).
             let builder = match crate::allocator::current() {
                 Allocator::Malloc => {
                     let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
@@ -149,6 +148,11 @@ impl Model {
                     plain(builder.with_memory_pattern(false))?
                 }
                 Allocator::Arena | Allocator::ArenaShrink => builder,
+                // The process's arena, registered with the environment (see `allocator`).
+                Allocator::SharedArena => {
+                    let builder = plain(builder.with_config_entry("session.use_env_allocators", "1"))?;
+                    plain(builder.with_memory_pattern(false))?
+                }
             };
             plain(builder.with_intra_threads(1))
         };

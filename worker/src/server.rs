@@ -143,8 +143,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
-    init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
-    crate::allocator::configure(spec.allocator);
+    let env = init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
+    crate::allocator::configure(spec.allocator, env).map_err(failure(FailureKind::Boot))?;
     crate::weights::configure(spec.weights_cache.clone(), &spec.ort_library);
     // Per model: one narrow session per thread (the lanes that run side by side under load)
     // and, with more than one thread, a wide one on the whole pool (a request that has the
@@ -349,6 +349,12 @@ async fn serve_grpc(
     limits: GrpcLimits,
 ) {
     let service = crate::grpc::service(state);
+    let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    http2
+        .timer(hyper_util::rt::TokioTimer::new())
+        .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(limits.idle);
     loop {
         let permit = tokio::select! {
             permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
@@ -371,12 +377,6 @@ async fn serve_grpc(
             use tonic::codegen::Service;
             service.clone().call(request)
         });
-        let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
-        http2
-            .timer(hyper_util::rt::TokioTimer::new())
-            .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
-            .keep_alive_interval(Some(Duration::from_secs(30)))
-            .keep_alive_timeout(limits.idle);
         let mut connection = http2.serve_connection(TokioIo::new(stream), call);
         let mut drain = drain.clone();
         tokio::spawn(async move {
