@@ -36,6 +36,10 @@ pub fn configure(choice: Allocator, env: &ort::environment::Environment) -> Resu
     Ok(())
 }
 
+/// How much larger than a request a free chunk of the shared arena may be before it is split
+/// (ORT's default, 128 MiB, lets a small tensor hold a chunk a large batch left).
+const DEAD_BYTES_PER_CHUNK: usize = 4 << 20;
+
 /// Registers a CPU arena with the environment (sessions opt in with
 /// `session.use_env_allocators`), extended by what each allocation asks
 /// (`arena_extend_strategy` 1, kSameAsRequested) instead of doubling. Through the C API: ort
@@ -62,8 +66,8 @@ fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), Stri
             OrtMemType::OrtMemTypeDefault,
             &mut info,
         ))?;
-        let keys = [c"arena_extend_strategy".as_ptr()];
-        let values = [1usize];
+        let keys = [c"arena_extend_strategy".as_ptr(), c"max_dead_bytes_per_chunk".as_ptr()];
+        let values = [1usize, DEAD_BYTES_PER_CHUNK];
         let mut config: *mut OrtArenaCfg = std::ptr::null_mut();
         let made = check((api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), keys.len(), &mut config));
         let registered =
