@@ -63,6 +63,10 @@ fn tritonclient_grpc_gets_what_rest_and_the_references_give() {
     assert_eq!((count(200), count(400), count(500)), (3.0, 5.0, 0.0), "{metrics}");
     let status = server.status();
     assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
+    assert_eq!(status["grpc_listen"], grpc.as_str(), "{status}");
+    let table = Command::new(BIN).args(["status", "--control-socket"]).arg(&server.socket).output().unwrap();
+    let first = String::from_utf8_lossy(&table.stdout).lines().next().unwrap_or_default().to_string();
+    assert!(first.contains(&format!("on {} (gRPC on {grpc})", server.addr)), "{first}");
 }
 
 #[test]

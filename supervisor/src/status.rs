@@ -86,6 +86,9 @@ pub struct PoolStatus {
     /// What a reload in progress is doing.
     pub reload: Option<String>,
     pub listen: String,
+    /// server.grpc_listen, when gRPC is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_listen: Option<String>,
     pub uptime_secs: f64,
     pub usable_cores: usize,
     pub cpu_budget: String,
@@ -114,11 +117,12 @@ impl PoolStatus {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "inferd {} (pid {}) {} on {}, up {}; {}/{} workers ready; {} requests served",
+            "inferd {} (pid {}) {} on {}{}, up {}; {}/{} workers ready; {} requests served",
             self.version,
             self.pid,
             serde_plain(&self.phase),
             self.listen,
+            self.grpc_listen.as_ref().map_or(String::new(), |g| format!(" (gRPC on {g})")),
             duration(self.uptime_secs),
             self.ready_workers(),
             self.workers.len(),
@@ -286,6 +290,7 @@ mod tests {
             }],
             reloads_failed: 0,
             listen: "127.0.0.1:8000".into(),
+            grpc_listen: None,
             uptime_secs: 3.0,
             usable_cores: 2,
             cpu_budget: "affinity 0-1".into(),

@@ -47,6 +47,7 @@ impl Supervisor {
             generation: self.generation,
             reload: self.reload.as_ref().map(|r| format!("replacing worker {} of {}", r.slot + 1, self.slots.len())),
             listen: self.resolved.config.server.listen.clone(),
+            grpc_listen: Some(self.resolved.config.server.grpc_listen.clone()).filter(|g| !g.is_empty()),
             uptime_secs: self.started.elapsed().as_secs_f64(),
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
