@@ -450,7 +450,7 @@ impl Supervisor {
                 if self.worker_rss.is_none() {
                     if let Err(e) = self.memory_plan(pid) {
                         error!("{e}");
-                        return self.fail(e);
+                        self.fail(e);
                     }
                 }
             }
