@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::ModelEntry;
 use inferd_worker::model::{init_runtime, Model, Threads};
@@ -33,21 +33,10 @@ struct Cli {
 enum Command {
     /// Load an inferd endpoint.
     Http {
-        /// host:port
-        #[arg(long)]
-        addr: String,
+        #[command(flatten)]
+        clients: Clients,
         #[arg(long, default_value = "/embed")]
         path: String,
-        #[arg(long, default_value_t = 1)]
-        concurrency: usize,
-        #[arg(long, default_value_t = 10.0)]
-        seconds: f64,
-        /// Texts, one per line; each request embeds one, in turn.
-        #[arg(long)]
-        texts: PathBuf,
-        /// Seconds the clients run before measuring starts.
-        #[arg(long, default_value_t = 2.0)]
-        warmup: f64,
         /// Also report, on a line of its own, the requests whose text is shorter than this many
         /// bytes (how short texts fare in a mixed stream).
         #[arg(long)]
@@ -55,19 +44,10 @@ enum Command {
     },
     /// Load an inferd gRPC port (server.grpc_listen) with ModelInfer of one text each.
     Grpc {
-        /// host:port
-        #[arg(long)]
-        addr: String,
+        #[command(flatten)]
+        clients: Clients,
         #[arg(long, default_value = "minilm")]
         model: String,
-        #[arg(long, default_value_t = 1)]
-        concurrency: usize,
-        #[arg(long, default_value_t = 10.0)]
-        seconds: f64,
-        #[arg(long)]
-        texts: PathBuf,
-        #[arg(long, default_value_t = 2.0)]
-        warmup: f64,
     },
     /// The same texts through the same model with no server in between.
     Ort {
@@ -96,15 +76,33 @@ enum Command {
     },
 }
 
+/// The closed-loop clients of `http` and `grpc`.
+#[derive(Args)]
+struct Clients {
+    /// host:port
+    #[arg(long)]
+    addr: String,
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Texts, one per line; each request embeds one, in turn.
+    #[arg(long)]
+    texts: PathBuf,
+    /// Seconds the clients run before measuring starts.
+    #[arg(long, default_value_t = 2.0)]
+    warmup: f64,
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Http { addr, path, concurrency, seconds, texts, warmup, short_below } => {
-            let load = HttpLoad { addr, path, concurrency, seconds, warmup, short_below };
-            http(&load, &read_texts(&texts)?)
+        Command::Http { clients, path, short_below } => {
+            let texts = read_texts(&clients.texts)?;
+            http(&clients, &path, short_below, &texts)
         }
-        Command::Grpc { addr, model, concurrency, seconds, texts, warmup } => {
-            let load = GrpcLoad { addr, model, concurrency, seconds, warmup };
-            grpc(&load, &read_texts(&texts)?)
+        Command::Grpc { clients, model } => {
+            let texts = read_texts(&clients.texts)?;
+            grpc(&clients, &model, &texts)
         }
         Command::Ort { model, ort_library, parallel, threads, batch, spin, seconds, texts } => {
             let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin };
@@ -122,21 +120,12 @@ fn read_texts(path: &PathBuf) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
-struct HttpLoad {
-    addr: String,
-    path: String,
-    concurrency: usize,
-    seconds: f64,
-    warmup: f64,
-    short_below: Option<usize>,
-}
-
-fn http(load: &HttpLoad, texts: &[String]) -> anyhow::Result<()> {
+fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]) -> anyhow::Result<()> {
     let bodies =
         texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t }))).collect::<Result<_, _>>()?;
     let outcome = closed_loop(&Load {
         addr: load.addr.clone(),
-        path: load.path.clone(),
+        path: path.to_string(),
         bodies,
         concurrency: load.concurrency,
         seconds: load.seconds,
@@ -147,26 +136,18 @@ fn http(load: &HttpLoad, texts: &[String]) -> anyhow::Result<()> {
     let mean_latency = samples.iter().map(|s| s.latency.as_secs_f64() * 1e3).sum::<f64>() / samples.len().max(1) as f64;
     let prepare_share =
         if prepare.is_empty() { None } else { Some(prepare.iter().sum::<f64>() / prepare.len() as f64 / mean_latency) };
-    let label = format!("http {} c={}", load.path, load.concurrency);
+    let label = format!("http {path} c={}", load.concurrency);
     report(&label, outcome.summary(), outcome.errors, prepare_share);
-    if let Some(limit) = load.short_below {
+    if let Some(limit) = short_below {
         let short = samples.iter().filter(|s| texts[s.body].len() < limit).map(|s| s.latency).collect();
         report(&format!("{label} texts under {limit} bytes"), Summary::of(short, outcome.elapsed, 1), 0, None);
     }
     Ok(())
 }
 
-struct GrpcLoad {
-    addr: String,
-    model: String,
-    concurrency: usize,
-    seconds: f64,
-    warmup: f64,
-}
-
 /// C clients, each on its own channel (one HTTP/2 connection), send ModelInfer in turn: the
 /// load shape of `http`, over gRPC. All on one thread, as oha runs.
-fn grpc(load: &GrpcLoad, texts: &[String]) -> anyhow::Result<()> {
+fn grpc(load: &Clients, model: &str, texts: &[String]) -> anyhow::Result<()> {
     use inferd_worker::grpc::proto::{
         grpc_inference_service_client::GrpcInferenceServiceClient, model_infer_request::InferInputTensor,
         ModelInferRequest,
@@ -174,7 +155,7 @@ fn grpc(load: &GrpcLoad, texts: &[String]) -> anyhow::Result<()> {
     let requests: Vec<ModelInferRequest> = texts
         .iter()
         .map(|t| ModelInferRequest {
-            model_name: load.model.clone(),
+            model_name: model.to_string(),
             inputs: vec![InferInputTensor {
                 name: "text".into(),
                 datatype: "BYTES".into(),
@@ -228,7 +209,7 @@ fn grpc(load: &GrpcLoad, texts: &[String]) -> anyhow::Result<()> {
         }
         anyhow::Ok((latencies, errors, elapsed))
     })?;
-    let label = format!("grpc ModelInfer {} c={}", load.model, load.concurrency);
+    let label = format!("grpc ModelInfer {model} c={}", load.concurrency);
     report(&label, Summary::of(latencies, elapsed, 1), errors, None);
     Ok(())
 }
