@@ -14,15 +14,8 @@ use serde_json::{json, Value};
 /// The default model (minilm), the classifier and the reranker test models, `default` first;
 /// two workers where there are two cores.
 fn server(tag: &str, default: &str) -> Server {
-    let model = repo().join("models/minilm/model.onnx");
-    assert!(model.is_file(), "{} is missing: run `make setup` (`make test` does it first)", model.display());
     let dir = TempDir::new(tag);
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
-    for name in ["classifier", "reranker"] {
-        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
-    }
+    let repository = model_repository(dir.path(), &["minilm", "classifier", "reranker"]);
     let others: Vec<&str> = ["minilm", "classifier", "reranker"].into_iter().filter(|&m| m != default).collect();
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &repository, default, &others, "");
@@ -37,17 +30,8 @@ fn post(server: &Server, path: &str, body: Value) -> Response {
 
 #[test]
 fn the_openai_client_and_huggingface_hub_get_the_reference_embeddings() {
-    let python = repo().join(".venv/bin/python");
-    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
     let server = server("openai-client", "minilm");
-    let out = std::process::Command::new(python)
-        .arg(repo().join("tests/clients/openai_check.py"))
-        .arg(server.addr.to_string())
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "client check failed:\n{text}\nserver log:\n{}", server.log());
-    assert!(text.contains("all checks passed"), "{text}");
+    client_check("openai_check.py", &[&server.addr.to_string()], &server, "all checks passed");
     // Counted as embedding requests of the model that answered: the script's eight answers
     // (five from openai, two from LangChain, one from huggingface_hub) and its two refusals.
     let metrics = server.metrics_text();

@@ -13,15 +13,8 @@ use common::*;
 /// `typed` (the default), `minilm`, `classifier` and `slow`, serving gRPC on a port of its own
 /// (given on the command line); two workers where there are two cores.
 fn grpc_server(tag: &str) -> (Server, String) {
-    let model = repo().join("models/minilm/model.onnx");
-    assert!(model.is_file(), "{} is missing: run `make setup` (`make test` does it first)", model.display());
     let dir = TempDir::new(tag);
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
-    for name in ["typed", "classifier", "slow"] {
-        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
-    }
+    let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "slow"]);
     let port = free_port();
     let extra = "max_body_bytes = 65536";
     write_config(dir.path(), port, test_workers(), &repository, "typed", &["minilm", "classifier", "slow"], extra);
@@ -31,12 +24,6 @@ fn grpc_server(tag: &str) -> (Server, String) {
     (server, grpc)
 }
 
-fn python() -> std::path::PathBuf {
-    let python = repo().join(".venv/bin/python");
-    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
-    python
-}
-
 fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
@@ -44,14 +31,7 @@ fn text(out: &Output) -> String {
 #[test]
 fn tritonclient_grpc_gets_what_rest_and_the_references_give() {
     let (server, grpc) = grpc_server("grpc-client");
-    let out = Command::new(python())
-        .arg(repo().join("tests/clients/triton_grpc_check.py"))
-        .args([&grpc, &server.addr.to_string()])
-        .output()
-        .unwrap();
-    let text = text(&out);
-    assert!(out.status.success(), "gRPC client check failed:\n{text}\nserver log:\n{}", server.log());
-    assert!(text.contains("grpc: all checks passed"), "{text}");
+    client_check("triton_grpc_check.py", &[&grpc, &server.addr.to_string()], &server, "grpc: all checks passed");
     // Counted with the REST requests, by model and status: `typed` answered the script's three
     // requests and refused its mistakes (wrong datatype, missing input, unknown output, typed
     // FP16, short raw data) with 400s; no worker failed.

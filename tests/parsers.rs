@@ -299,12 +299,7 @@ fn mutated_requests_get_a_4xx_with_a_message_never_a_5xx_a_panic_or_a_hang() {
     });
     let cases: usize = std::env::var("INFERD_PARSER_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(1500);
     let dir = TempDir::new("parsers");
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    std::os::unix::fs::symlink(repo().join("models/minilm"), repository.join("minilm")).unwrap();
-    for name in ["typed", "classifier", "reranker"] {
-        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
-    }
+    let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "reranker"]);
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &repository, "minilm", &["typed", "classifier", "reranker"], "");
     let mut server = Server::start(dir, port, &[]);

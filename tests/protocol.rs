@@ -232,18 +232,10 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
 }
 
 fn tritonclient_check(mode: &[&str]) {
-    let python = repo().join(".venv/bin/python");
-    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
     let server = typed_server("triton");
-    let out = std::process::Command::new(python)
-        .arg(repo().join("tests/clients/tritonclient_check.py"))
-        .args(mode)
-        .arg(server.addr.to_string())
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "tritonclient check {mode:?} failed:\n{text}\nserver log:\n{}", server.log());
-    assert!(text.contains("all checks passed"), "{text}");
+    let addr = server.addr.to_string();
+    let args: Vec<&str> = mode.iter().copied().chain([addr.as_str()]).collect();
+    client_check("tritonclient_check.py", &args, &server, "all checks passed");
 }
 
 #[test]

@@ -13,11 +13,7 @@ use common::*;
 /// `reranker`; `admin` is added to the [admin] section.
 fn server(tag: &str, admin: &str) -> Server {
     let dir = TempDir::new(tag);
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    for name in ["typed", "classifier", "slow", "reranker"] {
-        std::os::unix::fs::symlink(test_models().join(name), repository.join(name)).unwrap();
-    }
+    let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
     let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", &format!("[admin]\n{admin}\n"));
@@ -33,17 +29,9 @@ fn admin_post(server: &Server, path: &str, body: &str) -> Response {
 
 #[test]
 fn tritonclient_loads_unloads_and_reads_statistics() {
-    let python = repo().join(".venv/bin/python");
-    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
     let server = server("repository", "model_control = true");
-    let out = std::process::Command::new(python)
-        .arg(repo().join("tests/clients/triton_repository_check.py"))
-        .args([server.admin_addr().to_string(), server.addr.to_string()])
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "repository check failed:\n{text}\nserver log:\n{}", server.log());
-    assert!(text.contains("repository: all checks passed"), "{text}");
+    let (admin, public) = (server.admin_addr().to_string(), server.addr.to_string());
+    client_check("triton_repository_check.py", &[&admin, &public], &server, "repository: all checks passed");
     // Two rolling reloads (load, unload); the refused ones changed nothing.
     let status = server.status();
     assert_eq!(status["generation"], 3, "{status}");

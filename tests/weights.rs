@@ -15,17 +15,6 @@ use serde_json::json;
 /// Every test model plus the default one, all loaded by each worker.
 const MODELS: [&str; 5] = ["minilm", "typed", "slow", "classifier", "cnn"];
 
-/// A repository with the test models and the default model side by side.
-fn repository(dir: &Path) -> PathBuf {
-    let repo = dir.join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    for name in ["typed", "slow", "classifier", "cnn"] {
-        std::os::unix::fs::symlink(test_models().join(name), repo.join(name)).unwrap();
-    }
-    std::os::unix::fs::symlink(repo_root().join("models/minilm"), repo.join("minilm")).unwrap();
-    repo
-}
-
 fn repo_root() -> PathBuf {
     common::repo()
 }
@@ -57,7 +46,7 @@ fn answers(server: &Server) -> Vec<(String, Vec<u8>)> {
 fn serve(tag: &str, extra_sections: &str) -> Server {
     let dir = TempDir::new(tag);
     let port = free_port();
-    let repo = repository(dir.path());
+    let repo = model_repository(dir.path(), &MODELS);
     let config = write_config(dir.path(), port, test_workers(), &repo, "minilm", &MODELS[1..], "");
     let text = std::fs::read_to_string(&config).unwrap() + extra_sections;
     std::fs::write(&config, text).unwrap();

@@ -21,6 +21,46 @@ pub fn test_models() -> PathBuf {
     repo().join("tests/models")
 }
 
+/// `<dir>/repo`, a model repository holding `names`, linked: the default model `minilm` (from
+/// `make setup`) and test models.
+pub fn model_repository(dir: &Path, names: &[&str]) -> PathBuf {
+    let repository = dir.join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    for &name in names {
+        let source = match name {
+            "minilm" => {
+                let model = repo().join("models/minilm/model.onnx");
+                assert!(
+                    model.is_file(),
+                    "{} is missing: run `make setup` (`make test` does it first)",
+                    model.display()
+                );
+                repo().join("models/minilm")
+            }
+            _ => test_models().join(name),
+        };
+        std::os::unix::fs::symlink(source, repository.join(name)).unwrap();
+    }
+    repository
+}
+
+/// The project's Python (`make setup` makes it).
+pub fn python() -> PathBuf {
+    let python = repo().join(".venv/bin/python");
+    assert!(python.is_file(), "{} is missing: run `make setup` (`make test` does it first)", python.display());
+    python
+}
+
+/// Runs the client check `tests/clients/<script>` with `args` against `server`: it must exit
+/// 0 and print `success`. Returns what it printed.
+pub fn client_check(script: &str, args: &[&str], server: &Server, success: &str) -> String {
+    let out = Command::new(python()).arg(repo().join("tests/clients").join(script)).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script} {args:?} failed:\n{text}\nserver log:\n{}", server.log());
+    assert!(text.contains(success), "{text}");
+    text
+}
+
 /// A port nobody listens on right now. Every worker binds the same port with SO_REUSEPORT,
 /// so the port must be chosen up front rather than by binding port 0.
 /// Never the same port twice in one test binary: tests run in parallel, and two servers
