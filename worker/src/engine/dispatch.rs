@@ -43,6 +43,10 @@ pub(super) struct Dispatcher {
     /// Each lane's work channel and what it runs.
     lanes: Vec<(mpsc::Sender<Work>, LaneState)>,
     has_wide: bool,
+    /// After a lone request's wide run, how long to poll for the next job before sleeping.
+    wide_poll: Duration,
+    /// Whether the last batch ran wide.
+    last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
     wide_running: bool,
     counters: Arc<Shared>,
@@ -59,12 +63,14 @@ pub(super) struct Dispatcher {
 }
 
 impl Dispatcher {
-    /// `lanes`: each lane's work channel, all idle; `engine`: dropped with the last handle.
+    /// `lanes`: each lane's work channel, all idle; `wide_poll`: whether lane 0 has wide
+    /// sessions, and how long to poll for the next job after a lone request ran on them;
+    /// `engine`: dropped with the last handle.
     pub(super) fn new(
         inbox: mpsc::Receiver<Event>,
         policies: Vec<Policy>,
         lanes: Vec<mpsc::Sender<Work>>,
-        has_wide: bool,
+        wide_poll: Option<Duration>,
         counters: Arc<Shared>,
         clock: Arc<RunClock>,
         engine: std::sync::Weak<()>,
@@ -74,7 +80,9 @@ impl Dispatcher {
             pending: VecDeque::new(),
             policies,
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
-            has_wide,
+            has_wide: wide_poll.is_some(),
+            wide_poll: wide_poll.unwrap_or_default(),
+            last_wide: false,
             wide_running: false,
             counters,
             clock,
@@ -100,10 +108,13 @@ impl Dispatcher {
             let wait = self.reserved_until().map_or(Duration::from_secs(1), |t| t - Instant::now());
             let busy = self.lanes.iter().any(|(_, s)| *s != LaneState::Idle);
             let wait = if busy { wait.min(WATCH_EVERY) } else { wait };
-            match self.inbox.recv_timeout(wait.min(Duration::from_secs(1))) {
+            // After a lone request's run, its client's next request may be on its way.
+            let poll = if !busy && self.last_wide { self.wide_poll } else { Duration::ZERO };
+            match super::recv_polling(&self.inbox, poll, wait.min(Duration::from_secs(1))) {
                 Ok(event) => self.take(event),
                 Err(mpsc::RecvTimeoutError::Timeout) if self.engine.strong_count() == 0 => return,
-                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                // Polled once: until the next lone request, sleep.
+                Err(mpsc::RecvTimeoutError::Timeout) => self.last_wide = false,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
             while let Ok(event) = self.inbox.try_recv() {
@@ -152,7 +163,7 @@ impl Dispatcher {
             if !heavy {
                 self.last_light = Some(now);
             }
-            self.wide_running = wide;
+            (self.wide_running, self.last_wide) = (wide, wide);
             self.last_run = Some(now);
             self.trimmed = false;
             self.lanes[lane].0.send(Work { batch, wide })?;
@@ -162,7 +173,14 @@ impl Dispatcher {
 
     fn take(&mut self, event: Event) {
         match event {
-            Event::Job(job) => self.pending.push_back(job),
+            Event::Job(job) => {
+                // Arriving while other work waits or runs is load, even when that work is done
+                // by the time this job is dispatched (a lone run's lanes are free again).
+                if !self.pending.is_empty() || self.lanes.iter().any(|(_, s)| *s != LaneState::Idle) {
+                    self.last_load = Some(Instant::now());
+                }
+                self.pending.push_back(job);
+            }
             Event::Done { lane } => {
                 self.lanes[lane].1 = LaneState::Idle;
                 if lane == 0 {
@@ -282,7 +300,7 @@ mod tests {
         let counters = Arc::new(Shared::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
         let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1)).unwrap());
-        let mut d = Dispatcher::new(inbox, policies, Vec::new(), false, counters, clock, std::sync::Weak::new());
+        let mut d = Dispatcher::new(inbox, policies, Vec::new(), None, counters, clock, std::sync::Weak::new());
         d.pending = pending.into();
         d
     }
@@ -313,6 +331,40 @@ mod tests {
         // Batching off (no dynamic batch dimension, or max_batch_size = 1): always alone.
         let mut d = dispatcher(1, 8192, shorts());
         assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 1);
+    }
+
+    #[test]
+    fn a_lone_request_runs_wide_unless_requests_arrive_while_others_run() {
+        let mut d = dispatcher(32, 512, Vec::new());
+        d.has_wide = true;
+        let (senders, lanes): (Vec<_>, Vec<_>) = (0..2).map(|_| mpsc::channel::<Work>()).unzip();
+        d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
+        let wide_of_next_run = |d: &mut Dispatcher| {
+            d.dispatch().unwrap();
+            let work = lanes.iter().find_map(|l| l.try_recv().ok()).expect("a batch was handed out");
+            work.wide
+        };
+        // Requests one after another, each once the last was answered: every one runs wide.
+        for _ in 0..3 {
+            d.take(Event::Job(text_job(1, 17, 0)));
+            assert!(wide_of_next_run(&mut d), "a request with the worker to itself runs wide");
+            d.take(Event::Done { lane: 0 });
+        }
+        // One arrives while a run is in progress: by the time it is dispatched the lanes are
+        // free again, but it was load, and for a while lone requests run narrow.
+        d.take(Event::Job(text_job(1, 17, 0)));
+        assert!(wide_of_next_run(&mut d));
+        d.take(Event::Job(text_job(1, 17, 1)));
+        d.take(Event::Done { lane: 0 });
+        assert!(!wide_of_next_run(&mut d), "it came while another request ran");
+        d.take(Event::Done { lane: 0 });
+        d.take(Event::Job(text_job(1, 17, 0)));
+        assert!(!wide_of_next_run(&mut d), "within RECENT_LOAD of the overlap");
+        d.take(Event::Done { lane: 0 });
+        d.take(Event::Done { lane: 1 });
+        d.last_load = Some(Instant::now() - RECENT_LOAD * 2);
+        d.take(Event::Job(text_job(1, 17, 0)));
+        assert!(wide_of_next_run(&mut d), "the load is over");
     }
 
     #[test]

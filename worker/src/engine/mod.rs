@@ -52,6 +52,29 @@ use dispatch::Dispatcher;
 /// with one request in 8 of 256 tokens before this rule).
 const HEAVY_TOKENS: usize = 256;
 
+/// After a lone request's wide run, how long the dispatcher and lane 0 poll for the next job
+/// before they sleep ([`Engine::start`]'s `poll_when_idle`). A client that sends its next
+/// request as soon as it has an answer finds both awake: on the 2-core development machine,
+/// 0.12 ms less per lone request (p50 2.36 -> 2.24 ms with MiniLM), for at most this much CPU
+/// per thread and request.
+const IDLE_POLL: Duration = Duration::from_micros(300);
+
+/// Waits up to `timeout` for a message, checking for one for `poll` (yielding the CPU between
+/// checks) before blocking: a thread that blocks takes a wake-up to start again.
+fn recv_polling<T>(rx: &mpsc::Receiver<T>, poll: Duration, timeout: Duration) -> Result<T, mpsc::RecvTimeoutError> {
+    let started = Instant::now();
+    let poll = poll.min(timeout);
+    while !poll.is_zero() {
+        match rx.try_recv() {
+            Ok(message) => return Ok(message),
+            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvTimeoutError::Disconnected),
+            Err(mpsc::TryRecvError::Empty) if started.elapsed() >= poll => break,
+            Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
+    rx.recv_timeout(timeout.saturating_sub(started.elapsed()))
+}
+
 /// Test switch for the memory guards: with INFERD_TEST_LEAK_BYTES_PER_REQUEST=N in its
 /// environment, a worker leaks N touched bytes per model run, like a model or library that
 /// grows. Never set in production.
@@ -118,7 +141,9 @@ impl Engine {
         stats: Arc<Shared>,
         max_queue: usize,
         run_timeout: Duration,
+        poll_when_idle: bool,
     ) -> std::io::Result<Engine> {
+        let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
         let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
@@ -145,12 +170,14 @@ impl Engine {
                 done: events.clone(),
                 counters: stats.clone(),
                 clock: clock.clone(),
+                poll_when_idle,
             };
             std::thread::Builder::new().name(format!("inferd-lane-{index}")).spawn(move || lane.run(queue))?;
             senders.push(work);
         }
+        let wide_poll = has_wide.then_some(poll_when_idle);
         let dispatcher =
-            Dispatcher::new(inbox, policies, senders, has_wide, stats.clone(), clock, Arc::downgrade(&alive));
+            Dispatcher::new(inbox, policies, senders, wide_poll, stats.clone(), clock, Arc::downgrade(&alive));
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
         Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
     }
@@ -252,6 +279,9 @@ impl RunClock {
     }
 }
 
+/// A job's reply channel and its answer.
+type Answer = (batch::Reply, Result<Vec<Tensor>, ModelError>);
+
 /// A thread that runs batches on its own sessions.
 struct Lane {
     index: usize,
@@ -262,21 +292,34 @@ struct Lane {
     done: mpsc::Sender<Event>,
     counters: Arc<Shared>,
     clock: Arc<RunClock>,
+    /// [`IDLE_POLL`] or zero.
+    poll_when_idle: Duration,
 }
 
 impl Lane {
     fn run(mut self, work: mpsc::Receiver<Work>) {
-        while let Ok(Work { batch, wide }) = work.recv() {
-            self.execute(batch, wide);
-            // The answers are out: past its limit, what the batch freed goes back now.
-            crate::allocator::trim_if_over(crate::allocator::FREE_LIMIT);
-            if self.done.send(Event::Done { lane: self.index }).is_err() {
+        let mut poll = Duration::ZERO;
+        while let Ok(Work { batch, wide }) = recv_polling(&work, poll, Duration::MAX) {
+            let mut answers = Vec::with_capacity(batch.len());
+            self.execute(batch, wide, &mut answers);
+            // Free before the answers go out: a request sent on receipt of one then never finds
+            // this lane still busy (the dispatcher would take it for load, see `dispatch`).
+            let dispatcher_gone = self.done.send(Event::Done { lane: self.index }).is_err();
+            for (reply, answer) in answers {
+                let _ = reply.send(answer);
+            }
+            if dispatcher_gone {
                 return;
             }
+            // A lone request ran: the next one may come as soon as its client has the answer.
+            poll = if wide { self.poll_when_idle } else { Duration::ZERO };
+            // The answers are out: past its limit, what the batch freed goes back now.
+            crate::allocator::trim_if_over(crate::allocator::FREE_LIMIT);
         }
     }
 
-    fn execute(&mut self, batch: Vec<Job>, wide: bool) {
+    /// Runs a batch and adds each job's answer to `answers`.
+    fn execute(&mut self, batch: Vec<Job>, wide: bool, answers: &mut Vec<Answer>) {
         let started = Instant::now();
         let model = batch[0].model;
         let counters = Arc::clone(&self.counters);
@@ -286,7 +329,7 @@ impl Lane {
         }
         if batch.len() == 1 {
             let job = batch.into_iter().next().expect("one job");
-            self.run_alone(model, job, wide);
+            self.run_alone(model, job, wide, answers);
             return;
         }
         let rows: Vec<usize> = batch.iter().map(|j| j.rows.expect("only batchable jobs are gathered")).collect();
@@ -296,7 +339,7 @@ impl Lane {
             Err(ModelError::Stopped { model: name, limit }) => {
                 // Stopped for time: running each request alone would take as long again.
                 for job in batch {
-                    let _ = job.reply.send(Err(ModelError::Stopped { model: name.clone(), limit }));
+                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit })));
                 }
                 return;
             }
@@ -307,26 +350,26 @@ impl Lane {
                 let elapsed = started.elapsed().as_secs_f64();
                 for (job, part) in batch.into_iter().zip(parts) {
                     counters.observe_latency(Latency::Compute, model, elapsed);
-                    let _ = job.reply.send(Ok(part));
+                    answers.push((job.reply, Ok(part)));
                 }
             }
             None => {
                 // One request's values may have failed the batch: each runs alone and gets its
                 // own answer.
                 for job in batch {
-                    self.run_alone(model, job, wide);
+                    self.run_alone(model, job, wide, answers);
                 }
             }
         }
     }
 
-    /// One job in its own ORT call, answered.
-    fn run_alone(&mut self, model: usize, job: Job, wide: bool) {
+    /// One job in its own ORT call.
+    fn run_alone(&mut self, model: usize, job: Job, wide: bool, answers: &mut Vec<Answer>) {
         let started = Instant::now();
         let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
         let result = self.run_one(model, job.inputs, rows, wide);
         self.counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
-        let _ = job.reply.send(result);
+        answers.push((job.reply, result));
     }
 
     /// One ORT call, counted as a batch of `rows`.
