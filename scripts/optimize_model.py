@@ -46,12 +46,12 @@ def fold_constants(src, dst):
     ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
 
 
-def transformer_fusions(path, num_heads, hidden):
+def transformer_fusions(path, num_heads):
     # Imported here: onnxruntime.transformers needs sympy, only this pass does.
     from onnxruntime.transformers.optimizer import optimize_model
 
     # opt_level 0: the fusions only; ONNX Runtime's own optimisations run when a session loads.
-    fused = optimize_model(path, model_type="bert", num_heads=num_heads, hidden_size=hidden, opt_level=0)
+    fused = optimize_model(path, model_type="bert", num_heads=num_heads, hidden_size=0, opt_level=0)
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
     return fused.model, stats
 
@@ -60,7 +60,7 @@ class Graph:
     """What the attention pass looks up: producers, consumers and constant values."""
 
     def __init__(self, model):
-        self.model, self.graph = model, model.graph
+        self.graph = model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
         self.producer = {o: n for n in self.graph.node for o in n.output}
         self.consumers = collections.defaultdict(list)
@@ -257,7 +257,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folded = os.path.join(tmp, "folded.onnx")
         fold_constants(args.input, folded)
-        model, fusions = transformer_fusions(folded, args.num_heads, 0)
+        model, fusions = transformer_fusions(folded, args.num_heads)
         attention, why = fuse_attention(model, args.num_heads)
         candidate = os.path.join(tmp, "optimized.onnx")
         onnx.save(model, candidate)

@@ -412,13 +412,14 @@ fn serve(
     let metas = models.iter().map(|m| m.narrow[0].meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let run_timeout = Duration::from_secs_f64(spec.server.request_timeout_secs);
-    let engine = match Engine::start(models, stats.clone(), spec.server.max_queue, run_timeout, spec.server.intra_op_spinning) {
-        Ok(engine) => engine,
-        Err(e) => {
-            error!("cannot start the model thread: {e}");
-            return EXIT_BOOT;
-        }
-    };
+    let engine =
+        match Engine::start(models, stats.clone(), spec.server.max_queue, run_timeout, spec.server.intra_op_spinning) {
+            Ok(engine) => engine,
+            Err(e) => {
+                error!("cannot start the model thread: {e}");
+                return EXIT_BOOT;
+            }
+        };
     let state = Arc::new(AppState {
         worker: spec.index,
         models: metas,

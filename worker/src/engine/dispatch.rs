@@ -42,9 +42,9 @@ pub(super) struct Dispatcher {
     policies: Vec<Policy>,
     /// Each lane's work channel and what it runs.
     lanes: Vec<(mpsc::Sender<Work>, LaneState)>,
-    has_wide: bool,
-    /// After a lone request's wide run, how long to poll for the next job before sleeping.
-    wide_poll: Duration,
+    /// Whether lane 0 has wide sessions, and how long to poll for the next job after a lone
+    /// request ran on them before sleeping.
+    wide_poll: Option<Duration>,
     /// Whether the last batch ran wide.
     last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
@@ -80,8 +80,7 @@ impl Dispatcher {
             pending: VecDeque::new(),
             policies,
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
-            has_wide: wide_poll.is_some(),
-            wide_poll: wide_poll.unwrap_or_default(),
+            wide_poll,
             last_wide: false,
             wide_running: false,
             counters,
@@ -109,7 +108,7 @@ impl Dispatcher {
             let busy = self.lanes.iter().any(|(_, s)| *s != LaneState::Idle);
             let wait = if busy { wait.min(WATCH_EVERY) } else { wait };
             // After a lone request's run, its client's next request may be on its way.
-            let poll = if !busy && self.last_wide { self.wide_poll } else { Duration::ZERO };
+            let poll = self.wide_poll.filter(|_| !busy && self.last_wide).unwrap_or_default();
             match super::recv_polling(&self.inbox, poll, wait.min(Duration::from_secs(1))) {
                 Ok(event) => self.take(event),
                 Err(mpsc::RecvTimeoutError::Timeout) if self.engine.strong_count() == 0 => return,
@@ -158,7 +157,7 @@ impl Dispatcher {
             // narrow run: only for one request that has the worker to itself, and not while
             // requests have been overlapping lately (a burst would then run wide one by one).
             let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
-            let (lane, wide) = if self.has_wide && alone { (0, true) } else { (lane, false) };
+            let (lane, wide) = if self.wide_poll.is_some() && alone { (0, true) } else { (lane, false) };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
                 self.last_light = Some(now);
@@ -336,7 +335,7 @@ mod tests {
     #[test]
     fn a_lone_request_runs_wide_unless_requests_arrive_while_others_run() {
         let mut d = dispatcher(32, 512, Vec::new());
-        d.has_wide = true;
+        d.wide_poll = Some(Duration::ZERO);
         let (senders, lanes): (Vec<_>, Vec<_>) = (0..2).map(|_| mpsc::channel::<Work>()).unzip();
         d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
         let wide_of_next_run = |d: &mut Dispatcher| {
