@@ -35,16 +35,6 @@ fn repository(dir: &Path) -> PathBuf {
     models
 }
 
-/// The same model with different bytes: a second `doc_string` (field 6) appended to the
-/// ModelProto, which protobuf reads as the last value. Same behaviour, another file hash.
-fn variant(source: &Path, to: &Path, label: &str) {
-    let mut bytes = std::fs::read(source).unwrap();
-    bytes.push(0x32);
-    bytes.push(label.len() as u8);
-    bytes.extend_from_slice(label.as_bytes());
-    std::fs::write(to, bytes).unwrap();
-}
-
 fn start(tag: &str, workers: usize, load: &[&str]) -> Server {
     let dir = TempDir::new(tag);
     let port = free_port();
@@ -129,7 +119,7 @@ fn reload_to_a_new_file_under_load(workers: usize) {
     let before = server.status();
     let old = versions_of(&before)[0].clone();
     let new_file = server.dir.path().join("typed-v2.onnx");
-    variant(&test_models().join("typed/model.onnx"), &new_file, "inferd test v2");
+    model_variant(&test_models().join("typed/model.onnx"), &new_file, "inferd test v2");
 
     let load = Load::start(&server, 4);
     let started = Instant::now();

@@ -38,8 +38,11 @@ pub const EXIT_BOOT: i32 = 4;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerSpec {
     pub index: usize,
-    /// Incremented for every worker started; tells replacements apart in logs and status.
+    /// The pool generation whose models the worker runs (incremented by every reload).
     pub generation: u64,
+    /// Why the supervisor started it.
+    #[serde(default)]
+    pub cause: Cause,
     /// ORT intra-op threads (the worker's share of the cores).
     pub threads: usize,
     /// CPUs the worker is pinned to (empty = not pinned).
@@ -66,6 +69,40 @@ pub struct WorkerSpec {
     /// logging starts before the spec is read).
     #[serde(default)]
     pub log: LogConfig,
+}
+
+/// Why the supervisor started a worker: in its spec, the supervisor's log and `inferd status`.
+/// A rolling reload waits for the worker it started itself (the supervisor tells its own by a
+/// per-spawn id, never by cause or generation alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// One of the pool's first workers.
+    #[default]
+    Boot,
+    /// The first worker of a slot that `scale +1` added.
+    Scale,
+    /// The slot's previous worker died (crashed, killed, stuck, over the hard memory limit).
+    Respawn,
+    /// A rolling reload's new worker (control socket, SIGHUP, repository load or unload).
+    Reload,
+    /// Replacing a worker past server.max_requests or server.max_worker_age_secs.
+    Recycle,
+    /// Replacing a worker over the soft memory limit, or the biggest in a pool near its cgroup's.
+    Memory,
+}
+
+impl Cause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Boot => "boot",
+            Cause::Scale => "scale",
+            Cause::Respawn => "respawn",
+            Cause::Reload => "reload",
+            Cause::Recycle => "recycle",
+            Cause::Memory => "memory",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,5 +156,12 @@ mod tests {
         let line = serde_json::to_string(&m).unwrap();
         assert_eq!(line, r#"{"event":"failed","kind":"model_load","error":"bad"}"#);
         assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), m);
+    }
+
+    #[test]
+    fn causes_are_written_as_their_names() {
+        for cause in [Cause::Boot, Cause::Scale, Cause::Respawn, Cause::Reload, Cause::Recycle, Cause::Memory] {
+            assert_eq!(serde_json::to_string(&cause).unwrap(), format!("\"{}\"", cause.as_str()));
+        }
     }
 }

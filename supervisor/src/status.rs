@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use crate::plan::cpu::format_cpus;
-use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::spec::{Cause, ModelInfo};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +42,9 @@ pub struct WorkerStatus {
     pub pid: Option<u32>,
     pub generation: u64,
     pub state: WorkerState,
+    /// Why the supervisor started this worker (none: the slot is down).
+    #[serde(default)]
+    pub started_for: Option<Cause>,
     pub cpus: Vec<usize>,
     /// ORT intra-op threads (the worker's share of the cores).
     pub threads: usize,
@@ -174,6 +177,7 @@ impl PoolStatus {
             "PID",
             "STATE",
             "GEN",
+            "FOR",
             "CPUS",
             "THREADS",
             "RSS",
@@ -201,6 +205,7 @@ impl PoolStatus {
                 w.pid.map_or("-".into(), |p| p.to_string()),
                 serde_plain(&w.state),
                 w.generation.to_string(),
+                w.started_for.map_or("-", Cause::as_str).into(),
                 format_cpus(&w.cpus),
                 match w.os_threads {
                     Some(os) => format!("{} ({os} os)", w.threads),
@@ -257,6 +262,7 @@ mod tests {
             pid: Some(100 + index as u32),
             generation: 1,
             state: WorkerState::Ready,
+            started_for: Some(Cause::Boot),
             cpus: vec![index],
             threads: 1,
             os_threads: Some(2),

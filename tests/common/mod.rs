@@ -110,6 +110,16 @@ pub fn test_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(2)
 }
 
+/// The same model with different bytes: a second `doc_string` (field 6) appended to the
+/// ModelProto, which protobuf reads as the last value. Same behaviour, another file hash.
+pub fn model_variant(source: &Path, to: &Path, label: &str) {
+    let mut bytes = std::fs::read(source).unwrap();
+    bytes.push(0x32);
+    bytes.push(label.len() as u8);
+    bytes.extend_from_slice(label.as_bytes());
+    std::fs::write(to, bytes).unwrap();
+}
+
 /// Writes an inferd.toml for a test into `dir`.
 pub fn write_config(
     dir: &Path,

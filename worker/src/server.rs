@@ -13,8 +13,8 @@ use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use inferd_ipc::spec::{
-    FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD,
-    WORKER_LISTENER_FD,
+    Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD,
+    WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Shared, WORKER_STATS_FD};
 use tokio::io::AsyncWriteExt;
@@ -175,6 +175,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     }
     // Loading and warming left freed buffers in the allocator: give them back before serving.
     crate::allocator::trim();
+    hold_for_test(spec.cause);
     let listener = match spec.inherited_listener {
         true => inherited_listener(),
         false => bind_reuseport(spec.server.listen_addr()),
@@ -185,6 +186,27 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             failure(FailureKind::Boot)(format!("cannot listen on {} (gRPC): {e}", spec.server.grpc_listen))
         })?;
     Ok((models, Listeners { http: listener, grpc }))
+}
+
+/// Test switch for the supervisor's races (tests/races.rs): with INFERD_TEST_HOLD_DIR=D set,
+/// a worker started for cause C (`reload`, `memory`, ...) that finds a file D/hold-C waits,
+/// warm but not yet listening, until the file is gone; D/held-C holds the pid of the last
+/// worker that waited there.
+/// A test uses it to have a replacement still booting at the moment it acts.
+fn hold_for_test(cause: Cause) {
+    let Some(dir) = std::env::var_os("INFERD_TEST_HOLD_DIR").map(std::path::PathBuf::from) else { return };
+    let hold = dir.join(format!("hold-{}", cause.as_str()));
+    if !hold.exists() {
+        return;
+    }
+    let held = dir.join(format!("held-{}", cause.as_str()));
+    let partial = dir.join(format!(".held-{}-{}", cause.as_str(), std::process::id()));
+    // Written whole, then renamed: a reader never sees half a pid.
+    let _ = std::fs::write(&partial, std::process::id().to_string()).and_then(|()| std::fs::rename(&partial, &held));
+    warn!("held before listening while {} exists (INFERD_TEST_HOLD_DIR)", hold.display());
+    while hold.exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// The one socket systemd passed to the supervisor, shared by every worker: the kernel queues

@@ -127,7 +127,7 @@ impl Supervisor {
         let slot = &mut self.slots[index];
         if room_for_one && self.reload.is_none() {
             let (models, generation) = (slot.models.clone(), slot.generation);
-            self.spawn(index, Role::Incoming, models, generation);
+            self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
             return;
         }
         for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
@@ -135,6 +135,7 @@ impl Supervisor {
             retire(w.pid);
         }
         slot.start = Start::WhenEmpty;
+        slot.cause = Cause::Memory;
     }
 
     /// A worker whose model run has lasted longer than server.request_timeout_secs (plus
@@ -200,7 +201,7 @@ impl Supervisor {
         info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
         *self.recycles_by_reason.entry(reason).or_default() += 1;
         let (models, generation) = (slot.models.clone(), slot.generation);
-        self.spawn(index, Role::Incoming, models, generation);
+        self.spawn(index, Role::Incoming, Cause::Recycle, models, generation);
     }
 }
 

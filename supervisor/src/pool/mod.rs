@@ -35,7 +35,7 @@ use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{
-    FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
+    Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
     WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
@@ -109,6 +109,10 @@ enum Role {
 
 struct Worker {
     pid: u32,
+    /// This spawn's identity, unique over the supervisor's life: a reload waits for the one
+    /// worker it started, whatever other workers of the same slot or generation report.
+    spawn: u64,
+    cause: Cause,
     generation: u64,
     role: Role,
     state: WorkerState,
@@ -136,8 +140,9 @@ struct Slot {
     restarts: u32,
     /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`].
     failures: u32,
-    /// When it starts its next current worker (see [`Start`]).
+    /// When it starts its next current worker (see [`Start`]), and why.
     start: Start,
+    cause: Cause,
     last_exit: Option<String>,
     /// A recycling replacement failed: no new attempt before this.
     recycle_pause: Option<Instant>,
@@ -189,6 +194,10 @@ struct Reload {
     generation: u64,
     /// The slot being replaced now; slots below it run the new models.
     slot: usize,
+    /// The spawn id of the worker this reload started for `slot`, the only one whose
+    /// readiness advances it and whose failure fails it; None while it waits for a worker of
+    /// that slot started for another cause, on the old models, to finish booting.
+    worker: Option<u64>,
     replies: Option<Replies>,
     /// Keep `replies` until the last slot is done (else only until validation).
     wait: bool,
@@ -208,6 +217,8 @@ pub struct Supervisor {
     started: Instant,
     /// Incremented by every reload; workers carry the generation they were started for.
     generation: u64,
+    /// Workers started so far: the next one's spawn id.
+    spawns: u64,
     /// The models new slots (scale +1) run: those of the latest successful reload.
     models: Vec<ModelEntry>,
     reload: Option<Reload>,
@@ -294,8 +305,12 @@ impl Supervisor {
         events: mpsc::UnboundedSender<Event>,
         listener: Option<OwnedFd>,
     ) -> std::io::Result<Supervisor> {
-        let mut slots: Vec<Slot> =
-            resolved.plan.workers.iter().map(|p| new_slot(p.clone(), resolved.models.clone(), 1)).collect();
+        let mut slots: Vec<Slot> = resolved
+            .plan
+            .workers
+            .iter()
+            .map(|p| new_slot(p.clone(), resolved.models.clone(), 1, Cause::Boot))
+            .collect();
         // The first worker starts alone: its RSS after warm-up decides whether the others fit.
         for slot in slots.iter_mut().skip(1) {
             slot.start = Start::Held;
@@ -310,6 +325,7 @@ impl Supervisor {
             booted: false,
             started: Instant::now(),
             generation: 1,
+            spawns: 0,
             reload: None,
             reloads: (0, 0),
             worker_rss: None,
@@ -462,20 +478,22 @@ impl Supervisor {
     }
 
     /// An incoming worker is ready: it becomes the slot's current worker, and the one it
-    /// replaces drains and leaves.
+    /// replaces drains and leaves. The reload advances only if this is the worker it started.
     fn promote(&mut self, index: usize, pid: u32) {
         let slot = &mut self.slots[index];
+        let mut spawn = None;
         for w in slot.workers.iter_mut() {
             if w.pid == pid {
                 w.role = Role::Current;
                 slot.generation = w.generation;
+                spawn = Some(w.spawn);
             } else if w.role == Role::Current {
                 w.role = Role::Retiring;
                 info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
                 retire(w.pid);
             }
         }
-        let Some(reload) = self.reload.as_mut().filter(|r| r.slot == index) else { return };
+        let Some(reload) = self.reload.as_mut().filter(|r| r.worker.is_some() && r.worker == spawn) else { return };
         slot.models = reload.models.clone();
         let total = self.slots.len();
         let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
@@ -528,11 +546,14 @@ impl Supervisor {
             _ => None,
         });
         if worker.role == Role::Incoming {
-            // A replacement that never became ready: the current worker keeps serving.
+            // A replacement that never became ready: the current worker keeps serving. Only
+            // the reload's own worker fails the reload.
             let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
-            error!("worker {index}: replacement (pid {pid}) failed: {error}");
+            error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
             slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
-            self.abort_reload(index, &error);
+            if self.reload.as_ref().is_some_and(|r| r.worker == Some(worker.spawn)) {
+                self.abort_reload(index, &error);
+            }
             return;
         }
         slot.restarts += 1;
@@ -574,6 +595,7 @@ impl Supervisor {
             info!("worker {index}: next start in {delay:?} ({failures} failures in a row)");
         }
         self.slots[index].start = Start::At(Instant::now() + delay);
+        self.slots[index].cause = Cause::Respawn;
     }
 
     fn on_tick(&mut self) {
@@ -599,6 +621,7 @@ impl Supervisor {
             self.watch_memory();
         }
         self.maybe_recycle(now);
+        self.resume_reload();
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
@@ -613,8 +636,8 @@ impl Supervisor {
             }
             if slot.due(now) {
                 slot.start = Start::No;
-                let (models, generation) = (slot.models.clone(), slot.generation);
-                self.spawn(index, Role::Current, models, generation);
+                let (models, generation, cause) = (slot.models.clone(), slot.generation, slot.cause);
+                self.spawn(index, Role::Current, cause, models, generation);
             }
         }
     }
@@ -686,12 +709,22 @@ impl Supervisor {
         phase
     }
 
-    fn spawn(&mut self, index: usize, role: Role, models: Vec<ModelEntry>, generation: u64) {
+    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
+    /// started (a current worker is then retried after a backoff).
+    fn spawn(
+        &mut self,
+        index: usize,
+        role: Role,
+        cause: Cause,
+        models: Vec<ModelEntry>,
+        generation: u64,
+    ) -> Option<u64> {
         let placement = &self.slots[index].placement;
         let config = &self.resolved.config;
         let spec = WorkerSpec {
             index,
             generation,
+            cause,
             threads: placement.threads,
             cpus: placement.cpus.clone(),
             ort_library: self.resolved.ort.path.clone(),
@@ -706,12 +739,17 @@ impl Supervisor {
         match self.start_process(&spec) {
             Ok((pid, stats)) => {
                 info!(
-                    "worker {index} started: pid {pid}, cpus {}, {} threads, generation {generation}",
+                    "worker {index} started for {}: pid {pid}, cpus {}, {} threads, generation {generation}",
+                    cause.as_str(),
                     format_cpus(&spec.cpus),
                     spec.threads
                 );
+                self.spawns += 1;
+                let spawn = self.spawns;
                 self.slots[index].workers.push(Worker {
                     pid,
+                    spawn,
+                    cause,
                     generation,
                     role,
                     state: WorkerState::Starting,
@@ -724,6 +762,7 @@ impl Supervisor {
                     stuck: None,
                     memory_killed: false,
                 });
+                Some(spawn)
             }
             Err(e) => {
                 let slot = &mut self.slots[index];
@@ -733,6 +772,7 @@ impl Supervisor {
                 if role == Role::Current {
                     slot.start = Start::At(Instant::now() + delay);
                 }
+                None
             }
         }
     }
@@ -854,7 +894,7 @@ fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
     }
 }
 
-fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> Slot {
+fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64, cause: Cause) -> Slot {
     Slot {
         placement,
         models,
@@ -863,6 +903,7 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64) -> S
         restarts: 0,
         failures: 0,
         start: Start::At(Instant::now()),
+        cause,
         last_exit: None,
         recycle_pause: None,
     }
@@ -910,6 +951,8 @@ mod tests {
     fn worker(role: Role) -> Worker {
         Worker {
             pid: 1,
+            spawn: 1,
+            cause: Cause::Boot,
             generation: 1,
             role,
             state: WorkerState::Ready,
@@ -927,7 +970,7 @@ mod tests {
     #[test]
     fn only_a_slots_start_state_starts_its_worker() {
         let now = Instant::now();
-        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1);
+        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1, Cause::Boot);
         let later = now + Duration::from_secs(5);
         for (start, due) in [
             (Start::At(now), true),

@@ -104,8 +104,15 @@ impl Supervisor {
                 self.slots.len()
             )));
         }
-        self.reload =
-            Some(Reload { models, generation: self.generation, slot: 0, replies, wait, started: Instant::now() });
+        self.reload = Some(Reload {
+            models,
+            generation: self.generation,
+            slot: 0,
+            worker: None,
+            replies,
+            wait,
+            started: Instant::now(),
+        });
         self.replace_slot(0);
     }
 
@@ -144,13 +151,45 @@ impl Supervisor {
         Ok(models)
     }
 
-    /// Starts an incoming worker for slot `index` with the reload's models.
+    /// Makes slot `index` the one the reload replaces: its new worker starts now, or, while a
+    /// worker of the slot started for another cause is still booting on the old models (a
+    /// replacement for memory or recycling, a respawn, a new slot), once that one is ready or
+    /// gone ([`Supervisor::resume_reload`], every tick). So a slot never boots two workers at
+    /// once, and an in-flight replacement finishes on the old models before the reload
+    /// replaces it in turn.
     pub(super) fn replace_slot(&mut self, index: usize) {
+        let Some(reload) = self.reload.as_mut() else { return };
+        reload.slot = index;
+        reload.worker = None;
+        let Some(w) = booting(&self.slots[index]) else { return self.start_reload_worker() };
+        let note = format!(
+            "worker {} of {}: its worker started for {} (pid {}) is still booting on the previous models; \
+             replacing it once it is ready or gone",
+            index + 1,
+            self.slots.len(),
+            w.cause.as_str(),
+            w.pid
+        );
+        info!("reload: {note}");
+        if let Some(replies) = self.reload.as_ref().and_then(|r| r.replies.as_ref()) {
+            let _ = replies.send(Response::progress(note));
+        }
+    }
+
+    /// The reload waits for a slot's booting worker: start its own once that one is done.
+    pub(super) fn resume_reload(&mut self) {
+        let Some(reload) = self.reload.as_ref().filter(|r| r.worker.is_none()) else { return };
+        if booting(&self.slots[reload.slot]).is_none() {
+            self.start_reload_worker();
+        }
+    }
+
+    fn start_reload_worker(&mut self) {
         let reload = self.reload.as_ref().expect("called during a reload");
-        let (models, generation) = (reload.models.clone(), reload.generation);
-        self.spawn(index, Role::Incoming, models, generation);
-        if !self.slots[index].workers.iter().any(|w| w.role == Role::Incoming) {
-            self.abort_reload(index, "the new worker could not be started");
+        let (index, models, generation) = (reload.slot, reload.models.clone(), reload.generation);
+        match self.spawn(index, Role::Incoming, Cause::Reload, models, generation) {
+            Some(spawn) => self.reload.as_mut().expect("checked").worker = Some(spawn),
+            None => self.abort_reload(index, "the new worker could not be started"),
         }
     }
 
@@ -218,7 +257,7 @@ impl Supervisor {
                         .map_err(|e| format!("scale +1 refused: {e}"))?;
                 let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
-                self.slots.push(new_slot(placement, self.models.clone(), self.generation));
+                self.slots.push(new_slot(placement, self.models.clone(), self.generation, Cause::Scale));
                 Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
             }
             -1 => {
@@ -240,4 +279,11 @@ impl Supervisor {
             other => Err(format!("scale refused: the step is +1 or -1, not {other}")),
         }
     }
+}
+
+/// A worker of the slot, other than a retiring one, that has not reported ready yet.
+fn booting(slot: &Slot) -> Option<&Worker> {
+    slot.workers
+        .iter()
+        .find(|w| w.role != Role::Retiring && matches!(w.state, WorkerState::Starting | WorkerState::Warming))
 }

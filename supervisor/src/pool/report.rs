@@ -21,6 +21,7 @@ impl Supervisor {
                         Some(w) if w.role == Role::Retiring => WorkerState::Draining,
                         Some(w) => w.state,
                     },
+                    started_for: w.map(|w| w.cause),
                     cpus: slot.placement.cpus.clone(),
                     threads: slot.placement.threads,
                     os_threads: proc.threads,
