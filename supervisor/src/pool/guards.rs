@@ -120,12 +120,15 @@ impl Supervisor {
     }
 
     /// Gracefully replaces a slot's worker for memory: the new one first when there is room for
-    /// it, else the old one drains and exits before the new one starts.
+    /// it, else the old one drains and exits before the new one starts. During a reload too:
+    /// the reload tells its own workers by their spawn ids, and waits for this one to finish
+    /// before it replaces the slot (retiring first would leave a 1-worker pool without a
+    /// listener for a boot's length).
     pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
         *self.recycles_by_reason.entry("memory").or_default() += 1;
         let room_for_one = self.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
         let slot = &mut self.slots[index];
-        if room_for_one && self.reload.is_none() {
+        if room_for_one {
             let (models, generation) = (slot.models.clone(), slot.generation);
             self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
             return;

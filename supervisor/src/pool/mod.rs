@@ -615,13 +615,15 @@ impl Supervisor {
             return;
         }
         self.kill_stuck_workers();
+        // Before the guards: a slot the reload was waiting for gets the reload's worker now,
+        // and no guard starts another replacement beside it.
+        self.resume_reload();
         let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
         if self.memory_checked.is_none_or(|t| now - t >= every) {
             self.memory_checked = Some(now);
             self.watch_memory();
         }
         self.maybe_recycle(now);
-        self.resume_reload();
         let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
