@@ -25,6 +25,8 @@ check: setup build
 test: setup
 	scripts/test-deps.sh
 	$(CARGO) test --release --locked --workspace
+	# The request parsers deny unchecked arithmetic (clippy::arithmetic_side_effects).
+	$(CARGO) clippy --release --locked -p inferd-worker -- -D warnings
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md).

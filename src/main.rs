@@ -297,6 +297,16 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             "; fits"
         }
     );
+    // `serve` derives them the same way from worker 0's private memory after warm-up.
+    let limits = inferd_supervisor::plan::memory::WorkerLimits::derive(
+        &budget,
+        k,
+        rss,
+        0,
+        config.server.worker_memory_soft_limit_mb,
+        config.server.worker_memory_hard_limit_mb,
+    );
+    println!("worker memory:   {} (about; serve measures worker 0)", limits.describe());
     println!("plan OK");
     Ok(ExitCode::SUCCESS)
 }

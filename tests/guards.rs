@@ -211,7 +211,7 @@ fn hostile_clients_are_refused_and_cost_nothing_lasting() {
     ]});
     let r = server.request("POST", "/v2/models/slow/infer", &serde_json::to_vec(&huge).unwrap());
     assert_eq!(r.status, 400);
-    assert!(r.error().contains("needs 256000000000 values, got 1"), "{}", r.error());
+    assert!(r.error().contains("has more elements than the request's"), "{}", r.error());
 
     let head = r#"{"inputs":[{"name":"x","shape":[1,256],"datatype":"FP32","parameters":{"binary_data_size":1024}},{"name":"iterations","shape":[1],"datatype":"INT64","data":[1]}]}"#;
     let mut body = head.as_bytes().to_vec();

@@ -268,6 +268,11 @@ pub struct ImageConfig {
     /// Encoded images with more pixels than this are refused (413) before decoding.
     #[serde(default = "default_max_pixels")]
     pub max_pixels: u64,
+    /// Encoded images wider or taller than this are refused (413) before decoding: the
+    /// resize's intermediate buffer grows with the source's width times the model's height,
+    /// whatever the pixel count (a 39,000,000 x 1 image would need 140 GB).
+    #[serde(default = "default_max_side")]
+    pub max_side: u32,
 }
 
 fn default_scale() -> f32 {
@@ -284,6 +289,10 @@ fn default_std() -> [f32; 3] {
 
 fn default_max_pixels() -> u64 {
     40_000_000
+}
+
+fn default_max_side() -> u32 {
+    16_384
 }
 
 /// A model as the workers will load it.
@@ -432,6 +441,9 @@ fn check_pipeline(
         }
         if i.max_pixels == 0 {
             return Err("image.max_pixels must be at least 1".into());
+        }
+        if i.max_side == 0 {
+            return Err("image.max_side must be at least 1".into());
         }
     }
     Ok(())

@@ -34,6 +34,9 @@ pub const EXIT_MODEL_LOAD: i32 = 3;
 /// Exit code of a worker that failed to boot for another reason (ONNX Runtime missing,
 /// address in use, bad spec).
 pub const EXIT_BOOT: i32 = 4;
+/// Exit code of a worker in which a thread panicked outside any one request's work (see
+/// worker/src/panics.rs): a bug, reported as such; the slot is respawned like after a crash.
+pub const EXIT_PANIC: i32 = 5;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerSpec {
@@ -90,6 +93,8 @@ pub enum Cause {
     Recycle,
     /// Replacing a worker over the soft memory limit, or the biggest in a pool near its cgroup's.
     Memory,
+    /// Replacing a worker that caught a panic serving a request (worker/src/panics.rs).
+    Fault,
 }
 
 impl Cause {
@@ -101,6 +106,7 @@ impl Cause {
             Cause::Reload => "reload",
             Cause::Recycle => "recycle",
             Cause::Memory => "memory",
+            Cause::Fault => "fault",
         }
     }
 }
@@ -160,7 +166,9 @@ mod tests {
 
     #[test]
     fn causes_are_written_as_their_names() {
-        for cause in [Cause::Boot, Cause::Scale, Cause::Respawn, Cause::Reload, Cause::Recycle, Cause::Memory] {
+        for cause in
+            [Cause::Boot, Cause::Scale, Cause::Respawn, Cause::Reload, Cause::Recycle, Cause::Memory, Cause::Fault]
+        {
             assert_eq!(serde_json::to_string(&cause).unwrap(), format!("\"{}\"", cause.as_str()));
         }
     }

@@ -47,8 +47,13 @@ const QUEUED_AT: usize = IN_FLIGHT_AT + 1;
 const BUSY_SINCE_AT: usize = QUEUED_AT + 1;
 /// CLOCK_MONOTONIC nanoseconds of the model thread's last beat (it beats at least every second).
 const BEAT_AT: usize = BUSY_SINCE_AT + 1;
+/// CLOCK_MONOTONIC nanoseconds of the I/O loop's last beat (every 250 ms while it turns).
+const IO_BEAT_AT: usize = BEAT_AT + 1;
+/// Panics caught while serving a request (worker/src/panics.rs): the supervisor replaces a
+/// worker that has any.
+const FAULTS_AT: usize = IO_BEAT_AT + 1;
 /// Number of counters in a region.
-pub const LEN: usize = BEAT_AT + 1;
+pub const LEN: usize = FAULTS_AT + 1;
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -203,6 +208,26 @@ impl Shared {
         self.counter(BEAT_AT).store(monotonic_nanos(), Ordering::Relaxed);
     }
 
+    /// The I/O loop is alive (called from a task on it).
+    pub fn io_beat(&self) {
+        self.counter(IO_BEAT_AT).store(monotonic_nanos(), Ordering::Relaxed);
+    }
+
+    /// Seconds since the I/O loop last beat, once it has.
+    pub fn io_thread(&self) -> Option<f64> {
+        let at = self.counter(IO_BEAT_AT).load(Ordering::Relaxed);
+        (at != 0).then(|| monotonic_nanos().saturating_sub(at) as f64 / 1e9)
+    }
+
+    /// A panic was caught serving a request.
+    pub fn fault(&self) {
+        self.add(FAULTS_AT, 1);
+    }
+
+    pub fn faults(&self) -> u64 {
+        self.counter(FAULTS_AT).load(Ordering::Relaxed)
+    }
+
     /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
     /// when no run is in progress.
     pub fn busy_since(&self, started: Option<u64>) {
@@ -311,7 +336,7 @@ impl Snapshot {
 
     /// Drops the gauges: what a dead worker leaves to the totals.
     pub fn without_gauges(mut self) -> Snapshot {
-        for at in [IN_FLIGHT_AT, QUEUED_AT, BUSY_SINCE_AT, BEAT_AT] {
+        for at in [IN_FLIGHT_AT, QUEUED_AT, BUSY_SINCE_AT, BEAT_AT, IO_BEAT_AT, FAULTS_AT] {
             self.0[at] = 0;
         }
         self

@@ -6,6 +6,9 @@
 //! (endpoint `infer`), the pipeline or raw tensors ([`crate::infer::run_parsed`]), deadlines,
 //! backpressure and the body budget. Errors are gRPC status codes carrying the same messages as
 //! the REST answers ([`status`]).
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -193,15 +196,15 @@ fn deadline(metadata: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, 
     }
     let n: u64 = digits.parse().map_err(|_| bad())?;
     let timeout = match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
         "S" => Duration::from_secs(n),
         "m" => Duration::from_millis(n),
         "u" => Duration::from_micros(n),
         "n" => Duration::from_nanos(n),
         _ => return Err(bad()),
     };
-    Ok(Some(Instant::now() + timeout))
+    Instant::now().checked_add(timeout).map(Some).ok_or_else(bad)
 }
 
 /// The request's tensor bytes, taken from the worker's body budget
@@ -210,9 +213,10 @@ fn claim_budget(
     state: &AppState,
     request: &proto::ModelInferRequest,
 ) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-    let typed: usize = request.inputs.iter().filter_map(|i| i.contents.as_ref()).map(contents_size).sum();
-    let raw: usize = request.raw_input_contents.iter().map(Vec::len).sum();
-    let claim = (typed + raw).clamp(1, u32::MAX as usize) as u32;
+    let typed = request.inputs.iter().filter_map(|i| i.contents.as_ref()).map(contents_size);
+    let raw = request.raw_input_contents.iter().map(Vec::len);
+    let bytes = typed.chain(raw).fold(0usize, usize::saturating_add);
+    let claim = bytes.clamp(1, u32::MAX as usize) as u32;
     state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
         ApiError::Overloaded(format!(
             "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
@@ -222,15 +226,21 @@ fn claim_budget(
 }
 
 fn contents_size(c: &InferTensorContents) -> usize {
-    c.bool_contents.len()
-        + 4 * (c.int_contents.len() + c.uint_contents.len() + c.fp32_contents.len())
-        + 8 * (c.int64_contents.len() + c.uint64_contents.len() + c.fp64_contents.len())
-        + c.bytes_contents.iter().map(|b| b.len() + 4).sum::<usize>()
+    let narrow = [c.int_contents.len(), c.uint_contents.len(), c.fp32_contents.len()];
+    let wide = [c.int64_contents.len(), c.uint64_contents.len(), c.fp64_contents.len()];
+    let bytes = c.bytes_contents.iter().map(|b| b.len().saturating_add(4));
+    narrow
+        .into_iter()
+        .map(|n| n.saturating_mul(4))
+        .chain(wide.into_iter().map(|n| n.saturating_mul(8)))
+        .chain(bytes)
+        .fold(c.bool_contents.len(), usize::saturating_add)
 }
 
 /// A ModelInferRequest as the REST parser's [`Parsed`]: every input typed and checked against
 /// its own shape, from `raw_input_contents` (one entry per input) or its typed `contents`.
 fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {
+    let bytes = prost::Message::encoded_len(&request);
     let proto::ModelInferRequest { id, parameters, inputs, outputs, raw_input_contents, .. } = request;
     if !raw_input_contents.is_empty() && raw_input_contents.len() != inputs.len() {
         return Err(format!(
@@ -243,7 +253,7 @@ fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in inputs {
         let name = input.name;
-        let (dtype, count) = protocol::declared(&name, &input.datatype, &input.shape)?;
+        let (dtype, count) = protocol::declared(&name, &input.datatype, &input.shape, bytes)?;
         let data = match (raw.next(), input.contents) {
             (Some(bytes), None) => dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?,
             (Some(_), Some(_)) => {

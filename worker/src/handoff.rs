@@ -10,6 +10,9 @@
 //! supervisor holds open, fds 6 and 7 of every worker; see `inferd_ipc::spec`); a serving
 //! sibling receives them and carries on serving the connection as if it had accepted it. The
 //! client sees nothing: its socket is never closed.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -152,10 +155,10 @@ impl<T> Prefixed<T> {
 impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
-        if this.at < this.prefix.len() {
-            let n = (this.prefix.len() - this.at).min(buf.remaining());
-            buf.put_slice(&this.prefix[this.at..this.at + n]);
-            this.at += n;
+        if let Some(left) = this.prefix.get(this.at..).filter(|left| !left.is_empty()) {
+            let n = left.len().min(buf.remaining());
+            buf.put_slice(&left[..n]);
+            this.at = this.at.saturating_add(n);
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut this.inner).poll_read(cx, buf)

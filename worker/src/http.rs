@@ -61,7 +61,11 @@ pub async fn handle(
             Some(flag)
         }
     };
-    let mut reply = match route(&state, request).await {
+    // A bug that panics in a handler costs this request (500), not the worker (panics.rs).
+    let routed = crate::panics::guarded_future(route(&state, request)).await.unwrap_or_else(|_| {
+        Err(ApiError::Internal("internal error: the server hit a bug serving this request (logged)".into()))
+    });
+    let mut reply = match routed {
         Ok(reply) => reply,
         Err(e) => {
             let request_id = id.to_str().unwrap_or_default();

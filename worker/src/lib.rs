@@ -15,7 +15,8 @@
 //! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
-//! - [`tensor`]: datatypes and their conversions.
+//! - [`tensor`]: datatypes and their conversions;
+//! - [`panics`]: a panic costs its request (500, then the worker is replaced) or the worker.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -34,6 +35,7 @@ pub mod http;
 pub mod infer;
 pub mod model;
 pub mod openai;
+pub mod panics;
 pub mod pipeline;
 pub mod protocol;
 pub mod server;

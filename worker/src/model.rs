@@ -39,6 +39,8 @@ pub enum ModelError {
     UnsupportedOutput { model: String, output: String },
     #[error("the model thread has stopped")]
     EngineGone,
+    #[error("internal error: the server hit a bug running this request (logged); the worker is being replaced")]
+    Bug,
     #[error(
         "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
     )]

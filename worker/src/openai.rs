@@ -14,6 +14,9 @@
 //! - `truncate` (inferd's own): cut texts at the model's limit instead of refusing them.
 //!
 //! Errors come in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::time::Instant;
 

@@ -5,6 +5,9 @@
 //! outputs, so a `model.toml` that does not fit its model is refused at start (and by
 //! `inferd check`) instead of failing on the first request. Tokenisation runs on the worker's
 //! I/O thread; the model thread only runs the model.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::io::Cursor;
 
@@ -12,7 +15,7 @@ use image::{ImageFormat, ImageReader};
 use inferd_config::model::{Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Task};
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
-use crate::tensor::{DataType, TensorData};
+use crate::tensor::{element_count, DataType, TensorData};
 use crate::tensor::{Tensor, TensorSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +26,10 @@ pub enum PipelineError {
         "input {index} has {tokens} tokens, but the model takes at most {max}; shorten it or send \"truncate\": true"
     )]
     TooLong { index: usize, tokens: usize, max: usize },
+    #[error(
+        "input {index} is {bytes} bytes of text; at most {max} bytes are tokenized (tokenizer.max_length x {BYTES_PER_TOKEN}); shorten it or send \"truncate\": true"
+    )]
+    TextTooLong { index: usize, bytes: usize, max: usize },
     #[error("input {index}: {message}")]
     Tokenizer { index: usize, message: String },
     #[error("image {index}: {message}")]
@@ -31,9 +38,23 @@ pub enum PipelineError {
         "image {index} is {width}x{height} = {pixels} pixels, more than the model's limit of {max} (image.max_pixels)"
     )]
     ImageTooLarge { index: usize, width: u32, height: u32, pixels: u64, max: u64 },
+    #[error("image {index} is {width}x{height}; no side may be longer than {max} (image.max_side)")]
+    ImageTooLong { index: usize, width: u32, height: u32, max: u32 },
+    #[error(
+        "image {index} is {width}x{height}: resizing it to the model's {to_width}x{to_height} needs {mib} MiB, more than the {max_mib} MiB one image may use"
+    )]
+    ImageTooCostly { index: usize, width: u32, height: u32, to_width: u32, to_height: u32, mib: u64, max_mib: u64 },
     #[error("the model's output does not fit the pipeline: {0}")]
     Output(String),
 }
+
+/// Text is cut to `max_length` times this many bytes before it is tokenized (or refused, when
+/// it may not be truncated), so that the tokenizer's work and memory are bounded by the model's
+/// own limit and not by the body size. A token of real text covers a few bytes (English ~4,
+/// CJK 3 per character; WordPiece makes any word over 100 characters a single `[UNK]`), so
+/// only text of many long unknown words or runs of whitespace could still have had fewer than
+/// `max_length` tokens in it.
+pub const BYTES_PER_TOKEN: usize = 64;
 
 /// What the model does with its outputs.
 #[derive(Debug, Clone)]
@@ -83,6 +104,17 @@ pub enum Text {
     Pair(String, String),
     /// Already tokenised: the model's own token ids, fed as they are (no special tokens added).
     Ids(Vec<u32>),
+}
+
+impl Text {
+    /// Bytes of text (or of ids) it holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Text::Single(s) => s.len(),
+            Text::Pair(a, b) => a.len().saturating_add(b.len()),
+            Text::Ids(ids) => ids.len().saturating_mul(4),
+        }
+    }
 }
 
 /// A tokenised batch, ready for the model.
@@ -225,6 +257,22 @@ fn head(entry: &ModelEntry, outputs: &[TensorSpec]) -> Result<Head, String> {
 }
 
 impl TextPipeline {
+    /// The most bytes of one text that are tokenized ([`BYTES_PER_TOKEN`]).
+    pub fn max_text_bytes(&self) -> usize {
+        self.max_length.saturating_mul(BYTES_PER_TOKEN)
+    }
+
+    /// `text`, cut at a character boundary to [`TextPipeline::max_text_bytes`] when `truncate`
+    /// allows it, else refused when longer.
+    fn bounded<'a>(&self, index: usize, text: &'a str, truncate: bool) -> Result<&'a str, PipelineError> {
+        let max = self.max_text_bytes();
+        match (text.len() > max, truncate) {
+            (false, _) => Ok(text),
+            (true, true) => Ok(&text[..text.floor_char_boundary(max)]),
+            (true, false) => Err(PipelineError::TextTooLong { index, bytes: text.len(), max }),
+        }
+    }
+
     /// Tokenises a batch and pads it to its longest row (never to a fixed length).
     pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
         let tokenizer = if truncate { &self.truncating } else { &self.plain };
@@ -234,8 +282,8 @@ impl TextPipeline {
             let input: EncodeInput = match text {
                 Text::Single(s) if s.is_empty() => return Err(PipelineError::Empty { index }),
                 Text::Pair(a, b) if a.is_empty() || b.is_empty() => return Err(PipelineError::Empty { index }),
-                Text::Single(s) => s.as_str().into(),
-                Text::Pair(a, b) => (a.as_str(), b.as_str()).into(),
+                Text::Single(s) => self.bounded(index, s, truncate)?.into(),
+                Text::Pair(a, b) => (self.bounded(index, a, truncate)?, self.bounded(index, b, truncate)?).into(),
                 Text::Ids(ids) => {
                     let (encoding, cut) = self.encode_ids(index, ids, truncate)?;
                     if cut {
@@ -258,20 +306,20 @@ impl TextPipeline {
         }
         let rows = encodings.len();
         let width = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
+        // rows <= server.max_batch_inputs, width <= max_length: checked all the same.
+        let size = rows.checked_mul(width).ok_or_else(|| PipelineError::Output("batch too large".into()))?;
         let inputs = self
             .feeds
             .iter()
             .map(|(name, feed, dtype)| {
-                let mut flat = vec![0i64; rows * width];
-                for (r, e) in encodings.iter().enumerate() {
+                let mut flat = vec![0i64; size];
+                for (row, e) in flat.chunks_mut(width.max(1)).zip(&encodings) {
                     let values = match feed {
                         TextFeed::Ids => e.get_ids(),
                         TextFeed::Mask => e.get_attention_mask(),
                         TextFeed::TypeIds => e.get_type_ids(),
                     };
-                    for (c, &v) in values.iter().enumerate() {
-                        flat[r * width + c] = v as i64;
-                    }
+                    row.iter_mut().zip(values).for_each(|(slot, &v)| *slot = i64::from(v));
                 }
                 let data = match dtype {
                     DataType::I32 => TensorData::I32(flat.into_iter().map(|v| v as i32).collect()),
@@ -314,9 +362,16 @@ impl TextPipeline {
     /// The tokens of input `index` as the model sees them (`/tokenize`): id, text, whether
     /// special, and byte offsets into the text.
     pub fn tokenize(&self, index: usize, text: &Text, add_special_tokens: bool) -> Result<Vec<Piece>, PipelineError> {
+        // Every token is listed: nothing is cut, so a text past the bound is refused.
         let (input, source): (EncodeInput, &str) = match text {
-            Text::Single(s) => (s.as_str().into(), s),
-            Text::Pair(a, b) => ((a.as_str(), b.as_str()).into(), a),
+            Text::Single(s) => {
+                let s = self.bounded(index, s, false)?;
+                (s.into(), s)
+            }
+            Text::Pair(a, b) => {
+                let a = self.bounded(index, a, false)?;
+                ((a, self.bounded(index, b, false)?).into(), a)
+            }
             Text::Ids(_) => return Err(PipelineError::Tokenizer { index, message: "already token ids".into() }),
         };
         let encoding = self
@@ -370,24 +425,30 @@ impl ImagePipeline {
     pub fn preprocess(&self, images: &[Vec<u8>]) -> Result<Vec<Tensor>, PipelineError> {
         let c = &self.config;
         let (w, h) = (c.width as usize, c.height as usize);
-        let plane = w * h;
-        let mut data = vec![0f32; images.len() * 3 * plane];
-        for (n, bytes) in images.iter().enumerate() {
+        // The model's own size (model.toml) times at most server.max_batch_inputs images.
+        let too_large = || PipelineError::Output("image batch too large".into());
+        let plane = w.checked_mul(h).ok_or_else(too_large)?;
+        let per_image = plane.checked_mul(3).ok_or_else(too_large)?;
+        let mut data = vec![0f32; images.len().checked_mul(per_image).ok_or_else(too_large)?];
+        let source = match c.channels {
+            ChannelOrder::Rgb => [0, 1, 2],
+            ChannelOrder::Bgr => [2, 1, 0],
+        };
+        for (n, (bytes, out)) in images.iter().zip(data.chunks_mut(per_image.max(1))).enumerate() {
             let rgb = decode(n, bytes, c)?;
             let resized = image::imageops::resize(&rgb, c.width, c.height, image::imageops::FilterType::Triangle);
-            let base = n * 3 * plane;
-            for (i, pixel) in resized.pixels().enumerate() {
-                for ch in 0..3 {
-                    let source = match c.channels {
-                        ChannelOrder::Rgb => ch,
-                        ChannelOrder::Bgr => 2 - ch,
-                    };
-                    let value = (pixel.0[source] as f32 * c.scale - c.mean[ch]) / c.std[ch];
-                    let at = match c.layout {
-                        Layout::Nchw => base + ch * plane + i,
-                        Layout::Nhwc => base + i * 3 + ch,
-                    };
-                    data[at] = value;
+            let value =
+                |pixel: &image::Rgb<u8>, ch: usize| (pixel.0[source[ch]] as f32 * c.scale - c.mean[ch]) / c.std[ch];
+            match c.layout {
+                Layout::Nchw => {
+                    for (ch, channel) in out.chunks_mut(plane.max(1)).enumerate() {
+                        channel.iter_mut().zip(resized.pixels()).for_each(|(slot, p)| *slot = value(p, ch));
+                    }
+                }
+                Layout::Nhwc => {
+                    for (slots, p) in out.chunks_mut(3).zip(resized.pixels()) {
+                        slots.iter_mut().enumerate().for_each(|(ch, slot)| *slot = value(p, ch));
+                    }
                 }
             }
         }
@@ -421,18 +482,44 @@ fn decode(index: usize, bytes: &[u8], c: &ImageConfig) -> Result<image::RgbImage
         return Err(bad("corrupt or truncated: the JPEG data ends before its end-of-image marker".into()));
     }
     let (width, height) = header.into_dimensions().map_err(|e| bad(format!("unreadable header: {e}")))?;
-    let pixels = width as u64 * height as u64;
+    let pixels = u64::from(width).saturating_mul(u64::from(height));
     if pixels > c.max_pixels {
         return Err(PipelineError::ImageTooLarge { index, width, height, pixels, max: c.max_pixels });
     }
+    if width.max(height) > c.max_side {
+        return Err(PipelineError::ImageTooLong { index, width, height, max: c.max_side });
+    }
+    resize_cost(index, width, height, c)?;
     let mut decoder = reader()?;
     let mut limits = image::Limits::default();
     limits.max_image_width = Some(width);
     limits.max_image_height = Some(height);
-    limits.max_alloc = Some(pixels * 8 + (1 << 20));
+    limits.max_alloc = Some(pixels.saturating_mul(8).saturating_add(1 << 20));
     decoder.limits(limits);
     let decoded = decoder.decode().map_err(|e| bad(format!("corrupt or truncated: {e}")))?;
     Ok(decoded.to_rgb8())
+}
+
+/// The most one image's resize may allocate: a 16,384-pixel-wide source resized to 1024 rows.
+const MAX_RESIZE_BYTES: u64 = 256 << 20;
+
+/// What `image::imageops::resize` allocates for a `width` x `height` source: it resamples the
+/// rows first, into a `width` x (model height) buffer of four f32 channels, then the columns.
+/// Refused when over [`MAX_RESIZE_BYTES`], from the header, before anything is decoded.
+fn resize_cost(index: usize, width: u32, height: u32, c: &ImageConfig) -> Result<(), PipelineError> {
+    let bytes = u64::from(width).saturating_mul(u64::from(c.height)).saturating_mul(16);
+    match bytes > MAX_RESIZE_BYTES {
+        true => Err(PipelineError::ImageTooCostly {
+            index,
+            width,
+            height,
+            to_width: c.width,
+            to_height: c.height,
+            mib: bytes >> 20,
+            max_mib: MAX_RESIZE_BYTES >> 20,
+        }),
+        false => Ok(()),
+    }
 }
 
 fn jpeg_complete(bytes: &[u8]) -> bool {
@@ -468,7 +555,7 @@ pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Ve
             output.name, output.shape
         )));
     };
-    if b != lengths.len() || d == 0 || b * s * d != values.len() {
+    if b != lengths.len() || d == 0 || element_count(&output.shape) != Some(values.len()) {
         return Err(PipelineError::Output(format!(
             "'{}' has shape {:?} for {} values",
             output.name,
@@ -476,8 +563,11 @@ pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Ve
             values.len()
         )));
     }
-    Ok((0..b)
-        .map(|r| values[r * s * d..(r + 1) * s * d].chunks(d).take(lengths[r].min(s)).map(<[f32]>::to_vec).collect())
+    // s x d is at most values.len(), checked above.
+    Ok(values
+        .chunks(s.saturating_mul(d).max(1))
+        .zip(lengths)
+        .map(|(row, &n)| row.chunks(d).take(n.min(s)).map(<[f32]>::to_vec).collect())
         .collect())
 }
 
@@ -492,8 +582,8 @@ pub fn embeddings(
     let TensorData::F32(values) = &output.data else {
         return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
     };
-    let dims: Vec<usize> = output.shape.iter().map(|&d| d as usize).collect();
-    if dims.iter().skip(1).any(|&d| d == 0) || dims.iter().product::<usize>() != values.len() {
+    let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
+    if dims.iter().skip(1).any(|&d| d == 0) || element_count(&output.shape) != Some(values.len()) {
         return Err(PipelineError::Output(format!(
             "'{}' has shape {:?} for {} values: no embedding can be read from it",
             output.name,
@@ -503,19 +593,21 @@ pub fn embeddings(
     }
     let mut rows = match dims.as_slice() {
         [b, d] if *b == lengths.len() => values.chunks(*d).map(<[f32]>::to_vec).collect::<Vec<_>>(),
-        [b, s, d] if *b == lengths.len() => (0..*b)
-            .map(|r| {
-                let row = &values[r * s * d..(r + 1) * s * d];
-                match pooling {
-                    Pooling::Cls => row[..*d].to_vec(),
-                    Pooling::Mean => {
-                        let n = lengths[r].clamp(1, *s);
-                        let mut sum = vec![0f32; *d];
-                        for token in row.chunks(*d).take(n) {
-                            sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
-                        }
-                        sum.iter().map(|x| x / n as f32).collect()
+        [b, s, _] if *b == lengths.len() && *s == 0 => {
+            return Err(PipelineError::Output(format!("'{}' has no tokens (shape {:?})", output.name, output.shape)))
+        }
+        [b, s, d] if *b == lengths.len() => values
+            .chunks(s.saturating_mul(*d).max(1))
+            .zip(lengths)
+            .map(|(row, &length)| match pooling {
+                Pooling::Cls => row[..*d].to_vec(),
+                Pooling::Mean => {
+                    let n = length.clamp(1, *s);
+                    let mut sum = vec![0f32; *d];
+                    for token in row.chunks(*d).take(n) {
+                        sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
                     }
+                    sum.iter().map(|x| x / n as f32).collect()
                 }
             })
             .collect(),

@@ -4,6 +4,9 @@
 //!
 //! Every validation error names the input or output and says what was expected, e.g.
 //! `input 'input_ids': expected INT64, got FP32`.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -85,7 +88,7 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
         let name = input.name;
-        let (dtype, count) = declared(&name, &input.datatype, &input.shape)?;
+        let (dtype, count) = declared(&name, &input.datatype, &input.shape, body.len())?;
         let binary_size = input.parameters.as_ref().and_then(|p| p.get("binary_data_size"));
         let (data, is_binary) = match (binary_size, &input.data) {
             (Some(size), None) => {
@@ -120,18 +123,24 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     Ok(Parsed { id: request.id, inputs, outputs, binary_output, parameters })
 }
 
-/// An input's declared datatype and element count, checked (REST and gRPC alike).
-pub fn declared(name: &str, datatype: &str, shape: &[i64]) -> Result<(DataType, usize), String> {
+/// An input's declared datatype and element count, checked (REST and gRPC alike). Every
+/// element takes at least one byte of the request (`1,` in JSON, one byte or more in binary
+/// and protobuf), so a shape of more than `request_bytes` elements is refused before any size
+/// is computed from it: a count that passes times any element size cannot overflow.
+pub fn declared(name: &str, datatype: &str, shape: &[i64], request_bytes: usize) -> Result<(DataType, usize), String> {
     let Some(dtype) = DataType::from_name(datatype) else {
         return Err(format!("input '{name}': unknown datatype '{datatype}'"));
     };
     if let Some(axis) = shape.iter().position(|&d| d < 0) {
         return Err(format!("input '{name}': dimension {axis} is {}; dimensions must not be negative", shape[axis]));
     }
-    let Some(count) = element_count(shape) else {
-        return Err(format!("input '{name}': shape {} is too large", shape_text(shape)));
-    };
-    Ok((dtype, count))
+    match element_count(shape) {
+        Some(count) if count <= request_bytes => Ok((dtype, count)),
+        _ => Err(format!(
+            "input '{name}': shape {} has more elements than the request's {request_bytes} bytes can carry",
+            shape_text(shape)
+        )),
+    }
 }
 
 fn json_data(name: &str, value: &Value, dtype: DataType, shape: &[i64], count: usize) -> Result<TensorData, String> {
@@ -454,7 +463,25 @@ mod tests {
     #[test]
     fn a_huge_shape_does_not_allocate() {
         let big = B.replace("\"shape\":[1]", "\"shape\":[1000000000]");
-        let e = parse_raw(&format!(r#"{{"inputs":[{A},{big}]}}"#)).unwrap_err();
-        assert_eq!(e, "input 'b': shape [1000000000] needs 1000000000 values, got 1");
+        let body = format!(r#"{{"inputs":[{A},{big}]}}"#);
+        let e = parse_raw(&body).unwrap_err();
+        let want = format!(
+            "input 'b': shape [1000000000] has more elements than the request's {} bytes can carry",
+            body.len()
+        );
+        assert_eq!(e, want);
+        // Within the request's size, a shape the data does not fill is still named.
+        let short = B.replace("\"shape\":[1]", "\"shape\":[3]");
+        let e = parse_raw(&format!(r#"{{"inputs":[{A},{short}]}}"#)).unwrap_err();
+        assert_eq!(e, "input 'b': shape [3] needs 3 values, got 1");
+    }
+
+    #[test]
+    fn binary_sizes_that_overflow_are_refused() {
+        // 2^61 elements of 8 bytes: their byte count wraps to 0 in a release build.
+        assert!(DataType::I64.parse_binary(&[], 1 << 61).is_err());
+        assert!(DataType::Bytes.parse_binary(&u32::MAX.to_le_bytes(), 1).is_err());
+        let e = declared("x", "INT64", &[1, 1 << 61], 1 << 20).unwrap_err();
+        assert!(e.contains("more elements than the request's 1048576 bytes"), "{e}");
     }
 }

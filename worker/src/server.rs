@@ -107,6 +107,7 @@ pub fn run(fd: RawFd) -> i32 {
             return EXIT_BOOT;
         }
     };
+    crate::panics::install(stats.clone());
     match boot(&spec, &reporter) {
         Ok((models, listeners)) => serve(spec, models, listeners, reporter, stats),
         Err(f) => {
@@ -187,6 +188,9 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         })?;
     Ok((models, Listeners { http: listener, grpc }))
 }
+
+/// How often the I/O loop beats into the shared counters.
+const IO_BEAT_EVERY: Duration = Duration::from_millis(250);
 
 /// Test switch for the supervisor's races (tests/races.rs): with INFERD_TEST_HOLD_DIR=D set,
 /// a worker started for cause C (`reload`, `memory`, ...) that finds a file D/hold-C waits,
@@ -479,6 +483,15 @@ fn serve(
             error!("cannot install signal handlers");
             return EXIT_BOOT;
         };
+        // The I/O loop's pulse: the supervisor replaces a worker whose loop stops turning (a
+        // handler that blocks it) as it does one whose model run is stuck.
+        let pulse = state.stats.clone();
+        tokio::spawn(async move {
+            loop {
+                pulse.io_beat();
+                tokio::time::sleep(IO_BEAT_EVERY).await;
+            }
+        });
         state.ready.store(true, Ordering::Relaxed);
         reporter.send(&WorkerMessage::Ready { models: infos });
         info!(listen = %spec.server.listen, cpus = ?spec.cpus, threads = spec.threads, "ready");

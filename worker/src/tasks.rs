@@ -13,6 +13,9 @@ use crate::engine::Join;
 use crate::model::ModelMeta;
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
 
+/// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
+const INLINE_TEXT_BYTES: usize = 4096;
+
 pub enum PipelineInput {
     Texts(Vec<Text>),
     /// Encoded images (PNG, JPEG).
@@ -58,7 +61,11 @@ pub struct Outcome {
 impl From<PipelineError> for ApiError {
     fn from(e: PipelineError) -> Self {
         match e {
-            PipelineError::TooLong { .. } | PipelineError::ImageTooLarge { .. } => ApiError::TooLarge(e.to_string()),
+            PipelineError::TooLong { .. }
+            | PipelineError::TextTooLong { .. }
+            | PipelineError::ImageTooLarge { .. }
+            | PipelineError::ImageTooLong { .. }
+            | PipelineError::ImageTooCostly { .. } => ApiError::TooLarge(e.to_string()),
             PipelineError::Output(_) => ApiError::Internal(e.to_string()),
             _ => ApiError::BadRequest(e.to_string()),
         }
@@ -95,20 +102,42 @@ pub async fn run(
     let started = Instant::now();
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
-            // On the I/O thread: tokenising a request takes well under a millisecond.
-            let encoded = p.encode(&texts, options.truncate)?;
+            // A short request is tokenised on the I/O thread (well under a millisecond); a long
+            // one (up to max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each)
+            // goes to the runtime's one blocking thread, so that the other connections of the
+            // worker are not held up behind it.
+            let bytes: usize = texts.iter().map(Text::bytes).sum();
+            let encoded = if bytes <= INLINE_TEXT_BYTES {
+                p.encode(&texts, options.truncate)?
+            } else {
+                let pipeline = Arc::clone(&meta.pipeline);
+                tokio::task::spawn_blocking(move || {
+                    crate::panics::guarded(|| match &*pipeline {
+                        Pipeline::Text(p) => p.encode(&texts, options.truncate),
+                        _ => unreachable!("matched above"),
+                    })
+                })
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .ok_or_else(|| ApiError::Internal("tokenizing failed: the server hit a bug (logged)".into()))??
+            };
             (encoded.inputs, encoded.lengths, encoded.truncated, Join::PadSequence)
         }
         (Pipeline::Image(_), PipelineInput::Images(images)) => {
             // Decoding can take tens of milliseconds: off the I/O thread, onto the runtime's
             // one blocking thread (started on demand).
             let pipeline = Arc::clone(&meta.pipeline);
-            let tensors = tokio::task::spawn_blocking(move || match &*pipeline {
-                Pipeline::Image(p) => p.preprocess(&images),
-                _ => unreachable!("matched above"),
+            let tensors = tokio::task::spawn_blocking(move || {
+                crate::panics::guarded(|| match &*pipeline {
+                    Pipeline::Image(p) => p.preprocess(&images),
+                    _ => unreachable!("matched above"),
+                })
             })
             .await
-            .map_err(|e| ApiError::Internal(format!("image decoding failed: {e}")))??;
+            .ok()
+            .and_then(Result::ok)
+            .ok_or_else(|| ApiError::Internal("image decoding failed: the server hit a bug (logged)".into()))??;
             (tensors, Vec::new(), Vec::new(), Join::Exact)
         }
         (Pipeline::Raw, _) => {

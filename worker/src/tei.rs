@@ -20,6 +20,9 @@
 //!   model's task; `GET /ping` answers like `/v2/health/ready`.
 //!
 //! Errors carry TEI's `error_type` beside the message.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::time::Instant;
 

@@ -4,6 +4,9 @@
 //! name and its ONNX Runtime type; the enums, JSON and binary parsing and the ORT conversions
 //! are generated from it so a type cannot be half-supported. BYTES (byte strings; ORT strings)
 //! is added by hand to each of them.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
 
 use half::f16;
 use ort::value::{DynValue, TensorElementType, ValueType};
@@ -100,7 +103,7 @@ macro_rules! define_types {
             pub fn parse_binary(self, bytes: &[u8], count: usize) -> Result<TensorData, String> {
                 fn fixed<T: Element>(bytes: &[u8], count: usize) -> Result<Vec<T>, String> {
                     let size = std::mem::size_of::<T>();
-                    if bytes.len() != count * size {
+                    if count.checked_mul(size) != Some(bytes.len()) {
                         return Err(format!("{} bytes of binary data for {count} elements of {size} bytes", bytes.len()));
                     }
                     bytes.chunks_exact(size).map(T::from_le).collect::<Option<Vec<T>>>().ok_or_else(|| "invalid BOOL byte (must be 0 or 1)".to_string())
@@ -111,10 +114,11 @@ macro_rules! define_types {
                         let mut items = Vec::with_capacity(count.min(bytes.len() / 4));
                         let mut rest = bytes;
                         while rest.len() >= 4 {
-                            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-                            let item = rest.get(4..4 + len).ok_or_else(|| format!("element {} claims {len} bytes, {} are left", items.len(), rest.len() - 4))?;
+                            let (head, tail) = rest.split_at(4);
+                            let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+                            let item = tail.get(..len).ok_or_else(|| format!("element {} claims {len} bytes, {} are left", items.len(), tail.len()))?;
                             items.push(item.to_vec());
-                            rest = &rest[4 + len..];
+                            rest = &tail[len..];
                         }
                         if !rest.is_empty() || items.len() != count {
                             return Err(format!("binary BYTES data holds {} whole elements (+{} stray bytes), the shape needs {count}", items.len(), rest.len()));
@@ -142,19 +146,20 @@ macro_rules! define_types {
             /// (false, empty strings) to `to` elements: how a batch is assembled from requests
             /// whose rows differ in length. `false` when the element types differ.
             pub fn extend_rows(&mut self, src: &TensorData, rows: usize, from: usize, to: usize) -> bool {
-                debug_assert!(to >= from && src.len() >= rows * from);
+                debug_assert!(to >= from && rows.checked_mul(from).is_some_and(|n| src.len() >= n));
+                let pad = to.saturating_sub(from);
                 match (self, src) {
                     $((TensorData::$variant(d), TensorData::$variant(s)) => {
-                        d.reserve(rows * to);
+                        d.reserve(rows.saturating_mul(to));
                         for row in s.chunks_exact(from.max(1)).take(rows) {
                             d.extend_from_slice(row);
-                            d.resize(d.len() + to - from, <$rust>::default());
+                            d.extend(std::iter::repeat_n(<$rust>::default(), pad));
                         }
                     })*
                     (TensorData::Bytes(d), TensorData::Bytes(s)) => {
                         for row in s.chunks_exact(from.max(1)).take(rows) {
                             d.extend_from_slice(row);
-                            d.resize(d.len() + to - from, Vec::new());
+                            d.extend(std::iter::repeat_n(Vec::new(), pad));
                         }
                     }
                     _ => return false,
@@ -304,10 +309,10 @@ numbers! {
 
 fn describe(v: &serde_json::Value) -> String {
     let text = v.to_string();
-    if text.len() > 40 {
-        format!("{}...", &text[..40])
-    } else {
-        text
+    // Cut at a character boundary: the value may hold any UTF-8.
+    match text.len() > 40 {
+        true => format!("{}...", &text[..text.floor_char_boundary(40)]),
+        false => text,
     }
 }
 

@@ -61,6 +61,54 @@ impl MemoryBudget {
     }
 }
 
+/// Without a cgroup limit, the workers share this much of the memory available at start; the
+/// rest is left to the host (page cache, the supervisor, other services).
+const HOST_SHARE_PERCENT: u64 = 80;
+
+/// Per-worker limits of private memory: replace above `soft`, kill above `hard`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLimits {
+    pub soft: Option<u64>,
+    pub hard: Option<u64>,
+    /// Where the limits came from, for the log, `status` and `inferd check`.
+    pub source: String,
+}
+
+impl WorkerLimits {
+    /// The configured limits (MiB, 0 = derived), else 85% (soft) and 95% (hard) of each
+    /// worker's share: of the cgroup's limit less the memory the workers share (mapped
+    /// weights, libraries: charged once), or, with no cgroup limit, of
+    /// [`HOST_SHARE_PERCENT`] of what was available, counting the first worker's own `private`
+    /// memory back in. So a growing worker is replaced, and then killed, before the
+    /// kernel's OOM killer picks a process.
+    pub fn derive(budget: &MemoryBudget, workers: u64, private: u64, shared: u64, soft_mb: u64, hard_mb: u64) -> Self {
+        let workers = workers.max(1);
+        let (pool, source) = match &budget.cgroup {
+            Some(c) => (c.limit.saturating_sub(shared), format!("the cgroup's limit less {} MiB shared", shared >> 20)),
+            None => (
+                budget.available.saturating_add(private) / 100 * HOST_SHARE_PERCENT,
+                format!("{HOST_SHARE_PERCENT}% of the memory available at start (no cgroup memory limit)"),
+            ),
+        };
+        let share = pool / workers;
+        let limit = |mb: u64, percent: u64| match mb {
+            0 => Some(share / 100 * percent),
+            mb => Some(mb << 20),
+        };
+        let derived = match (soft_mb, hard_mb) {
+            (0, 0) => format!("85% and 95% of each worker's share ({} MiB) of {source}", share >> 20),
+            (_, 0) | (0, _) => format!("as configured, else 85% / 95% of each worker's share of {source}"),
+            _ => "as configured".to_string(),
+        };
+        WorkerLimits { soft: limit(soft_mb, 85), hard: limit(hard_mb, 95), source: derived }
+    }
+
+    pub fn describe(&self) -> String {
+        let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
+        format!("replace above {}, kill above {} ({})", mib(self.soft), mib(self.hard), self.source)
+    }
+}
+
 fn read_u64(path: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
     let text = text.trim();
@@ -112,14 +160,34 @@ fn cgroup_memory() -> Option<CgroupMemory> {
 mod tests {
     use super::*;
 
+    fn cgroup(limit: u64, usage: u64) -> CgroupMemory {
+        CgroupMemory { limit, usage, source: "t".into(), events: PathBuf::new() }
+    }
+
     #[test]
     fn room_is_the_tighter_of_meminfo_and_cgroup() {
-        let cgroup = |limit, usage| CgroupMemory { limit, usage, source: "t".into(), events: PathBuf::new() };
         let b = MemoryBudget { available: 1000, cgroup: Some(cgroup(800, 500)) };
         assert_eq!(b.room(), 300);
         let b = MemoryBudget { available: 200, cgroup: Some(cgroup(800, 500)) };
         assert_eq!(b.room(), 200);
         assert_eq!(MemoryBudget { available: 200, cgroup: None }.room(), 200);
         assert!(MemoryBudget::detect().available > 0);
+    }
+
+    #[test]
+    fn every_worker_has_a_limit_even_without_a_cgroup() {
+        let gib = 1u64 << 30;
+        let host = MemoryBudget { available: 9 * gib, cgroup: None };
+        // 80% of (9 GiB available + 1 GiB the first worker holds), 2 workers: 4 GiB each.
+        let l = WorkerLimits::derive(&host, 2, gib, 0, 0, 0);
+        assert_eq!((l.soft, l.hard), (Some(4 * gib / 100 * 85), Some(4 * gib / 100 * 95)));
+        assert!(l.source.contains("no cgroup memory limit"), "{}", l.source);
+        // A cgroup: its limit less the shared memory, per worker.
+        let boxed = MemoryBudget { available: 100 * gib, cgroup: Some(cgroup(10 * gib, gib)) };
+        let l = WorkerLimits::derive(&boxed, 2, gib, 2 * gib, 0, 0);
+        assert_eq!(l.soft, Some(4 * gib / 100 * 85));
+        // Configured values win.
+        let l = WorkerLimits::derive(&host, 2, gib, 0, 512, 1024);
+        assert_eq!((l.soft, l.hard, l.source.as_str()), (Some(512 << 20), Some(1024 << 20), "as configured"));
     }
 }

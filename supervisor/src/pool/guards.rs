@@ -2,6 +2,7 @@
 //! escalation (SIGABRT, then SIGKILL) and recycling after server.max_requests or an age.
 
 use super::*;
+use crate::plan::memory::WorkerLimits;
 
 /// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
 /// supervisor aborts the worker only if the run is still going this long after.
@@ -52,11 +53,16 @@ impl Supervisor {
             info!("memory plan: {plan}");
         }
         let s = &self.resolved.config.server;
-        let share = budget.cgroup.as_ref().map(|c| c.limit.saturating_sub(shared) / self.slots.len() as u64);
-        let limit = |mb: u64, share_pct: u64| if mb > 0 { Some(mb << 20) } else { share.map(|s| s / 100 * share_pct) };
-        self.memory_limits = (limit(s.worker_memory_soft_limit_mb, 85), limit(s.worker_memory_hard_limit_mb, 95));
+        let limits = WorkerLimits::derive(
+            &budget,
+            self.slots.len() as u64,
+            rss,
+            shared,
+            s.worker_memory_soft_limit_mb,
+            s.worker_memory_hard_limit_mb,
+        );
         // A limit a fresh worker already passes would replace (or kill) workers forever.
-        for (key, value) in [("soft", self.memory_limits.0), ("hard", self.memory_limits.1)] {
+        for (key, value) in [("soft", limits.soft), ("hard", limits.hard)] {
             if value.is_some_and(|v| v <= rss + rss / 20) {
                 return Err(SupervisorError::Memory(format!(
                     "the {key} worker memory limit ({} MiB) is not above a fresh worker's private memory ({} MiB); raise \
@@ -66,13 +72,8 @@ impl Supervisor {
                 )));
             }
         }
-        if let (Some(soft), Some(hard)) = self.memory_limits {
-            info!(
-                "worker memory limits (private memory): replace above {} MiB, kill above {} MiB",
-                mib(soft),
-                mib(hard)
-            );
-        }
+        info!("worker memory limits (private memory): {}", limits.describe());
+        self.memory_limits = Some(limits);
         for slot in self.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
             slot.start = Start::At(Instant::now());
         }
@@ -82,7 +83,7 @@ impl Supervisor {
     /// Per-worker private memory against the soft and hard limits, and the whole pool against its cgroup:
     /// the worker that grows is replaced before the kernel picks a victim.
     pub(super) fn watch_memory(&mut self) {
-        let (soft, hard) = self.memory_limits;
+        let Some(WorkerLimits { soft, hard, .. }) = self.memory_limits.clone() else { return };
         let budget = MemoryBudget::detect();
         // The pool itself close to its cgroup's limit: the biggest worker goes first.
         let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
@@ -157,6 +158,7 @@ impl Supervisor {
                     continue;
                 }
                 let (busy, beat) = w.stats.model_thread();
+                let io = w.stats.io_thread();
                 let why = match (busy, beat) {
                     // The worker stops such a run itself at the timeout; one still going this
                     // much later does not stop (a kernel that never returns).
@@ -164,6 +166,11 @@ impl Supervisor {
                         "a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout} and did not stop"
                     ),
                     (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
+                    // Nothing the I/O loop does for one request takes seconds: one that has
+                    // not turned for this long serves nobody on this worker.
+                    _ if io.is_some_and(|b| b > timeout.max(5.0)) => {
+                        format!("the I/O loop has not turned for {:.1} s", io.unwrap_or_default())
+                    }
                     _ => continue,
                 };
                 error!("worker {index} (pid {}) is stuck: {why}; SIGABRT", w.pid);
@@ -173,8 +180,9 @@ impl Supervisor {
         }
     }
 
-    /// Recycling (server.max_requests, server.max_worker_age_secs): a worker past its limit is
-    /// replaced like in a reload, incoming first. One replacement at a time across the pool,
+    /// Recycling (server.max_requests, server.max_worker_age_secs) and faults (a panic caught
+    /// serving a request, which comes first): such a worker is replaced like in a reload,
+    /// incoming first. One replacement at a time across the pool,
     /// the worker furthest past its limit first, and none during a reload (which replaces
     /// everyone anyway).
     pub(super) fn maybe_recycle(&mut self, now: Instant) {
@@ -192,7 +200,8 @@ impl Supervisor {
             let by_requests =
                 w.recycle_after.map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, "max_requests"));
             let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, "max_age"));
-            for (over, reason) in [by_requests, by_age].into_iter().flatten() {
+            let by_fault = (w.stats.faults() > 0).then_some((f64::INFINITY, "fault"));
+            for (over, reason) in [by_requests, by_age, by_fault].into_iter().flatten() {
                 if over >= 1.0 && due.is_none_or(|(o, _, _)| over > o) {
                     due = Some((over, index, reason));
                 }
@@ -201,10 +210,19 @@ impl Supervisor {
         let Some((_, index, reason)) = due else { return };
         let slot = &self.slots[index];
         let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
-        info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
+        let cause = match reason {
+            "fault" => {
+                warn!("worker {index} (pid {pid}) caught a panic serving a request (a bug, in its log); replacing it");
+                Cause::Fault
+            }
+            _ => {
+                info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
+                Cause::Recycle
+            }
+        };
         *self.recycles_by_reason.entry(reason).or_default() += 1;
         let (models, generation) = (slot.models.clone(), slot.generation);
-        self.spawn(index, Role::Incoming, Cause::Recycle, models, generation);
+        self.spawn(index, Role::Incoming, cause, models, generation);
     }
 }
 

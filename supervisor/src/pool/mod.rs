@@ -35,8 +35,8 @@ use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{
-    Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_CONTROL_FD,
-    WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
+    Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
+    WORKER_CONTROL_FD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use nix::sys::signal::Signal;
@@ -225,8 +225,8 @@ pub struct Supervisor {
     reloads: (u64, u64),
     /// Private memory of the first worker after its warm-up: what one more worker costs.
     worker_rss: Option<u64>,
-    /// (soft, hard) per-worker limits of private memory in bytes.
-    memory_limits: (Option<u64>, Option<u64>),
+    /// Per-worker limits of private memory, set once worker 0 is warm.
+    memory_limits: Option<crate::plan::memory::WorkerLimits>,
     /// When the memory watch last ran.
     memory_checked: Option<Instant>,
     /// Final counts of every worker that has exited.
@@ -329,7 +329,7 @@ impl Supervisor {
             reload: None,
             reloads: (0, 0),
             worker_rss: None,
-            memory_limits: (None, None),
+            memory_limits: None,
             memory_checked: None,
             retired: Snapshot::default(),
             restarts_by_reason: BTreeMap::new(),
@@ -562,6 +562,7 @@ impl Supervisor {
             _ if worker.memory_killed => "memory_hard",
             (Some((FailureKind::ModelLoad, _)), _) => "model_load",
             (Some((FailureKind::Boot, _)), _) => "boot",
+            _ if code == Some(EXIT_PANIC) => "panic",
             (None, Some(_)) => "signal",
             (None, None) => "exit",
         };

@@ -55,15 +55,11 @@ impl Supervisor {
             threads_per_worker: plan.threads_per_worker,
             requests_total: totals.requests_total(),
             latency_last_minute: self.latency_last_minute(&totals),
-            memory: {
-                let mib = |b: Option<u64>| b.map_or("none".to_string(), |b| format!("{} MiB", b >> 20));
-                format!(
-                    "{}; worker memory limits (private): replace above {}, kill above {}",
-                    MemoryBudget::detect().describe(),
-                    mib(self.memory_limits.0),
-                    mib(self.memory_limits.1)
-                )
-            },
+            memory: format!(
+                "{}; worker memory limits (private): {}",
+                MemoryBudget::detect().describe(),
+                self.memory_limits.as_ref().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
+            ),
             reloads_succeeded: self.reloads.0,
             reloads_failed: self.reloads.1,
             batches: self

@@ -173,6 +173,7 @@ impl Dispatcher {
     fn take(&mut self, event: Event) {
         match event {
             Event::Job(job) => {
+                crate::panics::test_switch("batch", job.rows);
                 // Arriving while other work waits or runs is load, even when that work is done
                 // by the time this job is dispatched (a lone run's lanes are free again).
                 if !self.pending.is_empty() || self.lanes.iter().any(|(_, s)| *s != LaneState::Idle) {

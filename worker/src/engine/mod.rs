@@ -301,7 +301,12 @@ impl Lane {
         let mut poll = Duration::ZERO;
         while let Ok(Work { batch, wide }) = recv_polling(&work, poll, Duration::MAX) {
             let mut answers = Vec::with_capacity(batch.len());
-            self.execute(batch, wide, &mut answers);
+            // `execute` guards each run itself (a bug costs only the request that hit it); this
+            // is the last resort for one outside them: the replies still held are dropped, so
+            // their requests are answered (500) at once, and the lane serves on.
+            if crate::panics::guarded(|| self.execute(batch, wide, &mut answers)).is_err() {
+                self.clock.set(self.index, false);
+            }
             // Free before the answers go out: a request sent on receipt of one then never finds
             // this lane still busy (the dispatcher would take it for load, see `dispatch`).
             let dispatcher_gone = self.done.send(Event::Done { lane: self.index }).is_err();
@@ -334,8 +339,16 @@ impl Lane {
         }
         let rows: Vec<usize> = batch.iter().map(|j| j.rows.expect("only batchable jobs are gathered")).collect();
         let total: usize = rows.iter().sum();
-        let merged = merge(&batch, total);
-        let split = match self.run_one(model, merged, total as u64, wide) {
+        // A panic assembling or running the batch (a bug) counts as a failed batch: each job
+        // then runs alone, so only the one that hits the bug again fails.
+        let run = crate::panics::guarded(|| {
+            batch.iter().for_each(|job| crate::panics::test_switch("lane", job.rows));
+            self.run_one(model, merge(&batch, total), total as u64, wide)
+        });
+        if run.is_err() {
+            self.clock.set(self.index, false);
+        }
+        let split = match run.unwrap_or(Err(ModelError::Bug)) {
             Err(ModelError::Stopped { model: name, limit }) => {
                 // Stopped for time: running each request alone would take as long again.
                 for job in batch {
@@ -363,11 +376,19 @@ impl Lane {
         }
     }
 
-    /// One job in its own ORT call.
+    /// One job in its own ORT call; a panic in it (a bug) answers it 500.
     fn run_alone(&mut self, model: usize, job: Job, wide: bool, answers: &mut Vec<Answer>) {
         let started = Instant::now();
         let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
-        let result = self.run_one(model, job.inputs, rows, wide);
+        let (inputs, switch) = (job.inputs, job.rows);
+        let result = crate::panics::guarded(|| {
+            crate::panics::test_switch("lane", switch);
+            self.run_one(model, inputs, rows, wide)
+        })
+        .unwrap_or_else(|_| {
+            self.clock.set(self.index, false);
+            Err(ModelError::Bug)
+        });
         self.counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
         answers.push((job.reply, result));
     }

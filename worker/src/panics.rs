@@ -1,0 +1,124 @@
+//! What a panic does in a worker: a bug must cost the request that found it, never leave a
+//! worker that looks ready but cannot answer.
+//!
+//! - Inside a *guarded* region (a request's handler on the I/O thread, a lane running a batch,
+//!   a blocking task tokenising or decoding for one request) the panic is caught where it
+//!   happened; the requests it concerned are answered 500, the worker's fault counter goes up,
+//!   and the supervisor, which reads that counter, replaces the worker gap-free (incoming
+//!   first), since state a panic unwound through is no longer trusted for long.
+//! - Anywhere else (the dispatcher, the accept loops, the hand-off, the runtime itself) the
+//!   hook logs the panic and ends the process at once with [`EXIT_PANIC`]: the supervisor sees
+//!   a crash and respawns the slot, and no thread is left silently dead behind a worker that
+//!   still reports ready.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use inferd_ipc::spec::EXIT_PANIC;
+use inferd_ipc::stats::Shared;
+
+thread_local! {
+    /// Set while this thread runs a guarded region: its panic is caught by [`guarded`].
+    static GUARDED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Installs the process's panic hook (once, at worker start).
+pub fn install(stats: Arc<Shared>) {
+    std::panic::set_hook(Box::new(move |info| {
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("unnamed");
+        if GUARDED.with(Cell::get) {
+            tracing::error!("bug: thread {name} panicked serving a request: {info}; that request is answered 500 and the worker will be replaced");
+            stats.fault();
+            return;
+        }
+        tracing::error!("bug: thread {name} panicked: {info}; the worker exits (code {EXIT_PANIC}) and is replaced");
+        eprintln!("inferd worker: thread {name} panicked: {info}");
+        // SAFETY: _exit ends the process without running anything else (no atexit handlers,
+        // no destructors that might wait for the thread that just died).
+        unsafe { libc::_exit(EXIT_PANIC) }
+    }));
+}
+
+/// Runs `f`, catching a panic in it.
+pub fn guarded<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
+    let outer = GUARDED.with(|g| g.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(outer));
+    result
+}
+
+/// A future whose every poll is [`guarded`]: `Err` once it panicked.
+pub struct Guarded<F>(Option<F>);
+
+pub fn guarded_future<F: Future>(future: F) -> Guarded<F> {
+    Guarded(Some(future))
+}
+
+impl<F: Future> Future for Guarded<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: the inner future is never moved out of its place while it is pinned; it is
+        // only dropped in place (set to None) after a panic or once it is done.
+        let this = unsafe { self.get_unchecked_mut() };
+        let Some(inner) = this.0.as_mut() else { panic!("Guarded polled after completion") };
+        let inner = unsafe { Pin::new_unchecked(inner) };
+        match guarded(|| inner.poll(cx)) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => {
+                this.0 = None;
+                Poll::Ready(Ok(output))
+            }
+            Err(panic) => {
+                this.0 = None;
+                Poll::Ready(Err(panic))
+            }
+        }
+    }
+}
+
+/// Test switch for the hostile-input tests: with INFERD_TEST_PANIC="lane:7,batch:9" in its
+/// environment, a worker panics where `site` names (`lane`: running the batch, guarded;
+/// `batch`: the dispatcher taking the job, not guarded) for a job of that many rows. Never
+/// set in production: the variable is read once, and an unset one costs a branch.
+pub fn test_switch(site: &str, rows: Option<usize>) {
+    static SITES: std::sync::OnceLock<Vec<(String, usize)>> = std::sync::OnceLock::new();
+    let sites = SITES.get_or_init(|| {
+        let spec = std::env::var("INFERD_TEST_PANIC").unwrap_or_default();
+        spec.split(',')
+            .filter_map(|s| s.split_once(':'))
+            .filter_map(|(site, rows)| Some((site.to_string(), rows.parse().ok()?)))
+            .collect()
+    });
+    if sites.iter().any(|(s, n)| s == site && rows == Some(*n)) {
+        panic!("INFERD_TEST_PANIC: a job of {rows:?} rows at {site}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guarded_panic_is_caught_and_the_flag_restored() {
+        assert!(guarded(|| panic!("inside")).is_err());
+        assert!(!GUARDED.with(Cell::get));
+        assert_eq!(guarded(|| 7).unwrap(), 7);
+    }
+
+    #[test]
+    fn a_guarded_future_answers_its_panic() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let caught = runtime.block_on(guarded_future(async {
+            tokio::task::yield_now().await;
+            panic!("after a yield")
+        }));
+        assert!(caught.is_err());
+        assert_eq!(runtime.block_on(guarded_future(async { 3 })).unwrap(), 3);
+    }
+}
