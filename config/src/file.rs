@@ -115,10 +115,10 @@ pub struct ServerConfig {
     pub fit_workers_to_memory: bool,
     /// How often the supervisor samples the workers' RSS (at least every tick, 0.2 s).
     pub memory_check_interval_secs: f64,
-    /// RSS above which a worker is replaced gracefully; 0 = 85% of its share of the cgroup
-    /// memory limit when there is one, else none.
+    /// Private memory above which a worker is replaced gracefully; 0 = 85% of its share of
+    /// the cgroup memory limit, or without one of 80% of MemAvailable at start.
     pub worker_memory_soft_limit_mb: u64,
-    /// RSS above which a worker is killed at once; 0 = 95% of its share of the cgroup limit.
+    /// Private memory above which a worker is killed at once; 0 = 95% of the same share.
     pub worker_memory_hard_limit_mb: u64,
     /// Replace a worker (gap-free, like a reload) after this many requests; 0 = never.
     pub max_requests: u64,
