@@ -332,3 +332,31 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     let (_, failed, _) = load.finish();
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+/// A client that sends a request for a large answer and never reads it holds a connection
+/// slot only until server.write_timeout_secs: with one slot in the whole pool, the next client
+/// is served once the stalled write times out (without the timeout it would wait forever).
+#[test]
+fn a_client_that_never_reads_its_answer_frees_its_connection() {
+    use std::io::Write;
+    let dir = TempDir::new("stalled");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "max_connections = 1\nwrite_timeout_secs = 1");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    // ~15 MB of request and more of answer: far more than the sockets' buffers hold, with the
+    // stalled client's receive buffer made small.
+    let body = rows_request(200_000);
+    let mut stalled = std::net::TcpStream::connect(server.addr).unwrap();
+    nix::sys::socket::setsockopt(&stalled, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let head = format!("POST /v2/models/typed/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    stalled.write_all(head.as_bytes()).unwrap();
+    stalled.write_all(&body).unwrap();
+    // The only slot is taken; the next client waits in the kernel's queue until it is freed.
+    let started = Instant::now();
+    let r = request(server.addr, "POST", "/v2/models/typed/infer", &[], &typed_request())
+        .unwrap_or_else(|e| panic!("the next client was never served: {e}\n{}", server.log()));
+    assert_eq!(r.status, 200, "{}", r.error());
+    eprintln!("next client served after {:.1} s", started.elapsed().as_secs_f64());
+    drop(stalled);
+}

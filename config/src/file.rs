@@ -101,6 +101,9 @@ pub struct ServerConfig {
     pub header_timeout_secs: f64,
     /// ... and its body within this.
     pub body_timeout_secs: f64,
+    /// How long an answer's write may make no progress (a client that does not read) before
+    /// the connection is closed.
+    pub write_timeout_secs: f64,
     /// Largest request head (request line and headers) in bytes; more is refused (431).
     pub max_header_bytes: usize,
     /// Most headers in one request.
@@ -151,6 +154,7 @@ impl Default for ServerConfig {
             max_requests_per_connection: 100,
             header_timeout_secs: 10.0,
             body_timeout_secs: 30.0,
+            write_timeout_secs: 30.0,
             max_header_bytes: 16 * 1024,
             max_headers: 64,
             max_body_bytes_in_flight: 256 * 1024 * 1024,
@@ -409,6 +413,7 @@ impl Config {
             ("server.boot_timeout_secs", self.server.boot_timeout_secs),
             ("server.header_timeout_secs", self.server.header_timeout_secs),
             ("server.body_timeout_secs", self.server.body_timeout_secs),
+            ("server.write_timeout_secs", self.server.write_timeout_secs),
             ("server.request_timeout_secs", self.server.request_timeout_secs),
             ("server.memory_check_interval_secs", self.server.memory_check_interval_secs),
         ] {

@@ -16,7 +16,8 @@
 //! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
 //! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
 //! - [`tensor`]: datatypes and their conversions;
-//! - [`panics`]: a panic costs its request (500, then the worker is replaced) or the worker.
+//! - [`panics`]: a panic costs its request (500, then the worker is replaced) or the worker;
+//! - [`write_timeout`]: an answer its client does not read stalls its connection only so long.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -43,5 +44,6 @@ pub mod tasks;
 pub mod tei;
 pub mod tensor;
 pub mod weights;
+pub mod write_timeout;
 
 pub use server::run;

@@ -27,6 +27,7 @@ use crate::engine::{Engine, Sessions};
 use crate::handoff::{Handoff, Prefixed};
 use crate::http::handle;
 use crate::model::{init_runtime, Model, ModelError, Threads};
+use crate::write_timeout::WriteTimeout;
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
 /// told to shut down before reading its request, hyper would close such a connection
@@ -189,6 +190,10 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     Ok((models, Listeners { http: listener, grpc }))
 }
 
+/// Concurrent streams per gRPC connection (each is a request, whose body the byte budget
+/// counts once it is decoded).
+const MAX_GRPC_STREAMS: u32 = 64;
+
 /// How often the I/O loop beats into the shared counters.
 const IO_BEAT_EVERY: Duration = Duration::from_millis(250);
 
@@ -260,6 +265,8 @@ struct Connections {
     fresh: Arc<Fresh>,
     /// server.max_requests_per_connection (0: no limit).
     limit: u64,
+    /// server.write_timeout_secs.
+    write_timeout: Duration,
     drain: watch::Receiver<Drain>,
     handoff: Option<Arc<Handoff>>,
 }
@@ -304,7 +311,8 @@ impl Connections {
                 Ok::<_, std::convert::Infallible>(reply)
             })
         });
-        let mut connection = self.http.serve_connection(TokioIo::new(Prefixed::new(read, stream)), service);
+        let io = WriteTimeout::new(Prefixed::new(read, stream), self.write_timeout);
+        let mut connection = self.http.serve_connection(TokioIo::new(io), service);
         let mut drain = self.drain.clone();
         let handoff = self.handoff.clone();
         tokio::spawn(async move {
@@ -320,7 +328,7 @@ impl Connections {
                 }
             };
             let parts = connection.into_parts();
-            let (stream, unread) = parts.io.into_inner().into_parts();
+            let (stream, unread) = parts.io.into_inner().into_inner().into_parts();
             match (told, ended, handoff) {
                 (Some(Drain::Handoff), Ok(()), Some(handoff)) if !closing.load(Ordering::Relaxed) => {
                     // What hyper read, then what it had not read yet of an earlier hand-off.
@@ -360,6 +368,8 @@ struct GrpcLimits {
     max_header_bytes: usize,
     /// How long a peer may leave a keep-alive ping unanswered (server.header_timeout_secs).
     idle: Duration,
+    /// server.write_timeout_secs.
+    write: Duration,
 }
 
 /// Accepts gRPC connections (HTTP/2, each request a stream) until the worker drains, under
@@ -379,6 +389,8 @@ async fn serve_grpc(
     http2
         .timer(hyper_util::rt::TokioTimer::new())
         .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
+        // Explicit, not hyper's default: streams one connection may have open at once.
+        .max_concurrent_streams(MAX_GRPC_STREAMS)
         .keep_alive_interval(Some(Duration::from_secs(30)))
         .keep_alive_timeout(limits.idle);
     loop {
@@ -403,7 +415,7 @@ async fn serve_grpc(
             use tonic::codegen::Service;
             service.clone().call(request)
         });
-        let mut connection = http2.serve_connection(TokioIo::new(stream), call);
+        let mut connection = http2.serve_connection(TokioIo::new(WriteTimeout::new(stream, limits.write)), call);
         let mut drain = drain.clone();
         tokio::spawn(async move {
             let mut told = false;
@@ -522,6 +534,7 @@ fn serve(
             http,
             fresh: Arc::new(Fresh::default()),
             limit: spec.server.max_requests_per_connection,
+            write_timeout: Duration::from_secs_f64(spec.server.write_timeout_secs),
             drain: drained,
             handoff: handoff.clone(),
         };
@@ -529,6 +542,7 @@ fn serve(
             let limits = GrpcLimits {
                 max_header_bytes: spec.server.max_header_bytes,
                 idle: Duration::from_secs_f64(spec.server.header_timeout_secs),
+                write: Duration::from_secs_f64(spec.server.write_timeout_secs),
             };
             tokio::spawn(serve_grpc(grpc, state.clone(), connections.clone(), context.drain.clone(), limits));
         }
