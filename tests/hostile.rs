@@ -360,3 +360,24 @@ fn a_client_that_never_reads_its_answer_frees_its_connection() {
     eprintln!("next client served after {:.1} s", started.elapsed().as_secs_f64());
     drop(stalled);
 }
+
+/// The admin listener runs on the supervisor's only thread: 200 connections that send nothing
+/// hold at most its 128 slots, each for at most the 3 s header timeout, and a scrape behind them
+/// is still answered; so is the control socket meanwhile.
+#[test]
+fn idle_admin_connections_cannot_starve_scrapes() {
+    let dir = TempDir::new("admin-idle");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let admin = server.admin_addr();
+    let idle: Vec<_> = (0..200).map(|_| std::net::TcpStream::connect(admin).unwrap()).collect();
+    let started = Instant::now();
+    let r = request(admin, "GET", "/metrics", &[], b"").unwrap_or_else(|e| panic!("scrape: {e}\n{}", server.log()));
+    assert_eq!(r.status, 200);
+    assert!(String::from_utf8_lossy(&r.body).contains("inferd_requests_total"));
+    eprintln!("scrape behind 200 idle connections answered after {:.1} s", started.elapsed().as_secs_f64());
+    assert_eq!(server.status()["phase"], "ready");
+    drop(idle);
+}

@@ -15,6 +15,7 @@
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -41,10 +42,29 @@ pub struct Admin {
 
 type Reply = Response<Full<Bytes>>;
 
+/// Connections the admin listener serves at once (scrapers, dashboards, an operator); more
+/// wait in the kernel's queue.
+const MAX_CONNECTIONS: usize = 128;
+/// A connection's request head must arrive within this, and the whole connection (a scrape, a
+/// repository call, however many requests it carries) ends after `CONNECTION_LIFETIME`.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(3);
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
 pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, admin: Admin) {
     let admin = Arc::new(admin);
+    // It runs on the supervisor's only thread: bounded in connections and time, and an accept
+    // that fails (no descriptors left) waits instead of spinning.
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let permit = slots.clone().acquire_owned().await.expect("never closed");
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                warn!("admin listener: accept failed ({e}); retrying in 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let (events, admin) = (events.clone(), admin.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
@@ -52,9 +72,14 @@ pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, 
                 async move { Ok::<_, Infallible>(route(request, &events, &admin).await) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
-                warn!("admin connection: {e}");
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT).max_buf_size(16 * 1024);
+            match tokio::time::timeout(CONNECTION_LIFETIME, http.serve_connection(io, service)).await {
+                Ok(Err(e)) => warn!("admin connection: {e}"),
+                Err(_) => warn!("admin connection closed after {CONNECTION_LIFETIME:?}"),
+                Ok(Ok(())) => {}
             }
+            drop(permit);
         });
     }
 }

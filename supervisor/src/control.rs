@@ -125,7 +125,15 @@ pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 /// Accepts control connections and turns each request into an [`Event::Control`].
 pub async fn serve(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // No descriptors left, say: wait instead of spinning the supervisor's thread.
+                warn!("control socket: accept failed ({e}); retrying in 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let events = events.clone();
         tokio::spawn(async move {
             if let Err(e) = answer(stream, events).await {
@@ -146,7 +154,8 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
         )));
     } else {
         let mut line = String::new();
-        let mut reader = tokio::io::BufReader::new(read);
+        // One request line of at most 64 KiB: a client cannot make the supervisor buffer more.
+        let mut reader = tokio::io::BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
         match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
             Err(_) => drop(replies.send(Response::error("timed out waiting for a request line"))),
             Ok(Err(e)) => return Err(e),
