@@ -10,7 +10,11 @@
 //! workers are recycled after max_requests, and every request leaks 400 KiB in the worker
 //! (INFERD_TEST_LEAK_BYTES_PER_REQUEST) against a 32 MiB soft limit, so workers are also
 //! replaced for memory as they go. The load pauses only around a SIGKILL or SIGSTOP, whose
-//! requests in flight would fail by design.
+//! requests in flight would fail by design. Between the steps, drawn from a second generator
+//! so that a seed's steps stay what they were, a worker is poisoned: hostile requests (a
+//! tensor whose byte size wraps, a huge JSON shape, a BYTES element claiming 4 GiB, a
+//! multi-byte value cut in an error) must each be refused with a 400, and a request that
+//! panics its lane (INFERD_TEST_PANIC) answered 500 while its worker is replaced gap-free.
 //! After each step, within a bound: the supervisor is alive; the pool is ready with the
 //! intended number of workers, each alive, and no other worker process of the supervisor
 //! exists; with the load paused, nothing is in flight; the Prometheus request total equals the
@@ -147,8 +151,85 @@ fn children(supervisor: u32) -> Vec<i32> {
     pids
 }
 
-/// The invariants, once the pool has had `bound` to settle with `workers` workers.
-fn check(server: &mut Server, load: &Load, workers: usize, step: &str, bound: Duration) {
+/// Sum of the Prometheus request counts.
+fn requests_counted(server: &Server) -> u64 {
+    let text = server.metrics_text();
+    let lines = text.lines().filter(|l| l.starts_with("inferd_requests_total{"));
+    lines.map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap()).sum::<f64>() as u64
+}
+
+/// Hostile requests against the pool, with the clients paused so that what they add to the
+/// request counts is known; returns that.
+fn poison(server: &Server, load: &Load, what: &str) -> u64 {
+    load.pause();
+    let before = requests_counted(server);
+    let huge = 2_305_843_009_213_693_952i64;
+    let binary = |inputs: serde_json::Value, data: &[u8]| {
+        let mut body = serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap();
+        let length = body.len().to_string();
+        body.extend_from_slice(data);
+        (body, length)
+    };
+    let cases = [
+        (
+            binary(
+                serde_json::json!([{"name": "i64_in", "shape": [1, huge], "datatype": "INT64", "parameters": {"binary_data_size": 0}}]),
+                b"",
+            ),
+            400,
+        ),
+        (
+            binary(
+                serde_json::json!([{"name": "f32_in", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 4}}]),
+                &u32::MAX.to_le_bytes(),
+            ),
+            400,
+        ),
+    ];
+    for ((body, length), status) in cases {
+        let r = request(
+            server.addr,
+            "POST",
+            "/v2/models/typed/infer",
+            &[("Inference-Header-Content-Length", &length)],
+            &body,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(r.status, status, "{what}: {}", String::from_utf8_lossy(&r.body));
+    }
+    let json_cases = [
+        (infer_body(serde_json::json!([{"name": "i64_in", "shape": [1, huge], "datatype": "INT64", "data": []}])), 400),
+        (
+            infer_body(
+                serde_json::json!([{"name": "f32_in", "shape": [1, 1], "datatype": "FP32", "data": ["é".repeat(30)]}]),
+            ),
+            400,
+        ),
+    ];
+    for (body, status) in json_cases {
+        let r = server.request("POST", "/v2/models/typed/infer", &body);
+        assert_eq!(r.status, status, "{what}: {}", String::from_utf8_lossy(&r.body));
+    }
+    // 7 rows: the lane panics (caught); this request alone fails, its worker is replaced.
+    let row = |v: serde_json::Value| serde_json::json!(vec![v; 7]);
+    let seven = infer_body(serde_json::json!([
+        {"name": "f32_in", "shape": [7, 4], "datatype": "FP32", "data": row(serde_json::json!([1, 2, 3, 4]))},
+        {"name": "f64_in", "shape": [7, 4], "datatype": "FP64", "data": row(serde_json::json!([1, 2, 3, 4]))},
+        {"name": "i32_in", "shape": [7, 4], "datatype": "INT32", "data": row(serde_json::json!([1, 2, 3, 4]))},
+        {"name": "i64_in", "shape": [7, 4], "datatype": "INT64", "data": row(serde_json::json!([1, 2, 3, 4]))},
+        {"name": "bool_in", "shape": [7, 4], "datatype": "BOOL", "data": row(serde_json::json!([true, false, true, false]))},
+        {"name": "f16_in", "shape": [7, 4], "datatype": "FP16", "data": row(serde_json::json!([1, 2, 3, 4]))},
+    ]));
+    let r = server.request("POST", "/v2/models/typed/infer", &seven);
+    assert_eq!(r.status, 500, "{what}: a lane panic: {}", String::from_utf8_lossy(&r.body));
+    let added = requests_counted(server) - before;
+    load.resume();
+    added
+}
+
+/// The invariants, once the pool has had `bound` to settle with `workers` workers; `own`:
+/// requests the test itself sent (poison) that the counts include beside the clients'.
+fn check(server: &mut Server, load: &Load, workers: usize, step: &str, bound: Duration, own: u64) {
     let deadline = Instant::now() + bound;
     let supervisor = server.child.id();
     loop {
@@ -177,16 +258,12 @@ fn check(server: &mut Server, load: &Load, workers: usize, step: &str, bound: Du
     let status = server.status();
     let in_flight: u64 = status["workers"].as_array().unwrap().iter().map(|w| w["in_flight"].as_u64().unwrap()).sum();
     assert_eq!(in_flight, 0, "{step}: requests in flight with the clients paused: {status:#}");
-    let text = server.metrics_text();
-    let counted: f64 = text
-        .lines()
-        .filter(|l| l.starts_with("inferd_requests_total{"))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum();
+    let counted = requests_counted(server);
     let answered = load.answered.load(Ordering::SeqCst);
     assert_eq!(
-        counted as u64, answered,
-        "{step}: Prometheus counts {counted} requests, the clients got {answered} answers"
+        counted,
+        answered + own,
+        "{step}: Prometheus counts {counted} requests, the clients got {answered} answers, the test sent {own}"
     );
     let failed = load.failed.lock().unwrap().clone();
     assert!(failed.is_empty(), "{step}: {} requests failed: {failed:?}\n{}", failed.len(), server.log());
@@ -228,7 +305,8 @@ fn random_fault_sequences_keep_the_pool_whole() {
         .arg("serve")
         .arg("--config")
         .arg(&config)
-        .env("INFERD_TEST_LEAK_BYTES_PER_REQUEST", (400 * 1024).to_string());
+        .env("INFERD_TEST_LEAK_BYTES_PER_REQUEST", (400 * 1024).to_string())
+        .env("INFERD_TEST_PANIC", "lane:7");
     let mut server = Server::spawn(command, dir, port, None);
     server.wait_ready(Duration::from_secs(60));
     let load = Load::start(server.addr.to_string(), 8);
@@ -236,7 +314,16 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let mut workers = 1;
     let bound = Duration::from_secs(60);
     let mut done = Vec::new();
+    // Poison steps come from their own generator: the seed's other steps are unchanged.
+    let mut poisons = Rng(seed ^ 0x5eed_0f90_15ed);
+    let mut own = 0;
     for step in 0..steps {
+        if poisons.below(4) == 0 {
+            let what = format!("seed {seed} step {step} (poison) after {done:?}");
+            own += poison(&server, &load, &what);
+            done.push("poison");
+            check(&mut server, &load, workers, &what, bound, own);
+        }
         let action = rng.below(9);
         let name = match action {
             0 => {
@@ -340,7 +427,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
             }
         };
         done.push(name);
-        check(&mut server, &load, workers, &format!("seed {seed} step {step} ({name}) after {done:?}"), bound);
+        check(&mut server, &load, workers, &format!("seed {seed} step {step} ({name}) after {done:?}"), bound, own);
     }
     let answered = load.answered.load(Ordering::SeqCst);
     load.finish();
