@@ -1,6 +1,7 @@
 # inferd: the two commands of the README, and the set-up they share.
 #   make run    set up (idempotent), build release, serve the default model on 127.0.0.1:8000
-#   make test   set up (idempotent), then the whole test suite (unit + integration, real binary)
+#   make test   set up (idempotent), then the whole test suite (unit + integration, real binary),
+#               the parsers' lint and a bounded run of every fuzz target
 #   make setup  only the set-up: .venv tooling, ONNX Runtime library, default model
 #   make rpm    the CentOS/RHEL 8/9 package (glibc 2.28 binary) in target/rpm/ (docs/rhel.md)
 
@@ -27,6 +28,8 @@ test: setup
 	$(CARGO) test --release --locked --workspace
 	# The request parsers deny unchecked arithmetic (clippy::arithmetic_side_effects).
 	$(CARGO) clippy --release --locked -p inferd-worker -- -D warnings
+	# Every request parser's fuzz target, 10 s each, from its seed corpus (fuzz/, docs/guards.md).
+	scripts/fuzz.sh 10
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md).

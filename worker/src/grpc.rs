@@ -237,6 +237,13 @@ fn contents_size(c: &InferTensorContents) -> usize {
         .fold(c.bool_contents.len(), usize::saturating_add)
 }
 
+/// A ModelInfer message's bytes, decoded and parsed as [`parse`] does (the fuzz target's
+/// entry: fuzz/fuzz_targets/grpc_infer.rs).
+pub fn parse_message(bytes: &[u8]) -> Result<Parsed, String> {
+    let request = <proto::ModelInferRequest as prost::Message>::decode(bytes).map_err(|e| e.to_string())?;
+    parse(request)
+}
+
 /// A ModelInferRequest as the REST parser's [`Parsed`]: every input typed and checked against
 /// its own shape, from `raw_input_contents` (one entry per input) or its typed `contents`.
 fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {

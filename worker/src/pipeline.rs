@@ -460,6 +460,11 @@ impl ImagePipeline {
     }
 }
 
+/// [`decode`] for one image: what the fuzz target (fuzz/fuzz_targets/image_decode.rs) drives.
+pub fn decode_image(bytes: &[u8], config: &ImageConfig) -> Result<image::RgbImage, PipelineError> {
+    decode(0, bytes, config)
+}
+
 /// PNG or JPEG to RGB, refusing anything else, and checking the pixel count from the header
 /// before a single pixel is decoded.
 fn decode(index: usize, bytes: &[u8], c: &ImageConfig) -> Result<image::RgbImage, PipelineError> {

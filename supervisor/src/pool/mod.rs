@@ -11,7 +11,10 @@
 //! worker: an `incoming` worker is started beside the current one and only when it is ready
 //! does the old one become `retiring` (SIGTERM: it leaves the port's group and drains). A
 //! reload replaces the slots one after another; the first replacement is the validation of the
-//! new models: if it fails, nothing else changes.
+//! new models: if it fails, nothing else changes. Every worker has a spawn id and a [`Cause`]:
+//! a reload advances only on the ready of the worker it started itself, fails only on that
+//! worker's failure, and waits for a slot's worker still booting for another cause before it
+//! replaces that slot (reload.rs); the guards' replacements run on the slot's own models.
 //!
 //! The states, in one place each: a worker's [`Role`] in its slot and its [`WorkerState`] as it
 //! reports it; a slot's [`Start`], the only thing that starts a current worker (at an instant,

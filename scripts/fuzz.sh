@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds the fuzz targets (fuzz/) with libFuzzer's coverage instrumentation on the stable
+# toolchain and runs each for SECONDS on a copy of its committed seed corpus; a crash, a leak
+# or a timeout fails the run and leaves its input in fuzz/artifacts/<target>/.
+#   scripts/fuzz.sh [SECONDS] [TARGET...]   (default 10 s each, every target)
+# `make test` runs it with the default; a long run: scripts/fuzz.sh 3600 kserve_json
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../fuzz"
+seconds=${1:-10}
+shift || true
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(kserve_json binary_tensor grpc_infer image_decode)
+host=$(rustc -vV | sed -n 's/^host: //p')
+# cargo-fuzz's flags, without the sanitizer (which needs a nightly toolchain). --target keeps
+# them off build scripts.
+export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+-Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+-Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing"
+cargo build --release --locked --target "$host" --bins
+for target in "${targets[@]}"; do
+    work=$(mktemp -d)
+    cp -r "corpus/$target/." "$work/"
+    mkdir -p "artifacts/$target"
+    echo "fuzz: $target for $seconds s"
+    status=0
+    "target/$host/release/$target" "$work" -max_total_time="$seconds" -max_len=65536 -timeout=10 \
+        -rss_limit_mb=2048 -artifact_prefix="artifacts/$target/" -print_final_stats=1 >"$work.log" 2>&1 || status=$?
+    grep -E "DONE|stat::(number_of_executed_units|new_units_added|peak_rss_mb)|panicked|deadly|SUMMARY|Test unit" "$work.log" || true
+    rm -rf "$work" "$work.log"
+    if [ "$status" -ne 0 ]; then
+        echo "fuzz: $target FAILED (exit $status); the input is in fuzz/artifacts/$target/" >&2
+        exit 1
+    fi
+done
