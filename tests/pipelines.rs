@@ -166,6 +166,8 @@ fn cnn_classifies_images_and_refuses_hostile_ones() {
         ("not_an_image.txt", 400, "not a PNG or JPEG image"),
         ("zero.png", 400, "image 0: empty"),
         ("huge.png", 413, "image 0 is 20000x20000 = 400000000 pixels, more than the model's limit of 40000000"),
+        // Found by the image_decode fuzz target: zune-jpeg panics decoding it (refused, 400).
+        ("decoder_panic.jpg", 400, "corrupt: the decoder failed on it"),
     ];
     let before = server.worker_pids();
     for (file, status, message) in hostile {

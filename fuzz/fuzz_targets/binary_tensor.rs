@@ -4,8 +4,10 @@
 
 use inferd_worker::tensor::DataType;
 
-const TYPES: [&str; 14] =
-    ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES"];
+const TYPES: [&str; 14] = [
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16",
+    "BYTES",
+];
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let (Some(&kind), Some(count)) = (data.first(), data.get(1..9)) else { return };

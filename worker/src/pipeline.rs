@@ -501,7 +501,9 @@ fn decode(index: usize, bytes: &[u8], c: &ImageConfig) -> Result<image::RgbImage
     limits.max_image_height = Some(height);
     limits.max_alloc = Some(pixels.saturating_mul(8).saturating_add(1 << 20));
     decoder.limits(limits);
-    let decoded = decoder.decode().map_err(|e| bad(format!("corrupt or truncated: {e}")))?;
+    let decoded = crate::panics::contained(|| decoder.decode())
+        .map_err(|panic| bad(format!("corrupt: the decoder failed on it ({panic})")))?
+        .map_err(|e| bad(format!("corrupt or truncated: {e}")))?;
     Ok(decoded.to_rgb8())
 }
 

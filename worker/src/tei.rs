@@ -468,3 +468,25 @@ pub async fn similarity(
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
 }
+
+/// Every TEI request body this module reads, parsed as its handler parses it: the inputs each
+/// would carry, `None` where the body is not that request (the fuzz target's entry,
+/// fuzz/fuzz_targets/tei_openai.rs).
+pub fn parse_bodies(body: &[u8]) -> [Option<usize>; 6] {
+    let embed = parse::<EmbedRequest>(body).ok().map(|r| r.inputs.into_vec().0.len());
+    let predict = parse::<PredictRequest>(body).ok().map(|r| {
+        let texts = r.inputs.map_or(0, |i| i.into_vec().0.into_iter().map(Text::from).count());
+        texts.saturating_add(r.image_b64.map_or(0, |i| i.into_vec().0.len()))
+    });
+    let rerank = parse::<RerankRequest>(body).ok().map(|r| r.texts.len());
+    let tokenize = parse::<TokenizeRequest>(body).ok().map(|r| match r.inputs {
+        TokenizeInputs::One(_) => 1,
+        TokenizeInputs::Many(list) => list.len(),
+    });
+    let decode = parse::<DecodeRequest>(body).ok().map(|r| match r.ids {
+        OneOrMany::One(_) => 1,
+        OneOrMany::Many(items) => items.len(),
+    });
+    let similarity = parse::<SimilarityRequest>(body).ok().map(|r| r.inputs.sentences.len());
+    [embed, predict, rerank, tokenize, decode, similarity]
+}
