@@ -164,22 +164,16 @@ fn poison(server: &Server, load: &Load, what: &str) -> u64 {
     load.pause();
     let before = requests_counted(server);
     let huge = 2_305_843_009_213_693_952i64;
-    let binary = |inputs: serde_json::Value, data: &[u8]| {
-        let mut body = serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap();
-        let length = body.len().to_string();
-        body.extend_from_slice(data);
-        (body, length)
-    };
     let cases = [
         (
-            binary(
+            binary_infer_body(
                 serde_json::json!([{"name": "i64_in", "shape": [1, huge], "datatype": "INT64", "parameters": {"binary_data_size": 0}}]),
                 b"",
             ),
             400,
         ),
         (
-            binary(
+            binary_infer_body(
                 serde_json::json!([{"name": "f32_in", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 4}}]),
                 &u32::MAX.to_le_bytes(),
             ),
@@ -211,16 +205,7 @@ fn poison(server: &Server, load: &Load, what: &str) -> u64 {
         assert_eq!(r.status, status, "{what}: {}", String::from_utf8_lossy(&r.body));
     }
     // 7 rows: the lane panics (caught); this request alone fails, its worker is replaced.
-    let row = |v: serde_json::Value| serde_json::json!(vec![v; 7]);
-    let seven = infer_body(serde_json::json!([
-        {"name": "f32_in", "shape": [7, 4], "datatype": "FP32", "data": row(serde_json::json!([1, 2, 3, 4]))},
-        {"name": "f64_in", "shape": [7, 4], "datatype": "FP64", "data": row(serde_json::json!([1, 2, 3, 4]))},
-        {"name": "i32_in", "shape": [7, 4], "datatype": "INT32", "data": row(serde_json::json!([1, 2, 3, 4]))},
-        {"name": "i64_in", "shape": [7, 4], "datatype": "INT64", "data": row(serde_json::json!([1, 2, 3, 4]))},
-        {"name": "bool_in", "shape": [7, 4], "datatype": "BOOL", "data": row(serde_json::json!([true, false, true, false]))},
-        {"name": "f16_in", "shape": [7, 4], "datatype": "FP16", "data": row(serde_json::json!([1, 2, 3, 4]))},
-    ]));
-    let r = server.request("POST", "/v2/models/typed/infer", &seven);
+    let r = server.request("POST", "/v2/models/typed/infer", &typed_rows_request(7));
     assert_eq!(r.status, 500, "{what}: a lane panic: {}", String::from_utf8_lossy(&r.body));
     let added = requests_counted(server) - before;
     load.resume();

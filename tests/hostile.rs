@@ -78,15 +78,6 @@ impl Load {
     }
 }
 
-/// The binary tensor extension: JSON header, then the raw bytes.
-fn binary(inputs: serde_json::Value, data: &[u8]) -> (Vec<u8>, String) {
-    let header = serde_json::to_vec(&json!({ "inputs": inputs })).unwrap();
-    let length = header.len().to_string();
-    let mut body = header;
-    body.extend_from_slice(data);
-    (body, length)
-}
-
 fn crc32(bytes: &[u8]) -> u32 {
     let mut crc = !0u32;
     for &b in bytes {
@@ -170,7 +161,7 @@ fn hostile_requests_cost_only_their_own_answer() {
             std::thread::spawn(move || {
                 let inputs =
                     json!([{"name": name, "shape": shape, "datatype": dtype, "parameters": {"binary_data_size": 0}}]);
-                let (body, length) = binary(inputs, b"");
+                let (body, length) = binary_infer_body(inputs, b"");
                 let r = request(
                     addr,
                     "POST",
@@ -192,7 +183,7 @@ fn hostile_requests_cost_only_their_own_answer() {
     let body = infer_body(json!([{"name": "i64_in", "shape": [1, huge], "datatype": "INT64", "data": []}]));
     refused(&server, "JSON tensor of 2^61 elements", infer, &[], &body, 400, "has more elements than the request's");
     let inputs = json!([{"name": "f32_in", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 4}}]);
-    let (body, length) = binary(inputs, &u32::MAX.to_le_bytes());
+    let (body, length) = binary_infer_body(inputs, &u32::MAX.to_le_bytes());
     let headers = [("Inference-Header-Content-Length", length.as_str())];
     refused(&server, "BYTES element claiming 4 GiB", infer, &headers, &body, 400, "claims 4294967295 bytes");
     // A bad value whose description is cut at byte 40, inside a two-byte character.
@@ -257,19 +248,6 @@ fn hostile_requests_cost_only_their_own_answer() {
     assert_eq!(server.request("POST", infer, &typed_request()).status, 200);
 }
 
-/// typed's inputs with `rows` rows.
-fn rows_request(rows: usize) -> Vec<u8> {
-    let row = |v: serde_json::Value| json!(vec![v; rows]);
-    infer_body(json!([
-        {"name": "f32_in", "shape": [rows, 4], "datatype": "FP32", "data": row(json!([1, 2, 3, 4]))},
-        {"name": "f64_in", "shape": [rows, 4], "datatype": "FP64", "data": row(json!([1, 2, 3, 4]))},
-        {"name": "i32_in", "shape": [rows, 4], "datatype": "INT32", "data": row(json!([1, 2, 3, 4]))},
-        {"name": "i64_in", "shape": [rows, 4], "datatype": "INT64", "data": row(json!([1, 2, 3, 4]))},
-        {"name": "bool_in", "shape": [rows, 4], "datatype": "BOOL", "data": row(json!([true, false, true, false]))},
-        {"name": "f16_in", "shape": [rows, 4], "datatype": "FP16", "data": row(json!([1, 2, 3, 4]))},
-    ]))
-}
-
 /// Waits until `test` holds for the pool's status.
 fn wait_for(server: &Server, what: &str, test: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -287,12 +265,12 @@ fn wait_for(server: &Server, what: &str, test: impl Fn(&serde_json::Value) -> bo
 fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     let server = start("panics");
     let infer = "/v2/models/typed/infer";
-    assert_eq!(server.request("POST", infer, &rows_request(3)).status, 200);
+    assert_eq!(server.request("POST", infer, &typed_rows_request(3)).status, 200);
 
     // A lane panics running the batch: that request gets a 500, the others nothing; the worker
     // is replaced gap-free.
     let load = Load::start(&server, 3);
-    let r = server.request("POST", infer, &rows_request(7));
+    let r = server.request("POST", infer, &typed_rows_request(7));
     assert_eq!(r.status, 500, "{}", r.error());
     let faulty: i64 = r.header("x-inferd-worker").unwrap().parse().unwrap();
     let workers = test_workers();
@@ -313,7 +291,7 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     // The dispatcher panics: outside any one request, so the worker exits and is respawned.
     // The clients pause: requests in flight on that worker fail by design.
     let before = server.status();
-    let r = request(server.addr, "POST", infer, &[], &rows_request(9));
+    let r = request(server.addr, "POST", infer, &[], &typed_rows_request(9));
     assert!(r.as_ref().map_or(true, |r| r.status >= 500), "{:?}", r.map(|r| r.status));
     let status = wait_for(&server, "the dead worker is respawned", |s| {
         s["phase"] == "ready"
@@ -327,7 +305,7 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     let load = Load::start(&server, 3);
     for _ in 0..50 {
         assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
-        assert_eq!(server.request("POST", infer, &rows_request(2)).status, 200);
+        assert_eq!(server.request("POST", infer, &typed_rows_request(2)).status, 200);
     }
     let (_, failed, _) = load.finish();
     assert!(failed.is_empty(), "{failed:?}");
@@ -346,7 +324,7 @@ fn a_client_that_never_reads_its_answer_frees_its_connection() {
     server.wait_ready(Duration::from_secs(60));
     // ~15 MB of request and more of answer: far more than the sockets' buffers hold, with the
     // stalled client's receive buffer made small.
-    let body = rows_request(200_000);
+    let body = typed_rows_request(200_000);
     let mut stalled = std::net::TcpStream::connect(server.addr).unwrap();
     nix::sys::socket::setsockopt(&stalled, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
     let head = format!("POST /v2/models/typed/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());

@@ -76,11 +76,14 @@ impl Race {
         Command::new(BIN).args(args).arg("--control-socket").arg(&self.server.socket).output().unwrap()
     }
 
-    /// `inferd reload --wait` plus `args`, answered in the background.
-    fn reload(&self, args: &[&str]) -> JoinHandle<Output> {
+    /// Starts `inferd reload --wait` plus `args` in the background and waits until the reload
+    /// has begun (the generation moved on); returns its answer to come and the generation
+    /// before it.
+    fn reload(&self, args: &[&str]) -> (JoinHandle<Output>, u64) {
+        let before = self.server.status()["generation"].as_u64().unwrap();
         let socket = self.server.socket.clone();
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        std::thread::spawn(move || {
+        let answer = std::thread::spawn(move || {
             Command::new(BIN)
                 .args(["reload", "--wait"])
                 .args(&args)
@@ -88,7 +91,21 @@ impl Race {
                 .arg(&socket)
                 .output()
                 .unwrap()
-        })
+        });
+        self.wait_for("the reload starts", |s| s["generation"].as_u64() > Some(before) && !s["reload"].is_null());
+        (answer, before)
+    }
+
+    /// Sends requests until a worker started for `cause` (a guard's replacement the requests
+    /// bring about) waits at its hold; returns its pid.
+    fn serve_until_held(&self, cause: &str) -> u32 {
+        let marker = self.holds.join(format!("held-{cause}"));
+        let deadline = Instant::now() + BOUND;
+        while !marker.exists() {
+            assert!(Instant::now() < deadline, "no worker for {cause} was started: {:#}", self.server.status());
+            self.infer();
+        }
+        self.held(cause)
     }
 
     /// Status, once `test` holds for it.
@@ -102,11 +119,6 @@ impl Race {
             assert!(Instant::now() < deadline, "{what}: not within {BOUND:?}: {status:#}\n{}", self.server.log());
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-
-    /// Waits until the reload has begun (the generation moved past `before`).
-    fn reloading(&self, before: u64) -> serde_json::Value {
-        self.wait_for("the reload starts", |s| s["generation"].as_u64() > Some(before) && !s["reload"].is_null())
     }
 
     /// The pool back to `workers` ready workers and no reload; their model versions.
@@ -172,16 +184,8 @@ fn a_memory_replacement_in_flight_never_completes_a_reload() {
     let old = race.settled(1);
     race.hold("memory");
     race.hold("reload");
-    let marker = race.holds.join("held-memory");
-    let deadline = Instant::now() + BOUND;
-    while !marker.exists() {
-        assert!(Instant::now() < deadline, "the memory guard started no replacement: {:#}", race.server.status());
-        race.infer();
-    }
-    let replacement = race.held("memory");
-    let before = race.server.status();
-    let answer = race.reload(&["--path", path(&race.other)]);
-    race.reloading(before["generation"].as_u64().unwrap());
+    let replacement = race.serve_until_held("memory");
+    let (answer, _) = race.reload(&["--path", path(&race.other)]);
     race.release("memory");
     // The replacement takes over the slot, on the old models...
     let status = race.wait_for("the memory replacement serves", |s| {
@@ -213,15 +217,8 @@ fn a_corrupt_reload_beside_a_recycle_fails_and_later_workers_run_the_old_models(
     let race = Race::start("race-recycle", "max_requests = 10", &[]);
     let old = race.settled(1);
     race.hold("recycle");
-    let deadline = Instant::now() + BOUND;
-    while !race.holds.join("held-recycle").exists() {
-        assert!(Instant::now() < deadline, "nothing was recycled: {:#}", race.server.status());
-        race.infer();
-    }
-    let recycled = race.held("recycle");
-    let before = race.server.status();
-    let answer = race.reload(&["--path", path(&race.corrupt)]);
-    race.reloading(before["generation"].as_u64().unwrap());
+    let recycled = race.serve_until_held("recycle");
+    let (answer, _) = race.reload(&["--path", path(&race.corrupt)]);
     race.release("recycle");
     let out = answer.join().unwrap();
     assert!(!out.status.success(), "a reload to a corrupt file succeeded: {}", text(&out));
@@ -249,9 +246,7 @@ fn a_corrupt_reload_beside_a_respawn_fails_and_the_respawn_keeps_the_old_models(
     let first = pid_of(&race.server.status());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(first as i32), Signal::SIGKILL).unwrap();
     let respawn = race.held("respawn");
-    let before = race.server.status();
-    let answer = race.reload(&["--path", path(&race.corrupt)]);
-    race.reloading(before["generation"].as_u64().unwrap());
+    let (answer, _) = race.reload(&["--path", path(&race.corrupt)]);
     race.release("respawn");
     let out = answer.join().unwrap();
     assert!(!out.status.success(), "a reload to a corrupt file succeeded: {}", text(&out));
@@ -279,9 +274,7 @@ fn a_reload_replaces_a_slot_that_scale_up_is_still_booting() {
     assert!(out.status.success(), "{}", text(&out));
     let scaled = race.held("scale");
     race.hold("reload");
-    let before = race.server.status();
-    let answer = race.reload(&["--path", path(&race.other)]);
-    race.reloading(before["generation"].as_u64().unwrap());
+    let (answer, _) = race.reload(&["--path", path(&race.other)]);
     // Worker 1 of 2 is replaced first; release it and the reload reaches the booting slot.
     let first = race.held("reload");
     std::fs::remove_file(race.holds.join("held-reload")).unwrap();
@@ -318,9 +311,7 @@ fn a_second_reload_is_refused_while_one_runs_and_a_failed_one_keeps_the_last_goo
     let race = Race::start("race-reloads", "", &[]);
     let old = race.settled(1);
     race.hold("reload");
-    let before = race.server.status();
-    let answer = race.reload(&["--path", path(&race.other)]);
-    race.reloading(before["generation"].as_u64().unwrap());
+    let (answer, before) = race.reload(&["--path", path(&race.other)]);
     let own = race.held("reload");
     let second = race.control(&["reload", "--wait", "--path", path(&race.corrupt)]);
     assert!(!second.status.success(), "{}", text(&second));
@@ -328,7 +319,7 @@ fn a_second_reload_is_refused_while_one_runs_and_a_failed_one_keeps_the_last_goo
     race.server.signal(Signal::SIGHUP);
     let status =
         race.wait_for("SIGHUP is refused", |_| race.server.log().contains("reload refused: a reload is already"));
-    assert_eq!(status["generation"], before["generation"].as_u64().unwrap() + 1, "only one reload began");
+    assert_eq!(status["generation"], before + 1, "only one reload began");
     race.release("reload");
     let out = answer.join().unwrap();
     assert!(out.status.success(), "{}", text(&out));

@@ -52,19 +52,11 @@ const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 
 pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, admin: Admin) {
     let admin = Arc::new(admin);
-    // It runs on the supervisor's only thread: bounded in connections and time, and an accept
-    // that fails (no descriptors left) waits instead of spinning.
+    // It runs on the supervisor's only thread: bounded in connections and time.
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let permit = slots.clone().acquire_owned().await.expect("never closed");
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                warn!("admin listener: accept failed ({e}); retrying in 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+        let (stream, _) = control::accept_patiently("admin listener", || listener.accept()).await;
         let (events, admin) = (events.clone(), admin.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {

@@ -14,6 +14,7 @@
 //! then one final line: `{"ok":true,"status":{...}}`, `{"ok":true,"message":"..."}` or
 //! `{"ok":false,"error":"..."}`.
 
+use std::future::Future;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -122,18 +123,28 @@ pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
     Ok(listener)
 }
 
+/// The next connection `accept` gives. A failed accept (no descriptors left, say) is logged
+/// and retried after 100 ms instead of at once: the supervisor's listeners share its only
+/// thread, which a spinning accept loop would take.
+pub(crate) async fn accept_patiently<T, F: Future<Output = std::io::Result<T>>>(
+    listener: &str,
+    mut accept: impl FnMut() -> F,
+) -> T {
+    loop {
+        match accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) => {
+                warn!("{listener}: accept failed ({e}); retrying in 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 /// Accepts control connections and turns each request into an [`Event::Control`].
 pub async fn serve(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // No descriptors left, say: wait instead of spinning the supervisor's thread.
-                warn!("control socket: accept failed ({e}); retrying in 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+        let (stream, _) = accept_patiently("control socket", || listener.accept()).await;
         let events = events.clone();
         tokio::spawn(async move {
             if let Err(e) = answer(stream, events).await {

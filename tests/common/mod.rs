@@ -383,6 +383,29 @@ pub fn typed_request() -> Vec<u8> {
     ]))
 }
 
+/// A v2 request for the `typed` test model with `rows` rows of each datatype.
+pub fn typed_rows_request(rows: usize) -> Vec<u8> {
+    let row = |v: serde_json::Value| serde_json::json!(vec![v; rows]);
+    let four = serde_json::json!([1, 2, 3, 4]);
+    infer_body(serde_json::json!([
+        {"name": "f32_in", "shape": [rows, 4], "datatype": "FP32", "data": row(four.clone())},
+        {"name": "f64_in", "shape": [rows, 4], "datatype": "FP64", "data": row(four.clone())},
+        {"name": "i32_in", "shape": [rows, 4], "datatype": "INT32", "data": row(four.clone())},
+        {"name": "i64_in", "shape": [rows, 4], "datatype": "INT64", "data": row(four.clone())},
+        {"name": "bool_in", "shape": [rows, 4], "datatype": "BOOL", "data": row(serde_json::json!([true, false, true, false]))},
+        {"name": "f16_in", "shape": [rows, 4], "datatype": "FP16", "data": row(four)},
+    ]))
+}
+
+/// A v2 request with the binary tensor extension: the JSON header for `inputs`, then `data`;
+/// with the value of its Inference-Header-Content-Length.
+pub fn binary_infer_body(inputs: serde_json::Value, data: &[u8]) -> (Vec<u8>, String) {
+    let mut body = serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap();
+    let length = body.len().to_string();
+    body.extend_from_slice(data);
+    (body, length)
+}
+
 /// A v2 request for the `slow` test model that loops `iterations` times.
 pub fn slow_body(iterations: i64) -> Vec<u8> {
     let x: Vec<f32> = (0..256).map(|i| (i as f32) / 256.0).collect();

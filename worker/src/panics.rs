@@ -14,9 +14,9 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
+use std::thread::LocalKey;
 
 use inferd_ipc::spec::EXIT_PANIC;
 use inferd_ipc::stats::Shared;
@@ -50,12 +50,17 @@ pub fn install(stats: Arc<Shared>) {
     }));
 }
 
+/// Runs `f` with `flag` set for this thread (what the hook asks), catching a panic in it.
+fn catching<R>(flag: &'static LocalKey<Cell<bool>>, f: impl FnOnce() -> R) -> std::thread::Result<R> {
+    let outer = flag.with(|g| g.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    flag.with(|g| g.set(outer));
+    result
+}
+
 /// Runs `f`, catching a panic in it.
 pub fn guarded<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
-    let outer = GUARDED.with(|g| g.replace(true));
-    let result = catch_unwind(AssertUnwindSafe(f));
-    GUARDED.with(|g| g.set(outer));
-    result
+    catching(&GUARDED, f)
 }
 
 /// Runs library code that works on one request's input alone and keeps no state (an image
@@ -64,13 +69,12 @@ pub fn guarded<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
 /// (zune-jpeg 0.5.15, the latest, panics in its AVX2 IDCT on some crafted JPEGs: found by
 /// the image_decode fuzz target, tests/fixtures/images/decoder_panic.jpg.)
 pub fn contained<R>(f: impl FnOnce() -> R) -> Result<R, String> {
-    let outer = CONTAINED.with(|c| c.replace(true));
-    let result = catch_unwind(AssertUnwindSafe(f));
-    CONTAINED.with(|c| c.set(outer));
-    result.map_err(|payload| match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
-        (Some(s), _) => s.to_string(),
-        (_, Some(s)) => s.clone(),
-        _ => "a panic".to_string(),
+    catching(&CONTAINED, f).map_err(|payload| {
+        match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+            (Some(s), _) => s.to_string(),
+            (_, Some(s)) => s.clone(),
+            _ => "a panic".to_string(),
+        }
     })
 }
 
@@ -79,34 +83,15 @@ pub fn contained_now() -> bool {
     CONTAINED.with(Cell::get)
 }
 
-/// A future whose every poll is [`guarded`]: `Err` once it panicked.
-pub struct Guarded<F>(Option<F>);
-
-pub fn guarded_future<F: Future>(future: F) -> Guarded<F> {
-    Guarded(Some(future))
-}
-
-impl<F: Future> Future for Guarded<F> {
-    type Output = std::thread::Result<F::Output>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // SAFETY: the inner future is never moved out of its place while it is pinned; it is
-        // only dropped in place (set to None) after a panic or once it is done.
-        let this = unsafe { self.get_unchecked_mut() };
-        let Some(inner) = this.0.as_mut() else { panic!("Guarded polled after completion") };
-        let inner = unsafe { Pin::new_unchecked(inner) };
-        match guarded(|| inner.poll(cx)) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(output)) => {
-                this.0 = None;
-                Poll::Ready(Ok(output))
-            }
-            Err(panic) => {
-                this.0 = None;
-                Poll::Ready(Err(panic))
-            }
-        }
-    }
+/// `future`, every poll of it [`guarded`]: `Err` once it panicked (it is not polled again).
+pub async fn guarded_future<F: Future>(future: F) -> std::thread::Result<F::Output> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| match guarded(|| future.as_mut().poll(cx)) {
+        Ok(Poll::Pending) => Poll::Pending,
+        Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+        Err(panic) => Poll::Ready(Err(panic)),
+    })
+    .await
 }
 
 /// Test switch for the hostile-input tests: with INFERD_TEST_PANIC="lane:7,batch:9" in its

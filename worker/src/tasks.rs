@@ -72,6 +72,21 @@ impl From<PipelineError> for ApiError {
     }
 }
 
+/// Runs `work` on the runtime's one blocking thread (started on demand), so the I/O thread
+/// serves the worker's other connections meanwhile; a panic in it is a bug, answered 500
+/// (panics.rs).
+async fn off_io_thread<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let done = tokio::task::spawn_blocking(move || crate::panics::guarded(work)).await;
+    let result = done
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| ApiError::Internal(format!("{what} failed: the server hit a bug (logged)")))?;
+    Ok(result?)
+}
+
 /// Refuses a request with more inputs than `server.max_batch_inputs` (413).
 pub fn within_limit(state: &AppState, count: usize) -> Result<(), ApiError> {
     match count > state.max_batch_inputs {
@@ -111,33 +126,22 @@ pub async fn run(
                 p.encode(&texts, options.truncate)?
             } else {
                 let pipeline = Arc::clone(&meta.pipeline);
-                tokio::task::spawn_blocking(move || {
-                    crate::panics::guarded(|| match &*pipeline {
-                        Pipeline::Text(p) => p.encode(&texts, options.truncate),
-                        _ => unreachable!("matched above"),
-                    })
+                off_io_thread("tokenizing", move || match &*pipeline {
+                    Pipeline::Text(p) => p.encode(&texts, options.truncate),
+                    _ => unreachable!("matched above"),
                 })
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .ok_or_else(|| ApiError::Internal("tokenizing failed: the server hit a bug (logged)".into()))??
+                .await?
             };
             (encoded.inputs, encoded.lengths, encoded.truncated, Join::PadSequence)
         }
         (Pipeline::Image(_), PipelineInput::Images(images)) => {
-            // Decoding can take tens of milliseconds: off the I/O thread, onto the runtime's
-            // one blocking thread (started on demand).
+            // Decoding can take tens of milliseconds: off the I/O thread.
             let pipeline = Arc::clone(&meta.pipeline);
-            let tensors = tokio::task::spawn_blocking(move || {
-                crate::panics::guarded(|| match &*pipeline {
-                    Pipeline::Image(p) => p.preprocess(&images),
-                    _ => unreachable!("matched above"),
-                })
+            let tensors = off_io_thread("image decoding", move || match &*pipeline {
+                Pipeline::Image(p) => p.preprocess(&images),
+                _ => unreachable!("matched above"),
             })
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .ok_or_else(|| ApiError::Internal("image decoding failed: the server hit a bug (logged)".into()))??;
+            .await?;
             (tensors, Vec::new(), Vec::new(), Join::Exact)
         }
         (Pipeline::Raw, _) => {

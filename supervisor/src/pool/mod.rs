@@ -189,6 +189,13 @@ impl Slot {
     fn ready(&self) -> bool {
         self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
     }
+
+    /// A worker of the slot, other than a retiring one, that has not reported ready yet.
+    fn booting(&self) -> Option<&Worker> {
+        self.workers
+            .iter()
+            .find(|w| w.role != Role::Retiring && matches!(w.state, WorkerState::Starting | WorkerState::Warming))
+    }
 }
 
 /// A rolling reload in progress.

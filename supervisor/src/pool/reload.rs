@@ -161,7 +161,7 @@ impl Supervisor {
         let Some(reload) = self.reload.as_mut() else { return };
         reload.slot = index;
         reload.worker = None;
-        let Some(w) = booting(&self.slots[index]) else { return self.start_reload_worker() };
+        let Some(w) = self.slots[index].booting() else { return self.start_reload_worker() };
         let note = format!(
             "worker {} of {}: its worker started for {} (pid {}) is still booting on the previous models; \
              replacing it once it is ready or gone",
@@ -179,7 +179,7 @@ impl Supervisor {
     /// The reload waits for a slot's booting worker: start its own once that one is done.
     pub(super) fn resume_reload(&mut self) {
         let Some(reload) = self.reload.as_ref().filter(|r| r.worker.is_none()) else { return };
-        if booting(&self.slots[reload.slot]).is_none() {
+        if self.slots[reload.slot].booting().is_none() {
             self.start_reload_worker();
         }
     }
@@ -279,11 +279,4 @@ impl Supervisor {
             other => Err(format!("scale refused: the step is +1 or -1, not {other}")),
         }
     }
-}
-
-/// A worker of the slot, other than a retiring one, that has not reported ready yet.
-fn booting(slot: &Slot) -> Option<&Worker> {
-    slot.workers
-        .iter()
-        .find(|w| w.role != Role::Retiring && matches!(w.state, WorkerState::Starting | WorkerState::Warming))
 }
