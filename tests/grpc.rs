@@ -13,10 +13,15 @@ use common::*;
 /// `typed` (the default), `minilm`, `classifier` and `slow`, serving gRPC on a port of its own
 /// (given on the command line); two workers where there are two cores.
 fn grpc_server(tag: &str) -> (Server, String) {
+    grpc_server_with(tag, "")
+}
+
+fn grpc_server_with(tag: &str, settings: &str) -> (Server, String) {
     let dir = TempDir::new(tag);
     let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "slow"]);
     let port = free_port();
-    let extra = "max_body_bytes = 65536";
+    let extra = format!("max_body_bytes = 65536\n{settings}");
+    let extra = extra.as_str();
     write_config(dir.path(), port, test_workers(), &repository, "typed", &["minilm", "classifier", "slow"], extra);
     let grpc = format!("127.0.0.1:{}", free_port());
     let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
@@ -47,6 +52,28 @@ fn tritonclient_grpc_gets_what_rest_and_the_references_give() {
     let table = Command::new(BIN).args(["status", "--control-socket"]).arg(&server.socket).output().unwrap();
     let first = String::from_utf8_lossy(&table.stdout).lines().next().unwrap_or_default().to_string();
     assert!(first.contains(&format!("on {} (gRPC on {grpc})", server.addr)), "{first}");
+}
+
+/// A message that decodes to far more than its size (many empty entries) is refused before it
+/// is decoded, many at once, while well-behaved clients see no failure; the refusals are
+/// counted like any answer; an idle connection is closed (GOAWAY) and its client reconnects.
+#[test]
+fn hostile_grpc_messages_are_refused_before_decoding_and_idle_connections_close() {
+    let (server, grpc) = grpc_server_with("grpc-hostile", "idle_timeout_secs = 1");
+    let out = client_check("grpc_hostile.py", &[&grpc, "1"], &server, "grpc hostile: all checks passed");
+    let refused: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("hostile: ")?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {out}"));
+    // Counted before they were answered, under "other": the model they name is not read.
+    let metrics = server.metrics_text();
+    let count = |code: u16| {
+        let line = format!("inferd_requests_total{{model=\"other\",endpoint=\"infer\",code=\"{code}\"}}");
+        metric_value(&metrics, &line).unwrap_or(0.0)
+    };
+    assert_eq!((count(413), count(400)), (refused - 1.0, 1.0), "{refused} refused:\n{metrics}");
+    let status = server.status();
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
 }
 
 #[test]

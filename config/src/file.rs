@@ -104,6 +104,10 @@ pub struct ServerConfig {
     /// How long an answer's write may make no progress (a client that does not read) before
     /// the connection is closed.
     pub write_timeout_secs: f64,
+    /// A gRPC (HTTP/2) connection with no request open for this long is closed with GOAWAY
+    /// (its client reconnects when it next calls). HTTP/1 needs no such setting: a kept-alive
+    /// connection must send its next request's headers within header_timeout_secs.
+    pub idle_timeout_secs: f64,
     /// Largest request head (request line and headers) in bytes; more is refused (431).
     pub max_header_bytes: usize,
     /// Most headers in one request.
@@ -155,6 +159,7 @@ impl Default for ServerConfig {
             header_timeout_secs: 10.0,
             body_timeout_secs: 30.0,
             write_timeout_secs: 30.0,
+            idle_timeout_secs: 60.0,
             max_header_bytes: 16 * 1024,
             max_headers: 64,
             max_body_bytes_in_flight: 256 * 1024 * 1024,
@@ -414,6 +419,7 @@ impl Config {
             ("server.header_timeout_secs", self.server.header_timeout_secs),
             ("server.body_timeout_secs", self.server.body_timeout_secs),
             ("server.write_timeout_secs", self.server.write_timeout_secs),
+            ("server.idle_timeout_secs", self.server.idle_timeout_secs),
             ("server.request_timeout_secs", self.server.request_timeout_secs),
             ("server.memory_check_interval_secs", self.server.memory_check_interval_secs),
         ] {

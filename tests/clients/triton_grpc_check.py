@@ -214,7 +214,7 @@ def check_mistakes(client, stub, http_addr):
     # Over max_body_bytes (65536 in the test's config): refused before it is decoded.
     big = grpcclient.InferInput("f32_in", [5000, 4], "FP32")
     big.set_data_from_numpy(np.zeros((5000, 4), np.float32))
-    refused(lambda: client.infer("typed", [big] + inputs[1:]), "OUT_OF_RANGE", "65536")
+    refused(lambda: client.infer("typed", [big] + inputs[1:]), "RESOURCE_EXHAUSTED", "65536", "server.max_body_bytes")
 
 
 def slow_inputs(iterations):

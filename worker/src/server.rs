@@ -7,7 +7,7 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
@@ -169,7 +169,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     }
     reporter.send(&WorkerMessage::Warming);
     for set in &mut models {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         for model in set.narrow.iter_mut().chain(set.wide.as_mut()) {
             model.warm_up().map_err(load_error)?;
         }
@@ -190,8 +190,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     Ok((models, Listeners { http: listener, grpc }))
 }
 
-/// Concurrent streams per gRPC connection (each is a request, whose body the byte budget
-/// counts once it is decoded).
+/// Concurrent streams per gRPC connection (each is a request, whose bytes the byte budget
+/// counts as they arrive).
 const MAX_GRPC_STREAMS: u32 = 64;
 
 /// How often the I/O loop beats into the shared counters.
@@ -367,16 +367,52 @@ async fn draining(drain: &mut watch::Receiver<Drain>) {
 struct GrpcLimits {
     max_header_bytes: usize,
     /// How long a peer may leave a keep-alive ping unanswered (server.header_timeout_secs).
-    idle: Duration,
+    unanswered: Duration,
     /// server.write_timeout_secs.
     write: Duration,
+    /// server.idle_timeout_secs.
+    idle: Duration,
+}
+
+/// A gRPC connection's open calls, and when the last one ended.
+struct Calls {
+    open: std::sync::atomic::AtomicUsize,
+    since: std::sync::Mutex<Instant>,
+}
+
+/// One open call: counted from its arrival until its handler answered.
+struct Call(Arc<Calls>);
+
+impl Call {
+    fn new(calls: &Arc<Calls>) -> Call {
+        calls.open.fetch_add(1, Ordering::Relaxed);
+        Call(calls.clone())
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        *self.0.since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Calls {
+    /// How long the connection has had no call open (zero while one is).
+    fn idle(&self) -> Duration {
+        if self.open.load(Ordering::Relaxed) > 0 {
+            return Duration::ZERO;
+        }
+        self.since.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+    }
 }
 
 /// Accepts gRPC connections (HTTP/2, each request a stream) until the worker drains, under
-/// the same per-worker connection limit as HTTP. On drain each connection is told GOAWAY:
-/// streams in progress finish, and the client opens its next connection to a sibling (this
-/// worker has left the port's SO_REUSEPORT group); gRPC clients retry a stream the GOAWAY
-/// refused on their own.
+/// the same per-worker connection limit as HTTP. On drain, and once a connection has had no
+/// call open for server.idle_timeout_secs, it is told GOAWAY: streams in progress finish, and
+/// the client opens its next connection (to a sibling, when this worker has left the port's
+/// SO_REUSEPORT group); gRPC clients retry a stream the GOAWAY refused on their own. Each
+/// call's body is read and charged by [`crate::grpc::intake`] before tonic decodes it.
 async fn serve_grpc(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -384,7 +420,7 @@ async fn serve_grpc(
     mut drain: watch::Receiver<Drain>,
     limits: GrpcLimits,
 ) {
-    let service = crate::grpc::service(state);
+    let service = crate::grpc::service(state.clone());
     let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
     http2
         .timer(hyper_util::rt::TokioTimer::new())
@@ -392,7 +428,7 @@ async fn serve_grpc(
         // Explicit, not hyper's default: streams one connection may have open at once.
         .max_concurrent_streams(MAX_GRPC_STREAMS)
         .keep_alive_interval(Some(Duration::from_secs(30)))
-        .keep_alive_timeout(limits.idle);
+        .keep_alive_timeout(limits.unanswered);
     loop {
         let permit = tokio::select! {
             permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
@@ -410,16 +446,24 @@ async fn serve_grpc(
             _ = draining(&mut drain) => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = service.clone();
-        let call = service_fn(move |request| {
+        let calls = Arc::new(Calls { open: 0.into(), since: Instant::now().into() });
+        let (service, state, counted) = (service.clone(), state.clone(), calls.clone());
+        let call = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
             use tonic::codegen::Service;
-            service.clone().call(request)
+            let (mut service, state, call) = (service.clone(), state.clone(), Call::new(&counted));
+            async move {
+                let request = crate::grpc::intake::read(&state, request).await;
+                let answered = service.call(request).await;
+                drop(call);
+                answered
+            }
         });
         let mut connection = http2.serve_connection(TokioIo::new(WriteTimeout::new(stream, limits.write)), call);
         let mut drain = drain.clone();
         tokio::spawn(async move {
             let mut told = false;
             loop {
+                let idle = calls.idle();
                 tokio::select! {
                     ended = &mut connection => {
                         if let Err(e) = ended {
@@ -430,6 +474,14 @@ async fn serve_grpc(
                     _ = draining(&mut drain), if !told => {
                         told = true;
                         std::pin::Pin::new(&mut connection).graceful_shutdown();
+                    }
+                    // Checked again when the idle time could have run out.
+                    _ = tokio::time::sleep(limits.idle.saturating_sub(idle)), if !told => {
+                        if calls.idle() >= limits.idle {
+                            debug!("closing a gRPC connection idle for {:?} (server.idle_timeout_secs)", limits.idle);
+                            told = true;
+                            std::pin::Pin::new(&mut connection).graceful_shutdown();
+                        }
                     }
                 }
             }
@@ -541,8 +593,9 @@ fn serve(
         if let Some(grpc) = grpc {
             let limits = GrpcLimits {
                 max_header_bytes: spec.server.max_header_bytes,
-                idle: Duration::from_secs_f64(spec.server.header_timeout_secs),
+                unanswered: Duration::from_secs_f64(spec.server.header_timeout_secs),
                 write: Duration::from_secs_f64(spec.server.write_timeout_secs),
+                idle: Duration::from_secs_f64(spec.server.idle_timeout_secs),
             };
             tokio::spawn(serve_grpc(grpc, state.clone(), connections.clone(), context.drain.clone(), limits));
         }

@@ -2,9 +2,10 @@
 //! worker/proto/grpc_predict_v2.proto): health, metadata and ModelInfer, served on
 //! `server.grpc_listen` by every worker beside its HTTP port.
 //!
-//! A request takes the same path as a REST one once decoded: the model lookup, the counters
-//! (endpoint `infer`), the pipeline or raw tensors ([`crate::infer::run_parsed`]), deadlines,
-//! backpressure and the body budget. Errors are gRPC status codes carrying the same messages as
+//! A request's bytes are charged to the worker's body budget as they arrive, and a ModelInfer
+//! message's decoded size is bounded before it is decoded ([`intake`]). Then it takes the same
+//! path as a REST one: the model lookup, the counters (endpoint `infer`), the pipeline or raw
+//! tensors ([`crate::infer::run_parsed`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
 //! the REST answers ([`status`]).
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
@@ -23,6 +24,8 @@ use crate::model::ModelMeta;
 use crate::protocol::{self, InputTensor, Parsed, WantedOutput};
 use crate::tensor::{DataType, Tensor, TensorData};
 
+pub mod intake;
+
 /// The code generated from worker/proto/grpc_predict_v2.proto.
 pub mod proto {
     tonic::include_proto!("inference");
@@ -35,9 +38,9 @@ use proto::{infer_parameter::ParameterChoice, InferParameter, InferTensorContent
 
 /// The service one worker serves on each of its gRPC connections.
 pub fn service(state: Arc<AppState>) -> GrpcInferenceServiceServer<Grpc> {
-    // A message may be as large as a REST body (server.max_body_bytes); tonic answers a larger
-    // one with OUT_OF_RANGE before it is decoded. Answers are not limited: the model's outputs
-    // for an accepted request are sent whatever their size, as over REST.
+    // A message may be as large as a REST body (server.max_body_bytes; the intake refuses a
+    // larger one before tonic sees it). Answers are not limited: the model's outputs for an
+    // accepted request are sent whatever their size, as over REST.
     let limit = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
     GrpcInferenceServiceServer::new(Grpc { state })
         .max_decoding_message_size(limit)
@@ -53,10 +56,9 @@ pub fn status(e: ApiError) -> Status {
     let message = e.to_string();
     match e {
         ApiError::NotFound(_) => Status::not_found(message),
-        ApiError::BadRequest(_) | ApiError::TooLarge(_) | ApiError::MethodNotAllowed(..) => {
-            Status::invalid_argument(message)
-        }
-        ApiError::Overloaded(_) => Status::resource_exhausted(message),
+        ApiError::BadRequest(_) | ApiError::MethodNotAllowed(..) => Status::invalid_argument(message),
+        // As grpc-core and grpc-java answer a message larger than the receiver's limit.
+        ApiError::TooLarge(_) | ApiError::Overloaded(_) => Status::resource_exhausted(message),
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
         ApiError::Internal(_) => Status::internal(message),
     }
@@ -114,18 +116,23 @@ impl GrpcInferenceService for Grpc {
 
     async fn model_infer(
         &self,
-        request: Request<proto::ModelInferRequest>,
+        mut request: Request<proto::ModelInferRequest>,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
         let state = &*self.state;
         let started = Instant::now();
         let deadline = deadline(request.metadata()).map_err(Status::invalid_argument)?;
+        let refused = request.extensions_mut().remove::<intake::Intake>();
+        // Held until the answer is sent: the request's bytes, as they arrived and decoded.
+        let _budget = request.extensions_mut().remove::<intake::Claim>();
         let request = request.into_inner();
         let (model, version) = (request.model_name.clone(), request.model_version.clone());
         let found = find(state, &model, &version);
         let row = app::found_index(&found);
         let work = async {
+            if let Some(intake::Intake::Refused(e)) = refused {
+                return Err(e);
+            }
             let (index, meta) = found?;
-            let _budget = claim_budget(state, &request)?;
             let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
             let inferred = infer::run_parsed(state, index, meta, parsed, deadline).await?;
@@ -205,36 +212,6 @@ fn deadline(metadata: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, 
         _ => return Err(bad()),
     };
     Instant::now().checked_add(timeout).map(Some).ok_or_else(bad)
-}
-
-/// The request's tensor bytes, taken from the worker's body budget
-/// (server.max_body_bytes_in_flight) for as long as the request is served, as a REST body is.
-fn claim_budget(
-    state: &AppState,
-    request: &proto::ModelInferRequest,
-) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-    let typed = request.inputs.iter().filter_map(|i| i.contents.as_ref()).map(contents_size);
-    let raw = request.raw_input_contents.iter().map(Vec::len);
-    let bytes = typed.chain(raw).fold(0usize, usize::saturating_add);
-    let claim = bytes.clamp(1, u32::MAX as usize) as u32;
-    state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
-        ApiError::Overloaded(format!(
-            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
-            state.body_budget_total
-        ))
-    })
-}
-
-fn contents_size(c: &InferTensorContents) -> usize {
-    let narrow = [c.int_contents.len(), c.uint_contents.len(), c.fp32_contents.len()];
-    let wide = [c.int64_contents.len(), c.uint64_contents.len(), c.fp64_contents.len()];
-    let bytes = c.bytes_contents.iter().map(|b| b.len().saturating_add(4));
-    narrow
-        .into_iter()
-        .map(|n| n.saturating_mul(4))
-        .chain(wide.into_iter().map(|n| n.saturating_mul(8)))
-        .chain(bytes)
-        .fold(c.bool_contents.len(), usize::saturating_add)
 }
 
 /// A ModelInfer message's bytes, decoded and parsed as [`parse`] does (the fuzz target's
