@@ -359,3 +359,39 @@ fn idle_admin_connections_cannot_starve_scrapes() {
     assert_eq!(server.status()["phase"], "ready");
     drop(idle);
 }
+
+/// The answers that grow far beyond their request (`/embed_all`: 384 floats a token,
+/// `/tokenize`: an object a token) are bounded before they are written and count in the
+/// worker's byte budget: past what a worker holds at once (here 1 MiB), a 413 naming the
+/// setting; within it, the answer. The pool is undisturbed.
+#[test]
+fn large_answers_are_bounded_and_counted_in_the_byte_budget() {
+    let dir = TempDir::new("hostile-answers");
+    let repository = model_repository(dir.path(), &["minilm"]);
+    let port = free_port();
+    let settings = "max_body_bytes = 262144\nmax_body_bytes_in_flight = 1048576";
+    write_config(dir.path(), port, 1, &repository, "minilm", &[], settings);
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
+    let long = "word ".repeat(250);
+    let many = serde_json::to_vec(&json!({"inputs": vec![long.as_str(); 64], "truncate": true})).unwrap();
+    // 64 x 256 tokens x 384 floats: ~100 MB of JSON.
+    refused(&server, "/embed_all of 64 long texts", "/embed_all", &[], &many, 413, "server.max_body_bytes_in_flight");
+    // 64 x ~250 token objects: ~1.8 MB.
+    let many = serde_json::to_vec(&json!({"inputs": vec![long.as_str(); 64]})).unwrap();
+    refused(&server, "/tokenize of 64 long texts", "/tokenize", &[], &many, 413, "server.max_body_bytes_in_flight");
+    // Within the budget: answered, and its share given back once sent. Each of these takes
+    // about half the budget (82 tokens x 384 floats x 16 bytes at most): were answers' shares
+    // kept, the third would be refused.
+    let half = serde_json::to_vec(&json!({"inputs": ["word ".repeat(80)]})).unwrap();
+    for _ in 0..20 {
+        let r = server.request("POST", "/embed_all", &half);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()[0].as_array().unwrap().len(), 82);
+        assert_eq!(r.json()[0][0].as_array().unwrap().len(), 384);
+        let r = server.request("POST", "/tokenize", br#"{"inputs": "Hello world"}"#);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let status = server.status();
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
+}

@@ -272,7 +272,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             counted(state, found.0, 1, work).await
         }
         Route::Info => Ok(tei::info(state, &state.models[0])),
-        Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?),
+        Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?).await,
         Route::Decode => tei::decode(state, &state.models[0], &read_body(state, request).await?),
         Route::Similarity => {
             let meta = &state.models[0];

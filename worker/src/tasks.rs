@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use hyper::header::HeaderValue;
 use hyper::Response;
 
-use crate::app::{ApiError, AppState};
+use crate::app::{json_reply, ApiError, AppState, Reply};
 use crate::engine::Join;
 use crate::model::ModelMeta;
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
@@ -85,6 +85,56 @@ async fn off_io_thread<T: Send + 'static>(
         .and_then(Result::ok)
         .ok_or_else(|| ApiError::Internal(format!("{what} failed: the server hit a bug (logged)")))?;
     Ok(result?)
+}
+
+/// JSON bytes that hold their share of the worker's byte budget until hyper has sent them
+/// (the answer's `Bytes` own them, and are dropped once written or the connection is gone).
+struct Held {
+    json: Vec<u8>,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.json
+    }
+}
+
+/// The most bytes one f32 takes in JSON, with its comma (`-1.17549435e-38,`).
+pub const JSON_F32_BYTES: u64 = 16;
+
+/// A large JSON answer (`/embed_all` gives ~3000 times the bytes of its input, `/tokenize`
+/// ~100): `bound`, what its JSON takes at most, is taken from the worker's byte budget
+/// (server.max_body_bytes_in_flight, shared with the request bodies) before it is written,
+/// 503 when the budget is spent and 413 when it could never fit, and the written JSON holds
+/// its share until it has been sent. Written off the I/O thread: a few MB of JSON take
+/// milliseconds.
+pub async fn large_json<T: serde::Serialize + Send + 'static>(
+    state: &AppState,
+    value: T,
+    bound: u64,
+) -> Result<Reply, ApiError> {
+    let total = state.body_budget_total;
+    if bound > total {
+        return Err(ApiError::TooLarge(format!(
+            "the answer would take up to {bound} bytes, more than a worker holds at once \
+             (server.max_body_bytes_in_flight = {total}); send fewer or shorter inputs"
+        )));
+    }
+    let claim = u32::try_from(bound.max(1)).unwrap_or(u32::MAX);
+    let mut budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
+        ApiError::Overloaded(format!(
+            "too many bytes in flight on this worker for an answer of up to {bound} bytes \
+             (server.max_body_bytes_in_flight = {total}); retry shortly"
+        ))
+    })?;
+    let json = off_io_thread("writing the answer", move || Ok(serde_json::to_vec(&value).expect("json"))).await?;
+    // Only what was written stays claimed.
+    drop(budget.split(budget.num_permits().saturating_sub(json.len().max(1))));
+    let held = Held { json, _budget: budget };
+    let mut reply = json_reply(hyper::StatusCode::OK, Vec::new());
+    *reply.body_mut() = http_body_util::Full::new(bytes::Bytes::from_owner(held));
+    Ok(reply)
 }
 
 /// Refuses a request with more inputs than `server.max_batch_inputs` (413).

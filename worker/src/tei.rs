@@ -156,13 +156,19 @@ pub async fn embed_all(
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options { truncate: request.truncate, tokens: true, deadline, ..Options::default() };
-    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
+    let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
         // A model whose output is pooled already has no token vectors to give.
         ApiError::Internal(m) if m.contains("token embeddings need") => ApiError::BadRequest(m),
         e => e,
     })?;
-    let Rows::Tokens(rows) = &outcome.rows else { unreachable!("asked for token embeddings") };
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
+    let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
+        unreachable!("asked for token embeddings")
+    };
+    // Each float, and the brackets and comma of each vector and text.
+    let floats: usize = rows.iter().flatten().map(Vec::len).sum();
+    let lists = rows.iter().map(|r| r.len().saturating_add(1)).sum::<usize>().saturating_add(1);
+    let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add((lists as u64).saturating_mul(3));
+    let mut reply = tasks::large_json(state, rows, bound).await?;
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
 }
@@ -362,7 +368,7 @@ enum TokenizeInputs {
 
 /// `POST /tokenize`: `[[{"id", "text", "special", "start", "stop"}, ...], ...]`, one list per
 /// input (a single text too), offsets in bytes of the text (of the second text for its tokens).
-pub fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+pub async fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
     let pipeline = text_pipeline(meta, "/tokenize")?;
     let request: TokenizeRequest = parse(body)?;
     let sequences = match request.inputs {
@@ -375,7 +381,10 @@ pub fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply
         .enumerate()
         .map(|(i, s)| pipeline.tokenize(i, &Text::from(s), request.add_special_tokens))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(json_reply(hyper::StatusCode::OK, serde_json::to_vec(&lists).expect("json")))
+    // A token's object with its largest numbers, and its text escaped (at most 6 bytes each).
+    let bound = lists.iter().flatten().map(|p| 112u64.saturating_add(6u64.saturating_mul(p.text.len() as u64)));
+    let bound = bound.fold(2u64.saturating_mul(lists.len() as u64).saturating_add(2), u64::saturating_add);
+    tasks::large_json(state, lists, bound).await
 }
 
 #[derive(Deserialize)]
