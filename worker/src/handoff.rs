@@ -121,14 +121,22 @@ fn take(fd: RawFd) -> std::io::Result<Option<(std::net::TcpStream, Vec<u8>)>> {
     };
     // SAFETY: SCM_RIGHTS gave this process these new descriptors; nothing else owns them.
     let mut owned: Vec<OwnedFd> = fds.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
-    if truncated || bytes == 0 || buf[0] != TAG || owned.len() != 1 {
+    let Some(read) = prefix(buf.get(..bytes).unwrap_or_default(), owned.len(), truncated) else {
         return Ok(None); // dropped: closed
-    }
+    };
+    let read = read.to_vec();
     let stream = std::net::TcpStream::from(owned.remove(0));
     stream.set_nonblocking(true)?;
-    buf.truncate(bytes);
-    buf.remove(0);
-    Ok(Some((stream, buf)))
+    Ok(Some((stream, read)))
+}
+
+/// The bytes a hand-off message says were read already, if it is one: whole, tagged, with
+/// exactly one descriptor (the fuzz target's entry: fuzz/fuzz_targets/handoff.rs).
+pub fn prefix(message: &[u8], descriptors: usize, truncated: bool) -> Option<&[u8]> {
+    match message {
+        [TAG, read @ ..] if !truncated && descriptors == 1 && read.len() <= MAX_PREFIX => Some(read),
+        _ => None,
+    }
 }
 
 /// A connection whose first bytes were read elsewhere (by the worker that handed it over):
