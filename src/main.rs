@@ -245,6 +245,8 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
     inferd_worker::model::init_runtime(&resolved.ort.path)?;
+    // As the workers will: an int8 preparation made here is theirs too.
+    inferd_worker::weights::configure(config.weights_cache(), &resolved.ort.path);
     for entry in &resolved.models {
         let model =
             inferd_worker::model::Model::load(entry).with_context(|| format!("checking model '{}'", entry.name))?;
@@ -256,6 +258,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             meta.info.sha256,
             entry.path.display()
         );
+        println!("  precision {}", meta.info.precision);
         match (&entry.tokenizer, &entry.image) {
             (Some(t), _) => println!(
                 "  task   {:?}: text, tokenizer {} (max_length {})",

@@ -20,6 +20,11 @@
 //! labels = ["negative", "positive"]
 //! activation = "softmax" # "softmax" | "sigmoid"
 //! [image]                # image models: see [`ImageConfig`]
+//! precision = "fp32"     # "fp32" | "int8" | "auto": see [`Precision`], [`Quantization`]
+//! [quantization]         # the accuracy guard of int8; defaults shown
+//! min_cosine = 0.99      # embeddings: least cosine to fp32 over the calibration texts
+//! max_probability_error = 0.02  # classifiers: largest probability difference to fp32
+//! calibration = "texts.txt"     # optional: one input text per line, added to the built-in set
 //! [batching]             # see [`Batching`]; defaults shown
 //! max_batch_size = 32    # rows in one ORT run; 1 switches batching off
 //! max_batch_tokens = 512 # text: rows x padded length in one run
@@ -59,6 +64,52 @@ struct ModelFile {
     embedding: Option<EmbeddingConfig>,
     classification: Option<ClassificationConfig>,
     image: Option<ImageConfig>,
+    #[serde(default)]
+    precision: Precision,
+    #[serde(default)]
+    quantization: QuantizationFile,
+}
+
+/// How a model's MatMuls run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// As the file says.
+    #[default]
+    Fp32,
+    /// Weights of every MatMul quantised to int8 per output column, activations quantised at
+    /// run time (ONNX Runtime's DynamicQuantizeMatMul), prepared by inferd and checked against
+    /// fp32 by the accuracy guard; refused, with the figures, when the guard cannot pass.
+    Int8,
+    /// Int8 when the guard passes and int8 is faster on this CPU, else fp32.
+    Auto,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuantizationFile {
+    min_cosine: Option<f64>,
+    max_probability_error: Option<f64>,
+    calibration: Option<PathBuf>,
+}
+
+/// The accuracy guard of int8 (see [`Precision::Int8`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quantization {
+    /// Embedding models: the least cosine between an int8 and the fp32 embedding of any
+    /// calibration text.
+    pub min_cosine: f64,
+    /// Classifiers: the largest difference of any class probability to fp32.
+    pub max_probability_error: f64,
+    /// The user's own calibration texts, one per line (absolute path), used with the built-in
+    /// ones.
+    pub calibration: Option<PathBuf>,
+}
+
+impl Default for Quantization {
+    fn default() -> Self {
+        Quantization { min_cosine: 0.99, max_probability_error: 0.02, calibration: None }
+    }
 }
 
 fn default_version() -> String {
@@ -314,6 +365,10 @@ pub struct ModelEntry {
     pub embedding: Option<EmbeddingConfig>,
     pub classification: Option<ClassificationConfig>,
     pub image: Option<ImageConfig>,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default)]
+    pub quantization: Quantization,
 }
 
 impl ModelEntry {
@@ -377,6 +432,30 @@ impl ModelEntry {
             }
         };
         check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
+        let defaults = Quantization::default();
+        let q = file.quantization;
+        let quantization = Quantization {
+            min_cosine: q.min_cosine.unwrap_or(defaults.min_cosine),
+            max_probability_error: q.max_probability_error.unwrap_or(defaults.max_probability_error),
+            calibration: q.calibration.map(|c| std::path::absolute(dir.join(&c)).unwrap_or_else(|_| dir.join(c))),
+        };
+        if !(quantization.min_cosine > 0.0 && quantization.min_cosine <= 1.0) {
+            return Err(err(format!("quantization.min_cosine = {} is not in (0, 1]", quantization.min_cosine)));
+        }
+        if !(quantization.max_probability_error > 0.0 && quantization.max_probability_error <= 1.0) {
+            let value = quantization.max_probability_error;
+            return Err(err(format!("quantization.max_probability_error = {value} is not in (0, 1]")));
+        }
+        if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
+            return Err(err(format!("quantization.calibration: {} not found", c.display())));
+        }
+        if file.precision != Precision::Fp32 && tokenizer.is_none() {
+            return Err(err(format!(
+                "precision = \"{}\" needs a text model for now (its accuracy guard runs texts); \
+                 image and raw models are served in fp32",
+                if file.precision == Precision::Int8 { "int8" } else { "auto" }
+            )));
+        }
         Ok(ModelEntry {
             name: file.name,
             version: file.version,
@@ -389,6 +468,8 @@ impl ModelEntry {
             embedding: file.embedding,
             classification: file.classification,
             image: file.image,
+            precision: file.precision,
+            quantization,
         })
     }
 }

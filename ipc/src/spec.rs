@@ -121,6 +121,9 @@ pub struct ModelInfo {
     /// `private: <why not>` (this session holds its own copy).
     #[serde(default)]
     pub weights: String,
+    /// `fp32`, or `int8` with what the accuracy guard measured (see the worker's `quantize`).
+    #[serde(default)]
+    pub precision: String,
 }
 
 impl ModelInfo {

@@ -158,6 +158,7 @@ mod tests {
                 version: "v\"1\\\n".into(),
                 sha256: "ab".into(),
                 weights: "shared".into(),
+                precision: "fp32".into(),
             }],
         });
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");

@@ -197,7 +197,9 @@ impl PoolStatus {
                 .map(|m| {
                     // `shared`: weights mapped from the one prepared copy; `private`: its own.
                     let weights = m.weights.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?");
-                    format!("{}:{} ({}, {weights} weights)", m.name, m.version, m.sha256)
+                    // `int8` or `fp32` (the guard's figures are in the JSON).
+                    let precision = m.precision.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32");
+                    format!("{}:{} ({}, {precision}, {weights} weights)", m.name, m.version, m.sha256)
                 })
                 .collect::<Vec<_>>();
             rows.push(vec![
@@ -278,6 +280,7 @@ mod tests {
                 version: "1".into(),
                 sha256: "abcd".into(),
                 weights: "shared".into(),
+                precision: "fp32".into(),
             }],
             last_exit: None,
         };
@@ -309,7 +312,7 @@ mod tests {
         let table = status.render();
         assert!(table.contains("ready on 127.0.0.1:8000"), "{table}");
         assert!(table.contains("2/2 workers ready"), "{table}");
-        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd, shared weights)")).collect();
+        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd, fp32, shared weights)")).collect();
         assert_eq!(rows.len(), 2, "{table}");
         assert!(rows[1].starts_with("1  "), "{table}");
         assert!(rows[1].contains("50.0MiB  20.0MiB") && rows[1].contains("1m15s"), "{table}");

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use inferd_config::file::Allocator;
-use inferd_config::model::{ModelEntry, Task};
+use inferd_config::model::{ModelEntry, Precision, Task};
 use inferd_ipc::spec::ModelInfo;
 use ort::environment::Environment;
 use ort::session::builder::GraphOptimizationLevel;
@@ -126,13 +126,35 @@ impl Model {
         };
         let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         // Streamed: a model of hundreds of MB is not read into memory just to be hashed.
-        let digest = {
-            let mut file = std::fs::File::open(&entry.path).map_err(|e| fail(e.to_string()))?;
+        let digest = |path: &Path| {
+            let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
             let mut hasher = Sha256::new();
             std::io::copy(&mut file, &mut hasher).map_err(|e| fail(e.to_string()))?;
-            hasher.finalize()
+            Ok::<_, ModelError>(hasher.finalize())
         };
-        let sha256: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        let digest_of_file = digest(&entry.path)?;
+        let sha256: String = digest_of_file.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
+        // model, then named as the model it came from.
+        if entry.precision != Precision::Fp32 {
+            let (prepared, report) = crate::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
+            let mut model = match prepared {
+                Some(p) => {
+                    let loaded = Model::load_with(
+                        &ModelEntry { path: p.path, precision: Precision::Fp32, ..entry.clone() },
+                        threads,
+                    );
+                    crate::quantize::remove(p.scratch);
+                    loaded?
+                }
+                None => Model::load_with(&ModelEntry { precision: Precision::Fp32, ..entry.clone() }, threads)?,
+            };
+            model.meta.info.sha256 = sha256;
+            model.meta.info.precision = report.summary();
+            model.entry = entry.clone();
+            return Ok(model);
+        }
+        let digest = digest_of_file;
         // What every session of this process shares: one thread of its own by default.
         let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
             let plain = |r: ort::session::builder::BuilderResult| r.map_err(ort::Error::<()>::from);
@@ -219,6 +241,7 @@ impl Model {
                     Weights::Shared(_) => "shared".into(),
                     Weights::Private(why) => format!("private: {why}"),
                 },
+                precision: "fp32".into(),
             },
             task: entry.task,
             inputs,
@@ -321,7 +344,13 @@ mod tests {
             dtype: Some(DataType::F32),
         };
         ModelMeta {
-            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "0".into(), weights: String::new() },
+            info: ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "0".into(),
+                weights: String::new(),
+                precision: String::new(),
+            },
             task: Task::Raw,
             inputs: inputs.iter().map(spec).collect(),
             outputs: outputs.iter().map(spec).collect(),

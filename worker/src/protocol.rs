@@ -376,7 +376,13 @@ mod tests {
             dtype: Some(dt),
         };
         ModelMeta {
-            info: ModelInfo { name: "m".into(), version: "1".into(), sha256: "00".into(), weights: String::new() },
+            info: ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "00".into(),
+                weights: String::new(),
+                precision: String::new(),
+            },
             task: Task::Raw,
             pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],

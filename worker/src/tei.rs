@@ -156,11 +156,12 @@ pub async fn embed_all(
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options { truncate: request.truncate, tokens: true, deadline, ..Options::default() };
-    let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
-        // A model whose output is pooled already has no token vectors to give.
-        ApiError::Internal(m) if m.contains("token embeddings need") => ApiError::BadRequest(m),
-        e => e,
-    })?;
+    let mut outcome =
+        tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
+            // A model whose output is pooled already has no token vectors to give.
+            ApiError::Internal(m) if m.contains("token embeddings need") => ApiError::BadRequest(m),
+            e => e,
+        })?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };

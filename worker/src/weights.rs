@@ -57,6 +57,13 @@ pub fn configure(dir: Option<PathBuf>, ort_library: &Path) {
     let _ = CACHE.set(cache);
 }
 
+/// `runtime.cache_dir` and what names this runtime and CPU there, when set (the int8
+/// preparation keeps its files beside the artefacts).
+pub(crate) fn cache_dir() -> Option<(PathBuf, String)> {
+    let cache = CACHE.get()?.as_ref()?;
+    Some((cache.dir.clone(), format!("{}-{}", cache.runtime, cache.cpu)))
+}
+
 /// How a session gets its weights: from the shared artefact, or its own copy (and why).
 pub enum Weights {
     Shared(PathBuf),

@@ -57,8 +57,9 @@ async fn collect(state: &AppState, mut body: Incoming, infer: bool) -> Result<(B
     let limit = state.max_body_bytes;
     // The gRPC frame's own 5 bytes (compressed flag, length) come on top of the message.
     let most = limit.saturating_add(5);
-    let too_large =
-        |what: &str| ApiError::TooLarge(format!("{what} is larger than the limit of {limit} bytes (server.max_body_bytes)"));
+    let too_large = |what: &str| {
+        ApiError::TooLarge(format!("{what} is larger than the limit of {limit} bytes (server.max_body_bytes)"))
+    };
     let overloaded = || {
         ApiError::Overloaded(format!(
             "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
@@ -108,7 +109,8 @@ async fn collect(state: &AppState, mut body: Incoming, infer: bool) -> Result<(B
     if let (true, [0, l0, l1, l2, l3, message @ ..]) = (infer, &read[..]) {
         let declared = u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize;
         if let Some(message) = message.get(..declared) {
-            let decoded = decoded_size(message).map_err(|e| ApiError::BadRequest(format!("invalid ModelInferRequest: {e}")))?;
+            let decoded =
+                decoded_size(message).map_err(|e| ApiError::BadRequest(format!("invalid ModelInferRequest: {e}")))?;
             if decoded > limit {
                 return Err(too_large(&format!(
                     "the ModelInferRequest of {declared} bytes decodes to about {decoded} bytes, which"
@@ -277,7 +279,8 @@ mod tests {
     #[test]
     fn an_ordinary_request_costs_about_its_size() {
         let contents = InferTensorContents { fp32_contents: vec![0.5; 100_000], ..Default::default() };
-        let request = ModelInferRequest { model_name: "m".into(), inputs: vec![tensor("x", contents)], ..Default::default() };
+        let request =
+            ModelInferRequest { model_name: "m".into(), inputs: vec![tensor("x", contents)], ..Default::default() };
         let wire = request.encode_to_vec();
         let size = decoded_size(&wire).unwrap();
         assert!(size >= 400_000 && size < wire.len() as u64 * 11 / 10, "{size} for {} bytes", wire.len());

@@ -459,6 +459,7 @@ mod tests {
                 version: "1".into(),
                 sha256: "00".into(),
                 weights: String::new(),
+                precision: String::new(),
             },
             task: inferd_config::model::Task::Raw,
             pipeline: Arc::new(crate::pipeline::Pipeline::Raw),
