@@ -1,6 +1,6 @@
 //! `precision = "int8"`: inferd rewrites the default model's MatMuls for ONNX Runtime's integer
 //! kernels itself, measures the result against fp32 (the accuracy guard) and serves it only
-//! when the guard passes, saying what it measured; the session runs DynamicQuantizeMatMul
+//! when the guard passes, saying what it measured; the session runs DynamicQuantizeMatMul and QAttention
 //! (read from the graph ORT optimised and the workers map); embeddings of texts the guard
 //! never saw stay close to onnxruntime's fp32 ones; a guard that cannot pass refuses int8
 //! (`int8`) or serves fp32 (`auto`), with the figures.
@@ -42,8 +42,8 @@ fn floats(v: &Value) -> Vec<f64> {
 #[test]
 fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     let dir = TempDir::new("int8-serve");
-    // A guard every CPU's int8 kernels pass (with VNNI the default 0.99 passes too, with 3 of
-    // 18 MatMuls kept in fp32; without VNNI the weights lose a bit to reduced range).
+    // A guard every CPU's int8 kernels pass (with VNNI the default 0.99 passes too, with 7 of
+    // the 24 nodes kept in fp32; without VNNI the weights lose a bit to reduced range).
     let repository = repository(dir.path(), "precision = \"int8\"\n[quantization]\nmin_cosine = 0.98");
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &repository, "minilm", &[], "");
@@ -55,7 +55,7 @@ fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     let status = server.status();
     for worker in status["workers"].as_array().unwrap() {
         let precision = worker["models"][0]["precision"].as_str().unwrap();
-        assert!(precision.starts_with("int8 (") && precision.contains("MatMuls in int8"), "{precision}");
+        assert!(precision.starts_with("int8 (") && precision.contains("MatMul/Attention nodes in int8"), "{precision}");
         assert!(precision.contains("min cosine 0.9"), "{precision}");
     }
     // Prepared once, by one process: the others found it.
@@ -74,12 +74,14 @@ fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     let script = "import collections, onnx, sys\n\
                   m = onnx.load(sys.argv[1], load_external_data=False)\n\
                   c = collections.Counter(n.op_type for n in m.graph.node)\n\
-                  print(c['DynamicQuantizeMatMul'], c['MatMul'])";
+                  print(c['DynamicQuantizeMatMul'], c['MatMul'], c['QAttention'], c['Attention'])";
     let out = Command::new(python()).args(["-c", script]).arg(artefacts[0].join("model.onnx")).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let counts: Vec<usize> = text.split_whitespace().map(|n| n.parse().unwrap()).collect();
-    assert!(out.status.success() && counts.len() == 2, "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(counts[0] >= 9 && counts[0] + counts[1] == 18, "DynamicQuantizeMatMul, MatMul: {counts:?}");
+    assert!(out.status.success() && counts.len() == 4, "{text}{}", String::from_utf8_lossy(&out.stderr));
+    // At most half of the 24 nodes kept in fp32, the rest integer.
+    let (integer, kept) = (counts[0] + counts[2], counts[1] + counts[3]);
+    assert!(integer >= 12 && integer + kept == 24 && counts[0] + counts[1] == 18, "{counts:?}");
 
     // Texts the guard never saw, against onnxruntime's fp32 embeddings.
     let reference: Value =

@@ -1,13 +1,15 @@
 //! An ONNX model rewritten for int8 execution, at the protobuf wire level: every fp32 `MatMul`
 //! whose weight is a 2-D initializer becomes ONNX Runtime's `DynamicQuantizeMatMul`
 //! (com.microsoft: the activation quantised to uint8 at run time, the weight int8 per output
-//! column, symmetric). Everything else in the file (other nodes, attributes, metadata, value
+//! column, symmetric), and every fused `Attention` (com.microsoft, as ORT's transformer
+//! optimiser writes it) a `DynamicQuantizeLinear` of its input feeding a `QAttention` with the
+//! same int8 weights and the node's own attributes. Everything else in the file (other nodes, attributes, metadata, value
 //! infos, doc strings, fields this code does not know) is copied byte for byte, so nothing a
 //! newer exporter wrote is lost in a decode and re-encode.
 //!
 //! Field numbers are those of onnx.proto: ModelProto graph = 7, opset_import = 8; GraphProto
 //! node = 1, initializer = 5, input = 11; NodeProto input = 1, output = 2, name = 3,
-//! op_type = 4, domain = 7; TensorProto dims = 1, data_type = 2, float_data = 4, name = 8,
+//! op_type = 4, attribute = 5, domain = 7; AttributeProto name = 1; TensorProto dims = 1, data_type = 2, float_data = 4, name = 8,
 //! raw_data = 9, data_location = 14; OperatorSetIdProto domain = 1, version = 2.
 
 use std::collections::{HashMap, HashSet};
@@ -94,7 +96,9 @@ fn text(payload: &[u8]) -> String {
 }
 
 /// What a node is, read from its bytes.
-struct Node {
+struct Node<'a> {
+    /// Each attribute's name and its bytes as written (field key included).
+    attributes: Vec<(String, &'a [u8])>,
     inputs: Vec<String>,
     outputs: Vec<String>,
     name: String,
@@ -102,9 +106,10 @@ struct Node {
     domain: String,
 }
 
-impl Node {
-    fn read(field: Field) -> Result<Node, String> {
+impl<'a> Node<'a> {
+    fn read(field: Field<'a>) -> Result<Node<'a>, String> {
         let mut node = Node {
+            attributes: Vec::new(),
             inputs: Vec::new(),
             outputs: Vec::new(),
             name: String::new(),
@@ -117,6 +122,10 @@ impl Node {
                 (2, 2) => node.outputs.push(text(f.payload)),
                 (3, 2) => node.name = text(f.payload),
                 (4, 2) => node.op_type = text(f.payload),
+                (5, 2) => {
+                    let name = fields(f.payload)?.iter().find(|a| a.number == 1).map(|a| text(a.payload));
+                    node.attributes.push((name.unwrap_or_default(), f.whole));
+                }
                 (7, 2) => node.domain = text(f.payload),
                 _ => {}
             }
@@ -238,8 +247,51 @@ pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// What QAttention takes of a fused Attention's attributes (one with any other, such as
+/// `qkv_hidden_sizes`, stays fp32).
+const QATTENTION_ATTRIBUTES: &[&str] =
+    &["num_heads", "unidirectional", "do_rotary", "past_present_share_buffer", "mask_filter_value", "scale"];
+
 fn eligible(node: &Node, weights: &HashSet<String>) -> bool {
-    node.op_type == "MatMul" && node.domain.is_empty() && node.inputs.len() == 2 && weights.contains(&node.inputs[1])
+    let weight = node.inputs.get(1).is_some_and(|w| weights.contains(w));
+    match (node.op_type.as_str(), node.domain.as_str()) {
+        ("MatMul", "" | "ai.onnx") => node.inputs.len() == 2 && weight,
+        // input, weight, bias and the mask: no past state or attention bias.
+        ("Attention", "com.microsoft") => {
+            weight
+                && (3..=4).contains(&node.inputs.len())
+                && !node.inputs[2].is_empty()
+                && node.attributes.iter().all(|(name, _)| QATTENTION_ATTRIBUTES.contains(&name.as_str()))
+        }
+        _ => false,
+    }
+}
+
+/// A node's bytes: inputs, outputs, name, op type, domain, then the attributes as written.
+fn node_bytes(
+    inputs: &[&str],
+    outputs: &[String],
+    name: &str,
+    op_type: &str,
+    domain: &str,
+    attributes: &[&[u8]],
+) -> Vec<u8> {
+    let mut n = Vec::new();
+    for input in inputs {
+        put_bytes(&mut n, 1, input.as_bytes());
+    }
+    for output in outputs {
+        put_bytes(&mut n, 2, output.as_bytes());
+    }
+    put_bytes(&mut n, 3, name.as_bytes());
+    put_bytes(&mut n, 4, op_type.as_bytes());
+    for a in attributes {
+        n.extend_from_slice(a);
+    }
+    if !domain.is_empty() {
+        put_bytes(&mut n, 7, domain.as_bytes());
+    }
+    n
 }
 
 fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), String> {
@@ -296,16 +348,33 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                     continue;
                 }
                 let w = &node.inputs[1];
-                let mut n = Vec::new();
-                for input in [node.inputs[0].clone(), format!("{w}_int8"), format!("{w}_scale"), format!("{w}_zero")] {
-                    put_bytes(&mut n, 1, input.as_bytes());
+                let (w_int8, w_scale, w_zero) = (format!("{w}_int8"), format!("{w}_scale"), format!("{w}_zero"));
+                if node.op_type == "MatMul" {
+                    let inputs = [node.inputs[0].as_str(), &w_int8, &w_scale, &w_zero];
+                    let n =
+                        node_bytes(&inputs, &node.outputs, &node.name, "DynamicQuantizeMatMul", "com.microsoft", &[]);
+                    put_bytes(&mut out_graph, 1, &n);
+                    continue;
                 }
-                for output in &node.outputs {
-                    put_bytes(&mut n, 2, output.as_bytes());
-                }
-                put_bytes(&mut n, 3, node.name.as_bytes());
-                put_bytes(&mut n, 4, b"DynamicQuantizeMatMul");
-                put_bytes(&mut n, 7, b"com.microsoft");
+                // Attention: its input quantised at run time, then QAttention.
+                let base = format!("{}_{}", node.outputs[0], index - 1);
+                let quantized =
+                    [format!("{base}_input_int8"), format!("{base}_input_scale"), format!("{base}_input_zero")];
+                let n = node_bytes(
+                    &[node.inputs[0].as_str()],
+                    &quantized,
+                    &format!("{base}_quantize"),
+                    "DynamicQuantizeLinear",
+                    "",
+                    &[],
+                );
+                put_bytes(&mut out_graph, 1, &n);
+                let mask = node.inputs.get(3).map_or("", String::as_str);
+                let inputs =
+                    [&quantized[0], &w_int8, &node.inputs[2], &quantized[1], &w_scale, mask, &quantized[2], &w_zero];
+                let inputs: Vec<&str> = inputs.iter().map(|s| s.as_ref()).collect();
+                let attributes: Vec<&[u8]> = node.attributes.iter().map(|(_, bytes)| *bytes).collect();
+                let n = node_bytes(&inputs, &node.outputs, &node.name, "QAttention", "com.microsoft", &attributes);
                 put_bytes(&mut out_graph, 1, &n);
             }
             (5, 2) => {
