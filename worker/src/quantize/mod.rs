@@ -164,6 +164,9 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
             std::fs::write(&report, serde_json::to_vec_pretty(&r).expect("json"))
                 .map_err(|e| format!("cannot write {}: {e}", report.display()))?;
             info!(model = entry.name, "int8 prepared in {:.1} s: {}", started.elapsed().as_secs_f64(), r.summary());
+            if scratch.is_none() {
+                remove_older(&dir, &entry.name);
+            }
             r
         }
     };
@@ -177,6 +180,26 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
         (false, _) => {
             remove(scratch);
             Err(format!("precision = \"int8\" refused: {}", report.summary()))
+        }
+    }
+}
+
+/// Removes this model's other int8 preparations (earlier contents or settings) from the cache,
+/// as shared weights do: a session that loaded one does not need it any more. One being
+/// prepared right now (its lock held) is left alone.
+fn remove_older(dir: &std::path::Path, name: &str) {
+    let (Some(root), Some(this)) = (dir.parent(), dir.file_name()) else { return };
+    let prefix = format!("{name}-int8-");
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for other in entries.flatten() {
+        let file_name = other.file_name();
+        if file_name == this || !file_name.to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let free = std::fs::File::open(other.path().join("lock")).is_ok_and(|lock| lock.try_lock().is_ok());
+        if free {
+            info!(model = name, "removing an earlier int8 preparation: {}", other.path().display());
+            let _ = std::fs::remove_dir_all(other.path());
         }
     }
 }
@@ -394,7 +417,7 @@ const BUILT_IN: &[&str] = &[
     "cheap flights to Lisbon in May",
     "How do I reset my password if I no longer have access to my email account?",
     "The committee postponed its decision until the auditors had reviewed the accounts.",
-    "A quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "Grey clouds gathered over the harbour as the fishing boats came back in.",
     "Photosynthesis converts light energy into chemical energy stored in glucose.",
     "She left the keys on the kitchen table before catching the early train.",
     "Der Zug nach Berlin hat wegen eines Signalfehlers zwanzig Minuten Verspätung.",
