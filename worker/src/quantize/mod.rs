@@ -32,7 +32,7 @@ use crate::model::{Model, Threads};
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
 
 /// Changes whenever what the preparation writes or how it measures changes.
-const FORMAT: &str = "q3";
+const FORMAT: &str = "q4";
 
 /// Preparations made without a cache_dir, by folder: the report and the int8 file's bytes.
 type Memo = HashMap<PathBuf, (Report, Option<Arc<Vec<u8>>>)>;
