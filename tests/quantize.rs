@@ -98,18 +98,61 @@ fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     }
 }
 
+/// `inferd check` on a repository of `model` (minilm or the test classifier) with `settings`
+/// added to its model.toml: whether it passed, and what it printed.
+fn check(dir: &Path, case: &str, model: &str, settings: &str) -> (bool, String) {
+    let sub = dir.join(case);
+    std::fs::create_dir_all(&sub).unwrap();
+    let repository = match model {
+        "minilm" => repository(&sub, settings),
+        _ => {
+            let folder = sub.join("repo").join(model);
+            std::fs::create_dir_all(&folder).unwrap();
+            let source = test_models().join(model);
+            std::fs::copy(source.join("model.onnx"), folder.join("model.onnx")).unwrap();
+            let tokenizer = repo().join("models/minilm/tokenizer.json");
+            let toml = std::fs::read_to_string(source.join("model.toml")).unwrap();
+            let toml = toml.replace("../../../models/minilm/tokenizer.json", tokenizer.to_str().unwrap());
+            let toml = toml.replacen("task = \"classification\"", &format!("task = \"classification\"\n{settings}"), 1);
+            std::fs::write(folder.join("model.toml"), toml).unwrap();
+            sub.join("repo")
+        }
+    };
+    let config = write_config(&sub, free_port(), 1, &repository, model, &[], "");
+    let out = Command::new(BIN).arg("check").arg("--config").arg(&config).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_classifiers_guard_measures_probabilities() {
+    let dir = TempDir::new("int8-classifier");
+    // The test classifier has one MatMul; quantised, its probabilities move by well under 0.02
+    // and every top class stays.
+    let (ok, text) = check(dir.path(), "int8", "classifier", "precision = \"int8\"");
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("precision int8 (1 of 1 MatMul/Attention nodes in int8; largest probability error 0.0"),
+        "{text}"
+    );
+    assert!(text.contains("top-1 agreement 100.0% with fp32"), "{text}");
+    let (ok, text) = check(
+        dir.path(),
+        "strict",
+        "classifier",
+        "precision = \"int8\"\n[quantization]\nmax_probability_error = 0.0001",
+    );
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("the largest probability error is 0.0") && text.contains("max_probability_error = 0.0001"),
+        "{text}"
+    );
+}
+
 #[test]
 fn a_guard_that_cannot_pass_refuses_int8_or_keeps_fp32_with_the_figures() {
     let dir = TempDir::new("int8-refused");
-    let check = |case: &str, settings: &str| {
-        let sub = dir.path().join(case);
-        std::fs::create_dir_all(&sub).unwrap();
-        let repository = repository(&sub, settings);
-        let config = write_config(&sub, free_port(), 1, &repository, "minilm", &[], "");
-        let out = Command::new(BIN).arg("check").arg("--config").arg(&config).output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        (out.status.success(), text)
-    };
+    let check = |case: &str, settings: &str| check(dir.path(), case, "minilm", settings);
     // No int8 model is that close to fp32.
     let guard = "[quantization]\nmin_cosine = 0.99999";
     let (ok, text) = check("int8", &format!("precision = \"int8\"\n{guard}"));

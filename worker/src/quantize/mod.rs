@@ -345,14 +345,15 @@ fn measure(entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>
     let refused = if candidates.is_empty() {
         Some("the model has no fp32 MatMul with a weight matrix to quantise".to_string())
     } else if error.worst > limit {
+        let kept = format!("{} of {} nodes kept in fp32", kept.len(), candidates.len());
         Some(match &want {
             Outputs::Embeddings(_) => format!(
-                "the least cosine to fp32 is {:.4} with half of the nodes kept in fp32, under quantization.min_cosine = {}",
+                "the least cosine to fp32 is {:.4} with {kept}, under quantization.min_cosine = {}",
                 1.0 - error.worst,
                 entry.quantization.min_cosine
             ),
             Outputs::Probabilities(_) => format!(
-                "the largest probability error is {:.4} with half of the nodes kept in fp32, over quantization.max_probability_error = {}",
+                "the largest probability error is {:.4} with {kept}, over quantization.max_probability_error = {}",
                 error.worst, entry.quantization.max_probability_error
             ),
         })
