@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use inferd_config::file::LogFormat;
-use inferd_config::model::BatchingOverride;
+use inferd_config::model::{ModelOverride, Precision};
 use inferd_config::{Config, Overrides};
 use inferd_supervisor::control::{self, Request};
 use inferd_supervisor::plan::cpu::format_cpus;
@@ -87,6 +87,9 @@ struct ServeArgs {
     /// How long a request may wait for company, for every model, over model.toml's [batching].
     #[arg(long)]
     max_queue_delay_ms: Option<u64>,
+    /// fp32, int8 or auto for every model, over model.toml's `precision`.
+    #[arg(long)]
+    precision: Option<Precision>,
 }
 
 #[derive(Args)]
@@ -208,7 +211,11 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
         workers: args.workers,
         threads: args.threads,
         control_socket: args.control_socket.clone(),
-        batching: BatchingOverride { max_batch_size: args.max_batch_size, max_queue_delay_ms: args.max_queue_delay_ms },
+        model_override: ModelOverride {
+            max_batch_size: args.max_batch_size,
+            max_queue_delay_ms: args.max_queue_delay_ms,
+            precision: args.precision,
+        },
     })?;
     Ok(Resolved::new(config)?)
 }

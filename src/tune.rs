@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use inferd_bench::load::{closed_loop, Load, Summary};
-use inferd_config::model::{ModelEntry, Task, MODEL_CONFIG_FILE};
+use inferd_config::model::{ModelEntry, Precision, Task, MODEL_CONFIG_FILE};
 use inferd_config::Config;
 use inferd_supervisor::control::{self, Request};
 use inferd_supervisor::plan::Resolved;
@@ -63,6 +63,7 @@ struct Candidate {
     threads: usize,
     max_batch_size: usize,
     max_queue_delay_ms: u64,
+    precision: Precision,
 }
 
 impl Candidate {
@@ -76,6 +77,11 @@ impl Candidate {
             (n, 0) => format!("up to {n}"),
             (n, d) => format!("up to {n}, wait {d} ms"),
         }
+    }
+
+    /// The plan, its batching and its precision, as the progress lines and the verdict say it.
+    fn describe(&self) -> String {
+        format!("{} threads, batching {}, {}", self.plan(), self.batching(), self.precision.as_str())
     }
 }
 
@@ -107,22 +113,28 @@ impl Measured {
 }
 
 /// The plans worth trying on `usable` cores: 1, 2, 4, ... threads per worker (and all of them
-/// in one worker), each with batching off, on, and on with a 2 ms wait.
-fn candidates(usable: usize, max_batch_size: usize) -> Vec<Candidate> {
+/// in one worker), each with batching off, on, and on with a 2 ms wait, in fp32; with `int8`
+/// (text models, whose int8 the accuracy guard can check), each split batched again in int8.
+fn candidates(usable: usize, max_batch_size: usize, int8: bool) -> Vec<Candidate> {
     let mut threads: Vec<usize> =
         std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).collect();
     if !threads.contains(&usable) {
         threads.push(usable);
     }
     let batch = max_batch_size.max(2);
+    let mut settings = vec![(1, 0, Precision::Fp32), (batch, 0, Precision::Fp32), (batch, 2, Precision::Fp32)];
+    if int8 {
+        settings.push((batch, 0, Precision::Int8));
+    }
     threads
         .into_iter()
         .flat_map(|t| {
-            [(1, 0), (batch, 0), (batch, 2)].map(|(max_batch_size, max_queue_delay_ms)| Candidate {
+            settings.iter().map(move |&(max_batch_size, max_queue_delay_ms, precision)| Candidate {
                 workers: usable / t,
                 threads: t,
                 max_batch_size,
                 max_queue_delay_ms,
+                precision,
             })
         })
         .collect()
@@ -143,7 +155,9 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
         bail!("--write needs a configuration file to write (--config)");
     }
     let usable = resolved.plan.budget.usable;
-    let grid = candidates(usable, entry.batching.max_batch_size);
+    // int8 is tried where its guard can run, with the model's own [quantization] bounds; one the
+    // guard refuses is a failed candidate with the figures.
+    let grid = candidates(usable, entry.batching.max_batch_size, entry.tokenizer.is_some());
     let per_candidate = 1.5 + CONCURRENCIES.len() as f64 * (args.seconds + 0.5);
     eprintln!("tuning '{name}' on {usable} usable cores: {} candidates x ~{per_candidate:.0} s", grid.len());
     let work = std::env::temp_dir().join(format!("inferd-tune-{}", std::process::id()));
@@ -152,7 +166,7 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
     for (i, candidate) in grid.iter().enumerate() {
         let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
         if !terminal {
-            eprintln!("[{}/{}] {} threads, batching {}", i + 1, grid.len(), candidate.plan(), candidate.batching());
+            eprintln!("[{}/{}] {}", i + 1, grid.len(), candidate.describe());
         }
         let progress = |step: &str| {
             if !terminal {
@@ -160,13 +174,12 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
             }
             let done = (i * 20) / grid.len();
             eprint!(
-                "\r[{}{}] {}/{} {} threads, batching {}: {step:<24}",
+                "\r[{}{}] {}/{} {}: {step:<24}",
                 "#".repeat(done),
                 " ".repeat(20 - done),
                 i + 1,
                 grid.len(),
-                candidate.plan(),
-                candidate.batching()
+                candidate.describe()
             );
             let _ = std::io::stderr().flush();
         };
@@ -188,7 +201,14 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(1));
     };
     let c = best.candidate;
-    println!("\nbest for {:?}: {} workers x {} threads, batching {}", args.goal, c.workers, c.threads, c.batching());
+    println!(
+        "\nbest for {:?}: {} workers x {} threads, batching {}, {}",
+        args.goal,
+        c.workers,
+        c.threads,
+        c.batching(),
+        c.precision.as_str()
+    );
     if args.write {
         let config_path = config.source.as_deref().expect("checked above");
         write_plan(config_path, &config.model_repository().join(&name).join(MODEL_CONFIG_FILE), c)?;
@@ -202,13 +222,14 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
 }
 
 fn print_table(results: &[Measured]) {
-    let mut header = format!("\n{:<10} {:<20}", "workers", "batching");
+    let mut header = format!("\n{:<10} {:<20} {:<9}", "workers", "batching", "precision");
     for c in CONCURRENCIES {
         header.push_str(&format!(" {:>22}", format!("c={c} req/s (p50/p99)")));
     }
     println!("{header} {:>10} {:>7}", "RSS", "errors");
     for m in results {
-        let mut line = format!("{:<10} {:<20}", m.candidate.plan(), m.candidate.batching());
+        let mut line =
+            format!("{:<10} {:<20} {:<9}", m.candidate.plan(), m.candidate.batching(), m.candidate.precision.as_str());
         if let Some(failure) = &m.failure {
             println!("{line} failed: {failure}");
             continue;
@@ -344,6 +365,7 @@ impl Server {
             .args(["--workers", &c.workers.to_string(), "--threads", &c.threads.to_string()])
             .args(["--max-batch-size", &c.max_batch_size.to_string()])
             .args(["--max-queue-delay-ms", &c.max_queue_delay_ms.to_string()])
+            .args(["--precision", c.precision.as_str()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log)?)
@@ -391,22 +413,34 @@ impl Server {
 /// Puts the plan into the configuration (`server.workers`, `server.threads`) and the batching
 /// into the model's `model.toml` (`[batching]`), keeping every comment and other key.
 fn write_plan(config: &Path, model_toml: &Path, c: Candidate) -> anyhow::Result<()> {
-    set_keys(config, "server", &[("workers", c.workers as i64), ("threads", c.threads as i64)])?;
     set_keys(
-        model_toml,
-        "batching",
-        &[("max_batch_size", c.max_batch_size as i64), ("max_queue_delay_ms", c.max_queue_delay_ms as i64)],
-    )
+        config,
+        Some("server"),
+        &[("workers", (c.workers as i64).into()), ("threads", (c.threads as i64).into())],
+    )?;
+    let batching = [
+        ("max_batch_size", (c.max_batch_size as i64).into()),
+        ("max_queue_delay_ms", (c.max_queue_delay_ms as i64).into()),
+    ];
+    set_keys(model_toml, Some("batching"), &batching)?;
+    set_keys(model_toml, None, &[("precision", c.precision.as_str().into())])
 }
 
-fn set_keys(path: &Path, section: &str, keys: &[(&str, i64)]) -> anyhow::Result<()> {
+/// Sets `keys` in `[section]` of a TOML file (at its top with `None`), keeping the rest as written.
+fn set_keys(path: &Path, section: Option<&str>, keys: &[(&str, toml_edit::Value)]) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut doc: toml_edit::DocumentMut = text.parse().with_context(|| format!("{} is not TOML", path.display()))?;
-    if !doc.contains_key(section) {
-        doc[section] = toml_edit::table(); // `[section]`, not an inline table
-    }
-    for &(key, value) in keys {
-        doc[section][key] = toml_edit::value(value);
+    let table = match section {
+        Some(section) => {
+            if !doc.contains_key(section) {
+                doc[section] = toml_edit::table(); // `[section]`, not an inline table
+            }
+            &mut doc[section]
+        }
+        None => doc.as_item_mut(),
+    };
+    for (key, value) in keys {
+        table[*key] = toml_edit::Item::Value(value.clone());
     }
     std::fs::write(path, doc.to_string()).with_context(|| format!("cannot write {}", path.display()))?;
     println!("wrote {}", path.display());
@@ -427,12 +461,20 @@ mod tests {
 
     #[test]
     fn the_grid_covers_every_thread_split_within_the_cores() {
-        let grid = candidates(2, 32);
+        let grid = candidates(2, 32, false);
         let plans: Vec<(usize, usize)> = grid.iter().map(|c| (c.workers, c.threads)).collect();
         assert_eq!(plans, [(2, 1), (2, 1), (2, 1), (1, 2), (1, 2), (1, 2)]);
         assert_eq!(grid[0].max_batch_size, 1, "batching off is a candidate");
-        let six: Vec<usize> = candidates(6, 32).iter().map(|c| c.threads).step_by(3).collect();
+        assert!(grid.iter().all(|c| c.precision == Precision::Fp32));
+        let six: Vec<usize> = candidates(6, 32, false).iter().map(|c| c.threads).step_by(3).collect();
         assert_eq!(six, [1, 2, 4, 6]);
-        assert!(candidates(6, 32).iter().all(|c| c.workers * c.threads <= 6));
+        assert!(candidates(6, 32, false).iter().all(|c| c.workers * c.threads <= 6));
+        // Text models: each split once more, batched, in int8.
+        let int8: Vec<(usize, usize)> = candidates(2, 32, true)
+            .iter()
+            .filter(|c| c.precision == Precision::Int8)
+            .map(|c| (c.workers, c.threads))
+            .collect();
+        assert_eq!(int8, [(2, 1), (1, 2)]);
     }
 }

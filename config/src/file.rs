@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::model::MAX_MODELS;
-use crate::model::{BatchingOverride, ModelEntry};
+use crate::model::{ModelEntry, ModelOverride};
 
 /// Name of the configuration file looked for when `--config` is not given.
 pub const CONFIG_FILE_NAME: &str = "inferd.toml";
@@ -50,9 +50,9 @@ pub struct Config {
     /// The file this configuration was read from, if any.
     #[serde(skip)]
     pub source: Option<PathBuf>,
-    /// Command-line batching settings for every model (not a file key).
+    /// Command-line model settings for every model (not a file key).
     #[serde(skip)]
-    pub batching: BatchingOverride,
+    pub model_override: ModelOverride,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -307,7 +307,7 @@ pub struct Overrides {
     pub workers: Option<usize>,
     pub threads: Option<usize>,
     pub control_socket: Option<PathBuf>,
-    pub batching: BatchingOverride,
+    pub model_override: ModelOverride,
 }
 
 impl Config {
@@ -349,7 +349,7 @@ impl Config {
         if let Some(threads) = overrides.threads {
             self.server.threads = threads;
         }
-        self.batching = overrides.batching;
+        self.model_override = overrides.model_override;
         if let Some(socket) = &overrides.control_socket {
             // A path given on the command line is relative to the working directory.
             self.server.control_socket = std::path::absolute(socket).unwrap_or_else(|_| socket.clone());
@@ -479,9 +479,9 @@ impl Config {
         self.resolve(&self.models.repository)
     }
 
-    /// Reads model `name` from the repository, with the command line's batching settings.
+    /// Reads model `name` from the repository, with the command line's model settings.
     pub fn load_model(&self, name: &str) -> Result<ModelEntry, ConfigError> {
-        self.batching.apply(ModelEntry::load(&self.model_repository(), name)?)
+        self.model_override.apply(ModelEntry::load(&self.model_repository(), name)?)
     }
 
     /// The models every worker loads, default first.

@@ -162,22 +162,60 @@ impl Default for Batching {
     }
 }
 
-/// Batching settings given on the command line (`inferd serve --max-batch-size`, ...), applied
-/// over every model's `[batching]`: how `inferd tune` tries a setting without editing files.
+/// Model settings given on the command line (`inferd serve --max-batch-size`, `--precision`,
+/// ...), applied over every model's model.toml: how `inferd tune` tries a setting without
+/// editing files.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BatchingOverride {
+pub struct ModelOverride {
     pub max_batch_size: Option<usize>,
     pub max_queue_delay_ms: Option<u64>,
+    pub precision: Option<Precision>,
 }
 
-impl BatchingOverride {
-    /// `entry` with these settings over its `[batching]`, checked like the file's.
+impl ModelOverride {
+    /// `entry` with these settings over its own, checked like the file's.
     pub fn apply(&self, mut entry: ModelEntry) -> Result<ModelEntry, ConfigError> {
+        let err = |message: String| ConfigError::Model { model: entry.name.clone(), message };
         let b = &mut entry.batching;
         b.max_batch_size = self.max_batch_size.unwrap_or(b.max_batch_size);
         b.max_queue_delay_ms = self.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
-        b.check().map_err(|message| ConfigError::Model { model: entry.name.clone(), message })?;
+        b.check().map_err(err)?;
+        entry.precision = self.precision.unwrap_or(entry.precision);
+        check_precision(entry.precision, &entry.tokenizer).map_err(err)?;
         Ok(entry)
+    }
+}
+
+/// Precisions other than fp32 need a text model: the accuracy guard runs texts.
+fn check_precision(precision: Precision, tokenizer: &Option<TokenizerConfig>) -> Result<(), String> {
+    if precision == Precision::Fp32 || tokenizer.is_some() {
+        return Ok(());
+    }
+    Err(format!(
+        "precision = \"{}\" needs a text model for now (its accuracy guard runs texts); image and raw models are served in fp32",
+        precision.as_str()
+    ))
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Int8 => "int8",
+            Precision::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Precision, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "int8" => Ok(Precision::Int8),
+            "auto" => Ok(Precision::Auto),
+            _ => Err(format!("'{s}': use fp32, int8 or auto")),
+        }
     }
 }
 
@@ -449,13 +487,7 @@ impl ModelEntry {
         if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
             return Err(err(format!("quantization.calibration: {} not found", c.display())));
         }
-        if file.precision != Precision::Fp32 && tokenizer.is_none() {
-            return Err(err(format!(
-                "precision = \"{}\" needs a text model for now (its accuracy guard runs texts); \
-                 image and raw models are served in fp32",
-                if file.precision == Precision::Int8 { "int8" } else { "auto" }
-            )));
-        }
+        check_precision(file.precision, &tokenizer).map_err(err)?;
         Ok(ModelEntry {
             name: file.name,
             version: file.version,

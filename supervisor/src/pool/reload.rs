@@ -66,7 +66,7 @@ impl Supervisor {
             }
             None => config.load_model(&model),
         }
-        .and_then(|entry| config.batching.apply(entry))
+        .and_then(|entry| config.model_override.apply(entry))
         .map_err(|e| format!("load refused: {e}"))?;
         let mut models = self.models.clone();
         models.push(entry);
@@ -146,7 +146,7 @@ impl Supervisor {
         let mut models = self.models.clone();
         models[at] = models[at]
             .replaced_by(&path)
-            .and_then(|entry| self.resolved.config.batching.apply(entry))
+            .and_then(|entry| self.resolved.config.model_override.apply(entry))
             .map_err(|e| format!("reload refused: {e}"))?;
         Ok(models)
     }
