@@ -245,15 +245,15 @@ fn run(model: &mut Model, texts: &[String]) -> Result<(Outputs, f64), String> {
     })
 }
 
-/// The error of `got` against the fp32 `want`, and whether it is within the guard.
-struct Error {
+/// How far `got` is from the fp32 `want`.
+struct Deviation {
     /// 0 = as fp32; the larger, the worse (1 - least cosine, or the largest probability error).
     worst: f64,
     mean_cosine: Option<f64>,
     top1: Option<f64>,
 }
 
-fn compare(want: &Outputs, got: &Outputs) -> Error {
+fn compare(want: &Outputs, got: &Outputs) -> Deviation {
     match (want, got) {
         (Outputs::Embeddings(a), Outputs::Embeddings(b)) => {
             let cosines: Vec<f64> = a
@@ -266,7 +266,7 @@ fn compare(want: &Outputs, got: &Outputs) -> Error {
                 })
                 .collect();
             let min = cosines.iter().copied().fold(1.0, f64::min);
-            Error {
+            Deviation {
                 worst: 1.0 - min,
                 mean_cosine: Some(cosines.iter().sum::<f64>() / cosines.len().max(1) as f64),
                 top1: None,
@@ -280,9 +280,9 @@ fn compare(want: &Outputs, got: &Outputs) -> Error {
                 .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| f64::from((p - q).abs())))
                 .fold(0.0, f64::max);
             let agree = a.iter().zip(b).filter(|(x, y)| argmax(x) == argmax(y)).count();
-            Error { worst, mean_cosine: None, top1: Some(agree as f64 / a.len().max(1) as f64) }
+            Deviation { worst, mean_cosine: None, top1: Some(agree as f64 / a.len().max(1) as f64) }
         }
-        _ => Error { worst: f64::INFINITY, mean_cosine: None, top1: None },
+        _ => Deviation { worst: f64::INFINITY, mean_cosine: None, top1: None },
     }
 }
 
@@ -298,13 +298,18 @@ fn measure(entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>
     drop(fp32);
     let scratch = dir.join("candidate.onnx");
     let range = graph::host_range();
-    let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Error, f64), String> {
+    // The model with every candidate but `keep` in int8, loaded from the scratch file.
+    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, Model), String> {
         let rewritten = graph::rewrite(&source, keep, range)?;
         std::fs::write(&scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
-        let mut model = Model::load_with(&ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
+        let model = Model::load_with(&ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
             .map_err(|e| format!("the int8 model does not load: {e}"))?;
+        Ok((rewritten.bytes, model))
+    };
+    let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), String> {
+        let (bytes, mut model) = load(keep)?;
         let (got, ms) = run(&mut model, &texts)?;
-        Ok((rewritten.bytes, compare(&want, &got), ms))
+        Ok((bytes, compare(&want, &got), ms))
     };
     let limit = match &want {
         Outputs::Embeddings(_) => 1.0 - entry.quantization.min_cosine,
@@ -321,11 +326,7 @@ fn measure(entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>
         let mut costs = Vec::with_capacity(candidates.len());
         for node in &candidates {
             let others: HashSet<String> = candidates.iter().filter(|c| *c != node).cloned().collect();
-            let rewritten = graph::rewrite(&source, &others, range)?;
-            std::fs::write(&scratch, &rewritten.bytes)
-                .map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
-            let mut model = Model::load_with(&ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
-                .map_err(|e| format!("the int8 model does not load: {e}"))?;
+            let (_, mut model) = load(&others)?;
             costs.push((compare(&want_sample, &run(&mut model, &sample)?.0).worst, node.clone()));
         }
         costs.sort_by(|a, b| b.0.total_cmp(&a.0));
