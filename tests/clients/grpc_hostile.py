@@ -20,11 +20,14 @@ Prints `grpc hostile: all checks passed` and exits 0, or prints each failed chec
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
-import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tritonclient_check import INPUTS  # noqa: E402 (the typed model's inputs)
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -64,10 +67,9 @@ def amplifying_messages():
     return {"empty inputs": empty_inputs, "empty bytes_contents": bytes_entries, "parameters without values": parameters}
 
 
-def load(addr, stop, counts, errors, lock):
+def load(addr, stop, counts, errors, lock, answered):
+    """Ordinary calls until `stop`; `answered` is set after this client's first answer."""
     client = grpcclient.InferenceServerClient(addr)
-    from tritonclient_check import INPUTS  # the typed model's inputs
-
     inputs = []
     for name, (datatype, data) in INPUTS.items():
         inp = grpcclient.InferInput(name, list(data.shape), datatype)
@@ -78,6 +80,7 @@ def load(addr, stop, counts, errors, lock):
             client.infer("typed", inputs, client_timeout=30)
             with lock:
                 counts["ok"] += 1
+            answered.set()
         except Exception as e:  # every failure counts
             with lock:
                 counts["failed"] += 1
@@ -157,10 +160,18 @@ def check_idle_close(addr, idle):
 def main():
     addr, idle = sys.argv[1], float(sys.argv[2])
     stop, counts, errors, lock = threading.Event(), {"ok": 0, "failed": 0}, [], threading.Lock()
-    clients = [threading.Thread(target=load, args=(addr, stop, counts, errors, lock)) for _ in range(4)]
+    answered = [threading.Event() for _ in range(4)]
+    clients = [threading.Thread(target=load, args=(addr, stop, counts, errors, lock, a)) for a in answered]
     for t in clients:
         t.start()
+    # The hostile calls start once every well-behaved client is being answered, and the load
+    # goes on a while after them: the clients are loading the server throughout.
+    for a in answered:
+        if not a.wait(timeout=120):
+            stop.set()
+            fail(f"a well-behaved client got no answer within 120 s: {counts}, {errors[:3]}")
     refused = check_amplification(addr)
+    time.sleep(1)
     stop.set()
     for t in clients:
         t.join()
@@ -172,5 +183,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
     main()
