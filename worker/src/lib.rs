@@ -39,6 +39,7 @@ pub mod openai;
 pub mod panics;
 pub mod pipeline;
 pub mod protocol;
+pub mod protowire;
 pub mod quantize;
 pub mod server;
 pub mod tasks;

@@ -21,6 +21,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use super::proto::{InferParameter, InferTensorContents};
 use crate::app::{ApiError, AppState};
+use crate::protowire as wire;
 
 /// The gRPC path whose message is bounded by its decoded size.
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
@@ -199,25 +200,8 @@ pub fn decoded_size(message: &[u8]) -> Result<u64, String> {
 fn walk(mut bytes: &[u8], schema: &[Field]) -> Result<u64, String> {
     let mut total = 0u64;
     while !bytes.is_empty() {
-        let key = varint(&mut bytes)?;
-        let (number, wire) = (key >> 3, key & 7);
-        let known = schema.iter().find(|f| f.number == number);
-        let payload: &[u8] = match wire {
-            0 => {
-                varint(&mut bytes)?;
-                &[]
-            }
-            1 | 5 => {
-                let width = if wire == 1 { 8 } else { 4 };
-                take(&mut bytes, width)?
-            }
-            2 => {
-                let len = usize::try_from(varint(&mut bytes)?).map_err(|_| "a length is out of range".to_string())?;
-                take(&mut bytes, len)?
-            }
-            _ => return Err(format!("field {number} has wire type {wire}, which this message does not use")),
-        };
-        let Some(field) = known else { continue };
+        let wire::Field { number, wire, payload, .. } = wire::next(&mut bytes)?;
+        let Some(field) = schema.iter().find(|f| f.number == number) else { continue };
         let element = |size: usize| if field.repeated { size as u64 } else { 0 };
         let cost = match (field.kind, wire) {
             (Kind::Bytes, _) => (payload.len() as u64).saturating_add(element(size_of::<Vec<u8>>())),
@@ -236,27 +220,6 @@ fn walk(mut bytes: &[u8], schema: &[Field]) -> Result<u64, String> {
         total = total.saturating_add(cost);
     }
     Ok(total)
-}
-
-fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], String> {
-    if len > bytes.len() {
-        return Err(format!("a field of {len} bytes runs past the end of the message"));
-    }
-    let (head, rest) = bytes.split_at(len);
-    *bytes = rest;
-    Ok(head)
-}
-
-fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
-    let mut value = 0u64;
-    for (i, byte) in bytes.iter().take(10).enumerate() {
-        value |= u64::from(byte & 0x7f).checked_shl(7u32.saturating_mul(i as u32)).unwrap_or(0);
-        if byte & 0x80 == 0 {
-            *bytes = &bytes[i.saturating_add(1)..];
-            return Ok(value);
-        }
-    }
-    Err("a varint is cut off or longer than 10 bytes".into())
 }
 
 #[cfg(test)]

@@ -14,63 +14,11 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::protowire::{fields, varint, Field};
+
 /// TensorProto.DataType values used here.
 const FLOAT: u64 = 1;
 const INT8: u64 = 3;
-
-/// One field of a message: its number, wire type, payload and the bytes it took (key included).
-#[derive(Clone, Copy)]
-struct Field<'a> {
-    number: u64,
-    wire: u64,
-    /// Length-delimited: the payload; a varint: empty (see `value`).
-    payload: &'a [u8],
-    value: u64,
-    whole: &'a [u8],
-}
-
-fn fields(mut bytes: &[u8]) -> Result<Vec<Field<'_>>, String> {
-    let mut out = Vec::new();
-    while !bytes.is_empty() {
-        let start = bytes;
-        let key = varint(&mut bytes)?;
-        let (number, wire) = (key >> 3, key & 7);
-        let (payload, value) = match wire {
-            0 => (&[][..], varint(&mut bytes)?),
-            1 => (take(&mut bytes, 8)?, 0),
-            5 => (take(&mut bytes, 4)?, 0),
-            2 => {
-                let len = varint(&mut bytes)? as usize;
-                (take(&mut bytes, len)?, 0)
-            }
-            _ => return Err(format!("field {number} has wire type {wire}, which ONNX files do not use")),
-        };
-        let used = start.len() - bytes.len();
-        out.push(Field { number, wire, payload, value, whole: &start[..used] });
-    }
-    Ok(out)
-}
-
-fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], String> {
-    if len > bytes.len() {
-        return Err("a field runs past the end of its message".into());
-    }
-    let (head, rest) = bytes.split_at(len);
-    *bytes = rest;
-    Ok(head)
-}
-
-fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
-    let mut value = 0u64;
-    for (i, byte) in bytes.iter().take(10).enumerate() {
-        value |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            *bytes = &bytes[i + 1..];
-            return Ok(value);
-        }
-    }
-    Err("a varint is cut off".into())
-}
 
 fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {

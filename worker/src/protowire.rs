@@ -1,0 +1,67 @@
+//! The protobuf wire format, read field by field without a schema: what the gRPC intake
+//! measures a ModelInfer message with before it is decoded ([`crate::grpc::intake`]) and what
+//! the int8 rewrite walks an ONNX file with ([`crate::quantize::graph`]).
+// Request bytes come through here: every operation on sizes is checked.
+#![deny(clippy::arithmetic_side_effects)]
+
+/// One field: its number, wire type, payload (length-delimited and fixed-width fields) or
+/// value (varints), and the bytes it took, key included.
+#[derive(Clone, Copy)]
+pub struct Field<'a> {
+    pub number: u64,
+    pub wire: u64,
+    pub payload: &'a [u8],
+    pub value: u64,
+    pub whole: &'a [u8],
+}
+
+/// The next field of `bytes`, which move past it. Groups (wire types 3 and 4) are refused:
+/// neither KServe's messages nor ONNX files use them.
+pub fn next<'a>(bytes: &mut &'a [u8]) -> Result<Field<'a>, String> {
+    let start = *bytes;
+    let key = varint(bytes)?;
+    let (number, wire) = (key >> 3, key & 7);
+    let (payload, value) = match wire {
+        0 => (&[][..], varint(bytes)?),
+        1 => (take(bytes, 8)?, 0),
+        5 => (take(bytes, 4)?, 0),
+        2 => {
+            let len = usize::try_from(varint(bytes)?).map_err(|_| "a length is out of range".to_string())?;
+            (take(bytes, len)?, 0)
+        }
+        _ => return Err(format!("field {number} has wire type {wire}, which these messages do not use")),
+    };
+    let used = start.len().saturating_sub(bytes.len());
+    Ok(Field { number, wire, payload, value, whole: start.get(..used).unwrap_or_default() })
+}
+
+/// Every field of a message, in order.
+pub fn fields(mut bytes: &[u8]) -> Result<Vec<Field<'_>>, String> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        out.push(next(&mut bytes)?);
+    }
+    Ok(out)
+}
+
+fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], String> {
+    if len > bytes.len() {
+        return Err(format!("a field of {len} bytes runs past the end of its message"));
+    }
+    let (head, rest) = bytes.split_at(len);
+    *bytes = rest;
+    Ok(head)
+}
+
+/// A varint, and `bytes` moved past it.
+pub fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
+    let mut value = 0u64;
+    for (i, byte) in bytes.iter().take(10).enumerate() {
+        value |= u64::from(byte & 0x7f).checked_shl(7u32.saturating_mul(i as u32)).unwrap_or(0);
+        if byte & 0x80 == 0 {
+            *bytes = bytes.get(i.saturating_add(1)..).unwrap_or_default();
+            return Ok(value);
+        }
+    }
+    Err("a varint is cut off or longer than 10 bytes".into())
+}
