@@ -67,7 +67,7 @@ struct ModelFile {
     #[serde(default)]
     precision: Precision,
     #[serde(default)]
-    quantization: QuantizationFile,
+    quantization: Quantization,
 }
 
 /// How a model's MatMuls run.
@@ -85,24 +85,17 @@ pub enum Precision {
     Auto,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct QuantizationFile {
-    min_cosine: Option<f64>,
-    max_probability_error: Option<f64>,
-    calibration: Option<PathBuf>,
-}
-
 /// The accuracy guard of int8 (see [`Precision::Int8`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct Quantization {
     /// Embedding models: the least cosine between an int8 and the fp32 embedding of any
     /// calibration text.
     pub min_cosine: f64,
     /// Classifiers: the largest difference of any class probability to fp32.
     pub max_probability_error: f64,
-    /// The user's own calibration texts, one per line (absolute path), used with the built-in
-    /// ones.
+    /// The user's own calibration texts, one per line, used with the built-in ones (relative
+    /// to the model's folder in model.toml; absolute once loaded).
     pub calibration: Option<PathBuf>,
 }
 
@@ -449,7 +442,9 @@ impl ModelEntry {
             return Err(err(format!("{}: warmup sizes must be at least 1", config_path.display())));
         }
         file.batching.check().map_err(|e| err(format!("{}: {e}", config_path.display())))?;
-        let path = std::path::absolute(dir.join(&file.file)).unwrap_or_else(|_| dir.join(&file.file));
+        // A file named in model.toml, relative to its folder.
+        let resolve = |file: &Path| std::path::absolute(dir.join(file)).unwrap_or_else(|_| dir.join(file));
+        let path = resolve(&file.file);
         if !path.is_file() {
             return Err(err(format!(
                 "model file {} not found (for the default model, `make setup` fetches it)",
@@ -459,7 +454,7 @@ impl ModelEntry {
         let tokenizer = match file.tokenizer {
             None => None,
             Some(t) => {
-                let path = std::path::absolute(dir.join(&t.file)).unwrap_or_else(|_| dir.join(&t.file));
+                let path = resolve(&t.file);
                 if !path.is_file() {
                     return Err(err(format!("tokenizer file {} not found", path.display())));
                 }
@@ -470,13 +465,8 @@ impl ModelEntry {
             }
         };
         check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
-        let defaults = Quantization::default();
-        let q = file.quantization;
-        let quantization = Quantization {
-            min_cosine: q.min_cosine.unwrap_or(defaults.min_cosine),
-            max_probability_error: q.max_probability_error.unwrap_or(defaults.max_probability_error),
-            calibration: q.calibration.map(|c| std::path::absolute(dir.join(&c)).unwrap_or_else(|_| dir.join(c))),
-        };
+        let quantization =
+            Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
         if !(quantization.min_cosine > 0.0 && quantization.min_cosine <= 1.0) {
             return Err(err(format!("quantization.min_cosine = {} is not in (0, 1]", quantization.min_cosine)));
         }
