@@ -110,6 +110,11 @@ pub enum Threads {
     Wide { threads: usize, spin: bool },
 }
 
+/// The first 16 hex digits of a SHA-256, as status and metadata show it.
+fn sha256_prefix(digest: &[u8]) -> String {
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
 impl Model {
     /// Loads one model into a narrow session (`inferd check`).
     pub fn load(entry: &ModelEntry) -> Result<Model, ModelError> {
@@ -124,37 +129,45 @@ impl Model {
             path: entry.path.display().to_string(),
             message,
         };
-        let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         // Streamed: a model of hundreds of MB is not read into memory just to be hashed.
         let digest = |path: &Path| {
             let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
             let mut hasher = Sha256::new();
             std::io::copy(&mut file, &mut hasher).map_err(|e| fail(e.to_string()))?;
-            Ok::<_, ModelError>(hasher.finalize())
+            Ok::<_, ModelError>(hasher.finalize().to_vec())
         };
         let digest_of_file = digest(&entry.path)?;
-        let sha256: String = digest_of_file.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        if entry.precision == Precision::Fp32 {
+            return Model::load_file(entry, threads, &digest_of_file);
+        }
         // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
         // model, then named as the model it came from.
-        if entry.precision != Precision::Fp32 {
-            let (prepared, report) = crate::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
-            let mut model = match prepared {
-                Some(p) => {
-                    let loaded = Model::load_with(
-                        &ModelEntry { path: p.path, precision: Precision::Fp32, ..entry.clone() },
-                        threads,
-                    );
-                    crate::quantize::remove(p.scratch);
-                    loaded?
-                }
-                None => Model::load_with(&ModelEntry { precision: Precision::Fp32, ..entry.clone() }, threads)?,
-            };
-            model.meta.info.sha256 = sha256;
-            model.meta.info.precision = report.summary();
-            model.entry = entry.clone();
-            return Ok(model);
-        }
-        let digest = digest_of_file;
+        let (prepared, report) = crate::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
+        let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
+        let mut model = match prepared {
+            Some(p) => {
+                let int8 = ModelEntry { path: p.path, ..plain };
+                let loaded = digest(&int8.path).and_then(|d| Model::load_file(&int8, threads, &d));
+                crate::quantize::remove(p.scratch);
+                loaded?
+            }
+            None => Model::load_file(&plain, threads, &digest_of_file)?,
+        };
+        model.meta.info.sha256 = sha256_prefix(&digest_of_file);
+        model.meta.info.precision = report.summary();
+        model.entry = entry.clone();
+        Ok(model)
+    }
+
+    /// Loads `entry`'s file as it is, `digest` its SHA-256.
+    fn load_file(entry: &ModelEntry, threads: Threads, digest: &[u8]) -> Result<Model, ModelError> {
+        let fail = |message: String| ModelError::Load {
+            model: entry.name.clone(),
+            path: entry.path.display().to_string(),
+            message,
+        };
+        let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
+        let sha256 = sha256_prefix(digest);
         // What every session of this process shares: one thread of its own by default.
         let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
             let plain = |r: ort::session::builder::BuilderResult| r.map_err(ort::Error::<()>::from);
@@ -180,7 +193,7 @@ impl Model {
             };
             plain(builder.with_intra_threads(1))
         };
-        let weights = weights::artefact(entry, &digest, base);
+        let weights = weights::artefact(entry, digest, base);
         // Builder errors carry the builder; keep only the message.
         let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| fail(ort::Error::<()>::from(e).to_string()));
         let builder = base().map_err(|e| fail(e.to_string()))?;
