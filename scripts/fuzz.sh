@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../fuzz"
 seconds=${1:-10}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(kserve_json binary_tensor grpc_infer image_decode tei_openai tokenizer handoff)
+[ ${#targets[@]} -gt 0 ] || targets=(kserve_json binary_tensor grpc_infer image_decode tei_openai tokenizer handoff grpc_frames)
 host=$(rustc -vV | sed -n 's/^host: //p')
 # cargo-fuzz's flags, without the sanitizer (which needs a nightly toolchain). --target keeps
 # them off build scripts.

@@ -1,7 +1,8 @@
 //! KServe v2 over gRPC (`server.grpc_listen`, `--grpc-listen`): NVIDIA's tritonclient.grpc and
 //! the protocol's raw stub against every worker's gRPC port (tests/clients/triton_grpc_check.py),
-//! counted like REST requests; gRPC clients see no failure while the pool reloads; a gRPC port
-//! that cannot be bound stops the start with a message.
+//! counted like REST requests; gRPC clients see no failure while the pool reloads, nor a call in
+//! progress when a stream opens just as its worker drains; a gRPC port that cannot be bound
+//! stops the start with a message.
 
 mod common;
 
@@ -100,6 +101,121 @@ fn grpc_clients_see_no_failure_while_the_pool_reloads() {
     let numbers: Vec<u64> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse().ok()).collect();
     assert!(numbers[0] > 0 && numbers[1] == 0, "{text}\nserver log:\n{}", server.log());
     assert_eq!(server.status()["generation"], 4, "three reloads");
+}
+
+/// One HTTP/2 frame as a client writes it: 9-byte header, then the payload.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    out.extend([kind, flags]);
+    out.extend(stream.to_be_bytes());
+    out.extend(payload);
+    out
+}
+
+/// A gRPC call's request headers, as HPACK literals without indexing or Huffman coding.
+fn h2_call_headers(method: &str, authority: &str) -> Vec<u8> {
+    let path = format!("/inference.GRPCInferenceService/{method}");
+    let fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path.as_str()),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ];
+    let mut out = Vec::new();
+    for (name, value) in fields {
+        out.push(0);
+        out.push(name.len() as u8);
+        out.extend(name.as_bytes());
+        out.push(value.len() as u8);
+        out.extend(value.as_bytes());
+    }
+    out
+}
+
+/// The next frame from the server (kind, flags, stream, payload), or None at its end.
+fn h2_read(socket: &mut std::net::TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    use std::io::Read;
+    let mut header = [0u8; 9];
+    match socket.read_exact(&mut header) {
+        Ok(()) => {}
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => {
+            return None
+        }
+        Err(e) => panic!("reading a frame: {e}"),
+    }
+    let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+    let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+    let mut payload = vec![0; len];
+    socket.read_exact(&mut payload).unwrap();
+    Some((header[3], header[4], stream, payload))
+}
+
+/// The race of a graceful close that grpc-core clients run into (worker/src/grpc/shutdown.rs),
+/// played frame by frame: a call is in progress when the worker drains; the client answers
+/// the shutdown PING with its ACK first, then opens another stream and sends that stream's
+/// WINDOW_UPDATE, then the rest of the first call. The call in progress is answered, the
+/// late stream is left for the client to retry elsewhere (the final GOAWAY says so), and
+/// nothing is a protocol error.
+#[test]
+fn a_stream_opened_as_a_drain_begins_costs_the_calls_in_progress_nothing() {
+    use std::io::Write;
+    const END_STREAM: u8 = 0x1;
+    const ACK: u8 = 0x1;
+    const END_HEADERS: u8 = 0x4;
+    let (server, grpc) = grpc_server("grpc-drain-race");
+    let mut socket = std::net::TcpStream::connect(&grpc).unwrap();
+    socket.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(0x4, 0, 0, &[]));
+    // Stream 1: ServerLive, its message held back, so the call is in progress.
+    hello.extend(h2_frame(0x1, END_HEADERS, 1, &h2_call_headers("ServerLive", &grpc)));
+    socket.write_all(&hello).unwrap();
+    let control = server.socket.clone();
+    let reload = std::thread::spawn(move || {
+        Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(control).output().unwrap()
+    });
+    // Every worker is retired in turn: this connection's gets GOAWAY(2^31-1) and a PING.
+    let mut goaways = Vec::new();
+    let shutdown_ping = loop {
+        let (kind, flags, stream, payload) = h2_read(&mut socket).expect("the connection ended before its GOAWAY");
+        match kind {
+            0x4 if flags & ACK == 0 => socket.write_all(&h2_frame(0x4, ACK, 0, &[])).unwrap(),
+            0x7 => goaways.push(payload),
+            0x6 if flags & ACK == 0 && !goaways.is_empty() => break payload,
+            0x6 if flags & ACK == 0 => socket.write_all(&h2_frame(0x6, ACK, 0, &payload)).unwrap(),
+            0x4 | 0x6 | 0x8 => {}
+            _ => panic!("frame of type {kind} on stream {stream} before the call's message was sent"),
+        }
+    };
+    assert_eq!(goaways, [[0x7f, 0xff, 0xff, 0xff, 0, 0, 0, 0]], "one GOAWAY(2^31-1, NO_ERROR) first");
+    assert_eq!(shutdown_ping, inferd_worker::grpc::shutdown::H2_SHUTDOWN_PING, "h2's shutdown PING changed");
+    // As grpc-core writes them: the ACK ahead of what it had queued.
+    let mut late = h2_frame(0x6, ACK, 0, &shutdown_ping);
+    late.extend(h2_frame(0x1, END_HEADERS, 3, &h2_call_headers("ServerLive", &grpc)));
+    late.extend(h2_frame(0x8, 0, 3, &65535u32.to_be_bytes()));
+    late.extend(h2_frame(0x0, END_STREAM, 3, &[0; 5]));
+    late.extend(h2_frame(0x0, END_STREAM, 1, &[0; 5]));
+    socket.write_all(&late).unwrap();
+    let mut answers = Vec::new();
+    let mut trailers = false;
+    while let Some((kind, flags, stream, payload)) = h2_read(&mut socket) {
+        match kind {
+            0x7 => goaways.push(payload),
+            0x0 => answers.push((stream, payload)),
+            0x1 if flags & END_STREAM != 0 => trailers |= stream == 1,
+            0x3 => panic!("stream {stream} reset: {payload:?}"),
+            _ => {}
+        }
+    }
+    // The final GOAWAY: streams up to 1 taken, NO_ERROR (a PROTOCOL_ERROR here is the race).
+    assert_eq!(goaways.last().unwrap(), &[0, 0, 0, 1, 0, 0, 0, 0], "GOAWAYs: {goaways:?}\n{}", server.log());
+    // ServerLiveResponse { live: true }, then its trailers; nothing for stream 3.
+    assert_eq!(answers, [(1, vec![0, 0, 0, 0, 2, 0x08, 0x01])], "{}", server.log());
+    assert!(trailers, "no trailers for stream 1");
+    let out = reload.join().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
 }
 
 #[test]

@@ -257,7 +257,7 @@ def load(grpc_addr, seconds):
             except Exception as e:  # every failure counts, whatever its kind
                 ok = False
                 with lock:
-                    errors.append(repr(e))
+                    errors.append(f"{type(e).__name__}: {e}")
             with lock:
                 counts["ok" if ok else "failed"] += 1
 

@@ -458,7 +458,10 @@ async fn serve_grpc(
                 answered
             }
         });
-        let mut connection = http2.serve_connection(TokioIo::new(WriteTimeout::new(stream, limits.write)), call);
+        // Read through ShutdownFrames: h2 would drop the connection over a frame a client may
+        // legitimately send as the graceful close begins (see there).
+        let io = crate::grpc::shutdown::ShutdownFrames::new(WriteTimeout::new(stream, limits.write));
+        let mut connection = http2.serve_connection(TokioIo::new(io), call);
         let mut drain = drain.clone();
         tokio::spawn(async move {
             let mut told = false;

@@ -25,6 +25,7 @@ use crate::protocol::{self, InputTensor, Parsed, WantedOutput};
 use crate::tensor::{DataType, Tensor, TensorData};
 
 pub mod intake;
+pub mod shutdown;
 
 /// The code generated from worker/proto/grpc_predict_v2.proto.
 pub mod proto {
