@@ -90,6 +90,12 @@ struct ServeArgs {
     /// fp32, int8 or auto for every model, over model.toml's `precision`.
     #[arg(long)]
     precision: Option<Precision>,
+    /// The int8 guard's least cosine to fp32 for embeddings, over model.toml's [quantization].
+    #[arg(long)]
+    min_cosine: Option<f64>,
+    /// The int8 guard's largest probability error for classifiers, over model.toml's [quantization].
+    #[arg(long)]
+    max_probability_error: Option<f64>,
 }
 
 #[derive(Args)]
@@ -158,6 +164,14 @@ struct TuneArgs {
     /// Measured seconds at each concurrency.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
+    /// The accuracy bound of int8 candidates (embeddings): least cosine to fp32 over the
+    /// calibration texts; default: the model's [quantization] min_cosine.
+    #[arg(long)]
+    min_cosine: Option<f64>,
+    /// The accuracy bound of int8 candidates (classifiers): largest probability difference to
+    /// fp32; default: the model's [quantization] max_probability_error.
+    #[arg(long)]
+    max_probability_error: Option<f64>,
 }
 
 #[derive(Args)]
@@ -190,6 +204,8 @@ fn main() -> ExitCode {
             goal: args.goal,
             write: args.write,
             seconds: args.seconds,
+            min_cosine: args.min_cosine,
+            max_probability_error: args.max_probability_error,
         }),
     };
     match result {
@@ -215,6 +231,8 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
             max_batch_size: args.max_batch_size,
             max_queue_delay_ms: args.max_queue_delay_ms,
             precision: args.precision,
+            min_cosine: args.min_cosine,
+            max_probability_error: args.max_probability_error,
         },
     })?;
     Ok(Resolved::new(config)?)

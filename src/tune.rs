@@ -55,6 +55,10 @@ pub struct Tune {
     pub write: bool,
     /// Measured seconds per concurrency.
     pub seconds: f64,
+    /// The accuracy bound int8 candidates are served under (over the model's [quantization]):
+    /// a candidate whose guard refuses it fails, with the figures.
+    pub min_cosine: Option<f64>,
+    pub max_probability_error: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,6 +95,8 @@ struct Measured {
     points: Vec<Summary>,
     errors: usize,
     rss_bytes: u64,
+    /// What the server said it serves (`int8 (... min cosine ...)`, `fp32`).
+    served: Option<String>,
     failure: Option<String>,
 }
 
@@ -151,6 +157,13 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
     if entry.image.is_some() {
         bail!("tune loads text and tensor models; '{name}' takes images");
     }
+    // A bound out of range is refused here, not by every int8 candidate.
+    inferd_config::model::ModelOverride {
+        min_cosine: args.min_cosine,
+        max_probability_error: args.max_probability_error,
+        ..Default::default()
+    }
+    .apply(entry.clone())?;
     if args.write && config.source.is_none() {
         bail!("--write needs a configuration file to write (--config)");
     }
@@ -209,9 +222,20 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
         c.batching(),
         c.precision.as_str()
     );
+    if let Some(served) = best.served.as_ref().filter(|_| c.precision != Precision::Fp32) {
+        println!("served as {served}");
+    }
     if args.write {
         let config_path = config.source.as_deref().expect("checked above");
-        write_plan(config_path, &config.model_repository().join(&name).join(MODEL_CONFIG_FILE), c)?;
+        // The bound int8 was chosen under is the one it is served under.
+        let bounds = match c.precision {
+            Precision::Fp32 => Vec::new(),
+            _ => [("min_cosine", args.min_cosine), ("max_probability_error", args.max_probability_error)]
+                .into_iter()
+                .filter_map(|(key, bound)| Some((key, bound?.into())))
+                .collect(),
+        };
+        write_plan(config_path, &config.model_repository().join(&name).join(MODEL_CONFIG_FILE), c, &bounds)?;
     } else {
         println!(
             "(--write puts it into {} and the model's model.toml)",
@@ -239,13 +263,25 @@ fn print_table(results: &[Measured]) {
         }
         println!("{line} {:>6} MiB {:>7}", m.rss_bytes >> 20, m.errors);
     }
+    // What the int8 guard measured, once per preparation (plans of one model share it).
+    let mut guards: Vec<(Vec<String>, &str)> = Vec::new();
+    for m in results.iter().filter(|m| m.candidate.precision != Precision::Fp32) {
+        let Some(served) = m.served.as_deref() else { continue };
+        match guards.iter_mut().find(|(_, s)| *s == served) {
+            Some((plans, _)) => plans.push(m.candidate.plan()),
+            None => guards.push((vec![m.candidate.plan()], served)),
+        }
+    }
+    for (plans, served) in guards {
+        println!("{} ({}): {served}", Precision::Int8.as_str(), plans.join(", "));
+    }
 }
 
 /// Starts one candidate, loads it at each concurrency, reads its RSS, stops it.
 fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, progress: impl Fn(&str)) -> Measured {
-    let mut measured = Measured { candidate, points: Vec::new(), errors: 0, rss_bytes: 0, failure: None };
+    let mut measured = Measured { candidate, points: Vec::new(), errors: 0, rss_bytes: 0, served: None, failure: None };
     progress("starting");
-    let mut server = match Server::start(args.config.as_deref(), candidate, work) {
+    let mut server = match Server::start(args, candidate, work) {
         Ok(s) => s,
         Err(e) => {
             measured.failure = Some(format!("{e:#}"));
@@ -271,6 +307,8 @@ fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, p
         }
         let status = control::query(&server.socket, &Request::Status, |_| {})?.status.context("no status")?;
         measured.rss_bytes = status.workers.iter().filter_map(|w| w.rss_bytes).sum();
+        measured.served =
+            status.workers.iter().flat_map(|w| &w.models).find(|m| m.name == entry.name).map(|m| m.precision.clone());
         Ok(())
     })();
     if let Err(e) = outcome {
@@ -348,15 +386,24 @@ struct Server {
 }
 
 impl Server {
-    fn start(config: Option<&Path>, c: Candidate, work: &Path) -> anyhow::Result<Server> {
+    fn start(args: &Tune, c: Candidate, work: &Path) -> anyhow::Result<Server> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let addr = format!("127.0.0.1:{port}");
         let socket = work.join("control.sock");
         let log = work.join("serve.log");
         let mut command = Command::new(std::env::current_exe()?);
         command.arg("serve");
-        if let Some(config) = config {
+        if let Some(config) = &args.config {
             command.arg("--config").arg(config);
+        }
+        if c.precision != Precision::Fp32 {
+            for (flag, bound) in
+                [("--min-cosine", args.min_cosine), ("--max-probability-error", args.max_probability_error)]
+            {
+                if let Some(bound) = bound {
+                    command.args([flag, &bound.to_string()]);
+                }
+            }
         }
         command
             .args(["--listen", &addr, "--admin-listen", ""])
@@ -410,9 +457,15 @@ impl Server {
     }
 }
 
-/// Puts the plan into the configuration (`server.workers`, `server.threads`) and the batching
-/// into the model's `model.toml` (`[batching]`), keeping every comment and other key.
-fn write_plan(config: &Path, model_toml: &Path, c: Candidate) -> anyhow::Result<()> {
+/// Puts the plan into the configuration (`server.workers`, `server.threads`) and the batching,
+/// precision and `bounds` (`[quantization]` keys) into the model's `model.toml`, keeping every
+/// comment and other key.
+fn write_plan(
+    config: &Path,
+    model_toml: &Path,
+    c: Candidate,
+    bounds: &[(&str, toml_edit::Value)],
+) -> anyhow::Result<()> {
     set_keys(
         config,
         Some("server"),
@@ -423,7 +476,12 @@ fn write_plan(config: &Path, model_toml: &Path, c: Candidate) -> anyhow::Result<
         ("max_queue_delay_ms", (c.max_queue_delay_ms as i64).into()),
     ];
     set_keys(model_toml, Some("batching"), &batching)?;
-    set_keys(model_toml, None, &[("precision", c.precision.as_str().into())])
+    set_keys(model_toml, None, &[("precision", c.precision.as_str().into())])?;
+    if !bounds.is_empty() {
+        set_keys(model_toml, Some("quantization"), bounds)?;
+    }
+    println!("wrote {} and {}", config.display(), model_toml.display());
+    Ok(())
 }
 
 /// Sets `keys` in `[section]` of a TOML file (at its top with `None`), keeping the rest as written.
@@ -442,9 +500,7 @@ fn set_keys(path: &Path, section: Option<&str>, keys: &[(&str, toml_edit::Value)
     for (key, value) in keys {
         table[*key] = toml_edit::Item::Value(value.clone());
     }
-    std::fs::write(path, doc.to_string()).with_context(|| format!("cannot write {}", path.display()))?;
-    println!("wrote {}", path.display());
-    Ok(())
+    std::fs::write(path, doc.to_string()).with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]

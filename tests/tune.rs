@@ -82,3 +82,48 @@ fn a_goal_tune_does_not_know_is_refused_with_the_choices() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("latency, throughput or p99-under=MS"), "{stderr}");
 }
+
+/// The goal's accuracy bound: int8 candidates are served under it, and a bound the guard
+/// cannot meet fails them with the figures, so the verdict and the files stay fp32. A bound
+/// out of range is refused before anything is measured.
+#[test]
+fn int8_candidates_are_held_to_the_accuracy_bound_given() {
+    let dir = TempDir::new("tune-int8");
+    let repository = model_repository(dir.path(), &["minilm"]);
+    // --write edits model.toml: a copy of it beside links to the rest.
+    let model = repository.join("minilm");
+    std::fs::remove_file(&model).unwrap();
+    std::fs::create_dir_all(&model).unwrap();
+    for file in ["model.onnx", "tokenizer.json"] {
+        std::os::unix::fs::symlink(repo().join("models/minilm").join(file), model.join(file)).unwrap();
+    }
+    std::fs::copy(repo().join("models/minilm/model.toml"), model.join("model.toml")).unwrap();
+    let config = write_config(dir.path(), free_port(), 1, &repository, "minilm", &[], "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("boot_timeout_secs = 60", "boot_timeout_secs = 600");
+    std::fs::write(&config, text).unwrap();
+
+    let tune = |args: &[&str]| {
+        let out = Command::new(BIN).arg("tune").arg("--config").arg(&config).args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, _, stderr) = tune(&["--min-cosine", "1.5"]);
+    assert!(!ok && stderr.contains("quantization.min_cosine = 1.5 is not in (0, 1]"), "{stderr}");
+    assert!(!stderr.contains("candidates"), "refused before measuring: {stderr}");
+
+    let (ok, stdout, stderr) = tune(&["--seconds", "0.3", "--min-cosine", "0.99999", "--write"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let int8: Vec<&str> = stdout.lines().filter(|l| l.contains(" int8 ")).collect();
+    assert!(!int8.is_empty(), "{stdout}");
+    for row in int8 {
+        assert!(row.contains("failed") && row.contains("int8\" refused") && row.contains("min cosine"), "{row}");
+    }
+    let best = stdout.lines().find(|l| l.starts_with("best for Throughput: ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(best.ends_with(", fp32"), "{best}");
+    let model_toml = std::fs::read_to_string(model.join("model.toml")).unwrap();
+    assert!(model_toml.contains("precision = \"fp32\""), "{model_toml}");
+    assert!(!model_toml.contains("[quantization]"), "no bound written for fp32: {model_toml}");
+}

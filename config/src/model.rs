@@ -105,6 +105,18 @@ impl Default for Quantization {
     }
 }
 
+impl Quantization {
+    /// Both bounds in (0, 1].
+    fn check(&self) -> Result<(), String> {
+        for (key, value) in [("min_cosine", self.min_cosine), ("max_probability_error", self.max_probability_error)] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(format!("quantization.{key} = {value} is not in (0, 1]"));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn default_version() -> String {
     "1".into()
 }
@@ -158,11 +170,15 @@ impl Default for Batching {
 /// Model settings given on the command line (`inferd serve --max-batch-size`, `--precision`,
 /// ...), applied over every model's model.toml: how `inferd tune` tries a setting without
 /// editing files.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ModelOverride {
     pub max_batch_size: Option<usize>,
     pub max_queue_delay_ms: Option<u64>,
     pub precision: Option<Precision>,
+    /// Over `[quantization] min_cosine`.
+    pub min_cosine: Option<f64>,
+    /// Over `[quantization] max_probability_error`.
+    pub max_probability_error: Option<f64>,
 }
 
 impl ModelOverride {
@@ -175,6 +191,10 @@ impl ModelOverride {
         b.check().map_err(err)?;
         entry.precision = self.precision.unwrap_or(entry.precision);
         check_precision(entry.precision, &entry.tokenizer).map_err(err)?;
+        let q = &mut entry.quantization;
+        q.min_cosine = self.min_cosine.unwrap_or(q.min_cosine);
+        q.max_probability_error = self.max_probability_error.unwrap_or(q.max_probability_error);
+        q.check().map_err(err)?;
         Ok(entry)
     }
 }
@@ -467,13 +487,7 @@ impl ModelEntry {
         check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
         let quantization =
             Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
-        if !(quantization.min_cosine > 0.0 && quantization.min_cosine <= 1.0) {
-            return Err(err(format!("quantization.min_cosine = {} is not in (0, 1]", quantization.min_cosine)));
-        }
-        if !(quantization.max_probability_error > 0.0 && quantization.max_probability_error <= 1.0) {
-            let value = quantization.max_probability_error;
-            return Err(err(format!("quantization.max_probability_error = {value} is not in (0, 1]")));
-        }
+        quantization.check().map_err(err)?;
         if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
             return Err(err(format!("quantization.calibration: {} not found", c.display())));
         }
