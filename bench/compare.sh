@@ -3,11 +3,13 @@
 # ../shared/BENCHMARKING.md,
 #   (a) the raw ONNX Runtime ceiling, at the start and at the end of the sitting: the
 #       single-thread call time, and sequences/s with one session per core at batch 1, 8, 16
-#       and 32 (inferd-bench ort: no server); the mean of the two is the reference, and a
-#       sitting whose references (single-thread call, best batch) differ by more than 10% is
-#       void (the machine was busy);
+#       and 32 (inferd-bench ort: no server), for the file as it is (fp32) and for inferd's
+#       int8 rewrite of it (prepared once, with its accuracy guard, into .cache/inferd); the
+#       mean of the two is the reference, and a sitting whose fp32 references (single-thread
+#       call, best batch) differ by more than 10% is void (the machine was busy);
 #   (b) inferd with its default plan under oha: closed loop at 1, 4, 16 and 32 keep-alive
-#       connections, then open loop at 80% of its best throughput;
+#       connections, then open loop at 50% of its best throughput; in fp32, and again with
+#       `--precision int8` (the guard's figures as the server reports them go into the table);
 #   (c) the seeds' recipe (gunicorn + uvicorn + FastAPI + onnxruntime, bench/seeds/app.py, its
 #       own virtualenv): one worker per core, one intra-op thread each, under the same load;
 #   (d) the RSS and PSS of every process of each server after the 17-token load of (b), and
@@ -17,12 +19,13 @@
 #   (f) inferd over HTTP (/embed) and over gRPC (ModelInfer, the text as a raw BYTES tensor) with
 #       one load generator for both (inferd-bench, one connection per client) at 1 and 16.
 # (b), (c), (e) and (f) run ROUNDS times (default 3), each server alone; the report takes medians.
+# (e) and (d) are measured for inferd int8 too; (f) in fp32 only.
 # Every request embeds the same 17-token sentence with POST /embed. The load generator (oha,
 # one worker thread) runs on the same cores as the server. Prints the table and the ratios, draws
 # docs/benchmarks-latest.svg and rewrites the record blocks of docs/benchmarks.md and
 # README.md (RECORD=0: print only).
 #
-#   bench/compare.sh                    # ~9 minutes on 2 cores
+#   bench/compare.sh                    # ~15 minutes on 2 cores
 #   ROUNDS=5 SECONDS_PER=10 bench/compare.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -72,10 +75,14 @@ ceiling() {
     for b in 1 8 16 32; do
         ort_run --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort "batch=$b" "$1" | tee -a "$results"
     done
+    ort_run --precision int8 --parallel 1 --threads 1 --batch 1 | python3 bench/record.py add ort-int8 single "$1" | tee -a "$results"
+    for b in 1 8 16 32; do
+        ort_run --precision int8 --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort-int8 "batch=$b" "$1" | tee -a "$results"
+    done
 }
 ceiling start
 
-# Closed loop at each concurrency, then open loop at 80% of the best. $1: contender name,
+# Closed loop at each concurrency, then open loop at 50% of the best. $1: contender name,
 # $2: port, $3: round.
 load() {
     local name=$1 url="http://127.0.0.1:$2/embed" round=$3 best=0
@@ -86,7 +93,7 @@ load() {
             python3 bench/record.py add "$name" "c=$c" "$round" | tee -a "$results"
     done
     best=$(python3 bench/record.py best "$results" "$name" "$round")
-    rate=$(python3 -c "print(max(1, int(0.8 * $best)))")
+    rate=$(python3 -c "print(max(1, int(0.5 * $best)))")
     $OHA -z "${SECONDS_PER}s" -q "$rate" -c 64 --latency-correction --output-format json -m POST \
         -H 'content-type: application/json' -d "$body" "$url" |
         python3 bench/record.py add "$name" open "$round" | tee -a "$results"
@@ -132,6 +139,20 @@ for round in $(seq 1 "$ROUNDS"); do
     mixed inferd "$port" "$round"
     protocols "$port" "$gport" "$round"
     target/release/inferd status --control-socket "$work/ctl.sock" | grep '^batches' || true
+    kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
+
+    # (b) again in int8: the same plan, the preparation found in .cache/inferd
+    echo "== round $round: inferd, --precision int8"
+    port=$(free_port)
+    setsid target/release/inferd serve --precision int8 --listen "127.0.0.1:$port" --admin-listen "" \
+        --control-socket "$work/ctl.sock" 2>"$work/inferd-int8.log" &
+    server=$!
+    wait_http "http://127.0.0.1:$port/v2/health/ready"
+    target/release/inferd status --json --control-socket "$work/ctl.sock" |
+        python3 bench/record.py guard inferd-int8 "$round" | tee -a "$results"
+    load inferd-int8 "$port" "$round"
+    python3 bench/record.py memory inferd-int8 memory-short "$round" $(pgrep -g "$server") | tee -a "$results"
+    mixed inferd-int8 "$port" "$round"
     kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
 
     # (c) the seeds' recipe

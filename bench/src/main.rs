@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use inferd_bench::load::{closed_loop, Load, Summary};
-use inferd_config::model::ModelEntry;
+use inferd_config::model::{ModelEntry, Precision};
 use inferd_worker::model::{init_runtime, Model, Threads};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
 
@@ -69,6 +69,13 @@ enum Command {
         /// Let a wide session's pool threads spin between operators (server.intra_op_spinning).
         #[arg(long)]
         spin: bool,
+        /// fp32 (the file as it is) or int8 (inferd's int8 rewrite of it, prepared as a worker
+        /// prepares it, its accuracy guard included, and kept in --cache-dir).
+        #[arg(long, default_value = "fp32")]
+        precision: Precision,
+        /// Where int8 is prepared and found again (runtime.cache_dir of the server compared).
+        #[arg(long, default_value = ".cache/inferd")]
+        cache_dir: PathBuf,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
         #[arg(long)]
@@ -104,8 +111,8 @@ fn main() -> anyhow::Result<()> {
             let texts = read_texts(&clients.texts)?;
             grpc(&clients, &model, &texts)
         }
-        Command::Ort { model, ort_library, parallel, threads, batch, spin, seconds, texts } => {
-            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin };
+        Command::Ort { model, ort_library, parallel, threads, batch, spin, precision, cache_dir, seconds, texts } => {
+            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin, precision, cache_dir };
             ort(&model, &ort_library, setup, seconds, &read_texts(&texts)?)
         }
     }
@@ -219,15 +226,21 @@ struct OrtSetup {
     threads: usize,
     batch: usize,
     spin: bool,
+    precision: Precision,
+    cache_dir: PathBuf,
 }
 
 fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
-    let OrtSetup { parallel, threads, batch, spin } = setup;
+    let OrtSetup { parallel, threads, batch, spin, precision, cache_dir } = setup;
     let folder = std::path::absolute(model)?;
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
-    let entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
+    let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
     std::env::set_var("TOKENIZERS_PARALLELISM", "false");
     init_runtime(library)?;
+    if precision != Precision::Fp32 {
+        entry.precision = precision;
+        inferd_worker::weights::configure(Some(std::path::absolute(cache_dir)?), library);
+    }
     let session_threads = if threads > 1 { Threads::Wide { threads, spin } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
@@ -286,7 +299,10 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     for t in sessions {
         all.extend(t.join().expect("ort thread")?);
     }
-    let label = format!("ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin}");
+    let label = format!(
+        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} precision={}",
+        precision.as_str()
+    );
     report(&label, Summary::of(all, elapsed, batch), 0, None);
     Ok(())
 }
