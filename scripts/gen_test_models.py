@@ -40,6 +40,10 @@ classifier  task = "classification", a text model (tokenizer: the default
        fitted once (least squares, rounded to 2 decimals) so that the four
        CLASSIFIER_SENTENCES rank their labels in four different orders.
 
+classifier_probs  the classifier as exporters such as tf2onnx write one: its graph ends in its
+       own Softmax (then an Identity), -> probs FLOAT ["batch", 3]; its model.toml names
+       no activation, so inferd must read from the graph that the scores are probabilities.
+
 reranker  task = "classification" with one label, "score" (sigmoid): a cross-encoder
        for /rerank. The classifier's graph with the positive column of W alone
        (logit = pooled @ W[:, 2:3] + b[2]) over the (query, text) pair, so a
@@ -232,7 +236,7 @@ def slow_model():
     return make_model(graph)
 
 
-def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier"):
+def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier", softmax=False):
     text_dims = ["batch", "sequence"]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, text_dims),
@@ -240,7 +244,7 @@ def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier"):
         helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, text_dims),
     ]
     outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(b)])
+        helper.make_tensor_value_info("probs" if softmax else "logits", TensorProto.FLOAT, ["batch", len(b)])
     ]
     initializers = [
         const("rows_start", 0.0, np.float32),
@@ -281,6 +285,11 @@ def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier"):
         helper.make_node("MatMul", ["pooled", "w"], ["scores"], name="head_matmul"),
         helper.make_node("Add", ["scores", "b"], ["logits"], name="head_add"),
     ]
+    if softmax:
+        nodes += [
+            helper.make_node("Softmax", ["logits"], ["probabilities"], name="head_softmax", axis=-1),
+            helper.make_node("Identity", ["probabilities"], ["probs"], name="head_identity"),
+        ]
     graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     return make_model(graph)
 
@@ -336,6 +345,10 @@ def cnn_model():
     return make_model(graph)
 
 
+def classifier_probs_model():
+    return classifier_model(name="classifier_probs", softmax=True)
+
+
 def reranker_model():
     return classifier_model([row[2:3] for row in CLASSIFIER_W], CLASSIFIER_B[2:3], "reranker")
 
@@ -344,6 +357,7 @@ MODELS = {
     "typed": typed_model,
     "slow": slow_model,
     "classifier": classifier_model,
+    "classifier_probs": classifier_probs_model,
     "reranker": reranker_model,
     "cnn": cnn_model,
 }
@@ -366,8 +380,10 @@ def toml_list(values):
 
 def pipeline_toml(name):
     """The model.toml lines after `file`: the task and its sections ("" for raw models)."""
-    if name in ("classifier", "reranker"):
-        labels, activation = (CLASSIFIER_LABELS, "softmax") if name == "classifier" else (["score"], "sigmoid")
+    if name in ("classifier", "classifier_probs", "reranker"):
+        labels, activation = (["score"], "sigmoid") if name == "reranker" else (CLASSIFIER_LABELS, "softmax")
+        # classifier_probs: no activation (read from the graph), as a published model's.
+        head = 'output = "probs"\n' if name == "classifier_probs" else f'activation = "{activation}"\noutput = "logits"\n'
         return (
             f'task = "classification"\n'
             f"\n"
@@ -378,8 +394,7 @@ def pipeline_toml(name):
             f"\n"
             f"[classification]\n"
             f"labels = {toml_list(labels)}\n"
-            f'activation = "{activation}"\n'
-            f'output = "logits"\n'
+            f"{head}"
         )
     if name == "cnn":
         return (
@@ -560,6 +575,15 @@ def check_cnn(path):
     assert np.allclose(one[0], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def check_classifier_probs(path):
+    """onnxruntime's own output: the classifier's logits, softmaxed once."""
+    rows = [[101, 7592, 999, 102], [101, 2023, 2003, 1037, 3231, 1012, 30521, 102]]
+    (probs,) = session(path).run(["probs"], text_feeds(rows))
+    (logits,) = session(path.parent.parent / "classifier" / "model.onnx").run(["logits"], text_feeds(rows))
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    assert np.allclose(probs, e / e.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-6), (probs, logits)
+
+
 def check_reranker(path):
     sess = session(path)
     rows = [[101, 7592, 102, 2088, 102], [101, 7592, 102, 3231, 1012, 102]]
@@ -572,6 +596,7 @@ CHECKS = {
     "typed": check_typed,
     "slow": check_slow,
     "classifier": check_classifier,
+    "classifier_probs": check_classifier_probs,
     "reranker": check_reranker,
     "cnn": check_cnn,
 }

@@ -284,6 +284,9 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             entry.path.display()
         );
         println!("  precision {}", meta.info.precision);
+        if let Some(inferd_worker::pipeline::Head::Classification { activation, why, .. }) = meta.pipeline.head() {
+            println!("  scores {}: {why}", activation.as_str());
+        }
         match (&entry.tokenizer, &entry.image) {
             (Some(t), _) => println!(
                 "  task   {:?}: text, tokenizer {} (max_length {})",

@@ -1,6 +1,7 @@
 //! Classification pipelines end to end: a text classifier through the TEI-compatible
-//! `/predict` and KServe v2 BYTES tensors, and a CNN fed encoded images, including hostile
-//! ones that must get a 4xx without hurting the worker. References come from
+//! `/predict` and KServe v2 BYTES tensors, one whose graph computes probabilities itself
+//! (not activated again), and a CNN fed encoded images, including hostile ones that must get
+//! a 4xx without hurting the worker. References come from
 //! scripts/make_reference.py (tokenizers/Pillow + onnxruntime in Python).
 
 mod common;
@@ -107,6 +108,63 @@ fn text_classifier_predicts_like_the_reference() {
         assert_eq!(r.status, status, "{path}: {}", String::from_utf8_lossy(&r.body));
         assert!(r.error().contains(message), "{path}: {} does not contain {message:?}", r.error());
     }
+}
+
+/// A classifier whose graph ends in its own Softmax (then an Identity, as tf2onnx writes them)
+/// and whose model.toml names no activation: its scores are onnxruntime's own probabilities,
+/// not softmaxed again, and `inferd check` says why; the logits classifier beside it is still
+/// softmaxed once; an activation model.toml names wins over the graph.
+#[test]
+fn probabilities_the_graph_computes_are_not_activated_again() {
+    let reference = fixture("classifier_reference.json");
+    let dir = TempDir::new("classify-probs");
+    let port = free_port();
+    let config =
+        write_config(dir.path(), port, test_workers(), &test_models(), "classifier_probs", &["classifier"], "");
+    let check = |config: &std::path::Path| {
+        let out = std::process::Command::new(BIN).arg("check").arg("--config").arg(config).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let said = check(&config);
+    let chosen = "scores none: output 'probs' comes from Softmax node 'head_softmax': probabilities already \
+                  (chosen from the graph; classification.activation in model.toml overrides)";
+    assert!(said.contains(chosen), "{said}");
+    assert!(said.contains("scores softmax: classification.activation in model.toml"), "{said}");
+
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let names: Vec<&str> = reference["labels"].as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+    for case in reference["cases"].as_array().unwrap() {
+        for model in ["classifier_probs", "classifier"] {
+            let r = post(&server, &format!("/v2/models/{model}/predict"), json!({ "inputs": case["text"] }));
+            assert_eq!(r.status, 200, "{model}: {}", String::from_utf8_lossy(&r.body));
+            for p in r.json().as_array().unwrap() {
+                let want =
+                    case["probabilities"][names.iter().position(|l| *l == p["label"]).unwrap()].as_f64().unwrap();
+                assert!((p["score"].as_f64().unwrap() - want).abs() < 1e-5, "{model}: {p} vs {want}");
+            }
+        }
+        // Raw scores are the output as the model gave it: here, the probabilities.
+        let raw = post(&server, "/predict", json!({ "inputs": case["text"], "raw_scores": true })).json();
+        let best = case["probabilities"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).fold(0.0, f64::max);
+        assert!((raw[0]["score"].as_f64().unwrap() - best).abs() < 1e-5, "{raw}");
+    }
+
+    // model.toml's word wins: the same graph with activation = "softmax" is softmaxed (again).
+    let other = TempDir::new("classify-probs-toml");
+    let folder = other.path().join("repo/classifier_probs");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(test_models().join("classifier_probs/model.onnx"), folder.join("model.onnx")).unwrap();
+    let toml = std::fs::read_to_string(test_models().join("classifier_probs/model.toml")).unwrap();
+    let tokenizer = repo().join("models/minilm/tokenizer.json");
+    let toml = toml
+        .replace("../../../models/minilm/tokenizer.json", &tokenizer.display().to_string())
+        .replace("output = \"probs\"", "output = \"probs\"\nactivation = \"softmax\"");
+    std::fs::write(folder.join("model.toml"), toml).unwrap();
+    let config = write_config(other.path(), free_port(), 1, &other.path().join("repo"), "classifier_probs", &[], "");
+    let said = check(&config);
+    assert!(said.contains("scores softmax: classification.activation in model.toml"), "{said}");
 }
 
 #[test]

@@ -18,7 +18,7 @@
 //! matryoshka = false     # true: a prefix of the vector is an embedding too (`dimensions`)
 //! [classification]       # task = "classification"
 //! labels = ["negative", "positive"]
-//! activation = "softmax" # "softmax" | "sigmoid"
+//! activation = "softmax" # "softmax" | "sigmoid" | "none"; default: read from the graph
 //! [image]                # image models: see [`ImageConfig`]
 //! precision = "fp32"     # "fp32" | "int8" | "auto": see [`Precision`], [`Quantization`]
 //! [quantization]         # the accuracy guard of int8; defaults shown
@@ -309,20 +309,35 @@ impl Default for EmbeddingConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// What turns the classification output into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
-    #[default]
     Softmax,
     Sigmoid,
+    /// The output is the scores already (the graph ends in its own Softmax or Sigmoid).
+    #[serde(rename = "none")]
+    AsIs,
+}
+
+impl Activation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Activation::Softmax => "softmax",
+            Activation::Sigmoid => "sigmoid",
+            Activation::AsIs => "none",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClassificationConfig {
     pub labels: Vec<String>,
+    /// Absent: chosen from the graph when the model loads (an output the graph's own Softmax
+    /// or Sigmoid produced is not activated again; see the worker's pipeline).
     #[serde(default)]
-    pub activation: Activation,
+    pub activation: Option<Activation>,
     /// Output holding the logits `[batch, labels]`; default the first output.
     #[serde(default)]
     pub output: Option<String>,
@@ -601,7 +616,7 @@ mod tests {
         let entry = ModelEntry::load(&repo, "c1").unwrap();
         let image = entry.image.unwrap();
         assert_eq!((image.layout, image.channels, image.max_pixels), (Layout::Nhwc, ChannelOrder::Rgb, 40_000_000));
-        assert_eq!(entry.classification.unwrap().activation, Activation::Softmax);
+        assert_eq!(entry.classification.unwrap().activation, None, "chosen from the graph at load");
 
         let cases = [
             ("task = \"embedding\"\n", "needs a [tokenizer]"),

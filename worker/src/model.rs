@@ -111,6 +111,21 @@ pub enum Threads {
 }
 
 /// The first 16 hex digits of a SHA-256, as status and metadata show it.
+/// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
+/// the file once per process and value: every session of a worker asks.
+fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String, String)>, String> {
+    type Known = std::collections::HashMap<(Vec<u8>, String), Option<(String, String)>>;
+    static KNOWN: std::sync::Mutex<Option<Known>> = std::sync::Mutex::new(None);
+    let key = (digest.to_vec(), value.to_string());
+    if let Some(found) = KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&key) {
+        return Ok(found.clone());
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let found = crate::quantize::graph::producer_of(&bytes, value)?;
+    KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(key, found.clone());
+    Ok(found)
+}
+
 fn sha256_prefix(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
@@ -244,7 +259,9 @@ impl Model {
         if let Some(bad) = inputs.iter().find(|i| i.dtype.is_none()) {
             return Err(fail(format!("input '{}' has type {}, which inferd cannot feed", bad.name, bad.datatype)));
         }
-        let pipeline = Pipeline::build(entry, &inputs, &outputs).map_err(|e| fail(format!("model.toml: {e}")))?;
+        let producer = |value: &str| producer_of(&entry.path, digest, value);
+        let pipeline =
+            Pipeline::build(entry, &inputs, &outputs, &producer).map_err(|e| fail(format!("model.toml: {e}")))?;
         let meta = ModelMeta {
             info: ModelInfo {
                 name: entry.name.clone(),

@@ -195,6 +195,32 @@ pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// Operators that pass their input on without changing its values (shape only).
+const PASS_THROUGH: &[&str] = &["Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"];
+
+/// The operator that computes graph value `name`, looking through shape-only operators
+/// (exporters often end a graph in Softmax then Identity or Reshape): its op type and label,
+/// or None when no node produces it (a graph input or an initializer).
+pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>, String> {
+    let (_, graph) = graph_of(model)?;
+    let mut nodes = Vec::new();
+    for (i, f) in fields(graph)?.into_iter().filter(|f| f.number == 1 && f.wire == 2).enumerate() {
+        nodes.push((i, Node::read(f)?));
+    }
+    let mut value = name.to_string();
+    // Each step moves to an earlier node: at most one step per node, whatever the file says.
+    for _ in 0..=nodes.len() {
+        let Some((i, node)) = nodes.iter().find(|(_, n)| n.outputs.contains(&value)) else { return Ok(None) };
+        match node.inputs.first() {
+            Some(input) if PASS_THROUGH.contains(&node.op_type.as_str()) && node.domain.is_empty() => {
+                value = input.clone();
+            }
+            _ => return Ok(Some((node.op_type.clone(), node.label(*i)))),
+        }
+    }
+    Err(format!("the graph's nodes that produce '{name}' form a cycle"))
+}
+
 /// What QAttention takes of a fused Attention's attributes (one with any other, such as
 /// `qkv_hidden_sizes`, stays fp32).
 const QATTENTION_ATTRIBUTES: &[&str] =
@@ -402,6 +428,35 @@ pub fn host_range() -> Range {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model of just these nodes: (inputs, outputs, op type).
+    fn model_of(nodes: &[(&[&str], &[&str], &str)]) -> Vec<u8> {
+        let mut graph = Vec::new();
+        for (i, (inputs, outputs, op)) in nodes.iter().enumerate() {
+            let outputs: Vec<String> = outputs.iter().map(|o| o.to_string()).collect();
+            put_bytes(&mut graph, 1, &node_bytes(inputs, &outputs, &format!("n{i}"), op, "", &[]));
+        }
+        let mut model = Vec::new();
+        put_bytes(&mut model, 7, &graph);
+        model
+    }
+
+    #[test]
+    fn the_producer_of_an_output_is_found_through_shape_only_operators() {
+        let model = model_of(&[
+            (&["x", "w"], &["logits"], "MatMul"),
+            (&["logits"], &["p"], "Softmax"),
+            (&["p", "shape"], &["p2"], "Reshape"),
+            (&["p2"], &["probs"], "Identity"),
+        ]);
+        let found = |name| producer_of(&model, name).unwrap();
+        assert_eq!(found("probs"), Some(("Softmax".to_string(), "n1".to_string())));
+        assert_eq!(found("logits"), Some(("MatMul".to_string(), "n0".to_string())));
+        assert_eq!(found("x"), None, "a graph input");
+        // Nodes that feed each other (no valid graph, but a file may say so) end in an error.
+        let cycle = model_of(&[(&["b"], &["a"], "Identity"), (&["a"], &["b"], "Identity")]);
+        assert!(producer_of(&cycle, "a").unwrap_err().contains("cycle"));
+    }
 
     #[test]
     fn columns_are_scaled_by_their_own_largest_magnitude() {
