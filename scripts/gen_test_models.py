@@ -49,6 +49,12 @@ reranker  task = "classification" with one label, "score" (sigmoid): a cross-enc
        (logit = pooled @ W[:, 2:3] + b[2]) over the (query, text) pair, so a
        text's score depends on the query and on the text.
 
+pixels task = "classification" of images whose "scores" are the model's input itself:
+         pixel_values FLOAT ["batch", 3, 6, 8] -> Flatten -> pixels FLOAT ["batch", 144],
+         labels p0..p143, activation none. Its model.toml resizes as Hugging Face's
+       image processors do (shortest edge to 10, bicubic, centre crop 8x6), so a test
+       can compare the pixels inferd fed it with Pillow's.
+
 cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
          pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
          labels red, green, blue, gray (softmax).
@@ -121,6 +127,7 @@ TOKENIZER = REPO / "models" / "minilm" / "tokenizer.json"
 
 CNN_LABELS = ["red", "green", "blue", "gray"]
 CNN_SIZE = 32
+PIXELS_W, PIXELS_H, PIXELS_EDGE = 8, 6, 10
 CNN_OWN = 0.9     # weight of a channel's own 3x3 blur in its conv output
 CNN_CROSS = 0.05  # weight of each other channel's centre pixel
 CNN_GAIN = 10.0
@@ -349,6 +356,14 @@ def classifier_probs_model():
     return classifier_model(name="classifier_probs", softmax=True)
 
 
+def pixels_model():
+    n = 3 * PIXELS_H * PIXELS_W
+    inputs = [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, PIXELS_H, PIXELS_W])]
+    outputs = [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["batch", n])]
+    nodes = [helper.make_node("Flatten", ["pixel_values"], ["pixels"], name="flatten", axis=1)]
+    return make_model(helper.make_graph(nodes, "pixels", inputs, outputs))
+
+
 def reranker_model():
     return classifier_model([row[2:3] for row in CLASSIFIER_W], CLASSIFIER_B[2:3], "reranker")
 
@@ -360,6 +375,7 @@ MODELS = {
     "classifier_probs": classifier_probs_model,
     "reranker": reranker_model,
     "cnn": cnn_model,
+    "pixels": pixels_model,
 }
 
 
@@ -395,6 +411,22 @@ def pipeline_toml(name):
             f"[classification]\n"
             f"labels = {toml_list(labels)}\n"
             f"{head}"
+        )
+    if name == "pixels":
+        return (
+            f'task = "classification"\n'
+            f"\n"
+            f"[classification]\n"
+            f"labels = {toml_list([f'p{i}' for i in range(3 * PIXELS_H * PIXELS_W)])}\n"
+            f'activation = "none"\n'
+            f'output = "pixels"\n'
+            f"\n"
+            f"[image]\n"
+            f"width = {PIXELS_W}\n"
+            f"height = {PIXELS_H}\n"
+            f'resize = "shortest_edge"\n'
+            f"shortest_edge = {PIXELS_EDGE}\n"
+            f'resample = "bicubic"\n'
         )
     if name == "cnn":
         return (
@@ -592,6 +624,12 @@ def check_reranker(path):
     assert logits[0, 0] != logits[1, 0], "the text does not change the score"
 
 
+def check_pixels(path):
+    x = np.random.default_rng(0).random((2, 3, PIXELS_H, PIXELS_W), dtype=np.float32)
+    (out,) = session(path).run(["pixels"], {"pixel_values": x})
+    assert np.array_equal(out, x.reshape(2, -1))
+
+
 CHECKS = {
     "typed": check_typed,
     "slow": check_slow,
@@ -599,6 +637,7 @@ CHECKS = {
     "classifier_probs": check_classifier_probs,
     "reranker": check_reranker,
     "cnn": check_cnn,
+    "pixels": check_pixels,
 }
 
 

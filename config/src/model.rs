@@ -361,9 +361,34 @@ pub enum Layout {
     Nhwc,
 }
 
+/// How an image is brought to the model's `width` x `height`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resize {
+    /// The whole image to `width` x `height`, its aspect ratio not kept.
+    #[default]
+    Stretch,
+    /// As Hugging Face's image processors (`size.shortest_edge`, `do_center_crop`): the
+    /// shorter side to `shortest_edge`, the longer one in proportion (rounded down), then the
+    /// centre `width` x `height` cut out.
+    ShortestEdge,
+}
+
+/// The resampling filter of the resize (Pillow's names; `preprocessor_config.json`'s
+/// `resample` 0 = nearest, 2 = bilinear, 3 = bicubic, 1 = lanczos).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resample {
+    Nearest,
+    #[default]
+    Bilinear,
+    Bicubic,
+    Lanczos,
+}
+
 /// How an encoded image becomes the model's input: decoded (PNG, JPEG), converted to three
-/// channels, resized to `width` x `height` (bilinear, whole image, aspect ratio not kept),
-/// then `(pixel * scale - mean) / std` per channel.
+/// channels, resized to `width` x `height` (see [`Resize`], [`Resample`]), then
+/// `(pixel * scale - mean) / std` per channel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageConfig {
@@ -390,6 +415,35 @@ pub struct ImageConfig {
     /// whatever the pixel count (a 39,000,000 x 1 image would need 140 GB).
     #[serde(default = "default_max_side")]
     pub max_side: u32,
+    #[serde(default)]
+    pub resize: Resize,
+    /// With `resize = "shortest_edge"`: what the shorter side is resized to before the crop;
+    /// default (and at least) the larger of `width` and `height`.
+    #[serde(default)]
+    pub shortest_edge: Option<u32>,
+    #[serde(default)]
+    pub resample: Resample,
+}
+
+impl ImageConfig {
+    /// The size an image of `width` x `height` is resized to, before any crop.
+    pub fn resized_size(&self, width: u32, height: u32) -> (u32, u32) {
+        match self.resize {
+            Resize::Stretch => (self.width, self.height),
+            Resize::ShortestEdge => {
+                let short = u64::from(self.shortest_edge.unwrap_or(self.width.max(self.height)));
+                let (w, h) = (u64::from(width.max(1)), u64::from(height.max(1)));
+                // The longer side in proportion, rounded down as Hugging Face's int() does.
+                let long = |long: u64, short_side: u64| u32::try_from(short * long / short_side).unwrap_or(u32::MAX);
+                let short = u32::try_from(short).unwrap_or(u32::MAX);
+                if w <= h {
+                    (short, long(h, w))
+                } else {
+                    (long(w, h), short)
+                }
+            }
+        }
+    }
 }
 
 fn default_scale() -> f32 {
@@ -577,6 +631,19 @@ fn check_pipeline(
         if i.max_side == 0 {
             return Err("image.max_side must be at least 1".into());
         }
+        match (i.resize, i.shortest_edge) {
+            (Resize::Stretch, Some(_)) => {
+                return Err("image.shortest_edge needs image.resize = \"shortest_edge\"".into());
+            }
+            (Resize::ShortestEdge, Some(edge)) if edge < i.width.max(i.height) || edge > i.max_side => {
+                return Err(format!(
+                    "image.shortest_edge = {edge} must be between the crop's larger side ({}) and image.max_side ({})",
+                    i.width.max(i.height),
+                    i.max_side
+                ));
+            }
+            _ => {}
+        }
     }
     Ok(())
 }
@@ -594,6 +661,20 @@ mod tests {
             std::fs::write(dir.join("model.onnx"), b"x").unwrap();
         }
         root
+    }
+
+    #[test]
+    fn the_shortest_edge_is_resized_as_hugging_face_does() {
+        let mut c: ImageConfig =
+            toml::from_str("width = 224\nheight = 224\nresize = \"shortest_edge\"\nshortest_edge = 256\n").unwrap();
+        // The longer side in proportion, rounded down: 256 * 500 / 333 = 384.38.
+        assert_eq!(c.resized_size(500, 333), (384, 256));
+        assert_eq!(c.resized_size(333, 500), (256, 384));
+        assert_eq!(c.resized_size(1, 16_384), (256, 4_194_304));
+        c.shortest_edge = None;
+        assert_eq!(c.resized_size(400, 300), (298, 224), "default: the crop's larger side");
+        c.resize = Resize::Stretch;
+        assert_eq!(c.resized_size(400, 300), (224, 224));
     }
 
     #[test]
@@ -628,6 +709,15 @@ mod tests {
             (
                 "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 8\nstd = [1, 0, 1]\n",
                 "non-zero",
+            ),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 8\nshortest_edge = 9\n",
+                "image.shortest_edge needs image.resize = \"shortest_edge\"",
+            ),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 6\n\
+                 resize = \"shortest_edge\"\nshortest_edge = 7\n",
+                "image.shortest_edge = 7 must be between the crop's larger side (8)",
             ),
             ("task = \"sorting\"\n", "unknown variant"),
             ("[batching]\nmax_batch_size = 0\n", "must be at least 1"),

@@ -12,7 +12,9 @@
 use std::io::Cursor;
 
 use image::{ImageFormat, ImageReader};
-use inferd_config::model::{Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Task};
+use inferd_config::model::{
+    Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Resample, Resize, Task,
+};
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
 use crate::tensor::{element_count, DataType, TensorData};
@@ -41,7 +43,7 @@ pub enum PipelineError {
     #[error("image {index} is {width}x{height}; no side may be longer than {max} (image.max_side)")]
     ImageTooLong { index: usize, width: u32, height: u32, max: u32 },
     #[error(
-        "image {index} is {width}x{height}: resizing it to the model's {to_width}x{to_height} needs {mib} MiB, more than the {max_mib} MiB one image may use"
+        "image {index} is {width}x{height}: resizing it to {to_width}x{to_height} needs {mib} MiB, more than the {max_mib} MiB one image may use"
     )]
     ImageTooCostly { index: usize, width: u32, height: u32, to_width: u32, to_height: u32, mib: u64, max_mib: u64 },
     #[error("the model's output does not fit the pipeline: {0}")]
@@ -480,7 +482,7 @@ impl ImagePipeline {
         };
         for (n, (bytes, out)) in images.iter().zip(data.chunks_mut(per_image.max(1))).enumerate() {
             let rgb = decode(n, bytes, c)?;
-            let resized = image::imageops::resize(&rgb, c.width, c.height, image::imageops::FilterType::Triangle);
+            let resized = resize(&rgb, c);
             let value =
                 |pixel: &image::Rgb<u8>, ch: usize| (pixel.0[source[ch]] as f32 * c.scale - c.mean[ch]) / c.std[ch];
             match c.layout {
@@ -501,6 +503,29 @@ impl ImagePipeline {
             Layout::Nhwc => vec![images.len() as i64, h as i64, w as i64, 3],
         };
         Ok(vec![Tensor { name: self.input.clone(), shape, data: TensorData::F32(data) }])
+    }
+}
+
+/// `rgb` brought to the model's size as model.toml's `[image]` says: stretched, or its shorter
+/// side resized and the centre cut out (both sides of the resized image are at least the
+/// crop's: model.toml's check).
+fn resize(rgb: &image::RgbImage, c: &ImageConfig) -> image::RgbImage {
+    use image::imageops::FilterType;
+    let filter = match c.resample {
+        Resample::Nearest => FilterType::Nearest,
+        Resample::Bilinear => FilterType::Triangle,
+        Resample::Bicubic => FilterType::CatmullRom,
+        Resample::Lanczos => FilterType::Lanczos3,
+    };
+    let (width, height) = c.resized_size(rgb.width(), rgb.height());
+    let resized = image::imageops::resize(rgb, width, height, filter);
+    match c.resize {
+        Resize::Stretch => resized,
+        // As Hugging Face's center_crop: the offsets rounded down.
+        Resize::ShortestEdge => {
+            let (left, top) = (width.saturating_sub(c.width) / 2, height.saturating_sub(c.height) / 2);
+            image::imageops::crop_imm(&resized, left, top, c.width, c.height).to_image()
+        }
     }
 }
 
@@ -555,17 +580,20 @@ fn decode(index: usize, bytes: &[u8], c: &ImageConfig) -> Result<image::RgbImage
 const MAX_RESIZE_BYTES: u64 = 256 << 20;
 
 /// What `image::imageops::resize` allocates for a `width` x `height` source: it resamples the
-/// rows first, into a `width` x (model height) buffer of four f32 channels, then the columns.
-/// Refused when over [`MAX_RESIZE_BYTES`], from the header, before anything is decoded.
+/// rows first, into a `width` x (resized height) buffer of four f32 channels, then the columns
+/// (the resized size is the model's, or with `shortest_edge` one that follows the source's
+/// aspect ratio). Refused when over [`MAX_RESIZE_BYTES`], from the header, before anything is
+/// decoded.
 fn resize_cost(index: usize, width: u32, height: u32, c: &ImageConfig) -> Result<(), PipelineError> {
-    let bytes = u64::from(width).saturating_mul(u64::from(c.height)).saturating_mul(16);
+    let (to_width, to_height) = c.resized_size(width, height);
+    let bytes = u64::from(width.max(to_width)).saturating_mul(u64::from(to_height)).saturating_mul(16);
     match bytes > MAX_RESIZE_BYTES {
         true => Err(PipelineError::ImageTooCostly {
             index,
             width,
             height,
-            to_width: c.width,
-            to_height: c.height,
+            to_width,
+            to_height,
             mib: bytes >> 20,
             max_mib: MAX_RESIZE_BYTES >> 20,
         }),
@@ -751,6 +779,18 @@ mod tests {
         assert!(!jpeg_complete(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00]));
         // An end marker before the last scan (a thumbnail's) does not count.
         assert!(!jpeg_complete(&[0xFF, 0xD8, 0xFF, 0xD9, 0xFF, 0xDA, 1, 2]));
+    }
+
+    #[test]
+    fn a_shortest_edge_resize_is_bounded_from_the_header() {
+        let c: ImageConfig = serde_json::from_value(serde_json::json!(
+            {"width": 224, "height": 224, "resize": "shortest_edge", "shortest_edge": 256}
+        ))
+        .unwrap();
+        assert!(resize_cost(0, 640, 480, &c).is_ok());
+        // 1 x 16384: its short side to 256 makes the long one 4,194,304 (a 16 GiB buffer).
+        let e = resize_cost(0, 1, 16_384, &c).unwrap_err().to_string();
+        assert!(e.contains("256x4194304"), "{e}");
     }
 
     #[test]
