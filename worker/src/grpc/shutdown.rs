@@ -17,11 +17,10 @@
 //! one opened before it, becomes a frame of an unknown type, which HTTP/2 receivers ignore
 //! (RFC 9113 §4.1, §5.5). Nothing before that ACK is touched.
 
-use std::io::IoSlice;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", which the client sends before its first frame.
 const PREFACE_LEN: usize = 24;
@@ -180,31 +179,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for ShutdownFrames<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for ShutdownFrames<S> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
+write_through_inner!(ShutdownFrames);
 
 #[cfg(test)]
 #[allow(clippy::arithmetic_side_effects)]
