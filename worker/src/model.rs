@@ -110,7 +110,6 @@ pub enum Threads {
     Wide { threads: usize, spin: bool },
 }
 
-/// The first 16 hex digits of a SHA-256, as status and metadata show it.
 /// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
 /// the file once per process and value: every session of a worker asks.
 fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String, String)>, String> {
@@ -126,6 +125,7 @@ fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String
     Ok(found)
 }
 
+/// The first 16 hex digits of a SHA-256, as status and metadata show it.
 fn sha256_prefix(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }

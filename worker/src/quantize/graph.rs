@@ -208,7 +208,7 @@ pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>,
         nodes.push((i, Node::read(f)?));
     }
     let mut value = name.to_string();
-    // Each step moves to an earlier node: at most one step per node, whatever the file says.
+    // A graph without cycles takes at most one step per node; a file may say otherwise.
     for _ in 0..=nodes.len() {
         let Some((i, node)) = nodes.iter().find(|(_, n)| n.outputs.contains(&value)) else { return Ok(None) };
         match node.inputs.first() {
