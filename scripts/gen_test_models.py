@@ -55,6 +55,21 @@ pixels task = "classification" of images whose "scores" are the model's input it
        image processors do (shortest edge to 10, bicubic, centre crop 8x6), so a test
        can compare the pixels inferd fed it with Pillow's.
 
+published/  model folders laid out as their publishers lay them out, without model.toml
+       (inferd reads config.json, modules.json, 1_Pooling/config.json, ... instead):
+       st-embedder   sentence-transformers with onnx/model.onnx: mean pooling, Normalize,
+                     max_seq_length 32, prompts "query: "/"passage: " (default "query")
+       st-lasttoken  optimum layout (model.onnx at the top): last-token pooling, no
+                     Normalize, the length limit from config.json's max_position_embeddings
+       text-classifier   BertForSequenceClassification, id2label NEG/NEU/POS (logits)
+       text-multilabel   the same with problem_type multi_label_classification
+       image-classifier  ViTForImageClassification over the pixels model, 144 labels, with a
+                     preprocessor_config.json (shortest edge 10, bicubic, crop 8x6, ImageNet
+                     mean/std)
+       Their tokenizer.json is a small WordPiece vocabulary made here (PUBLISHED_WORDS).
+       The text models' token vectors depend on the token and on every token before it
+       (a running sum), so mean, max, first and last token all differ.
+
 cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
          pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
          labels red, green, blue, gray (softmax).
@@ -665,6 +680,226 @@ def bench_slow(path):
             )
 
 
+# --- published/: folders as exporters lay them out ------------------------------------------
+
+PUBLISHED_DIR = OUT_DIR / "published"
+PUBLISHED_DIM = 16
+PUBLISHED_WORDS = (
+    "the a an is are was of to and in on for with this that it at by from as be or not but "
+    "query passage search document question answer cat dog sat mat sun moon rain snow city river "
+    "quick brown fox jumps over lazy good bad great terrible love hate weather today tomorrow "
+    "package arrived battery could better worst purchase ever made works wonderfully absolutely "
+    "i you we they he she what where when how why which who"
+)
+
+
+def published_tokenizer():
+    """A BERT-style WordPiece tokenizer.json over a small vocabulary (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = {}
+    for token in (
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        + list("abcdefghijklmnopqrstuvwxyz0123456789.,!?:;'-")
+        + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+        + PUBLISHED_WORDS.split()
+    ):
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    tok.decoder = decoders.WordPiece()
+    return tok.to_str(pretty=True).encode() + b"\n"
+
+
+def token_vectors_model(output="last_hidden_state"):
+    """input_ids, attention_mask, token_type_ids -> [batch, sequence, 16]: each token's table
+    row plus 0.3 x the running sum of the rows up to it."""
+    text_dims = ["batch", "sequence"]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT64, text_dims)
+        for n in ("input_ids", "attention_mask", "token_type_ids")
+    ]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", "sequence", PUBLISHED_DIM])]
+    initializers = [
+        const("rows_start", 0.0, np.float32),
+        const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
+        const("rows_delta", 1.0, np.float32),
+        const("freq", CLASSIFIER_FREQ[:PUBLISHED_DIM], np.float32),
+        const("buckets", CLASSIFIER_BUCKETS, np.int64),
+        const("axis_1", [1], np.int64),
+        const("axis_2", [2], np.int64),
+        const("axis_scalar_1", 1, np.int64),
+        const("carry", 0.3, np.float32),
+        const("zero", 0.0, np.float32),
+    ]
+    nodes = [
+        helper.make_node("Range", ["rows_start", "rows_limit", "rows_delta"], ["rows"], name="table_range"),
+        helper.make_node("Unsqueeze", ["rows", "axis_1"], ["rows_column"], name="table_unsqueeze"),
+        helper.make_node("Mul", ["rows_column", "freq"], ["table_angles"], name="table_mul"),
+        helper.make_node("Sin", ["table_angles"], ["table"], name="table_sin"),
+        helper.make_node("Mod", ["input_ids", "buckets"], ["bucket_ids"], name="hash_mod"),
+        helper.make_node("Gather", ["table", "bucket_ids"], ["own"], name="embed_gather", axis=0),
+        helper.make_node("CumSum", ["own", "axis_scalar_1"], ["running"], name="running_sum"),
+        helper.make_node("Mul", ["running", "carry"], ["carried"], name="running_scale"),
+        helper.make_node("Add", ["own", "carried"], ["vectors"], name="vectors_add"),
+        # attention_mask and token_type_ids: + 0 x their sum, used but changing nothing.
+        helper.make_node("Add", ["attention_mask", "token_type_ids"], ["other_ids"], name="other_add"),
+        helper.make_node("Cast", ["other_ids"], ["other"], name="other_cast", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["other", "axis_1"], ["other_sum"], name="other_sum", keepdims=1),
+        helper.make_node("Mul", ["other_sum", "zero"], ["other_zero"], name="other_mul"),
+        helper.make_node("Unsqueeze", ["other_zero", "axis_2"], ["other_zero_3d"], name="other_unsqueeze"),
+        helper.make_node("Add", ["vectors", "other_zero_3d"], [output], name="output_add"),
+    ]
+    return make_model(helper.make_graph(nodes, "token_vectors", inputs, outputs, initializer=initializers))
+
+
+def json_bytes(value):
+    import json
+
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+def st_modules(normalize):
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    return modules
+
+
+def st_pooling(mode):
+    keys = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
+    config = {"word_embedding_dimension": PUBLISHED_DIM}
+    config.update({f"pooling_mode_{k}": k == mode for k in keys})
+    config["include_prompt"] = True
+    return config
+
+
+def bert_config(architecture, max_positions, **extra):
+    config = {
+        "architectures": [architecture],
+        "hidden_size": PUBLISHED_DIM,
+        "max_position_embeddings": max_positions,
+        "model_type": "bert",
+        "vocab_size": CLASSIFIER_BUCKETS,
+        "transformers_version": "4.57.1",
+    }
+    config.update(extra)
+    return config
+
+
+def published_folders():
+    """{folder: {relative path: bytes}}."""
+    tokenizer = published_tokenizer()
+    vectors = token_vectors_model().SerializeToString()
+    labels = {"0": "NEG", "1": "NEU", "2": "POS"}
+    folders = {
+        "st-embedder": {
+            "onnx/model.onnx": vectors,
+            "tokenizer.json": tokenizer,
+            "tokenizer_config.json": json_bytes({"model_max_length": 512, "tokenizer_class": "BertTokenizer"}),
+            "config.json": json_bytes(bert_config("BertModel", 64)),
+            "modules.json": json_bytes(st_modules(True)),
+            "1_Pooling/config.json": json_bytes(st_pooling("mean_tokens")),
+            "sentence_bert_config.json": json_bytes({"max_seq_length": 32, "do_lower_case": False}),
+            "config_sentence_transformers.json": json_bytes(
+                {
+                    "prompts": {"query": "query: ", "passage": "passage: "},
+                    "default_prompt_name": "query",
+                    "similarity_fn_name": "cosine",
+                }
+            ),
+        },
+        "st-lasttoken": {
+            "model.onnx": vectors,
+            "tokenizer.json": tokenizer,
+            # transformers' "no limit": the model's positions bound the length.
+            "tokenizer_config.json": json_bytes({"model_max_length": 1000000000000000019884624838656}),
+            "config.json": json_bytes(bert_config("BertModel", 24)),
+            "modules.json": json_bytes(st_modules(False)),
+            "1_Pooling/config.json": json_bytes(st_pooling("lasttoken")),
+        },
+    }
+    for name, problem in (("text-classifier", "single_label_classification"), ("text-multilabel", "multi_label_classification")):
+        folders[name] = {
+            "model.onnx": classifier_model(name=name).SerializeToString(),
+            "tokenizer.json": tokenizer,
+            "tokenizer_config.json": json_bytes({"model_max_length": 128}),
+            # id2label as transformers writes it, listed out of id order here to show order is by id.
+            "config.json": json_bytes(
+                bert_config(
+                    "BertForSequenceClassification",
+                    512,
+                    id2label={"2": labels["2"], "0": labels["0"], "1": labels["1"]},
+                    label2id={v: int(k) for k, v in labels.items()},
+                    problem_type=problem,
+                )
+            ),
+        }
+    n = 3 * PIXELS_H * PIXELS_W
+    folders["image-classifier"] = {
+        "model.onnx": pixels_model().SerializeToString(),
+        "config.json": json_bytes(
+            {
+                "architectures": ["ViTForImageClassification"],
+                "id2label": {str(i): f"p{i}" for i in range(n)},
+                "model_type": "vit",
+                "image_size": PIXELS_W,
+            }
+        ),
+        "preprocessor_config.json": json_bytes(
+            {
+                "do_center_crop": True,
+                "crop_size": {"height": PIXELS_H, "width": PIXELS_W},
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_resize": True,
+                "image_mean": [0.485, 0.456, 0.406],
+                "image_processor_type": "ViTImageProcessor",
+                "image_std": [0.229, 0.224, 0.225],
+                "resample": 3,
+                "rescale_factor": 0.00392156862745098,
+                "size": {"shortest_edge": PIXELS_EDGE},
+            }
+        ),
+    }
+    return folders
+
+
+def check_published(folder, files):
+    from tokenizers import Tokenizer
+
+    if "tokenizer.json" in files:
+        tok = Tokenizer.from_str(files["tokenizer.json"].decode())
+        enc = tok.encode("Query: the quick brown fox")
+        assert enc.tokens == ["[CLS]", "query", ":", "the", "quick", "brown", "fox", "[SEP]"], enc.tokens
+    onnx_file = "onnx/model.onnx" if "onnx/model.onnx" in files else "model.onnx"
+    sess = session(folder / onnx_file)
+    if folder.name.startswith("st-"):
+        feeds = text_feeds([[2, 40, 41, 3]])
+        (out,) = sess.run(None, feeds)
+        assert out.shape == (1, 4, PUBLISHED_DIM)
+        assert not np.allclose(out[0, 0], out[0, 1])
+
+
+def write_published():
+    for name, files in published_folders().items():
+        folder = PUBLISHED_DIR / name
+        changed = False
+        for rel, data in files.items():
+            changed |= write_if_changed(folder / rel, data)
+        print(f"{folder.relative_to(REPO)}/: {'written' if changed else 'unchanged'} ({len(files)} files)")
+        yield folder, files
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-check", action="store_true", help="do not run the models with onnxruntime")
@@ -681,6 +916,11 @@ def main():
         if not args.no_check:
             CHECKS[name](model_path)
             print(f"{rel}: onnxruntime check passed")
+
+    for folder, files in write_published():
+        if not args.no_check:
+            check_published(folder, files)
+            print(f"{folder.relative_to(REPO)}/: onnxruntime check passed")
 
     if args.bench:
         bench_slow(OUT_DIR / "slow" / "model.onnx")

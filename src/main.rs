@@ -42,6 +42,10 @@ enum Command {
     /// at 1, 4 and 16 connections, print the table and the best plan for --goal; --write puts
     /// it into the configuration and the model's model.toml, keeping their comments.
     Tune(TuneArgs),
+    /// Write the model.toml that a published model folder (Hugging Face, sentence-transformers,
+    /// optimum) without one is served with, for editing: every value commented with the file
+    /// it came from.
+    Init(InitArgs),
     /// Internal: one worker process, started by `inferd serve`.
     #[command(hide = true)]
     Worker {
@@ -63,6 +67,10 @@ struct ConfigArg {
 struct ServeArgs {
     #[command(flatten)]
     config: ConfigArg,
+    /// Serve this model folder alone (with its model.toml, or a published folder without one)
+    /// instead of the configuration's models.
+    #[arg(long)]
+    model: Option<PathBuf>,
     /// Address to serve on, e.g. 127.0.0.1:8000 (server.listen).
     #[arg(long)]
     listen: Option<String>,
@@ -175,6 +183,21 @@ struct TuneArgs {
 }
 
 #[derive(Args)]
+struct InitArgs {
+    /// The model folder.
+    dir: PathBuf,
+    /// The model's name; default: the folder's.
+    #[arg(long)]
+    name: Option<String>,
+    /// The ONNX file to serve, relative to the folder (when it has several).
+    #[arg(long)]
+    file: Option<String>,
+    /// Replace a model.toml that is there already.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args)]
 struct ScaleArgs {
     #[command(flatten)]
     socket: SocketArgs,
@@ -195,6 +218,7 @@ fn main() -> ExitCode {
         Command::Worker { fd } => return ExitCode::from(inferd_worker::run(fd) as u8),
         Command::Serve(args) => serve(args, format),
         Command::Check(args) => check(args),
+        Command::Init(args) => init(args),
         Command::Status(args) => status(args),
         Command::Reload(args) => reload(args),
         Command::Scale(args) => scale(args),
@@ -227,6 +251,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
         workers: args.workers,
         threads: args.threads,
         control_socket: args.control_socket.clone(),
+        model_dir: args.model.clone(),
         model_override: ModelOverride {
             max_batch_size: args.max_batch_size,
             max_queue_delay_ms: args.max_queue_delay_ms,
@@ -283,6 +308,11 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             meta.info.sha256,
             entry.path.display()
         );
+        let dir = config.model_repository().join(&entry.name);
+        if let Some(toml) = inferd_config::model::ModelEntry::inferred_toml(&dir, &entry.name)? {
+            println!("  no model.toml: served as this one (`inferd init {}` writes it)", dir.display());
+            toml.lines().for_each(|line| println!("    {line}"));
+        }
         println!("  precision {}", meta.info.precision);
         if let Some(inferd_worker::pipeline::Head::Classification { activation, why, .. }) = meta.pipeline.head() {
             println!("  scores {}: {why}", activation.as_str());
@@ -339,6 +369,30 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     );
     println!("worker memory:   {} (about; serve measures worker 0)", limits.describe());
     println!("plan OK");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
+    use inferd_config::model::{published, ModelEntry, MODEL_CONFIG_FILE};
+    let dir = std::path::absolute(&args.dir)?;
+    let name = match &args.name {
+        Some(name) => name.clone(),
+        None => dir.file_name().and_then(|n| n.to_str()).context("the folder has no name: pass --name")?.to_string(),
+    };
+    let path = dir.join(MODEL_CONFIG_FILE);
+    if path.exists() && !args.force {
+        anyhow::bail!("{} exists; --force replaces it", path.display());
+    }
+    let text = published::infer(&dir, &name, args.file.as_deref()).map_err(anyhow::Error::msg)?;
+    // Put in place whole, then read back as the server will read it.
+    let staged = dir.join(".model.toml.init");
+    std::fs::write(&staged, &text).with_context(|| format!("writing {}", staged.display()))?;
+    std::fs::rename(&staged, &path)?;
+    if let Err(e) = ModelEntry::load_dir(&dir, &name) {
+        eprintln!("inferd: warning: {} is written, but the model does not load as it says: {e}", path.display());
+    }
+    print!("{text}");
+    eprintln!("wrote {}", path.display());
     Ok(ExitCode::SUCCESS)
 }
 

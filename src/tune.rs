@@ -235,7 +235,12 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
                 .filter_map(|(key, bound)| Some((key, bound?.into())))
                 .collect(),
         };
-        write_plan(config_path, &config.model_repository().join(&name).join(MODEL_CONFIG_FILE), c, &bounds)?;
+        let dir = config.model_repository().join(&name);
+        // A published folder without model.toml gets the one it is served with, plus the plan.
+        if let Some(text) = ModelEntry::inferred_toml(&dir, &name)? {
+            std::fs::write(dir.join(MODEL_CONFIG_FILE), text)?;
+        }
+        write_plan(config_path, &dir.join(MODEL_CONFIG_FILE), c, &bounds)?;
     } else {
         println!(
             "(--write puts it into {} and the model's model.toml)",

@@ -308,6 +308,9 @@ pub struct Overrides {
     pub threads: Option<usize>,
     pub control_socket: Option<PathBuf>,
     pub model_override: ModelOverride,
+    /// One model folder to serve, alone, in place of the repository's models (its parent
+    /// becomes the repository, its name the model's).
+    pub model_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -350,6 +353,18 @@ impl Config {
             self.server.threads = threads;
         }
         self.model_override = overrides.model_override;
+        if let Some(dir) = &overrides.model_dir {
+            let invalid = |message: String| Err(ConfigError::Invalid { key: "--model", message });
+            let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.clone());
+            let (Some(parent), Some(name)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) else {
+                return invalid(format!("{} is not a model folder", dir.display()));
+            };
+            if !dir.is_dir() {
+                return invalid(format!("{} is not a folder", dir.display()));
+            }
+            self.models =
+                ModelsConfig { repository: parent.to_path_buf(), default: name.to_string(), load: Vec::new() };
+        }
         if let Some(socket) = &overrides.control_socket {
             // A path given on the command line is relative to the working directory.
             self.server.control_socket = std::path::absolute(socket).unwrap_or_else(|_| socket.clone());

@@ -1,4 +1,5 @@
-//! The model repository: `<repository>/<name>/model.toml` next to the model file.
+//! The model repository: `<repository>/<name>/model.toml` next to the model file; a folder
+//! without model.toml is read from the files its publisher put there ([`published`]).
 //!
 //! ```toml
 //! name = "minilm"        # must match the folder name
@@ -13,9 +14,12 @@
 //! file = "tokenizer.json"
 //! max_length = 256       # tokens, special tokens included
 //! [embedding]            # task = "embedding"
-//! pooling = "mean"       # "mean" (over the attention mask) | "cls"
+//! pooling = "mean"       # "mean" | "max" (over the attention mask) | "cls" | "last_token"
 //! normalize = true       # L2; the default for requests that do not say
 //! matryoshka = false     # true: a prefix of the vector is an embedding too (`dimensions`)
+//! default_prompt = "query"  # optional: the prompt of requests that name none
+//! [embedding.prompts]    # optional: text put before an input, chosen by `prompt_name`
+//! query = "query: "
 //! [classification]       # task = "classification"
 //! labels = ["negative", "positive"]
 //! activation = "softmax" # "softmax" | "sigmoid" | "none"; default: read from the graph
@@ -34,11 +38,14 @@
 //! What can be checked without the model is checked here; whether the pipeline fits the
 //! model's inputs and outputs is checked when a worker (or `inferd check`) loads it.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
+
+pub mod published;
 
 pub const MODEL_CONFIG_FILE: &str = "model.toml";
 /// The most models one server serves: the counters workers share have a row for each.
@@ -288,6 +295,21 @@ pub enum Pooling {
     Mean,
     /// The first token's vector.
     Cls,
+    /// The largest value of each dimension over the tokens, padding excluded.
+    Max,
+    /// The last token's vector (decoder models, whose last token has seen the whole text).
+    LastToken,
+}
+
+impl Pooling {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Max => "max",
+            Pooling::LastToken => "last_token",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -301,11 +323,41 @@ pub struct EmbeddingConfig {
     /// Trained so that the first N dimensions are an embedding too (Matryoshka): requests may
     /// ask for fewer dimensions (OpenAI's `dimensions`).
     pub matryoshka: bool,
+    /// Texts put before the input, by name (sentence-transformers' `prompts`, e5's
+    /// `query: `): a request names one with `prompt_name`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub prompts: BTreeMap<String, String>,
+    /// The prompt of requests that name none; absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_prompt: Option<String>,
 }
 
 impl Default for EmbeddingConfig {
     fn default() -> Self {
-        EmbeddingConfig { pooling: Pooling::Mean, normalize: true, output: None, matryoshka: false }
+        EmbeddingConfig {
+            pooling: Pooling::Mean,
+            normalize: true,
+            output: None,
+            matryoshka: false,
+            prompts: BTreeMap::new(),
+            default_prompt: None,
+        }
+    }
+}
+
+impl EmbeddingConfig {
+    /// The text to put before an input: the prompt `name`, else the default one.
+    pub fn prompt(&self, name: Option<&str>) -> Result<Option<&str>, String> {
+        match name.or(self.default_prompt.as_deref()) {
+            None => Ok(None),
+            Some(name) => self.prompts.get(name).map(|p| Some(p.as_str())).ok_or_else(|| match self.prompts.len() {
+                0 => format!("prompt '{name}' is not one of the model's: it has none"),
+                _ => format!(
+                    "prompt '{name}' is not one of the model's ({})",
+                    self.prompts.keys().map(String::as_str).collect::<Vec<_>>().join(", ")
+                ),
+            }),
+        }
     }
 }
 
@@ -517,12 +569,35 @@ impl ModelEntry {
         Ok(ModelEntry { path, ..self.clone() })
     }
 
-    /// Reads `dir/model.toml`, which must describe model `name`.
+    /// Whether `dir` holds a model: its model.toml, or an ONNX file to serve without one.
+    pub fn is_model_dir(dir: &Path) -> bool {
+        dir.join(MODEL_CONFIG_FILE).is_file() || matches!(published::model_file(dir), Ok(Some(_)) | Err(_))
+    }
+
+    /// The model.toml the files of `dir` amount to when it has none ([`published`]); None
+    /// when it has one.
+    pub fn inferred_toml(dir: &Path, name: &str) -> Result<Option<String>, ConfigError> {
+        if dir.join(MODEL_CONFIG_FILE).exists() {
+            return Ok(None);
+        }
+        published::infer(dir, name, None)
+            .map(Some)
+            .map_err(|message| ConfigError::Model { model: name.into(), message })
+    }
+
+    /// Reads `dir/model.toml`, which must describe model `name`; without one, the settings
+    /// the folder's published files amount to ([`published`]).
     pub fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
         let err = |message: String| ConfigError::Model { model: name.to_string(), message };
-        let config_path = dir.join(MODEL_CONFIG_FILE);
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| err(format!("cannot read {}: {e}", config_path.display())))?;
+        let mut config_path = dir.join(MODEL_CONFIG_FILE);
+        let text = match ModelEntry::inferred_toml(dir, name)? {
+            Some(text) => {
+                config_path = dir.join("(inferred model.toml)");
+                text
+            }
+            None => std::fs::read_to_string(&config_path)
+                .map_err(|e| err(format!("cannot read {}: {e}", config_path.display())))?,
+        };
         let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
             return Err(err(format!("{} says name = \"{}\"; it must be \"{name}\"", config_path.display(), file.name)));
@@ -554,6 +629,9 @@ impl ModelEntry {
             }
         };
         check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
+        if let Some(e) = &file.embedding {
+            e.prompt(None).map_err(|e| err(format!("embedding.default_prompt: {e}")))?;
+        }
         let quantization =
             Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
         quantization.check().map_err(err)?;

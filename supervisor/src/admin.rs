@@ -189,7 +189,8 @@ async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control
     }
 }
 
-/// Triton's repository index: every folder of the repository with a model.toml, and every
+/// Triton's repository index: every folder of the repository with a model (its model.toml, or
+/// an ONNX file to serve without one), and every
 /// model the pool serves from elsewhere (`load` with a path).
 async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only: bool) -> Reply {
     let Some(m) = snapshot(events).await else { return stopping() };
@@ -205,7 +206,7 @@ async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only:
             .unwrap_or_default();
         folders.sort();
         for name in folders.into_iter().filter(|n| !m.models.contains(n)) {
-            if !admin.repository.join(&name).join(inferd_config::model::MODEL_CONFIG_FILE).is_file() {
+            if !ModelEntry::is_model_dir(&admin.repository.join(&name)) {
                 continue;
             }
             let (version, reason) = match ModelEntry::load(&admin.repository, &name) {

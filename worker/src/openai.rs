@@ -104,15 +104,14 @@ pub async fn embeddings(
     request: Request,
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
-    let Some(Head::Embedding { normalize, matryoshka, .. }) = meta.pipeline.head() else {
+    let Some(Head::Embedding { settings, .. }) = meta.pipeline.head() else {
         return Err(ApiError::BadRequest(format!(
             "model '{}' is not an embedding model; /v1/embeddings needs one",
             meta.info.name
         )));
     };
-    let (normalize, matryoshka) = (*normalize, *matryoshka);
-    let options =
-        Options { truncate: request.truncate, normalize: Some(normalize), raw_scores: false, tokens: false, deadline };
+    let (normalize, matryoshka) = (settings.normalize, settings.matryoshka);
+    let options = Options { truncate: request.truncate, normalize: Some(normalize), deadline, ..Options::default() };
     let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(request.texts), options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     if let Some(wanted) = request.dimensions {

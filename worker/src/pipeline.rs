@@ -13,7 +13,7 @@ use std::io::Cursor;
 
 use image::{ImageFormat, ImageReader};
 use inferd_config::model::{
-    Activation, ChannelOrder, ImageConfig, Layout, ModelEntry, Pooling, Resample, Resize, Task,
+    Activation, ChannelOrder, EmbeddingConfig, ImageConfig, Layout, ModelEntry, Pooling, Resample, Resize, Task,
 };
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
@@ -61,19 +61,10 @@ pub const BYTES_PER_TOKEN: usize = 64;
 /// What the model does with its outputs.
 #[derive(Debug, Clone)]
 pub enum Head {
-    Embedding {
-        output: usize,
-        pooling: Pooling,
-        normalize: bool,
-        matryoshka: bool,
-    },
+    /// `settings`: model.toml's `[embedding]` (pooling, normalisation, prompts).
+    Embedding { output: usize, settings: EmbeddingConfig },
     /// `why`: where `activation` came from (model.toml, or what the graph ends in).
-    Classification {
-        output: usize,
-        labels: Vec<String>,
-        activation: Activation,
-        why: String,
-    },
+    Classification { output: usize, labels: Vec<String>, activation: Activation, why: String },
 }
 
 #[derive(Debug)]
@@ -272,7 +263,7 @@ fn head(entry: &ModelEntry, outputs: &[TensorSpec], producer: Producer) -> Resul
                     spec.name, spec.datatype, spec.shape
                 ));
             }
-            Ok(Head::Embedding { output, pooling: e.pooling, normalize: e.normalize, matryoshka: e.matryoshka })
+            Ok(Head::Embedding { output, settings: e })
         }
         Task::Classification => {
             let c = entry.classification.clone().expect("checked when model.toml was read");
@@ -678,15 +669,27 @@ pub fn embeddings(
         [b, s, d] if *b == lengths.len() => values
             .chunks(s.saturating_mul(*d).max(1))
             .zip(lengths)
-            .map(|(row, &length)| match pooling {
-                Pooling::Cls => row[..*d].to_vec(),
-                Pooling::Mean => {
-                    let n = length.clamp(1, *s);
-                    let mut sum = vec![0f32; *d];
-                    for token in row.chunks(*d).take(n) {
-                        sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
+            .map(|(row, &length)| {
+                // Rows are padded at the end: the first `n` tokens are the text's.
+                let n = length.clamp(1, *s);
+                let mut tokens = row.chunks(*d).take(n);
+                match pooling {
+                    Pooling::Cls => row[..*d].to_vec(),
+                    Pooling::LastToken => tokens.next_back().unwrap_or(&row[..*d]).to_vec(),
+                    Pooling::Mean => {
+                        let mut sum = vec![0f32; *d];
+                        for token in tokens {
+                            sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
+                        }
+                        sum.iter().map(|x| x / n as f32).collect()
                     }
-                    sum.iter().map(|x| x / n as f32).collect()
+                    Pooling::Max => {
+                        let mut max = vec![f32::NEG_INFINITY; *d];
+                        for token in tokens {
+                            max.iter_mut().zip(token).for_each(|(a, &b)| *a = a.max(b));
+                        }
+                        max
+                    }
                 }
             })
             .collect(),
@@ -756,13 +759,21 @@ mod tests {
         assert!((e[1][0] - 0.6).abs() < 1e-6 && (e[1][1] - 0.8).abs() < 1e-6);
         let e = embeddings(&out, &[2, 1], Pooling::Cls, false).unwrap();
         assert_eq!(e[1], vec![6., 8.]);
+        // Row 0 has tokens (1, 2) and (3, 4), then padding (9, 9); row 1 one token.
+        let e = embeddings(&out, &[2, 1], Pooling::Max, false).unwrap();
+        assert_eq!(e, vec![vec![3., 4.], vec![6., 8.]]);
+        let e = embeddings(&out, &[2, 1], Pooling::LastToken, false).unwrap();
+        assert_eq!(e, vec![vec![3., 4.], vec![6., 8.]]);
+        let out = Tensor { data: TensorData::F32(vec![5., -2., 3., 4., 9., 9., 6., 8., 0., 0., 0., 0.]), ..out };
+        let e = embeddings(&out, &[2, 1], Pooling::Max, false).unwrap();
+        assert_eq!(e[0], vec![5., 4.], "each dimension's own maximum");
     }
 
     #[test]
     fn zero_sized_outputs_are_a_model_error_not_a_panic() {
         for shape in [vec![2, 0], vec![2, 3, 0], vec![2, 0, 4]] {
             let out = Tensor { name: "h".into(), shape, data: TensorData::F32(vec![]) };
-            for pooling in [Pooling::Mean, Pooling::Cls] {
+            for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Max, Pooling::LastToken] {
                 let err = embeddings(&out, &[1, 1], pooling, true).unwrap_err().to_string();
                 assert!(err.contains("no embedding"), "{err}");
             }

@@ -22,7 +22,7 @@ pub enum PipelineInput {
     Images(Vec<Vec<u8>>),
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Options {
     /// Truncate texts longer than the model's limit instead of refusing them.
     pub truncate: bool,
@@ -34,6 +34,9 @@ pub struct Options {
     pub tokens: bool,
     /// Drop the request if it is still waiting for the model at this instant.
     pub deadline: Option<Instant>,
+    /// Embedding models: the prompt put before each text (`[embedding.prompts]`); `None` =
+    /// the model's default prompt, if it has one.
+    pub prompt_name: Option<String>,
 }
 
 pub enum Rows {
@@ -167,17 +170,19 @@ pub async fn run(
     let started = Instant::now();
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
+            let texts = prompted(&p.head, texts, options.prompt_name.as_deref())?;
+            let truncate = options.truncate;
             // A short request is tokenised on the I/O thread (well under a millisecond); a long
             // one (up to max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each)
             // goes to the runtime's one blocking thread, so that the other connections of the
             // worker are not held up behind it.
             let bytes: usize = texts.iter().map(Text::bytes).sum();
             let encoded = if bytes <= INLINE_TEXT_BYTES {
-                p.encode(&texts, options.truncate)?
+                p.encode(&texts, truncate)?
             } else {
                 let pipeline = Arc::clone(&meta.pipeline);
                 off_io_thread("tokenizing", move || match &*pipeline {
-                    Pipeline::Text(p) => p.encode(&texts, options.truncate),
+                    Pipeline::Text(p) => p.encode(&texts, truncate),
                     _ => unreachable!("matched above"),
                 })
                 .await?
@@ -213,15 +218,39 @@ pub async fn run(
     let output = &outputs[head.output()];
     let rows = match head {
         Head::Embedding { .. } if options.tokens => Rows::Tokens(token_embeddings(output, &lengths)?),
-        Head::Embedding { pooling, normalize, .. } => {
-            Rows::Embeddings(embeddings(output, &lengths, *pooling, options.normalize.unwrap_or(*normalize))?)
-        }
+        Head::Embedding { settings, .. } => Rows::Embeddings(embeddings(
+            output,
+            &lengths,
+            settings.pooling,
+            options.normalize.unwrap_or(settings.normalize),
+        )?),
         Head::Classification { labels, activation, .. } => Rows::Scores {
             labels: labels.clone(),
             scores: scores(output, labels.len(), *activation, options.raw_scores)?,
         },
     };
     Ok(Outcome { rows, truncated, tokens: lengths.iter().sum(), prepare, model: model_time })
+}
+
+/// `texts` with the model's prompt before each (the one `name`d, else the model's default);
+/// empty texts stay empty, to be refused as such, and token ids are the client's own.
+fn prompted(head: &Head, texts: Vec<Text>, name: Option<&str>) -> Result<Vec<Text>, ApiError> {
+    let Head::Embedding { settings, .. } = head else {
+        return match name {
+            Some(_) => Err(ApiError::BadRequest("prompt_name is for embedding models".into())),
+            None => Ok(texts),
+        };
+    };
+    match settings.prompt(name).map_err(ApiError::BadRequest)? {
+        None | Some("") => Ok(texts),
+        Some(prompt) => Ok(texts
+            .into_iter()
+            .map(|t| match t {
+                Text::Single(s) if !s.is_empty() => Text::Single(format!("{prompt}{s}")),
+                other => other,
+            })
+            .collect()),
+    }
 }
 
 /// `x-inferd-truncated: 0,3` when inputs were truncated, and `Server-Timing` with the time

@@ -54,6 +54,9 @@ impl<T> OneOrMany<T> {
 #[derive(Deserialize)]
 struct EmbedRequest {
     inputs: OneOrMany<String>,
+    /// One of the model's `[embedding.prompts]`, put before every input.
+    #[serde(default)]
+    prompt_name: Option<String>,
     #[serde(default)]
     normalize: Option<bool>,
     #[serde(default)]
@@ -131,9 +134,9 @@ pub async fn embed(
     let options = Options {
         truncate: request.truncate,
         normalize: request.normalize,
-        raw_scores: false,
-        tokens: false,
         deadline,
+        prompt_name: request.prompt_name,
+        ..Options::default()
     };
     let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
@@ -155,7 +158,13 @@ pub async fn embed_all(
     let request: EmbedRequest = parse(body)?;
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, tokens: true, deadline, ..Options::default() };
+    let options = Options {
+        truncate: request.truncate,
+        tokens: true,
+        deadline,
+        prompt_name: request.prompt_name,
+        ..Options::default()
+    };
     let mut outcome =
         tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
             // A model whose output is pooled already has no token vectors to give.
@@ -205,13 +214,8 @@ pub async fn predict(
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("send either 'inputs' or 'image_b64', not both".into())),
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
-    let options = Options {
-        truncate: request.truncate,
-        normalize: None,
-        raw_scores: request.raw_scores,
-        tokens: false,
-        deadline,
-    };
+    let options =
+        Options { truncate: request.truncate, raw_scores: request.raw_scores, deadline, ..Options::default() };
     let outcome = tasks::run(state, index, meta, input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
@@ -317,7 +321,7 @@ fn text_pipeline<'a>(meta: &'a ModelMeta, endpoint: &str) -> Result<&'a TextPipe
 /// `GET /info`: what the default model is and the limits requests meet.
 pub fn info(state: &AppState, meta: &ModelMeta) -> Reply {
     let model_type = match meta.pipeline.head() {
-        Some(Head::Embedding { pooling, .. }) => serde_json::json!({"embedding": {"pooling": pooling}}),
+        Some(Head::Embedding { settings, .. }) => serde_json::json!({"embedding": {"pooling": settings.pooling}}),
         Some(Head::Classification { labels, .. }) => {
             let id2label: serde_json::Map<String, serde_json::Value> =
                 labels.iter().enumerate().map(|(i, l)| (i.to_string(), l.clone().into())).collect();
@@ -469,8 +473,7 @@ pub async fn similarity(
     }
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
-    let options =
-        Options { truncate: request.truncate, normalize: Some(true), raw_scores: false, tokens: false, deadline };
+    let options = Options { truncate: request.truncate, normalize: Some(true), deadline, ..Options::default() };
     let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();

@@ -60,7 +60,7 @@ impl Supervisor {
             Some(dir) if dir.is_dir() => ModelEntry::load_dir(dir, &model),
             Some(other) => {
                 return Err(format!(
-                "load refused: {} is not a model folder (a model the server does not serve yet needs its model.toml)",
+                "load refused: {} is not a model folder (a model the server does not serve yet needs its folder: a model.toml, or a published model's files)",
                 other.display()
             ))
             }

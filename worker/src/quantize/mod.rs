@@ -242,7 +242,7 @@ fn run(model: &mut Model, texts: &[String]) -> Result<(Outputs, f64), String> {
         times.push(started.elapsed().as_secs_f64() * 1e3);
         let output = &outputs[head.output()];
         let row = match &head {
-            Head::Embedding { pooling, .. } => embeddings(output, &encoded.lengths, *pooling, true),
+            Head::Embedding { settings, .. } => embeddings(output, &encoded.lengths, settings.pooling, true),
             Head::Classification { labels, activation, .. } => scores(output, labels.len(), *activation, false),
         }
         .map_err(|e| e.to_string())?;

@@ -1,0 +1,151 @@
+"""What a published model folder should answer, computed in Python the way its publishers'
+libraries do, from the folder's own files, with onnxruntime running the ONNX file:
+
+    published_reference.py embed DIR TEXTS_JSON [PROMPT_NAME]
+        sentence-transformers: the prompt (PROMPT_NAME, else default_prompt_name) before each
+        text, tokenizer.json cut at max_seq_length, the Pooling module's mode over the
+        model's first output, L2 normalisation when modules.json has Normalize.
+    published_reference.py classify DIR TEXTS_JSON
+        transformers' text classification: labels from id2label in id order, softmax of the
+        logits, or sigmoid for problem_type multi_label_classification.
+    published_reference.py image DIR
+        transformers' image processor with Pillow (preprocessor_config.json: shortest edge
+        resized with its filter, centre crop, rescale, normalise), then the model's raw output
+        for two generated images.
+
+Prints JSON. Each text runs alone (batch 1, no padding), as the libraries' reference.
+"""
+
+import base64
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from PIL import Image
+from tokenizers import Tokenizer
+
+
+def load(folder, name):
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def session(folder):
+    for rel in ("model.onnx", "onnx/model.onnx"):
+        if (folder / rel).is_file():
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 1
+            return ort.InferenceSession(str(folder / rel), opts, providers=["CPUExecutionProvider"])
+    sys.exit(f"no ONNX file in {folder}")
+
+
+def tokenizer(folder, max_length):
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    return tok
+
+
+def feeds(sess, enc):
+    values = {
+        "input_ids": enc.ids,
+        "attention_mask": enc.attention_mask,
+        "token_type_ids": enc.type_ids,
+    }
+    return {i.name: np.array([values[i.name]], np.int64) for i in sess.get_inputs()}
+
+
+def embed(folder, texts, prompt_name):
+    st = load(folder, "config_sentence_transformers.json") or {}
+    name = prompt_name or st.get("default_prompt_name")
+    prompt = st["prompts"][name] if name else ""
+    modules = load(folder, "modules.json")
+    pooling_path = next(m["path"] for m in modules if m["type"].endswith(".Pooling"))
+    pooling = load(folder, f"{pooling_path}/config.json")
+    mode = next(k for k, v in pooling.items() if k.startswith("pooling_mode_") and v is True)
+    normalize = any(m["type"].endswith(".Normalize") for m in modules)
+    bert = load(folder, "sentence_bert_config.json")
+    config = load(folder, "config.json")
+    max_length = bert["max_seq_length"] if bert else config["max_position_embeddings"]
+    tok, sess = tokenizer(folder, max_length), session(folder)
+    rows = []
+    for text in texts:
+        enc = tok.encode(prompt + text)
+        (tokens,) = sess.run([sess.get_outputs()[0].name], feeds(sess, enc))
+        tokens = tokens[0].astype(np.float64)
+        vector = {
+            "pooling_mode_mean_tokens": lambda: tokens.mean(axis=0),
+            "pooling_mode_max_tokens": lambda: tokens.max(axis=0),
+            "pooling_mode_cls_token": lambda: tokens[0],
+            "pooling_mode_lasttoken": lambda: tokens[-1],
+        }[mode]()
+        if normalize:
+            vector = vector / np.linalg.norm(vector)
+        rows.append(vector.tolist())
+    return {"prompt": prompt, "mode": mode, "normalize": normalize, "embeddings": rows}
+
+
+def classify(folder, texts):
+    config = load(folder, "config.json")
+    labels = [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+    sigmoid = config.get("problem_type") == "multi_label_classification"
+    tok, sess = tokenizer(folder, load(folder, "tokenizer_config.json")["model_max_length"]), session(folder)
+    rows = []
+    for text in texts:
+        (logits,) = sess.run(None, feeds(sess, tok.encode(text)))
+        z = logits[0].astype(np.float64)
+        p = 1 / (1 + np.exp(-z)) if sigmoid else np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        rows.append(p.tolist())
+    return {"labels": labels, "scores": rows}
+
+
+def gradient(width, height):
+    img = Image.new("RGB", (width, height))
+    px = img.load()
+    for x in range(width):
+        for y in range(height):
+            px[x, y] = (x * 255 // (width - 1), y * 255 // (height - 1), (x * 3 + y * 4) % 256)
+    return img
+
+
+def image(folder):
+    p = load(folder, "preprocessor_config.json")
+    filters = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC}
+    sess = session(folder)
+    cases = []
+    for width, height in ((40, 20), (21, 45)):
+        img = gradient(width, height)
+        edge = p["size"]["shortest_edge"]
+        # transformers' get_resize_output_image_size: the long side in proportion, int().
+        size = (edge, int(edge * height / width)) if width <= height else (int(edge * width / height), edge)
+        resized = img.resize(size, filters[p["resample"]])
+        cw, ch = p["crop_size"]["width"], p["crop_size"]["height"]
+        left, top = (size[0] - cw) // 2, (size[1] - ch) // 2
+        x = np.asarray(resized.crop((left, top, left + cw, top + ch)), np.float32) * p["rescale_factor"]
+        x = (x - np.array(p["image_mean"], np.float32)) / np.array(p["image_std"], np.float32)
+        pixel_values = x.transpose(2, 0, 1)[None].astype(np.float32)
+        (out,) = sess.run(None, {sess.get_inputs()[0].name: pixel_values})
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        cases.append(
+            {"size": f"{width}x{height}", "png": base64.b64encode(buf.getvalue()).decode(), "expected": out[0].tolist()}
+        )
+    return cases
+
+
+def main():
+    kind, folder = sys.argv[1], Path(sys.argv[2])
+    if kind == "embed":
+        result = embed(folder, json.loads(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    elif kind == "classify":
+        result = classify(folder, json.loads(sys.argv[3]))
+    else:
+        result = image(folder)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

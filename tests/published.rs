@@ -1,0 +1,276 @@
+//! Model folders served as their publishers laid them out, without a model.toml: the
+//! generated folders of tests/models/published/ (sentence-transformers, optimum, Hugging Face
+//! image layouts; scripts/gen_test_models.py), answers compared with what
+//! tests/clients/published_reference.py computes from the same files with onnxruntime,
+//! tokenizers and Pillow; `inferd init` and `inferd check`; folders that cannot be read so.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::*;
+use serde_json::{json, Value};
+
+const FOLDERS: [&str; 5] = ["st-embedder", "st-lasttoken", "text-classifier", "text-multilabel", "image-classifier"];
+
+fn published(name: &str) -> PathBuf {
+    test_models().join("published").join(name)
+}
+
+fn reference(args: &[&str]) -> Value {
+    let out =
+        Command::new(python()).arg(repo().join("tests/clients/published_reference.py")).args(args).output().unwrap();
+    assert!(out.status.success(), "published_reference.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn post(server: &Server, path: &str, body: Value) -> Response {
+    server.request("POST", path, &serde_json::to_vec(&body).unwrap())
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+/// Largest difference between two lists of rows.
+fn worst(got: &Value, want: &Value) -> f64 {
+    let (got, want) = (got.as_array().unwrap(), want.as_array().unwrap());
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    got.iter()
+        .zip(want)
+        .flat_map(|(g, w)| {
+            let (g, w) = (floats(g), floats(w));
+            assert_eq!(g.len(), w.len());
+            g.into_iter().zip(w).map(|(a, b)| (a - b).abs()).collect::<Vec<_>>()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// One server with every generated folder as a model of its repository, none with a model.toml.
+fn server() -> Server {
+    let dir = TempDir::new("published");
+    let repository = dir.path().join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    for name in FOLDERS {
+        assert!(!published(name).join("model.toml").exists(), "{name} must have no model.toml");
+        std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
+    }
+    let port = free_port();
+    write_config(dir.path(), port, 1, &repository, FOLDERS[0], &FOLDERS[1..], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    server
+}
+
+const TEXTS: [&str; 3] =
+    ["The quick brown fox jumps over the lazy dog", "where is the cat", "rain today, snow tomorrow!"];
+
+#[test]
+fn published_folders_answer_as_their_libraries_do() {
+    let server = server();
+    let texts = json!(TEXTS).to_string();
+
+    // sentence-transformers, onnx/model.onnx: mean pooling, Normalize, the default prompt.
+    let path = "/v2/models/st-embedder/embed";
+    let want = reference(&["embed", published("st-embedder").to_str().unwrap(), &texts]);
+    assert_eq!((want["prompt"].as_str(), want["mode"].as_str()), (Some("query: "), Some("pooling_mode_mean_tokens")));
+    let got = post(&server, path, json!({ "inputs": TEXTS }));
+    assert_eq!(got.status, 200, "{}", got.error());
+    let d = worst(&got.json(), &want["embeddings"]);
+    assert!(d < 1e-5, "st-embedder, default prompt: {d}");
+    let norm: f64 = floats(&got.json()[0]).iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "normalised: {norm}");
+    // Without the prompt the vectors differ: the prompt is really there.
+    let bare = reference(&["embed", published("st-embedder").to_str().unwrap(), &texts, "passage"]);
+    assert!(worst(&got.json(), &bare["embeddings"]) > 1e-3);
+    let got = post(&server, path, json!({ "inputs": TEXTS, "prompt_name": "passage" }));
+    let d = worst(&got.json(), &bare["embeddings"]);
+    assert!(d < 1e-5, "st-embedder, prompt 'passage': {d}");
+    let r = post(&server, path, json!({ "inputs": "x", "prompt_name": "instruction" }));
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("prompt 'instruction' is not one of the model's (passage, query)"), "{}", r.error());
+    // OpenAI's embeddings have no prompt_name: the model's default prompt applies.
+    let r = post(&server, "/v1/embeddings", json!({ "model": "st-embedder", "input": TEXTS }));
+    assert_eq!(r.status, 200, "{}", r.error());
+    let rows: Vec<Value> = r.json()["data"].as_array().unwrap().iter().map(|d| d["embedding"].clone()).collect();
+    assert!(worst(&Value::Array(rows), &want["embeddings"]) < 1e-5);
+
+    // optimum layout: last-token pooling, not normalised, max_length from config.json.
+    let path = "/v2/models/st-lasttoken/embed";
+    let want = reference(&["embed", published("st-lasttoken").to_str().unwrap(), &texts]);
+    assert_eq!(want["mode"], "pooling_mode_lasttoken");
+    let got = post(&server, path, json!({ "inputs": TEXTS }));
+    assert_eq!(got.status, 200, "{}", got.error());
+    let d = worst(&got.json(), &want["embeddings"]);
+    assert!(d < 1e-5, "st-lasttoken: {d}");
+    let norm: f64 = floats(&got.json()[0]).iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() > 0.01, "not normalised: {norm}");
+    let long = "the cat sat on the mat ".repeat(5);
+    let r = post(&server, path, json!({ "inputs": long }));
+    assert!((400..500).contains(&r.status) && r.error().contains("at most 24"), "{}: {}", r.status, r.error());
+
+    // Text classifiers: labels in id order, softmax of logits / sigmoid for multi-label.
+    for name in ["text-classifier", "text-multilabel"] {
+        let want = reference(&["classify", published(name).to_str().unwrap(), &texts]);
+        assert_eq!(want["labels"], json!(["NEG", "NEU", "POS"]));
+        let r = post(&server, &format!("/v2/models/{name}/predict"), json!({ "inputs": TEXTS }));
+        assert_eq!(r.status, 200, "{name}: {}", r.error());
+        let labels = want["labels"].as_array().unwrap();
+        let got: Vec<Value> = r
+            .json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|ranked| {
+                let row: Vec<f64> = labels
+                    .iter()
+                    .map(|l| {
+                        ranked.as_array().unwrap().iter().find(|p| &p["label"] == l).unwrap()["score"].as_f64().unwrap()
+                    })
+                    .collect();
+                json!(row)
+            })
+            .collect();
+        let d = worst(&Value::Array(got.clone()), &want["scores"]);
+        assert!(d < 1e-5, "{name}: {d}");
+        let sum: f64 = floats(&got[0]).iter().sum();
+        match name {
+            "text-classifier" => assert!((sum - 1.0).abs() < 1e-5, "softmax sums to 1: {sum}"),
+            _ => assert!((sum - 1.0).abs() > 0.01, "sigmoids are independent: {sum}"),
+        }
+    }
+
+    // A Hugging Face image classifier: preprocessor_config.json's resize, crop and mean/std.
+    for case in reference(&["image", published("image-classifier").to_str().unwrap()]).as_array().unwrap() {
+        let body = json!({ "image_b64": case["png"], "raw_scores": true });
+        let r = post(&server, "/v2/models/image-classifier/predict", body);
+        assert_eq!(r.status, 200, "{}: {}", case["size"], r.error());
+        let mut got = vec![f64::NAN; 144];
+        for p in r.json().as_array().unwrap() {
+            got[p["label"].as_str().unwrap()[1..].parse::<usize>().unwrap()] = p["score"].as_f64().unwrap();
+        }
+        // Normalised values: a level of 255 is 1 / (255 x 0.225) = 0.017. Two bicubic
+        // implementations (f32, Pillow's fixed point) may differ by a level or two.
+        let d = worst(&json!([got]), &json!([case["expected"]]));
+        assert!(d <= 2.0 / 255.0 / 0.224, "{}: {d}", case["size"]);
+    }
+}
+
+fn inferd(args: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN).args(args).env("INFERD_LOG", "warn").output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn init_writes_the_model_toml_a_folder_is_served_with() {
+    let dir = TempDir::new("init");
+    let folder = dir.path().join("my-embedder");
+    copy_dir(&published("st-embedder"), &folder);
+    let config = dir.path().join("inferd.toml");
+    write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let config = config.to_str().unwrap();
+    let folder_arg = folder.to_str().unwrap();
+
+    let (ok, checked) = inferd(&["check", "--config", config, "--model", folder_arg]);
+    assert!(ok, "{checked}");
+    assert!(checked.contains("no model.toml: served as this one"), "{checked}");
+    let (ok, written) = inferd(&["init", folder_arg]);
+    assert!(ok, "{written}");
+    let toml = std::fs::read_to_string(folder.join("model.toml")).unwrap();
+    for line in [
+        "name = \"my-embedder\"",
+        "file = \"onnx/model.onnx\"",
+        "max_length = 32  # sentence_bert_config.json: max_seq_length",
+        "pooling = \"mean\"  # 1_Pooling/config.json: pooling_mode_mean_tokens",
+        "normalize = true",
+        "default_prompt = \"query\"",
+        "query = \"query: \"",
+    ] {
+        assert!(toml.contains(line), "{line} missing from:\n{toml}");
+        assert!(checked.contains(line), "check printed a different model.toml:\n{checked}");
+    }
+    // Now read from the file: check no longer says it infers, and the user's edit counts.
+    std::fs::write(folder.join("model.toml"), toml.replace("max_length = 32", "max_length = 20")).unwrap();
+    let (ok, checked) = inferd(&["check", "--config", config, "--model", folder_arg]);
+    assert!(ok && !checked.contains("no model.toml") && checked.contains("(max_length 20)"), "{checked}");
+    let (ok, again) = inferd(&["init", folder_arg]);
+    assert!(!ok && again.contains("exists; --force replaces it"), "{again}");
+}
+
+#[test]
+fn folders_that_cannot_be_read_without_model_toml_are_refused_with_the_reason() {
+    let dir = TempDir::new("refused");
+    write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let config = dir.path().join("inferd.toml");
+    let cases: [(&str, &dyn Fn(&Path), &str); 5] = [
+        // model.onnx or onnx/model.onnx is served beside others; without it, which one?
+        (
+            "two-files",
+            &|f| {
+                std::fs::copy(f.join("onnx/model.onnx"), f.join("onnx/model_O2.onnx")).unwrap();
+                std::fs::rename(f.join("onnx/model.onnx"), f.join("onnx/model_qint8.onnx")).unwrap();
+            },
+            "several ONNX files (onnx/model_O2.onnx, onnx/model_qint8.onnx)",
+        ),
+        ("no-onnx", &|f| std::fs::remove_dir_all(f.join("onnx")).unwrap(), "no model.toml and no ONNX file"),
+        (
+            "dense",
+            &|f| {
+                let mut modules: Value =
+                    serde_json::from_slice(&std::fs::read(f.join("modules.json")).unwrap()).unwrap();
+                modules.as_array_mut().unwrap().insert(
+                    2,
+                    json!({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}),
+                );
+                std::fs::write(f.join("modules.json"), modules.to_string()).unwrap();
+            },
+            "modules.json has sentence_transformers.models.Dense ('2_Dense')",
+        ),
+        (
+            "two-poolings",
+            &|f| {
+                let text = std::fs::read_to_string(f.join("1_Pooling/config.json")).unwrap();
+                std::fs::write(
+                    f.join("1_Pooling/config.json"),
+                    text.replace("\"pooling_mode_cls_token\": false", "\"pooling_mode_cls_token\": true"),
+                )
+                .unwrap();
+            },
+            "a concatenation of poolings",
+        ),
+        (
+            "bad-prompt",
+            &|f| {
+                std::fs::write(
+                    f.join("config_sentence_transformers.json"),
+                    r#"{"prompts": {"query": "q: "}, "default_prompt_name": "doc"}"#,
+                )
+                .unwrap()
+            },
+            "prompt 'doc' is not one of the model's (query)",
+        ),
+    ];
+    for (name, spoil, message) in cases {
+        let folder = dir.path().join(name);
+        copy_dir(&published("st-embedder"), &folder);
+        spoil(&folder);
+        let (ok, out) = inferd(&["check", "--config", config.to_str().unwrap(), "--model", folder.to_str().unwrap()]);
+        assert!(!ok, "{name}: {out}");
+        assert!(out.contains(message) && out.contains(name), "{name}: {out}");
+    }
+}
