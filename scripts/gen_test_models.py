@@ -63,6 +63,8 @@ published/  model folders laid out as their publishers lay them out, without mod
                      Normalize, the length limit from config.json's max_position_embeddings
        text-classifier   BertForSequenceClassification, id2label NEG/NEU/POS (logits)
        text-multilabel   the same with problem_type multi_label_classification
+       splade        a sentence-transformers SparseEncoder (MLMTransformer + SpladePooling) over
+                     a masked-LM head: logits [batch, sequence, vocabulary]
        image-classifier  ViTForImageClassification over the pixels model, 144 labels, with a
                      preprocessor_config.json (shortest edge 10, bicubic, crop 8x6, ImageNet
                      mean/std)
@@ -684,6 +686,7 @@ def bench_slow(path):
 
 PUBLISHED_DIR = OUT_DIR / "published"
 PUBLISHED_DIM = 16
+SPLADE_BIAS = 8.0
 PUBLISHED_WORDS = (
     "the a an is are was of to and in on for with this that it at by from as be or not but "
     "query passage search document question answer cat dog sat mat sun moon rain snow city river "
@@ -693,10 +696,7 @@ PUBLISHED_WORDS = (
 )
 
 
-def published_tokenizer():
-    """A BERT-style WordPiece tokenizer.json over a small vocabulary (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
+def published_vocab():
     vocab = {}
     for token in (
         ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -705,6 +705,14 @@ def published_tokenizer():
         + PUBLISHED_WORDS.split()
     ):
         vocab.setdefault(token, len(vocab))
+    return vocab
+
+
+def published_tokenizer():
+    """A BERT-style WordPiece tokenizer.json over a small vocabulary (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = published_vocab()
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -717,15 +725,18 @@ def published_tokenizer():
     return tok.to_str(pretty=True).encode() + b"\n"
 
 
-def token_vectors_model(output="last_hidden_state"):
+def token_vectors_model(output="last_hidden_state", vocab=0):
     """input_ids, attention_mask, token_type_ids -> [batch, sequence, 16]: each token's table
-    row plus 0.3 x the running sum of the rows up to it."""
+    row plus 0.3 x the running sum of the rows up to it. With `vocab`, a masked-LM head on
+    top: -> [batch, sequence, vocab] logits = hidden @ W - SPLADE_BIAS with
+    W[j, v] = sin(0.37 v + 1.3 j) (mostly negative, so SPLADE's relu leaves a sparse vector)."""
+    hidden = "hidden" if vocab else output
     text_dims = ["batch", "sequence"]
     inputs = [
         helper.make_tensor_value_info(n, TensorProto.INT64, text_dims)
         for n in ("input_ids", "attention_mask", "token_type_ids")
     ]
-    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", "sequence", PUBLISHED_DIM])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", "sequence", vocab or PUBLISHED_DIM])]
     initializers = [
         const("rows_start", 0.0, np.float32),
         const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
@@ -754,8 +765,14 @@ def token_vectors_model(output="last_hidden_state"):
         helper.make_node("ReduceSum", ["other", "axis_1"], ["other_sum"], name="other_sum", keepdims=1),
         helper.make_node("Mul", ["other_sum", "zero"], ["other_zero"], name="other_mul"),
         helper.make_node("Unsqueeze", ["other_zero", "axis_2"], ["other_zero_3d"], name="other_unsqueeze"),
-        helper.make_node("Add", ["vectors", "other_zero_3d"], [output], name="output_add"),
+        helper.make_node("Add", ["vectors", "other_zero_3d"], [hidden], name="output_add"),
     ]
+    if vocab:
+        j, v = np.meshgrid(np.arange(PUBLISHED_DIM), np.arange(vocab), indexing="ij")
+        initializers.append(const("mlm_w", np.sin(0.37 * v + 1.3 * j), np.float32))
+        initializers.append(const("mlm_b", -SPLADE_BIAS, np.float32))
+        nodes.append(helper.make_node("MatMul", [hidden, "mlm_w"], ["mlm_scores"], name="mlm_head"))
+        nodes.append(helper.make_node("Add", ["mlm_scores", "mlm_b"], [output], name="mlm_bias"))
     return make_model(helper.make_graph(nodes, "token_vectors", inputs, outputs, initializer=initializers))
 
 
@@ -844,6 +861,27 @@ def published_folders():
                 )
             ),
         }
+    vocab = len(published_vocab())
+    folders["splade"] = {
+        "model.onnx": token_vectors_model("logits", vocab).SerializeToString(),
+        "tokenizer.json": tokenizer,
+        "tokenizer_config.json": json_bytes({"model_max_length": 64}),
+        "config.json": json_bytes(bert_config("BertForMaskedLM", 512, vocab_size=vocab)),
+        "modules.json": json_bytes(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_SpladePooling",
+                    "type": "sentence_transformers.sparse_encoder.models.SpladePooling",
+                },
+            ]
+        ),
+        "1_SpladePooling/config.json": json_bytes(
+            {"pooling_strategy": "max", "activation_function": "relu", "word_embedding_dimension": vocab}
+        ),
+    }
     n = 3 * PIXELS_H * PIXELS_W
     folders["image-classifier"] = {
         "model.onnx": pixels_model().SerializeToString(),
@@ -883,6 +921,11 @@ def check_published(folder, files):
         assert enc.tokens == ["[CLS]", "query", ":", "the", "quick", "brown", "fox", "[SEP]"], enc.tokens
     onnx_file = "onnx/model.onnx" if "onnx/model.onnx" in files else "model.onnx"
     sess = session(folder / onnx_file)
+    if folder.name == "splade":
+        (out,) = sess.run(None, text_feeds([[2, 40, 41, 3]]))
+        assert out.shape == (1, 4, len(published_vocab()))
+        share = (out.max(axis=1) > 0).mean()
+        assert 0.05 < share < 0.5, f"SPLADE test vector not sparse enough: {share}"
     if folder.name.startswith("st-"):
         feeds = text_feeds([[2, 40, 41, 3]])
         (out,) = sess.run(None, feeds)

@@ -14,7 +14,8 @@ use base64::Engine as _;
 use common::*;
 use serde_json::{json, Value};
 
-const FOLDERS: [&str; 5] = ["st-embedder", "st-lasttoken", "text-classifier", "text-multilabel", "image-classifier"];
+const FOLDERS: [&str; 6] =
+    ["st-embedder", "st-lasttoken", "text-classifier", "text-multilabel", "image-classifier", "splade"];
 
 fn published(name: &str) -> PathBuf {
     test_models().join("published").join(name)
@@ -142,6 +143,39 @@ fn published_folders_answer_as_their_libraries_do() {
             _ => assert!((sum - 1.0).abs() > 0.01, "sigmoids are independent: {sum}"),
         }
     }
+
+    // A SPLADE sparse encoder: /embed_sparse in TEI's shape, equal to the formula.
+    let want = reference(&["sparse", published("splade").to_str().unwrap(), &texts]);
+    let r = post(&server, "/v2/models/splade/embed_sparse", json!({ "inputs": TEXTS }));
+    assert_eq!(r.status, 200, "{}", r.error());
+    let vocabulary = want["vectors"][0].as_array().unwrap().len();
+    let dense = |answer: &Value| -> Value {
+        let rows = answer.as_array().unwrap().iter().map(|entries| {
+            let mut row = vec![0.0; vocabulary];
+            let mut last = None;
+            for e in entries.as_array().unwrap() {
+                let i = e["index"].as_u64().unwrap() as usize;
+                assert!(last < Some(i) && e["value"].as_f64().unwrap() > 0.0, "in index order, non-zero: {e}");
+                row[i] = e["value"].as_f64().unwrap();
+                last = Some(i);
+            }
+            json!(row)
+        });
+        Value::Array(rows.collect())
+    };
+    let d = worst(&dense(&r.json()), &want["vectors"]);
+    assert!(d < 1e-5, "splade: {d}");
+    let zeros = floats(&want["vectors"][1]).iter().filter(|v| **v == 0.0).count();
+    assert!(zeros > vocabulary / 4, "the reference vector is sparse: {zeros} zeros of {vocabulary}");
+    assert_eq!(r.json()[1].as_array().unwrap().len(), vocabulary - zeros, "exactly the non-zero entries");
+    let r = post(&server, "/v2/models/splade/embed_sparse", json!({ "inputs": TEXTS[1], "top_k": 3 }));
+    let mut largest = floats(&want["vectors"][1]);
+    largest.sort_by(|a, b| b.total_cmp(a));
+    let got: Vec<f64> = r.json()[0].as_array().unwrap().iter().map(|e| e["value"].as_f64().unwrap()).collect();
+    assert_eq!(got.len(), 3, "{}", r.json());
+    assert!(got.iter().all(|v| largest[..3].iter().any(|l| (l - v).abs() < 1e-5)), "{got:?} vs {largest:?}");
+    let r = post(&server, "/v2/models/st-embedder/embed_sparse", json!({ "inputs": "x" }));
+    assert!(r.status == 400 && r.error().contains("needs a SPLADE model"), "{}", r.error());
 
     // A Hugging Face image classifier: preprocessor_config.json's resize, crop and mean/std.
     for case in reference(&["image", published("image-classifier").to_str().unwrap()]).as_array().unwrap() {

@@ -14,7 +14,7 @@
 //! file = "tokenizer.json"
 //! max_length = 256       # tokens, special tokens included
 //! [embedding]            # task = "embedding"
-//! pooling = "mean"       # "mean" | "max" (over the attention mask) | "cls" | "last_token"
+//! pooling = "mean"       # "mean" | "max" (over the attention mask) | "cls" | "last_token" | "splade"
 //! normalize = true       # L2; the default for requests that do not say
 //! matryoshka = false     # true: a prefix of the vector is an embedding too (`dimensions`)
 //! default_prompt = "query"  # optional: the prompt of requests that name none
@@ -299,6 +299,10 @@ pub enum Pooling {
     Max,
     /// The last token's vector (decoder models, whose last token has seen the whole text).
     LastToken,
+    /// SPLADE over a masked-LM's logits `[batch, sequence, vocabulary]`: per vocabulary
+    /// entry, the largest `log(1 + relu(logit))` over the tokens; a sparse vector
+    /// (`/embed_sparse`).
+    Splade,
 }
 
 impl Pooling {
@@ -308,6 +312,7 @@ impl Pooling {
             Pooling::Cls => "cls",
             Pooling::Max => "max",
             Pooling::LastToken => "last_token",
+            Pooling::Splade => "splade",
         }
     }
 }

@@ -5,6 +5,9 @@ libraries do, from the folder's own files, with onnxruntime running the ONNX fil
         sentence-transformers: the prompt (PROMPT_NAME, else default_prompt_name) before each
         text, tokenizer.json cut at max_seq_length, the Pooling module's mode over the
         model's first output, L2 normalisation when modules.json has Normalize.
+    published_reference.py sparse DIR TEXTS_JSON
+        sentence-transformers' SparseEncoder (SpladePooling): per vocabulary entry, the
+        largest log(1 + relu(logit)) over the tokens; the dense vectors.
     published_reference.py classify DIR TEXTS_JSON
         transformers' text classification: labels from id2label in id order, softmax of the
         logits, or sigmoid for problem_type multi_label_classification.
@@ -88,6 +91,16 @@ def embed(folder, texts, prompt_name):
     return {"prompt": prompt, "mode": mode, "normalize": normalize, "embeddings": rows}
 
 
+def sparse(folder, texts):
+    tok = tokenizer(folder, load(folder, "tokenizer_config.json")["model_max_length"])
+    sess = session(folder)
+    rows = []
+    for text in texts:
+        (logits,) = sess.run(None, feeds(sess, tok.encode(text)))
+        rows.append(np.log1p(np.maximum(logits[0].astype(np.float64), 0)).max(axis=0).tolist())
+    return {"vectors": rows}
+
+
 def classify(folder, texts):
     config = load(folder, "config.json")
     labels = [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
@@ -140,6 +153,8 @@ def main():
     kind, folder = sys.argv[1], Path(sys.argv[2])
     if kind == "embed":
         result = embed(folder, json.loads(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    elif kind == "sparse":
+        result = sparse(folder, json.loads(sys.argv[3]))
     elif kind == "classify":
         result = classify(folder, json.loads(sys.argv[3]))
     else:

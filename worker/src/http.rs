@@ -132,6 +132,7 @@ enum Route<'a> {
     Decode,
     Similarity,
     EmbedAll,
+    EmbedSparse(Option<&'a str>),
     Rerank(Option<&'a str>),
     /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
     /// model's task.
@@ -160,6 +161,7 @@ impl Route<'_> {
             | Route::Decode
             | Route::Similarity
             | Route::EmbedAll
+            | Route::EmbedSparse(_)
             | Route::Rerank(_)
             | Route::Invocations
             | Route::Ping => ErrorStyle::Tei,
@@ -189,6 +191,8 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["decode"] => Route::Decode,
         ["similarity"] => Route::Similarity,
         ["embed_all"] => Route::EmbedAll,
+        ["embed_sparse"] => Route::EmbedSparse(None),
+        ["v2", "models", name, "embed_sparse"] => Route::EmbedSparse(Some(name)),
         ["rerank"] => Route::Rerank(None),
         ["v2", "models", name, "rerank"] => Route::Rerank(Some(name)),
         ["invocations"] | [""] => Route::Invocations,
@@ -211,6 +215,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         | Route::Decode
         | Route::Similarity
         | Route::EmbedAll
+        | Route::EmbedSparse(_)
         | Route::Rerank(_)
         | Route::Invocations => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
@@ -299,6 +304,16 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 tei::embed_all(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, 0, 1, work).await
+        }
+        Route::EmbedSparse(name) => {
+            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
+            let row = found_index(&found);
+            let work = async {
+                let (index, meta) = found?;
+                let body = read_body(state, request).await?;
+                tei::embed_sparse(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
+            };
+            counted(state, row, 1, work).await
         }
         Route::Invocations => {
             let meta = &state.models[0];

@@ -690,6 +690,14 @@ pub fn embeddings(
                         }
                         max
                     }
+                    // log(1 + relu(x)) grows with x: the largest x of each entry decides.
+                    Pooling::Splade => {
+                        let mut max = vec![0f32; *d];
+                        for token in tokens {
+                            max.iter_mut().zip(token).for_each(|(a, &b)| *a = a.max(b));
+                        }
+                        max.iter().map(|x| x.ln_1p()).collect()
+                    }
                 }
             })
             .collect(),
@@ -699,6 +707,18 @@ pub fn embeddings(
         rows.iter_mut().for_each(|row| l2_normalize(row));
     }
     Ok(rows)
+}
+
+/// The entries of `row` above `threshold` as (index, value) in index order; with `top_k`, only
+/// the `top_k` largest of them (`/embed_sparse`).
+pub fn sparse(row: &[f32], threshold: f32, top_k: Option<usize>) -> Vec<(usize, f32)> {
+    let mut kept: Vec<(usize, f32)> = row.iter().copied().enumerate().filter(|(_, v)| *v > threshold).collect();
+    if let Some(k) = top_k.filter(|&k| k < kept.len()) {
+        kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        kept.truncate(k);
+        kept.sort_by_key(|e| e.0);
+    }
+    kept
 }
 
 /// Scores per row, `raw` = the output as the model gave it, else activated.
@@ -767,13 +787,28 @@ mod tests {
         let out = Tensor { data: TensorData::F32(vec![5., -2., 3., 4., 9., 9., 6., 8., 0., 0., 0., 0.]), ..out };
         let e = embeddings(&out, &[2, 1], Pooling::Max, false).unwrap();
         assert_eq!(e[0], vec![5., 4.], "each dimension's own maximum");
+        let e = embeddings(&out, &[2, 1], Pooling::Splade, false).unwrap();
+        assert_eq!(e[0], vec![5f32.ln_1p(), 4f32.ln_1p()]);
+        let out = Tensor { data: TensorData::F32(vec![-1., -2., 3., -4., 9., 9., 6., 8., 0., 0., 0., 0.]), ..out };
+        let e = embeddings(&out, &[2, 1], Pooling::Splade, false).unwrap();
+        assert_eq!(e[0], vec![3f32.ln_1p(), 0.], "relu: no token above 0 gives 0");
+    }
+
+    #[test]
+    fn sparse_vectors_keep_what_is_above_the_threshold_or_the_top_k() {
+        let row = [0., 0.5, 0., 2., 0.1, 1.];
+        assert_eq!(sparse(&row, 0., None), vec![(1, 0.5), (3, 2.), (4, 0.1), (5, 1.)]);
+        assert_eq!(sparse(&row, 0.2, None), vec![(1, 0.5), (3, 2.), (5, 1.)]);
+        assert_eq!(sparse(&row, 0., Some(2)), vec![(3, 2.), (5, 1.)], "the two largest, in index order");
+        assert_eq!(sparse(&row, 0., Some(9)).len(), 4);
+        assert!(sparse(&row, 0., Some(0)).is_empty());
     }
 
     #[test]
     fn zero_sized_outputs_are_a_model_error_not_a_panic() {
         for shape in [vec![2, 0], vec![2, 3, 0], vec![2, 0, 4]] {
             let out = Tensor { name: "h".into(), shape, data: TensorData::F32(vec![]) };
-            for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Max, Pooling::LastToken] {
+            for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Max, Pooling::LastToken, Pooling::Splade] {
                 let err = embeddings(&out, &[1, 1], pooling, true).unwrap_err().to_string();
                 assert!(err.contains("no embedding"), "{err}");
             }

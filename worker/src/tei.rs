@@ -15,6 +15,9 @@
 //!   "texts": [...], "raw_scores", "return_text", "truncate"}` -> `[{"index", "score"}, ...]`
 //!   best first.
 //! - `/embed_all`: the same body as `/embed` -> `[[[f32, ...], ...], ...]`, every token's vector.
+//! - `/embed_sparse` (`pooling = "splade"`): `{"inputs", "truncate", "prompt_name"}`, and
+//!   inferd's own `"top_k"` and `"threshold"` -> `[[{"index", "value"}, ...], ...]`, the
+//!   non-zero entries (above the threshold, the top k of them) in index order.
 //! - `GET /info`, `POST /tokenize`, `POST /decode`: the default model and its tokenizer.
 //! - `POST /` and `POST /invocations` (SageMaker): `/embed` or `/predict`, by the default
 //!   model's task; `GET /ping` answers like `/v2/health/ready`.
@@ -31,9 +34,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::app::{json_reply, ApiError, AppState, Reply};
 use crate::model::ModelMeta;
-use crate::pipeline::{ranked, Head, Pipeline, Text, TextPipeline};
+use crate::pipeline::{ranked, sparse, Head, Pipeline, Text, TextPipeline};
 use crate::tasks::{self, Options, PipelineInput, Rows};
-use inferd_config::model::Task;
+use inferd_config::model::{Pooling, Task};
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -178,6 +181,77 @@ pub async fn embed_all(
     let floats: usize = rows.iter().flatten().map(Vec::len).sum();
     let lists = rows.iter().map(|r| r.len().saturating_add(1)).sum::<usize>().saturating_add(1);
     let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add((lists as u64).saturating_mul(3));
+    let mut reply = tasks::large_json(state, rows, bound).await?;
+    tasks::annotate(&mut reply, &outcome);
+    Ok(reply)
+}
+
+#[derive(Deserialize)]
+struct SparseRequest {
+    inputs: OneOrMany<String>,
+    #[serde(default)]
+    truncate: bool,
+    #[serde(default)]
+    prompt_name: Option<String>,
+    /// Only the k largest entries of each vector.
+    #[serde(default)]
+    top_k: Option<usize>,
+    /// Only entries above this (default 0: every non-zero one).
+    #[serde(default)]
+    threshold: Option<f32>,
+}
+
+#[derive(Serialize)]
+struct SparseValue {
+    index: usize,
+    value: f32,
+}
+
+/// `POST /embed_sparse`: SPLADE vectors as their non-zero entries.
+pub async fn embed_sparse(
+    state: &AppState,
+    index: usize,
+    meta: &ModelMeta,
+    body: &[u8],
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
+    require(meta, Task::Embedding, "/embed_sparse")?;
+    if !matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Splade) {
+        return Err(ApiError::BadRequest(format!(
+            "/embed_sparse needs a SPLADE model (pooling = \"splade\"); '{}' gives dense vectors: use /embed",
+            meta.info.name
+        )));
+    }
+    let request: SparseRequest = parse(body)?;
+    let threshold = request.threshold.unwrap_or(0.0);
+    if !threshold.is_finite() || threshold < 0.0 {
+        return Err(ApiError::BadRequest(format!("'threshold' is {threshold}; it must be 0 or more")));
+    }
+    let (texts, _) = request.inputs.into_vec();
+    let texts = texts.into_iter().map(Text::Single).collect();
+    let options = Options {
+        truncate: request.truncate,
+        normalize: Some(false),
+        deadline,
+        prompt_name: request.prompt_name,
+        ..Options::default()
+    };
+    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
+    let rows: Vec<Vec<SparseValue>> = rows
+        .iter()
+        .map(|row| {
+            sparse(row, threshold, request.top_k)
+                .into_iter()
+                .map(|(index, value)| SparseValue { index, value })
+                .collect()
+        })
+        .collect();
+    // Each entry `{"index":N,"value":F},` (N has at most 20 digits), and each list's brackets.
+    let entries = rows.iter().map(Vec::len).sum::<usize>() as u64;
+    let bound = entries
+        .saturating_mul(tasks::JSON_F32_BYTES.saturating_add(40))
+        .saturating_add((rows.len() as u64).saturating_mul(3).saturating_add(2));
     let mut reply = tasks::large_json(state, rows, bound).await?;
     tasks::annotate(&mut reply, &outcome);
     Ok(reply)
@@ -485,7 +559,7 @@ pub async fn similarity(
 /// Every TEI request body this module reads, parsed as its handler parses it: the inputs each
 /// would carry, `None` where the body is not that request (the fuzz target's entry,
 /// fuzz/fuzz_targets/tei_openai.rs).
-pub fn parse_bodies(body: &[u8]) -> [Option<usize>; 6] {
+pub fn parse_bodies(body: &[u8]) -> [Option<usize>; 7] {
     let embed = parse::<EmbedRequest>(body).ok().map(|r| r.inputs.into_vec().0.len());
     let predict = parse::<PredictRequest>(body).ok().map(|r| {
         let texts = r.inputs.map_or(0, |i| i.into_vec().0.into_iter().map(Text::from).count());
@@ -501,5 +575,6 @@ pub fn parse_bodies(body: &[u8]) -> [Option<usize>; 6] {
         OneOrMany::Many(items) => items.len(),
     });
     let similarity = parse::<SimilarityRequest>(body).ok().map(|r| r.inputs.sentences.len());
-    [embed, predict, rerank, tokenize, decode, similarity]
+    let sparse = parse::<SparseRequest>(body).ok().map(|r| r.inputs.into_vec().0.len());
+    [embed, predict, rerank, tokenize, decode, similarity, sparse]
 }

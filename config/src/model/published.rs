@@ -178,7 +178,12 @@ pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, Strin
         classification(&mut t, &files, labels)?;
         return Ok(t.0);
     }
-    if architecture.ends_with("ForMaskedLM") || architecture.ends_with("ForCausalLM") {
+    let splade = files
+        .modules
+        .as_ref()
+        .and_then(Value::as_array)
+        .is_some_and(|list| list.iter().any(|m| m["type"].as_str().is_some_and(|t| t.ends_with(".SpladePooling"))));
+    if (architecture.ends_with("ForMaskedLM") && !splade) || architecture.ends_with("ForCausalLM") {
         return Err(format!(
             "config.json says {architecture}, a language model's head: inferd serves embeddings and \
              classifiers; write a model.toml (task = \"raw\" serves its tensors)"
@@ -268,6 +273,7 @@ fn tokenizer_section(t: &mut TomlText, dir: &Path, files: &Files, tokenizer: &st
 
 fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), String> {
     let mut pooling_dir = None;
+    let mut splade_dir = None;
     let mut normalize = None;
     if let Some(modules) = &files.modules {
         let list = modules.as_array().ok_or("modules.json is not a list of modules")?;
@@ -275,8 +281,9 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
             let kind = module["type"].as_str().unwrap_or_default();
             let path = module["path"].as_str().unwrap_or_default();
             match kind.rsplit('.').next().unwrap_or_default() {
-                "Transformer" => {}
+                "Transformer" | "MLMTransformer" => {}
                 "Pooling" => pooling_dir = Some(path.to_string()),
+                "SpladePooling" => splade_dir = Some(path.to_string()),
                 "Normalize" => normalize = Some(true),
                 _ => {
                     return Err(format!(
@@ -291,15 +298,31 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
         pooling_dir = Some("1_Pooling".into());
     }
     t.section("embedding");
-    match pooling_dir {
-        Some(p) => {
-            let file = format!("{}config.json", if p.is_empty() { String::new() } else { format!("{p}/") });
+    let config_of = |p: &str| format!("{}config.json", if p.is_empty() { String::new() } else { format!("{p}/") });
+    match (splade_dir, pooling_dir) {
+        (Some(_), Some(_)) => return Err("modules.json has both a Pooling and a SpladePooling module".into()),
+        (Some(p), None) => {
+            let file = config_of(&p);
+            let config = json(dir, &file)?.unwrap_or(Value::Null);
+            // sentence-transformers' defaults: max over the tokens of log(1 + relu).
+            let strategy = config.get("pooling_strategy").and_then(Value::as_str).unwrap_or("max");
+            let activation = config.get("activation_function").and_then(Value::as_str).unwrap_or("relu");
+            if (strategy, activation) != ("max", "relu") {
+                return Err(format!(
+                    "{file}: pooling_strategy = {strategy}, activation_function = {activation}; inferd's SPLADE is \
+                     max and relu"
+                ));
+            }
+            t.key("pooling", "splade", &format!("modules.json: SpladePooling ({strategy} of log(1 + {activation}))"));
+        }
+        (None, Some(p)) => {
+            let file = config_of(&p);
             let config = json(dir, &file)?
                 .ok_or(format!("modules.json names a Pooling module in '{p}', but {file} is missing"))?;
             let (pooling, key) = pooling(&config).map_err(|e| format!("{file}: {e}"))?;
             t.key("pooling", pooling, &format!("{file}: {key}"));
         }
-        None => t.key("pooling", "mean", "no pooling configuration: mean over the tokens"),
+        (None, None) => t.key("pooling", "mean", "no pooling configuration: mean over the tokens"),
     }
     match normalize {
         Some(true) => t.key("normalize", true, "modules.json: sentence_transformers.models.Normalize"),
