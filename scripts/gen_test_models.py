@@ -63,6 +63,8 @@ published/  model folders laid out as their publishers lay them out, without mod
                      Normalize, the length limit from config.json's max_position_embeddings
        text-classifier   BertForSequenceClassification, id2label NEG/NEU/POS (logits)
        text-multilabel   the same with problem_type multi_label_classification
+       external-data a raw model (x FLOAT ["batch", 8] -> y = x @ W + b) whose weights are in
+                     model.onnx_data beside it, as exporters write models over 2 GB
        splade        a sentence-transformers SparseEncoder (MLMTransformer + SpladePooling) over
                      a masked-LM head: logits [batch, sequence, vocabulary]
        image-classifier  ViTForImageClassification over the pixels model, 144 labels, with a
@@ -71,6 +73,11 @@ published/  model folders laid out as their publishers lay them out, without mod
        Their tokenizer.json is a small WordPiece vocabulary made here (PUBLISHED_WORDS).
        The text models' token vectors depend on the token and on every token before it
        (a running sum), so mean, max, first and last token all differ.
+
+tests/fixtures/strings.onnx  custom operators of onnxruntime-extensions (domain ai.onnx.contrib):
+         text STRING ["n"] -> StringLower -> lower STRING ["n"]
+                           -> StringLength -> length INT64 ["n"]
+       (no model.toml: the library's path is the machine's, so tests/published.rs writes it)
 
 cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
          pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
@@ -861,6 +868,7 @@ def published_folders():
                 )
             ),
         }
+    folders["external-data"] = external_data_files()
     vocab = len(published_vocab())
     folders["splade"] = {
         "model.onnx": token_vectors_model("logits", vocab).SerializeToString(),
@@ -912,6 +920,34 @@ def published_folders():
     return folders
 
 
+def external_data_files():
+    """{"model.onnx": graph, "model.onnx_data": W then b} (the weights outside the graph)."""
+    import tempfile
+
+    from onnx import external_data_helper
+
+    j, i = np.meshgrid(np.arange(8), np.arange(8))
+    initializers = [const("w", np.sin(i * 0.7 + j * 1.1), np.float32), const("b", np.arange(8) * 0.25, np.float32)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"], name="matmul"),
+        helper.make_node("Add", ["xw", "b"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "external",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        initializer=initializers,
+    )
+    model = make_model(graph)
+    external_data_helper.convert_model_to_external_data(
+        model, all_tensors_to_one_file=True, location="model.onnx_data", size_threshold=0
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save_model(model, os.path.join(tmp, "model.onnx"))
+        return {name: Path(tmp, name).read_bytes() for name in ("model.onnx", "model.onnx_data")}
+
+
 def check_published(folder, files):
     from tokenizers import Tokenizer
 
@@ -921,6 +957,11 @@ def check_published(folder, files):
         assert enc.tokens == ["[CLS]", "query", ":", "the", "quick", "brown", "fox", "[SEP]"], enc.tokens
     onnx_file = "onnx/model.onnx" if "onnx/model.onnx" in files else "model.onnx"
     sess = session(folder / onnx_file)
+    if folder.name == "external-data":
+        x = np.arange(16, dtype=np.float32).reshape(2, 8)
+        (y,) = sess.run(None, {"x": x})
+        j, i = np.meshgrid(np.arange(8), np.arange(8))
+        assert np.allclose(y, x @ np.sin(i * 0.7 + j * 1.1).astype(np.float32) + np.arange(8) * 0.25, atol=1e-5)
     if folder.name == "splade":
         (out,) = sess.run(None, text_feeds([[2, 40, 41, 3]]))
         assert out.shape == (1, 4, len(published_vocab()))
@@ -931,6 +972,42 @@ def check_published(folder, files):
         (out,) = sess.run(None, feeds)
         assert out.shape == (1, 4, PUBLISHED_DIM)
         assert not np.allclose(out[0, 0], out[0, 1])
+
+
+def strings_model():
+    contrib = "ai.onnx.contrib"
+    nodes = [
+        helper.make_node("StringLower", ["text"], ["lower"], name="lower", domain=contrib),
+        helper.make_node("StringLength", ["text"], ["length"], name="length", domain=contrib),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "strings",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, ["n"])],
+        [
+            helper.make_tensor_value_info("lower", TensorProto.STRING, ["n"]),
+            helper.make_tensor_value_info("length", TensorProto.INT64, ["n"]),
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(contrib, 1)],
+        producer_name="inferd-gen-test-models",
+        producer_version="1",
+    )
+    model.ir_version = IR_VERSION
+    return model
+
+
+def check_strings(path):
+    import onnxruntime as ort
+    import onnxruntime_extensions
+
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(onnxruntime_extensions.get_library_path())
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    lower, length = sess.run(None, {"text": np.array(["Hello Wörld", "ABC"], dtype=object)})
+    assert list(lower) == ["hello wörld", "abc"] and list(length) == [11, 3], (lower, length)
 
 
 def write_published():
@@ -959,6 +1036,13 @@ def main():
         if not args.no_check:
             CHECKS[name](model_path)
             print(f"{rel}: onnxruntime check passed")
+
+    strings = REPO / "tests" / "fixtures" / "strings.onnx"
+    changed = write_if_changed(strings, strings_model().SerializeToString())
+    print(f"{strings.relative_to(REPO)}: {'written' if changed else 'unchanged'}")
+    if not args.no_check:
+        check_strings(strings)
+        print(f"{strings.relative_to(REPO)}: onnxruntime check passed (onnxruntime-extensions)")
 
     for folder, files in write_published():
         if not args.no_check:

@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use base64::Engine as _;
 use common::*;
 use serde_json::{json, Value};
 
@@ -337,4 +336,108 @@ fn a_real_published_sentence_transformers_folder_is_served_as_it_says() {
     let info = server.request("GET", "/info", b"").json();
     assert_eq!(info["model_id"], "all-MiniLM-L6-v2", "{info}");
     assert_eq!(info["max_input_length"], 256, "sentence_bert_config.json's max_seq_length: {info}");
+}
+
+/// A graph of onnxruntime-extensions' string operators (tests/fixtures/strings.onnx), served
+/// with `[custom_ops]` naming the library of the PyPI wheel: BYTES in and out over KServe v2,
+/// equal to onnxruntime's own answer with the same library. Without `[custom_ops]` the model
+/// is refused at start, naming the operator.
+#[test]
+fn a_graph_of_custom_operators_is_served_with_their_library() {
+    let model = repo().join("tests/fixtures/strings.onnx");
+    let texts = ["Hello Wörld", "ÅNGSTRÖM ", "abc"];
+    let want = reference(&["strings", model.to_str().unwrap(), &json!(texts).to_string()]);
+    let libpython = want["libpython"].as_str().unwrap();
+    assert!(
+        Path::new(libpython).is_file(),
+        "{libpython} is missing: onnxruntime-extensions' PyPI library needs a shared libpython"
+    );
+    let dir = TempDir::new("custom-ops");
+    let folder = dir.path().join("repo/strings");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(&model, folder.join("model.onnx")).unwrap();
+    std::fs::write(folder.join("model.toml"), "name = \"strings\"\n").unwrap();
+    let config = write_config(dir.path(), free_port(), 1, &dir.path().join("repo"), "strings", &[], "");
+    let (ok, out) = inferd(&["check", "--config", config.to_str().unwrap()]);
+    assert!(!ok && out.contains("StringLower"), "without [custom_ops]: {out}");
+
+    let toml = format!(
+        "name = \"strings\"\n[custom_ops]\nlibrary = {}\npreload = [{}]\n",
+        json!(want["library"]),
+        json!(libpython)
+    );
+    std::fs::write(folder.join("model.toml"), toml).unwrap();
+    let port = free_port();
+    write_config(dir.path(), port, 1, &dir.path().join("repo"), "strings", &[], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    let body = json!({"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": texts}]});
+    let r = post(&server, "/v2/models/strings/infer", body);
+    assert_eq!(r.status, 200, "{}", r.error());
+    let answer = r.json();
+    for output in answer["outputs"].as_array().unwrap() {
+        let name = output["name"].as_str().unwrap();
+        assert_eq!(output["data"], want["outputs"][name], "{name}: {answer}");
+    }
+    assert_eq!(want["outputs"]["lower"], json!(["hello wörld", "ångström ", "abc"]));
+}
+
+/// The weights of tests/models/published/external-data, computed here: W[i][j] =
+/// sin(0.7 i + 1.1 j), b[j] = j / 4 (scripts/gen_test_models.py); y = x @ (k W) + k b.
+fn external_data_answer(x: &[f32], k: f32) -> Vec<f64> {
+    (0..8)
+        .map(|j| {
+            let dot: f32 = (0..8).map(|i| x[i] * (0.7 * i as f32 + 1.1 * j as f32).sin()).sum();
+            f64::from(k * dot + k * j as f32 * 0.25)
+        })
+        .collect()
+}
+
+/// A model whose weights are an external data file beside its graph (as exporters write
+/// those over 2 GB): served from its folder with shared weights, and new weights in that file
+/// alone are a new version on reload (its SHA-256 covers the data), not the old artefact.
+#[test]
+fn a_model_with_external_data_is_served_and_new_weights_are_a_new_version() {
+    let dir = TempDir::new("external");
+    let folder = dir.path().join("repo/external-data");
+    copy_dir(&published("external-data"), &folder);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &dir.path().join("repo"), "external-data", &[], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    let x: Vec<f32> = (0..8).map(|v| v as f32 * 0.5 - 1.0).collect();
+    let body = json!({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": x}]});
+    let infer = |server: &Server| {
+        let r = post(server, "/v2/models/external-data/infer", body.clone());
+        assert_eq!(r.status, 200, "{}", r.error());
+        (floats(&r.json()["outputs"][0]["data"]), r.header("x-inferd-model-version").unwrap_or_default().to_string())
+    };
+    let (y, version) = infer(&server);
+    let d = worst(&json!([y]), &json!([external_data_answer(&x, 1.0)]));
+    assert!(d < 1e-4, "{y:?}: {d}");
+    let status = server.status();
+    assert!(status.to_string().contains("shared"), "weights shared: {status}");
+
+    // New weights: every value of the data file doubled, the graph file untouched.
+    let data = folder.join("model.onnx_data");
+    let doubled: Vec<u8> = std::fs::read(&data)
+        .unwrap()
+        .chunks_exact(4)
+        .flat_map(|c| (2.0 * f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes())
+        .collect();
+    std::fs::write(&data, doubled).unwrap();
+    let out = Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap();
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // A retired worker may still take a connection or two while it closes its listener.
+    let started = std::time::Instant::now();
+    let (y, new_version) = loop {
+        let (y, v) = infer(&server);
+        if v != version || started.elapsed() > Duration::from_secs(20) {
+            break (y, v);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_ne!(new_version, version, "new weights are a new version; log:\n{}", server.log());
+    let d = worst(&json!([y]), &json!([external_data_answer(&x, 2.0)]));
+    assert!(d < 1e-4, "served the new weights: {y:?}: {d}");
 }

@@ -29,6 +29,9 @@
 //! min_cosine = 0.99      # embeddings: least cosine to fp32 over the calibration texts
 //! max_probability_error = 0.02  # classifiers: largest probability difference to fp32
 //! calibration = "texts.txt"     # optional: one input text per line, added to the built-in set
+//! [custom_ops]           # optional: see [`CustomOps`]
+//! library = "libortextensions.so"
+//! preload = []
 //! [batching]             # see [`Batching`]; defaults shown
 //! max_batch_size = 32    # rows in one ORT run; 1 switches batching off
 //! max_batch_tokens = 512 # text: rows x padded length in one run
@@ -75,6 +78,21 @@ struct ModelFile {
     precision: Precision,
     #[serde(default)]
     quantization: Quantization,
+    custom_ops: Option<CustomOps>,
+}
+
+/// A shared library of custom operators the model's graph uses (ONNX Runtime's
+/// `RegisterCustomOpsLibrary`, e.g. onnxruntime-extensions'), registered with each of the
+/// model's sessions. Paths relative to the model's folder in model.toml, absolute once loaded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomOps {
+    pub library: PathBuf,
+    /// Libraries loaded first, their symbols visible to the ones after: for a library built
+    /// against another it does not name itself (onnxruntime-extensions' PyPI build needs
+    /// libpython's symbols; no interpreter is started).
+    #[serde(default)]
+    pub preload: Vec<PathBuf>,
 }
 
 /// How a model's MatMuls run.
@@ -198,6 +216,9 @@ impl ModelOverride {
         b.check().map_err(err)?;
         entry.precision = self.precision.unwrap_or(entry.precision);
         check_precision(entry.precision, &entry.tokenizer).map_err(err)?;
+        if entry.custom_ops.is_some() && entry.precision != Precision::Fp32 {
+            return Err(err("precision int8 or auto is not prepared for graphs with custom operators".into()));
+        }
         let q = &mut entry.quantization;
         q.min_cosine = self.min_cosine.unwrap_or(q.min_cosine);
         q.max_probability_error = self.max_probability_error.unwrap_or(q.max_probability_error);
@@ -546,6 +567,8 @@ pub struct ModelEntry {
     pub precision: Precision,
     #[serde(default)]
     pub quantization: Quantization,
+    #[serde(default)]
+    pub custom_ops: Option<CustomOps>,
 }
 
 impl ModelEntry {
@@ -644,6 +667,20 @@ impl ModelEntry {
             return Err(err(format!("quantization.calibration: {} not found", c.display())));
         }
         check_precision(file.precision, &tokenizer).map_err(err)?;
+        let custom_ops = match file.custom_ops {
+            None => None,
+            Some(c) => {
+                let ops =
+                    CustomOps { library: resolve(&c.library), preload: c.preload.iter().map(|p| resolve(p)).collect() };
+                if let Some(missing) = std::iter::once(&ops.library).chain(&ops.preload).find(|p| !p.is_file()) {
+                    return Err(err(format!("custom_ops: {} not found", missing.display())));
+                }
+                if file.precision != Precision::Fp32 {
+                    return Err(err("precision int8 or auto is not prepared for graphs with custom operators".into()));
+                }
+                Some(ops)
+            }
+        };
         Ok(ModelEntry {
             name: file.name,
             version: file.version,
@@ -658,6 +695,7 @@ impl ModelEntry {
             image: file.image,
             precision: file.precision,
             quantization,
+            custom_ops,
         })
     }
 }

@@ -11,6 +11,9 @@ libraries do, from the folder's own files, with onnxruntime running the ONNX fil
     published_reference.py classify DIR TEXTS_JSON
         transformers' text classification: labels from id2label in id order, softmax of the
         logits, or sigmoid for problem_type multi_label_classification.
+    published_reference.py strings FILE TEXTS_JSON
+        a graph of onnxruntime-extensions' operators run with that library registered; also
+        prints the library's path and libpython's, for [custom_ops].
     published_reference.py image DIR
         transformers' image processor with Pillow (preprocessor_config.json: shortest edge
         resized with its filter, centre crop, rescale, normalise), then the model's raw output
@@ -115,6 +118,23 @@ def classify(folder, texts):
     return {"labels": labels, "scores": rows}
 
 
+def strings(path, texts):
+    import os
+    import sysconfig
+
+    import onnxruntime_extensions
+
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(onnxruntime_extensions.get_library_path())
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    outputs = sess.run(None, {"text": np.array(texts, dtype=object)})
+    return {
+        "library": onnxruntime_extensions.get_library_path(),
+        "libpython": os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")),
+        "outputs": {o.name: v.tolist() for o, v in zip(sess.get_outputs(), outputs)},
+    }
+
+
 def gradient(width, height):
     img = Image.new("RGB", (width, height))
     px = img.load()
@@ -155,6 +175,8 @@ def main():
         result = embed(folder, json.loads(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
     elif kind == "sparse":
         result = sparse(folder, json.loads(sys.argv[3]))
+    elif kind == "strings":
+        result = strings(folder, json.loads(sys.argv[3]))
     elif kind == "classify":
         result = classify(folder, json.loads(sys.argv[3]))
     else:

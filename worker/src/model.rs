@@ -125,6 +125,41 @@ fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String
     Ok(found)
 }
 
+/// The SHA-256 of a model: its file, then the name and content of each external data file the
+/// graph names (`model.onnx_data`), so that new weights beside the same graph are a new
+/// version (and a new shared artefact). The file is mapped, not read into memory.
+fn model_digest(path: &Path) -> Result<Vec<u8>, String> {
+    let io = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+    let file = std::fs::File::open(path).map_err(io)?;
+    let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| "the file is too large".to_string())?;
+    let mut hasher = Sha256::new();
+    let mut external = Vec::new();
+    if len > 0 {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a private read-only mapping of the whole file, unmapped below; a file
+        // changed under it gives another digest, not unsafety in a byte slice we only read.
+        let at =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+        if at == libc::MAP_FAILED {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
+        hasher.update(bytes);
+        // A file that does not parse is ONNX Runtime's to refuse, with its own message.
+        external = crate::quantize::graph::external_files(bytes).unwrap_or_default();
+        unsafe { libc::munmap(at, len) };
+    }
+    let folder = path.parent().unwrap_or(Path::new("."));
+    for location in external {
+        let data = folder.join(&location);
+        let mut data_file = std::fs::File::open(&data)
+            .map_err(|e| format!("external data {} named by the model: {e}", data.display()))?;
+        hasher.update(location.as_bytes());
+        std::io::copy(&mut data_file, &mut hasher).map_err(io)?;
+    }
+    Ok(hasher.finalize().to_vec())
+}
+
 /// The first 16 hex digits of a SHA-256, as status and metadata show it.
 fn sha256_prefix(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
@@ -145,12 +180,7 @@ impl Model {
             message,
         };
         // Streamed: a model of hundreds of MB is not read into memory just to be hashed.
-        let digest = |path: &Path| {
-            let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
-            let mut hasher = Sha256::new();
-            std::io::copy(&mut file, &mut hasher).map_err(|e| fail(e.to_string()))?;
-            Ok::<_, ModelError>(hasher.finalize().to_vec())
-        };
+        let digest = |path: &Path| model_digest(path).map_err(fail);
         let digest_of_file = digest(&entry.path)?;
         if entry.precision == Precision::Fp32 {
             return Model::load_file(entry, threads, &digest_of_file);
@@ -183,10 +213,17 @@ impl Model {
         };
         let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
         let sha256 = sha256_prefix(digest);
+        if let Some(ops) = &entry.custom_ops {
+            ops.preload.iter().try_for_each(|lib| preload(lib)).map_err(fail)?;
+        }
         // What every session of this process shares: one thread of its own by default.
         let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
             let plain = |r: ort::session::builder::BuilderResult| r.map_err(ort::Error::<()>::from);
             let builder = Session::builder(env)?;
+            let builder = match &entry.custom_ops {
+                Some(ops) => plain(builder.with_operator_library(&ops.library))?,
+                None => builder,
+            };
             let builder = plain(builder.with_inter_threads(1))?;
             let builder = plain(builder.with_parallel_execution(false))?;
             let builder = plain(builder.with_inter_op_spinning(false))?;
@@ -360,6 +397,25 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Loads a shared library for good, its symbols visible to every library loaded after it
+/// (`[custom_ops] preload`). Loading one twice is harmless: the loader counts it once.
+fn preload(path: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: a NUL-terminated path; the handle is kept (never closed) so its symbols stay.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a NUL-terminated message (or null) owned by the loader.
+        let message = unsafe { libc::dlerror() };
+        let message = match message.is_null() {
+            true => "unknown error".into(),
+            false => unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned(),
+        };
+        return Err(format!("custom_ops.preload: cannot load {}: {message}", path.display()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -195,6 +195,26 @@ pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// The external data files the graph's initializers name (TensorProto external_data = 13,
+/// `location` entries), each once, in the order first named. Subgraphs' initializers are not
+/// read: exporters put a model's weights in its main graph.
+pub fn external_files(model: &[u8]) -> Result<Vec<String>, String> {
+    let (_, graph) = graph_of(model)?;
+    let mut files = Vec::new();
+    for init in fields(graph)?.into_iter().filter(|f| f.number == 5 && f.wire == 2) {
+        for entry in fields(init.payload)?.into_iter().filter(|f| f.number == 13 && f.wire == 2) {
+            let parts = fields(entry.payload)?;
+            let text_of = |n: u64| parts.iter().find(|p| p.number == n && p.wire == 2).map(|p| text(p.payload));
+            if let (Some(key), Some(value)) = (text_of(1), text_of(2)) {
+                if key == "location" && !files.contains(&value) {
+                    files.push(value);
+                }
+            }
+        }
+    }
+    Ok(files)
+}
+
 /// Operators that pass their input on without changing its values (shape only).
 const PASS_THROUGH: &[&str] = &["Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"];
 
