@@ -178,16 +178,16 @@ pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, Strin
         classification(&mut t, &files, labels)?;
         return Ok(t.0);
     }
-    let splade = files
-        .modules
-        .as_ref()
-        .and_then(Value::as_array)
-        .is_some_and(|list| list.iter().any(|m| m["type"].as_str().is_some_and(|t| t.ends_with(".SpladePooling"))));
-    if (architecture.ends_with("ForMaskedLM") && !splade) || architecture.ends_with("ForCausalLM") {
-        return Err(format!(
-            "config.json says {architecture}, a language model's head: inferd serves embeddings and \
-             classifiers; write a model.toml (task = \"raw\" serves its tensors)"
-        ));
+    // sentence-transformers loads the base model whatever head config.json names (decoder
+    // embedders say *ForCausalLM); without modules.json, a head is what the export computes.
+    if files.modules.is_none() {
+        if let Some((_, head)) = architecture.split_once("For") {
+            return Err(format!(
+                "config.json says {architecture}: a {head} head, which inferd does not serve from its files \
+                 (it serves embeddings, classifiers, and SPLADE from a sentence-transformers folder); write a \
+                 model.toml (task = \"raw\" serves its tensors)"
+            ));
+        }
     }
     let why = match &files.modules {
         Some(_) => "modules.json: a sentence-transformers model".to_string(),
@@ -539,7 +539,29 @@ mod tests {
         let e = text("gap", json!({"architectures": [arch], "id2label": {"0": "a", "2": "c"}})).unwrap_err();
         assert!(e.contains("id2label has id '2'"), "{e}");
         let e = text("lm", json!({"architectures": ["BertForMaskedLM"]})).unwrap_err();
-        assert!(e.contains("BertForMaskedLM"), "{e}");
+        assert!(e.contains("BertForMaskedLM: a MaskedLM head"), "{e}");
+        let e =
+            text("ner", json!({"architectures": ["BertForTokenClassification"], "id2label": {"0": "O"}})).unwrap_err();
+        assert!(e.contains("a TokenClassification head"), "{e}");
+    }
+
+    #[test]
+    fn a_sentence_transformers_decoder_is_an_embedder_whatever_its_head() {
+        let modules = json!([
+            {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        ]);
+        let dir = folder(
+            "decoder",
+            &[("config.json", json!({"architectures": ["Qwen3ForCausalLM"]})), ("modules.json", modules)],
+        );
+        std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+        std::fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+        std::fs::write(dir.join("1_Pooling/config.json"), json!({"pooling_mode_lasttoken": true}).to_string()).unwrap();
+        let toml = infer(&dir, "m", None).unwrap();
+        assert!(toml.contains("task = \"embedding\"") && toml.contains("pooling = \"last_token\""), "{toml}");
+        assert!(toml.contains("normalize = true"), "{toml}");
     }
 
     #[test]
