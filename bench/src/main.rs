@@ -263,7 +263,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
                     }
                 };
                 let Pipeline::Text(text) = &*pipeline else { unreachable!("checked above") };
-                let Head::Embedding { output, pooling, normalize, .. } = text.head.clone() else {
+                let Head::Embedding { output, settings } = text.head.clone() else {
                     start.wait();
                     bail!("ort mode needs an embedding model")
                 };
@@ -272,7 +272,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
                         (0..batch).map(|b| Text::Single(texts[(i * batch + b) % texts.len()].clone())).collect();
                     let encoded = text.encode(&rows, false)?;
                     let outputs = model.run(encoded.inputs, None)?;
-                    embeddings(&outputs[output], &encoded.lengths, pooling, normalize)?;
+                    embeddings(&outputs[output], &encoded.lengths, settings.pooling, settings.normalize)?;
                     Ok(())
                 };
                 let warmed = (0..20).try_for_each(&mut run);
