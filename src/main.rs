@@ -281,6 +281,10 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("grpc listen:     {}", config.server.grpc_listen);
     }
     println!("control socket:  {}", config.control_socket().display());
+    match &resolved.api_keys {
+        Some(keys) => println!("auth:            {}", keys.describe()),
+        None => println!("auth:            none: every request is served ([auth] api_keys_file, INFERD_API_KEYS)"),
+    }
     println!("usable cores:    {} ({})", plan.budget.usable, plan.budget.describe());
     println!(
         "workers:         {} x {} intra-op thread(s) = {} threads{}",

@@ -44,6 +44,7 @@ pub struct Config {
     pub models: ModelsConfig,
     pub runtime: RuntimeConfig,
     pub log: LogConfig,
+    pub auth: crate::auth::AuthConfig,
     /// Directory that relative paths are resolved against (the config file's directory).
     #[serde(skip)]
     pub base_dir: PathBuf,
@@ -483,6 +484,12 @@ impl Config {
 
     pub fn control_socket(&self) -> PathBuf {
         self.resolve(&self.server.control_socket)
+    }
+
+    /// The API keys requests must carry (`[auth]`, INFERD_API_KEYS), read now; None: none.
+    pub fn api_keys(&self) -> Result<Option<crate::auth::ApiKeys>, ConfigError> {
+        let file = self.auth.api_keys_file.as_ref().map(|f| self.resolve(f));
+        crate::auth::ApiKeys::load(file.as_deref(), self.auth.protect_health)
     }
 
     /// `runtime.cache_dir`, resolved; None when it is empty (shared weights off).

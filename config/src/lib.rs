@@ -10,6 +10,7 @@
 //!
 //! Must not touch: ONNX Runtime, sockets or processes. This crate only reads files.
 
+pub mod auth;
 pub mod file;
 pub mod model;
 pub mod ortlib;

@@ -72,6 +72,9 @@ pub struct WorkerSpec {
     /// logging starts before the spec is read).
     #[serde(default)]
     pub log: LogConfig,
+    /// The keys requests must carry (digests); None: every request is served.
+    #[serde(default)]
+    pub api_keys: Option<inferd_config::auth::ApiKeys>,
 }
 
 /// Why the supervisor started a worker: in its spec, the supervisor's log and `inferd status`.

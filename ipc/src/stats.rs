@@ -52,8 +52,12 @@ const IO_BEAT_AT: usize = BEAT_AT + 1;
 /// Panics caught while serving a request (worker/src/panics.rs): the supervisor replaces a
 /// worker that has any.
 const FAULTS_AT: usize = IO_BEAT_AT + 1;
+/// Requests refused for their API key, by [`AUTH_REFUSALS`].
+const AUTH_REFUSED_AT: usize = FAULTS_AT + 1;
+/// The reasons a request is refused for its key (`inferd_auth_refused_total{reason}`).
+pub const AUTH_REFUSALS: [&str; 2] = ["missing", "invalid"];
 /// Number of counters in a region.
-pub const LEN: usize = FAULTS_AT + 1;
+pub const LEN: usize = AUTH_REFUSED_AT + AUTH_REFUSALS.len();
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -228,6 +232,13 @@ impl Shared {
         self.counter(FAULTS_AT).load(Ordering::Relaxed)
     }
 
+    /// A request refused for its API key (`reason`: one of [`AUTH_REFUSALS`]).
+    pub fn auth_refused(&self, reason: &str) {
+        if let Some(i) = AUTH_REFUSALS.iter().position(|r| *r == reason) {
+            self.add(AUTH_REFUSED_AT + i, 1);
+        }
+    }
+
     /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
     /// when no run is in progress.
     pub fn busy_since(&self, started: Option<u64>) {
@@ -340,6 +351,11 @@ impl Snapshot {
             self.0[at] = 0;
         }
         self
+    }
+
+    /// Requests refused for their API key, per [`AUTH_REFUSALS`].
+    pub fn auth_refused(&self) -> &[u64] {
+        &self.0[AUTH_REFUSED_AT..AUTH_REFUSED_AT + AUTH_REFUSALS.len()]
     }
 
     pub fn requests(&self, model: usize, endpoint: usize, code: u16) -> u64 {

@@ -104,6 +104,15 @@ pub fn render(m: &PoolMetrics) -> String {
     let _ = writeln!(out, "inferd_workers_ready {}", m.ready);
     header(&mut out, "inferd_workers_desired", "gauge", "Workers the pool is meant to have.");
     let _ = writeln!(out, "inferd_workers_desired {}", m.desired);
+    header(
+        &mut out,
+        "inferd_auth_refused_total",
+        "counter",
+        "Requests refused for their API key ([auth]), by reason: missing or invalid.",
+    );
+    for (reason, n) in inferd_ipc::stats::AUTH_REFUSALS.iter().zip(m.totals.auth_refused()) {
+        let _ = writeln!(out, "inferd_auth_refused_total{{reason=\"{reason}\"}} {n}");
+    }
     header(&mut out, "inferd_worker_restarts_total", "counter", "Workers replaced after dying, by reason.");
     for (reason, n) in &m.restarts {
         let _ = writeln!(out, "inferd_worker_restarts_total{{reason=\"{reason}\"}} {n}");

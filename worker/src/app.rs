@@ -11,6 +11,7 @@ use http_body_util::Full;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 
+use inferd_config::auth::{bearer, ApiKeys, Refusal};
 use inferd_ipc::stats::{Latency, Shared, MAX_MODELS};
 
 use crate::engine::Engine;
@@ -35,7 +36,25 @@ pub struct AppState {
     pub stats: Arc<Shared>,
     /// log.access_log: one line per answered request.
     pub access_log: bool,
+    /// The keys requests must carry ([auth]); None: every request is served.
+    pub api_keys: Option<ApiKeys>,
     pub request_ids: RequestIds,
+}
+
+impl AppState {
+    /// Whether a request whose `Authorization` header (or gRPC metadata) is `authorization`
+    /// may be served ([auth]); `health`: a health or readiness route. A refusal is counted by
+    /// its reason; the key itself is never logged.
+    pub fn authorize(&self, authorization: Option<&[u8]>, health: bool) -> Result<(), ApiError> {
+        let Some(keys) = &self.api_keys else { return Ok(()) };
+        if health && !keys.protect_health {
+            return Ok(());
+        }
+        keys.check(authorization.and_then(bearer)).map_err(|refusal| {
+            self.stats.auth_refused(refusal.as_str());
+            ApiError::Unauthorized(refusal)
+        })
+    }
 }
 
 /// Request ids for requests that come without a usable `X-Request-Id`: 16 hex digits, from a
@@ -78,6 +97,12 @@ pub enum ApiError {
     DeadlineExceeded(String),
     #[error("{0}")]
     Internal(String),
+    /// No API key, or not one of the server's ([auth]).
+    #[error("{}", match .0 {
+        Refusal::Missing => "this server needs an API key: send it as `Authorization: Bearer KEY`",
+        Refusal::Invalid => "the API key is not valid",
+    })]
+    Unauthorized(Refusal),
 }
 
 impl ApiError {
@@ -92,6 +117,7 @@ impl ApiError {
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
         }
     }
 }

@@ -35,6 +35,9 @@ fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
     if matches!(e, ApiError::Overloaded(_)) {
         reply.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
+    if matches!(e, ApiError::Unauthorized(_)) {
+        reply.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
     reply
 }
 
@@ -65,9 +68,13 @@ pub async fn handle(
     let routed = crate::panics::guarded_future(route(&state, request)).await.unwrap_or_else(|_| {
         Err(ApiError::Internal("internal error: the server hit a bug serving this request (logged)".into()))
     });
+    let mut refused = "";
     let mut reply = match routed {
         Ok(reply) => reply,
         Err(e) => {
+            if let ApiError::Unauthorized(refusal) = &e {
+                refused = refusal.as_str();
+            }
             let request_id = id.to_str().unwrap_or_default();
             if e.status().is_server_error() {
                 warn!(request_id, method = %method, path, status = e.status().as_u16(), "request failed: {e}");
@@ -96,6 +103,7 @@ pub async fn handle(
             model,
             worker = state.worker,
             request_id = id.to_str().unwrap_or_default(),
+            auth_refused = refused,
             "{method} {path} {}",
             reply.status().as_u16()
         );
@@ -206,6 +214,8 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     let method = request.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
+    let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
+    state.authorize(authorization, matches!(route, Route::Live | Route::Ready | Route::Ping))?;
     let allowed = match route {
         Route::Infer(..)
         | Route::Embed(_)

@@ -164,5 +164,6 @@ pub async fn embeddings(
 /// An error in OpenAI's shape.
 pub fn error_body(e: &ApiError) -> Value {
     let kind = if e.status().is_server_error() { "server_error" } else { "invalid_request_error" };
-    json!({"error": {"message": e.to_string(), "type": kind, "param": null, "code": null}})
+    let code = matches!(e, ApiError::Unauthorized(_)).then_some("invalid_api_key");
+    json!({"error": {"message": e.to_string(), "type": kind, "param": null, "code": code}})
 }

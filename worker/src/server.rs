@@ -452,6 +452,12 @@ async fn serve_grpc(
             use tonic::codegen::Service;
             let (mut service, state, call) = (service.clone(), state.clone(), Call::new(&counted));
             async move {
+                // The key is checked on the call's headers, before its message is read.
+                let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
+                if let Err(e) = state.authorize(authorization, crate::grpc::is_health_call(request.uri().path())) {
+                    drop(call);
+                    return Ok(crate::grpc::status(e).into_http());
+                }
                 let request = crate::grpc::intake::read(&state, request).await;
                 let answered = service.call(request).await;
                 drop(call);
@@ -525,6 +531,7 @@ fn serve(
         ready: false.into(),
         stats,
         access_log: spec.log.access_log,
+        api_keys: spec.api_keys.clone(),
         request_ids: RequestIds::default(),
     });
     // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,

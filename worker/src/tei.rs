@@ -375,6 +375,7 @@ pub async fn rerank(
 pub fn error_body(e: &ApiError) -> serde_json::Value {
     let kind = match e {
         ApiError::Overloaded(_) => "Overloaded",
+        ApiError::Unauthorized(_) => "Unauthorized",
         ApiError::Internal(_) | ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => "Backend",
         ApiError::BadRequest(m) if m.starts_with("input ") && m.ends_with(" is empty") => "Empty",
         _ => "Validation",

@@ -27,6 +27,8 @@ pub struct Resolved {
     pub ort: OrtLibrary,
     /// Default model first.
     pub models: Vec<ModelEntry>,
+    /// The API keys read at start ([auth]); a reload reads them again.
+    pub api_keys: Option<inferd_config::auth::ApiKeys>,
 }
 
 impl Resolved {
@@ -39,6 +41,7 @@ impl Resolved {
         let plan = plan(&budget, s.workers, s.threads, s.allow_oversubscription, s.pin_workers)?;
         let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
         let models = config.model_names().iter().map(|name| config.load_model(name)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Resolved { config, plan, ort, models })
+        let api_keys = config.api_keys()?;
+        Ok(Resolved { config, plan, ort, models, api_keys })
     }
 }

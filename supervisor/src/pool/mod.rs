@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use crate::plan::cpu::{format_cpus, plan, Placement};
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
+use inferd_config::auth::ApiKeys;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{
     Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
@@ -201,6 +202,8 @@ impl Slot {
 /// A rolling reload in progress.
 struct Reload {
     models: Vec<ModelEntry>,
+    /// The API keys the new workers take, read when the reload began.
+    api_keys: Option<ApiKeys>,
     generation: u64,
     /// The slot being replaced now; slots below it run the new models.
     slot: usize,
@@ -231,6 +234,8 @@ pub struct Supervisor {
     spawns: u64,
     /// The models new slots (scale +1) run: those of the latest successful reload.
     models: Vec<ModelEntry>,
+    /// The API keys workers started now take: those of the latest successful reload.
+    api_keys: Option<ApiKeys>,
     reload: Option<Reload>,
     reloads: (u64, u64),
     /// Private memory of the first worker after its warm-up: what one more worker costs.
@@ -328,6 +333,7 @@ impl Supervisor {
         Ok(Supervisor {
             exe: std::env::current_exe()?,
             models: resolved.models.clone(),
+            api_keys: resolved.api_keys.clone(),
             resolved,
             events,
             slots,
@@ -748,6 +754,10 @@ impl Supervisor {
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
             allocator: config.runtime.allocator,
+            api_keys: match (&self.reload, cause) {
+                (Some(reload), Cause::Reload) => reload.api_keys.clone(),
+                _ => self.api_keys.clone(),
+            },
         };
         match self.start_process(&spec) {
             Ok((pid, stats)) => {
@@ -816,6 +826,8 @@ impl Supervisor {
             .env("MKL_NUM_THREADS", &threads)
             .env("OPENBLAS_NUM_THREADS", &threads)
             .env("TOKENIZERS_PARALLELISM", "false")
+            // Workers get the keys' digests in their spec, not the keys.
+            .env_remove(inferd_config::auth::API_KEYS_ENV)
             // No ONNX Runtime telemetry thread (see worker/src/model.rs).
             .env("ORT_DISABLE_TELEMETRY", "1")
             // Logging starts before the spec is read: the format and the slot come this way.

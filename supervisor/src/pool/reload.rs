@@ -15,8 +15,7 @@ impl Supervisor {
     ) -> Result<(), String> {
         self.can_roll("reload")?;
         let models = self.new_models(model, path)?;
-        self.roll(models, wait, replies);
-        Ok(())
+        self.roll(models, wait, replies)
     }
 
     /// Whether a rolling reload (`what`) may start now.
@@ -70,8 +69,7 @@ impl Supervisor {
         .map_err(|e| format!("load refused: {e}"))?;
         let mut models = self.models.clone();
         models.push(entry);
-        self.roll(models, true, replies);
-        Ok(())
+        self.roll(models, true, replies)
     }
 
     /// Triton's repository `unload`: every worker is replaced by one without the model. The
@@ -88,12 +86,13 @@ impl Supervisor {
         }
         let mut models = self.models.clone();
         models.remove(at);
-        self.roll(models, true, replies);
-        Ok(())
+        self.roll(models, true, replies)
     }
 
-    /// Starts replacing every slot, one by one, with workers running `models`.
-    fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) {
+    /// Starts replacing every slot, one by one, with workers running `models` and the API
+    /// keys read again now (a keys file that cannot be used refuses the reload).
+    fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) -> Result<(), String> {
+        let api_keys = self.resolved.config.api_keys().map_err(|e| format!("reload refused: {e}"))?;
         self.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
         info!("reload to generation {}: {names}", self.generation);
@@ -106,6 +105,7 @@ impl Supervisor {
         }
         self.reload = Some(Reload {
             models,
+            api_keys,
             generation: self.generation,
             slot: 0,
             worker: None,
@@ -114,6 +114,7 @@ impl Supervisor {
             started: Instant::now(),
         });
         self.replace_slot(0);
+        Ok(())
     }
 
     /// The model list a reload installs.
@@ -209,6 +210,7 @@ impl Supervisor {
             self.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
         self.retired = self.retired.remapped(&rows);
         self.models = reload.models;
+        self.api_keys = reload.api_keys;
         self.reloads.0 += 1;
         let message = format!(
             "reload complete: {} workers on generation {} after {:.1} s",

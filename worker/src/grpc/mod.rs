@@ -62,7 +62,14 @@ pub fn status(e: ApiError) -> Status {
         ApiError::TooLarge(_) | ApiError::Overloaded(_) => Status::resource_exhausted(message),
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
         ApiError::Internal(_) => Status::internal(message),
+        ApiError::Unauthorized(_) => Status::unauthenticated(message),
     }
+}
+
+/// The health RPCs, open without a key unless `[auth] protect_health` (a call's path is
+/// `/inference.GRPCInferenceService/NAME`).
+pub fn is_health_call(path: &str) -> bool {
+    matches!(path.rsplit('/').next(), Some("ServerLive" | "ServerReady" | "ModelReady"))
 }
 
 /// A model by name; an empty version means the one served.

@@ -1,0 +1,207 @@
+//! Who may use the public port ([auth]): API keys, sent as `Authorization: Bearer KEY` (REST)
+//! or gRPC metadata `authorization`.
+//!
+//! The keys come from `[auth] api_keys_file` (one per line; `#` comments and blank lines
+//! ignored; the file must not be readable or writable by group or others) and from the
+//! environment variable `INFERD_API_KEYS` (separated by commas or white space); several at
+//! once, so a new key can be added before an old one is retired. The supervisor reads them at
+//! start and at every reload; workers get their SHA-256 digests only, and compare the digest
+//! of a presented key with each in constant time.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::ConfigError;
+
+pub const API_KEYS_ENV: &str = "INFERD_API_KEYS";
+/// Keys shorter than this are refused: they are guessable.
+pub const MIN_KEY_LEN: usize = 16;
+/// A keys file larger than this is refused (a key file holds a few lines).
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// One key per line (relative: to the config file's folder).
+    pub api_keys_file: Option<PathBuf>,
+    /// Health and readiness routes (`/v2/health/*`, `/health`, `/ping`) need a key too; by
+    /// default they are open, for load balancers' and Kubernetes' probes.
+    pub protect_health: bool,
+}
+
+/// The keys a worker checks requests against: digests, never the keys themselves.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKeys {
+    pub digests: Vec<[u8; 32]>,
+    pub protect_health: bool,
+}
+
+/// Why a request was refused (the `reason` label of the refusal counter and the access log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No `Authorization: Bearer` header (or metadata).
+    Missing,
+    /// A key that is none of the configured ones.
+    Invalid,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Missing => "missing",
+            Refusal::Invalid => "invalid",
+        }
+    }
+}
+
+impl ApiKeys {
+    /// The keys the configuration names (`api_keys_file`, resolved by the caller) and the
+    /// environment gives; None when neither names any (every request is served).
+    pub fn load(file: Option<&Path>, protect_health: bool) -> Result<Option<ApiKeys>, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { key: "auth.api_keys_file", message };
+        let mut keys = Vec::new();
+        if let Some(path) = file {
+            keys.extend(read_file(path).map_err(invalid)?);
+        }
+        if let Ok(value) = std::env::var(API_KEYS_ENV) {
+            let from_env: Vec<String> = value
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|k| !k.is_empty())
+                .map(String::from)
+                .collect();
+            if from_env.is_empty() {
+                return Err(ConfigError::Invalid { key: "INFERD_API_KEYS", message: "is set but holds no key".into() });
+            }
+            keys.extend(from_env);
+        }
+        if file.is_none() && keys.is_empty() {
+            return Ok(None);
+        }
+        if let Some(short) = keys.iter().find(|k| k.len() < MIN_KEY_LEN) {
+            return Err(invalid(format!(
+                "a key of {} characters; keys must have at least {MIN_KEY_LEN} (e.g. `openssl rand -hex 32`)",
+                short.len()
+            )));
+        }
+        if let Some(bad) = keys.iter().find(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
+            return Err(invalid(format!(
+                "a key of {} characters has a character that is not visible ASCII",
+                bad.len()
+            )));
+        }
+        let mut digests: Vec<[u8; 32]> = keys.iter().map(|k| digest(k.as_bytes())).collect();
+        digests.sort();
+        digests.dedup();
+        Ok(Some(ApiKeys { digests, protect_health }))
+    }
+
+    /// Whether `presented` is one of the keys: its digest compared with every one, each in
+    /// constant time, so neither the match nor how much of it matched shows in the time.
+    pub fn check(&self, presented: Option<&[u8]>) -> Result<(), Refusal> {
+        let presented = presented.ok_or(Refusal::Missing)?;
+        let d = digest(presented);
+        let found = self.digests.iter().fold(0u8, |found, k| found | equal(k, &d) as u8);
+        if found == 1 {
+            Ok(())
+        } else {
+            Err(Refusal::Invalid)
+        }
+    }
+
+    /// How many keys, for logs and `inferd check`.
+    pub fn describe(&self) -> String {
+        let n = self.digests.len();
+        format!(
+            "{n} API key{}, health routes {}",
+            if n == 1 { "" } else { "s" },
+            if self.protect_health { "protected" } else { "open" }
+        )
+    }
+}
+
+/// The key in an `Authorization` header value: `Bearer KEY` (the scheme in any case).
+pub fn bearer(header: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = header.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then(|| rest.trim_ascii()).filter(|k| !k.is_empty())
+}
+
+fn digest(key: &[u8]) -> [u8; 32] {
+    Sha256::digest(key).into()
+}
+
+fn equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    // black_box: the optimiser may not turn the fold into an early exit.
+    std::hint::black_box(diff) == 0
+}
+
+fn read_file(path: &Path) -> Result<Vec<String>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(format!(
+            "{} has mode {:o}: a keys file must not be readable or writable by group or others (chmod 600, \
+             owned by the service's user)",
+            path.display(),
+            meta.mode() & 0o777
+        ));
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "{} is {} bytes; a keys file may have at most {MAX_FILE_BYTES}",
+            path.display(),
+            meta.len()
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let keys: Vec<String> =
+        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+    if keys.is_empty() {
+        return Err(format!("{} holds no key (one per line; # starts a comment)", path.display()));
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_checked_by_digest_and_the_file_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("inferd-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys");
+        std::fs::write(&file, "# rotated 2026-12-01\nfirst-key-0123456789\n\n  second-key-0123456789  \n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let e = ApiKeys::load(Some(&file), false).unwrap_err().to_string();
+        assert!(e.contains("mode 640") && e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let keys = ApiKeys::load(Some(&file), false).unwrap().unwrap();
+        assert_eq!(keys.digests.len(), 2);
+        assert_eq!(keys.check(Some(b"first-key-0123456789")), Ok(()));
+        assert_eq!(keys.check(Some(b"second-key-0123456789")), Ok(()));
+        assert_eq!(keys.check(Some(b"first-key-012345678")), Err(Refusal::Invalid));
+        assert_eq!(keys.check(None), Err(Refusal::Missing));
+        std::fs::write(&file, "short\n").unwrap();
+        let e = ApiKeys::load(Some(&file), false).unwrap_err().to_string();
+        assert!(e.contains("at least 16"), "{e}");
+        std::fs::write(&file, "# none\n").unwrap();
+        assert!(ApiKeys::load(Some(&file), false).unwrap_err().to_string().contains("holds no key"));
+        assert_eq!(ApiKeys::load(None, false).unwrap(), None);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"bearer  abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Basic abc"), None);
+        assert_eq!(bearer(b"Bearer "), None);
+        assert_eq!(bearer(b"Bear"), None);
+    }
+}
