@@ -1,18 +1,25 @@
 //! Triton's model repository and statistics extensions on the admin listener: tritonclient.http
 //! lists, loads and unloads models (rolling reloads) and reads the pool's statistics
 //! (tests/clients/triton_repository_check.py); load and unload stay off unless
-//! admin.model_control turns them on.
+//! admin.model_control turns them on, and need the admin token (admin.token_file); a
+//! `parameters.path` outside the repository is refused while the pool serves on.
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use common::*;
+
+const TOKEN: &str = "admin-token-5e1b9c0d27f4a863";
 
 /// `typed` (the default), `classifier` and `slow` served from a repository that also holds
 /// `reranker`; `admin` is added to the [admin] section.
 fn server(tag: &str, admin: &str) -> Server {
     let dir = TempDir::new(tag);
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
@@ -27,11 +34,38 @@ fn admin_post(server: &Server, path: &str, body: &str) -> Response {
     request(server.admin_addr(), "POST", path, &[], body.as_bytes()).unwrap()
 }
 
+fn admin_post_with(server: &Server, token: &str, path: &str, body: &str) -> Response {
+    let auth = format!("Bearer {token}");
+    request(server.admin_addr(), "POST", path, &[("Authorization", &auth)], body.as_bytes()).unwrap()
+}
+
 #[test]
 fn tritonclient_loads_unloads_and_reads_statistics() {
-    let server = server("repository", "model_control = true");
+    let server = server("repository", "model_control = true\ntoken_file = \"admin-token\"");
+    // Without the token, or with a wrong one, nothing but /metrics answers.
+    for token in [None, Some("wrong-token-0123456789abc")] {
+        let r = match token {
+            None => admin_post(&server, "/v2/repository/models/reranker/load", ""),
+            Some(t) => admin_post_with(&server, t, "/v2/repository/models/reranker/load", ""),
+        };
+        assert_eq!(
+            (r.status, r.header("www-authenticate")),
+            (401, Some("Bearer")),
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(admin_post(&server, "/v2/repository/index", "{}").status, 401);
+    }
+    assert_eq!(request(server.admin_addr(), "GET", "/metrics", &[], b"").unwrap().status, 200, "metrics stay open");
+    // A folder outside the repository (here the test models' own), by path: refused.
+    let outside = test_models().join("reranker");
+    let body = format!("{{\"parameters\": {{\"path\": \"{}\"}}}}", outside.display());
+    let r = admin_post_with(&server, TOKEN, "/v2/repository/models/reranker/load", &body);
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("is not inside the model repository"), "{}", r.error());
+    assert_eq!(server.status()["generation"], 1, "nothing was reloaded");
     let (admin, public) = (server.admin_addr().to_string(), server.addr.to_string());
-    client_check("triton_repository_check.py", &[&admin, &public], &server, "repository: all checks passed");
+    client_check("triton_repository_check.py", &[&admin, &public, TOKEN], &server, "repository: all checks passed");
     // Two rolling reloads (load, unload); the refused ones changed nothing.
     let status = server.status();
     assert_eq!(status["generation"], 3, "{status}");
@@ -67,4 +101,35 @@ fn load_and_unload_stay_off_unless_model_control_is_on() {
     assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
     assert!(r.error().contains("JSON object"), "{}", r.error());
     assert_eq!(server.status()["generation"], 1, "nothing was reloaded");
+}
+
+#[test]
+fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
+    let dir = TempDir::new("admin-refused");
+    let config = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", "[admin]\nmodel_control = true\n");
+    std::fs::write(&config, text).unwrap();
+    let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("admin.model_control") && said.contains("admin.token_file"),
+        "{said}"
+    );
+
+    // No token, not loopback: /metrics alone.
+    let dir = TempDir::new("admin-open");
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let admin_port =
+        text.split("[admin]\nlisten = \"127.0.0.1:").nth(1).unwrap().split('"').next().unwrap().to_string();
+    std::fs::write(&config, text.replace(&format!("127.0.0.1:{admin_port}"), &format!("0.0.0.0:{admin_port}")))
+        .unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    assert_eq!(request(admin, "GET", "/metrics", &[], b"").unwrap().status, 200);
+    let r = request(admin, "GET", "/v2/models/stats", &[], b"").unwrap();
+    assert_eq!(r.status, 401, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("serves /metrics alone"), "{}", r.error());
 }

@@ -79,22 +79,29 @@ impl ApiKeys {
         if file.is_none() && keys.is_empty() {
             return Ok(None);
         }
+        ApiKeys::of(&keys, protect_health).map(Some).map_err(invalid)
+    }
+
+    /// The keys of one file alone (the admin token file); `protect_health` as given.
+    pub fn from_file(path: &Path, protect_health: bool) -> Result<ApiKeys, String> {
+        ApiKeys::of(&read_file(path)?, protect_health)
+    }
+
+    /// `keys`, checked (long enough, visible ASCII), as their digests.
+    fn of(keys: &[String], protect_health: bool) -> Result<ApiKeys, String> {
         if let Some(short) = keys.iter().find(|k| k.len() < MIN_KEY_LEN) {
-            return Err(invalid(format!(
+            return Err(format!(
                 "a key of {} characters; keys must have at least {MIN_KEY_LEN} (e.g. `openssl rand -hex 32`)",
                 short.len()
-            )));
+            ));
         }
         if let Some(bad) = keys.iter().find(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
-            return Err(invalid(format!(
-                "a key of {} characters has a character that is not visible ASCII",
-                bad.len()
-            )));
+            return Err(format!("a key of {} characters has a character that is not visible ASCII", bad.len()));
         }
         let mut digests: Vec<[u8; 32]> = keys.iter().map(|k| digest(k.as_bytes())).collect();
         digests.sort();
         digests.dedup();
-        Ok(Some(ApiKeys { digests, protect_health }))
+        Ok(ApiKeys { digests, protect_health })
     }
 
     /// Whether `presented` is one of the keys: its digest compared with every one, each in

@@ -185,13 +185,27 @@ pub struct AdminConfig {
     /// `GET /metrics` is served here; empty = no admin listener.
     pub listen: String,
     /// Allow Triton's `POST /v2/repository/models/{name}/load` and `/unload` here (rolling
-    /// reloads that add or remove a model): off unless the operator turns it on.
+    /// reloads that add or remove a model): off unless the operator turns it on; needs
+    /// `token_file`.
     pub model_control: bool,
+    /// The admin token(s), one per line, sent as `Authorization: Bearer TOKEN`: every route
+    /// but `/metrics` needs one (the same file rules as `[auth] api_keys_file`).
+    pub token_file: Option<PathBuf>,
+    /// `/metrics` needs the token too.
+    pub protect_metrics: bool,
+    /// Folders besides `models.repository` that `load`'s `parameters.path` may name.
+    pub allowed_paths: Vec<PathBuf>,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        AdminConfig { listen: "127.0.0.1:9464".into(), model_control: false }
+        AdminConfig {
+            listen: "127.0.0.1:9464".into(),
+            model_control: false,
+            token_file: None,
+            protect_metrics: false,
+            allowed_paths: Vec::new(),
+        }
     }
 }
 
@@ -384,6 +398,15 @@ impl Config {
                 return invalid("admin.listen", format!("'{}' is not an IP:port address ({e})", self.admin.listen));
             }
         }
+        if self.admin.model_control && self.admin.token_file.is_none() {
+            return invalid(
+                "admin.model_control",
+                "changes what the public port serves, so it needs admin.token_file (the operator's token)".into(),
+            );
+        }
+        if self.admin.protect_metrics && self.admin.token_file.is_none() {
+            return invalid("admin.protect_metrics", "needs admin.token_file".into());
+        }
         if !self.server.grpc_listen.is_empty() {
             match self.server.grpc_listen.parse::<SocketAddr>() {
                 Err(e) => {
@@ -484,6 +507,14 @@ impl Config {
 
     pub fn control_socket(&self) -> PathBuf {
         self.resolve(&self.server.control_socket)
+    }
+
+    /// The admin listener's tokens (`admin.token_file`), read now; None: no token set.
+    pub fn admin_tokens(&self) -> Result<Option<crate::auth::ApiKeys>, ConfigError> {
+        let Some(file) = &self.admin.token_file else { return Ok(None) };
+        crate::auth::ApiKeys::from_file(&self.resolve(file), self.admin.protect_metrics)
+            .map(Some)
+            .map_err(|message| ConfigError::Invalid { key: "admin.token_file", message })
     }
 
     /// The API keys requests must carry (`[auth]`, INFERD_API_KEYS), read now; None: none.

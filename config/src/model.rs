@@ -623,8 +623,7 @@ impl ModelEntry {
                 config_path = dir.join("(inferred model.toml)");
                 text
             }
-            None => std::fs::read_to_string(&config_path)
-                .map_err(|e| err(format!("cannot read {}: {e}", config_path.display())))?,
+            None => read_settings(&config_path).map_err(err)?,
         };
         let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
@@ -698,6 +697,26 @@ impl ModelEntry {
             custom_ops,
         })
     }
+}
+
+/// The largest model.toml read.
+const MAX_MODEL_TOML_BYTES: u64 = 1 << 20;
+
+/// A model.toml's text: a regular file (a FIFO or device would block the reader) of at most
+/// [`MAX_MODEL_TOML_BYTES`].
+fn read_settings(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    if meta.len() > MAX_MODEL_TOML_BYTES {
+        return Err(format!(
+            "{} is {} bytes; a model.toml may have at most {MAX_MODEL_TOML_BYTES}",
+            path.display(),
+            meta.len()
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }
 
 /// The combinations of sections that make sense, and values that cannot work.

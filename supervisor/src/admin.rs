@@ -11,6 +11,14 @@
 //!   the new list. Only with `admin.model_control = true`: these change what the public port
 //!   serves, so they stay off the public port altogether (whose clients are not the operator)
 //!   and need the operator's opt-in on this one, as Triton's `--model-control-mode=explicit`.
+//!
+//! Who may: with `admin.token_file`, every route but `/metrics` (and it too with
+//! `admin.protect_metrics`) needs `Authorization: Bearer TOKEN` (the file is read at each such
+//! request, so a new token counts at once). Without a token, a loopback listener serves
+//! everything but load and unload (model control needs a token), and a listener on any other
+//! address serves `/metrics` alone. `load`'s `parameters.path` must lie, symlinks resolved,
+//! inside `models.repository` or `admin.allowed_paths`, and so must every file the model's
+//! settings name.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -38,6 +46,49 @@ pub struct Admin {
     pub repository: PathBuf,
     /// admin.model_control: `load` and `unload` are allowed.
     pub model_control: bool,
+    /// admin.token_file, resolved.
+    pub token_file: Option<PathBuf>,
+    /// admin.protect_metrics.
+    pub protect_metrics: bool,
+    /// Whether the listener's address is a loopback one.
+    pub loopback: bool,
+    /// Where `load`'s `parameters.path` may point: the repository and admin.allowed_paths.
+    pub allowed: Vec<PathBuf>,
+}
+
+impl Admin {
+    /// Whether `request` may use a route (`metrics`: the `/metrics` route).
+    fn authorize(&self, request: &Request<Incoming>, metrics: bool) -> Result<(), Reply> {
+        let Some(file) = &self.token_file else {
+            return match metrics || self.loopback {
+                true => Ok(()),
+                false => Err(error(
+                    StatusCode::UNAUTHORIZED,
+                    "this admin listener is not on a loopback address and has no admin.token_file: it serves /metrics alone"
+                        .into(),
+                )),
+            };
+        };
+        if metrics && !self.protect_metrics {
+            return Ok(());
+        }
+        let tokens = inferd_config::auth::ApiKeys::from_file(file, false).map_err(|e| {
+            warn!("admin.token_file: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, format!("admin.token_file cannot be used: {e}"))
+        })?;
+        let presented = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
+        tokens.check(presented.and_then(inferd_config::auth::bearer)).map_err(|refusal| {
+            let message = match refusal {
+                inferd_config::auth::Refusal::Missing => {
+                    "this route needs the admin token: Authorization: Bearer TOKEN"
+                }
+                inferd_config::auth::Refusal::Invalid => "the admin token is not valid",
+            };
+            let mut reply = error(StatusCode::UNAUTHORIZED, message.into());
+            reply.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            reply
+        })
+    }
 }
 
 type Reply = Response<Full<Bytes>>;
@@ -80,6 +131,9 @@ async fn route(request: Request<Incoming>, events: &mpsc::UnboundedSender<Event>
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let get = method == Method::GET || method == Method::HEAD;
+    if let Err(refused) = admin.authorize(&request, segments == ["metrics"]) {
+        return refused;
+    }
     match (get, method == Method::POST, segments.as_slice()) {
         (true, _, ["metrics"]) => match snapshot(events).await {
             Some(m) => text_reply(StatusCode::OK, metrics::render(&m)),
@@ -105,7 +159,7 @@ async fn route(request: Request<Incoming>, events: &mpsc::UnboundedSender<Event>
                 Ok(body) => body,
                 Err(e) => return e,
             };
-            let request = match load_request(name, load, &body) {
+            let request = match load_request(name, load, &body, admin) {
                 Ok(r) => r,
                 Err(message) => return error(StatusCode::BAD_REQUEST, message),
             };
@@ -130,7 +184,7 @@ async fn snapshot(events: &mpsc::UnboundedSender<Event>) -> Option<PoolMetrics> 
 /// parameters (a Triton model configuration, model files in the request) have no inferd
 /// counterpart: a model is a folder with its model.toml, named by `parameters.path` or found
 /// in the repository.
-fn load_request(model: String, load: bool, body: &Value) -> Result<control::Request, String> {
+fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Result<control::Request, String> {
     let parameters = match body.get("parameters") {
         None | Some(Value::Null) => serde_json::Map::new(),
         Some(Value::Object(p)) => p.clone(),
@@ -156,7 +210,45 @@ fn load_request(model: String, load: bool, body: &Value) -> Result<control::Requ
             _ => {}
         }
     }
+    let path = path.map(|p| confined(&p, &model, &admin.allowed)).transpose()?;
     Ok(control::Request::Load { model, path })
+}
+
+/// `path`, symlinks resolved, when it is a model folder inside one of `allowed` and every file
+/// the model's settings name is too (a model.toml naming `/etc/shadow` as its tokenizer, or a
+/// link out of the folder, would let a caller read or load what the service can).
+fn confined(path: &std::path::Path, model: &str, allowed: &[PathBuf]) -> Result<PathBuf, String> {
+    let roots: Vec<PathBuf> = allowed.iter().filter_map(|r| std::fs::canonicalize(r).ok()).collect();
+    let inside = |p: &std::path::Path| {
+        std::fs::canonicalize(p).ok().filter(|real| roots.iter().any(|root| real.starts_with(root)))
+    };
+    let allowed_list = || allowed.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+    let dir = inside(path).ok_or_else(|| {
+        format!(
+            "parameters.path {} is not inside the model repository or admin.allowed_paths ({})",
+            path.display(),
+            allowed_list()
+        )
+    })?;
+    if !dir.is_dir() {
+        return Err(format!("parameters.path {} is not a model folder", path.display()));
+    }
+    let entry = ModelEntry::load_dir(&dir, model).map_err(|e| e.to_string())?;
+    let mut files = vec![entry.path.clone()];
+    files.extend(entry.tokenizer.iter().map(|t| t.path.clone()));
+    files.extend(entry.quantization.calibration.iter().cloned());
+    if let Some(ops) = &entry.custom_ops {
+        files.push(ops.library.clone());
+        files.extend(ops.preload.iter().cloned());
+    }
+    match files.iter().find(|f| inside(f).is_none()) {
+        Some(outside) => Err(format!(
+            "model '{model}' in {} names {}, which is not inside the model repository or admin.allowed_paths",
+            path.display(),
+            outside.display()
+        )),
+        None => Ok(dir),
+    }
 }
 
 /// Sends a control request to the loop and answers with its final response.
@@ -327,22 +419,69 @@ fn stopping() -> Reply {
 mod tests {
     use super::*;
 
+    fn routes(allowed: Vec<PathBuf>) -> Admin {
+        Admin {
+            repository: allowed[0].clone(),
+            model_control: true,
+            token_file: None,
+            protect_metrics: false,
+            loopback: true,
+            allowed,
+        }
+    }
+
+    /// `root/name` with a model.toml (`extra` appended) and a model file.
+    fn model_dir(root: &std::path::Path, name: &str, extra: &str) -> PathBuf {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("model.toml"), format!("name = \"m\"\n{extra}")).unwrap();
+        std::fs::write(dir.join("model.onnx"), b"x").unwrap();
+        dir
+    }
+
     #[test]
     fn load_bodies_become_control_requests_or_name_the_problem() {
-        let r = load_request("m".into(), true, &json!({})).unwrap();
+        let root = std::env::temp_dir().join(format!("inferd-admin-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (repo, outside) = (root.join("repo"), root.join("outside"));
+        let inside = model_dir(&repo, "m", "");
+        let admin = routes(vec![repo.clone()]);
+        let r = load_request("m".into(), true, &json!({}), &admin).unwrap();
         assert!(matches!(r, control::Request::Load { ref model, path: None } if model == "m"));
-        let r = load_request("m".into(), true, &json!({"parameters": {"path": "/srv/m"}})).unwrap();
-        assert!(matches!(r, control::Request::Load { path: Some(ref p), .. } if p == &PathBuf::from("/srv/m")));
-        let r = load_request("m".into(), false, &json!({"parameters": {"unload_dependents": true}})).unwrap();
+        let body = json!({"parameters": {"path": inside.to_str().unwrap()}});
+        let r = load_request("m".into(), true, &body, &admin).unwrap();
+        let real = std::fs::canonicalize(&inside).unwrap();
+        assert!(matches!(r, control::Request::Load { path: Some(ref p), .. } if p == &real));
+        let r = load_request("m".into(), false, &json!({"parameters": {"unload_dependents": true}}), &admin).unwrap();
         assert!(matches!(r, control::Request::Unload { ref model } if model == "m"));
+
+        // Out of the repository: directly, through a link, or by a file the settings name.
+        let away = model_dir(&outside, "m", "");
+        std::os::unix::fs::symlink(&away, repo.join("link")).unwrap();
+        std::fs::write(outside.join("tokenizer.json"), "{}").unwrap();
+        let named =
+            model_dir(&repo, "named", "task = \"embedding\"\n[tokenizer]\nfile = \"../../outside/tokenizer.json\"\n");
+        // A model.toml that is a FIFO would block the reader: refused as not a regular file.
+        let fifo = repo.join("fifo");
+        std::fs::create_dir_all(&fifo).unwrap();
+        nix::unistd::mkfifo(&fifo.join("model.toml"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let path = |p: &std::path::Path| json!({"parameters": {"path": p.to_str().unwrap()}});
         for (body, words) in [
+            (path(&away), "is not inside the model repository"),
+            (path(&repo.join("link")), "is not inside the model repository"),
+            (path(&named), "names"),
+            (path(&fifo), "is not a regular file"),
             (json!({"parameters": {"config": "{}"}}), "Triton model configuration"),
             (json!({"parameters": {"file:1/model.onnx": "AAAA"}}), "'file:1/model.onnx'"),
             (json!({"parameters": {"path": 3}}), "parameters.path must be a string"),
             (json!({"parameters": []}), "'parameters' must be an object"),
         ] {
-            let err = load_request("m".into(), true, &body).unwrap_err();
-            assert!(err.contains(words), "{err}");
+            let err = load_request("m".into(), true, &body, &admin).unwrap_err();
+            assert!(err.contains(words), "{words}: {err}");
         }
+        // admin.allowed_paths lets an operator name another folder.
+        let wider = routes(vec![repo.clone(), outside.clone()]);
+        assert!(load_request("m".into(), true, &path(&away), &wider).is_ok());
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -2,7 +2,9 @@
 """Checks Triton's model repository and statistics extensions on inferd's admin listener
 with NVIDIA's tritonclient.http, while the public port serves inference.
 
-    .venv/bin/python tests/clients/triton_repository_check.py ADMIN_ADDR HTTP_ADDR
+    .venv/bin/python tests/clients/triton_repository_check.py ADMIN_ADDR HTTP_ADDR [TOKEN]
+
+With TOKEN (admin.token_file), every admin call sends `Authorization: Bearer TOKEN`.
 
 The server must serve `typed` (the default), `classifier` and `slow` from a repository that
 also holds `reranker` (not loaded), with admin.model_control = true, and have answered nothing
@@ -93,9 +95,22 @@ def post(addr, path, body):
         return json.loads(r.read())
 
 
+class WithToken:
+    """The admin client, every call sending the admin token (tritonclient takes headers per call)."""
+
+    def __init__(self, client, token):
+        self.client, self.headers = client, {"Authorization": f"Bearer {token}"}
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+        return lambda *args, **kwargs: method(*args, headers=dict(self.headers), **kwargs)
+
+
 def main():
     admin_addr, http_addr = sys.argv[1:3]
     admin = httpclient.InferenceServerClient(admin_addr, network_timeout=120)
+    if len(sys.argv) > 3:
+        admin = WithToken(admin, sys.argv[3])
     public = httpclient.InferenceServerClient(http_addr)
     step = "index"
     try:

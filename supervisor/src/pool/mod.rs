@@ -301,9 +301,18 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin}: {e}")))?;
             info!("metrics on http://{admin}/metrics");
+            let config = &resolved.config;
+            let mut allowed = vec![config.model_repository()];
+            allowed.extend(config.admin.allowed_paths.iter().map(|p| config.resolve(p)));
+            // Refused at start, not at the first request, when it cannot be used.
+            config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
             let routes = admin::Admin {
-                repository: resolved.config.model_repository(),
-                model_control: resolved.config.admin.model_control,
+                repository: config.model_repository(),
+                model_control: config.admin.model_control,
+                token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
+                protect_metrics: config.admin.protect_metrics,
+                loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
+                allowed,
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
