@@ -215,3 +215,50 @@ fn a_new_version_gets_its_own_artefact_and_the_old_one_goes() {
         assert!(w["private_bytes"].as_u64().unwrap() < w["rss_bytes"].as_u64().unwrap(), "{w:#}");
     }
 }
+
+/// A cache someone else could write to is never used: an artefact planted by another user
+/// (here the genuine one, handed to uid 65534) is not mapped, nor is anything in a cache
+/// folder group or others may write; each session loads its own weights, status says why, and
+/// the answers are those of the model itself.
+#[test]
+fn an_artefact_someone_else_could_have_written_is_never_mapped() {
+    use std::os::unix::fs::PermissionsExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: handing an artefact to another user needs root (chown)");
+        return;
+    }
+    let mut server = serve("weights-planted", "");
+    let before = answers(&server);
+    let cache = server.dir.path().join(".cache/inferd");
+    server.signal(Signal::SIGTERM);
+    assert!(server.wait_exit(Duration::from_secs(60)).success());
+    let typed = artefacts(&cache).into_iter().find(|a| a.starts_with("typed-")).unwrap();
+    for entry in std::fs::read_dir(cache.join(&typed)).unwrap().flatten().map(|e| e.path()).chain([cache.join(&typed)])
+    {
+        nix::unistd::chown(&entry, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    }
+    let restart = |server: Server| {
+        let mut server = server;
+        let dir = std::mem::replace(&mut server.dir, TempDir::new("weights-planted-spare"));
+        let port = server.addr.port();
+        drop(server);
+        let mut again = Server::start(dir, port, &[]);
+        again.wait_ready(Duration::from_secs(120));
+        again
+    };
+    let again = restart(server);
+    let w = weights(&again);
+    assert!(w.iter().filter(|l| l.starts_with("\"typed\"")).all(|l| l.contains("belongs to uid 65534")), "{w:#?}");
+    assert!(w.iter().filter(|l| l.starts_with("\"minilm\"")).all(|l| l.contains("shared")), "{w:#?}");
+    assert!(answers(&again) == before, "answers changed");
+
+    // The whole cache writable by others: nothing in it is used.
+    let mut server = again;
+    server.signal(Signal::SIGTERM);
+    assert!(server.wait_exit(Duration::from_secs(60)).success());
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let again = restart(server);
+    let w = weights(&again);
+    assert!(w.iter().all(|l| l.contains("writable by group or others (mode 777)")), "{w:#?}");
+    assert!(answers(&again) == before, "answers changed");
+}

@@ -15,6 +15,12 @@
 //! whose files do not match (truncated, corrupted) is rebuilt, never loaded. Preparing a new
 //! version removes the model's older artefacts; a worker still running on one keeps its
 //! mapping (the kernel frees the files once nobody maps them).
+//!
+//! The cache is trusted only when it is the service's own: the folder (and each artefact in
+//! it) must belong to the process's user and not be writable by group or others, else every
+//! session loads its own weights and `status` says why (someone who could write there could
+//! plant an artefact whose manifest matches its own data). Temporary folders get names no one
+//! can predict and are made with mkdir's exclusive semantics, mode 0700.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -61,7 +67,22 @@ pub fn configure(dir: Option<PathBuf>, ort_library: &Path) {
 /// preparation keeps its files beside the artefacts).
 pub(crate) fn cache_dir() -> Option<(PathBuf, String)> {
     let cache = CACHE.get()?.as_ref()?;
+    if let Err(e) = make_root(&cache.dir) {
+        warn!("runtime.cache_dir is not used: {e}");
+        return None;
+    }
     Some((cache.dir.clone(), format!("{}-{}", cache.runtime, cache.cpu)))
+}
+
+/// The cache folder, made if missing (mode 0700, whatever the umask), and trusted ([`ours`]).
+fn make_root(root: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(root)
+        .map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    ours(root)
 }
 
 /// How a session gets its weights: from the shared artefact, or its own copy (and why).
@@ -106,7 +127,9 @@ fn prepare(
     if verified.contains(dir) {
         return Ok(());
     }
+    make_root(root)?;
     if dir.exists() {
+        ours(dir)?;
         match check(dir) {
             Ok(()) => {
                 verified.insert(dir.to_path_buf());
@@ -118,13 +141,17 @@ fn prepare(
             }
         }
     }
-    std::fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
     remove_abandoned(root);
     let started = std::time::Instant::now();
-    let tmp =
-        root.join(format!(".tmp-{}-{}", std::process::id(), dir.file_name().unwrap_or_default().to_string_lossy()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    // Unpredictable, and made here or not at all: mkdir fails on anything already there
+    // (a planted folder or a link), and follows no link at its last component.
+    let nonce = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), started);
+    let tmp = root.join(format!(
+        ".tmp-{}-{nonce:016x}-{}",
+        std::process::id(),
+        dir.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    private_dir(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let written = write(&tmp, source, build);
     // The optimising session's buffers are freed now; hand the memory back to the system
     // instead of keeping it in the allocator (hundreds of MB for a BERT-base model).
@@ -148,6 +175,34 @@ fn prepare(
     info!(model = name, "shared weights prepared in {} ({:.1} s)", dir.display(), started.elapsed().as_secs_f64());
     remove_older(root, dir, name);
     verified.insert(dir.to_path_buf());
+    Ok(())
+}
+
+/// A new folder of mode 0700 (exclusive: an existing path of that name is an error).
+pub(crate) fn private_dir(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().mode(0o700).create(path)
+}
+
+/// `path` is a folder of this process's user that group and others cannot write.
+pub(crate) fn ours(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let uid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != uid {
+        return Err(format!(
+            "{} belongs to uid {}, not this service's ({uid}): its artefacts are not trusted",
+            path.display(),
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is writable by group or others (mode {:o}): its artefacts are not trusted (chmod go-w)",
+            path.display(),
+            meta.mode() & 0o777
+        ));
+    }
     Ok(())
 }
 

@@ -121,13 +121,28 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
         .map(|b| format!("{b:02x}"))
         .collect();
     let (dir, scratch) = match crate::weights::cache_dir() {
-        Some((root, host)) => (root.join(format!("{}-int8-{key}-{host}", entry.name)), None),
+        Some((root, host)) => {
+            let dir = root.join(format!("{}-int8-{key}-{host}", entry.name));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            // A preparation someone else could have written is not read.
+            crate::weights::ours(&dir)?;
+            (dir, None)
+        }
         None => {
-            let dir = std::env::temp_dir().join(format!("inferd-int8-{}-{}", entry.name, std::process::id()));
+            // In the shared temporary folder: a name no one else can predict (the same for this
+            // process's sessions, which find what the first wrote), made by this process.
+            static NONCE: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+            let nonce = std::hash::BuildHasher::hash_one(NONCE.get_or_init(Default::default), key.as_str());
+            let dir =
+                std::env::temp_dir().join(format!("inferd-int8-{}-{}-{nonce:016x}", entry.name, std::process::id()));
+            match crate::weights::private_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => crate::weights::ours(&dir)?,
+                Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+            }
             (dir.clone(), Some(dir))
         }
     };
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     // One process prepares; the others wait here, then read what it wrote.
     let lock = std::fs::File::create(dir.join("lock")).map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
     lock.lock().map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
