@@ -25,9 +25,9 @@ check: setup build
 # The integration tests run the release binary, so `make run` and `make test` share one build.
 test: setup
 	scripts/test-deps.sh
-	$(CARGO) test --release --locked --workspace
+	$(CARGO) test --release --locked --workspace --features inferd/test-switches
 	# The request parsers deny unchecked arithmetic (clippy::arithmetic_side_effects).
-	$(CARGO) clippy --release --locked -p inferd-worker -- -D warnings
+	$(CARGO) clippy --release --locked -p inferd-worker --all-features -- -D warnings
 	# Every request parser's fuzz target, 10 s each, from its seed corpus (fuzz/, docs/guards.md).
 	scripts/fuzz.sh 10
 

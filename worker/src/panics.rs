@@ -97,7 +97,12 @@ pub async fn guarded_future<F: Future>(future: F) -> std::thread::Result<F::Outp
 /// Test switch for the hostile-input tests: with INFERD_TEST_PANIC="lane:7,batch:9" in its
 /// environment, a worker panics where `site` names (`lane`: running the batch, guarded;
 /// `batch`: the dispatcher taking the job, not guarded) for a job of that many rows. Never
-/// set in production: the variable is read once, and an unset one costs a branch.
+/// set in production: the variable is read once, and an unset one costs a branch. Only in
+/// builds with the `test-switches` feature (`make test`'s), not releases.
+#[cfg(not(feature = "test-switches"))]
+pub fn test_switch(_site: &str, _rows: Option<usize>) {}
+
+#[cfg(feature = "test-switches")]
 pub fn test_switch(site: &str, rows: Option<usize>) {
     static SITES: std::sync::OnceLock<Vec<(String, usize)>> = std::sync::OnceLock::new();
     let sites = SITES.get_or_init(|| {

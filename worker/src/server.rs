@@ -201,7 +201,12 @@ const IO_BEAT_EVERY: Duration = Duration::from_millis(250);
 /// a worker started for cause C (`reload`, `memory`, ...) that finds a file D/hold-C waits,
 /// warm but not yet listening, until the file is gone; D/held-C holds the pid of the last
 /// worker that waited there.
-/// A test uses it to have a replacement still booting at the moment it acts.
+/// A test uses it to have a replacement still booting at the moment it acts. Only in builds
+/// with the `test-switches` feature (`make test`'s), not releases.
+#[cfg(not(feature = "test-switches"))]
+fn hold_for_test(_cause: Cause) {}
+
+#[cfg(feature = "test-switches")]
 fn hold_for_test(cause: Cause) {
     let Some(dir) = std::env::var_os("INFERD_TEST_HOLD_DIR").map(std::path::PathBuf::from) else { return };
     let hold = dir.join(format!("hold-{}", cause.as_str()));

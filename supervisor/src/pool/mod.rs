@@ -265,6 +265,18 @@ pub struct Supervisor {
     hang_on_sigusr2: bool,
 }
 
+/// The test switch INFERD_TEST_HANG_ON_SIGUSR2=1, only in builds with the `test-switches`
+/// feature (`make test`'s), not releases.
+#[cfg(feature = "test-switches")]
+fn hang_on_sigusr2() -> bool {
+    std::env::var_os("INFERD_TEST_HANG_ON_SIGUSR2").is_some_and(|v| v == "1")
+}
+
+#[cfg(not(feature = "test-switches"))]
+fn hang_on_sigusr2() -> bool {
+    false
+}
+
 /// Runs the supervisor until the pool has stopped. Blocks the calling thread.
 pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
     // Before any thread exists: taking the socket clears LISTEN_* from the environment.
@@ -370,7 +382,7 @@ impl Supervisor {
                 })
                 .ok(),
             notifier: Notifier::from_env(),
-            hang_on_sigusr2: std::env::var_os("INFERD_TEST_HANG_ON_SIGUSR2").is_some_and(|v| v == "1"),
+            hang_on_sigusr2: hang_on_sigusr2(),
         })
     }
 
@@ -431,7 +443,7 @@ impl Supervisor {
                 libc::SIGTTIN => self.act(Request::Scale { delta: 1 }, None),
                 libc::SIGTTOU => self.act(Request::Scale { delta: -1 }, None),
                 libc::SIGUSR2 if self.hang_on_sigusr2 => {
-                    warn!("SIGUSR2 with INFERD_TEST_HANG_ON_SIGUSR2=1: the supervisor's loop hangs now");
+                    warn!("SIGUSR2 with the test switch on: the supervisor's loop hangs now");
                     loop {
                         std::thread::sleep(Duration::from_secs(3600));
                     }

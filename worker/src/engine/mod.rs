@@ -77,7 +77,11 @@ fn recv_polling<T>(rx: &mpsc::Receiver<T>, poll: Duration, timeout: Duration) ->
 
 /// Test switch for the memory guards: with INFERD_TEST_LEAK_BYTES_PER_REQUEST=N in its
 /// environment, a worker leaks N touched bytes per model run, like a model or library that
-/// grows. Never set in production.
+/// grows. Only in builds with the `test-switches` feature (`make test`'s), not releases.
+#[cfg(not(feature = "test-switches"))]
+fn leak_for_tests() {}
+
+#[cfg(feature = "test-switches")]
 fn leak_for_tests() {
     static LEAK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let n = *LEAK.get_or_init(|| {
