@@ -20,8 +20,14 @@ use common::*;
 use serde_json::{json, Value};
 
 /// Manifests of Kubernetes' own kinds (kubernetes-validate has their schemas) ...
-const CORE: [&str; 5] =
-    ["k8s/configmap.yaml", "k8s/deployment.yaml", "k8s/service.yaml", "k8s/pdb.yaml", "k8s/hpa.yaml"];
+const CORE: [&str; 6] = [
+    "k8s/configmap.yaml",
+    "k8s/deployment.yaml",
+    "k8s/service.yaml",
+    "k8s/pdb.yaml",
+    "k8s/hpa.yaml",
+    "k8s/networkpolicy.yaml",
+];
 /// ... and custom resources, which it only warns about (deploy/validate_custom_resources.py).
 const CUSTOM: [&str; 3] =
     ["k8s/monitoring/servicemonitor.yaml", "kserve/servingruntime.yaml", "kserve/inferenceservice.yaml"];
@@ -240,6 +246,15 @@ fn the_manifests_agree_with_each_other_and_with_the_container_config() {
         named(&container["ports"], &port["targetPort"]);
     }
     named(&service["spec"]["ports"], &monitor["spec"]["endpoints"][0]["port"]);
+    // The NetworkPolicy covers the pods and names their ports; no API token is mounted.
+    let policy = one("k8s/networkpolicy.yaml");
+    assert_eq!(policy["spec"]["podSelector"]["matchLabels"], *labels);
+    for rule in policy["spec"]["ingress"].as_array().unwrap() {
+        for port in rule["ports"].as_array().unwrap() {
+            named(&container["ports"], &port["port"]);
+        }
+    }
+    assert_eq!(pod["automountServiceAccountToken"], false);
     assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
     // The HPA scales the Deployment, on a Pods metric the adapter rules serve.
     assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], deployment["metadata"]["name"]);
