@@ -85,6 +85,7 @@ fn every_route_needs_a_key_and_refuses_in_its_protocols_shape() {
     // Health and readiness stay open for probes.
     assert_eq!(request(server.addr, "GET", "/v2/health/ready", &[], b"").unwrap().status, 200);
     assert_eq!(request(server.addr, "GET", "/health", &[], b"").unwrap().status, 200);
+    assert_eq!(request(server.addr, "GET", "/v2/models/typed/ready", &[], b"").unwrap().status, 200);
     let metrics = server.metrics_text();
     let count = |reason: &str| {
         metric_value(&metrics, &format!("inferd_auth_refused_total{{reason=\"{reason}\"}}")).unwrap_or(-1.0)

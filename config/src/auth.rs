@@ -26,7 +26,8 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 pub struct AuthConfig {
     /// One key per line (relative: to the config file's folder).
     pub api_keys_file: Option<PathBuf>,
-    /// Health and readiness routes (`/v2/health/*`, `/health`, `/ping`) need a key too; by
+    /// Health and readiness routes (`/v2/health/*`, `/v2/models/NAME/ready`, `/health`,
+    /// `/ping`, gRPC's ServerLive, ServerReady, ModelReady) need a key too; by
     /// default they are open, for load balancers' and Kubernetes' probes.
     pub protect_health: bool,
 }

@@ -215,7 +215,8 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
     let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-    state.authorize(authorization, matches!(route, Route::Live | Route::Ready | Route::Ping))?;
+    state
+        .authorize(authorization, matches!(route, Route::Live | Route::Ready | Route::ModelReady(..) | Route::Ping))?;
     let allowed = match route {
         Route::Infer(..)
         | Route::Embed(_)
