@@ -267,6 +267,30 @@ def slow_model():
     return make_model(graph)
 
 
+def hashed_lookup(gathered):
+    """The hashed embedding table both text graphs start with: initializers and nodes giving
+    `gathered` = table[input_ids mod 1000], [batch, sequence, 16], with table[r, j] =
+    sin(r * CLASSIFIER_FREQ[j]); also the axis constants `axis_1` and `axis_2` they share."""
+    initializers = [
+        const("rows_start", 0.0, np.float32),
+        const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
+        const("rows_delta", 1.0, np.float32),
+        const("freq", CLASSIFIER_FREQ, np.float32),
+        const("buckets", CLASSIFIER_BUCKETS, np.int64),
+        const("axis_1", [1], np.int64),
+        const("axis_2", [2], np.int64),
+    ]
+    nodes = [
+        helper.make_node("Range", ["rows_start", "rows_limit", "rows_delta"], ["rows"], name="table_range"),
+        helper.make_node("Unsqueeze", ["rows", "axis_1"], ["rows_column"], name="table_unsqueeze"),
+        helper.make_node("Mul", ["rows_column", "freq"], ["table_angles"], name="table_mul"),
+        helper.make_node("Sin", ["table_angles"], ["table"], name="table_sin"),
+        helper.make_node("Mod", ["input_ids", "buckets"], ["bucket_ids"], name="hash_mod"),
+        helper.make_node("Gather", ["table", "bucket_ids"], [gathered], name="embed_gather", axis=0),
+    ]
+    return initializers, nodes
+
+
 def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier", softmax=False):
     text_dims = ["batch", "sequence"]
     inputs = [
@@ -277,28 +301,14 @@ def classifier_model(w=CLASSIFIER_W, b=CLASSIFIER_B, name="classifier", softmax=
     outputs = [
         helper.make_tensor_value_info("probs" if softmax else "logits", TensorProto.FLOAT, ["batch", len(b)])
     ]
-    initializers = [
-        const("rows_start", 0.0, np.float32),
-        const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
-        const("rows_delta", 1.0, np.float32),
-        const("freq", CLASSIFIER_FREQ, np.float32),
-        const("buckets", CLASSIFIER_BUCKETS, np.int64),
-        const("axis_1", [1], np.int64),
-        const("axis_2", [2], np.int64),
+    initializers, nodes = hashed_lookup("token_vectors")
+    initializers += [
         const("min_count", 1e-9, np.float32),
         const("zero", 0.0, np.float32),
         const("w", w, np.float32),
         const("b", b, np.float32),
     ]
-    nodes = [
-        # table[r, j] = sin(r * freq[j]), shape [1000, 16].
-        helper.make_node("Range", ["rows_start", "rows_limit", "rows_delta"], ["rows"], name="table_range"),
-        helper.make_node("Unsqueeze", ["rows", "axis_1"], ["rows_column"], name="table_unsqueeze"),
-        helper.make_node("Mul", ["rows_column", "freq"], ["table_angles"], name="table_mul"),
-        helper.make_node("Sin", ["table_angles"], ["table"], name="table_sin"),
-        # Hashed embedding lookup: [batch, sequence, 16].
-        helper.make_node("Mod", ["input_ids", "buckets"], ["bucket_ids"], name="hash_mod"),
-        helper.make_node("Gather", ["table", "bucket_ids"], ["token_vectors"], name="embed_gather", axis=0),
+    nodes += [
         # Masked mean over the sequence.
         helper.make_node("Cast", ["attention_mask"], ["mask"], name="mask_cast", to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", ["mask", "axis_2"], ["mask_3d"], name="mask_unsqueeze"),
@@ -692,7 +702,8 @@ def bench_slow(path):
 # --- published/: folders as exporters lay them out ------------------------------------------
 
 PUBLISHED_DIR = OUT_DIR / "published"
-PUBLISHED_DIM = 16
+# The token vectors are the hashed table's rows (hashed_lookup).
+PUBLISHED_DIM = CLASSIFIER_DIM
 SPLADE_BIAS = 8.0
 PUBLISHED_WORDS = (
     "the a an is are was of to and in on for with this that it at by from as be or not but "
@@ -744,25 +755,13 @@ def token_vectors_model(output="last_hidden_state", vocab=0):
         for n in ("input_ids", "attention_mask", "token_type_ids")
     ]
     outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", "sequence", vocab or PUBLISHED_DIM])]
-    initializers = [
-        const("rows_start", 0.0, np.float32),
-        const("rows_limit", float(CLASSIFIER_BUCKETS), np.float32),
-        const("rows_delta", 1.0, np.float32),
-        const("freq", CLASSIFIER_FREQ[:PUBLISHED_DIM], np.float32),
-        const("buckets", CLASSIFIER_BUCKETS, np.int64),
-        const("axis_1", [1], np.int64),
-        const("axis_2", [2], np.int64),
+    initializers, nodes = hashed_lookup("own")
+    initializers += [
         const("axis_scalar_1", 1, np.int64),
         const("carry", 0.3, np.float32),
         const("zero", 0.0, np.float32),
     ]
-    nodes = [
-        helper.make_node("Range", ["rows_start", "rows_limit", "rows_delta"], ["rows"], name="table_range"),
-        helper.make_node("Unsqueeze", ["rows", "axis_1"], ["rows_column"], name="table_unsqueeze"),
-        helper.make_node("Mul", ["rows_column", "freq"], ["table_angles"], name="table_mul"),
-        helper.make_node("Sin", ["table_angles"], ["table"], name="table_sin"),
-        helper.make_node("Mod", ["input_ids", "buckets"], ["bucket_ids"], name="hash_mod"),
-        helper.make_node("Gather", ["table", "bucket_ids"], ["own"], name="embed_gather", axis=0),
+    nodes += [
         helper.make_node("CumSum", ["own", "axis_scalar_1"], ["running"], name="running_sum"),
         helper.make_node("Mul", ["running", "carry"], ["carried"], name="running_scale"),
         helper.make_node("Add", ["own", "carried"], ["vectors"], name="vectors_add"),

@@ -28,13 +28,18 @@ def image(width, height):
     return img
 
 
-def expected(img, c):
+def resized_crop(img, edge, width, height, resample):
+    """As Hugging Face's image processors: the shorter side to `edge`, the longer in proportion
+    (transformers' int()), then the centre `width` x `height` (offsets rounded down)."""
     w, h = img.size
-    edge = c["shortest_edge"]
     size = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
-    resized = img.resize(size, Image.BICUBIC)
-    left, top = (size[0] - c["width"]) // 2, (size[1] - c["height"]) // 2
-    crop = resized.crop((left, top, left + c["width"], top + c["height"]))
+    resized = img.resize(size, resample)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    return resized.crop((left, top, left + width, top + height))
+
+
+def expected(img, c):
+    crop = resized_crop(img, c["shortest_edge"], c["width"], c["height"], Image.BICUBIC)
     return (np.asarray(crop, np.float32) / 255.0).transpose(2, 0, 1).reshape(-1)
 
 

@@ -33,6 +33,11 @@ import onnxruntime as ort
 from PIL import Image
 from tokenizers import Tokenizer
 
+# The gradient images and the shortest-edge resize and crop of the pixels model's reference
+# (this script's folder is on sys.path when it runs).
+from pixels_reference import image as gradient
+from pixels_reference import resized_crop
+
 
 def load(folder, name):
     path = folder / name
@@ -135,15 +140,6 @@ def strings(path, texts):
     }
 
 
-def gradient(width, height):
-    img = Image.new("RGB", (width, height))
-    px = img.load()
-    for x in range(width):
-        for y in range(height):
-            px[x, y] = (x * 255 // (width - 1), y * 255 // (height - 1), (x * 3 + y * 4) % 256)
-    return img
-
-
 def image(folder):
     p = load(folder, "preprocessor_config.json")
     filters = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC}
@@ -151,13 +147,10 @@ def image(folder):
     cases = []
     for width, height in ((40, 20), (21, 45)):
         img = gradient(width, height)
-        edge = p["size"]["shortest_edge"]
-        # transformers' get_resize_output_image_size: the long side in proportion, int().
-        size = (edge, int(edge * height / width)) if width <= height else (int(edge * width / height), edge)
-        resized = img.resize(size, filters[p["resample"]])
-        cw, ch = p["crop_size"]["width"], p["crop_size"]["height"]
-        left, top = (size[0] - cw) // 2, (size[1] - ch) // 2
-        x = np.asarray(resized.crop((left, top, left + cw, top + ch)), np.float32) * p["rescale_factor"]
+        crop = resized_crop(
+            img, p["size"]["shortest_edge"], p["crop_size"]["width"], p["crop_size"]["height"], filters[p["resample"]]
+        )
+        x = np.asarray(crop, np.float32) * p["rescale_factor"]
         x = (x - np.array(p["image_mean"], np.float32)) / np.array(p["image_std"], np.float32)
         pixel_values = x.transpose(2, 0, 1)[None].astype(np.float32)
         (out,) = sess.run(None, {sess.get_inputs()[0].name: pixel_values})
