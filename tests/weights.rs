@@ -68,6 +68,16 @@ fn weights(server: &Server) -> Vec<String> {
     all
 }
 
+/// The same server (folder, config, port) started again after it stopped.
+fn restart(mut server: Server) -> Server {
+    let dir = std::mem::replace(&mut server.dir, TempDir::new("weights-spare"));
+    let port = server.addr.port();
+    drop(server);
+    let mut again = Server::start(dir, port, &[]);
+    again.wait_ready(Duration::from_secs(120));
+    again
+}
+
 fn artefacts(cache: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(cache)
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().to_string()).collect())
@@ -141,11 +151,7 @@ fn a_damaged_artefact_is_rebuilt_never_loaded() {
     let len = std::fs::metadata(&data).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&data).unwrap().set_len(len / 2).unwrap();
 
-    let dir = std::mem::replace(&mut server.dir, TempDir::new("weights-damaged-spare"));
-    let port = server.addr.port();
-    drop(server);
-    let mut again = Server::start(dir, port, &[]);
-    again.wait_ready(Duration::from_secs(120));
+    let again = restart(server);
     let log = again.log();
     assert!(log.contains("are damaged") && log.contains("model.onnx.data is"), "{log}");
     assert_eq!(log.matches("shared weights prepared").count(), 1, "only the damaged one is rebuilt:\n{log}");
@@ -237,15 +243,6 @@ fn an_artefact_someone_else_could_have_written_is_never_mapped() {
     {
         nix::unistd::chown(&entry, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
     }
-    let restart = |server: Server| {
-        let mut server = server;
-        let dir = std::mem::replace(&mut server.dir, TempDir::new("weights-planted-spare"));
-        let port = server.addr.port();
-        drop(server);
-        let mut again = Server::start(dir, port, &[]);
-        again.wait_ready(Duration::from_secs(120));
-        again
-    };
     let again = restart(server);
     let w = weights(&again);
     assert!(w.iter().filter(|l| l.starts_with("\"typed\"")).all(|l| l.contains("belongs to uid 65534")), "{w:#?}");
