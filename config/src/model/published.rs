@@ -156,7 +156,7 @@ pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, Strin
              models as classifiers (write a model.toml with task = \"raw\" to serve its tensors)",
         )?;
         t.key("task", "classification", &why_architecture(&architecture, "an image processor and labels"));
-        classification(&mut t, &files, labels)?;
+        classification(&mut t, &files, labels);
         image_section(&mut t, preprocessor)?;
         return Ok(t.0);
     }
@@ -175,7 +175,7 @@ pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, Strin
         let labels = labels(&files)?.ok_or(format!("config.json says {architecture}, but has no id2label"))?;
         t.key("task", "classification", &why_architecture(&architecture, "labels and a tokenizer"));
         tokenizer_section(&mut t, dir, &files, tokenizer)?;
-        classification(&mut t, &files, labels)?;
+        classification(&mut t, &files, labels);
         return Ok(t.0);
     }
     // sentence-transformers loads the base model whatever head config.json names (decoder
@@ -227,7 +227,7 @@ fn labels(files: &Files) -> Result<Option<Vec<String>>, String> {
     Ok(Some(labels.into_iter().map(|l| l.expect("every id 0..n was seen once")).collect()))
 }
 
-fn classification(t: &mut TomlText, files: &Files, labels: Vec<String>) -> Result<(), String> {
+fn classification(t: &mut TomlText, files: &Files, labels: Vec<String>) {
     let multi = files.config.as_ref().and_then(|c| c["problem_type"].as_str()) == Some("multi_label_classification");
     let single = labels.len() == 1;
     t.section("classification");
@@ -242,7 +242,6 @@ fn classification(t: &mut TomlText, files: &Files, labels: Vec<String>) -> Resul
             "# activation: none when the graph ends in Softmax or Sigmoid, else softmax (read from the graph)"
         );
     }
-    Ok(())
 }
 
 fn number(v: &Value, key: &str) -> Option<f64> {
