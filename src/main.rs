@@ -281,9 +281,18 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("grpc listen:     {}", config.server.grpc_listen);
     }
     println!("control socket:  {}", config.control_socket().display());
-    match &resolved.api_keys {
+    match &resolved.access.api_keys {
         Some(keys) => println!("auth:            {}", keys.describe()),
         None => println!("auth:            none: every request is served ([auth] api_keys_file, INFERD_API_KEYS)"),
+    }
+    match &resolved.access.tls {
+        Some(tls) => println!(
+            "tls:             {} ({}){}",
+            config.server_tls().cert.expect("loaded").display(),
+            if config.server.grpc_listen.is_empty() { "HTTP/1.1" } else { "HTTP/1.1 and gRPC" },
+            if tls.mutual() { ", client certificates required (server.tls_client_ca)" } else { "" }
+        ),
+        None => println!("tls:             none: plain TCP ([server] tls_cert, tls_key)"),
     }
     println!("usable cores:    {} ({})", plan.budget.usable, plan.budget.describe());
     println!(

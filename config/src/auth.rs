@@ -39,6 +39,14 @@ pub struct ApiKeys {
     pub protect_health: bool,
 }
 
+/// What the supervisor reads for the public port at start and at every reload, and every
+/// worker of that generation serves with: the API keys and the TLS certificate.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Access {
+    pub api_keys: Option<ApiKeys>,
+    pub tls: Option<crate::tls::Tls>,
+}
+
 /// Why a request was refused (the `reason` label of the refusal counter and the access log).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {

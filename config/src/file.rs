@@ -64,6 +64,14 @@ pub struct ServerConfig {
     /// Address every worker also serves KServe v2 over gRPC on (SO_REUSEPORT, joined after
     /// warm-up like `listen`); empty = no gRPC.
     pub grpc_listen: String,
+    /// TLS on `listen` (ALPN http/1.1) and `grpc_listen` (ALPN h2): the certificate chain
+    /// (PEM, the server's certificate first), read at start and at every reload.
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM; readable by the service's user alone).
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM): with it, every client must present a certificate they signed
+    /// (mutual TLS).
+    pub tls_client_ca: Option<PathBuf>,
     /// Number of worker processes; 0 = as many as the CPU budget allows.
     pub workers: usize,
     /// ORT intra-op threads per worker; 0 = derive from the CPU budget (see `cpu::plan`).
@@ -144,6 +152,9 @@ impl Default for ServerConfig {
         ServerConfig {
             listen: "127.0.0.1:8000".into(),
             grpc_listen: String::new(),
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
             workers: 0,
             threads: 0,
             intra_op_spinning: true,
@@ -195,6 +206,10 @@ pub struct AdminConfig {
     pub protect_metrics: bool,
     /// Folders besides `models.repository` that `load`'s `parameters.path` may name.
     pub allowed_paths: Vec<PathBuf>,
+    /// TLS on this listener, as `[server]`'s keys of the same names (its own certificate).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 impl Default for AdminConfig {
@@ -205,6 +220,9 @@ impl Default for AdminConfig {
             token_file: None,
             protect_metrics: false,
             allowed_paths: Vec::new(),
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
         }
     }
 }
@@ -404,6 +422,8 @@ impl Config {
                 "changes what the public port serves, so it needs admin.token_file (the operator's token)".into(),
             );
         }
+        self.server_tls().validate("server")?;
+        self.admin_tls().validate("admin")?;
         if self.admin.protect_metrics && self.admin.token_file.is_none() {
             return invalid("admin.protect_metrics", "needs admin.token_file".into());
         }
@@ -521,6 +541,29 @@ impl Config {
     pub fn api_keys(&self) -> Result<Option<crate::auth::ApiKeys>, ConfigError> {
         let file = self.auth.api_keys_file.as_ref().map(|f| self.resolve(f));
         crate::auth::ApiKeys::load(file.as_deref(), self.auth.protect_health)
+    }
+
+    /// What the public port serves and whom: the API keys and the TLS files, read now (at
+    /// start and at every reload).
+    pub fn access(&self) -> Result<crate::auth::Access, ConfigError> {
+        Ok(crate::auth::Access { api_keys: self.api_keys()?, tls: self.server_tls().load("server")? })
+    }
+
+    /// `[server]`'s TLS files, resolved.
+    pub fn server_tls(&self) -> crate::tls::TlsPaths {
+        let s = &self.server;
+        self.tls_paths([&s.tls_cert, &s.tls_key, &s.tls_client_ca])
+    }
+
+    /// `[admin]`'s TLS files, resolved.
+    pub fn admin_tls(&self) -> crate::tls::TlsPaths {
+        let a = &self.admin;
+        self.tls_paths([&a.tls_cert, &a.tls_key, &a.tls_client_ca])
+    }
+
+    fn tls_paths(&self, [cert, key, client_ca]: [&Option<PathBuf>; 3]) -> crate::tls::TlsPaths {
+        let resolve = |p: &Option<PathBuf>| p.as_deref().map(|p| self.resolve(p));
+        crate::tls::TlsPaths { cert: resolve(cert), key: resolve(key), client_ca: resolve(client_ca) }
     }
 
     /// `runtime.cache_dir`, resolved; None when it is empty (shared weights off).

@@ -72,9 +72,11 @@ pub struct WorkerSpec {
     /// logging starts before the spec is read).
     #[serde(default)]
     pub log: LogConfig,
-    /// The keys requests must carry (digests); None: every request is served.
+    /// The keys requests must carry (digests; none: every request is served) and the TLS
+    /// certificate the ports serve (none: plain TCP), as the supervisor read them for this
+    /// worker's generation.
     #[serde(default)]
-    pub api_keys: Option<inferd_config::auth::ApiKeys>,
+    pub access: inferd_config::auth::Access,
 }
 
 /// Why the supervisor started a worker: in its spec, the supervisor's log and `inferd status`.

@@ -19,10 +19,15 @@
 //! address serves `/metrics` alone. `load`'s `parameters.path` must lie, symlinks resolved,
 //! inside `models.repository` or `admin.allowed_paths`, and so must every file the model's
 //! settings name.
+//!
+//! With `admin.tls_cert`/`tls_key` (and `tls_client_ca` for client certificates) the listener
+//! speaks TLS only. Its files are checked at start and looked at again at each connection: a
+//! changed certificate counts from the next connection on, without a reload (as the token), and
+//! one that cannot be used is logged while the previous one stays in use.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,7 +39,8 @@ use inferd_config::model::ModelEntry;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
-use tracing::{info, warn};
+use tokio_util::either::Either;
+use tracing::{debug, info, warn};
 
 use crate::control;
 use crate::metrics::{self, PoolMetrics};
@@ -54,6 +60,61 @@ pub struct Admin {
     pub loopback: bool,
     /// Where `load`'s `parameters.path` may point: the repository and admin.allowed_paths.
     pub allowed: Vec<PathBuf>,
+    /// admin.tls_cert and its key: TLS on this listener.
+    pub tls: Option<AdminTls>,
+}
+
+/// The admin listener's certificate, read again when its files change.
+pub struct AdminTls {
+    paths: inferd_config::tls::TlsPaths,
+    current: Mutex<(Vec<Option<FileStamp>>, tokio_rustls::TlsAcceptor)>,
+}
+
+/// What tells that a file changed: its inode, size and modification time.
+type FileStamp = (u64, u64, i64, i64);
+
+impl AdminTls {
+    /// Reads the files now; None without admin.tls_cert.
+    pub fn load(paths: inferd_config::tls::TlsPaths) -> Result<Option<AdminTls>, String> {
+        let stamps = stamps(&paths);
+        let Some(acceptor) = acceptor(&paths)? else { return Ok(None) };
+        Ok(Some(AdminTls { paths, current: Mutex::new((stamps, acceptor)) }))
+    }
+
+    /// The acceptor to use for a new connection: the files read again if they changed.
+    fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let now = stamps(&self.paths);
+        if now != current.0 {
+            match acceptor(&self.paths) {
+                Ok(Some(acceptor)) => {
+                    info!("admin listener: certificate files changed; new connections use them");
+                    *current = (now, acceptor);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!("admin listener: keeping the previous certificate: {e}");
+                    current.0 = now;
+                }
+            }
+        }
+        current.1.clone()
+    }
+}
+
+fn acceptor(paths: &inferd_config::tls::TlsPaths) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
+    let Some(tls) = paths.load("admin").map_err(|e| e.to_string())? else { return Ok(None) };
+    let config = tls.server_config(&[inferd_config::tls::ALPN_HTTP1])?;
+    Ok(Some(config.into()))
+}
+
+fn stamps(paths: &inferd_config::tls::TlsPaths) -> Vec<Option<FileStamp>> {
+    use std::os::unix::fs::MetadataExt;
+    [&paths.cert, &paths.key, &paths.client_ca]
+        .into_iter()
+        .flatten()
+        .map(|p| std::fs::metadata(p).ok().map(|m| (m.ino(), m.size(), m.mtime(), m.mtime_nsec())))
+        .collect()
 }
 
 impl Admin {
@@ -107,9 +168,19 @@ pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, 
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let permit = slots.clone().acquire_owned().await.expect("never closed");
-        let (stream, _) = control::accept_patiently("admin listener", || listener.accept()).await;
+        let (stream, peer) = control::accept_patiently("admin listener", || listener.accept()).await;
         let (events, admin) = (events.clone(), admin.clone());
         tokio::spawn(async move {
+            let stream = match admin.tls.as_ref().map(AdminTls::acceptor) {
+                None => Either::Left(stream),
+                Some(tls) => match tokio::time::timeout(HEADER_TIMEOUT, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => Either::Right(stream),
+                    Ok(Err(e)) => return debug!("admin listener: TLS handshake with {peer} failed: {e}"),
+                    Err(_) => {
+                        return debug!("admin listener: TLS handshake with {peer} not done within {HEADER_TIMEOUT:?}")
+                    }
+                },
+            };
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                 let (events, admin) = (events.clone(), admin.clone());
                 async move { Ok::<_, Infallible>(route(request, &events, &admin).await) }
@@ -427,6 +498,7 @@ mod tests {
             protect_metrics: false,
             loopback: true,
             allowed,
+            tls: None,
         }
     }
 

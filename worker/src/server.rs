@@ -20,6 +20,8 @@ use inferd_ipc::stats::{Shared, WORKER_STATS_FD};
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, OwnedSemaphorePermit};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::either::Either;
 use tracing::{debug, error, info, warn};
 
 use crate::app::{AppState, RequestIds};
@@ -128,10 +130,76 @@ fn read_spec(stream: &UnixStream) -> Result<WorkerSpec, String> {
     serde_json::from_str(&line).map_err(|e| e.to_string())
 }
 
-/// The worker's ports: HTTP, and gRPC when server.grpc_listen is set.
+/// The worker's ports: HTTP, and gRPC when server.grpc_listen is set; TLS on both with
+/// server.tls_cert.
 struct Listeners {
     http: std::net::TcpListener,
     grpc: Option<std::net::TcpListener>,
+    tls: Option<Acceptors>,
+}
+
+/// The TLS handshakes of the two ports, from the certificate in the spec (the supervisor read
+/// and checked it for this generation): HTTP/1.1 offers ALPN `http/1.1`, gRPC `h2`.
+struct Acceptors {
+    http: TlsAcceptor,
+    grpc: TlsAcceptor,
+}
+
+impl Acceptors {
+    fn new(tls: &inferd_config::tls::Tls) -> Result<Acceptors, String> {
+        use inferd_config::tls::{ALPN_H2, ALPN_HTTP1};
+        let acceptor = |alpn: &[u8]| tls.server_config(&[alpn]).map(TlsAcceptor::from);
+        Ok(Acceptors { http: acceptor(ALPN_HTTP1)?, grpc: acceptor(ALPN_H2)? })
+    }
+}
+
+/// A connection's bytes: plain TCP, with what a sibling had already read of it when it was
+/// handed over, or TLS, which is never handed over (its session lives in this process).
+type Stream = Either<Prefixed<tokio::net::TcpStream>, tokio_rustls::server::TlsStream<tokio::net::TcpStream>>;
+
+/// How long a retiring worker keeps an idle TLS connection open for its next request (answered
+/// with `Connection: close`) before closing it: such a connection cannot be handed over, and
+/// closing it at once could cross a request its client is sending on it.
+const TLS_LINGER: Duration = Duration::from_secs(2);
+
+/// What a client that sends plain HTTP to a TLS port is answered (its bytes are not a TLS
+/// handshake, so it could read no TLS alert).
+const PLAIN_ON_TLS: &str = "this port speaks TLS (server.tls_cert): connect with https\n";
+
+/// Runs a TLS handshake, within `timeout` (server.header_timeout_secs: a client that stalls
+/// it is a slowloris too); None when it fails (logged at debug: scanners cause many).
+async fn handshake(
+    acceptor: &TlsAcceptor,
+    mut stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    timeout: Duration,
+) -> Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+    let accepted = async {
+        let mut first = [0u8; 1];
+        // 0x16 starts every TLS handshake record; anything else is no TLS client.
+        if stream.peek(&mut first).await? == 1 && first[0] != 0x16 {
+            let reply = format!(
+                "HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Type: text/plain\r\n\
+                 Content-Length: {}\r\n\r\n{PLAIN_ON_TLS}",
+                PLAIN_ON_TLS.len()
+            );
+            stream.write_all(reply.as_bytes()).await?;
+            let _ = stream.shutdown().await;
+            return Err(std::io::Error::other("not a TLS handshake (answered 400)"));
+        }
+        acceptor.accept(stream).await
+    };
+    match tokio::time::timeout(timeout, accepted).await {
+        Ok(Ok(stream)) => Some(stream),
+        Ok(Err(e)) => {
+            debug!("TLS handshake with {peer} failed: {e}");
+            None
+        }
+        Err(_) => {
+            debug!("TLS handshake with {peer} not done within {timeout:?} (server.header_timeout_secs)");
+            None
+        }
+    }
 }
 
 /// Pins the process, loads the runtime and the models, warms them up and binds the ports.
@@ -187,7 +255,14 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         spec.server.grpc_addr().map(bind_reuseport).transpose().map_err(|e| {
             failure(FailureKind::Boot)(format!("cannot listen on {} (gRPC): {e}", spec.server.grpc_listen))
         })?;
-    Ok((models, Listeners { http: listener, grpc }))
+    let tls = spec
+        .access
+        .tls
+        .as_ref()
+        .map(Acceptors::new)
+        .transpose()
+        .map_err(|e| failure(FailureKind::Boot)(format!("server.tls_cert: {e}")))?;
+    Ok((models, Listeners { http: listener, grpc, tls }))
 }
 
 /// Concurrent streams per gRPC connection (each is a request, whose bytes the byte budget
@@ -274,15 +349,40 @@ struct Connections {
     write_timeout: Duration,
     drain: watch::Receiver<Drain>,
     handoff: Option<Arc<Handoff>>,
+    /// TLS handshakes (server.tls_cert), bounded by the header timeout.
+    tls: Option<TlsAcceptor>,
+    header_timeout: Duration,
 }
 
 impl Connections {
     /// Serves one connection in a task of its own; `read`: bytes already read from it (by the
-    /// worker that handed it over). The permit is held until the connection is gone.
-    fn serve(&self, stream: tokio::net::TcpStream, peer: SocketAddr, read: Vec<u8>, permit: OwnedSemaphorePermit) {
+    /// worker that handed it over: plain TCP). The permit is held until the connection is gone.
+    fn serve(
+        self: &Arc<Self>,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+        read: Vec<u8>,
+        permit: OwnedSemaphorePermit,
+    ) {
         let _ = stream.set_nodelay(true);
-        let state = self.state.clone();
+        let this = self.clone();
         let guard = FreshGuard::new(&self.fresh);
+        tokio::spawn(async move {
+            let stream = match &this.tls {
+                None => Either::Left(Prefixed::new(read, stream)),
+                Some(tls) => match handshake(tls, stream, peer, this.header_timeout).await {
+                    Some(stream) => Either::Right(stream),
+                    None => return,
+                },
+            };
+            this.run(stream, peer, guard).await;
+            drop(permit);
+        });
+    }
+
+    /// Serves requests on `stream` until it closes, is closed, or is handed over (drain).
+    async fn run(&self, stream: Stream, peer: SocketAddr, guard: Arc<FreshGuard>) {
+        let state = self.state.clone();
         let first = guard.clone();
         // Set once this connection is to close after its answer (the client asked, or the
         // server announced it): such a connection is never handed over.
@@ -316,49 +416,57 @@ impl Connections {
                 Ok::<_, std::convert::Infallible>(reply)
             })
         });
-        let io = WriteTimeout::new(Prefixed::new(read, stream), self.write_timeout);
+        let tls = matches!(stream, Either::Right(_));
+        let io = WriteTimeout::new(stream, self.write_timeout);
         let mut connection = self.http.serve_connection(TokioIo::new(io), service);
         let mut drain = self.drain.clone();
-        let handoff = self.handoff.clone();
-        tokio::spawn(async move {
-            let mut told = None;
-            let ended = loop {
-                tokio::select! {
-                    ended = std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)) => break ended,
-                    mode = drain.wait_for(|d| *d != Drain::Serving), if told.is_none() => {
-                        told = Some(mode.map_or(Drain::Close, |m| *m));
+        let mut told = None;
+        // Retired, a TLS connection is closed at a request boundary only after TLS_LINGER.
+        let mut linger: Option<tokio::time::Instant> = None;
+        let ended = loop {
+            tokio::select! {
+                ended = std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)) => break ended,
+                mode = drain.wait_for(|d| *d != Drain::Serving), if told.is_none() => {
+                    let mode = mode.map_or(Drain::Close, |m| *m);
+                    told = Some(mode);
+                    match mode == Drain::Handoff && tls {
+                        true => linger = Some(tokio::time::Instant::now() + TLS_LINGER),
                         // At a request boundary: now if idle, else after the current answer.
-                        std::pin::Pin::new(&mut connection).graceful_shutdown();
+                        false => std::pin::Pin::new(&mut connection).graceful_shutdown(),
                     }
                 }
-            };
-            let parts = connection.into_parts();
-            let (stream, unread) = parts.io.into_inner().into_inner().into_parts();
-            match (told, ended, handoff) {
-                (Some(Drain::Handoff), Ok(()), Some(handoff)) if !closing.load(Ordering::Relaxed) => {
-                    // What hyper read, then what it had not read yet of an earlier hand-off.
-                    let mut read = parts.read_buf.to_vec();
-                    read.extend_from_slice(&unread);
-                    let sent = match stream.into_std() {
-                        Ok(stream) => handoff.send(stream, &read).await,
-                        Err(e) => Err(e),
-                    };
-                    if let Err(e) = sent {
-                        debug!("closing a connection that could not be handed over: {e}");
-                    }
-                }
-                // Closed as hyper would: FIN after the last answer (a 4xx for a bad request
-                // included), so that the client reads it before the socket goes.
-                (_, ended, _) => {
-                    if let Err(e) = ended {
-                        debug!("connection ended: {e}");
-                    }
-                    let mut stream = stream;
-                    let _ = stream.shutdown().await;
+                _ = tokio::time::sleep_until(linger.unwrap_or_else(tokio::time::Instant::now)), if linger.is_some() => {
+                    linger = None;
+                    std::pin::Pin::new(&mut connection).graceful_shutdown();
                 }
             }
-            drop((permit, guard));
-        });
+        };
+        let parts = connection.into_parts();
+        match (told, ended, &self.handoff, parts.io.into_inner().into_inner()) {
+            (Some(Drain::Handoff), Ok(()), Some(handoff), Either::Left(plain)) if !closing.load(Ordering::Relaxed) => {
+                // What hyper read, then what it had not read yet of an earlier hand-off.
+                let (stream, unread) = plain.into_parts();
+                let mut read = parts.read_buf.to_vec();
+                read.extend_from_slice(&unread);
+                let sent = match stream.into_std() {
+                    Ok(stream) => handoff.send(stream, &read).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = sent {
+                    debug!("closing a connection that could not be handed over: {e}");
+                }
+            }
+            // Closed as hyper would: FIN after the last answer (a 4xx for a bad request
+            // included), so that the client reads it before the socket goes; over TLS after
+            // a close_notify.
+            (_, ended, _, mut stream) => {
+                if let Err(e) = ended {
+                    debug!("connection ended: {e}");
+                }
+                let _ = stream.shutdown().await;
+            }
+        }
+        drop(guard);
     }
 }
 
@@ -371,7 +479,8 @@ async fn draining(drain: &mut watch::Receiver<Drain>) {
 #[derive(Clone, Copy)]
 struct GrpcLimits {
     max_header_bytes: usize,
-    /// How long a peer may leave a keep-alive ping unanswered (server.header_timeout_secs).
+    /// How long a peer may leave a keep-alive ping unanswered, or take over its TLS handshake
+    /// (server.header_timeout_secs).
     unanswered: Duration,
     /// server.write_timeout_secs.
     write: Duration,
@@ -424,6 +533,7 @@ async fn serve_grpc(
     connections: Arc<tokio::sync::Semaphore>,
     mut drain: watch::Receiver<Drain>,
     limits: GrpcLimits,
+    tls: Option<TlsAcceptor>,
 ) {
     let service = crate::grpc::service(state.clone());
     let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
@@ -439,9 +549,9 @@ async fn serve_grpc(
             permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
             _ = draining(&mut drain) => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     warn!("gRPC accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -469,12 +579,19 @@ async fn serve_grpc(
                 answered
             }
         });
-        // Read through ShutdownFrames: h2 would drop the connection over a frame a client may
-        // legitimately send as the graceful close begins (see there).
-        let io = crate::grpc::shutdown::ShutdownFrames::new(WriteTimeout::new(stream, limits.write));
-        let mut connection = http2.serve_connection(TokioIo::new(io), call);
-        let mut drain = drain.clone();
+        let (mut drain, http2, tls) = (drain.clone(), http2.clone(), tls.clone());
         tokio::spawn(async move {
+            let stream = match &tls {
+                None => Either::Left(stream),
+                Some(tls) => match handshake(tls, stream, peer, limits.unanswered).await {
+                    Some(stream) => Either::Right(stream),
+                    None => return,
+                },
+            };
+            // Read through ShutdownFrames: h2 would drop the connection over a frame a client
+            // may legitimately send as the graceful close begins (see there).
+            let io = crate::grpc::shutdown::ShutdownFrames::new(WriteTimeout::new(stream, limits.write));
+            let mut connection = http2.serve_connection(TokioIo::new(io), call);
             let mut told = false;
             loop {
                 let idle = calls.idle();
@@ -536,7 +653,7 @@ fn serve(
         ready: false.into(),
         stats,
         access_log: spec.log.access_log,
-        api_keys: spec.api_keys.clone(),
+        api_keys: spec.access.api_keys.clone(),
         request_ids: RequestIds::default(),
     });
     // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,
@@ -604,7 +721,10 @@ fn serve(
             write_timeout: Duration::from_secs_f64(spec.server.write_timeout_secs),
             drain: drained,
             handoff: handoff.clone(),
+            tls: listeners.tls.as_ref().map(|t| t.http.clone()),
+            header_timeout: Duration::from_secs_f64(spec.server.header_timeout_secs),
         };
+        let context = Arc::new(context);
         if let Some(grpc) = grpc {
             let limits = GrpcLimits {
                 max_header_bytes: spec.server.max_header_bytes,
@@ -612,7 +732,8 @@ fn serve(
                 write: Duration::from_secs_f64(spec.server.write_timeout_secs),
                 idle: Duration::from_secs_f64(spec.server.idle_timeout_secs),
             };
-            tokio::spawn(serve_grpc(grpc, state.clone(), connections.clone(), context.drain.clone(), limits));
+            let tls = listeners.tls.as_ref().map(|t| t.grpc.clone());
+            tokio::spawn(serve_grpc(grpc, state.clone(), connections.clone(), context.drain.clone(), limits, tls));
         }
         let mode = loop {
             let permit = tokio::select! {

@@ -28,7 +28,8 @@ pub struct Resolved {
     /// Default model first.
     pub models: Vec<ModelEntry>,
     /// The API keys read at start ([auth]); a reload reads them again.
-    pub api_keys: Option<inferd_config::auth::ApiKeys>,
+    /// The public port's API keys and TLS files, read at start.
+    pub access: inferd_config::auth::Access,
 }
 
 impl Resolved {
@@ -41,7 +42,7 @@ impl Resolved {
         let plan = plan(&budget, s.workers, s.threads, s.allow_oversubscription, s.pin_workers)?;
         let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
         let models = config.model_names().iter().map(|name| config.load_model(name)).collect::<Result<Vec<_>, _>>()?;
-        let api_keys = config.api_keys()?;
-        Ok(Resolved { config, plan, ort, models, api_keys })
+        let access = config.access()?;
+        Ok(Resolved { config, plan, ort, models, access })
     }
 }

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use crate::plan::cpu::{format_cpus, plan, Placement};
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
-use inferd_config::auth::ApiKeys;
+use inferd_config::auth::Access;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{
     Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
@@ -202,8 +202,8 @@ impl Slot {
 /// A rolling reload in progress.
 struct Reload {
     models: Vec<ModelEntry>,
-    /// The API keys the new workers take, read when the reload began.
-    api_keys: Option<ApiKeys>,
+    /// The API keys and certificate the new workers take, read when the reload began.
+    access: Access,
     generation: u64,
     /// The slot being replaced now; slots below it run the new models.
     slot: usize,
@@ -234,8 +234,9 @@ pub struct Supervisor {
     spawns: u64,
     /// The models new slots (scale +1) run: those of the latest successful reload.
     models: Vec<ModelEntry>,
-    /// The API keys workers started now take: those of the latest successful reload.
-    api_keys: Option<ApiKeys>,
+    /// The API keys and certificate workers started now take: those of the latest
+    /// successful reload.
+    access: Access,
     reload: Option<Reload>,
     reloads: (u64, u64),
     /// Private memory of the first worker after its warm-up: what one more worker costs.
@@ -312,12 +313,14 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             let listener = tokio::net::TcpListener::bind(admin)
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin}: {e}")))?;
-            info!("metrics on http://{admin}/metrics");
+            let scheme = if resolved.config.admin.tls_cert.is_some() { "https" } else { "http" };
+            info!("metrics on {scheme}://{admin}/metrics");
             let config = &resolved.config;
             let mut allowed = vec![config.model_repository()];
             allowed.extend(config.admin.allowed_paths.iter().map(|p| config.resolve(p)));
             // Refused at start, not at the first request, when it cannot be used.
             config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
+            let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
             let routes = admin::Admin {
                 repository: config.model_repository(),
                 model_control: config.admin.model_control,
@@ -325,6 +328,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
                 protect_metrics: config.admin.protect_metrics,
                 loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
                 allowed,
+                tls,
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
@@ -354,7 +358,7 @@ impl Supervisor {
         Ok(Supervisor {
             exe: std::env::current_exe()?,
             models: resolved.models.clone(),
-            api_keys: resolved.api_keys.clone(),
+            access: resolved.access.clone(),
             resolved,
             events,
             slots,
@@ -775,9 +779,9 @@ impl Supervisor {
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
             allocator: config.runtime.allocator,
-            api_keys: match (&self.reload, cause) {
-                (Some(reload), Cause::Reload) => reload.api_keys.clone(),
-                _ => self.api_keys.clone(),
+            access: match (&self.reload, cause) {
+                (Some(reload), Cause::Reload) => reload.access.clone(),
+                _ => self.access.clone(),
             },
         };
         match self.start_process(&spec) {

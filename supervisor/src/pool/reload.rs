@@ -90,9 +90,9 @@ impl Supervisor {
     }
 
     /// Starts replacing every slot, one by one, with workers running `models` and the API
-    /// keys read again now (a keys file that cannot be used refuses the reload).
+    /// keys and TLS files read again now (a file that cannot be used refuses the reload).
     fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) -> Result<(), String> {
-        let api_keys = self.resolved.config.api_keys().map_err(|e| format!("reload refused: {e}"))?;
+        let access = self.resolved.config.access().map_err(|e| format!("reload refused: {e}"))?;
         self.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
         info!("reload to generation {}: {names}", self.generation);
@@ -105,7 +105,7 @@ impl Supervisor {
         }
         self.reload = Some(Reload {
             models,
-            api_keys,
+            access,
             generation: self.generation,
             slot: 0,
             worker: None,
@@ -210,7 +210,7 @@ impl Supervisor {
             self.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
         self.retired = self.retired.remapped(&rows);
         self.models = reload.models;
-        self.api_keys = reload.api_keys;
+        self.access = reload.access;
         self.reloads.0 += 1;
         let message = format!(
             "reload complete: {} workers on generation {} after {:.1} s",
