@@ -1,8 +1,11 @@
 # %post ($1: 1 on install, 2 on upgrade).
-# The model repository, owned by the service user. It is made here, not listed in the payload,
-# because cargo-generate-rpm 0.21.1 cannot package an empty folder; only when missing, so an
-# upgrade keeps the owner and mode an admin chose.
-[ -d /var/lib/inferd/models ] || install -d -m 0755 -o inferd -g inferd /var/lib/inferd /var/lib/inferd/models
+# The model repository: owned by root and readable by the service's group, so the service
+# can load models but not change them (a compromised worker cannot plant one); the operator
+# puts models there as root. It is made here, not listed in the payload, because
+# cargo-generate-rpm 0.21.1 cannot package an empty folder; only when missing, so an upgrade
+# keeps the owner and mode an admin chose.
+[ -d /var/lib/inferd ] || install -d -m 0755 -o root -g root /var/lib/inferd
+[ -d /var/lib/inferd/models ] || install -d -m 0750 -o root -g inferd /var/lib/inferd/models
 
 # What %systemd_post and %sysctl_apply do, without the macros (the package is built without
 # rpmbuild): only where systemd is the running init, so an install into a container image or
