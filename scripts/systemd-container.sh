@@ -118,6 +118,8 @@ install_inferd() {
     put "$REPO/systemd/99-inferd.conf" /etc/sysctl.d/99-inferd.conf 0644
     put "$REPO/systemd/inferd.service" /etc/systemd/system/inferd.service 0644
     put "$REPO/systemd/inferd.socket" /etc/systemd/system/inferd.socket 0644
+    # systemd 252 knows the newer sandboxing options: the drop-in docs/systemd.md gives for it.
+    put "$REPO/systemd/hardening.conf" /etc/systemd/system/inferd.service.d/hardening.conf 0644
     local dropin=$ROOT/etc/systemd/system/inferd.socket.d/port.conf
     if [ "$PORT" != 8000 ]; then
         mkdir -p "$(dirname "$dropin")"

@@ -8,7 +8,8 @@
 #   INFERD_E2E_KEEP=1 scripts/systemd-e2e.sh   leaves the container running afterwards
 #                                        (scripts/systemd-container.sh exec bash -l; ... down)
 #
-# The units are used unchanged; the only drop-in is step 3's WatchdogSec=5 (removed after it).
+# The units are used unchanged, with systemd/hardening.conf (the newer sandboxing options);
+# the only other drop-in is step 3's WatchdogSec=5 (removed after it).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -100,7 +101,16 @@ out=$(in_ct systemd-analyze verify /etc/systemd/system/inferd.service /etc/syste
 rc=$?
 [ -z "$out" ] || echo "$out" | show
 check "systemd-analyze verify inferd.service inferd.socket (exit $rc, no warnings)" test "$rc" = 0 -a -z "$out"
-in_ct systemd-analyze security inferd.service --no-pager 2>/dev/null | tail -1 | show
+# Exposure (0 = locked down, 10 = unprotected): the unit with its drop-in, as every step runs
+# it, and the unit alone (what RHEL 8's systemd 239 gets).
+score=$(in_ct systemd-analyze security inferd.service --no-pager 2>/dev/null | tail -1)
+echo "$score" | show
+check "systemd-analyze security with hardening.conf: 2.0 or lower" \
+    awk -v s="$score" 'BEGIN { split(s, w, " "); for (i in w) if (w[i] ~ /^[0-9]+\.[0-9]+$/) exit !(w[i] + 0 <= 2.0); exit 1 }'
+alone=$(sh_ct 'd=/etc/systemd/system/inferd.service.d; mv $d/hardening.conf /tmp/ && systemctl daemon-reload
+    systemd-analyze security inferd.service --no-pager 2>/dev/null | tail -1
+    mv /tmp/hardening.conf $d/ && systemctl daemon-reload')
+echo "unit alone: $alone" | show
 
 step "1. systemctl start returns when every worker is ready"
 t=$(now_ms)
