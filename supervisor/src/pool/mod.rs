@@ -513,6 +513,7 @@ impl Supervisor {
             }
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
+                self.finish_reload();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
         }
@@ -660,6 +661,7 @@ impl Supervisor {
         // Before the guards: a slot the reload was waiting for gets the reload's worker now,
         // and no guard starts another replacement beside it.
         self.resume_reload();
+        self.finish_reload();
         let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
         if self.memory_checked.is_none_or(|t| now - t >= every) {
             self.memory_checked = Some(now);

@@ -179,7 +179,9 @@ impl Supervisor {
 
     /// The reload waits for a slot's booting worker: start its own once that one is done.
     pub(super) fn resume_reload(&mut self) {
-        let Some(reload) = self.reload.as_ref().filter(|r| r.worker.is_none()) else { return };
+        let Some(reload) = self.reload.as_ref().filter(|r| r.worker.is_none() && r.slot < self.slots.len()) else {
+            return;
+        };
         if self.slots[reload.slot].booting().is_none() {
             self.start_reload_worker();
         }
@@ -201,6 +203,27 @@ impl Supervisor {
         if reload.slot < self.slots.len() {
             let next = reload.slot;
             self.replace_slot(next);
+            return;
+        }
+        // Every slot runs the new models; its worker no longer decides the reload's outcome.
+        reload.worker = None;
+        self.finish_reload();
+    }
+
+    /// The reload's last step, once every slot runs the new models: it is complete (and
+    /// `reload --wait` answers) when no worker it replaced can take a connection any more,
+    /// each having reported Draining (sent once it has closed its listener) or exited. Until
+    /// then a client that calls at once could still reach an old worker: one that answered
+    /// "not ready" for a model just loaded made tests/repository.rs fail now and then.
+    /// Called after each Draining report and every tick.
+    pub(super) fn finish_reload(&mut self) {
+        let Some(reload) = self.reload.as_ref() else { return };
+        let listening = self
+            .slots
+            .iter()
+            .flat_map(|s| &s.workers)
+            .any(|w| w.role == Role::Retiring && w.state != WorkerState::Draining);
+        if reload.slot < self.slots.len() || listening {
             return;
         }
         let reload = self.reload.take().expect("checked");
