@@ -343,9 +343,8 @@ async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control
         }
         // Refused before anything changed (unknown model, a reload in progress, ...), or the
         // new workers failed and the pool keeps what it served.
-        Some(control::Response { error: Some(error), .. }) => {
-            let status =
-                if error.contains("refused") { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+        Some(control::Response { error: Some(error), refused, .. }) => {
+            let status = if refused { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
             self::error(status, error)
         }
         _ => stopping(),

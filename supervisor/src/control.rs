@@ -73,11 +73,20 @@ pub struct Response {
     pub status: Option<PoolStatus>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// With `error`: the request was refused before anything changed (an unknown model, a
+    /// reload already running, a file that cannot be used), rather than failing on the way.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refused: bool,
 }
 
 impl Response {
     pub fn error(message: impl Into<String>) -> Response {
         Response { ok: false, error: Some(message.into()), ..Response::default() }
+    }
+
+    /// The request cannot be carried out as asked; nothing changed.
+    pub fn refused(message: impl Into<String>) -> Response {
+        Response { refused: true, ..Response::error(message) }
     }
 
     pub fn message(message: impl Into<String>) -> Response {

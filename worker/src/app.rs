@@ -84,6 +84,9 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     BadRequest(String),
+    /// An input with nothing in it (an empty text): 400, TEI's `error_type: Empty`.
+    #[error("{0}")]
+    Empty(String),
     #[error("{0}")]
     TooLarge(String),
     #[error("method {0} is not allowed on {1}")]
@@ -110,7 +113,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::Empty(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,

@@ -48,6 +48,12 @@ pub enum PipelineError {
     ImageTooCostly { index: usize, width: u32, height: u32, to_width: u32, to_height: u32, mib: u64, max_mib: u64 },
     #[error("the model's output does not fit the pipeline: {0}")]
     Output(String),
+    /// Token vectors asked of a model whose output is pooled already (the client's request
+    /// does not fit the model: 400, not the server's fault).
+    #[error(
+        "the model's output does not fit the pipeline: '{output}' has shape {shape:?}: token embeddings need [batch, sequence, dim]"
+    )]
+    NoTokenVectors { output: String, shape: Vec<i64> },
 }
 
 /// Text is cut to `max_length` times this many bytes before it is tokenized (or refused, when
@@ -620,10 +626,7 @@ pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Ve
     };
     let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
     let [b, s, d] = dims[..] else {
-        return Err(PipelineError::Output(format!(
-            "'{}' has shape {:?}: token embeddings need [batch, sequence, dim]",
-            output.name, output.shape
-        )));
+        return Err(PipelineError::NoTokenVectors { output: output.name.clone(), shape: output.shape.clone() });
     };
     if b != lengths.len() || d == 0 || element_count(&output.shape) != Some(values.len()) {
         return Err(PipelineError::Output(format!(

@@ -70,7 +70,10 @@ impl From<PipelineError> for ApiError {
             | PipelineError::ImageTooLong { .. }
             | PipelineError::ImageTooCostly { .. } => ApiError::TooLarge(e.to_string()),
             PipelineError::Output(_) => ApiError::Internal(e.to_string()),
-            _ => ApiError::BadRequest(e.to_string()),
+            PipelineError::Empty { .. } => ApiError::Empty(e.to_string()),
+            PipelineError::Tokenizer { .. }
+            | PipelineError::NotAnImage { .. }
+            | PipelineError::NoTokenVectors { .. } => ApiError::BadRequest(e.to_string()),
         }
     }
 }

@@ -168,12 +168,7 @@ pub async fn embed_all(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome =
-        tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await.map_err(|e| match e {
-            // A model whose output is pooled already has no token vectors to give.
-            ApiError::Internal(m) if m.contains("token embeddings need") => ApiError::BadRequest(m),
-            e => e,
-        })?;
+    let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };
@@ -377,7 +372,7 @@ pub fn error_body(e: &ApiError) -> serde_json::Value {
         ApiError::Overloaded(_) => "Overloaded",
         ApiError::Unauthorized(_) => "Unauthorized",
         ApiError::Internal(_) | ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => "Backend",
-        ApiError::BadRequest(m) if m.starts_with("input ") && m.ends_with(" is empty") => "Empty",
+        ApiError::Empty(_) => "Empty",
         _ => "Validation",
     };
     serde_json::json!({"error": e.to_string(), "error_type": kind})

@@ -487,7 +487,8 @@ impl Supervisor {
             Err(e) => warn!("{e}"),
         }
         if let Some(replies) = replies {
-            let _ = replies.send(answer.unwrap_or_else(Response::error));
+            // Each action either starts or is refused as a whole.
+            let _ = replies.send(answer.unwrap_or_else(Response::refused));
         }
     }
 

@@ -57,7 +57,9 @@ pub fn status(e: ApiError) -> Status {
     let message = e.to_string();
     match e {
         ApiError::NotFound(_) => Status::not_found(message),
-        ApiError::BadRequest(_) | ApiError::MethodNotAllowed(..) => Status::invalid_argument(message),
+        ApiError::BadRequest(_) | ApiError::Empty(_) | ApiError::MethodNotAllowed(..) => {
+            Status::invalid_argument(message)
+        }
         // As grpc-core and grpc-java answer a message larger than the receiver's limit.
         ApiError::TooLarge(_) | ApiError::Overloaded(_) => Status::resource_exhausted(message),
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
