@@ -349,7 +349,8 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     // The models are loaded in this process: its RSS now approximates one worker's before
-    // warm-up. `serve` measures worker 0 after warm-up and decides with the same rule.
+    // warm-up. An estimate only: `serve` decides from worker 0's private memory after warm-up
+    // (shared weights and the cgroup's share counted), which this process cannot measure.
     let rss = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

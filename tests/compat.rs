@@ -32,11 +32,14 @@ fn post(server: &Server, path: &str, body: Value) -> Response {
 fn the_openai_client_and_huggingface_hub_get_the_reference_embeddings() {
     let server = server("openai-client", "minilm");
     client_check("openai_check.py", &[&server.addr.to_string()], &server, "all checks passed");
-    // Counted as embedding requests of the model that answered: the script's eight answers
-    // (five from openai, two from LangChain, one from huggingface_hub) and its two refusals.
+    // Counted under each route, for the model that answered: OpenAI's route has the answers of
+    // openai (five) and LangChain (two) and the two refusals; huggingface_hub's one call goes
+    // to TEI's `POST /`, which serves the default model's pipeline as /invocations does.
     let metrics = server.metrics_text();
-    for (code, n) in [(200, 8.0), (400, 2.0)] {
-        let line = format!("inferd_requests_total{{model=\"minilm\",endpoint=\"embed\",code=\"{code}\"}}");
+    for (endpoint, code, n) in
+        [("openai_embeddings", 200, 7.0), ("openai_embeddings", 400, 2.0), ("invocations", 200, 1.0)]
+    {
+        let line = format!("inferd_requests_total{{model=\"minilm\",endpoint=\"{endpoint}\",code=\"{code}\"}}");
         assert_eq!(metric_value(&metrics, &line), Some(n), "{line} in:\n{metrics}");
     }
 }

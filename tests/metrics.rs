@@ -74,3 +74,59 @@ fn prometheus_counts_every_request_across_a_worker_sigkill() {
     wait_for(&prom, "inferd_workers_ready", test_workers() as f64);
     wait_for(&prom, "inferd_worker_restarts_total{reason=\"signal\"}", 1.0);
 }
+
+#[test]
+fn every_route_family_is_counted_under_its_own_name() {
+    let dir = TempDir::new("metrics-routes");
+    let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "reranker"]);
+    std::os::unix::fs::symlink(test_models().join("published/splade"), repository.join("splade")).unwrap();
+    let port = free_port();
+    let load = ["typed", "classifier", "reranker", "splade"];
+    write_config(dir.path(), port, 1, &repository, "minilm", &load, "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+
+    // Before any restart or recycle, each reason's series is there at 0.
+    let first = server.metrics_text();
+    for reason in ["stuck", "memory_hard", "model_load", "boot", "panic", "signal", "exit"] {
+        let line = format!("inferd_worker_restarts_total{{reason=\"{reason}\"}}");
+        assert_eq!(metric_value(&first, &line), Some(0.0), "{line} in:\n{first}");
+    }
+    for reason in ["memory", "max_requests", "max_age", "fault"] {
+        let line = format!("inferd_worker_recycles_total{{reason=\"{reason}\"}}");
+        assert_eq!(metric_value(&first, &line), Some(0.0), "{line} in:\n{first}");
+    }
+
+    let text = br#"{"inputs": "hello"}"#.to_vec();
+    let calls: [(&str, Vec<u8>, &str, &str); 9] = [
+        ("/v2/models/typed/infer", typed_request(), "typed", "infer"),
+        ("/embed", text.clone(), "minilm", "embed"),
+        ("/embed_all", text.clone(), "minilm", "embed_all"),
+        ("/v2/models/splade/embed_sparse", text.clone(), "splade", "embed_sparse"),
+        (
+            "/similarity",
+            br#"{"inputs": {"source_sentence": "a", "sentences": ["b"]}}"#.to_vec(),
+            "minilm",
+            "similarity",
+        ),
+        ("/v1/embeddings", br#"{"input": "hello", "model": "minilm"}"#.to_vec(), "minilm", "openai_embeddings"),
+        ("/v2/models/classifier/predict", text.clone(), "classifier", "predict"),
+        ("/v2/models/reranker/rerank", br#"{"query": "q", "texts": ["a"]}"#.to_vec(), "reranker", "rerank"),
+        ("/invocations", text, "minilm", "invocations"),
+    ];
+    for (path, body, _, _) in &calls {
+        let r = server.request("POST", path, body);
+        assert_eq!(r.status, 200, "{path}: {}", String::from_utf8_lossy(&r.body));
+    }
+    let metrics = server.metrics_text();
+    for (path, _, model, endpoint) in &calls {
+        let line = format!("inferd_requests_total{{model=\"{model}\",endpoint=\"{endpoint}\",code=\"200\"}}");
+        assert_eq!(metric_value(&metrics, &line), Some(1.0), "{path} counted as {line}, in:\n{metrics}");
+    }
+    let total: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("inferd_requests_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(total, calls.len() as f64, "each call counted once:\n{metrics}");
+}

@@ -19,7 +19,61 @@ pub const WORKER_STATS_FD: i32 = 4;
 /// requests for other names count as the last row.
 pub use inferd_config::model::MAX_MODELS;
 const MODEL_ROWS: usize = MAX_MODELS + 1;
-pub const ENDPOINTS: [&str; 3] = ["infer", "embed", "predict"];
+
+/// The route families requests are counted under (`inferd_requests_total{endpoint}`): one per
+/// kind of call a client makes, whichever protocol carries it (KServe's REST and gRPC infer
+/// are both `infer`; TEI's `/embed` and `/v2/models/NAME/embed` both `embed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// KServe v2 infer, REST and gRPC.
+    Infer,
+    /// TEI `/embed` (and `/v2/models/NAME/embed`).
+    Embed,
+    /// TEI `/embed_all`.
+    EmbedAll,
+    /// TEI `/embed_sparse`.
+    EmbedSparse,
+    /// TEI `/similarity`.
+    Similarity,
+    /// OpenAI's `/v1/embeddings`.
+    OpenAiEmbeddings,
+    /// TEI `/predict`.
+    Predict,
+    /// TEI `/rerank`.
+    Rerank,
+    /// SageMaker's `/invocations` and TEI's `POST /`: the default model's pipeline.
+    Invocations,
+}
+
+impl Endpoint {
+    pub const ALL: [Endpoint; 9] = [
+        Endpoint::Infer,
+        Endpoint::Embed,
+        Endpoint::EmbedAll,
+        Endpoint::EmbedSparse,
+        Endpoint::Similarity,
+        Endpoint::OpenAiEmbeddings,
+        Endpoint::Predict,
+        Endpoint::Rerank,
+        Endpoint::Invocations,
+    ];
+
+    /// Its `endpoint` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::Infer => "infer",
+            Endpoint::Embed => "embed",
+            Endpoint::EmbedAll => "embed_all",
+            Endpoint::EmbedSparse => "embed_sparse",
+            Endpoint::Similarity => "similarity",
+            Endpoint::OpenAiEmbeddings => "openai_embeddings",
+            Endpoint::Predict => "predict",
+            Endpoint::Rerank => "rerank",
+            Endpoint::Invocations => "invocations",
+        }
+    }
+}
+
 /// Status codes counted apart; any other counts as the last ("other").
 /// 499: the client closed the connection before the answer (nginx's code for it).
 pub const CODES: [u16; 11] = [200, 400, 404, 405, 413, 429, 499, 500, 503, 504, 0];
@@ -33,7 +87,7 @@ pub const BATCH_BUCKETS: [u64; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 const LATENCY_SLOTS: usize = LATENCY_BUCKETS.len() + 3;
 const BATCH_SLOTS: usize = BATCH_BUCKETS.len() + 3;
 const REQUESTS_AT: usize = 0;
-const QUEUE_AT: usize = REQUESTS_AT + MODEL_ROWS * ENDPOINTS.len() * CODES.len();
+const QUEUE_AT: usize = REQUESTS_AT + MODEL_ROWS * Endpoint::ALL.len() * CODES.len();
 const COMPUTE_AT: usize = QUEUE_AT + MAX_MODELS * LATENCY_SLOTS;
 const REQUEST_LATENCY_AT: usize = COMPUTE_AT + MAX_MODELS * LATENCY_SLOTS;
 const BATCH_AT: usize = REQUEST_LATENCY_AT + MAX_MODELS * LATENCY_SLOTS;
@@ -76,9 +130,9 @@ pub enum Latency {
     Request,
 }
 
-pub fn request_index(model: usize, endpoint: usize, code: u16) -> usize {
+pub fn request_index(model: usize, endpoint: Endpoint, code: u16) -> usize {
     let code = CODES.iter().position(|&c| c == code).unwrap_or(CODES.len() - 1);
-    REQUESTS_AT + (model.min(MAX_MODELS) * ENDPOINTS.len() + endpoint) * CODES.len() + code
+    REQUESTS_AT + (model.min(MAX_MODELS) * Endpoint::ALL.len() + endpoint as usize) * CODES.len() + code
 }
 
 fn latency_base(kind: Latency, model: usize) -> Option<usize> {
@@ -149,7 +203,7 @@ impl Shared {
         self.counter(index).fetch_sub(n, Ordering::Relaxed);
     }
 
-    pub fn count_request(&self, model: usize, endpoint: usize, code: u16) {
+    pub fn count_request(&self, model: usize, endpoint: Endpoint, code: u16) {
         self.add(request_index(model, endpoint, code), 1);
     }
 
@@ -277,7 +331,7 @@ impl Default for Snapshot {
 
 /// Where each model's counters lie in a region: (start of row 0, counters per row, rows).
 const MODEL_SECTIONS: [(usize, usize, usize); 6] = [
-    (REQUESTS_AT, ENDPOINTS.len() * CODES.len(), MODEL_ROWS),
+    (REQUESTS_AT, Endpoint::ALL.len() * CODES.len(), MODEL_ROWS),
     (QUEUE_AT, LATENCY_SLOTS, MAX_MODELS),
     (COMPUTE_AT, LATENCY_SLOTS, MAX_MODELS),
     (REQUEST_LATENCY_AT, LATENCY_SLOTS, MAX_MODELS),
@@ -328,7 +382,8 @@ impl Snapshot {
             return (0, 0.0, 0, 0.0, 0);
         }
         let codes = |pick: fn(u16) -> bool| -> u64 {
-            (0..ENDPOINTS.len())
+            Endpoint::ALL
+                .into_iter()
                 .flat_map(|e| CODES.iter().filter(|&&c| pick(c)).map(move |&c| (e, c)))
                 .map(|(e, c)| self.requests(model, e, c))
                 .sum()
@@ -358,7 +413,7 @@ impl Snapshot {
         &self.0[AUTH_REFUSED_AT..AUTH_REFUSED_AT + AUTH_REFUSALS.len()]
     }
 
-    pub fn requests(&self, model: usize, endpoint: usize, code: u16) -> u64 {
+    pub fn requests(&self, model: usize, endpoint: Endpoint, code: u16) -> u64 {
         self.0[request_index(model, endpoint, code)]
     }
 
@@ -410,17 +465,20 @@ mod tests {
     fn two_mappings_of_one_region_see_the_same_counters() {
         let (a, fd) = Shared::create("inferd-test").unwrap();
         let b = Shared::map(&fd).unwrap();
-        a.count_request(0, 1, 200);
-        b.count_request(0, 1, 200);
-        b.count_request(3, 0, 418);
+        a.count_request(0, Endpoint::Embed, 200);
+        b.count_request(0, Endpoint::Embed, 200);
+        b.count_request(3, Endpoint::Infer, 418);
+        b.count_request(1, Endpoint::Invocations, 200);
         a.observe_latency(Latency::Compute, 2, 0.003);
         a.observe_batch(2, 3);
         a.in_flight(2);
         a.in_flight(-1);
         let s = b.snapshot();
-        assert_eq!(s.requests(0, 1, 200), 2);
-        assert_eq!(s.requests(3, 0, 0), 1, "unknown codes count as other");
-        assert_eq!(s.requests_total(), 3);
+        assert_eq!(s.requests(0, Endpoint::Embed, 200), 2);
+        assert_eq!(s.requests(3, Endpoint::Infer, 0), 1, "unknown codes count as other");
+        assert_eq!(s.requests(1, Endpoint::Invocations, 200), 1, "the last endpoint has its own row");
+        assert_eq!(s.requests(1, Endpoint::Rerank, 200), 0);
+        assert_eq!(s.requests_total(), 4);
         let h = s.latency(Latency::Compute, 2);
         assert_eq!((h.count, h.buckets[3]), (1, 1), "0.003 s falls in the 0.005 bucket");
         assert!((h.sum - 0.003).abs() < 1e-6);
@@ -428,7 +486,7 @@ mod tests {
         assert_eq!(s.in_flight(), 1);
         // Rows follow the models: model 2's counters become row 0's, model 0's are dropped.
         let moved = s.remapped(&[None, Some(1), Some(0)]);
-        assert_eq!((moved.requests(0, 1, 200), moved.requests(3, 0, 0)), (0, 0));
+        assert_eq!((moved.requests(0, Endpoint::Embed, 200), moved.requests(3, Endpoint::Infer, 0)), (0, 0));
         assert_eq!(moved.latency(Latency::Compute, 0).count, 1);
         assert_eq!(moved.batch(0).buckets[2], 1);
         assert_eq!(moved.latency(Latency::Compute, 2).count, 0);
@@ -451,16 +509,19 @@ mod tests {
         let mut total = Snapshot::default();
         total.add(&s.clone().without_gauges());
         total.add(&s);
-        assert_eq!(total.requests_total(), 6);
+        assert_eq!(total.requests_total(), 8);
         assert_eq!(total.in_flight(), 1);
     }
 
     #[test]
     fn model_rows_beyond_the_limit_share_the_last() {
-        assert_eq!(request_index(MAX_MODELS + 5, 0, 200), request_index(MAX_MODELS, 0, 200));
+        assert_eq!(
+            request_index(MAX_MODELS + 5, Endpoint::Infer, 200),
+            request_index(MAX_MODELS, Endpoint::Infer, 200)
+        );
         let none = Snapshot::default();
         assert_eq!(none.latency(Latency::Request, MAX_MODELS + 1).count, 0);
         assert_eq!(none.batch(MAX_MODELS).buckets.len(), BATCH_BUCKETS.len() + 1);
-        assert!(request_index(MAX_MODELS, 2, 0) < QUEUE_AT);
+        assert!(request_index(MAX_MODELS, Endpoint::Invocations, 0) < QUEUE_AT);
     }
 }

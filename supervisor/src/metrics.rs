@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use inferd_ipc::spec::ModelInfo;
-use inferd_ipc::stats::{Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, ENDPOINTS, LATENCY_BUCKETS, MAX_MODELS};
+use inferd_ipc::stats::{Endpoint, Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, LATENCY_BUCKETS, MAX_MODELS};
 
 /// What the loop hands over for one scrape.
 #[derive(Debug)]
@@ -61,14 +61,15 @@ pub fn render(m: &PoolMetrics) -> String {
         "Inference requests answered, by model, endpoint and status code.",
     );
     for (row, model) in rows {
-        for (e, endpoint) in ENDPOINTS.iter().enumerate() {
+        for endpoint in Endpoint::ALL {
             for &code in &CODES {
-                let n = m.totals.requests(row, e, code);
+                let n = m.totals.requests(row, endpoint, code);
                 if n > 0 {
                     let code = if code == 0 { "other".to_string() } else { code.to_string() };
                     let _ = writeln!(
                         out,
-                        "inferd_requests_total{{model=\"{model}\",endpoint=\"{endpoint}\",code=\"{code}\"}} {n}"
+                        "inferd_requests_total{{model=\"{model}\",endpoint=\"{}\",code=\"{code}\"}} {n}",
+                        endpoint.as_str()
                     );
                 }
             }

@@ -12,7 +12,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 
 use inferd_config::auth::{bearer, ApiKeys, Refusal};
-use inferd_ipc::stats::{Latency, Shared, MAX_MODELS};
+use inferd_ipc::stats::{Endpoint, Latency, Shared, MAX_MODELS};
 
 use crate::engine::Engine;
 use crate::model::{ModelError, ModelMeta};
@@ -152,15 +152,15 @@ pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
     found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
 }
 
-/// Counts an inference request (by model, endpoint — an index of
-/// `inferd_ipc::stats::ENDPOINTS` — and status code) and its latency in the counters the
-/// supervisor reads, before the response is written: a client that got an answer was counted,
-/// even if the worker is killed the next instant. A client that goes away first (hyper drops
-/// this future) is counted as 499, and its request leaves `in_flight` all the same.
+/// Counts an inference request (by model, route family and status code) and its latency in
+/// the counters the supervisor reads, before the response is written: a client that got an
+/// answer was counted, even if the worker is killed the next instant. A client that goes away
+/// first (hyper drops this future) is counted as 499, and its request leaves `in_flight` all
+/// the same.
 pub async fn counted<T: Answer>(
     state: &AppState,
     model: usize,
-    endpoint: usize,
+    endpoint: Endpoint,
     work: impl std::future::Future<Output = Result<T, ApiError>>,
 ) -> Result<T, ApiError> {
     let mut guard = InFlight::enter(state, model, endpoint);
@@ -189,13 +189,13 @@ pub const CLIENT_CLOSED: u16 = 499;
 struct InFlight<'a> {
     state: &'a AppState,
     model: usize,
-    endpoint: usize,
+    endpoint: Endpoint,
     started: Instant,
     code: u16,
 }
 
 impl<'a> InFlight<'a> {
-    fn enter(state: &'a AppState, model: usize, endpoint: usize) -> InFlight<'a> {
+    fn enter(state: &'a AppState, model: usize, endpoint: Endpoint) -> InFlight<'a> {
         state.stats.in_flight(1);
         InFlight { state, model, endpoint, started: Instant::now(), code: CLIENT_CLOSED }
     }

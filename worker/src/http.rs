@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use tracing::{debug, info, warn};
 
 use inferd_config::model::Task;
+use inferd_ipc::stats::Endpoint;
 
 use crate::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
 use crate::infer::{pipeline_io, run_parsed};
@@ -249,7 +250,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let (index, meta) = found?;
                 infer(state, index, meta, request, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, row, 0, work).await
+            counted(state, row, Endpoint::Infer, work).await
         }
         Route::Embed(name) => {
             let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
@@ -259,7 +260,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::embed(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, row, 1, work).await
+            counted(state, row, Endpoint::Embed, work).await
         }
         Route::Predict(name) => {
             let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
@@ -269,14 +270,14 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::predict(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, row, 2, work).await
+            counted(state, row, Endpoint::Predict, work).await
         }
         Route::OpenAiEmbeddings => {
             // The model is named in the body; a name this server does not load (a client's
             // default) means the default model.
             let body = match read_body(state, request).await {
                 Ok(body) => body,
-                Err(e) => return counted(state, 0, 1, async { Err(e) }).await,
+                Err(e) => return counted(state, 0, Endpoint::OpenAiEmbeddings, async { Err(e) }).await,
             };
             let request = openai::parse(&body);
             let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
@@ -285,7 +286,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let reply = openai::embeddings(state, found, request?, deadline).await?;
                 Ok(versioned(reply, found.1))
             };
-            counted(state, found.0, 1, work).await
+            counted(state, found.0, Endpoint::OpenAiEmbeddings, work).await
         }
         Route::Info => Ok(tei::info(state, &state.models[0])),
         Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?).await,
@@ -296,7 +297,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::similarity(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, 0, 1, work).await
+            counted(state, 0, Endpoint::Similarity, work).await
         }
         Route::Rerank(name) => {
             let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
@@ -306,7 +307,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::rerank(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, row, 2, work).await
+            counted(state, row, Endpoint::Rerank, work).await
         }
         Route::EmbedAll => {
             let meta = &state.models[0];
@@ -314,7 +315,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::embed_all(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, 0, 1, work).await
+            counted(state, 0, Endpoint::EmbedAll, work).await
         }
         Route::EmbedSparse(name) => {
             let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
@@ -324,13 +325,13 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let body = read_body(state, request).await?;
                 tei::embed_sparse(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
             };
-            counted(state, row, 1, work).await
+            counted(state, row, Endpoint::EmbedSparse, work).await
         }
         Route::Invocations => {
             let meta = &state.models[0];
-            let endpoint = match meta.task {
-                Task::Embedding => 1,
-                Task::Classification => 2,
+            let embedding = match meta.task {
+                Task::Embedding => true,
+                Task::Classification => false,
                 Task::Raw => {
                     return Err(ApiError::BadRequest(format!(
                         "the default model '{}' has no pipeline; send its tensors to /v2/models/{0}/infer",
@@ -340,13 +341,13 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             };
             let work = async {
                 let body = read_body(state, request).await?;
-                let reply = match endpoint {
-                    1 => tei::embed(state, 0, meta, &body, deadline).await,
-                    _ => tei::predict(state, 0, meta, &body, deadline).await,
+                let reply = match embedding {
+                    true => tei::embed(state, 0, meta, &body, deadline).await,
+                    false => tei::predict(state, 0, meta, &body, deadline).await,
                 };
                 reply.map(|r| versioned(r, meta))
             };
-            counted(state, 0, endpoint, work).await
+            counted(state, 0, Endpoint::Invocations, work).await
         }
         Route::Ping => Ok(readiness(ready)),
     }

@@ -1,11 +1,13 @@
-//! Loading and running models: the only place that talks to ONNX Runtime.
+//! Loading and running models: ORT sessions, their options and warm-up. ONNX Runtime is also
+//! reached by allocator.rs (the shared arena), weights.rs (prepared, mapped weights),
+//! tensor.rs (values in and out) and the engine (runs); nothing above those does.
 //!
 //! One ORT environment per process, created once by [`init_runtime`]. A model is loaded as
 //! *narrow* sessions that run only on the thread that calls them ([`Threads::Narrow`], no pool
 //! threads) and, in a worker of T > 1 threads, a *wide* session with a pool of its own
 //! ([`Threads::Wide`]: the caller plus T-1 threads, asleep between runs).
-//! Model loading stays here so that a prepared artefact (pre-packed, mmap'd weights) can later
-//! be loaded without touching the rest.
+//! Loading goes through [`crate::weights`]: a model's prepared artefact (its weights in an
+//! mmap'd file, shared by every worker) is used when there is one.
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};

@@ -220,6 +220,7 @@ impl Supervisor {
                 Cause::Recycle
             }
         };
+        debug_assert!(RECYCLE_REASONS.contains(&reason), "{reason} is listed");
         *self.recycles_by_reason.entry(reason).or_default() += 1;
         let (models, generation) = (slot.models.clone(), slot.generation);
         self.spawn(index, Role::Incoming, cause, models, generation);

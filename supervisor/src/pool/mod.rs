@@ -9,7 +9,8 @@
 //!
 //! Replacing a slot's worker (reload, recycling) never leaves the slot without a ready
 //! worker: an `incoming` worker is started beside the current one and only when it is ready
-//! does the old one become `retiring` (SIGTERM: it leaves the port's group and drains). A
+//! does the old one become `retiring` (SIGUSR1: it leaves the port's group, finishes its
+//! requests and hands its idle connections to a sibling; see worker/src/handoff.rs). A
 //! reload replaces the slots one after another; the first replacement is the validation of the
 //! new models: if it fails, nothing else changes. Every worker has a spawn id and a [`Cause`]:
 //! a reload advances only on the ready of the worker it started itself, fails only on that
@@ -373,8 +374,11 @@ impl Supervisor {
             memory_limits: None,
             memory_checked: None,
             retired: Snapshot::default(),
-            restarts_by_reason: BTreeMap::new(),
-            recycles_by_reason: BTreeMap::new(),
+            // Every reason from the start, so that the first scrape has each series at 0 (a
+            // series that appears only with its first restart leaves rate() and the dashboard
+            // without data until then).
+            restarts_by_reason: RESTART_REASONS.iter().map(|&r| (r, 0)).collect(),
+            recycles_by_reason: RECYCLE_REASONS.iter().map(|&r| (r, 0)).collect(),
             latency_samples: VecDeque::new(),
             stop_deadline: None,
             killed_all: false,
@@ -609,6 +613,7 @@ impl Supervisor {
             (None, Some(_)) => "signal",
             (None, None) => "exit",
         };
+        debug_assert!(RESTART_REASONS.contains(&reason), "{reason} is listed");
         *self.restarts_by_reason.entry(reason).or_default() += 1;
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
             slot.failures = 0;
@@ -961,6 +966,13 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64, caus
         recycle_pause: None,
     }
 }
+
+/// Why a worker that died was replaced (`inferd_worker_restarts_total{reason}`).
+const RESTART_REASONS: [&str; 7] = ["stuck", "memory_hard", "model_load", "boot", "panic", "signal", "exit"];
+/// Why a live worker was replaced gap-free (`inferd_worker_recycles_total{reason}`): its
+/// memory (guards.rs's soft limit), server.max_requests, server.max_worker_age_secs, a panic
+/// it caught.
+const RECYCLE_REASONS: [&str; 4] = ["memory", "max_requests", "max_age", "fault"];
 
 /// 0 for the first failure, then 0.5 s doubling up to 30 s.
 fn backoff(failures: u32) -> Duration {

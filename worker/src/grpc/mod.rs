@@ -148,7 +148,7 @@ impl GrpcInferenceService for Grpc {
             let inferred = infer::run_parsed(state, index, meta, parsed, deadline).await?;
             Ok(Infer(encode(meta, inferred, raw)))
         };
-        let result = app::counted(state, row, 0, work).await;
+        let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;
         if state.access_log {
             let code = result.as_ref().map_or_else(|e| e.status().as_u16(), Answer::code);
             tracing::info!(
