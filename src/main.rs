@@ -307,12 +307,12 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
-    inferd_worker::model::init_runtime(&resolved.ort.path)?;
+    inferd_worker::runtime::model::init_runtime(&resolved.ort.path)?;
     // As the workers will: an int8 preparation made here is theirs too.
-    inferd_worker::weights::configure(config.weights_cache(), &resolved.ort.path);
+    inferd_worker::runtime::weights::configure(config.weights_cache(), &resolved.ort.path);
     for entry in &resolved.models {
-        let model =
-            inferd_worker::model::Model::load(entry).with_context(|| format!("checking model '{}'", entry.name))?;
+        let model = inferd_worker::runtime::model::Model::load(entry)
+            .with_context(|| format!("checking model '{}'", entry.name))?;
         let meta = &model.meta;
         println!(
             "model {} (version {}, sha256 {}): {}",

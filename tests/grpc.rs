@@ -152,7 +152,7 @@ fn h2_read(socket: &mut std::net::TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
     Some((header[3], header[4], stream, payload))
 }
 
-/// The race of a graceful close that grpc-core clients run into (worker/src/grpc/shutdown.rs),
+/// The race of a graceful close that grpc-core clients run into (worker/src/http/grpc/shutdown.rs),
 /// played frame by frame: a call is in progress when the worker drains; the client answers
 /// the shutdown PING with its ACK first, then opens another stream and sends that stream's
 /// WINDOW_UPDATE, then the rest of the first call. The call in progress is answered, the
@@ -190,7 +190,7 @@ fn a_stream_opened_as_a_drain_begins_costs_the_calls_in_progress_nothing() {
         }
     };
     assert_eq!(goaways, [[0x7f, 0xff, 0xff, 0xff, 0, 0, 0, 0]], "one GOAWAY(2^31-1, NO_ERROR) first");
-    assert_eq!(shutdown_ping, inferd_worker::grpc::shutdown::H2_SHUTDOWN_PING, "h2's shutdown PING changed");
+    assert_eq!(shutdown_ping, inferd_worker::http::grpc::shutdown::H2_SHUTDOWN_PING, "h2's shutdown PING changed");
     // As grpc-core writes them: the ACK ahead of what it had queued.
     let mut late = h2_frame(0x6, ACK, 0, &shutdown_ping);
     late.extend(h2_frame(0x1, END_HEADERS, 3, &h2_call_headers("ServerLive", &grpc)));

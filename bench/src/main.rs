@@ -20,8 +20,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::{ModelEntry, Precision};
-use inferd_worker::model::{init_runtime, Model, Threads};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
+use inferd_worker::runtime::model::{init_runtime, Model, Threads};
 
 #[derive(Parser)]
 struct Cli {
@@ -155,7 +155,7 @@ fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]
 /// C clients, each on its own channel (one HTTP/2 connection), send ModelInfer in turn: the
 /// load shape of `http`, over gRPC. All on one thread, as oha runs.
 fn grpc(load: &Clients, model: &str, texts: &[String]) -> anyhow::Result<()> {
-    use inferd_worker::grpc::proto::{
+    use inferd_worker::http::grpc::proto::{
         grpc_inference_service_client::GrpcInferenceServiceClient, model_infer_request::InferInputTensor,
         ModelInferRequest,
     };
@@ -239,7 +239,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     init_runtime(library)?;
     if precision != Precision::Fp32 {
         entry.precision = precision;
-        inferd_worker::weights::configure(Some(std::path::absolute(cache_dir)?), library);
+        inferd_worker::runtime::weights::configure(Some(std::path::absolute(cache_dir)?), library);
     }
     let session_threads = if threads > 1 { Threads::Wide { threads, spin } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));

@@ -2,7 +2,7 @@
 //! next eight the element count the header claimed.
 #![no_main]
 
-use inferd_worker::tensor::DataType;
+use inferd_worker::runtime::tensor::DataType;
 
 const TYPES: [&str; 14] = [
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16",

@@ -4,7 +4,7 @@
 //! unless the bytes carry h2's shutdown PING payload.
 #![no_main]
 
-use inferd_worker::grpc::shutdown::{Frames, ShutdownFrames, H2_SHUTDOWN_PING};
+use inferd_worker::http::grpc::shutdown::{Frames, ShutdownFrames, H2_SHUTDOWN_PING};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

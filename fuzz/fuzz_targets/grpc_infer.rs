@@ -4,9 +4,9 @@
 
 use std::mem::size_of;
 
-use inferd_worker::grpc::intake::decoded_size;
-use inferd_worker::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
-use inferd_worker::grpc::proto::{InferParameter, InferTensorContents, ModelInferRequest};
+use inferd_worker::http::grpc::intake::decoded_size;
+use inferd_worker::http::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+use inferd_worker::http::grpc::proto::{InferParameter, InferTensorContents, ModelInferRequest};
 use prost::Message;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
@@ -14,9 +14,9 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let held = held(&request);
         assert!(held <= bound, "the decoded request holds {held} bytes, more than the bound {bound}");
     }
-    if let Ok(parsed) = inferd_worker::grpc::parse_message(data) {
+    if let Ok(parsed) = inferd_worker::http::grpc::parse_message(data) {
         for input in &parsed.inputs {
-            let count = inferd_worker::tensor::element_count(&input.tensor.shape);
+            let count = inferd_worker::runtime::tensor::element_count(&input.tensor.shape);
             assert_eq!(count, Some(input.tensor.data.len()), "{:?}", input.tensor.shape);
         }
     }
@@ -29,7 +29,7 @@ fn held(r: &ModelInferRequest) -> u64 {
         p.iter()
             .map(|(k, v)| {
                 let text = match &v.parameter_choice {
-                    Some(inferd_worker::grpc::proto::infer_parameter::ParameterChoice::StringParam(s)) => s.len(),
+                    Some(inferd_worker::http::grpc::proto::infer_parameter::ParameterChoice::StringParam(s)) => s.len(),
                     _ => 0,
                 };
                 size_of::<(String, InferParameter)>() + 1 + k.len() + text

@@ -4,7 +4,7 @@
 //! what is left of the prefix after a partial read is exactly what was not read.
 #![no_main]
 
-use inferd_worker::handoff::{prefix, Prefixed};
+use inferd_worker::http::handoff::{prefix, Prefixed};
 use tokio::io::AsyncReadExt;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

@@ -3,6 +3,6 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = inferd_worker::tei::parse_bodies(data);
-    let _ = inferd_worker::openai::parse(data);
+    let _ = inferd_worker::http::tei::parse_bodies(data);
+    let _ = inferd_worker::http::openai::parse(data);
 });

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use inferd_config::model::ModelEntry;
 use inferd_worker::pipeline::{Pipeline, Text};
-use inferd_worker::tensor::{DataType, TensorSpec};
+use inferd_worker::runtime::tensor::{DataType, TensorSpec};
 
 fn pipeline() -> &'static Pipeline {
     static PIPELINE: OnceLock<Pipeline> = OnceLock::new();

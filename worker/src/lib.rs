@@ -2,22 +2,23 @@
 //! and only then binds the shared port (SO_REUSEPORT) and serves KServe v2 over HTTP/1.1 (and
 //! over gRPC on a second shared port when `server.grpc_listen` is set).
 //!
-//! Layout:
-//! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the supervisor;
-//! - [`app`]: what every handler shares: the worker's state, the one error type and its status
-//!   codes, model lookup, request counting;
-//! - [`http`]: REST routing and error bodies; [`tei`] and [`openai`]: those APIs' handlers;
-//! - [`protocol`]: v2 JSON request validation and response bodies;
-//! - [`grpc`]: the same protocol over gRPC (`inference.GRPCInferenceService`);
-//! - [`infer`]: a parsed v2 request run through the pipeline or the model's tensors (REST and
-//!   gRPC); [`tasks`]: pipelined requests (texts, images) through the engine;
+//! Layout, by layer, from the socket down (each folder uses only those below it):
+//! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the
+//!   supervisor; [`panics`]: a panic costs its request (500, then the worker is replaced);
+//! - [`http`]: the protocol surface: REST routing and error bodies ([`http`] itself), KServe
+//!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
+//!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), and connection plumbing: the
+//!   hand-off of idle connections ([`http::handoff`]) and write timeouts
+//!   ([`http::write_timeout`]);
+//! - [`request`]: what every handler shares ([`request::app`]: the worker's state, the one
+//!   error type and its status codes, model lookup, request counting), a parsed v2 request run
+//!   ([`request::infer`]) and pipelined requests through the engine ([`request::tasks`]);
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
-//! - [`engine`]: the dynamic batcher and the lanes that own the sessions;
-//! - [`model`]: the only code that talks to ONNX Runtime (also used by `inferd check`);
-//! - [`allocator`]: where runs' buffers come from (`runtime.allocator`), memory handed back;
-//! - [`tensor`]: datatypes and their conversions;
-//! - [`panics`]: a panic costs its request (500, then the worker is replaced) or the worker;
-//! - [`write_timeout`]: an answer its client does not read stalls its connection only so long.
+//! - [`runtime`]: everything that calls ONNX Runtime: sessions ([`runtime::model`]), the
+//!   dynamic batcher and the lanes that run them ([`runtime::engine`]), where runs' buffers
+//!   come from ([`runtime::allocator`]), prepared weights ([`runtime::weights`]), the int8
+//!   preparation ([`runtime::quantize`]), datatypes and values ([`runtime::tensor`]);
+//! - [`protowire`]: the protobuf wire format, read by the gRPC intake and the int8 rewriter.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -70,25 +71,12 @@ macro_rules! write_through_inner {
     };
 }
 
-pub mod allocator;
-pub mod app;
-pub mod engine;
-pub mod grpc;
-pub mod handoff;
 pub mod http;
-pub mod infer;
-pub mod model;
-pub mod openai;
 pub mod panics;
 pub mod pipeline;
-pub mod protocol;
 pub mod protowire;
-pub mod quantize;
+pub mod request;
+pub mod runtime;
 pub mod server;
-pub mod tasks;
-pub mod tei;
-pub mod tensor;
-pub mod weights;
-pub mod write_timeout;
 
 pub use server::run;

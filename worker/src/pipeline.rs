@@ -17,8 +17,8 @@ use inferd_config::model::{
 };
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
-use crate::tensor::{element_count, DataType, TensorData};
-use crate::tensor::{Tensor, TensorSpec};
+use crate::runtime::tensor::{element_count, DataType, TensorData};
+use crate::runtime::tensor::{Tensor, TensorSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {

@@ -1,6 +1,6 @@
 //! The protobuf wire format, read field by field without a schema: what the gRPC intake
-//! measures a ModelInfer message with before it is decoded ([`crate::grpc::intake`]) and what
-//! the int8 rewrite walks an ONNX file with ([`crate::quantize::graph`]).
+//! measures a ModelInfer message with before it is decoded ([`crate::http::grpc::intake`]) and what
+//! the int8 rewrite walks an ONNX file with ([`crate::runtime::quantize::graph`]).
 // Request bytes come through here: every operation on sizes is checked.
 #![deny(clippy::arithmetic_side_effects)]
 

@@ -24,12 +24,12 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
 use tracing::{debug, error, info, warn};
 
-use crate::app::{AppState, RequestIds};
-use crate::engine::{Engine, Sessions};
-use crate::handoff::{Handoff, Prefixed};
 use crate::http::handle;
-use crate::model::{init_runtime, Model, ModelError, Threads};
-use crate::write_timeout::WriteTimeout;
+use crate::http::handoff::{Handoff, Prefixed};
+use crate::http::write_timeout::WriteTimeout;
+use crate::request::app::{AppState, RequestIds};
+use crate::runtime::engine::{Engine, Sessions};
+use crate::runtime::model::{init_runtime, Model, ModelError, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
 /// told to shut down before reading its request, hyper would close such a connection
@@ -214,8 +214,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
     let env = init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
-    crate::allocator::configure(spec.allocator, env).map_err(failure(FailureKind::Boot))?;
-    crate::weights::configure(spec.weights_cache.clone(), &spec.ort_library);
+    crate::runtime::allocator::configure(spec.allocator, env).map_err(failure(FailureKind::Boot))?;
+    crate::runtime::weights::configure(spec.weights_cache.clone(), &spec.ort_library);
     // Per model: one narrow session per thread (the lanes that run side by side under load)
     // and, with more than one thread, a wide one on the whole pool (a request that has the
     // worker to itself).
@@ -244,7 +244,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     // Loading and warming left freed buffers in the allocator: give them back before serving.
-    crate::allocator::trim();
+    crate::runtime::allocator::trim();
     hold_for_test(spec.cause);
     let listener = match spec.inherited_listener {
         true => inherited_listener(),
@@ -334,7 +334,7 @@ enum Drain {
     /// The pool stops: finish the request in progress, then close.
     Close,
     /// Retired while siblings carry on: finish the request in progress, then hand the
-    /// connection to a sibling (see [`crate::handoff`]).
+    /// connection to a sibling (see [`crate::http::handoff`]).
     Handoff,
 }
 
@@ -526,7 +526,7 @@ impl Calls {
 /// call open for server.idle_timeout_secs, it is told GOAWAY: streams in progress finish, and
 /// the client opens its next connection (to a sibling, when this worker has left the port's
 /// SO_REUSEPORT group); gRPC clients retry a stream the GOAWAY refused on their own. Each
-/// call's body is read and charged by [`crate::grpc::intake`] before tonic decodes it.
+/// call's body is read and charged by [`crate::http::grpc::intake`] before tonic decodes it.
 async fn serve_grpc(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -535,7 +535,7 @@ async fn serve_grpc(
     limits: GrpcLimits,
     tls: Option<TlsAcceptor>,
 ) {
-    let service = crate::grpc::service(state.clone());
+    let service = crate::http::grpc::service(state.clone());
     let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
     http2
         .timer(hyper_util::rt::TokioTimer::new())
@@ -569,11 +569,12 @@ async fn serve_grpc(
             async move {
                 // The key is checked on the call's headers, before its message is read.
                 let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-                if let Err(e) = state.authorize(authorization, crate::grpc::is_health_call(request.uri().path())) {
+                if let Err(e) = state.authorize(authorization, crate::http::grpc::is_health_call(request.uri().path()))
+                {
                     drop(call);
-                    return Ok(crate::grpc::status(e).into_http());
+                    return Ok(crate::http::grpc::status(e).into_http());
                 }
-                let request = crate::grpc::intake::read(&state, request).await;
+                let request = crate::http::grpc::intake::read(&state, request).await;
                 let answered = service.call(request).await;
                 drop(call);
                 answered
@@ -590,7 +591,7 @@ async fn serve_grpc(
             };
             // Read through ShutdownFrames: h2 would drop the connection over a frame a client
             // may legitimately send as the graceful close begins (see there).
-            let io = crate::grpc::shutdown::ShutdownFrames::new(WriteTimeout::new(stream, limits.write));
+            let io = crate::http::grpc::shutdown::ShutdownFrames::new(WriteTimeout::new(stream, limits.write));
             let mut connection = http2.serve_connection(TokioIo::new(io), call);
             let mut told = false;
             loop {

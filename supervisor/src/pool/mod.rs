@@ -10,7 +10,7 @@
 //! Replacing a slot's worker (reload, recycling) never leaves the slot without a ready
 //! worker: an `incoming` worker is started beside the current one and only when it is ready
 //! does the old one become `retiring` (SIGUSR1: it leaves the port's group, finishes its
-//! requests and hands its idle connections to a sibling; see worker/src/handoff.rs). A
+//! requests and hands its idle connections to a sibling; see worker/src/http/handoff.rs). A
 //! reload replaces the slots one after another; the first replacement is the validation of the
 //! new models: if it fails, nothing else changes. Every worker has a spawn id and a [`Cause`]:
 //! a reload advances only on the ready of the worker it started itself, fails only on that
@@ -861,7 +861,7 @@ impl Supervisor {
             .env("TOKENIZERS_PARALLELISM", "false")
             // Workers get the keys' digests in their spec, not the keys.
             .env_remove(inferd_config::auth::API_KEYS_ENV)
-            // No ONNX Runtime telemetry thread (see worker/src/model.rs).
+            // No ONNX Runtime telemetry thread (see worker/src/runtime/model.rs).
             .env("ORT_DISABLE_TELEMETRY", "1")
             // Logging starts before the spec is read: the format and the slot come this way.
             .env("INFERD_LOG_FORMAT", self.resolved.config.log.format.as_str())

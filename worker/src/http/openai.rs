@@ -23,10 +23,10 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use crate::app::{json_reply, ApiError, AppState, Reply};
-use crate::model::ModelMeta;
 use crate::pipeline::{l2_normalize, Head, Text};
-use crate::tasks::{self, Options, PipelineInput, Rows};
+use crate::request::app::{json_reply, ApiError, AppState, Reply};
+use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::runtime::model::ModelMeta;
 
 /// The request, checked field by field so that each mistake names its field.
 pub struct Request {

@@ -6,7 +6,7 @@
 //! *narrow* sessions that run only on the thread that calls them ([`Threads::Narrow`], no pool
 //! threads) and, in a worker of T > 1 threads, a *wide* session with a pool of its own
 //! ([`Threads::Wide`]: the caller plus T-1 threads, asleep between runs).
-//! Loading goes through [`crate::weights`]: a model's prepared artefact (its weights in an
+//! Loading goes through [`crate::runtime::weights`]: a model's prepared artefact (its weights in an
 //! mmap'd file, shared by every worker) is used when there is one.
 
 use std::path::Path;
@@ -22,8 +22,8 @@ use ort::value::ValueType;
 use sha2::{Digest, Sha256};
 
 use crate::pipeline::Pipeline;
-use crate::tensor::{element_count, ort_type_name, DataType, Tensor, TensorData, TensorSpec};
-use crate::weights::{self, Weights};
+use crate::runtime::tensor::{element_count, ort_type_name, DataType, Tensor, TensorData, TensorSpec};
+use crate::runtime::weights::{self, Weights};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -122,7 +122,7 @@ fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String
         return Ok(found.clone());
     }
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let found = crate::quantize::graph::producer_of(&bytes, value)?;
+    let found = crate::runtime::quantize::graph::producer_of(&bytes, value)?;
     KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(key, found.clone());
     Ok(found)
 }
@@ -148,7 +148,7 @@ fn model_digest(path: &Path) -> Result<Vec<u8>, String> {
         let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
         hasher.update(bytes);
         // A file that does not parse is ONNX Runtime's to refuse, with its own message.
-        external = crate::quantize::graph::external_files(bytes).unwrap_or_default();
+        external = crate::runtime::quantize::graph::external_files(bytes).unwrap_or_default();
         unsafe { libc::munmap(at, len) };
     }
     let folder = path.parent().unwrap_or(Path::new("."));
@@ -189,13 +189,13 @@ impl Model {
         }
         // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
         // model, then named as the model it came from.
-        let (prepared, report) = crate::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
+        let (prepared, report) = crate::runtime::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
         let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
         let mut model = match prepared {
             Some(p) => {
                 let int8 = ModelEntry { path: p.path, ..plain };
                 let loaded = digest(&int8.path).and_then(|d| Model::load_file(&int8, threads, &d));
-                crate::quantize::remove(p.scratch);
+                crate::runtime::quantize::remove(p.scratch);
                 loaded?
             }
             None => Model::load_file(&plain, threads, &digest_of_file)?,
@@ -229,10 +229,10 @@ impl Model {
             let builder = plain(builder.with_inter_threads(1))?;
             let builder = plain(builder.with_parallel_execution(false))?;
             let builder = plain(builder.with_inter_op_spinning(false))?;
-            // runtime.allocator (see [`crate::allocator`]). Memory patterns, which pre-plan
+            // runtime.allocator (see [`crate::runtime::allocator`]). Memory patterns, which pre-plan
             // buffers per input shape that dynamic batches and sequence lengths never repeat,
             // are off except with ORT's own defaults (`arena`).
-            let builder = match crate::allocator::current() {
+            let builder = match crate::runtime::allocator::current() {
                 Allocator::Malloc => {
                     let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
                     let builder = plain(builder.with_execution_providers([cpu]))?;

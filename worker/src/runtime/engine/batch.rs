@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::HEAVY_TOKENS;
-use crate::model::{Model, ModelError};
-use crate::tensor::element_count;
-use crate::tensor::Tensor;
+use crate::runtime::model::{Model, ModelError};
+use crate::runtime::tensor::element_count;
+use crate::runtime::tensor::Tensor;
 
 /// How a job's tensors may be combined with other jobs' tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,9 +154,9 @@ pub(super) fn split(outputs: Vec<Tensor>, rows: &[usize]) -> Option<Vec<Vec<Tens
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::tensor::TensorData;
+    use crate::runtime::tensor::TensorData;
 
-    pub(in crate::engine) fn text_job(rows: usize, width: usize, first_id: i64) -> Job {
+    pub(in crate::runtime::engine) fn text_job(rows: usize, width: usize, first_id: i64) -> Job {
         let ids: Vec<i64> = (0..(rows * width) as i64).map(|i| first_id + i).collect();
         let shape = vec![rows as i64, width as i64];
         let inputs = vec![

@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
-use crate::model::{Model, Threads};
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
+use crate::runtime::model::{Model, Threads};
 
 /// Changes whenever what the preparation writes or how it measures changes.
 const FORMAT: &str = "q4";
@@ -120,12 +120,12 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect();
-    let (dir, scratch) = match crate::weights::cache_dir() {
+    let (dir, scratch) = match crate::runtime::weights::cache_dir() {
         Some((root, host)) => {
             let dir = root.join(format!("{}-int8-{key}-{host}", entry.name));
             std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
             // A preparation someone else could have written is not read.
-            crate::weights::ours(&dir)?;
+            crate::runtime::weights::ours(&dir)?;
             (dir, None)
         }
         None => {
@@ -135,9 +135,9 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
             let nonce = std::hash::BuildHasher::hash_one(NONCE.get_or_init(Default::default), key.as_str());
             let dir =
                 std::env::temp_dir().join(format!("inferd-int8-{}-{}-{nonce:016x}", entry.name, std::process::id()));
-            match crate::weights::private_dir(&dir) {
+            match crate::runtime::weights::private_dir(&dir) {
                 Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => crate::weights::ours(&dir)?,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => crate::runtime::weights::ours(&dir)?,
                 Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
             }
             (dir.clone(), Some(dir))

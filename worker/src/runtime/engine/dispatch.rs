@@ -10,7 +10,7 @@ use inferd_ipc::stats::Shared;
 
 use super::batch::{Job, Join, Policy};
 use super::{Event, RunClock, Work};
-use crate::model::ModelError;
+use crate::runtime::model::ModelError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneState {
@@ -123,13 +123,13 @@ impl Dispatcher {
     }
 
     /// Without an arena, ONNX Runtime mallocs and frees every run's tensors, and glibc keeps
-    /// what was freed: the lanes hand back what passes [`crate::allocator::FREE_LIMIT`] after
+    /// what was freed: the lanes hand back what passes [`crate::runtime::allocator::FREE_LIMIT`] after
     /// each run, and once the worker has been idle for [`TRIM_AFTER_IDLE`] the rest goes back
     /// too.
     fn trim_when_idle(&mut self) {
         let idle = self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
         if idle && !self.trimmed && self.last_run.is_some_and(|t| t.elapsed() >= TRIM_AFTER_IDLE) {
-            crate::allocator::trim();
+            crate::runtime::allocator::trim();
             self.trimmed = true;
         }
     }
@@ -292,7 +292,7 @@ impl Dispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::batch::tests::text_job;
+    use crate::runtime::engine::batch::tests::text_job;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
         let (_, inbox) = mpsc::channel();

@@ -32,10 +32,10 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
-use crate::app::{json_reply, ApiError, AppState, Reply};
-use crate::model::ModelMeta;
 use crate::pipeline::{ranked, sparse, Head, Pipeline, Text, TextPipeline};
-use crate::tasks::{self, Options, PipelineInput, Rows};
+use crate::request::app::{json_reply, ApiError, AppState, Reply};
+use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::runtime::model::ModelMeta;
 use inferd_config::model::{Pooling, Task};
 
 #[derive(Deserialize)]

@@ -20,8 +20,8 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use super::proto::{InferParameter, InferTensorContents};
-use crate::app::{ApiError, AppState};
 use crate::protowire as wire;
+use crate::request::app::{ApiError, AppState};
 
 /// The gRPC path whose message is bounded by its decoded size.
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
@@ -226,7 +226,7 @@ fn walk(mut bytes: &[u8], schema: &[Field]) -> Result<u64, String> {
 #[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
-    use crate::grpc::proto::ModelInferRequest;
+    use crate::http::grpc::proto::ModelInferRequest;
     use prost::Message;
 
     fn tensor(name: &str, contents: InferTensorContents) -> InferInputTensor {

@@ -6,13 +6,13 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde_json::Value;
 
-use crate::app::{ApiError, AppState};
-use crate::engine::Join;
-use crate::model::ModelMeta;
+use crate::http::kserve::{self, Parsed};
 use crate::pipeline::{Head, Pipeline, Text};
-use crate::protocol::{self, Parsed};
-use crate::tasks::{self, Options, PipelineInput, Rows};
-use crate::tensor::{Tensor, TensorData};
+use crate::request::app::{ApiError, AppState};
+use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::runtime::engine::Join;
+use crate::runtime::model::ModelMeta;
+use crate::runtime::tensor::{Tensor, TensorData};
 
 /// A v2 request's answer before it is encoded (as JSON and binary data, or as protobuf).
 pub struct Inferred {
@@ -37,7 +37,7 @@ pub async fn run_parsed(
     if let Some((input_name, outputs)) = pipeline_io(meta) {
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
             let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
-            let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+            let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
@@ -48,9 +48,9 @@ pub async fn run_parsed(
         }
     }
     let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
-    let selection = protocol::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+    let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
-    let inputs = protocol::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
+    let inputs = kserve::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
     let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
 }
@@ -89,7 +89,7 @@ fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput,
     if !matches!(input.tensor.shape.as_slice(), [_] | [_, 1]) {
         return Err(ApiError::BadRequest(format!(
             "input '{name}': expected shape [n] or [n,1], got {}",
-            protocol::shape_text(&input.tensor.shape)
+            kserve::shape_text(&input.tensor.shape)
         )));
     }
     let bad = |i: usize, what: &str| ApiError::BadRequest(format!("input '{name}': element {i} is not {what}"));

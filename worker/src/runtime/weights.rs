@@ -155,7 +155,7 @@ fn prepare(
     let written = write(&tmp, source, build);
     // The optimising session's buffers are freed now; hand the memory back to the system
     // instead of keeping it in the allocator (hundreds of MB for a BERT-base model).
-    crate::allocator::trim();
+    crate::runtime::allocator::trim();
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);

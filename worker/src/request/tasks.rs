@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use hyper::header::HeaderValue;
 use hyper::Response;
 
-use crate::app::{json_reply, ApiError, AppState, Reply};
-use crate::engine::Join;
-use crate::model::ModelMeta;
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
+use crate::request::app::{json_reply, ApiError, AppState, Reply};
+use crate::runtime::engine::Join;
+use crate::runtime::model::ModelMeta;
 
 /// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
 const INLINE_TEXT_BYTES: usize = 4096;

@@ -1,6 +1,13 @@
 //! HTTP routing for one worker: KServe v2 REST, text-embeddings-inference's and OpenAI's routes
 //! (handled in `tei` and `openai`), and each protocol's error bodies.
 
+pub mod grpc;
+pub mod handoff;
+pub mod kserve;
+pub mod openai;
+pub mod tei;
+pub mod write_timeout;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,13 +25,11 @@ use tracing::{debug, info, warn};
 use inferd_config::model::Task;
 use inferd_ipc::stats::Endpoint;
 
-use crate::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
-use crate::infer::{pipeline_io, run_parsed};
-use crate::model::ModelMeta;
-use crate::protocol;
-use crate::tasks;
-use crate::tensor::Tensor;
-use crate::{openai, tei};
+use crate::request::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
+use crate::request::infer::{pipeline_io, run_parsed};
+use crate::request::tasks;
+use crate::runtime::model::ModelMeta;
+use crate::runtime::tensor::Tensor;
 
 fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
     let body = match style {
@@ -406,7 +411,7 @@ fn model_metadata(meta: &ModelMeta) -> Reply {
             "outputs": outputs,
         })
     });
-    json_reply(StatusCode::OK, serde_json::to_vec(&protocol::ModelMetadata::of(meta, pipeline)).expect("json"))
+    json_reply(StatusCode::OK, serde_json::to_vec(&kserve::ModelMetadata::of(meta, pipeline)).expect("json"))
 }
 
 /// The whole body, refusing more than `server.max_body_bytes` (early when Content-Length says so).
@@ -470,7 +475,7 @@ async fn infer(
     request: Request<Incoming>,
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
-    let header_length = match request.headers().get(protocol::HEADER_LENGTH) {
+    let header_length = match request.headers().get(kserve::HEADER_LENGTH) {
         None => None,
         Some(v) => Some(
             v.to_str()
@@ -480,7 +485,7 @@ async fn infer(
         ),
     };
     let body = read_body(state, request).await?;
-    let parsed = protocol::parse(&body, header_length).map_err(ApiError::BadRequest)?;
+    let parsed = kserve::parse(&body, header_length).map_err(ApiError::BadRequest)?;
     let inferred = run_parsed(state, index, meta, parsed, deadline).await?;
     let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
     if let Some(outcome) = &inferred.outcome {
@@ -490,12 +495,12 @@ async fn infer(
 }
 
 fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
-    let (body, header_length) = protocol::infer_response(meta, id, outputs, selection);
+    let (body, header_length) = kserve::infer_response(meta, id, outputs, selection);
     let mut reply = json_reply(StatusCode::OK, body);
     if let Some(n) = header_length {
         let headers = reply.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-        headers.insert(protocol::HEADER_LENGTH, HeaderValue::from(n));
+        headers.insert(kserve::HEADER_LENGTH, HeaderValue::from(n));
     }
     reply
 }

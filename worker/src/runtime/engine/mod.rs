@@ -35,8 +35,8 @@ use inferd_ipc::stats::{Latency, Shared};
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use crate::model::{Model, ModelError};
-use crate::tensor::Tensor;
+use crate::runtime::model::{Model, ModelError};
+use crate::runtime::tensor::Tensor;
 
 mod batch;
 mod dispatch;
@@ -234,7 +234,7 @@ impl RunClock {
         let stops = (0..lanes)
             .map(|_| {
                 let mut options = ort::session::RunOptions::new()?;
-                if crate::allocator::current() == Allocator::ArenaShrink {
+                if crate::runtime::allocator::current() == Allocator::ArenaShrink {
                     // Every arena the run used goes back to its first chunk when it ends.
                     options.set("memory.enable_memory_arena_shrinkage", "cpu:0")?;
                 }
@@ -323,7 +323,7 @@ impl Lane {
             // A lone request ran: the next one may come as soon as its client has the answer.
             poll = if wide { self.poll_when_idle } else { Duration::ZERO };
             // The answers are out: past its limit, what the batch freed goes back now.
-            crate::allocator::trim_if_over(crate::allocator::FREE_LIMIT);
+            crate::runtime::allocator::trim_if_over(crate::runtime::allocator::FREE_LIMIT);
         }
     }
 

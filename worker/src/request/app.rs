@@ -14,8 +14,8 @@ use hyper::{Method, Response, StatusCode};
 use inferd_config::auth::{bearer, ApiKeys, Refusal};
 use inferd_ipc::stats::{Endpoint, Latency, Shared, MAX_MODELS};
 
-use crate::engine::Engine;
-use crate::model::{ModelError, ModelMeta};
+use crate::runtime::engine::Engine;
+use crate::runtime::model::{ModelError, ModelMeta};
 
 /// Everything a request handler may touch.
 pub struct AppState {

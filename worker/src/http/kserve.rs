@@ -11,8 +11,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::model::ModelMeta;
-use crate::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
+use crate::runtime::model::ModelMeta;
+use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
 
 /// Header of the binary tensor data extension: the length of the JSON part of the body.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";

@@ -5,7 +5,7 @@
 //! A request's bytes are charged to the worker's body budget as they arrive, and a ModelInfer
 //! message's decoded size is bounded before it is decoded ([`intake`]). Then it takes the same
 //! path as a REST one: the model lookup, the counters (endpoint `infer`), the pipeline or raw
-//! tensors ([`crate::infer::run_parsed`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
+//! tensors ([`crate::request::infer::run_parsed`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
 //! the REST answers ([`status`]).
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
-use crate::app::{self, Answer, ApiError, AppState};
-use crate::infer::{self, Inferred};
-use crate::model::ModelMeta;
-use crate::protocol::{self, InputTensor, Parsed, WantedOutput};
-use crate::tensor::{DataType, Tensor, TensorData};
+use crate::http::kserve::{self, InputTensor, Parsed, WantedOutput};
+use crate::request::app::{self, Answer, ApiError, AppState};
+use crate::request::infer::{self, Inferred};
+use crate::runtime::model::ModelMeta;
+use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
 pub mod intake;
 pub mod shutdown;
@@ -247,7 +247,7 @@ fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in inputs {
         let name = input.name;
-        let (dtype, count) = protocol::declared(&name, &input.datatype, &input.shape, bytes)?;
+        let (dtype, count) = kserve::declared(&name, &input.datatype, &input.shape, bytes)?;
         let data = match (raw.next(), input.contents) {
             (Some(bytes), None) => dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?,
             (Some(_), Some(_)) => {
