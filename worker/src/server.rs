@@ -17,7 +17,7 @@ use inferd_ipc::spec::{
     WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Shared, WORKER_STATS_FD};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio_rustls::TlsAcceptor;
@@ -185,6 +185,16 @@ async fn handshake(
             );
             stream.write_all(reply.as_bytes()).await?;
             let _ = stream.shutdown().await;
+            // Read what the client still sends (a body, up to 64 KiB) before closing: closed
+            // with bytes unread, the socket would reset the connection, and the client could
+            // lose the answer.
+            let (mut sink, mut left) = ([0u8; 4096], 64 * 1024usize);
+            while left > 0 {
+                match tokio::time::timeout(Duration::from_secs(1), stream.read(&mut sink)).await {
+                    Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n),
+                    _ => break,
+                }
+            }
             return Err(std::io::Error::other("not a TLS handshake (answered 400)"));
         }
         acceptor.accept(stream).await
