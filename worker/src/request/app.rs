@@ -157,7 +157,7 @@ pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
 /// answer was counted, even if the worker is killed the next instant. A client that goes away
 /// first (hyper drops this future) is counted as 499, and its request leaves `in_flight` all
 /// the same.
-pub async fn counted<T: Answer>(
+pub async fn counted<T: CountedAs>(
     state: &AppState,
     model: usize,
     endpoint: Endpoint,
@@ -173,11 +173,11 @@ pub async fn counted<T: Answer>(
 }
 
 /// The status code an answer is counted under.
-pub trait Answer {
+pub trait CountedAs {
     fn code(&self) -> u16;
 }
 
-impl Answer for Reply {
+impl CountedAs for Reply {
     fn code(&self) -> u16 {
         self.status().as_u16()
     }

@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
 use crate::http::kserve::{self, InputTensor, Parsed, WantedOutput};
-use crate::request::app::{self, Answer, ApiError, AppState};
+use crate::request::app::{self, ApiError, AppState, CountedAs};
 use crate::request::infer::{self, Inferred};
 use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::{DataType, Tensor, TensorData};
@@ -150,7 +150,7 @@ impl GrpcInferenceService for Grpc {
         };
         let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;
         if state.access_log {
-            let code = result.as_ref().map_or_else(|e| e.status().as_u16(), Answer::code);
+            let code = result.as_ref().map_or_else(|e| e.status().as_u16(), CountedAs::code);
             tracing::info!(
                 target: "inferd::access",
                 method = "grpc",
@@ -168,7 +168,7 @@ impl GrpcInferenceService for Grpc {
 
 struct Infer(proto::ModelInferResponse);
 
-impl Answer for Infer {
+impl CountedAs for Infer {
     fn code(&self) -> u16 {
         200
     }

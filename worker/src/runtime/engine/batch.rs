@@ -21,7 +21,9 @@ pub enum Join {
     PadSequence,
 }
 
-pub(super) type Reply = oneshot::Sender<Result<Vec<Tensor>, ModelError>>;
+/// Where a job's result goes: the handler awaiting it (not an HTTP answer: that is
+/// `request::app::Reply`).
+pub(super) type ReplyTo = oneshot::Sender<Result<Vec<Tensor>, ModelError>>;
 
 pub(super) struct Job {
     pub(super) model: usize,
@@ -34,11 +36,11 @@ pub(super) struct Job {
     pub(super) queued_at: Instant,
     /// Past this the job is dropped before it reaches the model.
     pub(super) deadline: Option<Instant>,
-    pub(super) reply: Reply,
+    pub(super) reply: ReplyTo,
 }
 
 impl Job {
-    pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: Reply) -> Job {
+    pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: ReplyTo) -> Job {
         let rows = inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(0);
         let width = match join {
             Join::Exact => Some(1),

@@ -283,8 +283,8 @@ impl RunClock {
     }
 }
 
-/// A job's reply channel and its answer.
-type Answer = (batch::Reply, Result<Vec<Tensor>, ModelError>);
+/// A job's result with the channel it goes back on, sent once the run is over.
+type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>);
 
 /// A thread that runs batches on its own sessions.
 struct Lane {
@@ -328,7 +328,7 @@ impl Lane {
     }
 
     /// Runs a batch and adds each job's answer to `answers`.
-    fn execute(&mut self, batch: Vec<Job>, wide: bool, answers: &mut Vec<Answer>) {
+    fn execute(&mut self, batch: Vec<Job>, wide: bool, answers: &mut Vec<Delivery>) {
         let started = Instant::now();
         let model = batch[0].model;
         let counters = Arc::clone(&self.counters);
@@ -381,7 +381,7 @@ impl Lane {
     }
 
     /// One job in its own ORT call; a panic in it (a bug) answers it 500.
-    fn run_alone(&mut self, model: usize, job: Job, wide: bool, answers: &mut Vec<Answer>) {
+    fn run_alone(&mut self, model: usize, job: Job, wide: bool, answers: &mut Vec<Delivery>) {
         let started = Instant::now();
         let rows = job.inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(1).max(0) as u64;
         let (inputs, switch) = (job.inputs, job.rows);
