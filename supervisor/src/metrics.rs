@@ -11,6 +11,13 @@ use std::fmt::Write;
 use inferd_ipc::spec::ModelInfo;
 use inferd_ipc::stats::{Endpoint, Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, LATENCY_BUCKETS, MAX_MODELS};
 
+/// Rolling reloads since start, by outcome.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Reloads {
+    pub succeeded: u64,
+    pub failed: u64,
+}
+
 /// What the loop hands over for one scrape.
 #[derive(Debug)]
 pub struct PoolMetrics {
@@ -25,7 +32,7 @@ pub struct PoolMetrics {
     pub desired: usize,
     pub restarts: BTreeMap<&'static str, u64>,
     pub recycles: BTreeMap<&'static str, u64>,
-    pub reloads: (u64, u64),
+    pub reloads: Reloads,
     pub generation: u64,
     pub model_info: Vec<ModelInfo>,
 }
@@ -128,8 +135,8 @@ pub fn render(m: &PoolMetrics) -> String {
         let _ = writeln!(out, "inferd_worker_recycles_total{{reason=\"{reason}\"}} {n}");
     }
     header(&mut out, "inferd_reloads_total", "counter", "Rolling reloads, by outcome.");
-    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"success\"}} {}", m.reloads.0);
-    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"failure\"}} {}", m.reloads.1);
+    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"success\"}} {}", m.reloads.succeeded);
+    let _ = writeln!(out, "inferd_reloads_total{{outcome=\"failure\"}} {}", m.reloads.failed);
     header(&mut out, "inferd_generation", "gauge", "Pool generation: 1 at start, +1 per reload.");
     let _ = writeln!(out, "inferd_generation {}", m.generation);
     header(&mut out, "inferd_model_info", "gauge", "Models served now (1 per version being served).");
@@ -161,7 +168,7 @@ mod tests {
             desired: 1,
             restarts: BTreeMap::new(),
             recycles: BTreeMap::new(),
-            reloads: (0, 0),
+            reloads: Reloads::default(),
             generation: 1,
             model_info: vec![ModelInfo {
                 name: "m\"0".into(),

@@ -19,7 +19,7 @@ impl Supervisor {
         // artefact (and the libraries) are in memory once, however many workers map them.
         let rss = proc.private.or(proc.rss).unwrap_or(0).max(1);
         let shared = proc.rss.unwrap_or(0).saturating_sub(rss);
-        self.worker_rss = Some(rss);
+        self.memory.worker_rss = Some(rss);
         let budget = MemoryBudget::detect();
         let mib = |b: u64| b / (1 << 20);
         let k = self.slots.len() as u64;
@@ -73,7 +73,7 @@ impl Supervisor {
             }
         }
         info!("worker memory limits (private memory): {}", limits.describe());
-        self.memory_limits = Some(limits);
+        self.memory.limits = Some(limits);
         for slot in self.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
             slot.start = Start::At(Instant::now());
         }
@@ -83,7 +83,7 @@ impl Supervisor {
     /// Per-worker private memory against the soft and hard limits, and the whole pool against its cgroup:
     /// the worker that grows is replaced before the kernel picks a victim.
     pub(super) fn watch_memory(&mut self) {
-        let Some(WorkerLimits { soft, hard, .. }) = self.memory_limits.clone() else { return };
+        let Some(WorkerLimits { soft, hard, .. }) = self.memory.limits.clone() else { return };
         let budget = MemoryBudget::detect();
         // The pool itself close to its cgroup's limit: the biggest worker goes first.
         let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
@@ -126,8 +126,8 @@ impl Supervisor {
     /// before it replaces the slot (retiring first would leave a 1-worker pool without a
     /// listener for a boot's length).
     pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
-        *self.recycles_by_reason.entry("memory").or_default() += 1;
-        let room_for_one = self.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
+        *self.totals.recycles.entry("memory").or_default() += 1;
+        let room_for_one = self.memory.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
         let slot = &mut self.slots[index];
         if room_for_one {
             let (models, generation) = (slot.models.clone(), slot.generation);
@@ -221,7 +221,7 @@ impl Supervisor {
             }
         };
         debug_assert!(RECYCLE_REASONS.contains(&reason), "{reason} is listed");
-        *self.recycles_by_reason.entry(reason).or_default() += 1;
+        *self.totals.recycles.entry(reason).or_default() += 1;
         let (models, generation) = (slot.models.clone(), slot.generation);
         self.spawn(index, Role::Incoming, cause, models, generation);
     }

@@ -200,6 +200,33 @@ impl Slot {
     }
 }
 
+/// The memory guard's state (guards.rs).
+#[derive(Default)]
+struct MemoryWatch {
+    /// Private memory of the first worker after its warm-up: what one more worker costs.
+    worker_rss: Option<u64>,
+    /// Per-worker limits of private memory, set once worker 0 is warm.
+    limits: Option<crate::plan::memory::WorkerLimits>,
+    /// When the watch last ran.
+    checked: Option<Instant>,
+}
+
+/// What the pool has counted since it started, beyond its live workers' own counters.
+struct Totals {
+    /// Final counts of every worker that has exited.
+    retired: Snapshot,
+    /// Workers replaced after dying, by reason (every reason from the start, so that the
+    /// first scrape has each series at 0: one that appears only with its first restart leaves
+    /// rate() and the dashboard without data until then).
+    restarts: BTreeMap<&'static str, u64>,
+    /// Workers replaced gap-free on purpose, by reason (the same).
+    recycles: BTreeMap<&'static str, u64>,
+    reloads: crate::metrics::Reloads,
+    /// Request-latency buckets of the whole pool, sampled every few seconds, for the
+    /// last-minute percentiles in status.
+    latency_samples: VecDeque<(Instant, Vec<u64>)>,
+}
+
 /// A rolling reload in progress.
 struct Reload {
     models: Vec<ModelEntry>,
@@ -239,20 +266,8 @@ pub struct Supervisor {
     /// successful reload.
     access: Access,
     reload: Option<Reload>,
-    reloads: (u64, u64),
-    /// Private memory of the first worker after its warm-up: what one more worker costs.
-    worker_rss: Option<u64>,
-    /// Per-worker limits of private memory, set once worker 0 is warm.
-    memory_limits: Option<crate::plan::memory::WorkerLimits>,
-    /// When the memory watch last ran.
-    memory_checked: Option<Instant>,
-    /// Final counts of every worker that has exited.
-    retired: Snapshot,
-    restarts_by_reason: BTreeMap<&'static str, u64>,
-    recycles_by_reason: BTreeMap<&'static str, u64>,
-    /// Request-latency buckets of the whole pool, sampled every few seconds, for the
-    /// last-minute percentiles in status.
-    latency_samples: VecDeque<(Instant, Vec<u64>)>,
+    memory: MemoryWatch,
+    totals: Totals,
     stop_deadline: Option<Instant>,
     killed_all: bool,
     fatal: Option<SupervisorError>,
@@ -369,17 +384,14 @@ impl Supervisor {
             generation: 1,
             spawns: 0,
             reload: None,
-            reloads: (0, 0),
-            worker_rss: None,
-            memory_limits: None,
-            memory_checked: None,
-            retired: Snapshot::default(),
-            // Every reason from the start, so that the first scrape has each series at 0 (a
-            // series that appears only with its first restart leaves rate() and the dashboard
-            // without data until then).
-            restarts_by_reason: RESTART_REASONS.iter().map(|&r| (r, 0)).collect(),
-            recycles_by_reason: RECYCLE_REASONS.iter().map(|&r| (r, 0)).collect(),
-            latency_samples: VecDeque::new(),
+            memory: MemoryWatch::default(),
+            totals: Totals {
+                retired: Snapshot::default(),
+                restarts: RESTART_REASONS.iter().map(|&r| (r, 0)).collect(),
+                recycles: RECYCLE_REASONS.iter().map(|&r| (r, 0)).collect(),
+                reloads: Default::default(),
+                latency_samples: VecDeque::new(),
+            },
             stop_deadline: None,
             killed_all: false,
             fatal: None,
@@ -509,7 +521,7 @@ impl Supervisor {
                 if worker.role == Role::Incoming {
                     self.promote(index, pid);
                 }
-                if self.worker_rss.is_none() {
+                if self.memory.worker_rss.is_none() {
                     if let Err(e) = self.memory_plan(pid) {
                         error!("{e}");
                         self.fail(e);
@@ -562,7 +574,9 @@ impl Supervisor {
         let Some(slot) = self.slots.get_mut(index) else { return };
         let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
         let worker = slot.workers.remove(at);
-        self.retired.add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
+        self.totals
+            .retired
+            .add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing() {
             info!("worker {index} (pid {pid}) retired: {how}");
@@ -614,7 +628,7 @@ impl Supervisor {
             (None, None) => "exit",
         };
         debug_assert!(RESTART_REASONS.contains(&reason), "{reason} is listed");
-        *self.restarts_by_reason.entry(reason).or_default() += 1;
+        *self.totals.restarts.entry(reason).or_default() += 1;
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
             slot.failures = 0;
         }
@@ -649,10 +663,15 @@ impl Supervisor {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        if self.latency_samples.back().is_none_or(|(t, _)| now - *t >= LATENCY_SAMPLE_EVERY) {
-            self.latency_samples.push_back((now, self.totals().request_latency_buckets()));
-            while self.latency_samples.front().is_some_and(|(t, _)| now - *t > LATENCY_WINDOW + LATENCY_SAMPLE_EVERY) {
-                self.latency_samples.pop_front();
+        if self.totals.latency_samples.back().is_none_or(|(t, _)| now - *t >= LATENCY_SAMPLE_EVERY) {
+            self.totals.latency_samples.push_back((now, self.totals().request_latency_buckets()));
+            while self
+                .totals
+                .latency_samples
+                .front()
+                .is_some_and(|(t, _)| now - *t > LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)
+            {
+                self.totals.latency_samples.pop_front();
             }
         }
         if self.stopping {
@@ -669,8 +688,8 @@ impl Supervisor {
         self.resume_reload();
         self.finish_reload();
         let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
-        if self.memory_checked.is_none_or(|t| now - t >= every) {
-            self.memory_checked = Some(now);
+        if self.memory.checked.is_none_or(|t| now - t >= every) {
+            self.memory.checked = Some(now);
             self.watch_memory();
         }
         self.maybe_recycle(now);

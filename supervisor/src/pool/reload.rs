@@ -231,10 +231,10 @@ impl Supervisor {
         // (an unloaded model's are dropped; see `totals`).
         let rows: Vec<Option<usize>> =
             self.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
-        self.retired = self.retired.remapped(&rows);
+        self.totals.retired = self.totals.retired.remapped(&rows);
         self.models = reload.models;
         self.access = reload.access;
-        self.reloads.0 += 1;
+        self.totals.reloads.succeeded += 1;
         let message = format!(
             "reload complete: {} workers on generation {} after {:.1} s",
             self.slots.len(),
@@ -249,7 +249,7 @@ impl Supervisor {
 
     pub(super) fn abort_reload(&mut self, index: usize, error: &str) {
         let Some(reload) = self.reload.take() else { return };
-        self.reloads.1 += 1;
+        self.totals.reloads.failed += 1;
         let kept = if index == 0 {
             "every worker keeps the previous models".to_string()
         } else {

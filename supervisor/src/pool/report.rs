@@ -58,10 +58,10 @@ impl Supervisor {
             memory: format!(
                 "{}; worker memory limits (private): {}",
                 MemoryBudget::detect().describe(),
-                self.memory_limits.as_ref().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
+                self.memory.limits.as_ref().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
             ),
-            reloads_succeeded: self.reloads.0,
-            reloads_failed: self.reloads.1,
+            reloads_succeeded: self.totals.reloads.succeeded,
+            reloads_failed: self.totals.reloads.failed,
             batches: self
                 .models
                 .iter()
@@ -103,7 +103,7 @@ impl Supervisor {
     /// The pool's counts: every exited worker's final counts plus the live workers' now, each
     /// model in its row of the pool's model list (`self.models`).
     pub(super) fn totals(&self) -> Snapshot {
-        let mut totals = self.retired.clone();
+        let mut totals = self.totals.retired.clone();
         for w in self.slots.iter().flat_map(|s| &s.workers) {
             totals.add(&w.stats.snapshot().remapped(&rows_of(&self.models, &w.models)));
         }
@@ -116,7 +116,7 @@ impl Supervisor {
     pub(super) fn latency_last_minute(&self, totals: &Snapshot) -> Option<(f64, Option<f64>, Option<f64>)> {
         let now = totals.request_latency_buckets();
         let (start, old) =
-            self.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
+            self.totals.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
         // Saturating: the counts of a model that was unloaded leave the totals.
         let delta: Vec<u64> = now.iter().zip(old).map(|(a, b)| a.saturating_sub(*b)).collect();
         let total: u64 = delta.iter().sum();
@@ -159,9 +159,9 @@ impl Supervisor {
                 .collect(),
             ready: self.slots.iter().filter(|s| s.ready()).count(),
             desired: self.slots.iter().filter(|s| !s.removing()).count(),
-            restarts: self.restarts_by_reason.clone(),
-            recycles: self.recycles_by_reason.clone(),
-            reloads: self.reloads,
+            restarts: self.totals.restarts.clone(),
+            recycles: self.totals.recycles.clone(),
+            reloads: self.totals.reloads,
             generation: self.generation,
             model_info,
         }
