@@ -369,6 +369,13 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
     Ok(Response { status, headers, body })
 }
 
+/// A load that served `served` requests had no failure (`failed`: what went wrong with each
+/// that did) and really ran.
+pub fn assert_load_ran_without_failures(failed: &[String], served: usize) {
+    assert!(failed.is_empty(), "{} of {} requests failed: {:?}", failed.len(), served, &failed[..failed.len().min(5)]);
+    assert!(served > 20, "the load ran: {served} requests served");
+}
+
 /// The JSON body of a v2 infer request.
 pub fn infer_body(inputs: serde_json::Value) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap()

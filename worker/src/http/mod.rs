@@ -257,26 +257,8 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             };
             counted(state, row, Endpoint::Infer, work).await
         }
-        Route::Embed(name) => {
-            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
-            let row = found_index(&found);
-            let work = async {
-                let (index, meta) = found?;
-                let body = read_body(state, request).await?;
-                tei::embed(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, row, Endpoint::Embed, work).await
-        }
-        Route::Predict(name) => {
-            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
-            let row = found_index(&found);
-            let work = async {
-                let (index, meta) = found?;
-                let body = read_body(state, request).await?;
-                tei::predict(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, row, Endpoint::Predict, work).await
-        }
+        Route::Embed(name) => tei_route(state, name, request, deadline, Endpoint::Embed, tei::embed).await,
+        Route::Predict(name) => tei_route(state, name, request, deadline, Endpoint::Predict, tei::predict).await,
         Route::OpenAiEmbeddings => {
             // The model is named in the body; a name this server does not load (a client's
             // default) means the default model.
@@ -296,41 +278,11 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         Route::Info => Ok(tei::info(state, &state.models[0])),
         Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?).await,
         Route::Decode => tei::decode(state, &state.models[0], &read_body(state, request).await?),
-        Route::Similarity => {
-            let meta = &state.models[0];
-            let work = async {
-                let body = read_body(state, request).await?;
-                tei::similarity(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, 0, Endpoint::Similarity, work).await
-        }
-        Route::Rerank(name) => {
-            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
-            let row = found_index(&found);
-            let work = async {
-                let (index, meta) = found?;
-                let body = read_body(state, request).await?;
-                tei::rerank(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, row, Endpoint::Rerank, work).await
-        }
-        Route::EmbedAll => {
-            let meta = &state.models[0];
-            let work = async {
-                let body = read_body(state, request).await?;
-                tei::embed_all(state, 0, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, 0, Endpoint::EmbedAll, work).await
-        }
+        Route::Similarity => tei_route(state, None, request, deadline, Endpoint::Similarity, tei::similarity).await,
+        Route::Rerank(name) => tei_route(state, name, request, deadline, Endpoint::Rerank, tei::rerank).await,
+        Route::EmbedAll => tei_route(state, None, request, deadline, Endpoint::EmbedAll, tei::embed_all).await,
         Route::EmbedSparse(name) => {
-            let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
-            let row = found_index(&found);
-            let work = async {
-                let (index, meta) = found?;
-                let body = read_body(state, request).await?;
-                tei::embed_sparse(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
-            };
-            counted(state, row, Endpoint::EmbedSparse, work).await
+            tei_route(state, name, request, deadline, Endpoint::EmbedSparse, tei::embed_sparse).await
         }
         Route::Invocations => {
             let meta = &state.models[0];
@@ -356,6 +308,26 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         }
         Route::Ping => Ok(readiness(ready)),
     }
+}
+
+/// A TEI route: the model `name` names (None: the default model) looked up, the body read and
+/// `handler` run on them, all counted under `endpoint`; the answer carries the model's version.
+async fn tei_route(
+    state: &AppState,
+    name: Option<&str>,
+    request: Request<Incoming>,
+    deadline: Option<Instant>,
+    endpoint: Endpoint,
+    handler: impl AsyncFnOnce(&AppState, usize, &ModelMeta, &[u8], Option<Instant>) -> Result<Reply, ApiError>,
+) -> Result<Reply, ApiError> {
+    let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
+    let row = found_index(&found);
+    let work = async {
+        let (index, meta) = found?;
+        let body = read_body(state, request).await?;
+        handler(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
+    };
+    counted(state, row, endpoint, work).await
 }
 
 /// Header with the client's time budget for a request, in milliseconds from its arrival: a
