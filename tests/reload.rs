@@ -209,9 +209,18 @@ fn a_reload_that_cannot_work_fails_and_the_old_models_keep_serving() {
     let old = versions_of(&before)[0].clone();
     let garbage = server.dir.path().join("garbage.onnx");
     std::fs::write(&garbage, b"not an onnx model at all").unwrap();
-    let typed_file = test_models().join("typed/model.onnx");
+    // A copy in the test's folder (admin.allowed_paths): --path must lie inside it or the
+    // repository, whose folders here are links to the test models.
+    let typed_file = server.dir.path().join("typed.onnx");
+    std::fs::copy(test_models().join("typed/model.onnx"), &typed_file).unwrap();
+    // Outside the repository and admin.allowed_paths: a file, and a link to it from inside.
+    let outside = test_models().join("typed/model.onnx");
+    let link = server.dir.path().join("link.onnx");
+    std::os::unix::fs::symlink(&outside, &link).unwrap();
     let cases = [
         (vec!["--model", "typed", "--path", garbage.to_str().unwrap()], "model 'typed' failed to load"),
+        (vec!["--model", "typed", "--path", outside.to_str().unwrap()], "is not inside the model repository"),
+        (vec!["--model", "typed", "--path", link.to_str().unwrap()], "is not inside the model repository"),
         // The classifier's text pipeline cannot feed typed's inputs.
         (
             vec!["--model", "classifier", "--path", typed_file.to_str().unwrap()],

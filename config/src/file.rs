@@ -566,6 +566,14 @@ impl Config {
         crate::tls::TlsPaths { cert: resolve(cert), key: resolve(key), client_ca: resolve(client_ca) }
     }
 
+    /// Where a model may be loaded from by path (the admin listener's `load`, `inferd reload
+    /// --path`): the repository and `admin.allowed_paths`, resolved.
+    pub fn allowed_model_paths(&self) -> Vec<PathBuf> {
+        let mut allowed = vec![self.model_repository()];
+        allowed.extend(self.admin.allowed_paths.iter().map(|p| self.resolve(p)));
+        allowed
+    }
+
     /// `runtime.cache_dir`, resolved; None when it is empty (shared weights off).
     pub fn weights_cache(&self) -> Option<PathBuf> {
         (!self.runtime.cache_dir.as_os_str().is_empty()).then(|| self.resolve(&self.runtime.cache_dir))

@@ -281,14 +281,20 @@ fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Resul
             _ => {}
         }
     }
-    let path = path.map(|p| confined(&p, &model, &admin.allowed)).transpose()?;
+    let path = path.map(|p| confined(&p, &model, &admin.allowed, "parameters.path")).transpose()?;
     Ok(control::Request::Load { model, path })
 }
 
 /// `path`, symlinks resolved, when it is a model folder inside one of `allowed` and every file
 /// the model's settings name is too (a model.toml naming `/etc/shadow` as its tokenizer, or a
-/// link out of the folder, would let a caller read or load what the service can).
-fn confined(path: &std::path::Path, model: &str, allowed: &[PathBuf]) -> Result<PathBuf, String> {
+/// link out of the folder, would let a caller read or load what the service can), or, for
+/// `inferd reload --path`, a model file inside them; `what`: how the caller named the path.
+pub(crate) fn confined(
+    path: &std::path::Path,
+    model: &str,
+    allowed: &[PathBuf],
+    what: &str,
+) -> Result<PathBuf, String> {
     let roots: Vec<PathBuf> = allowed.iter().filter_map(|r| std::fs::canonicalize(r).ok()).collect();
     let inside = |p: &std::path::Path| {
         std::fs::canonicalize(p).ok().filter(|real| roots.iter().any(|root| real.starts_with(root)))
@@ -296,13 +302,17 @@ fn confined(path: &std::path::Path, model: &str, allowed: &[PathBuf]) -> Result<
     let allowed_list = || allowed.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
     let dir = inside(path).ok_or_else(|| {
         format!(
-            "parameters.path {} is not inside the model repository or admin.allowed_paths ({})",
+            "{what} {} is not inside the model repository or admin.allowed_paths ({})",
             path.display(),
             allowed_list()
         )
     })?;
+    if dir.is_file() && what == "--path" {
+        // A model file replacing the entry's own: its settings stay those already checked.
+        return Ok(dir);
+    }
     if !dir.is_dir() {
-        return Err(format!("parameters.path {} is not a model folder", path.display()));
+        return Err(format!("{what} {} is not a model folder", path.display()));
     }
     let entry = ModelEntry::load_dir(&dir, model).map_err(|e| e.to_string())?;
     let mut files = vec![entry.path.clone()];

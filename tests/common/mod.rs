@@ -120,7 +120,8 @@ pub fn model_variant(source: &Path, to: &Path, label: &str) {
     std::fs::write(to, bytes).unwrap();
 }
 
-/// Writes an inferd.toml for a test into `dir`.
+/// Writes an inferd.toml for a test into `dir`. Models may be loaded by path (`reload --path`,
+/// the admin `load`) from `dir` too (`admin.allowed_paths`), where tests put their variants.
 pub fn write_config(
     dir: &Path,
     port: u16,
@@ -134,9 +135,10 @@ pub fn write_config(
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = {workers}\nthreads = 1\ncontrol_socket = \"control.sock\"\n\
          graceful_timeout_secs = 20\nboot_timeout_secs = 60\n{extra}\n\
-         [admin]\nlisten = \"127.0.0.1:{}\"\n\
+         [admin]\nlisten = \"127.0.0.1:{}\"\nallowed_paths = [\"{}\"]\n\
          [models]\nrepository = \"{}\"\ndefault = \"{default}\"\nload = [{}]\n",
         free_port(),
+        dir.display(),
         repository.display(),
         load.join(", ")
     );

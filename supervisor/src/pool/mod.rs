@@ -332,8 +332,6 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             let scheme = if resolved.config.admin.tls_cert.is_some() { "https" } else { "http" };
             info!("metrics on {scheme}://{admin}/metrics");
             let config = &resolved.config;
-            let mut allowed = vec![config.model_repository()];
-            allowed.extend(config.admin.allowed_paths.iter().map(|p| config.resolve(p)));
             // Refused at start, not at the first request, when it cannot be used.
             config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
             let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
@@ -343,7 +341,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
                 token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
                 protect_metrics: config.admin.protect_metrics,
                 loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
-                allowed,
+                allowed: config.allowed_model_paths(),
                 tls,
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));

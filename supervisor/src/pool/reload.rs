@@ -144,6 +144,12 @@ impl Supervisor {
         let Some(at) = self.models.iter().position(|m| m.name == name) else {
             return Err(format!("reload refused: this server has no model '{name}'"));
         };
+        // As the admin listener's load: inside the repository or admin.allowed_paths. The
+        // control socket is the service's own uid's, which its workers share: a worker an
+        // attacker took over must not get a file it wrote loaded by the others.
+        let allowed = self.resolved.config.allowed_model_paths();
+        let path =
+            crate::admin::confined(&path, &name, &allowed, "--path").map_err(|e| format!("reload refused: {e}"))?;
         let mut models = self.models.clone();
         models[at] = models[at]
             .replaced_by(&path)
