@@ -15,7 +15,6 @@ source bench/lib.sh
 ROUNDS=${ROUNDS:-3}
 SECONDS_PER=${SECONDS_PER:-6}
 PORT=${PORT:-18520}
-TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
 # name | runtime.allocator | GLIBC_TUNABLES
 CHOICES=(
     "malloc, trimmed past 64 MiB free|malloc|"
@@ -32,7 +31,7 @@ work=$(mktemp -d /tmp/inferd-allocator.XXXXXX)
 sup=""
 trap '[[ -n $sup ]] && kill -- -$sup 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
 printf '%s\n' "$TEXT" >"$work/short.txt"
-{ for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
+mixed_texts "$work/mixed.txt"
 load() { # $1 concurrency, $2 texts, [$3 --short-below N]: inferd-bench's JSON lines, as a list
     target/release/inferd-bench http --addr "127.0.0.1:$PORT" --concurrency "$1" --seconds "$SECONDS_PER" \
         --warmup 1 --texts "$2" ${3:-} | grep '^{' | paste -sd, | sed 's/^/[/; s/$/]/'

@@ -33,7 +33,6 @@ source bench/lib.sh
 SECONDS_PER=${SECONDS_PER:-8}
 ROUNDS=${ROUNDS:-3}
 RECORD=${RECORD:-1}
-TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
 CORES=$(nproc)
 
 scripts/setup.sh >/dev/null
@@ -122,7 +121,7 @@ protocols() {
             --warmup 1 --texts "$work/text.txt" | grep '^{' | python3 bench/record.py add inferd-grpc "c=$c" "$3" | tee -a "$results"
     done
 }
-{ for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$work/mixed.txt"
+mixed_texts "$work/mixed.txt"
 
 for round in $(seq 1 "$ROUNDS"); do
     # (b) inferd, default plan

@@ -1,5 +1,13 @@
 # Helpers the benchmark scripts share; `source bench/lib.sh` from the repository root.
 
+# The sentence every benchmark sends (17 tokens for MiniLM's tokenizer; `inferd tune` uses it too).
+TEXT="The quick brown fox jumps over the lazy dog while the cat sleeps."
+
+# mixed_texts FILE: the mixed stream: seven times $TEXT, then one text of 256 tokens.
+mixed_texts() {
+    { for _ in 1 2 3 4 5 6 7; do printf '%s\n' "$TEXT"; done; printf 'model %.0s' $(seq 1 254); echo; } >"$1"
+}
+
 # wait_http URL: waits until `curl URL` answers 200, at most 120 s.
 wait_http() {
     for _ in $(seq 1 600); do

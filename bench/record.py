@@ -282,38 +282,31 @@ def report(path, record, seconds, rounds):
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("add")
-    a.add_argument("name")
-    a.add_argument("case")
-    a.add_argument("round")
-    m = sub.add_parser("memory")
-    m.add_argument("name")
-    m.add_argument("case")
-    m.add_argument("round")
-    m.add_argument("pids", nargs="*")
-    b = sub.add_parser("best")
-    b.add_argument("results")
-    b.add_argument("name")
-    b.add_argument("round")
-    g = sub.add_parser("guard")
-    g.add_argument("name")
-    g.add_argument("round")
+    # Each command: its function and positional arguments ("pids*": any number).
+    commands = {
+        "add": (add, ["name", "case", "round"]),
+        "memory": (memory, ["name", "case", "round", "pids*"]),
+        "best": (best, ["results", "name", "round"]),
+        "guard": (guard, ["name", "round"]),
+    }
+    for command, (_, names) in commands.items():
+        p = sub.add_parser(command)
+        for name in names:
+            if name.endswith("*"):
+                p.add_argument(name[:-1], nargs="*")
+            else:
+                p.add_argument(name)
     r = sub.add_parser("report")
     r.add_argument("results")
     r.add_argument("--record", type=int, default=1)
     r.add_argument("--seconds", default="8")
     r.add_argument("--rounds", default="3")
     args = parser.parse_args()
-    if args.command == "add":
-        add(args.name, args.case, args.round)
-    elif args.command == "memory":
-        memory(args.name, args.case, args.round, args.pids)
-    elif args.command == "best":
-        best(args.results, args.name, args.round)
-    elif args.command == "guard":
-        guard(args.name, args.round)
-    else:
+    if args.command == "report":
         report(args.results, args.record, args.seconds, args.rounds)
+    else:
+        function, names = commands[args.command]
+        function(*(getattr(args, name.rstrip("*")) for name in names))
 
 
 if __name__ == "__main__":

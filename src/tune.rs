@@ -6,15 +6,15 @@
 //! of `inferd-bench` at a few concurrencies. Nothing is timed in-process: what is measured is
 //! what clients would see, HTTP and JSON included.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::unix::process::CommandExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use inferd_bench::http::request;
 use inferd_bench::load::{closed_loop, Load, Summary};
+use inferd_bench::process::Process;
 use inferd_config::model::{ModelEntry, Precision, Task, MODEL_CONFIG_FILE};
 use inferd_config::Config;
 use inferd_supervisor::control::{self, Request};
@@ -295,7 +295,7 @@ fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, p
     };
     let outcome = (|| -> anyhow::Result<()> {
         server.wait_ready()?;
-        let (path, body) = request(&server.addr, entry)?;
+        let (path, body) = load_request(&server.addr, entry)?;
         for c in CONCURRENCIES {
             progress(&format!("load at c={c}"));
             let load = Load {
@@ -319,12 +319,13 @@ fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, p
     if let Err(e) = outcome {
         measured.failure = Some(format!("{e:#}; log: {}", server.log_tail()));
     }
-    server.stop();
+    // SIGTERM: the supervisor drains its workers.
+    server.process.stop(Duration::from_secs(10));
     measured
 }
 
 /// The request the model is loaded with: one sentence for text models, zeros for tensor models.
-fn request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> {
+fn load_request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> {
     let name = &entry.name;
     Ok(match entry.task {
         Task::Embedding => {
@@ -334,9 +335,9 @@ fn request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> 
             (format!("/v2/models/{name}/predict"), serde_json::to_vec(&serde_json::json!({ "inputs": SENTENCE }))?)
         }
         Task::Raw => {
-            let (status, body) = get(addr, &format!("/v2/models/{name}"))?;
-            anyhow::ensure!(status == 200, "model metadata: status {status}");
-            let meta: serde_json::Value = serde_json::from_slice(&body)?;
+            let answer = request(addr, "GET", &format!("/v2/models/{name}"), &[], b"")?;
+            anyhow::ensure!(answer.status == 200, "model metadata: status {}", answer.status);
+            let meta: serde_json::Value = serde_json::from_slice(&answer.body)?;
             let inputs: Vec<serde_json::Value> = meta["inputs"]
                 .as_array()
                 .context("model metadata without inputs")?
@@ -370,24 +371,11 @@ fn request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> 
     })
 }
 
-/// One GET on a fresh connection: (status, body).
-fn get(addr: &str, path: &str) -> anyhow::Result<(u16, Vec<u8>)> {
-    let mut stream = TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no complete response")?;
-    let status = std::str::from_utf8(&raw[..end])?.split(' ').nth(1).and_then(|s| s.parse().ok()).context("status")?;
-    Ok((status, raw[end + 4..].to_vec()))
-}
-
-/// A candidate's `inferd serve`, in its own process group.
+/// A candidate's `inferd serve`, in its own process group (killed with it when dropped).
 struct Server {
-    child: Child,
+    process: Process,
     addr: String,
     socket: PathBuf,
-    log: PathBuf,
 }
 
 impl Server {
@@ -395,7 +383,6 @@ impl Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let addr = format!("127.0.0.1:{port}");
         let socket = work.join("control.sock");
-        let log = work.join("serve.log");
         let mut command = Command::new(std::env::current_exe()?);
         command.arg("serve");
         if let Some(config) = &args.config {
@@ -417,22 +404,18 @@ impl Server {
             .args(["--workers", &c.workers.to_string(), "--threads", &c.threads.to_string()])
             .args(["--max-batch-size", &c.max_batch_size.to_string()])
             .args(["--max-queue-delay-ms", &c.max_queue_delay_ms.to_string()])
-            .args(["--precision", c.precision.as_str()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .process_group(0);
-        let child = command.spawn().context("cannot start inferd serve")?;
-        Ok(Server { child, addr, socket, log })
+            .args(["--precision", c.precision.as_str()]);
+        let process = Process::spawn(&mut command).context("cannot start inferd serve")?;
+        Ok(Server { process, addr, socket })
     }
 
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(180);
         while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait()? {
+            if let Some(status) = self.process.exited() {
                 bail!("inferd serve exited ({status}): {}", self.log_tail());
             }
-            if get(&self.addr, "/v2/health/ready").is_ok_and(|(s, _)| s == 200) {
+            if request(self.addr.as_str(), "GET", "/v2/health/ready", &[], b"").is_ok_and(|r| r.status == 200) {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -441,24 +424,7 @@ impl Server {
     }
 
     fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        text.lines().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
-    }
-
-    /// SIGTERM to the group (the supervisor drains its workers), SIGKILL after 10 s.
-    fn stop(&mut self) {
-        use nix::sys::signal::{killpg, Signal};
-        let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = killpg(group, Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if self.child.try_wait().ok().flatten().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = killpg(group, Signal::SIGKILL);
-        let _ = self.child.wait();
+        self.process.log_tail(3)
     }
 }
 

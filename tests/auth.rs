@@ -10,7 +10,6 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,7 +26,7 @@ fn write_keys(path: &Path, text: &str, mode: u32) {
 
 /// minilm (default) and typed, keys from `keys` in the test folder, gRPC on, access log on.
 fn start(tag: &str, keys: &str) -> (Server, String) {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     write_keys(&dir.path().join("keys"), keys, 0o600);
     let repository = model_repository(dir.path(), &["minilm", "typed"]);
     let port = free_port();
@@ -104,28 +103,17 @@ fn keys_rotate_by_reload_under_load_with_no_failed_request() {
     let (server, _) = start("auth-rotate", &format!("{KEY_A}\n"));
     let keys = server.dir.path().join("keys");
     let key = Arc::new(Mutex::new(KEY_A.to_string()));
-    let (stop, served, failed) =
-        (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)), Arc::new(Mutex::new(Vec::new())));
-    let clients: Vec<_> = (0..3)
-        .map(|_| {
-            let (key, stop, served, failed, addr) =
-                (key.clone(), stop.clone(), served.clone(), failed.clone(), server.addr);
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let k = key.lock().unwrap().clone();
-                    let auth = format!("Bearer {k}");
-                    let body = serde_json::to_vec(&typed_body()).unwrap();
-                    match request(addr, "POST", "/v2/models/typed/infer", &[("Authorization", &auth)], &body) {
-                        Ok(r) if r.status == 200 => drop(served.fetch_add(1, Ordering::Relaxed)),
-                        Ok(r) => {
-                            failed.lock().unwrap().push(format!("{}: {}", r.status, String::from_utf8_lossy(&r.body)))
-                        }
-                        Err(e) => failed.lock().unwrap().push(e.to_string()),
-                    }
-                }
-            })
-        })
-        .collect();
+    let load = Clients::start(3, |_| {
+        let (key, addr, body) = (key.clone(), server.addr, serde_json::to_vec(&typed_body()).unwrap());
+        move || {
+            let auth = format!("Bearer {}", key.lock().unwrap());
+            match request(addr, "POST", "/v2/models/typed/infer", &[("Authorization", &auth)], &body) {
+                Ok(r) if r.status == 200 => Step::Served,
+                Ok(r) => Step::Failed(format!("{}: {}", r.status, String::from_utf8_lossy(&r.body))),
+                Err(e) => Step::Failed(e.to_string()),
+            }
+        }
+    });
     let reload = |server: &Server| {
         let out =
             Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap();
@@ -150,9 +138,7 @@ fn keys_rotate_by_reload_under_load_with_no_failed_request() {
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    clients.into_iter().for_each(|c| c.join().unwrap());
-    assert_load_ran_without_failures(&failed.lock().unwrap(), served.load(Ordering::Relaxed));
+    load.stop().assert_served(20, "while the keys rotated");
 
     // A keys file others can read refuses the reload; the pool keeps its keys.
     std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -163,7 +149,7 @@ fn keys_rotate_by_reload_under_load_with_no_failed_request() {
 
 #[test]
 fn keys_that_cannot_be_trusted_refuse_the_start() {
-    let dir = TempDir::new("auth-refused");
+    let dir = temp_dir("auth-refused");
     let config =
         write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "[auth]\napi_keys_file = \"keys\"");
     let check = |env: Option<&str>| {

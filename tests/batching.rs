@@ -29,7 +29,7 @@ fn minilm_with(dir: &Path, batching: &str) -> PathBuf {
 
 /// One worker with two threads (allowed on a one-core machine too), serving minilm.
 fn server(batching: &str) -> Server {
-    let dir = TempDir::new("batching");
+    let dir = temp_dir("batching");
     let port = free_port();
     let repository = minilm_with(dir.path(), batching);
     let config = write_config(dir.path(), port, 1, &repository, "minilm", &[], "allow_oversubscription = true");

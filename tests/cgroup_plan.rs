@@ -167,7 +167,7 @@ fn a_pool_larger_than_the_pods_memory_limit_is_refused_or_shrunk() {
     // each, ~24 MiB shared once; tests/memory.rs), not 8. The CPU plan is not what limits the
     // pool here: 8 workers on 2 cores are allowed (oversubscribed) on purpose.
     let Some(cgroups) = PodCgroups::new(test, "pod-fit", 2.0, &cpus, Some(70 * MIB)) else { return };
-    let dir = TempDir::new("deploy-fit");
+    let dir = temp_dir("deploy-fit");
     // The container's configuration, on the test model and with the switch under test.
     let container = read(&deploy("inferd.toml"));
     let config = |fit: bool| -> PathBuf {
@@ -206,8 +206,7 @@ fn a_pool_larger_than_the_pods_memory_limit_is_refused_or_shrunk() {
 
     // serve refuses, with the numbers and the way out (docs/guards.md).
     let port = free_port();
-    let mut refused =
-        Server::spawn(serve(&config(false), port, free_port()), TempDir::new("deploy-refused"), port, None);
+    let mut refused = Server::spawn(serve(&config(false), port, free_port()), temp_dir("deploy-refused"), port, None);
     let status = refused.wait_exit(Duration::from_secs(60));
     let log = refused.log();
     assert!(!status.success(), "{log}");
@@ -218,8 +217,7 @@ fn a_pool_larger_than_the_pods_memory_limit_is_refused_or_shrunk() {
     // With server.fit_workers_to_memory, it starts as many as fit, and serves.
     let (port, admin) = (free_port(), free_port());
     let socket = dir.path().join(format!("{port}.sock"));
-    let mut server =
-        Server::spawn(serve(&config(true), port, admin), TempDir::new("deploy-fitted"), port, Some(socket));
+    let mut server = Server::spawn(serve(&config(true), port, admin), temp_dir("deploy-fitted"), port, Some(socket));
     let status = server.wait_ready(Duration::from_secs(60));
     let started = status["workers"].as_array().unwrap().len();
     eprintln!("{started} of 8 workers fit in 70 MiB");

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -14,30 +12,11 @@ use common::*;
 fn random_kills_every_two_seconds_cost_only_the_requests_in_flight() {
     let seconds: u64 = std::env::var("INFERD_CHAOS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
     let workers = test_workers();
-    let dir = TempDir::new("chaos");
-    let port = free_port();
-    write_config(dir.path(), port, workers, &test_models(), "slow", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
-    let clients = 4;
-    let stop = Arc::new(AtomicBool::new(false));
+    let server = serve(temp_dir("chaos"), workers, &test_models(), "slow", &[], "");
+    let clients: u64 = 4;
     let addr = server.addr;
-    let load: Vec<_> = (0..clients)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let (mut ok, mut failed) = (0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    // ~2 ms of compute each.
-                    match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(500)) {
-                        Ok(r) if r.status == 200 => ok += 1,
-                        _ => failed += 1,
-                    }
-                }
-                (ok, failed)
-            })
-        })
-        .collect();
+    // ~2 ms of compute each.
+    let load = Clients::start(clients as usize, |_| move || post_step(addr, "/v2/models/slow/infer", &slow_body(500)));
     let started = Instant::now();
     let mut kills = 0u64;
     let mut seed = std::process::id() as u64;
@@ -65,13 +44,8 @@ fn random_kills_every_two_seconds_cost_only_the_requests_in_flight() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    let (mut ok, mut failed) = (0, 0);
-    for c in load {
-        let (o, f) = c.join().unwrap();
-        ok += o;
-        failed += f;
-    }
+    let tally = load.stop();
+    let (ok, failed) = (tally.served as u64, tally.failed.len() as u64);
     let share = failed as f64 / (ok + failed) as f64;
     eprintln!(
         "{seconds} s, {kills} kills: {ok} requests answered, {failed} failed ({:.3}%), {:.2} failed per kill",

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 /// The default model (minilm), the classifier and the reranker test models, `default` first;
 /// two workers where there are two cores.
 fn server(tag: &str, default: &str) -> Server {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let repository = model_repository(dir.path(), &["minilm", "classifier", "reranker"]);
     let others: Vec<&str> = ["minilm", "classifier", "reranker"].into_iter().filter(|&m| m != default).collect();
     let port = free_port();

@@ -7,29 +7,23 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inferd_bench::load::Connection;
 
 #[test]
 fn a_connection_is_closed_after_its_requests_with_notice() {
-    let dir = TempDir::new("connections");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "max_requests_per_connection = 3");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("connections"), 1, &test_models(), "typed", &[], "max_requests_per_connection = 3");
 
     // The keep-alive client of inferd-bench and inferd tune, which reads `Connection: close`.
-    let addr = server.addr.to_string();
-    let mut connection = Connection::open(&addr).unwrap();
+    let mut connection = Connection::open(server.addr).unwrap();
     let body = typed_request();
     let path = "/v2/models/typed/infer";
     for _ in 0..2 {
-        let answer = connection.post(&addr, path, &body).unwrap();
-        assert_eq!((answer.status, answer.close), (200, false));
+        let answer = connection.post(path, &body).unwrap();
+        assert_eq!((answer.status, answer.closes()), (200, false));
     }
     // The third answer says so, and the server then closes its side.
-    let answer = connection.post(&addr, path, &body).unwrap();
-    assert_eq!((answer.status, answer.close), (200, true));
-    assert!(connection.post(&addr, path, &body).is_err(), "nothing after the announced close");
+    let answer = connection.post(path, &body).unwrap();
+    assert_eq!((answer.status, answer.closes()), (200, true));
+    assert!(connection.post(path, &body).is_err(), "nothing after the announced close");
     // A new connection is served as usual.
     assert_eq!(server.request("POST", "/v2/models/typed/infer", &body).status, 200);
 }
@@ -63,11 +57,7 @@ fn exchange(stream: &mut std::net::TcpStream, extra: &str, body: &[u8]) -> std::
 
 #[test]
 fn an_answer_before_the_body_is_read_says_the_connection_closes() {
-    let dir = TempDir::new("unread-body");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("unread-body"), 1, &test_models(), "typed", &[], "");
     let body = typed_request();
     let mut stream = std::net::TcpStream::connect(server.addr).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();

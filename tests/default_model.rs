@@ -18,7 +18,7 @@ fn fixture(name: &str) -> Value {
 fn default_server() -> Server {
     let model = repo().join("models/minilm/model.onnx");
     assert!(model.is_file(), "{} is missing: run `make setup` (`make test` does it first)", model.display());
-    let dir = TempDir::new("default");
+    let dir = temp_dir("default");
     let port = free_port();
     let socket = dir.path().join("ctl.sock");
     let mut command = Command::new(BIN);

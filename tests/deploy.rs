@@ -123,7 +123,7 @@ fn kubernetes_manifests_pass_strict_validation() {
     }
 
     // --strict is in force: a misspelt field fails.
-    let dir = TempDir::new("strict");
+    let dir = temp_dir("strict");
     let bad = dir.path().join("deployment.yaml");
     let text = edit(
         &read(&deploy("k8s/deployment.yaml")),
@@ -146,7 +146,7 @@ fn custom_resources_match_their_crd_schemas() {
         assert_eq!(out.lines().filter(|l| l.starts_with("PASS ")).count(), CUSTOM.len(), "{out}");
     }
     // The schemas reject what the CRDs do not define, down to the Kubernetes types inside.
-    let dir = TempDir::new("crd");
+    let dir = temp_dir("crd");
     for (file, from, to, says) in [
         (
             "k8s/monitoring/servicemonitor.yaml",
@@ -359,7 +359,7 @@ fn the_image_builds_and_inferd_check_runs_in_it() {
 
 #[test]
 fn the_kserve_launcher_serves_the_model_under_kserves_name() {
-    let dir = TempDir::new("kserve");
+    let dir = temp_dir("kserve");
     let work = dir.path().join("work");
     // What KServe's storage initializer leaves in /mnt/models for a storageUri that holds one
     // model's folder: here the `typed` test model's, which names itself "typed".
@@ -390,7 +390,7 @@ fn the_kserve_launcher_serves_the_model_under_kserves_name() {
     args.extend([format!("--admin_port={admin}"), "--workers".into(), "1".into(), "--threads".into(), "1".into()]);
     assert_eq!(args[0], "serve");
     let socket = work.join("control.sock");
-    let mut server = Server::spawn(kserve(&args), TempDir::new("kserve-run"), port, Some(socket));
+    let mut server = Server::spawn(kserve(&args), temp_dir("kserve-run"), port, Some(socket));
     let status = server.wait_ready(Duration::from_secs(60));
     assert_eq!(status["workers"].as_array().unwrap().len(), 1, "{status:#}");
     // KServe's v2 clients call the model by the InferenceService's name.
@@ -605,11 +605,7 @@ fn dashboard_alerts_and_adapter_use_only_metrics_a_live_inferd_exports() {
 
     // A live inferd that answered and refused requests and lost a worker, so that the series
     // by code and by reason exist too.
-    let dir = TempDir::new("deploy-metrics");
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("deploy-metrics"), test_workers(), &test_models(), "typed", &[], "");
     for _ in 0..20 {
         assert_eq!(server.request("POST", "/v2/models/typed/infer", &typed_request()).status, 200);
     }
@@ -653,7 +649,7 @@ fn dashboard_alerts_and_adapter_use_only_metrics_a_live_inferd_exports() {
 
     // A real Prometheus scraping that inferd takes every query, and every dashboard panel has
     // data (rate() and increase() need two scrapes; rate-based quantiles may then be NaN).
-    let prom_dir = TempDir::new("deploy-prometheus");
+    let prom_dir = temp_dir("deploy-prometheus");
     let prom = Prometheus::start(prom_dir.path(), server.admin_addr());
     let deadline = Instant::now() + Duration::from_secs(45);
     loop {

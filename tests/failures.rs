@@ -18,7 +18,7 @@ fn stderr(out: &Output) -> String {
 
 #[test]
 fn a_model_that_fails_to_load_stops_serve_with_its_error_and_no_respawn_loop() {
-    let dir = TempDir::new("broken");
+    let dir = temp_dir("broken");
     let repo_dir = dir.path().join("models");
     std::fs::create_dir_all(repo_dir.join("broken")).unwrap();
     std::fs::write(repo_dir.join("broken/model.toml"), "name = \"broken\"\n").unwrap();
@@ -42,7 +42,7 @@ fn a_model_that_fails_to_load_stops_serve_with_its_error_and_no_respawn_loop() {
 
 #[test]
 fn a_missing_onnx_runtime_is_explained() {
-    let dir = TempDir::new("noort");
+    let dir = temp_dir("noort");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
     for command in ["check", "serve"] {
@@ -73,7 +73,7 @@ fn a_missing_onnx_runtime_is_explained() {
 
 #[test]
 fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
-    let dir = TempDir::new("oversub");
+    let dir = temp_dir("oversub");
     let port = free_port();
     let cores = std::thread::available_parallelism().unwrap().get();
     write_config(dir.path(), port, cores, &test_models(), "typed", &[], "");
@@ -102,7 +102,7 @@ fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
 
 #[test]
 fn check_prints_the_plan_with_models_and_runtime() {
-    let dir = TempDir::new("check");
+    let dir = temp_dir("check");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &["slow"], "");
     let out = inferd(&["check", "--config", "inferd.toml"], &dir);
@@ -125,7 +125,7 @@ fn check_prints_the_plan_with_models_and_runtime() {
 
 #[test]
 fn bad_config_values_are_refused_naming_the_key() {
-    let dir = TempDir::new("badkey");
+    let dir = temp_dir("badkey");
     std::fs::write(dir.path().join("inferd.toml"), "[server]\nworkerz = 2\n").unwrap();
     let out = inferd(&["check", "--config", "inferd.toml"], &dir);
     assert!(!out.status.success());
@@ -142,7 +142,7 @@ fn bad_config_values_are_refused_naming_the_key() {
 
 #[test]
 fn status_without_a_server_says_so_and_fails() {
-    let dir = TempDir::new("nostatus");
+    let dir = temp_dir("nostatus");
     let socket = dir.path().join("none.sock");
     let out = Command::new(BIN).args(["status", "--control-socket"]).arg(&socket).output().unwrap();
     assert!(!out.status.success());
@@ -153,7 +153,7 @@ fn status_without_a_server_says_so_and_fails() {
 /// and by `serve` (exit code 3, like any model that cannot load).
 #[test]
 fn a_pipeline_that_does_not_fit_its_model_is_refused() {
-    let dir = TempDir::new("misfit");
+    let dir = temp_dir("misfit");
     let models = dir.path().join("models");
     let variants = [
         ("cnn", "labels = [\"red\", \"green\", \"blue\"]", "3 labels, but output 'logits' has 4 logits per row"),
@@ -195,7 +195,7 @@ fn a_pipeline_that_does_not_fit_its_model_is_refused() {
 /// replacing workers forever.
 #[test]
 fn a_worker_memory_limit_below_a_fresh_worker_is_refused() {
-    let dir = TempDir::new("softlimit");
+    let dir = temp_dir("softlimit");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "worker_memory_soft_limit_mb = 5");
     let out = inferd(&["serve", "--config", "inferd.toml"], &dir);

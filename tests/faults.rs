@@ -28,7 +28,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use inferd_bench::load::Connection;
 use nix::sys::signal::Signal;
 
 struct Rng(u64);
@@ -43,71 +42,65 @@ impl Rng {
     }
 }
 
-/// Keep-alive clients that can be paused; they count answers and failures.
+/// Keep-alive clients that can be paused; they count answers and failures as they go.
 struct Load {
     run: Arc<AtomicBool>,
     /// Bumped when the clients' connections are known dead (their worker was killed): a
     /// client then opens a new one, as a client that notices the close before reuse does.
     epoch: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
     busy: Arc<AtomicU64>,
     answered: Arc<AtomicU64>,
     failed: Arc<Mutex<Vec<String>>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    clients: Clients,
 }
 
 impl Load {
-    fn start(addr: String, clients: usize) -> Load {
-        let (run, stop) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicBool::new(false)));
-        let epoch = Arc::new(AtomicU64::new(0));
+    fn start(addr: std::net::SocketAddr, clients: usize) -> Load {
+        let (run, epoch) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
         let (busy, answered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let failed = Arc::new(Mutex::new(Vec::new()));
-        let threads = (0..clients)
-            .map(|i| {
-                let (addr, run, stop, busy, answered, failed) =
-                    (addr.clone(), run.clone(), stop.clone(), busy.clone(), answered.clone(), failed.clone());
-                let epoch = epoch.clone();
-                std::thread::spawn(move || {
-                    let body = typed_request();
-                    let mut rng = Rng(i as u64 + 7);
-                    let mut connection = None;
-                    let mut opened_in = 0;
-                    while !stop.load(Ordering::Relaxed) {
-                        if !run.load(Ordering::Relaxed) {
-                            std::thread::sleep(Duration::from_millis(5));
-                            continue;
+        let clients = Clients::start(clients, |i| {
+            let (run, epoch, busy, answered, failed) =
+                (run.clone(), epoch.clone(), busy.clone(), answered.clone(), failed.clone());
+            let body = typed_request();
+            let mut rng = Rng(i as u64 + 7);
+            let (mut connection, mut opened_in) = (None, 0);
+            move || {
+                if !run.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(5));
+                    return Step::Skipped;
+                }
+                busy.fetch_add(1, Ordering::SeqCst);
+                // Checked again: `pause` waits for `busy` to reach 0 after clearing `run`.
+                if run.load(Ordering::SeqCst) {
+                    let now = epoch.load(Ordering::SeqCst);
+                    let c = match connection.take().filter(|_| opened_in == now) {
+                        Some(c) => Ok(c),
+                        None => {
+                            opened_in = now;
+                            Connection::open(addr)
                         }
-                        busy.fetch_add(1, Ordering::SeqCst);
-                        // Checked again: `pause` waits for `busy` to reach 0 after clearing `run`.
-                        if run.load(Ordering::SeqCst) {
-                            let now = epoch.load(Ordering::SeqCst);
-                            let c = match connection.take().filter(|_| opened_in == now) {
-                                Some(c) => Ok(c),
-                                None => {
-                                    opened_in = now;
-                                    Connection::open(&addr)
-                                }
-                            };
-                            match c.and_then(|mut c| c.post(&addr, "/v2/models/typed/infer", &body).map(|a| (c, a))) {
-                                Ok((c, answer)) => {
-                                    answered.fetch_add(1, Ordering::SeqCst);
-                                    if answer.status != 200 {
-                                        failed.lock().unwrap().push(format!("status {}", answer.status));
-                                    }
-                                    if !answer.close {
-                                        connection = Some(c);
-                                    }
-                                }
-                                Err(e) => failed.lock().unwrap().push(format!("{e:#}")),
+                    };
+                    match c.and_then(|mut c| c.post("/v2/models/typed/infer", &body).map(|a| (c, a))) {
+                        Ok((c, answer)) => {
+                            answered.fetch_add(1, Ordering::SeqCst);
+                            if answer.status != 200 {
+                                failed.lock().unwrap().push(format!("status {}", answer.status));
+                            }
+                            if !answer.closes() {
+                                connection = Some(c);
                             }
                         }
-                        busy.fetch_sub(1, Ordering::SeqCst);
-                        std::thread::sleep(Duration::from_millis(rng.below(20)));
+                        Err(e) => failed.lock().unwrap().push(e.to_string()),
                     }
-                })
-            })
-            .collect();
-        Load { run, epoch, stop, busy, answered, failed, threads }
+                }
+                busy.fetch_sub(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(rng.below(20)));
+                // Counted live above: `check` reads the counts while the clients run.
+                Step::Skipped
+            }
+        });
+        Load { run, epoch, busy, answered, failed, clients }
     }
 
     /// Stops sending and waits until no request is in flight.
@@ -125,8 +118,7 @@ impl Load {
     }
 
     fn finish(self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.threads.into_iter().for_each(|t| t.join().unwrap());
+        self.clients.stop();
     }
 }
 
@@ -216,9 +208,9 @@ fn poison(server: &Server, load: &Load, what: &str) -> u64 {
 /// requests the test itself sent (poison) that the counts include beside the clients'.
 fn check(server: &mut Server, load: &Load, workers: usize, step: &str, bound: Duration, own: u64) {
     let deadline = Instant::now() + bound;
-    let supervisor = server.child.id();
+    let supervisor = server.process.child.id();
     loop {
-        assert!(server.child.try_wait().unwrap().is_none(), "{step}: the supervisor died\n{}", server.log());
+        assert!(server.running(), "{step}: the supervisor died\n{}", server.log());
         let status = server.status();
         let all = status["workers"].as_array().unwrap();
         let mut pids: Vec<i32> = all.iter().filter_map(|w| w["pid"].as_i64()).map(|p| p as i32).collect();
@@ -263,7 +255,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let steps: usize = std::env::var("INFERD_FAULT_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
     eprintln!("random fault sequence: seed {seed}, {steps} steps (INFERD_FAULT_SEED={seed} replays it)");
     let max_workers = test_workers();
-    let dir = TempDir::new("faults");
+    let dir = temp_dir("faults");
     let port = free_port();
     // request_timeout_secs: a worker whose model thread is silent this long is stuck.
     // A fresh typed worker holds ~9 MiB of private memory: with the leak below it passes the
@@ -296,7 +288,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
         .env("INFERD_TEST_PANIC", "lane:7");
     let mut server = Server::spawn(command, dir, port, None);
     server.wait_ready(Duration::from_secs(60));
-    let load = Load::start(server.addr.to_string(), 8);
+    let load = Load::start(server.addr, 8);
     let mut rng = Rng(seed);
     let mut workers = 1;
     let bound = Duration::from_secs(60);

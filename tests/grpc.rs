@@ -18,7 +18,7 @@ fn grpc_server(tag: &str) -> (Server, String) {
 }
 
 fn grpc_server_with(tag: &str, settings: &str) -> (Server, String) {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "slow"]);
     let port = free_port();
     let extra = format!("max_body_bytes = 65536\n{settings}");
@@ -223,7 +223,7 @@ fn a_grpc_port_that_cannot_be_bound_stops_the_start_with_a_message() {
     // Held by a socket outside the SO_REUSEPORT group: no worker can join it.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let grpc = taken.local_addr().unwrap().to_string();
-    let dir = TempDir::new("grpc-taken");
+    let dir = temp_dir("grpc-taken");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
     let out = Command::new(BIN)

@@ -5,20 +5,14 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
 
 fn start(tag: &str, extra: &str) -> Server {
-    let dir = TempDir::new(tag);
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "slow", &["typed"], extra);
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
-    server
+    serve(temp_dir(tag), test_workers(), &test_models(), "slow", &["typed"], extra)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -31,42 +25,35 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 fn overload_gets_fast_503s_and_recovers_at_once() {
     let server = start("overload", "max_queue = 2");
     let addr = server.addr;
-    let stop = Arc::new(AtomicBool::new(false));
-    // ~10 ms of compute per request; 2 queued + 1 running per worker are admitted.
-    let clients: Vec<_> = (0..(9 * test_workers()))
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut results = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    let r = request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(2_000));
-                    results.push((r.map(|r| (r.status, r.header("retry-after").map(String::from))), started.elapsed()));
+    // ~10 ms of compute per request; 2 queued + 1 running per worker are admitted. What is
+    // neither a 200 nor a 503 saying when to retry is a failure.
+    let (ok, busy) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let clients = Clients::start(9 * test_workers(), |_| {
+        let (ok, busy) = (ok.clone(), busy.clone());
+        move || {
+            let started = Instant::now();
+            match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(2_000)) {
+                Ok(r) if r.status == 200 => ok.lock().unwrap().push(started.elapsed()),
+                Ok(r) if r.status == 503 && r.header("retry-after") == Some("1") => {
+                    busy.lock().unwrap().push(started.elapsed())
                 }
-                results
-            })
-        })
-        .collect();
-    std::thread::sleep(Duration::from_secs(3));
-    stop.store(true, Ordering::Relaxed);
-    let results: Vec<_> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
-    let mut ok = Vec::new();
-    let mut busy = Vec::new();
-    for (r, took) in &results {
-        match r {
-            Ok((200, _)) => ok.push(*took),
-            Ok((503, retry)) => {
-                assert_eq!(retry.as_deref(), Some("1"), "a 503 says when to retry");
-                busy.push(*took);
+                Ok(r) => {
+                    return Step::Failed(format!("status {}, Retry-After {:?}", r.status, r.header("retry-after")))
+                }
+                Err(e) => return Step::Failed(e.to_string()),
             }
-            other => panic!("not 200 or 503: {other:?}"),
+            Step::Served
         }
-    }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let results = clients.stop();
+    assert!(results.failed.is_empty(), "not 200 or 503 with Retry-After: 1: {:?}", results.failed);
+    let (mut ok, mut busy) = (ok.lock().unwrap().clone(), busy.lock().unwrap().clone());
     ok.sort();
     busy.sort();
     eprintln!(
         "{} answered: {} x 200 (p50 {:.1} ms, p99 {:.1} ms), {} x 503 (p50 {:.1} ms, p99 {:.1} ms)",
-        results.len(),
+        results.served,
         ok.len(),
         percentile(&ok, 0.5),
         percentile(&ok, 0.99),
@@ -240,7 +227,7 @@ fn metric(server: &Server, prefix: &str) -> f64 {
 /// fast 503.
 #[test]
 fn deadlines_and_the_bytes_in_flight_budget() {
-    let dir = TempDir::new("deadline");
+    let dir = temp_dir("deadline");
     let port = free_port();
     write_config(
         dir.path(),

@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -22,7 +20,7 @@ const ANSWERED_WITHIN: Duration = Duration::from_secs(30);
 fn start(tag: &str) -> Server {
     let tokenizer = repo().join("models/minilm/tokenizer.json");
     assert!(tokenizer.is_file(), "{} is missing: run `make setup`", tokenizer.display());
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &test_models(), "classifier", &["typed", "cnn"], "");
     let mut command = std::process::Command::new(BIN);
@@ -32,50 +30,9 @@ fn start(tag: &str) -> Server {
     server
 }
 
-/// Well-behaved clients: the typed model, a new connection per request; failures and
-/// latencies recorded.
-struct Load {
-    stop: Arc<AtomicBool>,
-    failed: Arc<Mutex<Vec<String>>>,
-    latencies: Arc<Mutex<Vec<Duration>>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(server: &Server, clients: usize) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let failed = Arc::new(Mutex::new(Vec::new()));
-        let latencies = Arc::new(Mutex::new(Vec::new()));
-        let threads = (0..clients)
-            .map(|_| {
-                let (stop, failed, latencies, addr) = (stop.clone(), failed.clone(), latencies.clone(), server.addr);
-                std::thread::spawn(move || {
-                    let body = typed_request();
-                    while !stop.load(Ordering::Relaxed) {
-                        let started = Instant::now();
-                        match request(addr, "POST", "/v2/models/typed/infer", &[], &body) {
-                            Ok(r) if r.status == 200 => latencies.lock().unwrap().push(started.elapsed()),
-                            Ok(r) => failed.lock().unwrap().push(format!("{}: {}", r.status, r.error())),
-                            Err(e) => failed.lock().unwrap().push(e.to_string()),
-                        }
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                })
-            })
-            .collect();
-        Load { stop, failed, latencies, threads }
-    }
-
-    /// Stops the clients; (answers, failures, p99 latency).
-    fn finish(self) -> (usize, Vec<String>, Duration) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.threads.into_iter().for_each(|t| t.join().unwrap());
-        let mut latencies = self.latencies.lock().unwrap().clone();
-        latencies.sort();
-        let p99 = latencies.get(latencies.len() * 99 / 100).copied().unwrap_or_default();
-        let failed = self.failed.lock().unwrap().clone();
-        (latencies.len(), failed, p99)
-    }
+/// Well-behaved clients, a new connection per request; failures and latencies recorded.
+fn typed_load(server: &Server, clients: usize) -> TypedLoad<Duration> {
+    TypedLoad::start(server, clients, Duration::from_millis(5), |_, took| took)
 }
 
 fn crc32(bytes: &[u8]) -> u32 {
@@ -138,7 +95,7 @@ fn soft_limit_bytes(status: &serde_json::Value) -> u64 {
 fn hostile_requests_cost_only_their_own_answer() {
     let mut server = start("hostile");
     let before = server.status();
-    let load = Load::start(&server, 4);
+    let load = typed_load(&server, 4);
     let infer = "/v2/models/typed/infer";
 
     // Shapes whose element count times the element size wraps to 0 in a release build, with no
@@ -225,7 +182,9 @@ fn hostile_requests_cost_only_their_own_answer() {
         refused(&server, &format!("PNG of {width}x{height}"), cnn, &[], &body, status, message);
     }
 
-    let (answered, failed, p99) = load.finish();
+    let (answered, failed, mut latencies) = load.finish();
+    latencies.sort();
+    let p99 = latencies.get(latencies.len() * 99 / 100).copied().unwrap_or_default();
     eprintln!(
         "well-behaved clients: {answered} answers, {} failed, p99 {:.1} ms",
         failed.len(),
@@ -269,7 +228,7 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
 
     // A lane panics running the batch: that request gets a 500, the others nothing; the worker
     // is replaced gap-free.
-    let load = Load::start(&server, 3);
+    let load = typed_load(&server, 3);
     let r = server.request("POST", infer, &typed_rows_request(7));
     assert_eq!(r.status, 500, "{}", r.error());
     let faulty: i64 = r.header("x-inferd-worker").unwrap().parse().unwrap();
@@ -302,7 +261,7 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     assert!(server.metrics_text().contains("inferd_worker_restarts_total{reason=\"panic\"} 1"), "{status:#}");
     assert!(server.log().contains("thread inferd-batch panicked"), "{}", server.log());
     // Ready means answering: every worker, again and again.
-    let load = Load::start(&server, 3);
+    let load = typed_load(&server, 3);
     for _ in 0..50 {
         assert_eq!(server.request("GET", "/v2/health/ready", b"").status, 200);
         assert_eq!(server.request("POST", infer, &typed_rows_request(2)).status, 200);
@@ -317,11 +276,8 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
 #[test]
 fn a_client_that_never_reads_its_answer_frees_its_connection() {
     use std::io::Write;
-    let dir = TempDir::new("stalled");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "max_connections = 1\nwrite_timeout_secs = 1");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server =
+        serve(temp_dir("stalled"), 1, &test_models(), "typed", &[], "max_connections = 1\nwrite_timeout_secs = 1");
     // ~15 MB of request and more of answer: far more than the sockets' buffers hold, with the
     // stalled client's receive buffer made small.
     let body = typed_rows_request(200_000);
@@ -344,11 +300,7 @@ fn a_client_that_never_reads_its_answer_frees_its_connection() {
 /// is still answered; so is the control socket meanwhile.
 #[test]
 fn idle_admin_connections_cannot_starve_scrapes() {
-    let dir = TempDir::new("admin-idle");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("admin-idle"), 1, &test_models(), "typed", &[], "");
     let admin = server.admin_addr();
     let idle: Vec<_> = (0..200).map(|_| std::net::TcpStream::connect(admin).unwrap()).collect();
     let started = Instant::now();
@@ -366,7 +318,7 @@ fn idle_admin_connections_cannot_starve_scrapes() {
 /// setting; within it, the answer. The pool is undisturbed.
 #[test]
 fn large_answers_are_bounded_and_counted_in_the_byte_budget() {
-    let dir = TempDir::new("hostile-answers");
+    let dir = temp_dir("hostile-answers");
     let repository = model_repository(dir.path(), &["minilm"]);
     let port = free_port();
     let settings = "max_body_bytes = 262144\nmax_body_bytes_in_flight = 1048576";

@@ -20,7 +20,7 @@ fn access_lines(log: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn json_logs_one_access_line_per_answered_request_and_request_ids_in_failures() {
-    let dir = TempDir::new("access-log");
+    let dir = temp_dir("access-log");
     let port = free_port();
     // The [log] section goes after the others: write_config's `extra` lands inside [server].
     let config = write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
@@ -103,11 +103,7 @@ fn json_logs_one_access_line_per_answered_request_and_request_ids_in_failures() 
 
 #[test]
 fn access_log_is_off_by_default() {
-    let dir = TempDir::new("no-access-log");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "slow", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let mut server = serve(temp_dir("no-access-log"), 1, &test_models(), "slow", &[], "");
     let r = server.request("POST", "/v2/models/slow/infer", &slow_body(10));
     assert_eq!(r.status, 200);
     assert!(r.header("x-request-id").is_some_and(|id| id.len() == 16), "an id is generated for every answer");

@@ -6,8 +6,6 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -80,7 +78,7 @@ fn growing_workers_are_replaced_before_the_oom_killer() {
     let Some(cgroup) = Cgroup::new("growing_workers_are_replaced_before_the_oom_killer", "grow", 150 * MIB) else {
         return;
     };
-    let dir = TempDir::new("grow");
+    let dir = temp_dir("grow");
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
     // Each request leaks 256 KiB: 2 workers would pass the 150 MiB limit within ~350 requests.
@@ -89,33 +87,16 @@ fn growing_workers_are_replaced_before_the_oom_killer() {
     assert!(status["memory"].as_str().unwrap().contains("cgroup limit 150 MiB"), "{status:#}");
 
     // Paced closed-loop load, ~40 requests/s, for 12 s: ~480 requests, ~120 MiB leaked.
-    let stop = Arc::new(AtomicBool::new(false));
-    let addr = server.addr;
-    let clients: Vec<_> = (0..2)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let (mut ok, mut failed) = (0, Vec::new());
-                while !stop.load(Ordering::Relaxed) {
-                    match request(addr, "POST", "/v2/models/typed/infer", &[], &typed_request()) {
-                        Ok(r) if r.status == 200 => ok += 1,
-                        Ok(r) => failed.push(format!("status {}", r.status)),
-                        Err(e) => failed.push(e.to_string()),
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                (ok, failed)
-            })
-        })
-        .collect();
+    let load = Clients::start(2, |_| {
+        let (addr, body) = (server.addr, typed_request());
+        move || {
+            let step = post_step(addr, "/v2/models/typed/infer", &body);
+            std::thread::sleep(Duration::from_millis(50));
+            step
+        }
+    });
     std::thread::sleep(Duration::from_secs(12));
-    stop.store(true, Ordering::Relaxed);
-    let (mut ok, mut failed) = (0, Vec::new());
-    for c in clients {
-        let (o, f) = c.join().unwrap();
-        ok += o;
-        failed.extend(f);
-    }
+    let Tally { served: ok, failed } = load.stop();
     let text = server.metrics_text();
     let replaced = metric_value(&text, "inferd_worker_recycles_total{reason=\"memory\"}").unwrap_or(0.0);
     eprintln!(
@@ -142,7 +123,7 @@ fn a_pool_that_cannot_fit_is_refused_with_the_numbers() {
     let Some(cgroup) = Cgroup::new("a_pool_that_cannot_fit_is_refused_with_the_numbers", "fit", 70 * MIB) else {
         return;
     };
-    let dir = TempDir::new("fit");
+    let dir = temp_dir("fit");
     let port = free_port();
     write_config(dir.path(), port, 8, &test_models(), "typed", &[], "allow_oversubscription = true");
     let mut server = cgroup.serve(dir, port, 0);

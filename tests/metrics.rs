@@ -28,12 +28,8 @@ fn wait_for(p: &Prometheus, promql: &str, want: f64) {
 
 #[test]
 fn prometheus_counts_every_request_across_a_worker_sigkill() {
-    let dir = TempDir::new("metrics");
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
-    let prom_dir = TempDir::new("prometheus");
+    let server = serve(temp_dir("metrics"), test_workers(), &test_models(), "typed", &[], "");
+    let prom_dir = temp_dir("prometheus");
     let prom = Prometheus::start(prom_dir.path(), server.admin_addr());
 
     let send = |server: &Server, good_n: usize, bad_n: usize| {
@@ -77,7 +73,7 @@ fn prometheus_counts_every_request_across_a_worker_sigkill() {
 
 #[test]
 fn every_route_family_is_counted_under_its_own_name() {
-    let dir = TempDir::new("metrics-routes");
+    let dir = temp_dir("metrics-routes");
     let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "reranker"]);
     std::os::unix::fs::symlink(test_models().join("published/splade"), repository.join("splade")).unwrap();
     let port = free_port();

@@ -298,7 +298,7 @@ fn mutated_requests_get_a_4xx_with_a_message_never_a_5xx_a_panic_or_a_hang() {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
     let cases: usize = std::env::var("INFERD_PARSER_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(1500);
-    let dir = TempDir::new("parsers");
+    let dir = temp_dir("parsers");
     let repository = model_repository(dir.path(), &["minilm", "typed", "classifier", "reranker"]);
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &repository, "minilm", &["typed", "classifier", "reranker"], "");

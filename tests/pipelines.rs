@@ -28,12 +28,7 @@ fn b64(bytes: &[u8]) -> String {
 fn server(tag: &str) -> Server {
     let tokenizer = repo().join("models/minilm/tokenizer.json");
     assert!(tokenizer.is_file(), "{} is missing: run `make setup`", tokenizer.display());
-    let dir = TempDir::new(tag);
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "classifier", &["cnn"], "max_batch_inputs = 8");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
-    server
+    serve(temp_dir(tag), test_workers(), &test_models(), "classifier", &["cnn"], "max_batch_inputs = 8")
 }
 
 fn post(server: &Server, path: &str, body: Value) -> Response {
@@ -117,7 +112,7 @@ fn text_classifier_predicts_like_the_reference() {
 #[test]
 fn probabilities_the_graph_computes_are_not_activated_again() {
     let reference = fixture("classifier_reference.json");
-    let dir = TempDir::new("classify-probs");
+    let dir = temp_dir("classify-probs");
     let port = free_port();
     let config =
         write_config(dir.path(), port, test_workers(), &test_models(), "classifier_probs", &["classifier"], "");
@@ -152,7 +147,7 @@ fn probabilities_the_graph_computes_are_not_activated_again() {
     }
 
     // model.toml's word wins: the same graph with activation = "softmax" is softmaxed (again).
-    let other = TempDir::new("classify-probs-toml");
+    let other = temp_dir("classify-probs-toml");
     let folder = other.path().join("repo/classifier_probs");
     std::fs::create_dir_all(&folder).unwrap();
     std::fs::copy(test_models().join("classifier_probs/model.onnx"), folder.join("model.onnx")).unwrap();
@@ -208,11 +203,7 @@ fn the_shortest_edge_is_resized_and_the_centre_cropped_as_pillow_does() {
         std::process::Command::new(python()).arg(repo().join("tests/clients/pixels_reference.py")).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let reference: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let dir = TempDir::new("pixels");
-    let port = free_port();
-    write_config(dir.path(), port, 1, &test_models(), "pixels", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("pixels"), 1, &test_models(), "pixels", &[], "");
     for case in reference.as_array().unwrap() {
         let r = post(&server, "/predict", json!({ "image_b64": case["png"] }));
         assert_eq!(r.status, 200, "{}: {}", case["size"], String::from_utf8_lossy(&r.body));

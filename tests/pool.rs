@@ -11,12 +11,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 fn start(tag: &str) -> Server {
-    let dir = TempDir::new(tag);
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "typed", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
-    server
+    serve(temp_dir(tag), test_workers(), &test_models(), "typed", &[], "")
 }
 
 #[test]

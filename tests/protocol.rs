@@ -9,7 +9,7 @@ use common::*;
 use serde_json::{json, Value};
 
 fn typed_server(tag: &str) -> Server {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let port = free_port();
     write_config(
         dir.path(),

@@ -51,7 +51,7 @@ fn worst(got: &Value, want: &Value) -> f64 {
 
 /// One server with every generated folder as a model of its repository, none with a model.toml.
 fn server() -> Server {
-    let dir = TempDir::new("published");
+    let dir = temp_dir("published");
     let repository = dir.path().join("repo");
     std::fs::create_dir_all(&repository).unwrap();
     for name in FOLDERS {
@@ -211,7 +211,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn init_writes_the_model_toml_a_folder_is_served_with() {
-    let dir = TempDir::new("init");
+    let dir = temp_dir("init");
     let folder = dir.path().join("my-embedder");
     copy_dir(&published("st-embedder"), &folder);
     let config = dir.path().join("inferd.toml");
@@ -247,7 +247,7 @@ fn init_writes_the_model_toml_a_folder_is_served_with() {
 
 #[test]
 fn folders_that_cannot_be_read_without_model_toml_are_refused_with_the_reason() {
-    let dir = TempDir::new("refused");
+    let dir = temp_dir("refused");
     write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
     let config = dir.path().join("inferd.toml");
     let cases: [(&str, &dyn Fn(&Path), &str); 5] = [
@@ -315,7 +315,7 @@ fn a_real_published_sentence_transformers_folder_is_served_as_it_says() {
     let folder = repo().join(".cache/published/all-MiniLM-L6-v2");
     assert!(folder.join("onnx/model.onnx").is_file(), "{} is missing: run `make setup`", folder.display());
     assert!(!folder.join("model.toml").exists(), "the published folder must have no model.toml");
-    let dir = TempDir::new("real-published");
+    let dir = temp_dir("real-published");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
     let mut server = Server::start(dir, port, &["--model", folder.to_str().unwrap()]);
@@ -352,7 +352,7 @@ fn a_graph_of_custom_operators_is_served_with_their_library() {
         Path::new(libpython).is_file(),
         "{libpython} is missing: onnxruntime-extensions' PyPI library needs a shared libpython"
     );
-    let dir = TempDir::new("custom-ops");
+    let dir = temp_dir("custom-ops");
     let folder = dir.path().join("repo/strings");
     std::fs::create_dir_all(&folder).unwrap();
     std::fs::copy(&model, folder.join("model.onnx")).unwrap();
@@ -398,7 +398,7 @@ fn external_data_answer(x: &[f32], k: f32) -> Vec<f64> {
 /// alone are a new version on reload (its SHA-256 covers the data), not the old artefact.
 #[test]
 fn a_model_with_external_data_is_served_and_new_weights_are_a_new_version() {
-    let dir = TempDir::new("external");
+    let dir = temp_dir("external");
     let folder = dir.path().join("repo/external-data");
     copy_dir(&published("external-data"), &folder);
     let port = free_port();

@@ -41,7 +41,7 @@ fn floats(v: &Value) -> Vec<f64> {
 
 #[test]
 fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
-    let dir = TempDir::new("int8-serve");
+    let dir = temp_dir("int8-serve");
     // A guard every CPU's int8 kernels pass (with VNNI the default 0.99 passes too, with 7 of
     // the 24 nodes kept in fp32; without VNNI the weights lose a bit to reduced range).
     let repository = repository(dir.path(), "precision = \"int8\"\n[quantization]\nmin_cosine = 0.98");
@@ -126,7 +126,7 @@ fn check(dir: &Path, case: &str, model: &str, settings: &str) -> (bool, String) 
 
 #[test]
 fn a_classifiers_guard_measures_probabilities() {
-    let dir = TempDir::new("int8-classifier");
+    let dir = temp_dir("int8-classifier");
     // The test classifier has one MatMul; quantised, its probabilities move by well under 0.02
     // and every top class stays.
     let (ok, text) = check(dir.path(), "int8", "classifier", "precision = \"int8\"");
@@ -151,7 +151,7 @@ fn a_classifiers_guard_measures_probabilities() {
 
 #[test]
 fn a_guard_that_cannot_pass_refuses_int8_or_keeps_fp32_with_the_figures() {
-    let dir = TempDir::new("int8-refused");
+    let dir = temp_dir("int8-refused");
     let check = |case: &str, settings: &str| check(dir.path(), case, "minilm", settings);
     // No int8 model is that close to fp32.
     let guard = "[quantization]\nmin_cosine = 0.99999";

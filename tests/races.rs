@@ -31,7 +31,7 @@ struct Race {
 impl Race {
     /// One worker (of one thread) serving `typed`; `extra` goes into [server].
     fn start(tag: &str, extra: &str, env: &[(&str, String)]) -> Race {
-        let dir = TempDir::new(tag);
+        let dir = temp_dir(tag);
         let port = free_port();
         let holds = dir.path().join("holds");
         std::fs::create_dir(&holds).unwrap();
@@ -160,6 +160,14 @@ fn worker(status: &serde_json::Value, pid: u32) -> Option<&serde_json::Value> {
     status["workers"].as_array().unwrap().iter().find(|w| w["pid"].as_u64() == Some(pid as u64))
 }
 
+/// The answer of a reload to a corrupt file: it failed at the pool's one worker.
+fn failed_at_the_worker(answer: JoinHandle<Output>) -> Output {
+    let out = answer.join().unwrap();
+    assert!(!out.status.success(), "a reload to a corrupt file succeeded: {}", text(&out));
+    assert!(text(&out).contains("reload failed at worker 1 of 1"), "{}", text(&out));
+    out
+}
+
 fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
@@ -220,9 +228,7 @@ fn a_corrupt_reload_beside_a_recycle_fails_and_later_workers_run_the_old_models(
     let recycled = race.serve_until_held("recycle");
     let (answer, _) = race.reload(&["--path", path(&race.corrupt)]);
     race.release("recycle");
-    let out = answer.join().unwrap();
-    assert!(!out.status.success(), "a reload to a corrupt file succeeded: {}", text(&out));
-    assert!(text(&out).contains("reload failed at worker 1 of 1"), "{}", text(&out));
+    let out = failed_at_the_worker(answer);
     assert!(text(&out).contains("still booting on the previous models"), "it waited for the recycle: {}", text(&out));
     assert_eq!(race.settled(1), old);
     let status = race.server.status();
@@ -248,9 +254,7 @@ fn a_corrupt_reload_beside_a_respawn_fails_and_the_respawn_keeps_the_old_models(
     let respawn = race.held("respawn");
     let (answer, _) = race.reload(&["--path", path(&race.corrupt)]);
     race.release("respawn");
-    let out = answer.join().unwrap();
-    assert!(!out.status.success(), "a reload to a corrupt file succeeded: {}", text(&out));
-    assert!(text(&out).contains("reload failed at worker 1 of 1"), "{}", text(&out));
+    failed_at_the_worker(answer);
     assert_eq!(race.settled(1), old);
     let status = race.server.status();
     assert_eq!(pid_of(&status), respawn);

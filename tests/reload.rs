@@ -7,8 +7,6 @@ mod common;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -36,7 +34,7 @@ fn repository(dir: &Path) -> PathBuf {
 }
 
 fn start(tag: &str, workers: usize, load: &[&str]) -> Server {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let port = free_port();
     let models = repository(dir.path());
     write_config(dir.path(), port, workers, &models, "typed", load, "");
@@ -45,54 +43,13 @@ fn start(tag: &str, workers: usize, load: &[&str]) -> Server {
     server
 }
 
-/// Closed-loop clients, a new connection per request, recording every failure and the model
-/// version each answer came from, in order.
-struct Load {
-    stop: Arc<AtomicBool>,
-    versions: Arc<Mutex<Vec<String>>>,
-    threads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>,
-}
-
-impl Load {
-    fn start(server: &Server, clients: usize) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let versions = Arc::new(Mutex::new(Vec::new()));
-        let body = Arc::new(typed_request());
-        let threads = (0..clients)
-            .map(|_| {
-                let (stop, versions, body, addr) = (stop.clone(), versions.clone(), body.clone(), server.addr);
-                std::thread::spawn(move || {
-                    let (mut ok, mut failed) = (0u32, Vec::new());
-                    while !stop.load(Ordering::Relaxed) {
-                        match request(addr, "POST", "/v2/models/typed/infer", &[], &body) {
-                            Ok(r) if r.status == 200 => {
-                                ok += 1;
-                                versions.lock().unwrap().push(r.header("x-inferd-model-version").unwrap().to_string());
-                            }
-                            Ok(r) => failed.push(format!("status {}: {}", r.status, String::from_utf8_lossy(&r.body))),
-                            Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
-                        }
-                    }
-                    (ok, failed)
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(300));
-        Load { stop, versions, threads }
-    }
-
-    /// Stops the clients; returns (answered, failures, versions seen in order).
-    fn finish(self) -> (u32, Vec<String>, Vec<String>) {
-        self.stop.store(true, Ordering::Relaxed);
-        let (mut ok, mut failed) = (0, Vec::new());
-        for t in self.threads {
-            let (o, f) = t.join().unwrap();
-            ok += o;
-            failed.extend(f);
-        }
-        let versions = self.versions.lock().unwrap().clone();
-        (ok, failed, versions)
-    }
+/// Closed-loop clients, recording every failure and the model version each answer came from.
+fn typed_load(server: &Server, clients: usize) -> TypedLoad<String> {
+    let load = TypedLoad::start(server, clients, Duration::ZERO, |r, _| {
+        r.header("x-inferd-model-version").unwrap().to_string()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    load
 }
 
 fn inferd(server: &Server, args: &[&str]) -> Output {
@@ -121,7 +78,7 @@ fn reload_to_a_new_file_under_load(workers: usize) {
     let new_file = server.dir.path().join("typed-v2.onnx");
     model_variant(&test_models().join("typed/model.onnx"), &new_file, "inferd test v2");
 
-    let load = Load::start(&server, 4);
+    let load = typed_load(&server, 4);
     let started = Instant::now();
     let out = inferd(&server, &["reload", "--model", "typed", "--path", new_file.to_str().unwrap(), "--wait"]);
     let took = started.elapsed();
@@ -181,7 +138,7 @@ fn sighup_recycles_every_worker_without_a_failed_request() {
     let workers = test_workers();
     let server = start("sighup", workers, &[]);
     let before: Vec<i32> = server.worker_pids();
-    let load = Load::start(&server, 4);
+    let load = typed_load(&server, 4);
     server.signal(Signal::SIGHUP);
     let deadline = Instant::now() + Duration::from_secs(20);
     let after = loop {
@@ -230,7 +187,7 @@ fn a_reload_that_cannot_work_fails_and_the_old_models_keep_serving() {
         (vec!["--path", garbage.to_str().unwrap()], "--path needs --model"),
     ];
     for (args, message) in cases {
-        let load = Load::start(&server, 2);
+        let load = typed_load(&server, 2);
         let mut full = vec!["reload", "--wait"];
         full.extend(args.iter().copied());
         let out = inferd(&server, &full);
@@ -358,7 +315,7 @@ fn status_exits_2_while_the_pool_is_degraded() {
 /// as a reload: under load, workers are replaced again and again, and no request fails.
 #[test]
 fn max_requests_recycles_workers_without_a_failed_request() {
-    let dir = TempDir::new("recycle");
+    let dir = temp_dir("recycle");
     let port = free_port();
     let models = repository(dir.path());
     write_config(
@@ -373,7 +330,7 @@ fn max_requests_recycles_workers_without_a_failed_request() {
     let mut server = Server::start(dir, port, &[]);
     let before = server.wait_ready(Duration::from_secs(60));
     let first: Vec<i32> = server.worker_pids();
-    let load = Load::start(&server, 4);
+    let load = typed_load(&server, 4);
     std::thread::sleep(Duration::from_secs(3));
     let (ok, failed, _) = load.finish();
     let after = server.wait_ready(Duration::from_secs(10));

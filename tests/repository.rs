@@ -16,7 +16,7 @@ const TOKEN: &str = "admin-token-5e1b9c0d27f4a863";
 /// `typed` (the default), `classifier` and `slow` served from a repository that also holds
 /// `reranker`; `admin` is added to the [admin] section.
 fn server(tag: &str, admin: &str) -> Server {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let token = dir.path().join("admin-token");
     std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
@@ -105,7 +105,7 @@ fn load_and_unload_stay_off_unless_model_control_is_on() {
 
 #[test]
 fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
-    let dir = TempDir::new("admin-refused");
+    let dir = temp_dir("admin-refused");
     let config = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
     let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", "[admin]\nmodel_control = true\n");
     std::fs::write(&config, text).unwrap();
@@ -117,7 +117,7 @@ fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
     );
 
     // No token, not loopback: /metrics alone.
-    let dir = TempDir::new("admin-open");
+    let dir = temp_dir("admin-open");
     let port = free_port();
     let config = write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
     let text = std::fs::read_to_string(&config).unwrap();

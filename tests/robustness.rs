@@ -36,7 +36,7 @@ fn toml_string(s: &str) -> String {
 fn refused(dir: TempDir, port: u16) -> String {
     let mut server = Server::start(dir, port, &[]);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.child.try_wait().unwrap().is_none() {
+    while server.running() {
         assert!(Instant::now() < deadline, "accepted: still serving after 30 s; log:\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -48,7 +48,7 @@ fn refused(dir: TempDir, port: u16) -> String {
 
 #[test]
 fn nine_models_are_refused_at_start_and_eight_scrape_with_escaped_labels() {
-    let dir = TempDir::new("nine-models");
+    let dir = temp_dir("nine-models");
     let repo = repository(dir.path(), 9, "1");
     let port = free_port();
     let load: Vec<String> = (1..9).map(|i| format!("m{i}")).collect();
@@ -59,7 +59,7 @@ fn nine_models_are_refused_at_start_and_eight_scrape_with_escaped_labels() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 
     // Eight fit; a version label with a quote, a backslash and a newline is escaped.
-    let dir = TempDir::new("eight-models");
+    let dir = temp_dir("eight-models");
     let repo = repository(dir.path(), 8, "v\"1\\\nrc");
     let port = free_port();
     write_config(dir.path(), port, 1, &repo, "m0", &load[..7], "");
@@ -84,13 +84,13 @@ fn nine_models_are_refused_at_start_and_eight_scrape_with_escaped_labels() {
     let checked = check.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&checked.stderr) + String::from_utf8_lossy(&checked.stdout);
     assert!(!said.contains("error while linting") && !said.contains("parse"), "promtool: {said}");
-    assert!(server.child.try_wait().unwrap().is_none(), "the supervisor died on a scrape:\n{}", server.log());
+    assert!(server.running(), "the supervisor died on a scrape:\n{}", server.log());
 }
 
 #[test]
 fn timers_it_cannot_hold_are_refused_by_name() {
     for key in ["boot_timeout_secs", "graceful_timeout_secs", "request_timeout_secs"] {
-        let dir = TempDir::new("huge-timeout");
+        let dir = temp_dir("huge-timeout");
         let config = write_config(dir.path(), free_port(), 1, &test_models(), "slow", &[], "");
         let text: String = std::fs::read_to_string(&config)
             .unwrap()
@@ -107,11 +107,7 @@ fn timers_it_cannot_hold_are_refused_by_name() {
 
 #[test]
 fn clients_that_leave_mid_request_are_counted_and_leave_in_flight() {
-    let dir = TempDir::new("leavers");
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("leavers"), test_workers(), &test_models(), "slow", &[], "");
     // Requests of ~0.4 s each whose clients hang up after 50 ms.
     let body = slow_body(100_000);
     let leavers: Vec<_> = (0..12)
@@ -155,11 +151,7 @@ fn a_reload_while_scale_down_drains_is_refused_and_works_after() {
     if test_workers() < 2 {
         return eprintln!("skipped: needs 2 usable cores for 2 workers");
     }
-    let dir = TempDir::new("reload-scale");
-    let port = free_port();
-    write_config(dir.path(), port, 2, &test_models(), "slow", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let server = serve(temp_dir("reload-scale"), 2, &test_models(), "slow", &[], "");
     let control = |args: &[&str]| {
         let out = Command::new(BIN).args(args).arg("--control-socket").arg(&server.socket).output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr))

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::ErrorKind;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,44 +13,37 @@ use nix::sys::signal::Signal;
 
 #[test]
 fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
-    let dir = TempDir::new("sigterm");
-    let port = free_port();
-    write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(60));
+    let mut server = serve(temp_dir("sigterm"), test_workers(), &test_models(), "slow", &[], "");
     let workers = server.worker_pids();
     let addr = server.addr;
 
     // Light background load of quick requests until the server is gone.
-    let stop = Arc::new(AtomicBool::new(false));
-    let background = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let (mut ok, mut refused, mut partial) = (0, 0, Vec::new());
-            while !stop.load(Ordering::Relaxed) {
-                match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)) {
-                    Ok(r) if r.status == 200 => ok += 1,
-                    Ok(r) => partial.push(format!("status {}", r.status)),
-                    // Not accepted by any worker: refused, or closed before a byte was answered.
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            ErrorKind::ConnectionRefused
-                                | ErrorKind::ConnectionReset
-                                | ErrorKind::UnexpectedEof
-                                | ErrorKind::BrokenPipe
-                        ) =>
-                    {
-                        refused += 1;
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => partial.push(e.to_string()),
+    let refused = Arc::new(AtomicUsize::new(0));
+    let background = Clients::start(1, |_| {
+        let refused = refused.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(5));
+            match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)) {
+                Ok(r) if r.status == 200 => Step::Served,
+                Ok(r) => Step::Failed(format!("status {}", r.status)),
+                // Not accepted by any worker: refused, or closed before a byte was answered.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::ConnectionRefused
+                            | ErrorKind::ConnectionReset
+                            | ErrorKind::UnexpectedEof
+                            | ErrorKind::BrokenPipe
+                    ) =>
+                {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(20));
+                    Step::Skipped
                 }
-                std::thread::sleep(Duration::from_millis(5));
+                Err(e) => Step::Failed(e.to_string()),
             }
-            (ok, refused, partial)
-        })
-    };
+        }
+    });
 
     // Slow requests (~0.4 s of compute each, 3 per worker) still running or queued when SIGTERM
     // arrives 0.3 s later.
@@ -67,14 +60,14 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
         assert_eq!(r.json()["outputs"][0]["shape"], serde_json::json!([1, 256]));
     }
     let status = server.wait_exit(Duration::from_secs(30));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, refused, partial) = background.join().unwrap();
+    let Tally { served, failed: partial } = background.stop();
     eprintln!(
-        "stopped {:.2} s after SIGTERM; background: {ok} ok, {refused} not accepted",
-        term_at.elapsed().as_secs_f64()
+        "stopped {:.2} s after SIGTERM; background: {served} ok, {} not accepted",
+        term_at.elapsed().as_secs_f64(),
+        refused.load(Ordering::Relaxed)
     );
     assert!(partial.is_empty(), "requests cut mid-way: {partial:?}");
-    assert!(ok > 0);
+    assert!(served > 0);
     assert_eq!(status.code(), Some(0), "log:\n{}", server.log());
     for pid in workers {
         assert!(!process_exists(pid), "worker {pid} outlived the supervisor");
@@ -93,7 +86,7 @@ fn a_worker_that_drains_loses_no_request() {
         eprintln!("needs 2 cores: a draining worker needs a sibling to take its traffic");
         return;
     }
-    let dir = TempDir::new("drain");
+    let dir = temp_dir("drain");
     let port = free_port();
     write_config(dir.path(), port, 2, &test_models(), "slow", &[], "");
     let mut server = Server::start(dir, port, &[]);
@@ -102,23 +95,7 @@ fn a_worker_that_drains_loses_no_request() {
     let addr = server.addr;
 
     // Closed-loop clients, a new connection per request, each request ~10 ms of compute.
-    let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..4)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let (mut ok, mut failed) = (0u32, Vec::new());
-                while !stop.load(Ordering::Relaxed) {
-                    match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(2_000)) {
-                        Ok(r) if r.status == 200 => ok += 1,
-                        Ok(r) => failed.push(format!("status {}", r.status)),
-                        Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
-                    }
-                }
-                (ok, failed)
-            })
-        })
-        .collect();
+    let load = Clients::start(4, |_| move || post_step(addr, "/v2/models/slow/infer", &slow_body(2_000)));
     std::thread::sleep(Duration::from_millis(500));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), Signal::SIGTERM).unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -132,22 +109,13 @@ fn a_worker_that_drains_loses_no_request() {
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    let (mut ok, mut failed) = (0, Vec::new());
-    for c in clients {
-        let (o, f) = c.join().unwrap();
-        ok += o;
-        failed.extend(f);
-    }
-    eprintln!("{ok} requests answered while worker 0 drained and was replaced; {} failed", failed.len());
-    assert!(
-        failed.is_empty(),
-        "{} of {} requests failed: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        &failed[..failed.len().min(5)]
+    let tally = load.stop();
+    eprintln!(
+        "{} requests answered while worker 0 drained and was replaced; {} failed",
+        tally.served,
+        tally.failed.len()
     );
-    assert!(ok > 50, "only {ok} requests");
+    tally.assert_served(50, "while worker 0 drained and was replaced");
     assert!(!process_exists(victim));
     let _ = server.wait_ready(Duration::from_secs(1));
 }

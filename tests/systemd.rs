@@ -9,7 +9,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,7 +77,7 @@ impl Received {
 
 /// A notify socket in `dir` and a server configured to talk to it, with a watchdog of `usec`.
 fn notified_server(tag: &str, watchdog: Duration, extra_env: &[(&str, &str)]) -> (Server, Received) {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let port = free_port();
     write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
     let path = dir.path().join("notify.sock");
@@ -183,7 +182,7 @@ fn watchdog_pings_stop_when_the_supervisor_loop_hangs() {
     std::thread::sleep(watchdog * 2);
     let late: Vec<_> = received.pings().into_iter().filter(|t| *t > hung).collect();
     assert!(late.is_empty(), "{} watchdog pings after the loop hung", late.len());
-    assert!(server.child.try_wait().unwrap().is_none(), "the supervisor exited instead of hanging");
+    assert!(server.running(), "the supervisor exited instead of hanging");
     // The workers keep serving meanwhile; systemd (WatchdogSec=) would now restart the service.
     assert_eq!(server.request("POST", "/v2/models/slow/infer", &slow_body(10)).status, 200);
 }
@@ -220,7 +219,7 @@ fn socket_activation_serves_on_the_passed_socket_and_a_restart_refuses_no_connec
     // server.listen names another port: nothing may bind it.
     let unused = free_port();
     let config = |tag: &str| {
-        let dir = TempDir::new(tag);
+        let dir = temp_dir(tag);
         write_config(dir.path(), unused, test_workers(), &test_models(), "slow", &[], "");
         dir
     };
@@ -234,37 +233,20 @@ fn socket_activation_serves_on_the_passed_socket_and_a_restart_refuses_no_connec
 
     // A client connecting over and over, one request per connection, while inferd stops and a
     // new one starts on the same socket: connections made in between wait in its queue.
-    let stop = Arc::new(AtomicBool::new(false));
-    let client = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let (mut ok, mut failed) = (0, Vec::new());
-            while !stop.load(Ordering::Relaxed) {
-                match request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)) {
-                    Ok(r) if r.status == 200 => ok += 1,
-                    Ok(r) => failed.push(format!("status {}", r.status)),
-                    Err(e) => failed.push(format!("{:?}: {e}", e.kind())),
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            (ok, failed)
-        })
-    };
+    let client = Clients::start(1, |_| {
+        move || {
+            let step = post_step(addr, "/v2/models/slow/infer", &slow_body(10));
+            std::thread::sleep(Duration::from_millis(10));
+            step
+        }
+    });
     std::thread::sleep(Duration::from_millis(500));
     server.signal(Signal::SIGTERM);
     assert!(server.wait_exit(Duration::from_secs(60)).success(), "log:\n{}", server.log());
     let mut second = activated_server(config("activated-2"), &listener);
     second.wait_ready(Duration::from_secs(90));
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = client.join().unwrap();
-    assert!(
-        failed.is_empty(),
-        "{} of {} requests failed across the restart: {failed:?}",
-        failed.len(),
-        ok + failed.len()
-    );
-    assert!(ok >= 5, "only {ok} requests answered");
+    client.stop().assert_served(5, "across the restart");
     let served = second.status()["requests_total"].as_u64().unwrap();
     assert!(served >= 1, "the new inferd answered none of them");
 }

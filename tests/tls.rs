@@ -8,13 +8,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -95,7 +93,8 @@ fn client(roots: &[&Ca], identity: Option<&(String, String)>) -> Arc<rustls::Cli
     Arc::new(config)
 }
 
-type Tls = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
+/// HTTP over a TLS session (the shared client of tests/common, on a rustls stream).
+type Tls = Connection<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>;
 
 fn connect(addr: SocketAddr, config: &Arc<rustls::ClientConfig>) -> std::io::Result<Tls> {
     let tcp = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
@@ -107,46 +106,12 @@ fn connect(addr: SocketAddr, config: &Arc<rustls::ClientConfig>) -> std::io::Res
     while tls.conn.is_handshaking() {
         tls.conn.complete_io(&mut tls.sock)?;
     }
-    Ok(tls)
-}
-
-/// An answer: status, whether the server announced `Connection: close`, and the body.
-struct Answer {
-    status: u16,
-    close: bool,
-    body: Vec<u8>,
-}
-
-/// Sends one request on `tls` and reads its answer (by Content-Length).
-fn exchange(tls: &mut Tls, method: &str, path: &str, body: &[u8]) -> std::io::Result<Answer> {
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    tls.write_all(head.as_bytes())?;
-    tls.write_all(body)?;
-    tls.flush()?;
-    let mut raw = Vec::new();
-    let mut byte = [0u8; 1];
-    while !raw.ends_with(b"\r\n\r\n") {
-        if tls.read(&mut byte)? == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before a full answer head"));
-        }
-        raw.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&raw).to_ascii_lowercase();
-    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let length =
-        head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
-    let mut body = vec![0u8; length];
-    tls.read_exact(&mut body)?;
-    Ok(Answer { status, close: head.contains("connection: close"), body })
+    Ok(Connection::over(tls, "localhost"))
 }
 
 /// One request on a connection of its own.
-fn https(addr: SocketAddr, config: &Arc<rustls::ClientConfig>, path: &str, body: &[u8]) -> std::io::Result<Answer> {
-    let mut tls = connect(addr, config)?;
-    exchange(&mut tls, "POST", path, body)
+fn https(addr: SocketAddr, config: &Arc<rustls::ClientConfig>, path: &str, body: &[u8]) -> std::io::Result<Response> {
+    connect(addr, config)?.post(path, body)
 }
 
 const EMBED: &[u8] = br#"{"inputs": "hello"}"#;
@@ -154,7 +119,7 @@ const EMBED: &[u8] = br#"{"inputs": "hello"}"#;
 /// minilm on HTTPS and gRPC over TLS with `cert.pem`/`cert.key` of `ca` in the test folder,
 /// `extra` appended to the config ([server] continues first).
 fn start(tag: &str, ca: &Ca, extra: &str) -> (Server, SocketAddr) {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     ca.write_leaf(dir.path(), "cert");
     let repository = model_repository(dir.path(), &["minilm"]);
     let port = free_port();
@@ -229,7 +194,7 @@ fn https_and_grpc_over_tls_serve_the_real_clients() {
 #[test]
 fn client_certificates_are_required_with_a_client_ca() {
     let (ca, clients, stranger) = (Ca::new("server CA"), Ca::new("client CA"), Ca::new("another CA"));
-    let dir_ca = TempDir::new("tls-mtls-ca");
+    let dir_ca = temp_dir("tls-mtls-ca");
     let client_ca = clients.write(dir_ca.path(), "clients.pem");
     let (server, grpc) = start("tls-mtls", &ca, &format!("tls_client_ca = \"{}\"", client_ca.display()));
     let dir = server.dir.path().to_path_buf();
@@ -277,41 +242,30 @@ fn the_certificate_rotates_by_reload_and_sighup_under_load_with_no_failed_reques
     // retires. They do not look whether the server closed a connection before reusing it (as
     // some clients do not): a connection closed while idle would fail their next request.
     let both = client(&[&old, &new], None);
-    let (stop, served, failed) =
-        (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)), Arc::new(Mutex::new(Vec::new())));
-    let clients: Vec<_> = (0..3)
-        .map(|_| {
-            let (config, stop, served, failed, addr) =
-                (both.clone(), stop.clone(), served.clone(), failed.clone(), server.addr);
-            std::thread::spawn(move || {
-                let mut connection: Option<Tls> = None;
-                for round in 0u64.. {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(round * 7 % 31));
-                    let result = match connection.take() {
-                        Some(tls) => Ok(tls),
-                        None => connect(addr, &config),
-                    }
-                    .and_then(|mut tls| exchange(&mut tls, "POST", "/embed", EMBED).map(|a| (tls, a)));
-                    match result {
-                        Ok((tls, answer)) if answer.status == 200 => {
-                            served.fetch_add(1, Ordering::Relaxed);
-                            // Kept unless the server announced it closes.
-                            connection = (!answer.close).then_some(tls);
-                        }
-                        Ok((_, answer)) => failed.lock().unwrap().push(format!(
-                            "{}: {}",
-                            answer.status,
-                            String::from_utf8_lossy(&answer.body)
-                        )),
-                        Err(e) => failed.lock().unwrap().push(e.to_string()),
-                    }
+    let load = Clients::start(3, |_| {
+        let (config, addr) = (both.clone(), server.addr);
+        let (mut connection, mut round): (Option<Tls>, u64) = (None, 0);
+        move || {
+            round += 1;
+            std::thread::sleep(Duration::from_millis(round * 7 % 31));
+            let result = match connection.take() {
+                Some(tls) => Ok(tls),
+                None => connect(addr, &config),
+            }
+            .and_then(|mut tls| tls.post("/embed", EMBED).map(|a| (tls, a)));
+            match result {
+                Ok((tls, answer)) if answer.status == 200 => {
+                    // Kept unless the server announced it closes.
+                    connection = (!answer.closes()).then_some(tls);
+                    Step::Served
                 }
-            })
-        })
-        .collect();
+                Ok((_, answer)) => {
+                    Step::Failed(format!("{}: {}", answer.status, String::from_utf8_lossy(&answer.body)))
+                }
+                Err(e) => Step::Failed(e.to_string()),
+            }
+        }
+    });
     // New connections are served with the new certificate once the server's chain is `ca`'s.
     let served_by = |ca: &Ca| https(server.addr, &client(&[ca], None), "/embed", EMBED).is_ok_and(|a| a.status == 200);
     let wait_for = |ca: &Ca, what: &str| {
@@ -338,10 +292,9 @@ fn the_certificate_rotates_by_reload_and_sighup_under_load_with_no_failed_reques
     server.signal(nix::sys::signal::Signal::SIGHUP);
     wait_for(&old, "the certificate after SIGHUP");
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    clients.into_iter().for_each(|c| c.join().unwrap());
-    assert_load_ran_without_failures(&failed.lock().unwrap(), served.load(Ordering::Relaxed));
-    eprintln!("two certificate rotations under load: {} requests, 0 failed", served.load(Ordering::Relaxed));
+    let tally = load.stop();
+    tally.assert_served(20, "through two certificate rotations");
+    eprintln!("two certificate rotations under load: {} requests, 0 failed", tally.served);
 
     // A key that is not the certificate's refuses the reload; the pool keeps serving. (Once
     // SIGHUP's reload has replaced every worker: one reload at a time.)
@@ -360,7 +313,7 @@ fn the_certificate_rotates_by_reload_and_sighup_under_load_with_no_failed_reques
 #[test]
 fn the_admin_listener_has_its_own_certificate() {
     let (public, admin) = (Ca::new("public CA"), Ca::new("admin CA"));
-    let dir = TempDir::new("tls-admin");
+    let dir = temp_dir("tls-admin");
     admin.write_leaf(dir.path(), "admin");
     public.write_leaf(dir.path(), "cert");
     let port = free_port();
@@ -381,10 +334,7 @@ fn the_admin_listener_has_its_own_certificate() {
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(90));
     let admin_addr = server.admin_addr();
-    let metrics = |ca: &Ca| {
-        let mut tls = connect(admin_addr, &client(&[ca], None))?;
-        exchange(&mut tls, "GET", "/metrics", b"")
-    };
+    let metrics = |ca: &Ca| connect(admin_addr, &client(&[ca], None))?.send("GET", "/metrics", &[], b"");
     let answer = metrics(&admin).unwrap();
     assert!(answer.status == 200 && String::from_utf8_lossy(&answer.body).contains("inferd_requests_total"));
     assert!(metrics(&public).is_err(), "the admin listener serves its own certificate, not the public port's");
@@ -401,7 +351,7 @@ fn the_admin_listener_has_its_own_certificate() {
 #[test]
 fn tls_files_that_cannot_be_used_refuse_the_start() {
     let ca = Ca::new("inferd test CA");
-    let dir = TempDir::new("tls-refused");
+    let dir = temp_dir("tls-refused");
     let (_, key) = ca.write_leaf(dir.path(), "cert");
     let check = |extra: &str| {
         let config = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], extra);

@@ -17,7 +17,7 @@ fn usable_cores(config: &std::path::Path) -> usize {
 
 #[test]
 fn tune_measures_each_candidate_and_writes_the_best_keeping_comments() {
-    let dir = TempDir::new("tune");
+    let dir = temp_dir("tune");
     // A private copy of the model: --write edits its model.toml.
     let repository = dir.path().join("models");
     let model = repository.join("typed");
@@ -88,7 +88,7 @@ fn a_goal_tune_does_not_know_is_refused_with_the_choices() {
 /// out of range is refused before anything is measured.
 #[test]
 fn int8_candidates_are_held_to_the_accuracy_bound_given() {
-    let dir = TempDir::new("tune-int8");
+    let dir = temp_dir("tune-int8");
     let repository = model_repository(dir.path(), &["minilm"]);
     // --write edits model.toml: a copy of it beside links to the rest.
     let model = repository.join("minilm");

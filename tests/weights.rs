@@ -44,7 +44,7 @@ fn answers(server: &Server) -> Vec<(String, Vec<u8>)> {
 }
 
 fn serve(tag: &str, extra_sections: &str) -> Server {
-    let dir = TempDir::new(tag);
+    let dir = temp_dir(tag);
     let port = free_port();
     let repo = model_repository(dir.path(), &MODELS);
     let config = write_config(dir.path(), port, test_workers(), &repo, "minilm", &MODELS[1..], "");
@@ -70,7 +70,7 @@ fn weights(server: &Server) -> Vec<String> {
 
 /// The same server (folder, config, port) started again after it stopped.
 fn restart(mut server: Server) -> Server {
-    let dir = std::mem::replace(&mut server.dir, TempDir::new("weights-spare"));
+    let dir = std::mem::replace(&mut server.dir, temp_dir("weights-spare"));
     let port = server.addr.port();
     drop(server);
     let mut again = Server::start(dir, port, &[]);
@@ -174,20 +174,7 @@ fn a_new_version_gets_its_own_artefact_and_the_old_one_goes() {
 
     // Requests throughout the rolling reload.
     let addr = server.addr;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let load = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let (mut ok, mut failed) = (0, Vec::new());
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match request(addr, "POST", "/v2/models/typed/infer", &[], &typed_request()) {
-                    Ok(r) if r.status == 200 => ok += 1,
-                    other => failed.push(format!("{other:?}")),
-                }
-            }
-            (ok, failed)
-        })
-    };
+    let load = Clients::start(1, |_| move || post_step(addr, "/v2/models/typed/infer", &typed_request()));
     let out = std::process::Command::new(BIN)
         .args(["reload", "--wait", "--model", "typed", "--path"])
         .arg(&new_file)
@@ -202,14 +189,7 @@ fn a_new_version_gets_its_own_artefact_and_the_old_one_goes() {
         assert!(Instant::now() < deadline, "{:#}", server.status());
         std::thread::sleep(Duration::from_millis(100));
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (ok, failed) = load.join().unwrap();
-    assert!(
-        failed.is_empty(),
-        "{} of {} requests failed during the reload: {failed:?}",
-        failed.len(),
-        ok + failed.len()
-    );
+    load.stop().assert_served(1, "during the reload");
     let now: Vec<String> = artefacts(&cache).into_iter().filter(|a| a.starts_with("typed-")).collect();
     assert_eq!(now.len(), 1, "{now:#?}");
     assert_ne!(now, old, "the new version has an artefact of its own");

@@ -1,14 +1,17 @@
 //! Helpers shared by the integration tests: every test runs the real `inferd` binary in its
 //! own temporary folder and process group, on a free port, and talks to it over real sockets.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+pub use inferd_bench::clients::{Clients, Step, Tally};
+pub use inferd_bench::http::{request, Connection, Response};
+use inferd_bench::process::Process;
+pub use tempfile::TempDir;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inferd");
 
@@ -77,32 +80,9 @@ pub fn free_port() -> u16 {
     }
 }
 
-/// A fresh temporary folder, removed when dropped.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "inferd-test-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh temporary folder (`inferd-test-<tag>-...`), removed when dropped.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new().prefix(&format!("inferd-test-{tag}-")).tempdir().unwrap()
 }
 
 /// Workers to start in tests: 2 where the machine has 2 usable cores, else 1.
@@ -147,14 +127,22 @@ pub fn write_config(
     path
 }
 
+/// A server of `workers` workers in `dir`, serving `repository`'s `default` model (and `load`)
+/// with `extra` lines in `[server]` ([`write_config`]), started and ready.
+pub fn serve(dir: TempDir, workers: usize, repository: &Path, default: &str, load: &[&str], extra: &str) -> Server {
+    let port = free_port();
+    write_config(dir.path(), port, workers, repository, default, load, extra);
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    server
+}
+
 /// A running `inferd serve`, in its own process group; killed with its workers on drop.
 pub struct Server {
-    pub child: Child,
+    pub process: Process,
     pub addr: SocketAddr,
     pub socket: PathBuf,
     pub dir: TempDir,
-    /// Everything the server wrote to stderr so far.
-    pub log: Arc<Mutex<String>>,
 }
 
 impl Server {
@@ -178,30 +166,9 @@ impl Server {
             );
         }
         let socket = socket.unwrap_or_else(|| dir.path().join("control.sock"));
-        command
-            .current_dir(dir.path())
-            .env("INFERD_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut child = command.spawn().expect("spawn inferd");
-        let log = Arc::new(Mutex::new(String::new()));
-        for stream in [
-            child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
-            child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    log.lock().unwrap().push_str(&(line + "\n"));
-                }
-            });
-        }
-        Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)), socket, dir, log }
+        command.current_dir(dir.path()).env("INFERD_LOG", "info");
+        let process = Process::spawn(&mut command).expect("spawn inferd");
+        Server { process, addr: SocketAddr::from(([127, 0, 0, 1], port)), socket, dir }
     }
 
     /// The admin (metrics) address from the test's inferd.toml (see [`write_config`]).
@@ -218,7 +185,12 @@ impl Server {
     }
 
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
+        self.process.log()
+    }
+
+    /// Whether the supervisor is still running.
+    pub fn running(&mut self) -> bool {
+        self.process.exited().is_none()
     }
 
     /// Waits until `inferd status` reports the pool ready, or panics with the server's log.
@@ -230,7 +202,7 @@ impl Server {
                     return status;
                 }
             }
-            if let Ok(Some(exit)) = self.child.try_wait() {
+            if let Some(exit) = self.process.exited() {
                 panic!("inferd exited early with {exit}; log:\n{}", self.log());
             }
             assert!(Instant::now() < deadline, "inferd not ready after {timeout:?}; log:\n{}", self.log());
@@ -263,19 +235,14 @@ impl Server {
     }
 
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal).unwrap();
+        self.process.signal(signal).unwrap();
     }
 
     /// Waits for the supervisor to exit.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "inferd did not exit within {timeout:?}; log:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.process
+            .wait_exit(timeout)
+            .unwrap_or_else(|| panic!("inferd did not exit within {timeout:?}; log:\n{}", self.log()))
     }
 
     pub fn request(&self, method: &str, path: &str, body: &[u8]) -> Response {
@@ -284,98 +251,53 @@ impl Server {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        // The whole process group: the supervisor and every worker.
-        let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        let _ = self.child.wait();
-    }
+/// A client's step ([`Clients`]): one POST on a new connection, served if answered 200.
+pub fn post_step(addr: SocketAddr, path: &str, body: &[u8]) -> Step {
+    post_step_then(addr, path, body, |_| {})
 }
 
-#[derive(Debug)]
-pub struct Response {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
-impl Response {
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-    }
-
-    /// The `error` message of a v2 error body.
-    pub fn error(&self) -> String {
-        self.json()["error"].as_str().unwrap_or_else(|| panic!("no error message in {:?}", self.json())).to_string()
-    }
-}
-
-/// One HTTP/1.1 request on a new connection (Connection: close), read to the end.
-pub fn request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> std::io::Result<Response> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-length")) {
-        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    parse_response(&raw)
-}
-
-fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
-    if raw.is_empty() {
-        // Distinct from a partial response: the server closed without answering at all.
-        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed before any response"));
-    }
-    let bad = |m: &str| {
-        std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{m}: {:?}", String::from_utf8_lossy(raw)))
-    };
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no complete header"))?;
-    let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("header not utf-8"))?;
-    let mut lines = head.split("\r\n");
-    let status =
-        lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status"))?;
-    let headers: Vec<(String, String)> =
-        lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_string(), v.trim().to_string())).collect();
-    let body = raw[end + 4..].to_vec();
-    if let Some(len) = headers
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, v)| v.parse::<usize>().ok())
-    {
-        if body.len() != len {
-            return Err(bad("truncated body"));
+/// [`post_step`], and `served` looks at each answer served.
+pub fn post_step_then(addr: SocketAddr, path: &str, body: &[u8], served: impl FnOnce(&Response)) -> Step {
+    match request(addr, "POST", path, &[], body) {
+        Ok(r) if r.status == 200 => {
+            served(&r);
+            Step::Served
         }
+        Ok(r) => Step::Failed(format!("status {}: {}", r.status, String::from_utf8_lossy(&r.body))),
+        Err(e) => Step::Failed(format!("{:?}: {e}", e.kind())),
     }
-    Ok(Response { status, headers, body })
 }
 
-/// A load that served `served` requests had no failure (`failed`: what went wrong with each
-/// that did) and really ran.
-pub fn assert_load_ran_without_failures(failed: &[String], served: usize) {
-    assert!(failed.is_empty(), "{} of {} requests failed: {:?}", failed.len(), served, &failed[..failed.len().min(5)]);
-    assert!(served > 20, "the load ran: {served} requests served");
+/// Clients posting [`typed_request`] to the `typed` test model, a new connection per request
+/// and `pause` after each, keeping what `keep` takes from each served answer (and its latency).
+pub struct TypedLoad<T> {
+    clients: Clients,
+    kept: Arc<Mutex<Vec<T>>>,
+}
+
+impl<T: Send + 'static> TypedLoad<T> {
+    pub fn start(server: &Server, clients: usize, pause: Duration, keep: fn(&Response, Duration) -> T) -> TypedLoad<T> {
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let clients = Clients::start(clients, |_| {
+            let (kept, addr, body) = (kept.clone(), server.addr, typed_request());
+            move || {
+                let started = Instant::now();
+                let step = post_step_then(addr, "/v2/models/typed/infer", &body, |r| {
+                    kept.lock().unwrap().push(keep(r, started.elapsed()))
+                });
+                std::thread::sleep(pause);
+                step
+            }
+        });
+        TypedLoad { clients, kept }
+    }
+
+    /// Stops the clients; (answered, failures, what was kept, in order of the answers).
+    pub fn finish(self) -> (usize, Vec<String>, Vec<T>) {
+        let Tally { served, failed } = self.clients.stop();
+        let kept = std::mem::take(&mut *self.kept.lock().unwrap());
+        (served, failed, kept)
+    }
 }
 
 /// The JSON body of a v2 infer request.
