@@ -16,6 +16,7 @@ use inferd_config::{Config, Overrides};
 use inferd_supervisor::control::{self, Request};
 use inferd_supervisor::plan::cpu::format_cpus;
 use inferd_supervisor::plan::Resolved;
+use inferd_worker::runtime::model::{ModelSession, Runtime, Threads};
 
 /// A production server for ONNX models: one supervisor, K pinned worker processes, one port.
 #[derive(Parser)]
@@ -307,11 +308,10 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
-    inferd_worker::runtime::model::init_runtime(&resolved.ort.path)?;
     // As the workers will: an int8 preparation made here is theirs too.
-    inferd_worker::runtime::weights::configure(config.weights_cache(), &resolved.ort.path);
+    let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())?;
     for entry in &resolved.models {
-        let model = inferd_worker::runtime::model::Model::load(entry)
+        let model = ModelSession::load(&runtime, entry, Threads::Narrow)
             .with_context(|| format!("checking model '{}'", entry.name))?;
         let meta = &model.meta;
         println!(
@@ -348,36 +348,22 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    // The models are loaded in this process: its RSS now approximates one worker's before
-    // warm-up. An estimate only: `serve` decides from worker 0's private memory after warm-up
-    // (shared weights and the cgroup's share counted), which this process cannot measure.
-    let rss = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024);
-    let budget = inferd_supervisor::plan::memory::MemoryBudget::detect();
-    let (k, mib) = (plan.workers.len() as u64, |b: u64| b >> 20);
-    println!("memory:          {}", budget.describe());
-    println!(
-        "                 ~{} MiB per worker (this process with the models loaded); {k} workers ~{} MiB{}",
-        mib(rss),
-        mib(k * rss),
-        if rss > 0 && (k - 1) * (rss + rss / 10) > budget.room() {
-            "; DOES NOT FIT (serve refuses, or starts fewer with server.fit_workers_to_memory)"
-        } else {
-            "; fits"
-        }
-    );
-    // `serve` derives them the same way from worker 0's private memory after warm-up.
-    let limits = inferd_supervisor::plan::memory::WorkerLimits::derive(
+    // The models are loaded in this process: its memory now approximates one worker's before
+    // warm-up. `serve` applies the same rule to worker 0's after warm-up (MemoryBudget::fit).
+    use inferd_supervisor::plan::memory::{MemoryBudget, WorkerLimits, WorkerMemory};
+    let one = WorkerMemory::of(std::process::id()).unwrap_or(WorkerMemory { private: 1, shared: 0 });
+    let budget = MemoryBudget::detect();
+    let k = plan.workers.len() as u64;
+    let (fit, memory_plan) = budget.fit(k, one, "on this process with the models loaded, before warm-up");
+    println!("memory:          {memory_plan}");
+    if fit < k {
+        println!("                 DOES NOT FIT: serve refuses, or starts {fit} with server.fit_workers_to_memory");
+    }
+    let limits = WorkerLimits::derive(
         &budget,
         k,
-        rss,
-        0,
+        one.private,
+        one.shared,
         config.server.worker_memory_soft_limit_mb,
         config.server.worker_memory_hard_limit_mb,
     );

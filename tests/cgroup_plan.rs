@@ -200,7 +200,7 @@ fn a_pool_larger_than_the_pods_memory_limit_is_refused_or_shrunk() {
         run(cgroups.command(Path::new(BIN)).args(["check", "--workers", "8", "--config"]).arg(config(false)));
     assert!(ok, "{out}");
     assert!(
-        out.contains("cgroup limit 70 MiB") && out.contains("8 workers ~") && out.contains("DOES NOT FIT"),
+        out.contains("cgroup limit 70 MiB") && out.contains("8 workers need ~") && out.contains("DOES NOT FIT"),
         "{out}"
     );
 

@@ -21,7 +21,7 @@ use clap::{Args, Parser, Subcommand};
 use inferd_bench::load::{closed_loop, Load, Summary};
 use inferd_config::model::{ModelEntry, Precision};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
-use inferd_worker::runtime::model::{init_runtime, Model, Threads};
+use inferd_worker::runtime::model::{ModelSession, Runtime, Threads};
 
 #[derive(Parser)]
 struct Cli {
@@ -236,11 +236,10 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
     std::env::set_var("TOKENIZERS_PARALLELISM", "false");
-    init_runtime(library)?;
-    if precision != Precision::Fp32 {
-        entry.precision = precision;
-        inferd_worker::runtime::weights::configure(Some(std::path::absolute(cache_dir)?), library);
-    }
+    // The defaults a worker has (runtime.allocator); int8 is prepared into the server's cache.
+    let cache = (precision != Precision::Fp32).then(|| std::path::absolute(cache_dir)).transpose()?;
+    entry.precision = precision;
+    let runtime = Arc::new(Runtime::init(library, Default::default(), cache)?);
     let session_threads = if threads > 1 { Threads::Wide { threads, spin } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
@@ -248,9 +247,11 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     let sessions: Vec<_> = (0..parallel)
         .map(|p| {
             let (entry, stop, texts, start) = (entry.clone(), stop.clone(), texts.to_vec(), start.clone());
+            let runtime = runtime.clone();
             std::thread::spawn(move || -> anyhow::Result<Vec<Duration>> {
-                let prepared =
-                    Model::load_with(&entry, session_threads).map_err(anyhow::Error::from).and_then(|model| {
+                let prepared = ModelSession::load(&runtime, &entry, session_threads)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|model| {
                         let pipeline = model.meta.pipeline.clone();
                         let Pipeline::Text(_) = &*pipeline else { bail!("ort mode needs a text model") };
                         Ok((model, pipeline))

@@ -160,33 +160,34 @@ impl Histogram<'static> {
     }
 }
 
-/// A mapped region of counters.
-pub struct Shared {
+/// One worker's counters: a mapped memfd region, written by the worker and read by the
+/// supervisor, only ever through atomics.
+pub struct WorkerCounters {
     ptr: NonNull<AtomicU64>,
 }
 
 // SAFETY: the region is only ever accessed through atomics.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
+unsafe impl Send for WorkerCounters {}
+unsafe impl Sync for WorkerCounters {}
 
-impl Shared {
+impl WorkerCounters {
     /// A new zeroed region and the descriptor to hand to a worker.
-    pub fn create(name: &str) -> std::io::Result<(Shared, OwnedFd)> {
+    pub fn create(name: &str) -> std::io::Result<(WorkerCounters, OwnedFd)> {
         let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
         nix::unistd::ftruncate(&fd, (LEN * 8) as i64)?;
-        let shared = Shared::map(&fd)?;
+        let shared = WorkerCounters::map(&fd)?;
         Ok((shared, fd))
     }
 
-    /// Maps a region created by [`Shared::create`] (in the worker: fd 4).
-    pub fn map(fd: impl AsFd) -> std::io::Result<Shared> {
+    /// Maps a region created by [`WorkerCounters::create`] (in the worker: fd 4).
+    pub fn map(fd: impl AsFd) -> std::io::Result<WorkerCounters> {
         let len = NonZeroUsize::new(LEN * 8).expect("non-empty");
         use nix::sys::mman::{mmap, MapFlags, ProtFlags};
         // SAFETY: a fresh shared mapping of a file of exactly this size; nothing else aliases it
         // in this process, and all access goes through AtomicU64 (valid for any bit pattern).
         let ptr =
             unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, fd, 0)? };
-        Ok(Shared { ptr: ptr.cast() })
+        Ok(WorkerCounters { ptr: ptr.cast() })
     }
 
     fn counter(&self, index: usize) -> &AtomicU64 {
@@ -312,7 +313,7 @@ impl Shared {
     }
 }
 
-impl Drop for Shared {
+impl Drop for WorkerCounters {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `map`, unmapped once.
         let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), LEN * 8) };
@@ -463,8 +464,8 @@ mod tests {
 
     #[test]
     fn two_mappings_of_one_region_see_the_same_counters() {
-        let (a, fd) = Shared::create("inferd-test").unwrap();
-        let b = Shared::map(&fd).unwrap();
+        let (a, fd) = WorkerCounters::create("inferd-test").unwrap();
+        let b = WorkerCounters::map(&fd).unwrap();
         a.count_request(0, Endpoint::Embed, 200);
         b.count_request(0, Endpoint::Embed, 200);
         b.count_request(3, Endpoint::Infer, 418);

@@ -19,7 +19,7 @@ use std::task::Poll;
 use std::thread::LocalKey;
 
 use inferd_ipc::spec::EXIT_PANIC;
-use inferd_ipc::stats::Shared;
+use inferd_ipc::stats::WorkerCounters;
 
 thread_local! {
     /// Set while this thread runs a guarded region: its panic is caught by [`guarded`].
@@ -29,7 +29,7 @@ thread_local! {
 }
 
 /// Installs the process's panic hook (once, at worker start).
-pub fn install(stats: Arc<Shared>) {
+pub fn install(stats: Arc<WorkerCounters>) {
     std::panic::set_hook(Box::new(move |info| {
         let thread = std::thread::current();
         let name = thread.name().unwrap_or("unnamed");

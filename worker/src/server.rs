@@ -16,7 +16,7 @@ use inferd_ipc::spec::{
     Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD,
     WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
-use inferd_ipc::stats::{Shared, WORKER_STATS_FD};
+use inferd_ipc::stats::{WorkerCounters, WORKER_STATS_FD};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{watch, OwnedSemaphorePermit};
@@ -29,7 +29,7 @@ use crate::http::handoff::{Handoff, Prefixed};
 use crate::http::write_timeout::WriteTimeout;
 use crate::request::app::{AppState, RequestIds};
 use crate::runtime::engine::{Engine, Sessions};
-use crate::runtime::model::{init_runtime, Model, ModelError, Threads};
+use crate::runtime::model::{ModelError, ModelSession, Runtime, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
 /// told to shut down before reading its request, hyper would close such a connection
@@ -103,7 +103,7 @@ pub fn run(fd: RawFd) -> i32 {
     let span = tracing::info_span!("worker", index = spec.index, pid = std::process::id());
     let _enter = span.enter();
     // SAFETY: the supervisor hands the worker this descriptor too; mapped here, then closed.
-    let stats = match Shared::map(unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_STATS_FD) }) {
+    let stats = match WorkerCounters::map(unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_STATS_FD) }) {
         Ok(stats) => Arc::new(stats),
         Err(e) => {
             error!("cannot map the counters on fd {WORKER_STATS_FD}: {e}");
@@ -223,9 +223,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
             .map_err(|e| failure(FailureKind::Boot)(format!("cannot pin to cpus {:?}: {e}", spec.cpus)))?;
     }
-    let env = init_runtime(&spec.ort_library).map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
-    crate::runtime::allocator::configure(spec.allocator, env).map_err(failure(FailureKind::Boot))?;
-    crate::runtime::weights::configure(spec.weights_cache.clone(), &spec.ort_library);
+    let runtime = Runtime::init(&spec.ort_library, spec.allocator, spec.weights_cache.clone())
+        .map_err(|e| failure(FailureKind::Boot)(e.to_string()))?;
     // Per model: one narrow session per thread (the lanes that run side by side under load)
     // and, with more than one thread, a wide one on the whole pool (a request that has the
     // worker to itself).
@@ -233,13 +232,13 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     let mut models = Vec::with_capacity(spec.models.len());
     for entry in &spec.models {
         let narrow = (0..spec.threads.max(1))
-            .map(|_| Model::load_with(entry, Threads::Narrow))
+            .map(|_| ModelSession::load(&runtime, entry, Threads::Narrow))
             .collect::<Result<Vec<_>, _>>()
             .map_err(load_error)?;
         let wide = match spec.threads > 1 {
             true => {
                 let wide = Threads::Wide { threads: spec.threads, spin: spec.server.intra_op_spinning };
-                Some(Model::load_with(entry, wide).map_err(load_error)?)
+                Some(ModelSession::load(&runtime, entry, wide).map_err(load_error)?)
             }
             false => None,
         };
@@ -639,19 +638,19 @@ fn serve(
     models: Vec<Sessions>,
     listeners: Listeners,
     reporter: Arc<Reporter>,
-    stats: Arc<Shared>,
+    stats: Arc<WorkerCounters>,
 ) -> i32 {
     let metas = models.iter().map(|m| m.narrow[0].meta.clone()).collect::<Vec<_>>();
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let run_timeout = Duration::from_secs_f64(spec.server.request_timeout_secs);
-    let engine =
-        match Engine::start(models, stats.clone(), spec.server.max_queue, run_timeout, spec.server.intra_op_spinning) {
-            Ok(engine) => engine,
-            Err(e) => {
-                error!("cannot start the model thread: {e}");
-                return EXIT_BOOT;
-            }
-        };
+    let (max_queue, spinning) = (spec.server.max_queue, spec.server.intra_op_spinning);
+    let engine = match Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator) {
+        Ok(engine) => engine,
+        Err(e) => {
+            error!("cannot start the model thread: {e}");
+            return EXIT_BOOT;
+        }
+    };
     let state = Arc::new(AppState {
         worker: spec.index,
         models: metas,

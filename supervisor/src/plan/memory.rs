@@ -61,6 +61,61 @@ impl MemoryBudget {
     }
 }
 
+/// One worker's memory, as the memory plan counts it: its own (`private`: RssAnon + RssShmem)
+/// and what it maps that is in memory once however many workers map it (`shared`: the rest
+/// of VmRSS, the libraries and the prepared weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerMemory {
+    pub private: u64,
+    pub shared: u64,
+}
+
+impl WorkerMemory {
+    /// Read from /proc/PID/status.
+    pub fn of(pid: u32) -> Option<WorkerMemory> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kb = |name: &str| -> Option<u64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+                .map(|kb| kb * 1024)
+        };
+        let rss = kb("VmRSS:")?;
+        let private = kb("RssAnon:").map_or(rss, |anon| anon + kb("RssShmem:").unwrap_or(0)).max(1);
+        Some(WorkerMemory { private, shared: rss.saturating_sub(private) })
+    }
+}
+
+impl MemoryBudget {
+    /// The one rule of `serve` (measured on worker 0 after warm-up) and `inferd check` (on its
+    /// own process with the models loaded): how many of `k` workers like `one` fit, that one
+    /// running already (its memory is out of `room`), and the line that says so. The others
+    /// must fit with 10% to spare; under a cgroup limit (which charges the shared pages once),
+    /// each also needs a share of it large enough that the soft limit (85% of the share) sits
+    /// above a fresh worker's private memory, or workers would be replaced as soon as they
+    /// start. Never below 1: whether even that one fits is the limits' check.
+    pub fn fit(&self, k: u64, one: WorkerMemory, measured: &str) -> (u64, String) {
+        let WorkerMemory { private, shared } = one;
+        let mut fit = 1 + self.room() / (private + private / 10);
+        if let Some(c) = &self.cgroup {
+            fit = fit.min(c.limit.saturating_sub(shared) / (private + private / 4));
+        }
+        let fit = fit.max(1);
+        let mib = |b: u64| b / (1 << 20);
+        let plan = format!(
+            "{k} workers need ~{} MiB ({} MiB private each, {} MiB shared once, measured {measured}); {}; {fit} fit",
+            mib(k * private + shared),
+            mib(private),
+            mib(shared),
+            self.describe()
+        );
+        (fit, plan)
+    }
+}
+
 /// Without a cgroup limit, the workers share this much of the memory available at start; the
 /// rest is left to the host (page cache, the supervisor, other services).
 const HOST_SHARE_PERCENT: u64 = 80;

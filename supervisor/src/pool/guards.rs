@@ -2,45 +2,25 @@
 //! escalation (SIGABRT, then SIGKILL) and recycling after server.max_requests or an age.
 
 use super::*;
-use crate::plan::memory::WorkerLimits;
+use crate::plan::memory::{WorkerLimits, WorkerMemory};
 
 /// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
 /// supervisor aborts the worker only if the run is still going this long after.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
 impl Supervisor {
-    /// Called once, when the first worker is ready: do the other K-1 fit? Its private memory after
-    /// warm-up is what each costs; they must fit, with 10% to spare, in what the machine and
-    /// the cgroup still allow. If not: refuse with the numbers, or (fit_workers_to_memory)
-    /// start as many as fit. Also sets the per-worker soft and hard memory limits.
+    /// Called once, when the first worker is ready: do the other K-1 fit ([`MemoryBudget::fit`],
+    /// on its memory after warm-up)? If not: refuse with the numbers, or
+    /// (fit_workers_to_memory) start as many as fit. Also sets the per-worker soft and hard
+    /// memory limits.
     pub(super) fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
-        let proc = proc_status(pid);
-        // What one more worker costs: its private memory. The weights it maps from the shared
-        // artefact (and the libraries) are in memory once, however many workers map them.
-        let rss = proc.private.or(proc.rss).unwrap_or(0).max(1);
-        let shared = proc.rss.unwrap_or(0).saturating_sub(rss);
+        let one = WorkerMemory::of(pid).unwrap_or(WorkerMemory { private: 1, shared: 0 });
+        let (rss, shared) = (one.private, one.shared);
         self.memory.worker_rss = Some(rss);
         let budget = MemoryBudget::detect();
         let mib = |b: u64| b / (1 << 20);
         let k = self.slots.len() as u64;
-        // Room for the others with 10% to spare; under a cgroup limit (which charges the
-        // shared pages once), also a share of it per worker large enough that the soft limit
-        // (85% of the share) sits above a fresh worker's private memory, or workers would be
-        // replaced as soon as they start.
-        let mut fit = 1 + budget.room() / (rss + rss / 10);
-        if let Some(c) = &budget.cgroup {
-            fit = fit.min(c.limit.saturating_sub(shared) / (rss + rss / 4));
-        }
-        // Never below the one worker that runs already: whether even it fits is the limits'
-        // check below, which says so instead of emptying the pool.
-        let fit = fit.max(1);
-        let plan = format!(
-            "{k} workers need ~{} MiB ({} MiB private each, {} MiB shared once, measured on worker 0 after warm-up); {}; {fit} fit",
-            mib(k * rss + shared),
-            mib(rss),
-            mib(shared),
-            budget.describe()
-        );
+        let (fit, plan) = budget.fit(k, one, "on worker 0 after warm-up");
         if fit < k {
             if !self.resolved.config.server.fit_workers_to_memory {
                 return Err(SupervisorError::Memory(format!(

@@ -43,7 +43,7 @@ use inferd_ipc::spec::{
     Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
     WORKER_CONTROL_FD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
-use inferd_ipc::stats::{Shared, Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
+use inferd_ipc::stats::{Snapshot, WorkerCounters, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tokio::io::AsyncBufReadExt;
@@ -127,7 +127,7 @@ struct Worker {
     /// What the worker said before failing, or why the supervisor killed it.
     failure: Option<(FailureKind, String)>,
     /// The counters it shares with the supervisor.
-    stats: Shared,
+    stats: WorkerCounters,
     /// Requests after which it is recycled (server.max_requests plus its own jitter).
     recycle_after: Option<u64>,
     /// Why and when the supervisor sent SIGABRT to a stuck worker; SIGKILL follows a tick later.
@@ -852,9 +852,9 @@ impl Supervisor {
 
     /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
     /// its shared counters as fd 4.
-    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<(u32, Shared)> {
+    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<(u32, WorkerCounters)> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let (stats, stats_fd) = Shared::create(&format!("inferd-worker-{}", spec.index))?;
+        let (stats, stats_fd) = WorkerCounters::create(&format!("inferd-worker-{}", spec.index))?;
         // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
         // neither dup2 can overwrite the other.
         let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
@@ -1042,7 +1042,7 @@ mod tests {
             ready_at: None,
             models: Vec::new(),
             failure: None,
-            stats: Shared::create("inferd-test").unwrap().0,
+            stats: WorkerCounters::create("inferd-test").unwrap().0,
             recycle_after: None,
             stuck: None,
             memory_killed: false,

@@ -26,7 +26,7 @@ use inferd_config::model::Task;
 use inferd_ipc::stats::Endpoint;
 
 use crate::request::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
-use crate::request::infer::{pipeline_io, run_parsed};
+use crate::request::infer::{pipeline_io, run_v2};
 use crate::request::tasks;
 use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::Tensor;
@@ -93,10 +93,10 @@ pub async fn handle(
     };
     if state.access_log {
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-        let model = match parse_route(&segments) {
-            Some(Route::Model(m, _) | Route::ModelReady(m, _) | Route::Infer(m, _)) => m,
-            Some(Route::Embed(m) | Route::Predict(m) | Route::Rerank(m)) => m.unwrap_or(&state.models[0].info.name),
-            _ => "",
+        let model = match parse_route(&segments).and_then(|r| r.model()) {
+            Some(Some(name)) => name,
+            Some(None) => &state.models[0].info.name,
+            None => "",
         };
         info!(
             target: "inferd::access",
@@ -164,7 +164,19 @@ enum ErrorStyle {
     OpenAi,
 }
 
-impl Route<'_> {
+impl<'a> Route<'a> {
+    /// The model the route is for: `Some(Some(name))` named in the path, `Some(None)` the
+    /// default model unless the path names one (TEI's routes), None for the other routes
+    /// (OpenAI's names its model in the body).
+    fn model(&self) -> Option<Option<&'a str>> {
+        match *self {
+            Route::Model(m, _) | Route::ModelReady(m, _) | Route::Infer(m, _) => Some(Some(m)),
+            Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) => Some(m),
+            Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
+            _ => None,
+        }
+    }
+
     fn error_style(&self) -> ErrorStyle {
         match self {
             Route::OpenAiEmbeddings => ErrorStyle::OpenAi,
@@ -253,7 +265,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             let row = found_index(&found);
             let work = async {
                 let (index, meta) = found?;
-                infer(state, index, meta, request, deadline).await.map(|r| versioned(r, meta))
+                kserve_infer(state, index, meta, request, deadline).await.map(|r| versioned(r, meta))
             };
             counted(state, row, Endpoint::Infer, work).await
         }
@@ -440,7 +452,7 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
     Ok(Body { bytes, _budget: budget })
 }
 
-async fn infer(
+async fn kserve_infer(
     state: &AppState,
     index: usize,
     meta: &ModelMeta,
@@ -458,7 +470,7 @@ async fn infer(
     };
     let body = read_body(state, request).await?;
     let parsed = kserve::parse(&body, header_length).map_err(ApiError::BadRequest)?;
-    let inferred = run_parsed(state, index, meta, parsed, deadline).await?;
+    let inferred = run_v2(state, index, meta, parsed, deadline).await?;
     let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
     if let Some(outcome) = &inferred.outcome {
         tasks::annotate(&mut reply, outcome);

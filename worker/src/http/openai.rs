@@ -112,7 +112,7 @@ pub async fn embeddings(
     };
     let (normalize, matryoshka) = (settings.normalize, settings.matryoshka);
     let options = Options { truncate: request.truncate, normalize: Some(normalize), deadline, ..Options::default() };
-    let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(request.texts), options).await?;
+    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(request.texts), options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     if let Some(wanted) = request.dimensions {
         let full = rows.first().map_or(0, Vec::len);

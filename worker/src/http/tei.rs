@@ -141,7 +141,7 @@ pub async fn embed(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
     tasks::annotate(&mut reply, &outcome);
@@ -168,7 +168,7 @@ pub async fn embed_all(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };
@@ -231,7 +231,7 @@ pub async fn embed_sparse(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let rows: Vec<Vec<SparseValue>> = rows
         .iter()
@@ -285,7 +285,7 @@ pub async fn predict(
     };
     let options =
         Options { truncate: request.truncate, raw_scores: request.raw_scores, deadline, ..Options::default() };
-    let outcome = tasks::run(state, index, meta, input, options).await?;
+    let outcome = tasks::run_pipeline(state, index, meta, input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
         .iter()
@@ -346,7 +346,7 @@ pub async fn rerank(
     }
     let pairs = request.texts.iter().map(|t| Text::Pair(request.query.clone(), t.clone())).collect();
     let options = Options { truncate: request.truncate, raw_scores: true, deadline, ..Options::default() };
-    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(pairs), options).await?;
+    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut ranks: Vec<Rank> = scores
         .iter()
@@ -544,7 +544,7 @@ pub async fn similarity(
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
     let options = Options { truncate: request.truncate, normalize: Some(true), deadline, ..Options::default() };
-    let outcome = tasks::run(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&scores).expect("floats serialise"));

@@ -12,7 +12,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 
 use inferd_config::auth::{bearer, ApiKeys, Refusal};
-use inferd_ipc::stats::{Endpoint, Latency, Shared, MAX_MODELS};
+use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
 use crate::runtime::engine::Engine;
 use crate::runtime::model::{ModelError, ModelMeta};
@@ -33,7 +33,7 @@ pub struct AppState {
     /// False until warm-up is done and again once draining starts; `/v2/health/ready` follows it.
     pub ready: AtomicBool,
     /// Counters shared with the supervisor (requests, latencies, batch sizes, in flight).
-    pub stats: Arc<Shared>,
+    pub stats: Arc<WorkerCounters>,
     /// log.access_log: one line per answered request.
     pub access_log: bool,
     /// The keys requests must carry ([auth]); None: every request is served.

@@ -26,7 +26,7 @@ pub struct Inferred {
 
 /// Runs a parsed v2 request, REST or gRPC: one BYTES input named as the pipeline's goes
 /// through the model's pipeline (text or image), anything else to the model's own tensors.
-pub async fn run_parsed(
+pub async fn run_v2(
     state: &AppState,
     index: usize,
     meta: &ModelMeta,
@@ -42,7 +42,8 @@ pub async fn run_parsed(
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
             let outcome =
-                tasks::run(state, index, meta, input, Options { truncate, deadline, ..Options::default() }).await?;
+                tasks::run_pipeline(state, index, meta, input, Options { truncate, deadline, ..Options::default() })
+                    .await?;
             let outputs = pipeline_tensors(&outcome.rows);
             return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
         }
@@ -51,7 +52,7 @@ pub async fn run_parsed(
     let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
     let inputs = kserve::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.infer(index, inputs, Join::Exact, deadline).await?;
+    let outputs = state.engine.submit(index, inputs, Join::Exact, deadline).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
 }
 

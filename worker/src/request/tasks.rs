@@ -154,7 +154,7 @@ pub fn within_limit(state: &AppState, count: usize) -> Result<(), ApiError> {
     }
 }
 
-pub async fn run(
+pub async fn run_pipeline(
     state: &AppState,
     index: usize,
     meta: &ModelMeta,
@@ -215,7 +215,7 @@ pub async fn run(
         }
     };
     let prepare = started.elapsed();
-    let outputs = state.engine.infer(index, tensors, join, options.deadline).await?;
+    let outputs = state.engine.submit(index, tensors, join, options.deadline).await?;
     let model_time = started.elapsed() - prepare;
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];

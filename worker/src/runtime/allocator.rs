@@ -15,8 +15,6 @@
 //! under the 2-minute soak of long texts 649 requests at a 580 MiB plateau, 645 at 1000 MiB,
 //! 525 at 137-461 MiB. Short texts run at the same speed with all three.
 
-use std::sync::OnceLock;
-
 use inferd_config::file::Allocator;
 
 /// Free memory the allocator may keep after a run: more than batches of short texts reuse,
@@ -24,15 +22,12 @@ use inferd_config::file::Allocator;
 /// texts up to ~500).
 pub const FREE_LIMIT: usize = 64 << 20;
 
-static CHOICE: OnceLock<Allocator> = OnceLock::new();
-
-/// Sets this process's allocator, once, after the environment is created and before the
-/// first session is built: `shared-arena` registers the arena all its sessions use.
-pub fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), String> {
+/// Readies the environment for `choice`, once, before the first session is built:
+/// `shared-arena` registers the arena all its sessions use.
+pub(crate) fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), String> {
     if choice == Allocator::SharedArena {
         register_shared_arena(env)?;
     }
-    let _ = CHOICE.set(choice);
     Ok(())
 }
 
@@ -78,11 +73,6 @@ fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), Stri
         (api.ReleaseMemoryInfo)(info);
         registered
     }
-}
-
-/// This process's choice (`malloc` where nothing was configured, as in `inferd check`).
-pub fn current() -> Allocator {
-    CHOICE.get().copied().unwrap_or_default()
 }
 
 /// Returns the allocator's free memory to the system (glibc keeps freed heap pages).

@@ -2,14 +2,14 @@
 //! reached by allocator.rs (the shared arena), weights.rs (prepared, mapped weights),
 //! tensor.rs (values in and out) and the engine (runs); nothing above those does.
 //!
-//! One ORT environment per process, created once by [`init_runtime`]. A model is loaded as
+//! One ORT environment per process, created once by [`Runtime::init`]. A model is loaded as
 //! *narrow* sessions that run only on the thread that calls them ([`Threads::Narrow`], no pool
 //! threads) and, in a worker of T > 1 threads, a *wide* session with a pool of its own
 //! ([`Threads::Wide`]: the caller plus T-1 threads, asleep between runs).
 //! Loading goes through [`crate::runtime::weights`]: a model's prepared artefact (its weights in an
 //! mmap'd file, shared by every worker) is used when there is one.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use inferd_config::file::Allocator;
@@ -73,7 +73,9 @@ impl ModelMeta {
     }
 }
 
-pub struct Model {
+/// One ORT session of a model (narrow or wide, see [`Threads`]) and what the HTTP side needs
+/// to know of the model.
+pub struct ModelSession {
     pub meta: ModelMeta,
     entry: ModelEntry,
     session: Session,
@@ -81,24 +83,53 @@ pub struct Model {
 
 static ENVIRONMENT: OnceLock<Environment> = OnceLock::new();
 
-/// Loads libonnxruntime and creates the process's one environment. Call once, in the process
-/// that will run sessions, after it was created (never in a parent that later forks).
-pub fn init_runtime(library: &Path) -> Result<&'static Environment, ModelError> {
-    if let Some(env) = ENVIRONMENT.get() {
-        return Ok(env);
+/// The process's ONNX Runtime: its one environment, the allocator its sessions use and where
+/// prepared weights are kept. Made by [`Runtime::init`] before anything is loaded, and passed
+/// to every load ([`ModelSession::load`]): nothing a load depends on is set elsewhere.
+pub struct Runtime {
+    env: &'static Environment,
+    allocator: Allocator,
+    weights: Option<weights::Cache>,
+}
+
+impl Runtime {
+    /// Loads libonnxruntime and creates the process's one environment (the first call; later
+    /// ones reuse it), in the process that will run sessions, after it was created (never in a
+    /// parent that later forks). `cache_dir`: runtime.cache_dir, for prepared weights.
+    pub fn init(library: &Path, allocator: Allocator, cache_dir: Option<PathBuf>) -> Result<Runtime, ModelError> {
+        let fail = |message: String| ModelError::Runtime { path: library.display().to_string(), message };
+        let env = match ENVIRONMENT.get() {
+            Some(env) => env,
+            None => {
+                // ONNX Runtime 1.31's Linux build starts a telemetry thread that uploads usage
+                // data over HTTPS unless this is set (or it detects a CI system). A server's
+                // workers do not phone home, and the thread would count against the worker's
+                // thread budget. The process is still single-threaded here, so changing the
+                // environment is safe.
+                std::env::set_var("ORT_DISABLE_TELEMETRY", "1");
+                // The library must be loaded before any other ort call: they all go through its
+                // API table.
+                let builder = ort::init_from(library).map_err(|e| fail(e.to_string()))?;
+                // No global thread pool: its threads would spin after every run, which a
+                // session's own pool can be told not to (see `Threads::Wide`).
+                let env = builder.with_name("inferd").with_telemetry(false).build().map_err(|e| fail(e.to_string()))?;
+                let env = ENVIRONMENT.get_or_init(|| env);
+                crate::runtime::allocator::configure(allocator, env).map_err(fail)?;
+                env
+            }
+        };
+        Ok(Runtime { env, allocator, weights: cache_dir.map(|dir| weights::Cache::new(dir, library)) })
     }
-    let fail = |message: String| ModelError::Runtime { path: library.display().to_string(), message };
-    // ONNX Runtime 1.31's Linux build starts a telemetry thread that uploads usage data over
-    // HTTPS unless this is set (or it detects a CI system). A server's workers do not phone
-    // home, and the thread would count against the worker's thread budget. The process is
-    // still single-threaded here, so changing the environment is safe.
-    std::env::set_var("ORT_DISABLE_TELEMETRY", "1");
-    // The library must be loaded before any other ort call: they all go through its API table.
-    let builder = ort::init_from(library).map_err(|e| fail(e.to_string()))?;
-    // No global thread pool: its threads would spin after every run, which a session's own
-    // pool can be told not to (see `Threads::Wide`).
-    let env = builder.with_name("inferd").with_telemetry(false).build().map_err(|e| fail(e.to_string()))?;
-    Ok(ENVIRONMENT.get_or_init(|| env))
+
+    /// runtime.allocator, which every session of this process uses.
+    pub fn allocator(&self) -> Allocator {
+        self.allocator
+    }
+
+    /// Where int8 preparations are kept (beside the weights artefacts), when there is a cache.
+    pub(crate) fn cache_root(&self) -> Option<(PathBuf, String)> {
+        self.weights.as_ref()?.root()
+    }
 }
 
 /// Which threads a session's operators run on.
@@ -167,15 +198,10 @@ fn sha256_prefix(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
-impl Model {
-    /// Loads one model into a narrow session (`inferd check`).
-    pub fn load(entry: &ModelEntry) -> Result<Model, ModelError> {
-        Model::load_with(entry, Threads::Narrow)
-    }
-
+impl ModelSession {
     /// Loads one model into a session that runs on `threads`, from the shared artefact of its
     /// weights where `runtime.cache_dir` allows (see [`weights`]).
-    pub fn load_with(entry: &ModelEntry, threads: Threads) -> Result<Model, ModelError> {
+    pub fn load(runtime: &Runtime, entry: &ModelEntry, threads: Threads) -> Result<ModelSession, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
             path: entry.path.display().to_string(),
@@ -185,20 +211,20 @@ impl Model {
         let digest = |path: &Path| model_digest(path).map_err(fail);
         let digest_of_file = digest(&entry.path)?;
         if entry.precision == Precision::Fp32 {
-            return Model::load_file(entry, threads, &digest_of_file);
+            return ModelSession::load_file(runtime, entry, threads, &digest_of_file);
         }
         // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
         // model, then named as the model it came from.
-        let (prepared, report) = crate::runtime::quantize::prepare(entry, &digest_of_file).map_err(fail)?;
+        let (prepared, report) = crate::runtime::quantize::prepare(runtime, entry, &digest_of_file).map_err(fail)?;
         let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
         let mut model = match prepared {
             Some(p) => {
                 let int8 = ModelEntry { path: p.path, ..plain };
-                let loaded = digest(&int8.path).and_then(|d| Model::load_file(&int8, threads, &d));
+                let loaded = digest(&int8.path).and_then(|d| ModelSession::load_file(runtime, &int8, threads, &d));
                 crate::runtime::quantize::remove(p.scratch);
                 loaded?
             }
-            None => Model::load_file(&plain, threads, &digest_of_file)?,
+            None => ModelSession::load_file(runtime, &plain, threads, &digest_of_file)?,
         };
         model.meta.info.sha256 = sha256_prefix(&digest_of_file);
         model.meta.info.precision = report.summary();
@@ -207,13 +233,18 @@ impl Model {
     }
 
     /// Loads `entry`'s file as it is, `digest` its SHA-256.
-    fn load_file(entry: &ModelEntry, threads: Threads, digest: &[u8]) -> Result<Model, ModelError> {
+    fn load_file(
+        runtime: &Runtime,
+        entry: &ModelEntry,
+        threads: Threads,
+        digest: &[u8],
+    ) -> Result<ModelSession, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
             path: entry.path.display().to_string(),
             message,
         };
-        let env = ENVIRONMENT.get().ok_or_else(|| fail("ONNX Runtime is not initialised".into()))?;
+        let env = runtime.env;
         let sha256 = sha256_prefix(digest);
         if let Some(ops) = &entry.custom_ops {
             ops.preload.iter().try_for_each(|lib| preload(lib)).map_err(fail)?;
@@ -232,7 +263,7 @@ impl Model {
             // runtime.allocator (see [`crate::runtime::allocator`]). Memory patterns, which pre-plan
             // buffers per input shape that dynamic batches and sequence lengths never repeat,
             // are off except with ORT's own defaults (`arena`).
-            let builder = match crate::runtime::allocator::current() {
+            let builder = match runtime.allocator {
                 Allocator::Malloc => {
                     let cpu = ort::ep::CPU::default().with_arena_allocator(false).build();
                     let builder = plain(builder.with_execution_providers([cpu]))?;
@@ -247,7 +278,7 @@ impl Model {
             };
             plain(builder.with_intra_threads(1))
         };
-        let weights = weights::artefact(entry, digest, base);
+        let weights = weights::artefact(runtime.weights.as_ref(), entry, digest, base);
         // Builder errors carry the builder; keep only the message.
         let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| fail(ort::Error::<()>::from(e).to_string()));
         let builder = base().map_err(|e| fail(e.to_string()))?;
@@ -318,7 +349,7 @@ impl Model {
             pipeline: Arc::new(pipeline),
             batching: entry.batching.clone(),
         };
-        Ok(Model { meta, entry: entry.clone(), session })
+        Ok(ModelSession { meta, entry: entry.clone(), session })
     }
 
     pub fn entry(&self) -> &ModelEntry {

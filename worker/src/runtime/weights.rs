@@ -25,7 +25,7 @@
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use inferd_config::model::ModelEntry;
 use ort::session::builder::GraphOptimizationLevel;
@@ -39,39 +39,34 @@ const MODEL_FILE: &str = "model.onnx";
 const DATA_FILE: &str = "model.onnx.data";
 const MANIFEST: &str = "manifest";
 
-/// Where artefacts go (`runtime.cache_dir`), and what names the runtime and the CPU.
-struct Cache {
+/// Where artefacts go (`runtime.cache_dir`), and what names the runtime and the CPU; held by
+/// the process's [`crate::runtime::model::Runtime`].
+pub struct Cache {
     dir: PathBuf,
     runtime: String,
     cpu: String,
 }
 
-static CACHE: OnceLock<Option<Cache>> = OnceLock::new();
 /// Artefacts this process has checked against their manifest already.
 static VERIFIED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
 
-/// Turns shared weights on for this process (`dir` None: every session loads the plain file).
-/// `ort_library`: its file name carries the runtime's version.
-pub fn configure(dir: Option<PathBuf>, ort_library: &Path) {
-    let cache = dir.map(|dir| Cache {
-        dir,
-        runtime: ort_library
-            .file_name()
-            .map_or("ort".into(), |n| n.to_string_lossy().replace("libonnxruntime.so.", "ort")),
-        cpu: cpu_id(),
-    });
-    let _ = CACHE.set(cache);
-}
-
-/// `runtime.cache_dir` and what names this runtime and CPU there, when set (the int8
-/// preparation keeps its files beside the artefacts).
-pub(crate) fn cache_dir() -> Option<(PathBuf, String)> {
-    let cache = CACHE.get()?.as_ref()?;
-    if let Err(e) = make_root(&cache.dir) {
-        warn!("runtime.cache_dir is not used: {e}");
-        return None;
+impl Cache {
+    /// The cache in `dir`. `ort_library`: its file name carries the runtime's version.
+    pub fn new(dir: PathBuf, ort_library: &Path) -> Cache {
+        let runtime =
+            ort_library.file_name().map_or("ort".into(), |n| n.to_string_lossy().replace("libonnxruntime.so.", "ort"));
+        Cache { dir, runtime, cpu: cpu_id() }
     }
-    Some((cache.dir.clone(), format!("{}-{}", cache.runtime, cache.cpu)))
+
+    /// The folder and what names this runtime and CPU there, made and trusted first (the int8
+    /// preparation keeps its files beside the artefacts); None (logged) when it cannot be used.
+    pub(crate) fn root(&self) -> Option<(PathBuf, String)> {
+        if let Err(e) = make_root(&self.dir) {
+            warn!("runtime.cache_dir is not used: {e}");
+            return None;
+        }
+        Some((self.dir.clone(), format!("{}-{}", self.runtime, self.cpu)))
+    }
 }
 
 /// The cache folder, made if missing (mode 0700, whatever the umask), and trusted ([`ours`]).
@@ -91,9 +86,10 @@ pub enum Weights {
     Private(String),
 }
 
-/// The artefact for `entry`'s model file (SHA-256 `sha256`), prepared now if needed; a
-/// session then loads `Shared(path)` with graph optimisation off.
+/// The artefact for `entry`'s model file (SHA-256 `sha256`) in `cache`, prepared now if
+/// needed; a session then loads `Shared(path)` with graph optimisation off.
 pub fn artefact(
+    cache: Option<&Cache>,
     entry: &ModelEntry,
     sha256: &[u8],
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
@@ -102,7 +98,7 @@ pub fn artefact(
     if !entry.share_weights {
         return Weights::Private("share_weights = false in model.toml".into());
     }
-    let Some(Some(cache)) = CACHE.get() else { return Weights::Private("runtime.cache_dir is not set".into()) };
+    let Some(cache) = cache else { return Weights::Private("runtime.cache_dir is not set".into()) };
     let hex: String = sha256.iter().take(8).map(|b| format!("{b:02x}")).collect();
     let key = format!("{name}-{hex}-{}-{}-{FORMAT}", cache.runtime, cache.cpu);
     let dir = cache.dir.join(&key);

@@ -5,7 +5,7 @@
 //! A request's bytes are charged to the worker's body budget as they arrive, and a ModelInfer
 //! message's decoded size is bounded before it is decoded ([`intake`]). Then it takes the same
 //! path as a REST one: the model lookup, the counters (endpoint `infer`), the pipeline or raw
-//! tensors ([`crate::request::infer::run_parsed`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
+//! tensors ([`crate::request::infer::run_v2`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
 //! the REST answers ([`status`]).
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
@@ -145,7 +145,7 @@ impl GrpcInferenceService for Grpc {
             let (index, meta) = found?;
             let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
-            let inferred = infer::run_parsed(state, index, meta, parsed, deadline).await?;
+            let inferred = infer::run_v2(state, index, meta, parsed, deadline).await?;
             Ok(Infer(encode(meta, inferred, raw)))
         };
         let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;

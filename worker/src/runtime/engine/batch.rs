@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::HEAVY_TOKENS;
-use crate::runtime::model::{Model, ModelError};
+use crate::runtime::model::{ModelError, ModelSession};
 use crate::runtime::tensor::element_count;
 use crate::runtime::tensor::Tensor;
 
@@ -93,7 +93,7 @@ pub(super) struct Policy {
 }
 
 impl Policy {
-    pub(super) fn of(model: &Model) -> Policy {
+    pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
         let max_rows = if model.meta.batchable() { b.max_batch_size } else { 1 };
         Policy { max_rows, max_tokens: b.max_batch_tokens, delay: Duration::from_millis(b.max_queue_delay_ms) }

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use inferd_ipc::stats::Shared;
+use inferd_ipc::stats::WorkerCounters;
 
 use super::batch::{Job, Join, Policy};
 use super::{Event, RunClock, Work};
@@ -49,7 +49,7 @@ pub(super) struct Dispatcher {
     last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
     wide_running: bool,
-    counters: Arc<Shared>,
+    counters: Arc<WorkerCounters>,
     clock: Arc<RunClock>,
     /// Gone once every [`super::Engine`] handle is dropped.
     engine: std::sync::Weak<()>,
@@ -71,7 +71,7 @@ impl Dispatcher {
         policies: Vec<Policy>,
         lanes: Vec<mpsc::Sender<Work>>,
         wide_poll: Option<Duration>,
-        counters: Arc<Shared>,
+        counters: Arc<WorkerCounters>,
         clock: Arc<RunClock>,
         engine: std::sync::Weak<()>,
     ) -> Dispatcher {
@@ -297,9 +297,9 @@ mod tests {
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
         let (_, inbox) = mpsc::channel();
         let policies = vec![Policy { max_rows, max_tokens, delay: Duration::ZERO }];
-        let counters = Arc::new(Shared::create("inferd-engine-test").unwrap().0);
+        let counters = Arc::new(WorkerCounters::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
-        let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1)).unwrap());
+        let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1), Default::default()).unwrap());
         let mut d = Dispatcher::new(inbox, policies, Vec::new(), None, counters, clock, std::sync::Weak::new());
         d.pending = pending.into();
         d

@@ -31,11 +31,11 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
-use inferd_ipc::stats::{Latency, Shared};
+use inferd_ipc::stats::{Latency, WorkerCounters};
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use crate::runtime::model::{Model, ModelError};
+use crate::runtime::model::{ModelError, ModelSession};
 use crate::runtime::tensor::Tensor;
 
 mod batch;
@@ -96,9 +96,9 @@ fn leak_for_tests() {
 /// One model's sessions: the HTTP side only ever sees its `meta`.
 pub struct Sessions {
     /// One narrow session (1 thread: its caller) per lane.
-    pub narrow: Vec<Model>,
+    pub narrow: Vec<ModelSession>,
     /// A session on the worker's whole thread pool, when the worker has more than one thread.
-    pub wide: Option<Model>,
+    pub wide: Option<ModelSession>,
 }
 
 /// Handle to the model threads; cheap to clone.
@@ -106,7 +106,7 @@ pub struct Sessions {
 pub struct Engine {
     // std's channel: the receiving side is a plain thread that blocks on recv().
     events: mpsc::Sender<Event>,
-    stats: Arc<Shared>,
+    stats: Arc<WorkerCounters>,
     /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
     max_queue: u64,
     /// Dropped with the last handle: the lanes hold senders too, so the channel alone never
@@ -142,10 +142,11 @@ impl Engine {
     /// for a stuck model.
     pub fn start(
         models: Vec<Sessions>,
-        stats: Arc<Shared>,
+        stats: Arc<WorkerCounters>,
         max_queue: usize,
         run_timeout: Duration,
         poll_when_idle: bool,
+        allocator: Allocator,
     ) -> std::io::Result<Engine> {
         let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
@@ -153,9 +154,10 @@ impl Engine {
         let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
         let (events, inbox) = mpsc::channel::<Event>();
         let alive = Arc::new(());
-        let clock = Arc::new(RunClock::new(lanes, stats.clone(), run_timeout).map_err(std::io::Error::other)?);
+        let clock =
+            Arc::new(RunClock::new(lanes, stats.clone(), run_timeout, allocator).map_err(std::io::Error::other)?);
         // Regroup by lane: lane l gets the l-th narrow session of every model.
-        let mut per_lane: Vec<Vec<Model>> = (0..lanes).map(|_| Vec::new()).collect();
+        let mut per_lane: Vec<Vec<ModelSession>> = (0..lanes).map(|_| Vec::new()).collect();
         let mut wide = Vec::new();
         for set in models {
             for (lane, model) in set.narrow.into_iter().enumerate() {
@@ -188,7 +190,7 @@ impl Engine {
 
     /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
     /// with other requests where `join` and the model's limits allow.
-    pub async fn infer(
+    pub async fn submit(
         &self,
         model: usize,
         inputs: Vec<Tensor>,
@@ -218,7 +220,7 @@ pub(super) struct RunClock {
     // A mutex, not atomics: start and end must update the shared minimum together, and a run
     // is stopped only while its lane still says it runs (see `set`).
     starts: std::sync::Mutex<Vec<u64>>,
-    counters: Arc<Shared>,
+    counters: Arc<WorkerCounters>,
     stops: Vec<RunStop>,
     timeout: Duration,
 }
@@ -230,11 +232,16 @@ struct RunStop {
 }
 
 impl RunClock {
-    fn new(lanes: usize, counters: Arc<Shared>, timeout: Duration) -> ort::Result<RunClock> {
+    fn new(
+        lanes: usize,
+        counters: Arc<WorkerCounters>,
+        timeout: Duration,
+        allocator: Allocator,
+    ) -> ort::Result<RunClock> {
         let stops = (0..lanes)
             .map(|_| {
                 let mut options = ort::session::RunOptions::new()?;
-                if crate::runtime::allocator::current() == Allocator::ArenaShrink {
+                if allocator == Allocator::ArenaShrink {
                     // Every arena the run used goes back to its first chunk when it ends.
                     options.set("memory.enable_memory_arena_shrinkage", "cpu:0")?;
                 }
@@ -290,11 +297,11 @@ type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>);
 struct Lane {
     index: usize,
     /// This lane's narrow session of every model.
-    narrow: Vec<Model>,
+    narrow: Vec<ModelSession>,
     /// Lane 0 only: the wide session of every model.
-    wide: Option<Vec<Model>>,
+    wide: Option<Vec<ModelSession>>,
     done: mpsc::Sender<Event>,
-    counters: Arc<Shared>,
+    counters: Arc<WorkerCounters>,
     clock: Arc<RunClock>,
     /// [`IDLE_POLL`] or zero.
     poll_when_idle: Duration,

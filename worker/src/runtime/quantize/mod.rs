@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
-use crate::runtime::model::{Model, Threads};
+use crate::runtime::model::{ModelSession, Runtime, Threads};
 
 /// Changes whenever what the preparation writes or how it measures changes.
 const FORMAT: &str = "q4";
@@ -103,7 +103,7 @@ pub struct Prepared {
 
 /// Prepares (or finds prepared) the int8 form of `entry`'s model. `Ok(Some)`: serve that file;
 /// `Ok(None)` with a report: serve fp32 (`auto` whose guard failed); `Err`: `int8` refused.
-pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), String> {
+pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), String> {
     let settings = format!(
         "{FORMAT} {:?} {} {} {:?} {:?}",
         entry.precision,
@@ -120,7 +120,7 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect();
-    let (dir, scratch) = match crate::runtime::weights::cache_dir() {
+    let (dir, scratch) = match runtime.cache_root() {
         Some((root, host)) => {
             let dir = root.join(format!("{}-int8-{key}-{host}", entry.name));
             std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
@@ -166,7 +166,7 @@ pub fn prepare(entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, R
         _ => {
             let started = Instant::now();
             info!(model = entry.name, "preparing int8: rewriting the MatMuls and measuring them against fp32");
-            let (bytes, r) = measure(entry, &dir)?;
+            let (bytes, r) = measure(runtime, entry, &dir)?;
             if scratch.is_some() {
                 memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
             }
@@ -244,7 +244,7 @@ impl Outputs {
 }
 
 /// Runs every text alone through `model`: its outputs, and the median time of a text.
-fn run(model: &mut Model, texts: &[String]) -> Result<(Outputs, f64), String> {
+fn run(model: &mut ModelSession, texts: &[String]) -> Result<(Outputs, f64), String> {
     let pipeline = model.meta.pipeline.clone();
     let Pipeline::Text(p) = &*pipeline else { return Err("the accuracy guard needs a text model".into()) };
     let head = p.head.clone();
@@ -313,23 +313,24 @@ fn compare(want: &Outputs, got: &Outputs) -> Deviation {
 }
 
 /// The guard: the int8 bytes to serve (None when refused) and what was measured.
-fn measure(entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>, Report), String> {
+fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>, Report), String> {
     let source = std::fs::read(&entry.path).map_err(|e| format!("cannot read {}: {e}", entry.path.display()))?;
     let candidates = graph::candidates(&source)?;
     let texts = calibration(entry)?;
     // Private, unshared sessions of one thread: nothing lands in the weights cache.
     let plain = ModelEntry { precision: Precision::Fp32, share_weights: false, ..entry.clone() };
-    let mut fp32 = Model::load_with(&plain, Threads::Narrow).map_err(|e| e.to_string())?;
+    let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow).map_err(|e| e.to_string())?;
     let (want, fp32_ms) = run(&mut fp32, &texts)?;
     drop(fp32);
     let scratch = dir.join("candidate.onnx");
     let range = graph::host_range();
     // The model with every candidate but `keep` in int8, loaded from the scratch file.
-    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, Model), String> {
+    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), String> {
         let rewritten = graph::rewrite(&source, keep, range)?;
         std::fs::write(&scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
-        let model = Model::load_with(&ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
-            .map_err(|e| format!("the int8 model does not load: {e}"))?;
+        let model =
+            ModelSession::load(runtime, &ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
+                .map_err(|e| format!("the int8 model does not load: {e}"))?;
         Ok((rewritten.bytes, model))
     };
     let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), String> {
