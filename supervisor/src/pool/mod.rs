@@ -59,9 +59,11 @@ use crate::{admin, signals, tcp, Event};
 mod guards;
 mod reload;
 mod report;
+mod spawn;
 
 use guards::recycle_threshold;
 use report::{proc_status, rows_of};
+use spawn::{dup_high, handoff_socket};
 
 /// A worker that served at least this long, and longer than its own boot took, was not
 /// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
@@ -550,22 +552,9 @@ impl Supervisor {
                 retire(w.pid);
             }
         }
-        let Some(reload) = self.reload.as_mut().filter(|r| r.worker.is_some() && r.worker == spawn) else { return };
-        slot.models = reload.models.clone();
-        let total = self.slots.len();
-        let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
-        info!("reload: {progress}");
-        if let Some(replies) = &reload.replies {
-            let _ = replies.send(Response::progress(progress));
-            if index == 0 && !reload.wait {
-                let _ = replies.send(Response::message(format!(
-                    "the new models passed validation in worker 1; replacing the other {} worker(s) one by one",
-                    total - 1
-                )));
-                reload.replies = None;
-            }
+        if let Some(spawn) = spawn {
+            self.reload_worker_ready(index, spawn, pid);
         }
-        self.advance_reload();
     }
 
     fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
@@ -777,196 +766,12 @@ impl Supervisor {
         }
         phase
     }
-
-    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
-    /// started (a current worker is then retried after a backoff).
-    fn spawn(
-        &mut self,
-        index: usize,
-        role: Role,
-        cause: Cause,
-        models: Vec<ModelEntry>,
-        generation: u64,
-    ) -> Option<u64> {
-        let placement = &self.slots[index].placement;
-        let config = &self.resolved.config;
-        let spec = WorkerSpec {
-            index,
-            generation,
-            cause,
-            threads: placement.threads,
-            cpus: placement.cpus.clone(),
-            ort_library: self.resolved.ort.path.clone(),
-            models,
-            server: config.server.clone(),
-            inherited_listener: self.listener.is_some(),
-            handoff: self.handoff.is_some(),
-            log: config.log.clone(),
-            weights_cache: config.weights_cache(),
-            allocator: config.runtime.allocator,
-            access: match (&self.reload, cause) {
-                (Some(reload), Cause::Reload) => reload.access.clone(),
-                _ => self.access.clone(),
-            },
-        };
-        match self.start_process(&spec) {
-            Ok((pid, stats)) => {
-                info!(
-                    "worker {index} started for {}: pid {pid}, cpus {}, {} threads, generation {generation}",
-                    cause.as_str(),
-                    format_cpus(&spec.cpus),
-                    spec.threads
-                );
-                self.spawns += 1;
-                let spawn = self.spawns;
-                self.slots[index].workers.push(Worker {
-                    pid,
-                    spawn,
-                    cause,
-                    generation,
-                    role,
-                    state: WorkerState::Starting,
-                    started: Instant::now(),
-                    ready_at: None,
-                    models: Vec::new(),
-                    failure: None,
-                    stats,
-                    recycle_after: recycle_threshold(&config.server),
-                    stuck: None,
-                    memory_killed: false,
-                });
-                Some(spawn)
-            }
-            Err(e) => {
-                let slot = &mut self.slots[index];
-                slot.failures += 1;
-                let delay = backoff(slot.failures).max(Duration::from_millis(500));
-                error!("cannot start worker {index}: {e}; retrying in {delay:?}");
-                if role == Role::Current {
-                    slot.start = Start::At(Instant::now() + delay);
-                }
-                None
-            }
-        }
-    }
-
-    /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
-    /// its shared counters as fd 4.
-    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<(u32, WorkerCounters)> {
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let (stats, stats_fd) = WorkerCounters::create(&format!("inferd-worker-{}", spec.index))?;
-        // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
-        // neither dup2 can overwrite the other.
-        let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
-        drop((theirs, stats_fd));
-        let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
-        // The shared listening socket, if systemd passed one, and the hand-off socket (already
-        // above 10: see `run` and `handoff_socket`).
-        let listener_fd = self.listener.as_ref().map(|l| l.as_raw_fd());
-        let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
-        let supervisor = std::process::id() as libc::pid_t;
-        let threads = spec.threads.to_string();
-        let mut command = tokio::process::Command::new(&self.exe);
-        command
-            .arg("worker")
-            .arg("--fd")
-            .arg(WORKER_CONTROL_FD.to_string())
-            // Libraries that size their own pools from these stay within the worker's share.
-            .env("OMP_NUM_THREADS", &threads)
-            .env("MKL_NUM_THREADS", &threads)
-            .env("OPENBLAS_NUM_THREADS", &threads)
-            .env("TOKENIZERS_PARALLELISM", "false")
-            // Workers get the keys' digests in their spec, not the keys.
-            .env_remove(inferd_config::auth::API_KEYS_ENV)
-            // No ONNX Runtime telemetry thread (see worker/src/runtime/model.rs).
-            .env("ORT_DISABLE_TELEMETRY", "1")
-            // Logging starts before the spec is read: the format and the slot come this way.
-            .env("INFERD_LOG_FORMAT", self.resolved.config.log.format.as_str())
-            .env("INFERD_WORKER", spec.index.to_string())
-            .stdin(Stdio::null());
-        for name in systemd::VARIABLES {
-            command.env_remove(name);
-        }
-        // SAFETY: between fork and exec only async-signal-safe libc calls are made, and no
-        // allocation happens.
-        unsafe {
-            command.pre_exec(move || {
-                // dup2 leaves the new descriptors without FD_CLOEXEC: they survive the exec.
-                let listener = listener_fd.map(|fd| (fd, WORKER_LISTENER_FD));
-                let handoff = handoff_fds
-                    .map(|(send, recv)| [(send, WORKER_HANDOFF_SEND_FD), (recv, WORKER_HANDOFF_RECV_FD)])
-                    .into_iter()
-                    .flatten();
-                let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
-                for (from, to) in moves.into_iter().chain(listener).chain(handoff) {
-                    if libc::dup2(from, to) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                // If the supervisor dies, the worker drains and exits instead of lingering.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() != supervisor {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-                }
-                Ok(())
-            });
-        }
-        let mut process = command.spawn()?;
-        drop((control, counters));
-        let pid = process.id().ok_or_else(|| std::io::Error::other("worker exited at once"))?;
-        let mut line = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
-        line.push(b'\n');
-        (&ours).write_all(&line)?;
-        ours.set_nonblocking(true)?;
-        let stream = tokio::net::UnixStream::from_std(ours)?;
-        let slot = spec.index;
-        let events = self.events.clone();
-        // One task per worker: its messages to EOF (the socket closes when it exits), then its
-        // exit, so that `Exited` never overtakes the `Failed` that explains it.
-        tokio::spawn(async move {
-            let mut lines = tokio::io::BufReader::new(stream).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                match serde_json::from_str(&line) {
-                    Ok(message) => {
-                        let _ = events.send(Event::Message { slot, pid, message });
-                    }
-                    Err(e) => {
-                        warn!("worker {slot} (pid {pid}) sent an unreadable message ({e}): {line}")
-                    }
-                }
-            }
-            let status = process.wait().await.ok();
-            let _ = events.send(Event::Exited { slot, pid, status });
-        });
-        Ok((pid, stats))
-    }
 }
 
 /// Retires a worker whose siblings carry on: SIGUSR1 makes it drain and hand its idle
 /// keep-alive connections to them (SIGTERM, for a stopping pool, closes them).
 pub(super) fn retire(pid: u32) {
     let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGUSR1);
-}
-
-/// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 10.
-fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-    let (send, recv) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-        .map_err(std::io::Error::from)?;
-    Ok((dup_high(send.as_raw_fd())?, dup_high(recv.as_raw_fd())?))
-}
-
-/// A copy of `fd` numbered 10 or above, close-on-exec.
-fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
-    if new < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(unsafe { OwnedFd::from_raw_fd(new) })
-    }
 }
 
 fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64, cause: Cause) -> Slot {

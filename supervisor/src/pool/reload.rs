@@ -4,6 +4,28 @@
 use super::*;
 
 impl Supervisor {
+    /// Worker `spawn` (pid `pid`) of slot `index` is ready and current: if the reload started
+    /// it, the slot now runs the reload's models, the client hears of it, and the reload moves
+    /// on to the next slot.
+    pub(super) fn reload_worker_ready(&mut self, index: usize, spawn: u64, pid: u32) {
+        let Some(reload) = self.reload.as_mut().filter(|r| r.worker == Some(spawn)) else { return };
+        self.slots[index].models = reload.models.clone();
+        let total = self.slots.len();
+        let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
+        info!("reload: {progress}");
+        if let Some(replies) = &reload.replies {
+            let _ = replies.send(Response::progress(progress));
+            if index == 0 && !reload.wait {
+                let _ = replies.send(Response::message(format!(
+                    "the new models passed validation in worker 1; replacing the other {} worker(s) one by one",
+                    total - 1
+                )));
+                reload.replies = None;
+            }
+        }
+        self.advance_reload();
+    }
+
     /// Starts a rolling reload: the named model (or all of them, read again) in a new
     /// generation, slot by slot.
     pub(super) fn start_reload(
