@@ -351,7 +351,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // The models are loaded in this process: its memory now approximates one worker's before
     // warm-up. `serve` applies the same rule to worker 0's after warm-up (MemoryBudget::fit).
     use inferd_supervisor::plan::memory::{MemoryBudget, WorkerLimits, WorkerMemory};
-    let one = WorkerMemory::of(std::process::id()).unwrap_or(WorkerMemory { private: 1, shared: 0 });
+    let one = WorkerMemory::of(std::process::id());
     let budget = MemoryBudget::detect();
     let k = plan.workers.len() as u64;
     let (fit, memory_plan) = budget.fit(k, one, "on this process with the models loaded, before warm-up");

@@ -71,9 +71,11 @@ pub struct WorkerMemory {
 }
 
 impl WorkerMemory {
-    /// Read from /proc/PID/status.
-    pub fn of(pid: u32) -> Option<WorkerMemory> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    /// Read from /proc/PID/status; when it cannot be read, 1 byte private and nothing shared
+    /// (the plan then counts the worker as nothing, and its limits' check says so).
+    pub fn of(pid: u32) -> WorkerMemory {
+        let unknown = WorkerMemory { private: 1, shared: 0 };
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return unknown };
         let kb = |name: &str| -> Option<u64> {
             text.lines()
                 .find_map(|l| l.strip_prefix(name))?
@@ -83,9 +85,9 @@ impl WorkerMemory {
                 .ok()
                 .map(|kb| kb * 1024)
         };
-        let rss = kb("VmRSS:")?;
+        let Some(rss) = kb("VmRSS:") else { return unknown };
         let private = kb("RssAnon:").map_or(rss, |anon| anon + kb("RssShmem:").unwrap_or(0)).max(1);
-        Some(WorkerMemory { private, shared: rss.saturating_sub(private) })
+        WorkerMemory { private, shared: rss.saturating_sub(private) }
     }
 }
 
@@ -106,7 +108,8 @@ impl MemoryBudget {
         let fit = fit.max(1);
         let mib = |b: u64| b / (1 << 20);
         let plan = format!(
-            "{k} workers need ~{} MiB ({} MiB private each, {} MiB shared once, measured {measured}); {}; {fit} fit",
+            "{k} {} ~{} MiB ({} MiB private each, {} MiB shared once, measured {measured}); {}; {fit} fit",
+            if k == 1 { "worker needs" } else { "workers need" },
             mib(k * private + shared),
             mib(private),
             mib(shared),
@@ -214,6 +217,28 @@ fn cgroup_memory() -> Option<CgroupMemory> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fit_counts_private_memory_and_each_workers_share_of_the_cgroup() {
+        let mib = 1 << 20;
+        let one = WorkerMemory { private: 10 * mib, shared: 30 * mib };
+        // No cgroup: 1000 MiB of room at 11 MiB a worker (10% to spare), beside the one running.
+        let host = MemoryBudget { available: 1000 * mib, cgroup: None };
+        assert_eq!(host.fit(8, one, "here").0, 91);
+        // 55 MiB of room fits 5 more; but 70 MiB of limit less what is shared, at 12.5 MiB a
+        // worker (its soft limit above a fresh one), allows 5 in all.
+        let cgroup = CgroupMemory { limit: 100 * mib, usage: 45 * mib, source: "test".into(), events: PathBuf::new() };
+        let pod = MemoryBudget { available: 1000 * mib, cgroup: Some(cgroup) };
+        let (fit, line) = pod.fit(8, one, "on worker 0");
+        assert_eq!(fit, 5);
+        assert!(
+            line.starts_with("8 workers need ~110 MiB (10 MiB private each, 30 MiB shared once, measured on worker 0)"),
+            "{line}"
+        );
+        // Never below the one that runs.
+        let full = MemoryBudget { available: 0, cgroup: None };
+        assert_eq!(full.fit(2, one, "x").0, 1);
+    }
 
     fn cgroup(limit: u64, usage: u64) -> CgroupMemory {
         CgroupMemory { limit, usage, source: "t".into(), events: PathBuf::new() }

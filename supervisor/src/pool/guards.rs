@@ -14,7 +14,7 @@ impl Supervisor {
     /// (fit_workers_to_memory) start as many as fit. Also sets the per-worker soft and hard
     /// memory limits.
     pub(super) fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
-        let one = WorkerMemory::of(pid).unwrap_or(WorkerMemory { private: 1, shared: 0 });
+        let one = WorkerMemory::of(pid);
         let (rss, shared) = (one.private, one.shared);
         self.memory.worker_rss = Some(rss);
         let budget = MemoryBudget::detect();

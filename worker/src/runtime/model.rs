@@ -121,11 +121,6 @@ impl Runtime {
         Ok(Runtime { env, allocator, weights: cache_dir.map(|dir| weights::Cache::new(dir, library)) })
     }
 
-    /// runtime.allocator, which every session of this process uses.
-    pub fn allocator(&self) -> Allocator {
-        self.allocator
-    }
-
     /// Where int8 preparations are kept (beside the weights artefacts), when there is a cache.
     pub(crate) fn cache_root(&self) -> Option<(PathBuf, String)> {
         self.weights.as_ref()?.root()
