@@ -23,11 +23,12 @@ pub struct Load {
     pub warmup: Duration,
 }
 
-/// One answered request: its latency, the server's `prepare` time (Server-Timing) and which
-/// body it sent.
+/// One answered request: its latency, the server's `prepare` (tokenising) and `model` (queue
+/// and run) times from Server-Timing, and which body it sent.
 pub struct Sample {
     pub latency: Duration,
     pub prepare_ms: Option<f64>,
+    pub model_ms: Option<f64>,
     pub body: usize,
 }
 
@@ -103,8 +104,9 @@ pub fn closed_loop(load: &Load) -> anyhow::Result<Outcome> {
             match answer {
                 Ok((c, answer)) if answer.status == 200 => {
                     if counted {
-                        let prepare_ms = answer.server_timing("prepare");
-                        samples.lock().unwrap().push(Sample { latency: started.elapsed(), prepare_ms, body });
+                        let latency = started.elapsed();
+                        let (prepare_ms, model_ms) = (answer.server_timing("prepare"), answer.server_timing("model"));
+                        samples.lock().unwrap().push(Sample { latency, prepare_ms, model_ms, body });
                     }
                     // A close the server announced is not an error: the next request reconnects.
                     conn = (!answer.closes()).then_some(c);

@@ -139,12 +139,15 @@ fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]
         warmup: Duration::from_secs_f64(load.warmup),
     })?;
     let samples = &outcome.samples;
-    let prepare: Vec<f64> = samples.iter().filter_map(|s| s.prepare_ms).collect();
-    let mean_latency = samples.iter().map(|s| s.latency.as_secs_f64() * 1e3).sum::<f64>() / samples.len().max(1) as f64;
-    let prepare_share =
-        if prepare.is_empty() { None } else { Some(prepare.iter().sum::<f64>() / prepare.len() as f64 / mean_latency) };
+    // Where a request's time goes, from Server-Timing: tokenising, the model (queue and run),
+    // and the rest (HTTP, JSON, the client), as shares of the mean latency.
+    let mean = |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+    let latency = mean(samples.iter().map(|s| s.latency.as_secs_f64() * 1e3).collect()).unwrap_or(f64::NAN);
+    let prepare = mean(samples.iter().filter_map(|s| s.prepare_ms).collect());
+    let model = mean(samples.iter().filter_map(|s| s.model_ms).collect());
+    let shares = prepare.zip(model).map(|(p, m)| (p / latency, m / latency));
     let label = format!("http {path} c={}", load.concurrency);
-    report(&label, outcome.summary(), outcome.errors, prepare_share);
+    report(&label, outcome.summary(), outcome.errors, shares);
     if let Some(limit) = short_below {
         let short = samples.iter().filter(|s| texts[s.body].len() < limit).map(|s| s.latency).collect();
         report(&format!("{label} texts under {limit} bytes"), Summary::of(short, outcome.elapsed, 1), 0, None);
@@ -308,8 +311,9 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     Ok(())
 }
 
-/// Prints one line for people and one JSON line for scripts.
-fn report(label: &str, s: Summary, errors: usize, prepare_share: Option<f64>) {
+/// Prints one line for people and one JSON line for scripts. `shares`: of tokenising and of
+/// the model in a request's mean latency.
+fn report(label: &str, s: Summary, errors: usize, shares: Option<(f64, f64)>) {
     println!(
         "{label}: {:.1} seq/s, p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, {} requests, {errors} errors{}",
         s.throughput,
@@ -317,11 +321,17 @@ fn report(label: &str, s: Summary, errors: usize, prepare_share: Option<f64>) {
         s.p95_ms,
         s.p99_ms,
         s.requests,
-        prepare_share.map_or(String::new(), |p| format!(", tokenising {:.1}% of a request", p * 100.0))
+        shares.map_or(String::new(), |(p, m)| format!(
+            ", of a request: tokenising {:.1}%, the model {:.1}%, the rest (HTTP, JSON, client) {:.1}%",
+            p * 100.0,
+            m * 100.0,
+            (1.0 - p - m) * 100.0
+        ))
     );
     println!(
         "{}",
         serde_json::json!({"label": label, "throughput": s.throughput, "p50_ms": s.p50_ms, "p95_ms": s.p95_ms,
-            "p99_ms": s.p99_ms, "requests": s.requests, "errors": errors, "prepare_share": prepare_share})
+            "p99_ms": s.p99_ms, "requests": s.requests, "errors": errors,
+            "prepare_share": shares.map(|s| s.0), "model_share": shares.map(|s| s.1)})
     );
 }
