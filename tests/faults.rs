@@ -118,7 +118,9 @@ impl Load {
     }
 
     fn finish(self) {
-        self.clients.stop();
+        // Every step is counted live and says Skipped: a failure here is a client that panicked.
+        let tally = self.clients.stop();
+        assert!(tally.failed.is_empty(), "{:?}", tally.failed);
     }
 }
 
