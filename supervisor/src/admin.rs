@@ -281,20 +281,39 @@ fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Resul
             _ => {}
         }
     }
-    let path = path.map(|p| confined(&p, &model, &admin.allowed, "parameters.path")).transpose()?;
+    let path = path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
     Ok(control::Request::Load { model, path })
+}
+
+/// Who gave a path to load a model from: the admin listener's `load` (a model folder) or
+/// `inferd reload --path` (a folder, or a model file replacing the entry's own).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PathFrom {
+    AdminLoad,
+    ReloadPath,
+}
+
+impl PathFrom {
+    /// How the caller named the path, for the errors.
+    fn name(self) -> &'static str {
+        match self {
+            PathFrom::AdminLoad => "parameters.path",
+            PathFrom::ReloadPath => "--path",
+        }
+    }
 }
 
 /// `path`, symlinks resolved, when it is a model folder inside one of `allowed` and every file
 /// the model's settings name is too (a model.toml naming `/etc/shadow` as its tokenizer, or a
-/// link out of the folder, would let a caller read or load what the service can), or, for
-/// `inferd reload --path`, a model file inside them; `what`: how the caller named the path.
+/// link out of the folder, would let a caller read or load what the service can), or, from
+/// `inferd reload --path`, a model file inside them.
 pub(crate) fn confined(
     path: &std::path::Path,
     model: &str,
     allowed: &[PathBuf],
-    what: &str,
+    from: PathFrom,
 ) -> Result<PathBuf, String> {
+    let what = from.name();
     let roots: Vec<PathBuf> = allowed.iter().filter_map(|r| std::fs::canonicalize(r).ok()).collect();
     let inside = |p: &std::path::Path| {
         std::fs::canonicalize(p).ok().filter(|real| roots.iter().any(|root| real.starts_with(root)))
@@ -307,7 +326,7 @@ pub(crate) fn confined(
             allowed_list()
         )
     })?;
-    if dir.is_file() && what == "--path" {
+    if dir.is_file() && from == PathFrom::ReloadPath {
         // A model file replacing the entry's own: its settings stay those already checked.
         return Ok(dir);
     }

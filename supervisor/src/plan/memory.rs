@@ -74,20 +74,39 @@ impl WorkerMemory {
     /// Read from /proc/PID/status; when it cannot be read, 1 byte private and nothing shared
     /// (the plan then counts the worker as nothing, and its limits' check says so).
     pub fn of(pid: u32) -> WorkerMemory {
-        let unknown = WorkerMemory { private: 1, shared: 0 };
-        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return unknown };
-        let kb = |name: &str| -> Option<u64> {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))?
-                .split_whitespace()
-                .next()?
-                .parse::<u64>()
-                .ok()
-                .map(|kb| kb * 1024)
-        };
-        let Some(rss) = kb("VmRSS:") else { return unknown };
-        let private = kb("RssAnon:").map_or(rss, |anon| anon + kb("RssShmem:").unwrap_or(0)).max(1);
-        WorkerMemory { private, shared: rss.saturating_sub(private) }
+        let proc = proc_status(pid);
+        let private = proc.private.or(proc.rss).unwrap_or(0).max(1);
+        WorkerMemory { private, shared: proc.rss.unwrap_or(0).saturating_sub(private) }
+    }
+}
+
+/// What the kernel says of a process's memory and threads (bytes; None: not readable).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcStatus {
+    pub rss: Option<u64>,
+    /// Pages no other process can share: anonymous and shmem (RssAnon + RssShmem). The
+    /// weights a worker maps from the shared artefact are file pages, counted in `rss` of
+    /// every worker but in memory once; the guards watch this instead.
+    pub private: Option<u64>,
+    pub threads: Option<u64>,
+}
+
+/// /proc/PID/status's memory and thread counts.
+pub fn proc_status(pid: u32) -> ProcStatus {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return ProcStatus::default();
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let kb = |name: &str| field(name).map(|kb| kb * 1024);
+    ProcStatus {
+        rss: kb("VmRSS:"),
+        private: kb("RssAnon:").map(|anon| anon + kb("RssShmem:").unwrap_or(0)),
+        threads: field("Threads:"),
     }
 }
 

@@ -61,8 +61,9 @@ mod reload;
 mod report;
 mod spawn;
 
+use crate::plan::memory::proc_status;
 use guards::recycle_threshold;
-use report::{proc_status, rows_of};
+use report::rows_of;
 use spawn::{dup_high, handoff_socket};
 
 /// A worker that served at least this long, and longer than its own boot took, was not

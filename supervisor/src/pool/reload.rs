@@ -170,8 +170,8 @@ impl Supervisor {
         // control socket is the service's own uid's, which its workers share: a worker an
         // attacker took over must not get a file it wrote loaded by the others.
         let allowed = self.resolved.config.allowed_model_paths();
-        let path =
-            crate::admin::confined(&path, &name, &allowed, "--path").map_err(|e| format!("reload refused: {e}"))?;
+        let path = crate::admin::confined(&path, &name, &allowed, crate::admin::PathFrom::ReloadPath)
+            .map_err(|e| format!("reload refused: {e}"))?;
         let mut models = self.models.clone();
         models[at] = models[at]
             .replaced_by(&path)

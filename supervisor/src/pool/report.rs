@@ -168,36 +168,6 @@ impl Supervisor {
     }
 }
 
-/// RSS in bytes and thread count from /proc/PID/status.
-/// What the kernel says of a process's memory and threads (bytes; None: not readable).
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct ProcStatus {
-    pub rss: Option<u64>,
-    /// Pages no other process can share: anonymous and shmem (RssAnon + RssShmem). The
-    /// weights a worker maps from the shared artefact are file pages, counted in `rss` of
-    /// every worker but in memory once; the guards watch this instead.
-    pub private: Option<u64>,
-    pub threads: Option<u64>,
-}
-
-pub(super) fn proc_status(pid: u32) -> ProcStatus {
-    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return ProcStatus::default();
-    };
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    let kb = |name: &str| field(name).map(|kb| kb * 1024);
-    ProcStatus {
-        rss: kb("VmRSS:"),
-        private: kb("RssAnon:").map(|anon| anon + kb("RssShmem:").unwrap_or(0)),
-        threads: field("Threads:"),
-    }
-}
-
 /// Where the counter rows of a worker serving `served` (in its order) go in the pool's, which
 /// serves `pool`: a model the pool no longer serves is dropped.
 pub(super) fn rows_of(pool: &[ModelEntry], served: &[ModelInfo]) -> Vec<Option<usize>> {
