@@ -130,7 +130,7 @@ fn keys_rotate_by_reload_under_load_with_no_failed_request() {
     write_keys(&keys, &format!("{KEY_B}\n"), 0o600);
     let (ok, said) = reload(&server);
     assert!(ok, "{said}");
-    // A retired worker may take a connection or two while it closes its listener: wait
+    // A retired worker may take a connection or two before it stops accepting: wait
     // (bounded) until A is refused, as every new worker refuses it.
     let started = std::time::Instant::now();
     while post(&server, "/v2/models/typed/infer", Some(KEY_A), &typed_body()).status != 401 {

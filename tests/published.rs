@@ -428,7 +428,7 @@ fn a_model_with_external_data_is_served_and_new_weights_are_a_new_version() {
     std::fs::write(&data, doubled).unwrap();
     let out = Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap();
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    // A retired worker may still take a connection or two while it closes its listener.
+    // A retired worker may still take a connection or two before it stops accepting.
     let started = std::time::Instant::now();
     let (y, new_version) = loop {
         let (y, v) = infer(&server);

@@ -77,9 +77,10 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
 }
 
 /// A worker that stops gracefully on its own (SIGTERM to the worker, not the supervisor)
-/// loses no request: it leaves the port's group first, connections queued on it move to its
-/// siblings (net.ipv4.tcp_migrate_req), and it finishes what it had accepted. The supervisor
-/// then replaces it.
+/// loses no request: it stops accepting, the supervisor takes its slot's socket out of the
+/// port's group so that connections queued on it move to its sibling (net.ipv4.
+/// tcp_migrate_req), and it finishes what it had accepted. The supervisor then replaces it,
+/// and the replacement joins the port on the same socket.
 #[test]
 fn a_worker_that_drains_loses_no_request() {
     if test_workers() < 2 {

@@ -59,9 +59,9 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
-    /// Address every worker binds with SO_REUSEPORT.
+    /// Address the pool listens on: one SO_REUSEPORT socket per worker slot.
     pub listen: String,
-    /// Address every worker also serves KServe v2 over gRPC on (SO_REUSEPORT, joined after
+    /// Address the pool also serves KServe v2 over gRPC on (a socket per slot, joined after
     /// warm-up like `listen`); empty = no gRPC.
     pub grpc_listen: String,
     /// TLS on `listen` (ALPN http/1.1) and `grpc_listen` (ALPN h2): the certificate chain

@@ -15,9 +15,12 @@ use inferd_config::model::ModelEntry;
 
 /// File descriptor of the worker's end of the socketpair.
 pub const WORKER_CONTROL_FD: i32 = 3;
-/// File descriptor of the listening socket a worker inherits when systemd passed one to the
-/// supervisor (socket activation): every worker accepts on that one socket.
+/// File descriptor of the worker's HTTP socket: its slot's own, bound by the supervisor with
+/// SO_REUSEPORT and put into listening by the worker once warm, or, under socket activation,
+/// the one listening socket systemd passed, shared by every worker (see [`WorkerSpec`]).
 pub const WORKER_LISTENER_FD: i32 = 5;
+/// File descriptor of the slot's gRPC socket, when `server.grpc_listen` is set (as fd 5).
+pub const WORKER_GRPC_LISTENER_FD: i32 = 8;
 /// The two ends of the pool's hand-off socket (SOCK_SEQPACKET socketpair the supervisor
 /// holds open): a draining worker sends its idle keep-alive connections into the first (one
 /// message each: the connection's descriptor and the bytes already read from it), and every
@@ -31,8 +34,8 @@ pub const WORKER_HANDOFF_RECV_FD: i32 = 7;
 /// Exit code of a worker whose model failed to load or warm up: the supervisor does not
 /// respawn it in a loop (at start-up the whole server stops with the model's error).
 pub const EXIT_MODEL_LOAD: i32 = 3;
-/// Exit code of a worker that failed to boot for another reason (ONNX Runtime missing,
-/// address in use, bad spec).
+/// Exit code of a worker that failed to boot for another reason (ONNX Runtime missing, bad
+/// spec); `inferd serve` exits with it too when its port cannot be bound.
 pub const EXIT_BOOT: i32 = 4;
 /// Exit code of a worker in which a thread panicked outside any one request's work (see
 /// worker/src/panics.rs): a bug, reported as such; the slot is respawned like after a crash.
@@ -55,9 +58,12 @@ pub struct WorkerSpec {
     pub models: Vec<ModelEntry>,
     /// The [server] settings (limits and timeouts) the worker applies.
     pub server: ServerConfig,
-    /// Serve on the socket at [`WORKER_LISTENER_FD`] instead of binding `server.listen`.
+    /// The socket at [`WORKER_LISTENER_FD`] is systemd's, listening already and shared by the
+    /// whole pool: the worker accepts on it and never takes it out of the port. Otherwise it
+    /// is the slot's socket, which a slot's successive workers share (docs/architecture.md,
+    /// "Sockets").
     #[serde(default)]
-    pub inherited_listener: bool,
+    pub shared_listener: bool,
     /// `runtime.cache_dir`, resolved: where shared weights are prepared (None: off).
     #[serde(default)]
     pub weights_cache: Option<PathBuf>,
@@ -152,7 +158,7 @@ pub enum FailureKind {
 pub enum WorkerMessage {
     /// Models loaded; warm-up inferences are running.
     Warming,
-    /// Warm-up done and the listener is bound: the worker takes traffic from now on.
+    /// Warm-up done and its socket listening: the worker takes traffic from now on.
     Ready { models: Vec<ModelInfo> },
     /// The worker stopped accepting and is finishing its in-flight requests.
     Draining,

@@ -64,7 +64,7 @@ pub fn client_check(script: &str, args: &[&str], server: &Server, success: &str)
     text
 }
 
-/// A port nobody listens on right now. Every worker binds the same port with SO_REUSEPORT,
+/// A port nobody listens on right now. Every worker slot binds the same port with SO_REUSEPORT,
 /// so the port must be chosen up front rather than by binding port 0.
 /// Never the same port twice in one test binary: tests run in parallel, and two servers
 /// given the same port would join one SO_REUSEPORT group and answer each other's requests.
@@ -143,6 +143,18 @@ pub struct Server {
     pub addr: SocketAddr,
     pub socket: PathBuf,
     pub dir: TempDir,
+}
+
+/// A failing test shows what its server said last: a race seen once in CI is then diagnosable
+/// from CI's output alone.
+impl Drop for Server {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.process.log();
+            let tail: Vec<&str> = log.lines().rev().take(80).collect::<Vec<_>>().into_iter().rev().collect();
+            eprintln!("--- the server's last {} log lines ---\n{}", tail.len(), tail.join("\n"));
+        }
+    }
 }
 
 impl Server {

@@ -1,6 +1,7 @@
 //! inferd-worker: one worker process. It loads ONNX Runtime and its models, warms them up,
-//! and only then binds the shared port (SO_REUSEPORT) and serves KServe v2 over HTTP/1.1 (and
-//! over gRPC on a second shared port when `server.grpc_listen` is set).
+//! and only then listens on its slot's socket of the shared port (SO_REUSEPORT) and serves
+//! KServe v2 over HTTP/1.1 (and over gRPC on a second shared port when `server.grpc_listen`
+//! is set).
 //!
 //! Layout, by layer, from the socket down (each folder uses only those below it):
 //! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the

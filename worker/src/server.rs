@@ -13,8 +13,8 @@ use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use inferd_ipc::spec::{
-    Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_HANDOFF_RECV_FD,
-    WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
+    Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_GRPC_LISTENER_FD,
+    WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{WorkerCounters, WORKER_STATS_FD};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -255,13 +255,10 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     // Loading and warming left freed buffers in the allocator: give them back before serving.
     crate::runtime::allocator::trim();
     hold_for_test(spec.cause);
-    let listener = match spec.inherited_listener {
-        true => inherited_listener(),
-        false => bind_reuseport(spec.server.listen_addr()),
-    }
-    .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
+    let http = take_port(WORKER_LISTENER_FD, !spec.shared_listener)
+        .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
     let grpc =
-        spec.server.grpc_addr().map(bind_reuseport).transpose().map_err(|e| {
+        spec.server.grpc_addr().map(|_| take_port(WORKER_GRPC_LISTENER_FD, true)).transpose().map_err(|e| {
             failure(FailureKind::Boot)(format!("cannot listen on {} (gRPC): {e}", spec.server.grpc_listen))
         })?;
     let tls = spec
@@ -271,7 +268,7 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
         .map(Acceptors::new)
         .transpose()
         .map_err(|e| failure(FailureKind::Boot)(format!("server.tls_cert: {e}")))?;
-    Ok((models, Listeners { http: listener, grpc, tls }))
+    Ok((models, Listeners { http, grpc, tls }))
 }
 
 /// Concurrent streams per gRPC connection (each is a request, whose bytes the byte budget
@@ -307,33 +304,44 @@ fn hold_for_test(cause: Cause) {
     }
 }
 
-/// The one socket systemd passed to the supervisor, shared by every worker: the kernel queues
-/// connections on it while no worker accepts (all of them warming, or the service restarting),
-/// and whichever worker is free takes the next. A worker only starts accepting once warm.
-fn inherited_listener() -> std::io::Result<std::net::TcpListener> {
+/// The backlog of a slot's socket. The socket itself is the supervisor's, shared by the
+/// slot's successive workers so that it never closes under a replacement (supervisor/src/
+/// pool/spawn.rs, `SlotSockets`; docs/architecture.md, "Sockets").
+const BACKLOG: i32 = 1024;
+
+/// The socket the supervisor put at `fd`: the slot's, which starts listening now (a worker
+/// joins the port only once warm; listening on a socket already listening, shared with the
+/// worker this one replaces, changes nothing), or systemd's (`slot` false), listening already.
+fn take_port(fd: RawFd, slot: bool) -> std::io::Result<std::net::TcpListener> {
     use std::os::fd::FromRawFd;
     // SAFETY: the supervisor put the socket at this fd for this process (see spec.rs); nothing
     // else here uses it.
-    let socket = socket2::Socket::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_LISTENER_FD) });
-    if !socket.is_listener()? {
-        return Err(std::io::Error::other(format!("fd {WORKER_LISTENER_FD} is not a listening socket")));
+    let socket = socket2::Socket::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    socket.local_addr()?; // a bound socket, not some other descriptor
+    if slot {
+        socket.listen(BACKLOG)?;
+    } else if !socket.is_listener()? {
+        return Err(std::io::Error::other(format!("fd {fd} is not a listening socket")));
     }
     socket.set_nonblocking(true)?;
     socket.set_cloexec(true)?;
     Ok(socket.into())
 }
 
-/// A listener of its own in the port's SO_REUSEPORT group: the kernel spreads new connections
-/// over the group's members, and a worker joins only once it is warm.
-fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(1024)?;
-    Ok(socket.into())
+/// After an accept error: a socket that no longer listens was taken out of the port's group
+/// by the supervisor (its slot had no worker left to accept, see `SlotSockets::leave`) just as
+/// this worker joined it; the worker joins again. Other errors (out of descriptors) back off
+/// instead of spinning.
+async fn accept_failed(listener: &tokio::net::TcpListener, error: std::io::Error) {
+    if error.raw_os_error() == Some(libc::EINVAL) {
+        match socket2::SockRef::from(listener).listen(BACKLOG) {
+            Ok(()) => return info!("the slot's socket had left the port; listening again"),
+            Err(e) => warn!("cannot listen again: {e}"),
+        }
+    } else {
+        warn!("accept failed: {error}");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
 /// What open connections are told when the worker drains.
@@ -533,8 +541,8 @@ impl Calls {
 /// Accepts gRPC connections (HTTP/2, each request a stream) until the worker drains, under
 /// the same per-worker connection limit as HTTP. On drain, and once a connection has had no
 /// call open for server.idle_timeout_secs, it is told GOAWAY: streams in progress finish, and
-/// the client opens its next connection (to a sibling, when this worker has left the port's
-/// SO_REUSEPORT group); gRPC clients retry a stream the GOAWAY refused on their own. Each
+/// the client opens its next connection (to the worker that replaced this one, or a
+/// sibling); gRPC clients retry a stream the GOAWAY refused on their own. Each
 /// call's body is read and charged by [`crate::http::grpc::intake`] before tonic decodes it.
 async fn serve_grpc(
     listener: tokio::net::TcpListener,
@@ -562,8 +570,7 @@ async fn serve_grpc(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
-                    warn!("gRPC accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    accept_failed(&listener, e).await;
                     continue;
                 }
             },
@@ -629,8 +636,6 @@ async fn serve_grpc(
             drop(permit);
         });
     }
-    // Dropping the listener leaves the port's group: new connections go to the siblings.
-    drop(listener);
 }
 
 fn serve(
@@ -755,11 +760,7 @@ fn serve(
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => context.serve(stream, peer, Vec::new(), permit),
-                    Err(e) => {
-                        // Out of descriptors or similar: back off instead of spinning.
-                        warn!("accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    Err(e) => accept_failed(&listener, e).await,
                 },
                 // A connection a retiring sibling handed over, with the bytes it had read.
                 received = async { handoff.as_ref().expect("guarded").recv().await }, if handoff.is_some() => {
@@ -778,11 +779,11 @@ fn serve(
             }
         };
 
-        // Drain: stop taking connections (a SO_REUSEPORT listener leaves the port's group: with
-        // net.ipv4.tcp_migrate_req=1 the kernel moves connections still queued on it to a
-        // sibling; a listener shared through socket activation keeps them queued for the
-        // others), then end every open connection at a request boundary, bounded by the grace
-        // timeout: handed to a sibling when retired (SIGUSR1), closed when the pool stops.
+        // Drain: stop taking connections (the slot's socket stays: the worker that replaced
+        // this one accepts on it already, or the supervisor takes it out of the port once told
+        // `Draining`, and connections waiting in it move to a sibling), then end every open
+        // connection at a request boundary, bounded by the grace timeout: handed to a sibling
+        // when retired (SIGUSR1), closed when the pool stops.
         state.ready.store(false, Ordering::Relaxed);
         drop(listener);
         reporter.send(&WorkerMessage::Draining);

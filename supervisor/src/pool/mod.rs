@@ -9,8 +9,9 @@
 //!
 //! Replacing a slot's worker (reload, recycling) never leaves the slot without a ready
 //! worker: an `incoming` worker is started beside the current one and only when it is ready
-//! does the old one become `retiring` (SIGUSR1: it leaves the port's group, finishes its
-//! requests and hands its idle connections to a sibling; see worker/src/http/handoff.rs). A
+//! does the old one become `retiring` (SIGUSR1: it stops accepting on the slot's socket, which
+//! its successor shares and which never closes in between (spawn.rs, `SlotSockets`), finishes
+//! its requests and hands its idle connections to a sibling; see worker/src/http/handoff.rs). A
 //! reload replaces the slots one after another; the first replacement is the validation of the
 //! new models: if it fails, nothing else changes. Every worker has a spawn id and a [`Cause`]:
 //! a reload advances only on the ready of the worker it started itself, fails only on that
@@ -38,10 +39,11 @@ use crate::plan::cpu::{format_cpus, plan, Placement};
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use inferd_config::auth::Access;
+use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{
     Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
-    WORKER_CONTROL_FD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
+    WORKER_CONTROL_FD, WORKER_GRPC_LISTENER_FD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Snapshot, WorkerCounters, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
 use nix::sys::signal::Signal;
@@ -64,7 +66,7 @@ mod spawn;
 use crate::plan::memory::proc_status;
 use guards::recycle_threshold;
 use report::rows_of;
-use spawn::{dup_high, handoff_socket};
+use spawn::{dup_high, handoff_socket, SlotSockets};
 
 /// A worker that served at least this long, and longer than its own boot took, was not
 /// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
@@ -87,6 +89,9 @@ pub enum SupervisorError {
     Boot { slot: usize, error: String },
     #[error("memory plan: {0}")]
     Memory(String),
+    /// The port (or the gRPC port) cannot be bound.
+    #[error("{0}")]
+    Port(String),
     #[error(transparent)]
     Control(#[from] ControlError),
     #[error(transparent)]
@@ -99,7 +104,7 @@ impl SupervisorError {
     pub fn exit_code(&self) -> i32 {
         match self {
             SupervisorError::ModelLoad { .. } => EXIT_MODEL_LOAD,
-            SupervisorError::Boot { .. } => EXIT_BOOT,
+            SupervisorError::Boot { .. } | SupervisorError::Port(_) => EXIT_BOOT,
             _ => 1,
         }
     }
@@ -154,6 +159,8 @@ struct Slot {
     last_exit: Option<String>,
     /// A recycling replacement failed: no new attempt before this.
     recycle_pause: Option<Instant>,
+    /// Its place on the port, shared by its successive workers (spawn.rs).
+    sockets: SlotSockets,
 }
 
 /// When a slot starts its next current worker: the one place that says what may start one.
@@ -193,6 +200,14 @@ impl Slot {
 
     fn ready(&self) -> bool {
         self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
+    }
+
+    /// After one of its workers stopped accepting or died: when no other one accepts (a ready
+    /// worker that is not retiring), the slot leaves the port until its next worker is warm.
+    fn leave_port_unless_served(&self) {
+        if !self.workers.iter().any(|w| w.role != Role::Retiring && w.state == WorkerState::Ready) {
+            self.sockets.leave();
+        }
     }
 
     /// A worker of the slot, other than a retiring one, that has not reported ready yet.
@@ -321,7 +336,8 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         let socket = resolved.config.control_socket();
         let listener = control::bind(&socket)?;
         if activated.is_none() {
-            // Workers bind their own SO_REUSEPORT listeners (a shared socket needs no migration).
+            // A slot left without a worker takes its socket out of the group (systemd's shared
+            // socket never leaves, so needs no migration).
             tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
         }
         let (events, mut queue) = mpsc::unbounded_channel();
@@ -361,13 +377,13 @@ impl Supervisor {
         resolved: Resolved,
         events: mpsc::UnboundedSender<Event>,
         listener: Option<OwnedFd>,
-    ) -> std::io::Result<Supervisor> {
-        let mut slots: Vec<Slot> = resolved
-            .plan
-            .workers
-            .iter()
-            .map(|p| new_slot(p.clone(), resolved.models.clone(), 1, Cause::Boot))
-            .collect();
+    ) -> Result<Supervisor, SupervisorError> {
+        let mut slots = Vec::new();
+        for placement in &resolved.plan.workers {
+            let sockets =
+                SlotSockets::bind(&resolved.config.server, listener.is_some()).map_err(SupervisorError::Port)?;
+            slots.push(new_slot(placement.clone(), resolved.models.clone(), 1, Cause::Boot, sockets));
+        }
         // The first worker starts alone: its RSS after warm-up decides whether the others fit.
         for slot in slots.iter_mut().skip(1) {
             slot.start = Start::Held;
@@ -531,6 +547,7 @@ impl Supervisor {
             }
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
+                slot.leave_port_unless_served();
                 self.finish_reload();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
@@ -562,6 +579,9 @@ impl Supervisor {
         let Some(slot) = self.slots.get_mut(index) else { return };
         let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
         let worker = slot.workers.remove(at);
+        if worker.state != WorkerState::Draining {
+            slot.leave_port_unless_served();
+        }
         self.totals
             .retired
             .add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
@@ -775,7 +795,13 @@ pub(super) fn retire(pid: u32) {
     let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGUSR1);
 }
 
-fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64, cause: Cause) -> Slot {
+fn new_slot(
+    placement: Placement,
+    models: Vec<ModelEntry>,
+    generation: u64,
+    cause: Cause,
+    sockets: SlotSockets,
+) -> Slot {
     Slot {
         placement,
         models,
@@ -787,6 +813,7 @@ fn new_slot(placement: Placement, models: Vec<ModelEntry>, generation: u64, caus
         cause,
         last_exit: None,
         recycle_pause: None,
+        sockets,
     }
 }
 
@@ -858,7 +885,9 @@ mod tests {
     #[test]
     fn only_a_slots_start_state_starts_its_worker() {
         let now = Instant::now();
-        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1, Cause::Boot);
+        let sockets =
+            SlotSockets::bind(&ServerConfig { listen: "127.0.0.1:0".into(), ..Default::default() }, false).unwrap();
+        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1, Cause::Boot, sockets);
         let later = now + Duration::from_secs(5);
         for (start, due) in [
             (Start::At(now), true),

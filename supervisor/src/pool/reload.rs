@@ -240,7 +240,7 @@ impl Supervisor {
 
     /// The reload's last step, once every slot runs the new models: it is complete (and
     /// `reload --wait` answers) when no worker it replaced can take a connection any more,
-    /// each having reported Draining (sent once it has closed its listener) or exited. Until
+    /// each having reported Draining (sent once it stopped accepting) or exited. Until
     /// then a client that calls at once could still reach an old worker: one that answered
     /// "not ready" for a model just loaded made tests/repository.rs fail now and then.
     /// Called after each Draining report and every tick.
@@ -310,7 +310,9 @@ impl Supervisor {
                         .map_err(|e| format!("scale +1 refused: {e}"))?;
                 let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
-                self.slots.push(new_slot(placement, self.models.clone(), self.generation, Cause::Scale));
+                let sockets = SlotSockets::bind(&self.resolved.config.server, self.listener.is_some())
+                    .map_err(|e| format!("scale +1 refused: {e}"))?;
+                self.slots.push(new_slot(placement, self.models.clone(), self.generation, Cause::Scale, sockets));
                 Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
             }
             -1 => {

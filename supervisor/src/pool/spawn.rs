@@ -1,7 +1,7 @@
 //! Starting a worker: its spec, the re-exec of this binary as `inferd worker` with its
-//! descriptors in place (the control socket, the shared counters, the inherited listener and
-//! the hand-off socket, at the numbers ipc/src/spec.rs gives them), and the task that forwards
-//! its messages and then reaps it.
+//! descriptors in place (the control socket, the shared counters, its slot's sockets on the
+//! port and the hand-off socket, at the numbers ipc/src/spec.rs gives them), and the task that
+//! forwards its messages and then reaps it. And the slot's sockets themselves.
 
 use super::*;
 
@@ -27,7 +27,7 @@ impl Supervisor {
             ort_library: self.resolved.ort.path.clone(),
             models,
             server: config.server.clone(),
-            inherited_listener: self.listener.is_some(),
+            shared_listener: self.listener.is_some(),
             handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
@@ -37,7 +37,7 @@ impl Supervisor {
                 _ => self.access.clone(),
             },
         };
-        match self.start_process(&spec) {
+        match self.start_process(&spec, &self.slots[index].sockets) {
             Ok((pid, stats)) => {
                 info!(
                     "worker {index} started for {}: pid {pid}, cpus {}, {} threads, generation {generation}",
@@ -80,7 +80,7 @@ impl Supervisor {
 
     /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
     /// its shared counters as fd 4.
-    fn start_process(&self, spec: &WorkerSpec) -> std::io::Result<(u32, WorkerCounters)> {
+    fn start_process(&self, spec: &WorkerSpec, sockets: &SlotSockets) -> std::io::Result<(u32, WorkerCounters)> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let (stats, stats_fd) = WorkerCounters::create(&format!("inferd-worker-{}", spec.index))?;
         // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
@@ -88,9 +88,10 @@ impl Supervisor {
         let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
         drop((theirs, stats_fd));
         let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
-        // The shared listening socket, if systemd passed one, and the hand-off socket (already
-        // above 10: see `run` and `handoff_socket`).
-        let listener_fd = self.listener.as_ref().map(|l| l.as_raw_fd());
+        // The slot's sockets, or systemd's shared one, and the hand-off socket (already above
+        // 10: see `run`, `SlotSockets::bind` and `handoff_socket`).
+        let listener_fd = sockets.http.as_ref().or(self.listener.as_ref()).map(|l| l.as_raw_fd());
+        let grpc_fd = sockets.grpc.as_ref().map(|l| l.as_raw_fd());
         let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
@@ -120,13 +121,14 @@ impl Supervisor {
         unsafe {
             command.pre_exec(move || {
                 // dup2 leaves the new descriptors without FD_CLOEXEC: they survive the exec.
-                let listener = listener_fd.map(|fd| (fd, WORKER_LISTENER_FD));
+                let listeners =
+                    [listener_fd.map(|fd| (fd, WORKER_LISTENER_FD)), grpc_fd.map(|fd| (fd, WORKER_GRPC_LISTENER_FD))];
                 let handoff = handoff_fds
                     .map(|(send, recv)| [(send, WORKER_HANDOFF_SEND_FD), (recv, WORKER_HANDOFF_RECV_FD)])
                     .into_iter()
                     .flatten();
                 let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
-                for (from, to) in moves.into_iter().chain(listener).chain(handoff) {
+                for (from, to) in moves.into_iter().chain(listeners.into_iter().flatten()).chain(handoff) {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -170,6 +172,64 @@ impl Supervisor {
         });
         Ok((pid, stats))
     }
+}
+
+/// A slot's sockets on the port (HTTP, and gRPC when server.grpc_listen is set): bound with
+/// SO_REUSEPORT when the slot is made, handed to each of its workers in turn, each of which
+/// puts them into listening once warm, and closed only when the slot goes. A listener that
+/// closes while the kernel completes a handshake for it resets that connection, even with
+/// net.ipv4.tcp_migrate_req=1 (measured: 2 in 219,000 connections while one listener of two
+/// closed every 35 ms); a socket kept open across a replacement closes nothing.
+pub(super) struct SlotSockets {
+    /// None under socket activation: the workers share systemd's socket instead.
+    http: Option<OwnedFd>,
+    grpc: Option<OwnedFd>,
+}
+
+impl SlotSockets {
+    pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, String> {
+        let http = match activated {
+            true => None,
+            false => Some(
+                bind_reuseport(server.listen_addr()).map_err(|e| format!("cannot listen on {}: {e}", server.listen))?,
+            ),
+        };
+        let grpc = server
+            .grpc_addr()
+            .map(bind_reuseport)
+            .transpose()
+            .map_err(|e| format!("cannot listen on {} (gRPC): {e}", server.grpc_listen))?;
+        Ok(SlotSockets { http, grpc })
+    }
+
+    /// Takes the slot out of the port's group when none of its workers accepts any more (its
+    /// worker died, or was retired with no successor: `scale -1`, a replacement that waits
+    /// for memory): connections waiting in its sockets move to the siblings
+    /// (net.ipv4.tcp_migrate_req) and new ones go there, instead of waiting for the slot's
+    /// next worker, which puts the sockets back by listening on them.
+    ///
+    /// Only a listening socket is shut down, and only here (workers never do; the supervisor
+    /// is one thread): shutdown() of a socket that is not listening marks it so that every
+    /// connection it accepts after its next listen() reads end-of-file at once.
+    pub(super) fn leave(&self) {
+        use nix::sys::socket::{getsockopt, shutdown, sockopt::AcceptConn, Shutdown};
+        for socket in self.http.iter().chain(&self.grpc) {
+            if getsockopt(socket, AcceptConn).unwrap_or(false) {
+                let _ = shutdown(socket.as_raw_fd(), Shutdown::Read);
+            }
+        }
+    }
+}
+
+/// A socket bound to `addr` in the port's SO_REUSEPORT group, not listening yet, numbered
+/// above 10 (see `start_process`).
+fn bind_reuseport(addr: std::net::SocketAddr) -> std::io::Result<OwnedFd> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    dup_high(socket.as_raw_fd())
 }
 
 /// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 10.
