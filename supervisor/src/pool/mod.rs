@@ -365,8 +365,10 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
-        let mut supervisor = Supervisor::new(resolved, events, activated)?;
-        let result = supervisor.run(&mut queue).await;
+        let result = match Supervisor::new(resolved, events, activated) {
+            Ok(mut supervisor) => supervisor.run(&mut queue).await,
+            Err(e) => Err(e),
+        };
         let _ = std::fs::remove_file(&socket);
         result
     })
