@@ -69,6 +69,10 @@ enum Command {
         /// Let a wide session's pool threads spin between operators (server.intra_op_spinning).
         #[arg(long)]
         spin: bool,
+        /// How finely a wide session splits its loops (server.intra_op_block_base; 0 = ORT's
+        /// static split).
+        #[arg(long, default_value_t = 4)]
+        block_base: u32,
         /// fp32 (the file as it is) or int8 (inferd's int8 rewrite of it, prepared as a worker
         /// prepares it, its accuracy guard included, and kept in --cache-dir).
         #[arg(long, default_value = "fp32")]
@@ -111,8 +115,20 @@ fn main() -> anyhow::Result<()> {
             let texts = read_texts(&clients.texts)?;
             grpc(&clients, &model, &texts)
         }
-        Command::Ort { model, ort_library, parallel, threads, batch, spin, precision, cache_dir, seconds, texts } => {
-            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin, precision, cache_dir };
+        Command::Ort {
+            model,
+            ort_library,
+            parallel,
+            threads,
+            batch,
+            spin,
+            block_base,
+            precision,
+            cache_dir,
+            seconds,
+            texts,
+        } => {
+            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin, block_base, precision, cache_dir };
             ort(&model, &ort_library, setup, seconds, &read_texts(&texts)?)
         }
     }
@@ -229,12 +245,13 @@ struct OrtSetup {
     threads: usize,
     batch: usize,
     spin: bool,
+    block_base: u32,
     precision: Precision,
     cache_dir: PathBuf,
 }
 
 fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
-    let OrtSetup { parallel, threads, batch, spin, precision, cache_dir } = setup;
+    let OrtSetup { parallel, threads, batch, spin, block_base, precision, cache_dir } = setup;
     let folder = std::path::absolute(model)?;
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
@@ -243,7 +260,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     let cache = (precision != Precision::Fp32).then(|| std::path::absolute(cache_dir)).transpose()?;
     entry.precision = precision;
     let runtime = Arc::new(Runtime::init(library, Default::default(), cache)?);
-    let session_threads = if threads > 1 { Threads::Wide { threads, spin } } else { Threads::Narrow };
+    let session_threads = if threads > 1 { Threads::Wide { threads, spin, block_base } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
     let start = Arc::new(std::sync::Barrier::new(parallel + 1));
@@ -304,7 +321,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
         all.extend(t.join().expect("ort thread")?);
     }
     let label = format!(
-        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} precision={}",
+        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} block_base={block_base} precision={}",
         precision.as_str()
     );
     report(&label, Summary::of(all, elapsed, batch), 0, None);

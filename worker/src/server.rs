@@ -237,7 +237,8 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             .map_err(load_error)?;
         let wide = match spec.threads > 1 {
             true => {
-                let wide = Threads::Wide { threads: spec.threads, spin: spec.server.intra_op_spinning };
+                let (spin, block_base) = (spec.server.intra_op_spinning, spec.server.intra_op_block_base);
+                let wide = Threads::Wide { threads: spec.threads, spin, block_base };
                 Some(ModelSession::load(&runtime, entry, wide).map_err(load_error)?)
             }
             false => None,

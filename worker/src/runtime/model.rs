@@ -134,8 +134,9 @@ pub enum Threads {
     Narrow,
     /// `threads` in all (the caller and a pool of its own): a *wide* session, for a request
     /// that has the worker to itself. `spin`: pool threads spin between the operators of a run
-    /// (server.intra_op_spinning).
-    Wide { threads: usize, spin: bool },
+    /// (server.intra_op_spinning); `block_base`: how finely its loops are split between them
+    /// (server.intra_op_block_base, 0 = ORT's static split).
+    Wide { threads: usize, spin: bool, block_base: u32 },
 }
 
 /// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
@@ -288,9 +289,13 @@ impl ModelSession {
             // Pool threads may spin between the operators of a run but stop when it ends:
             // measured on MiniLM at 20 lone requests/s, spinning past the end of each run cost
             // 0.5 of a core (the worker used 774 ms of CPU per second, 246 with the stop).
-            Threads::Wide { threads, spin } => {
+            Threads::Wide { threads, spin, block_base } => {
                 let builder = step(builder.with_intra_threads(threads))?;
                 let builder = step(builder.with_intra_op_spinning(spin))?;
+                let builder = match block_base {
+                    0 => builder,
+                    base => step(builder.with_config_entry("session.dynamic_block_base", base.to_string()))?,
+                };
                 step(builder.with_config_entry("session.force_spinning_stop", "1"))?
             }
         };
