@@ -164,14 +164,18 @@ fn port_socket(pid: i32) -> String {
     std::fs::read_link(format!("/proc/{pid}/fd/5")).unwrap().to_string_lossy().into_owned()
 }
 
-/// Waits until slot `index` has a ready worker other than `old`; returns its pid.
+/// Waits until slot `index` has a ready worker other than `old`; returns its pid. (Status
+/// lists every worker, a slot's retiring and incoming ones included: rows are found by slot.)
 fn replaced(server: &Server, index: usize, old: i32) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let status = server.status();
-        let w = &status["workers"][index];
-        if w["state"] == "ready" && w["pid"].as_i64().is_some_and(|p| p as i32 != old) {
-            return w["pid"].as_i64().unwrap() as i32;
+        let pid = status["workers"].as_array().unwrap().iter().find_map(|w| {
+            let pid = w["pid"].as_i64()? as i32;
+            (w["index"] == index && w["state"] == "ready" && pid != old).then_some(pid)
+        });
+        if let Some(pid) = pid {
+            return pid;
         }
         assert!(Instant::now() < deadline, "slot {index} not replaced: {status:#}\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
@@ -195,15 +199,21 @@ fn a_slots_socket_outlives_its_workers() {
     unique.dedup();
     assert_eq!(unique.len(), workers, "one socket per slot: {sockets:?}");
     server.signal(Signal::SIGHUP);
-    for (index, &old) in before.iter().enumerate() {
-        let new = replaced(&server, index, old);
-        assert_eq!(port_socket(new), sockets[index], "slot {index} after the reload");
+    let after: Vec<i32> = (0..workers).map(|index| replaced(&server, index, before[index])).collect();
+    for (index, &pid) in after.iter().enumerate() {
+        assert_eq!(port_socket(pid), sockets[index], "slot {index} after the reload");
     }
-    let crashed = server.worker_pids()[workers - 1];
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(crashed), Signal::SIGKILL).unwrap();
-    let respawned = replaced(&server, workers - 1, crashed);
-    assert_eq!(port_socket(respawned), sockets[workers - 1], "slot {} after a crash", workers - 1);
-    let index = (workers - 1).to_string();
+    // Once the replaced workers are gone, the last slot's worker dies.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.worker_pids().len() > workers {
+        assert!(Instant::now() < deadline, "old workers still there: {:#}", server.status());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let last = workers - 1;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(after[last]), Signal::SIGKILL).unwrap();
+    let respawned = replaced(&server, last, after[last]);
+    assert_eq!(port_socket(respawned), sockets[last], "slot {last} after a crash");
+    let index = last.to_string();
     let served = (0..200).any(|_| {
         server.request("POST", "/v2/models/typed/infer", &typed_request()).header("x-inferd-worker")
             == Some(index.as_str())
