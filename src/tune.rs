@@ -424,7 +424,7 @@ impl Server {
     }
 
     fn log_tail(&self) -> String {
-        self.process.log_tail(3)
+        self.process.log_tail(3, " | ")
     }
 }
 

@@ -46,11 +46,11 @@ impl Process {
         self.log.lock().unwrap().clone()
     }
 
-    /// The last `lines` lines of the log, joined by " | ".
-    pub fn log_tail(&self, lines: usize) -> String {
+    /// The last `lines` lines of the log, joined by `separator`.
+    pub fn log_tail(&self, lines: usize, separator: &str) -> String {
         let log = self.log();
         let last: Vec<&str> = log.lines().rev().take(lines).collect();
-        last.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        last.into_iter().rev().collect::<Vec<_>>().join(separator)
     }
 
     /// Its exit status, if it has exited.

@@ -150,9 +150,7 @@ pub struct Server {
 impl Drop for Server {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let log = self.process.log();
-            let tail: Vec<&str> = log.lines().rev().take(80).collect::<Vec<_>>().into_iter().rev().collect();
-            eprintln!("--- the server's last {} log lines ---\n{}", tail.len(), tail.join("\n"));
+            eprintln!("--- the server's last log lines ---\n{}", self.process.log_tail(80, "\n"));
         }
     }
 }

@@ -202,10 +202,11 @@ impl Slot {
         self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
     }
 
-    /// After one of its workers stopped accepting or died: when no other one accepts (a ready
-    /// worker that is not retiring), the slot leaves the port until its next worker is warm.
+    /// After one of its workers stopped accepting or died: when no other one accepts (its
+    /// current worker is not ready; an incoming one is promoted as it reports ready), the slot
+    /// leaves the port until its next worker is warm.
     fn leave_port_unless_served(&self) {
-        if !self.workers.iter().any(|w| w.role != Role::Retiring && w.state == WorkerState::Ready) {
+        if !self.ready() {
             self.sockets.leave();
         }
     }
