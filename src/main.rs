@@ -305,7 +305,8 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     );
     for w in &plan.workers {
         let cpus = if w.cpus.is_empty() { "not pinned".to_string() } else { format_cpus(&w.cpus) };
-        println!("  worker {}:      cpus {cpus}, {} thread(s)", w.index, w.threads);
+        let borrows = w.borrow.map_or(String::new(), |cpu| format!(", and cpu {cpu} while its worker is idle"));
+        println!("  worker {}:      cpus {cpus}, {} thread(s){borrows}", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
     // As the workers will: an int8 preparation made here is theirs too.

@@ -36,8 +36,15 @@ fn status_lists_k_ready_workers_pinned_to_disjoint_cpus_within_the_budget() {
         let threads = w["threads"].as_u64().unwrap() as usize;
         assert_eq!(threads, status["threads_per_worker"].as_u64().unwrap() as usize);
         assert_eq!(threads, usable / k, "each worker's intra-op threads are its share of the cores");
-        // Documented in worker/src/lib.rs: T intra-op threads -> 2T + 1 OS threads.
-        assert_eq!(w["os_threads"].as_u64(), Some(2 * threads as u64 + 1), "{w}");
+        // Documented in worker/src/lib.rs: T intra-op threads -> 2T + 1 OS threads, and one
+        // more, pinned to the sibling's core, for a worker that borrows it.
+        let borrows = w["borrows"].as_u64().map(|cpu| cpu as usize);
+        assert_eq!(w["os_threads"].as_u64(), Some(2 * threads as u64 + 1 + borrows.is_some() as u64), "{w}");
+        if k == 2 && threads == 1 {
+            // Two workers of one thread lend each other their cores (server.lend_idle_cores).
+            let sibling = &workers[1 - w["index"].as_u64().unwrap() as usize];
+            assert_eq!(borrows.map(|cpu| cpu as u64), sibling["cpus"][0].as_u64(), "{w}");
+        }
         assert!(w["rss_bytes"].as_u64().unwrap() > 1 << 20);
         assert_eq!(w["models"][0]["name"], "typed");
         total_threads += threads;
@@ -120,4 +127,75 @@ fn a_killed_worker_is_replaced_while_the_others_keep_answering() {
     });
     assert!(served_by_0, "the replacement never served a request");
     drop(server.wait_ready(Duration::from_secs(1)));
+}
+
+/// The CPUs each thread of `pid` may run on (`Cpus_allowed_list` of /proc/PID/task/*/status).
+fn thread_cpus(pid: i32) -> Vec<String> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
+        .filter_map(|s| s.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|c| c.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn workers_of_one_thread_borrow_an_idle_siblings_core_and_a_killed_borrower_stalls_nobody() {
+    if test_workers() < 2 {
+        eprintln!("skipped: lending needs 2 usable cores, this machine has 1");
+        return;
+    }
+    let mut server = start("lend");
+    let status = server.status();
+    let workers = status["workers"].as_array().unwrap().clone();
+    for (w, sibling) in [(&workers[0], &workers[1]), (&workers[1], &workers[0])] {
+        let (own, theirs) = (w["cpus"][0].as_u64().unwrap(), sibling["cpus"][0].as_u64().unwrap());
+        assert_eq!(w["borrows"].as_u64(), Some(theirs), "{status:#}");
+        // Every thread runs on the worker's own core but one, ORT's pool thread of the wide
+        // session, pinned to the sibling's.
+        let mut cpus = thread_cpus(w["pid"].as_i64().unwrap() as i32);
+        cpus.sort();
+        let mut expected = vec![own.to_string(); cpus.len() - 1];
+        expected.push(theirs.to_string());
+        expected.sort();
+        assert_eq!(cpus, expected, "threads of worker {w}");
+    }
+
+    // One request at a time: each has the pool to itself and borrows the sibling's core.
+    for _ in 0..50 {
+        let r = server.request("POST", "/v2/models/typed/infer", &typed_request());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let borrowed = |server: &Server| {
+        metric_value(&server.metrics_text(), "inferd_core_lending_total{event=\"borrowed\"}").unwrap_or(0.0)
+    };
+    let lent = borrowed(&server);
+    assert!(lent > 0.0, "50 lone requests, none borrowed a core:\n{}", server.metrics_text());
+    eprintln!("{lent} of 50 lone requests ran on both cores");
+
+    // Under load, a worker that may hold its sibling's core dies: the sibling goes on
+    // answering (the supervisor frees what the dead worker held) and the port stays served.
+    let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| Instant::now());
+    std::thread::sleep(Duration::from_millis(500));
+    let victim = workers[0]["pid"].as_i64().unwrap() as i32;
+    kill(Pid::from_raw(victim), Signal::SIGKILL).unwrap();
+    let killed_at = Instant::now();
+    let status = loop {
+        let status = server.status();
+        let w = &status["workers"][0];
+        if w["state"] == "ready" && w["pid"].as_i64() != Some(victim as i64) {
+            break status;
+        }
+        assert!(killed_at.elapsed() < Duration::from_secs(20), "no replacement after 20 s: {status:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let (served, failed, answered_at) = load.finish();
+    let after = answered_at.iter().filter(|&&t| t > killed_at).count();
+    eprintln!("{served} answered ({after} after the SIGKILL), {} failed: {failed:?}", failed.len());
+    assert!(after > 0, "nothing answered after the SIGKILL");
+    // At most the request each client had in the dead worker fails.
+    assert!(failed.len() <= 2, "{failed:?}");
+    // The replacement borrows again.
+    let replacement = status["workers"][0]["pid"].as_i64().unwrap() as i32;
+    assert!(thread_cpus(replacement).contains(&workers[1]["cpus"][0].as_u64().unwrap().to_string()));
 }

@@ -73,6 +73,10 @@ enum Command {
         /// static split).
         #[arg(long, default_value_t = 4)]
         block_base: u32,
+        /// Pin a wide session's pool threads to this CPU (as a worker that borrows a sibling's
+        /// core does; run the benchmark itself pinned to another with `taskset`).
+        #[arg(long)]
+        pool_cpu: Option<usize>,
         /// fp32 (the file as it is) or int8 (inferd's int8 rewrite of it, prepared as a worker
         /// prepares it, its accuracy guard included, and kept in --cache-dir).
         #[arg(long, default_value = "fp32")]
@@ -123,12 +127,14 @@ fn main() -> anyhow::Result<()> {
             batch,
             spin,
             block_base,
+            pool_cpu,
             precision,
             cache_dir,
             seconds,
             texts,
         } => {
-            let setup = OrtSetup { parallel, threads, batch: batch.max(1), spin, block_base, precision, cache_dir };
+            let batch = batch.max(1);
+            let setup = OrtSetup { parallel, threads, batch, spin, block_base, pool_cpu, precision, cache_dir };
             ort(&model, &ort_library, setup, seconds, &read_texts(&texts)?)
         }
     }
@@ -246,12 +252,13 @@ struct OrtSetup {
     batch: usize,
     spin: bool,
     block_base: u32,
+    pool_cpu: Option<usize>,
     precision: Precision,
     cache_dir: PathBuf,
 }
 
 fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
-    let OrtSetup { parallel, threads, batch, spin, block_base, precision, cache_dir } = setup;
+    let OrtSetup { parallel, threads, batch, spin, block_base, pool_cpu, precision, cache_dir } = setup;
     let folder = std::path::absolute(model)?;
     let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
     let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
@@ -260,7 +267,8 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     let cache = (precision != Precision::Fp32).then(|| std::path::absolute(cache_dir)).transpose()?;
     entry.precision = precision;
     let runtime = Arc::new(Runtime::init(library, Default::default(), cache)?);
-    let session_threads = if threads > 1 { Threads::Wide { threads, spin, block_base } } else { Threads::Narrow };
+    let session_threads =
+        if threads > 1 { Threads::Wide { threads, spin, block_base, pool_cpu } } else { Threads::Narrow };
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
     let start = Arc::new(std::sync::Barrier::new(parallel + 1));
@@ -321,7 +329,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
         all.extend(t.join().expect("ort thread")?);
     }
     let label = format!(
-        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} block_base={block_base} precision={}",
+        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} block_base={block_base} pool_cpu={pool_cpu:?} precision={}",
         precision.as_str()
     );
     report(&label, Summary::of(all, elapsed, batch), 0, None);

@@ -93,6 +93,12 @@ pub struct ServerConfig {
     pub allow_oversubscription: bool,
     /// Pin each worker to its own disjoint CPU set (sched_setaffinity).
     pub pin_workers: bool,
+    /// With pinned workers of one thread each, a worker runs a request that has it to itself
+    /// on two threads, the second on a sibling's core while that core is idle (borrowed for
+    /// the one run; the sibling waits for it at most that run). So a pool of two one-thread
+    /// workers (the default on 2 or 3 cores) answers a lone request as fast as one worker of
+    /// two threads, and loses only half its capacity when a worker dies. docs/tuning.md.
+    pub lend_idle_cores: bool,
     /// Unix socket for `inferd status`; created with mode 0600.
     pub control_socket: PathBuf,
     /// Request bodies above this size are refused with 413.
@@ -167,6 +173,7 @@ impl Default for ServerConfig {
             intra_op_block_base: 4,
             allow_oversubscription: false,
             pin_workers: true,
+            lend_idle_cores: true,
             control_socket: PathBuf::from("/run/inferd/control.sock"),
             max_body_bytes: 16 * 1024 * 1024,
             max_batch_inputs: 64,

@@ -4,9 +4,12 @@
 //!   [`spec::WorkerSpec`] line it reads at start, the [`spec::WorkerMessage`] lines it writes
 //!   back, its exit codes;
 //! - [`stats`]: the counters each worker shares with the supervisor through a memfd (request
-//!   counts, latency and batch histograms, liveness of the model thread).
+//!   counts, latency and batch histograms, liveness of the model thread);
+//! - [`cores`]: which process runs on which CPU, shared by the whole pool, so that workers
+//!   lend idle cores to each other.
 //!
 //! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
 
+pub mod cores;
 pub mod spec;
 pub mod stats;

@@ -83,6 +83,19 @@ pub struct WorkerSpec {
     /// worker's generation.
     #[serde(default)]
     pub access: inferd_config::auth::Access,
+    /// The worker shares its core through the pool's claims at
+    /// [`crate::cores::WORKER_CORES_FD`] (server.lend_idle_cores).
+    #[serde(default)]
+    pub lending: Option<Lending>,
+}
+
+/// How a worker of one pinned thread shares cores with its siblings (see [`crate::cores`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lending {
+    /// Its own core: claimed for each of its runs, so that a sibling never borrows it then.
+    pub home: usize,
+    /// The sibling's core it may borrow for a lone request's run.
+    pub borrow: Option<usize>,
 }
 
 /// Why the supervisor started a worker: in its spec, the supervisor's log and `inferd status`.

@@ -110,8 +110,13 @@ const FAULTS_AT: usize = IO_BEAT_AT + 1;
 const AUTH_REFUSED_AT: usize = FAULTS_AT + 1;
 /// The reasons a request is refused for its key (`inferd_auth_refused_total{reason}`).
 pub const AUTH_REFUSALS: [&str; 2] = ["missing", "invalid"];
+/// Runs on two threads, one on a sibling's idle core, and runs that waited for their own core
+/// to come back from a sibling, by [`LENDING_EVENTS`] (server.lend_idle_cores).
+const LENDING_AT: usize = AUTH_REFUSED_AT + AUTH_REFUSALS.len();
+/// `inferd_core_lending_total{event}`.
+pub const LENDING_EVENTS: [&str; 2] = ["borrowed", "waited"];
 /// Number of counters in a region.
-pub const LEN: usize = AUTH_REFUSED_AT + AUTH_REFUSALS.len();
+pub const LEN: usize = LENDING_AT + LENDING_EVENTS.len();
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -294,6 +299,12 @@ impl WorkerCounters {
         }
     }
 
+    /// A run borrowed a sibling's core (`waited`: false), or waited for its own core to come
+    /// back from a sibling (true).
+    pub fn lending(&self, waited: bool) {
+        self.add(LENDING_AT + usize::from(waited), 1);
+    }
+
     /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
     /// when no run is in progress.
     pub fn busy_since(&self, started: Option<u64>) {
@@ -412,6 +423,11 @@ impl Snapshot {
     /// Requests refused for their API key, per [`AUTH_REFUSALS`].
     pub fn auth_refused(&self) -> &[u64] {
         &self.0[AUTH_REFUSED_AT..AUTH_REFUSED_AT + AUTH_REFUSALS.len()]
+    }
+
+    /// Runs that borrowed a core and runs that waited for theirs, per [`LENDING_EVENTS`].
+    pub fn lending(&self) -> &[u64] {
+        &self.0[LENDING_AT..LENDING_AT + LENDING_EVENTS.len()]
     }
 
     pub fn requests(&self, model: usize, endpoint: Endpoint, code: u16) -> u64 {

@@ -121,6 +121,16 @@ pub fn render(m: &PoolMetrics) -> String {
     for (reason, n) in inferd_ipc::stats::AUTH_REFUSALS.iter().zip(m.totals.auth_refused()) {
         let _ = writeln!(out, "inferd_auth_refused_total{{reason=\"{reason}\"}} {n}");
     }
+    header(
+        &mut out,
+        "inferd_core_lending_total",
+        "counter",
+        "Runs on a sibling worker's idle core (borrowed) and runs that waited for their own core \
+         to come back from a sibling (waited); server.lend_idle_cores.",
+    );
+    for (event, n) in inferd_ipc::stats::LENDING_EVENTS.iter().zip(m.totals.lending()) {
+        let _ = writeln!(out, "inferd_core_lending_total{{event=\"{event}\"}} {n}");
+    }
     header(&mut out, "inferd_worker_restarts_total", "counter", "Workers replaced after dying, by reason.");
     for (reason, n) in &m.restarts {
         let _ = writeln!(out, "inferd_worker_restarts_total{{reason=\"{reason}\"}} {n}");

@@ -46,9 +46,13 @@ pub struct WorkerStatus {
     #[serde(default)]
     pub started_for: Option<Cause>,
     pub cpus: Vec<usize>,
+    /// The sibling's CPU it may borrow for a lone request (server.lend_idle_cores).
+    #[serde(default)]
+    pub borrows: Option<usize>,
     /// ORT intra-op threads (the worker's share of the cores).
     pub threads: usize,
-    /// Threads of the process as the kernel counts them (documented: 2 x threads + 1).
+    /// Threads of the process as the kernel counts them (documented: 2 x threads + 1, one
+    /// more for a worker that borrows).
     pub os_threads: Option<u64>,
     pub rss_bytes: Option<u64>,
     /// Memory only this worker holds (RssAnon + RssShmem): RSS less the shared weights and
@@ -208,7 +212,10 @@ impl PoolStatus {
                 serde_plain(&w.state),
                 w.generation.to_string(),
                 w.started_for.map_or("-", Cause::as_str).into(),
-                format_cpus(&w.cpus),
+                match w.borrows {
+                    Some(cpu) => format!("{} (+{cpu})", format_cpus(&w.cpus)),
+                    None => format_cpus(&w.cpus),
+                },
                 match w.os_threads {
                     Some(os) => format!("{} ({os} os)", w.threads),
                     None => w.threads.to_string(),
@@ -266,6 +273,7 @@ mod tests {
             state: WorkerState::Ready,
             started_for: Some(Cause::Boot),
             cpus: vec![index],
+            borrows: None,
             threads: 1,
             os_threads: Some(2),
             rss_bytes: Some(50 << 20),

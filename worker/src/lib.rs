@@ -25,7 +25,9 @@
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
 //! `inferd-batch` dispatcher that forms batches, T `inferd-lane-N` threads that run them (lane
 //! 0 also runs the wide sessions, as the T-th member of ORT's intra-op pool), and T-1 ORT pool
-//! threads. At most T of them compute at once. (ORT's telemetry thread is switched off.)
+//! threads. At most T of them compute at once. (ORT's telemetry thread is switched off.) A
+//! worker of one thread that borrows a sibling's idle core has one ORT pool thread more,
+//! pinned to that core (4 threads), which computes only while the core is lent to it.
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use inferd_ipc::cores::CoreClaims;
 use inferd_ipc::spec::{
     Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_GRPC_LISTENER_FD,
     WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
@@ -28,7 +29,7 @@ use crate::http::handle;
 use crate::http::handoff::{Handoff, Prefixed};
 use crate::http::write_timeout::WriteTimeout;
 use crate::request::app::{AppState, RequestIds};
-use crate::runtime::engine::{Engine, Sessions};
+use crate::runtime::engine::{Cores, Engine, Sessions};
 use crate::runtime::model::{ModelError, ModelSession, Runtime, Threads};
 
 /// Connections accepted whose first request has not been read yet. Draining waits for them:
@@ -235,14 +236,15 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             .map(|_| ModelSession::load(&runtime, entry, Threads::Narrow))
             .collect::<Result<Vec<_>, _>>()
             .map_err(load_error)?;
-        let wide = match spec.threads > 1 {
-            true => {
-                let (spin, block_base) = (spec.server.intra_op_spinning, spec.server.intra_op_block_base);
-                let wide = Threads::Wide { threads: spec.threads, spin, block_base };
-                Some(ModelSession::load(&runtime, entry, wide).map_err(load_error)?)
-            }
-            false => None,
+        // A worker of one thread that may borrow a sibling's core: its wide session has a
+        // second thread, pinned there.
+        let (spin, block_base) = (spec.server.intra_op_spinning, spec.server.intra_op_block_base);
+        let wide = match (spec.threads, spec.lending.and_then(|l| l.borrow)) {
+            (1, Some(cpu)) => Some(Threads::Wide { threads: 2, spin, block_base, pool_cpu: Some(cpu) }),
+            (1, None) => None,
+            (threads, _) => Some(Threads::Wide { threads, spin, block_base, pool_cpu: None }),
         };
+        let wide = wide.map(|wide| ModelSession::load(&runtime, entry, wide)).transpose().map_err(load_error)?;
         models.push(Sessions { narrow, wide });
     }
     reporter.send(&WorkerMessage::Warming);
@@ -650,7 +652,21 @@ fn serve(
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let run_timeout = Duration::from_secs_f64(spec.server.request_timeout_secs);
     let (max_queue, spinning) = (spec.server.max_queue, spec.server.intra_op_spinning);
-    let engine = match Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator) {
+    // The pool's core claims, for a worker that lends (see `runtime::engine::Cores`).
+    let cores = spec.lending.map(|l| {
+        // SAFETY: the supervisor hands a lending worker this descriptor; mapped, then closed.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(inferd_ipc::cores::WORKER_CORES_FD) };
+        CoreClaims::map(fd).map(|claims| Cores::new(claims, l.home, l.borrow))
+    });
+    let cores = match cores.transpose() {
+        Ok(cores) => cores,
+        Err(e) => {
+            error!("cannot map the core claims on fd {}: {e}", inferd_ipc::cores::WORKER_CORES_FD);
+            return EXIT_BOOT;
+        }
+    };
+    let engine = Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator, cores);
+    let engine = match engine {
         Ok(engine) => engine,
         Err(e) => {
             error!("cannot start the model thread: {e}");

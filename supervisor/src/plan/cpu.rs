@@ -5,7 +5,8 @@
 //! (v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`, the tightest along the cgroup's
 //! ancestors), rounded down. Workers x intra-op threads must fit in that number unless the
 //! operator allows oversubscription; worker `i` is pinned to CPUs `[i*T, (i+1)*T)` of the
-//! usable list.
+//! usable list. Workers of one thread each may borrow the next worker's core for a lone
+//! request (`server.lend_idle_cores`, see `inferd_ipc::cores`).
 
 use std::path::{Path, PathBuf};
 
@@ -60,6 +61,10 @@ pub struct Placement {
     pub cpus: Vec<usize>,
     /// ORT intra-op threads.
     pub threads: usize,
+    /// The CPU this worker may borrow for a lone request's run, while it is idle: the next
+    /// worker's (server.lend_idle_cores).
+    #[serde(default)]
+    pub borrow: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -85,16 +90,39 @@ pub enum PlanError {
     Oversubscribed { workers: usize, threads: usize, total: usize, usable: usize, detail: String },
 }
 
-/// Splits the budget. `workers == 0` and `threads == 0` mean "derive from the budget".
-pub fn plan(
-    budget: &CpuBudget,
-    workers: usize,
-    threads: usize,
-    allow_oversubscription: bool,
-    pin: bool,
-) -> Result<Plan, PlanError> {
+/// What the configuration asks of the plan (server.workers, threads, allow_oversubscription,
+/// pin_workers, lend_idle_cores).
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// 0: derive from the budget (with `threads` 0 too: the default plan).
+    pub workers: usize,
+    /// 0: derive from the budget.
+    pub threads: usize,
+    pub allow_oversubscription: bool,
+    pub pin: bool,
+    pub lend: bool,
+}
+
+impl Ask {
+    pub fn of(server: &inferd_config::file::ServerConfig) -> Ask {
+        Ask {
+            workers: server.workers,
+            threads: server.threads,
+            allow_oversubscription: server.allow_oversubscription,
+            pin: server.pin_workers,
+            lend: server.lend_idle_cores,
+        }
+    }
+}
+
+/// Splits the budget.
+pub fn plan(budget: &CpuBudget, ask: Ask) -> Result<Plan, PlanError> {
+    let Ask { workers, threads, allow_oversubscription, pin, lend } = ask;
     let usable = budget.usable;
     let (workers, threads) = match (workers, threads) {
+        // Two or three cores, lending: a worker per core, each running a lone request on its
+        // own core and an idle sibling's, so one worker's crash leaves the others serving.
+        (0, 0) if lend && pin && (2..4).contains(&usable) => (usable, 1),
         (0, 0) => {
             // Workers of two threads each. A worker runs a lone request on both threads (~0.6x
             // the single-thread time for MiniLM) and, under load, a batch per thread side by side
@@ -114,16 +142,20 @@ pub fn plan(
         return Err(PlanError::Oversubscribed { workers, threads, total, usable, detail: budget.describe() });
     }
     let cpus = budget.usable_cpus();
+    // Past the budget (only with allow_oversubscription) the sets wrap around.
+    let pinned = |index: usize| -> Vec<usize> {
+        match pin {
+            true => (0..threads).map(|j| cpus[(index * threads + j) % cpus.len()]).collect(),
+            false => Vec::new(),
+        }
+    };
+    let lending = lend && pin && threads == 1 && workers >= 2 && !oversubscribed;
     let workers = (0..workers)
         .map(|index| Placement {
             index,
-            // Past the budget (only with allow_oversubscription) the sets wrap around.
-            cpus: if pin {
-                (0..threads).map(|j| cpus[(index * threads + j) % cpus.len()]).collect()
-            } else {
-                Vec::new()
-            },
+            cpus: pinned(index),
             threads,
+            borrow: lending.then(|| pinned((index + 1) % workers)[0]),
         })
         .collect();
     Ok(Plan { budget: budget.clone(), threads_per_worker: threads, workers, oversubscribed })
@@ -245,6 +277,11 @@ mod tests {
         CpuBudget::from_parts((0..cpus).collect(), quota.map(|q| (q, "test".into())))
     }
 
+    /// Pinned, lending, no oversubscription: the configuration's defaults.
+    fn ask(workers: usize, threads: usize) -> Ask {
+        Ask { workers, threads, allow_oversubscription: false, pin: true, lend: true }
+    }
+
     #[test]
     fn quota_caps_affinity_rounding_down() {
         assert_eq!(budget(8, None).usable, 8);
@@ -255,24 +292,46 @@ mod tests {
 
     #[test]
     fn auto_plan_uses_every_core_once() {
-        let p = plan(&budget(4, None), 0, 0, false, true).unwrap();
+        let p = plan(&budget(4, None), ask(0, 0)).unwrap();
         assert_eq!((p.workers.len(), p.threads_per_worker), (2, 2));
         assert_eq!(p.total_threads(), 4);
         assert_eq!(p.workers[1].cpus, vec![2, 3]);
-        for (cores, workers, threads) in [(1, 1, 1), (2, 1, 2), (3, 1, 3), (5, 2, 2), (16, 8, 2)] {
-            let p = plan(&budget(cores, None), 0, 0, false, true).unwrap();
+        for (cores, workers, threads) in [(1, 1, 1), (2, 2, 1), (3, 3, 1), (5, 2, 2), (16, 8, 2)] {
+            let p = plan(&budget(cores, None), ask(0, 0)).unwrap();
             assert_eq!((p.workers.len(), p.threads_per_worker), (workers, threads), "{cores} cores");
         }
-        let p = plan(&budget(8, None), 2, 0, false, true).unwrap();
+        // Without lending, two or three cores make one worker of all of them.
+        for (cores, threads) in [(2, 2), (3, 3)] {
+            let p = plan(&budget(cores, None), Ask { lend: false, ..ask(0, 0) }).unwrap();
+            assert_eq!((p.workers.len(), p.threads_per_worker), (1, threads), "{cores} cores");
+        }
+        let p = plan(&budget(8, None), ask(2, 0)).unwrap();
         assert_eq!(p.threads_per_worker, 4);
         assert_eq!(p.workers[1].cpus, vec![4, 5, 6, 7]);
-        let p = plan(&budget(8, Some(3.0)), 0, 2, false, true).unwrap();
+        let p = plan(&budget(8, Some(3.0)), ask(0, 2)).unwrap();
         assert_eq!((p.workers.len(), p.threads_per_worker), (1, 2));
     }
 
     #[test]
+    fn one_thread_workers_borrow_the_next_workers_core() {
+        let p = plan(&budget(2, None), ask(0, 0)).unwrap();
+        let lent: Vec<_> = p.workers.iter().map(|w| (w.cpus.clone(), w.borrow)).collect();
+        assert_eq!(lent, [(vec![0], Some(1)), (vec![1], Some(0))]);
+        let p = plan(&budget(3, None), ask(0, 0)).unwrap();
+        assert_eq!(p.workers.iter().map(|w| w.borrow).collect::<Vec<_>>(), [Some(1), Some(2), Some(0)]);
+        // Nothing to borrow: one worker, workers of several threads, unpinned, oversubscribed
+        // or lending off.
+        let none = |p: Plan| p.workers.iter().all(|w| w.borrow.is_none());
+        assert!(none(plan(&budget(1, None), ask(0, 0)).unwrap()));
+        assert!(none(plan(&budget(4, None), ask(0, 0)).unwrap()));
+        assert!(none(plan(&budget(2, None), Ask { pin: false, ..ask(2, 1) }).unwrap()));
+        assert!(none(plan(&budget(2, None), Ask { allow_oversubscription: true, ..ask(3, 1) }).unwrap()));
+        assert!(none(plan(&budget(2, None), Ask { lend: false, ..ask(2, 1) }).unwrap()));
+    }
+
+    #[test]
     fn cpu_sets_are_disjoint_within_budget() {
-        let p = plan(&budget(6, None), 3, 2, false, true).unwrap();
+        let p = plan(&budget(6, None), ask(3, 2)).unwrap();
         let mut all: Vec<usize> = p.workers.iter().flat_map(|w| w.cpus.clone()).collect();
         all.sort();
         all.dedup();
@@ -281,9 +340,9 @@ mod tests {
 
     #[test]
     fn oversubscription_is_refused_unless_allowed() {
-        let err = plan(&budget(2, None), 2, 2, false, true).unwrap_err();
+        let err = plan(&budget(2, None), ask(2, 2)).unwrap_err();
         assert!(err.to_string().contains("2 workers x 2 threads = 4 threads"), "{err}");
-        let p = plan(&budget(2, None), 2, 2, true, true).unwrap();
+        let p = plan(&budget(2, None), Ask { allow_oversubscription: true, ..ask(2, 2) }).unwrap();
         assert!(p.oversubscribed);
         assert_eq!(p.workers[1].cpus, vec![0, 1]);
     }

@@ -5,7 +5,7 @@
 pub mod cpu;
 pub mod memory;
 
-use cpu::{plan, CpuBudget, Plan, PlanError};
+use cpu::{plan, Ask, CpuBudget, Plan, PlanError};
 use inferd_config::model::ModelEntry;
 use inferd_config::ortlib::{locate, OrtLibError, OrtLibrary};
 use inferd_config::{Config, ConfigError};
@@ -38,8 +38,7 @@ impl Resolved {
     }
 
     pub fn with_budget(config: Config, budget: CpuBudget) -> Result<Resolved, ResolveError> {
-        let s = &config.server;
-        let plan = plan(&budget, s.workers, s.threads, s.allow_oversubscription, s.pin_workers)?;
+        let plan = plan(&budget, Ask::of(&config.server))?;
         let ort = locate(config.runtime.ort_library.as_deref(), &config.base_dir)?;
         let models = config.model_names().iter().map(|name| config.load_model(name)).collect::<Result<Vec<_>, _>>()?;
         let access = config.access()?;

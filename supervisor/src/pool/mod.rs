@@ -35,14 +35,15 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::plan::cpu::{format_cpus, plan, Placement};
+use crate::plan::cpu::{format_cpus, plan, Ask, Placement};
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use inferd_config::auth::Access;
 use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
+use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
 use inferd_ipc::spec::{
-    Cause, FailureKind, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
+    Cause, FailureKind, Lending, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
     WORKER_CONTROL_FD, WORKER_GRPC_LISTENER_FD, WORKER_HANDOFF_RECV_FD, WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{Snapshot, WorkerCounters, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS, WORKER_STATS_FD};
@@ -295,6 +296,9 @@ pub struct Supervisor {
     /// The pool's hand-off socket (send end, receive end), held open for the pool's life so
     /// that connections handed over wait in it for a worker to take them.
     handoff: Option<(OwnedFd, OwnedFd)>,
+    /// Which worker runs on which core now (server.lend_idle_cores), mapped here to clear
+    /// the claims of workers that exit, and its descriptor for the workers.
+    cores: Option<(CoreClaims, OwnedFd)>,
     notifier: Notifier,
     /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
     /// hung loop stops the watchdog pings.
@@ -420,6 +424,11 @@ impl Supervisor {
                 .map_err(|e| {
                     warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
                 })
+                .ok(),
+            // Above fd 10, as every descriptor a worker gets (see `spawn::start_process`).
+            cores: CoreClaims::create()
+                .and_then(|(claims, fd)| Ok((claims, dup_high(fd.as_raw_fd())?)))
+                .map_err(|e| warn!("no core claims ({e}): workers do not lend idle cores to each other"))
                 .ok(),
             notifier: Notifier::from_env(),
             hang_on_sigusr2: hang_on_sigusr2(),
@@ -582,6 +591,9 @@ impl Supervisor {
         let Some(slot) = self.slots.get_mut(index) else { return };
         let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
         let worker = slot.workers.remove(at);
+        if let Some((claims, _)) = &self.cores {
+            claims.clear(pid);
+        }
         if worker.state != WorkerState::Draining {
             slot.leave_port_unless_served();
         }
@@ -890,7 +902,13 @@ mod tests {
         let now = Instant::now();
         let sockets =
             SlotSockets::bind(&ServerConfig { listen: "127.0.0.1:0".into(), ..Default::default() }, false).unwrap();
-        let mut slot = new_slot(Placement { index: 0, cpus: vec![0], threads: 1 }, Vec::new(), 1, Cause::Boot, sockets);
+        let mut slot = new_slot(
+            Placement { index: 0, cpus: vec![0], threads: 1, borrow: None },
+            Vec::new(),
+            1,
+            Cause::Boot,
+            sockets,
+        );
         let later = now + Duration::from_secs(5);
         for (start, due) in [
             (Start::At(now), true),

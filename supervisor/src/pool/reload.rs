@@ -303,11 +303,9 @@ impl Supervisor {
         let count = self.slots.len();
         match delta {
             1 => {
-                let s = &self.resolved.config.server;
                 let threads = self.resolved.plan.threads_per_worker;
-                let plan =
-                    plan(&self.resolved.plan.budget, count + 1, threads, s.allow_oversubscription, s.pin_workers)
-                        .map_err(|e| format!("scale +1 refused: {e}"))?;
+                let ask = Ask { workers: count + 1, threads, ..Ask::of(&self.resolved.config.server) };
+                let plan = plan(&self.resolved.plan.budget, ask).map_err(|e| format!("scale +1 refused: {e}"))?;
                 let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
                 let sockets = SlotSockets::bind(&self.resolved.config.server, self.listener.is_some())

@@ -23,6 +23,7 @@ impl Supervisor {
                     },
                     started_for: w.map(|w| w.cause),
                     cpus: slot.placement.cpus.clone(),
+                    borrows: slot.placement.borrow,
                     threads: slot.placement.threads,
                     os_threads: proc.threads,
                     rss_bytes: proc.rss,

@@ -1,6 +1,7 @@
 //! Starting a worker: its spec, the re-exec of this binary as `inferd worker` with its
 //! descriptors in place (the control socket, the shared counters, its slot's sockets on the
-//! port and the hand-off socket, at the numbers ipc/src/spec.rs gives them), and the task that
+//! port, the hand-off socket and the pool's core claims, at the numbers ipc/src/spec.rs and
+//! ipc/src/cores.rs give them), and the task that
 //! forwards its messages and then reaps it. And the slot's sockets themselves.
 
 use super::*;
@@ -36,11 +37,21 @@ impl Supervisor {
                 (Some(reload), Cause::Reload) => reload.access.clone(),
                 _ => self.access.clone(),
             },
+            lending: match (&self.cores, placement.cpus.as_slice()) {
+                (Some(_), &[home]) if placement.threads == 1 && config.server.lend_idle_cores => {
+                    Some(Lending { home, borrow: placement.borrow })
+                }
+                _ => None,
+            },
         };
         match self.start_process(&spec, &self.slots[index].sockets) {
             Ok((pid, stats)) => {
+                let borrows = match spec.lending.and_then(|l| l.borrow) {
+                    Some(cpu) => format!(" (and cpu {cpu} while idle)"),
+                    None => String::new(),
+                };
                 info!(
-                    "worker {index} started for {}: pid {pid}, cpus {}, {} threads, generation {generation}",
+                    "worker {index} started for {}: pid {pid}, cpus {}{borrows}, {} threads, generation {generation}",
                     cause.as_str(),
                     format_cpus(&spec.cpus),
                     spec.threads
@@ -93,6 +104,7 @@ impl Supervisor {
         let listener_fd = sockets.http.as_ref().or(self.listener.as_ref()).map(|l| l.as_raw_fd());
         let grpc_fd = sockets.grpc.as_ref().map(|l| l.as_raw_fd());
         let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
+        let cores_fd = self.cores.as_ref().filter(|_| spec.lending.is_some()).map(|(_, fd)| fd.as_raw_fd());
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -128,7 +140,9 @@ impl Supervisor {
                     .into_iter()
                     .flatten();
                 let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
-                for (from, to) in moves.into_iter().chain(listeners.into_iter().flatten()).chain(handoff) {
+                let cores = cores_fd.map(|fd| (fd, WORKER_CORES_FD));
+                let listeners = listeners.into_iter().flatten().chain(cores);
+                for (from, to) in moves.into_iter().chain(listeners).chain(handoff) {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }

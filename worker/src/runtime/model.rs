@@ -135,8 +135,10 @@ pub enum Threads {
     /// `threads` in all (the caller and a pool of its own): a *wide* session, for a request
     /// that has the worker to itself. `spin`: pool threads spin between the operators of a run
     /// (server.intra_op_spinning); `block_base`: how finely its loops are split between them
-    /// (server.intra_op_block_base, 0 = ORT's static split).
-    Wide { threads: usize, spin: bool, block_base: u32 },
+    /// (server.intra_op_block_base, 0 = ORT's static split); `pool_cpu`: the CPU every pool
+    /// thread is pinned to (a core borrowed from a sibling worker, see
+    /// [`crate::runtime::engine`]), or none (they run where the worker's mask lets them).
+    Wide { threads: usize, spin: bool, block_base: u32, pool_cpu: Option<usize> },
 }
 
 /// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
@@ -289,8 +291,16 @@ impl ModelSession {
             // Pool threads may spin between the operators of a run but stop when it ends:
             // measured on MiniLM at 20 lone requests/s, spinning past the end of each run cost
             // 0.5 of a core (the worker used 774 ms of CPU per second, 246 with the stop).
-            Threads::Wide { threads, spin, block_base } => {
+            Threads::Wide { threads, spin, block_base, pool_cpu } => {
                 let builder = step(builder.with_intra_threads(threads))?;
+                // ONNX Runtime numbers CPUs from 1, one group per pool thread.
+                let builder = match pool_cpu {
+                    Some(cpu) => {
+                        let groups = vec![(cpu + 1).to_string(); threads.saturating_sub(1)].join(";");
+                        step(builder.with_config_entry("session.intra_op_thread_affinities", groups))?
+                    }
+                    None => builder,
+                };
                 let builder = step(builder.with_intra_op_spinning(spin))?;
                 let builder = match block_base {
                     0 => builder,

@@ -21,7 +21,7 @@ enum LaneState {
 }
 
 /// Requests that overlapped this recently mean load: a lone one then runs narrow.
-const RECENT_LOAD: Duration = Duration::from_millis(50);
+pub(super) const RECENT_LOAD: Duration = Duration::from_millis(50);
 
 /// After this long with nothing to run, the worker hands the memory its last runs freed back
 /// to the system (see [`Dispatcher::run`]).
@@ -45,6 +45,10 @@ pub(super) struct Dispatcher {
     /// Whether lane 0 has wide sessions, and how long to poll for the next job after a lone
     /// request ran on them before sleeping.
     wide_poll: Option<Duration>,
+    /// Every batch may run wide, not only a lone request: a worker of one lane that borrows
+    /// an idle sibling's core (the lane runs it narrow when the core is not free), where no
+    /// other lane of its own could run beside it.
+    wide_batches: bool,
     /// Whether the last batch ran wide.
     last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
@@ -66,6 +70,12 @@ impl Dispatcher {
     /// `lanes`: each lane's work channel, all idle; `wide_poll`: whether lane 0 has wide
     /// sessions, and how long to poll for the next job after a lone request ran on them;
     /// `engine`: dropped with the last handle.
+    /// Lets every batch run wide ([`Dispatcher::wide_batches`]).
+    pub(super) fn with_wide_batches(mut self) -> Dispatcher {
+        self.wide_batches = true;
+        self
+    }
+
     pub(super) fn new(
         inbox: mpsc::Receiver<Event>,
         policies: Vec<Policy>,
@@ -81,6 +91,7 @@ impl Dispatcher {
             policies,
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             wide_poll,
+            wide_batches: false,
             last_wide: false,
             wide_running: false,
             counters,
@@ -157,7 +168,8 @@ impl Dispatcher {
             // narrow run: only for one request that has the worker to itself, and not while
             // requests have been overlapping lately (a burst would then run wide one by one).
             let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
-            let (lane, wide) = if self.wide_poll.is_some() && alone { (0, true) } else { (lane, false) };
+            let wide = self.wide_poll.is_some() && (alone || self.wide_batches);
+            let lane = if wide { 0 } else { lane };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
                 self.last_light = Some(now);
@@ -165,7 +177,7 @@ impl Dispatcher {
             (self.wide_running, self.last_wide) = (wide, wide);
             self.last_run = Some(now);
             self.trimmed = false;
-            self.lanes[lane].0.send(Work { batch, wide })?;
+            self.lanes[lane].0.send(Work { batch, wide, loaded: !idle })?;
         }
         Ok(())
     }
@@ -365,6 +377,29 @@ mod tests {
         d.last_load = Some(Instant::now() - RECENT_LOAD * 2);
         d.take(Event::Job(text_job(1, 17, 0)));
         assert!(wide_of_next_run(&mut d), "the load is over");
+    }
+
+    #[test]
+    fn a_worker_of_one_lane_that_borrows_asks_for_wide_runs_under_load_too() {
+        let mut d = dispatcher(32, 512, Vec::new()).with_wide_batches();
+        d.wide_poll = Some(Duration::ZERO);
+        let (sender, lane) = mpsc::channel::<Work>();
+        d.lanes = vec![(sender, LaneState::Idle)];
+        // Requests overlapping: a batch of two, and still wide (the lane borrows if it can).
+        d.take(Event::Job(text_job(1, 17, 0)));
+        d.take(Event::Job(text_job(1, 17, 1)));
+        d.dispatch().unwrap();
+        let work = lane.try_recv().unwrap();
+        assert_eq!((work.batch.len(), work.wide), (2, true));
+        // Without it, overlapping requests run narrow.
+        let mut d = dispatcher(32, 512, Vec::new());
+        d.wide_poll = Some(Duration::ZERO);
+        let (sender, lane) = mpsc::channel::<Work>();
+        d.lanes = vec![(sender, LaneState::Idle)];
+        d.take(Event::Job(text_job(1, 17, 0)));
+        d.take(Event::Job(text_job(1, 17, 1)));
+        d.dispatch().unwrap();
+        assert!(!lane.try_recv().unwrap().wide);
     }
 
     #[test]

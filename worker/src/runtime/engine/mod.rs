@@ -20,6 +20,16 @@
 //! dimension) is rerun one job at a time, so a bad request fails alone. Long texts
 //! ([`HEAVY_TOKENS`]) may hold every lane but one while short ones keep coming.
 //!
+//! Lent cores ([`Cores`], server.lend_idle_cores): a worker of one pinned thread claims its
+//! core for each run in the pool's shared claims, and a lone request may also borrow a
+//! sibling's idle core, whose wide session's second thread is pinned there; it runs narrow
+//! when the sibling holds its core or was busy within [`dispatch::RECENT_LOAD`] (it waited for
+//! its core, or ran a batch while other work waited or ran: [`Work::loaded`]). Such a
+//! worker has one lane, so any batch may run wide, not only a lone request: a worker that
+//! the port's hashing gave every connection still uses an idle sibling's core. A run
+//! waits for its own core while a sibling has it (at most that sibling's run), so the pool
+//! never runs more threads than there are cores.
+//!
 //! Contract per job, batched or not: a job whose client went away is skipped, one past its
 //! deadline is answered 504 without running, and the `queued` counter (which `max_queue`
 //! reads) counts it until a lane takes it. A run longer than `server.request_timeout_secs` is
@@ -93,11 +103,60 @@ fn leak_for_tests() {
     }
 }
 
+/// A worker's part in the pool's core claims (see [`inferd_ipc::cores`]).
+pub struct Cores {
+    claims: inferd_ipc::cores::CoreClaims,
+    /// Its own core.
+    home: usize,
+    /// The sibling's core its wide sessions' second thread is pinned to.
+    borrow: Option<usize>,
+    pid: u32,
+}
+
+impl Cores {
+    pub fn new(claims: inferd_ipc::cores::CoreClaims, home: usize, borrow: Option<usize>) -> Cores {
+        Cores { claims, home, borrow, pid: std::process::id() }
+    }
+
+    /// Claims the worker's core for a run (waiting while a sibling has it) and, when `wide`,
+    /// borrows the sibling's if it is idle and was not wanted lately.
+    fn hold(&self, wide: bool, counters: &WorkerCounters) -> Held<'_> {
+        if self.claims.take(self.home, self.pid) {
+            counters.lending(true);
+        }
+        let borrowed = match self.borrow {
+            Some(cpu) if wide => self.claims.try_borrow(cpu, self.pid, dispatch::RECENT_LOAD).then_some(cpu),
+            _ => None,
+        };
+        if borrowed.is_some() {
+            counters.lending(false);
+        }
+        Held { cores: self, borrowed }
+    }
+}
+
+/// The cores a run holds, given back when it ends (or panics).
+struct Held<'a> {
+    cores: &'a Cores,
+    borrowed: Option<usize>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let Cores { claims, home, pid, .. } = self.cores;
+        if let Some(cpu) = self.borrowed {
+            claims.release(cpu, *pid);
+        }
+        claims.release(*home, *pid);
+    }
+}
+
 /// One model's sessions: the HTTP side only ever sees its `meta`.
 pub struct Sessions {
     /// One narrow session (1 thread: its caller) per lane.
     pub narrow: Vec<ModelSession>,
-    /// A session on the worker's whole thread pool, when the worker has more than one thread.
+    /// A session on the worker's whole thread pool, when the worker has more than one thread,
+    /// or on its core and the one it may borrow ([`Cores`]).
     pub wide: Option<ModelSession>,
 }
 
@@ -124,6 +183,9 @@ enum Event {
 struct Work {
     batch: Vec<Job>,
     wide: bool,
+    /// Other work waited or ran beside it: with lent cores, the worker marks its core busy so
+    /// that siblings do not borrow it now.
+    loaded: bool,
 }
 
 impl Engine {
@@ -139,7 +201,7 @@ impl Engine {
     ///
     /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
     /// every second and the start of the oldest run in progress, which the supervisor watches
-    /// for a stuck model.
+    /// for a stuck model. `cores`: the worker's part in the pool's core claims, when it lends.
     pub fn start(
         models: Vec<Sessions>,
         stats: Arc<WorkerCounters>,
@@ -147,7 +209,9 @@ impl Engine {
         run_timeout: Duration,
         poll_when_idle: bool,
         allocator: Allocator,
+        cores: Option<Cores>,
     ) -> std::io::Result<Engine> {
+        let cores = cores.map(Arc::new);
         let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
@@ -177,13 +241,16 @@ impl Engine {
                 counters: stats.clone(),
                 clock: clock.clone(),
                 poll_when_idle,
+                cores: cores.clone(),
             };
             std::thread::Builder::new().name(format!("inferd-lane-{index}")).spawn(move || lane.run(queue))?;
             senders.push(work);
         }
         let wide_poll = has_wide.then_some(poll_when_idle);
+        let borrows = cores.as_ref().is_some_and(|c| c.borrow.is_some());
         let dispatcher =
             Dispatcher::new(inbox, policies, senders, wide_poll, stats.clone(), clock, Arc::downgrade(&alive));
+        let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
         Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
     }
@@ -305,13 +372,17 @@ struct Lane {
     clock: Arc<RunClock>,
     /// [`IDLE_POLL`] or zero.
     poll_when_idle: Duration,
+    cores: Option<Arc<Cores>>,
 }
 
 impl Lane {
     fn run(mut self, work: mpsc::Receiver<Work>) {
         let mut poll = Duration::ZERO;
-        while let Ok(Work { batch, wide }) = recv_polling(&work, poll, Duration::MAX) {
+        while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll, Duration::MAX) {
             let mut answers = Vec::with_capacity(batch.len());
+            if let Some(cores) = self.cores.as_deref().filter(|_| loaded) {
+                cores.claims.mark_busy(cores.home);
+            }
             // `execute` guards each run itself (a bug costs only the request that hit it); this
             // is the last resort for one outside them: the replies still held are dropped, so
             // their requests are answered (500) at once, and the lane serves on.
@@ -407,6 +478,9 @@ impl Lane {
     /// One ORT call, counted as a batch of `rows`.
     fn run_one(&mut self, model: usize, inputs: Vec<Tensor>, rows: u64, wide: bool) -> Result<Vec<Tensor>, ModelError> {
         self.counters.observe_batch(model, rows);
+        let held = self.cores.as_deref().map(|cores| cores.hold(wide, &self.counters));
+        // Lending: wide only on a borrowed core.
+        let wide = wide && held.as_ref().is_none_or(|held| held.borrowed.is_some());
         self.clock.set(self.index, true);
         let session = match (&mut self.wide, wide) {
             (Some(sessions), true) => &mut sessions[model],
@@ -414,6 +488,7 @@ impl Lane {
         };
         let result = session.run(inputs, Some(self.clock.options(self.index)));
         let stopped = self.clock.set(self.index, false);
+        drop(held);
         leak_for_tests();
         match result {
             // A run that finished just as it was told to stop keeps its answer.
