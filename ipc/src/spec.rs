@@ -94,7 +94,7 @@ pub struct WorkerSpec {
 pub struct Lending {
     /// Its own core: claimed for each of its runs, so that a sibling never borrows it then.
     pub home: usize,
-    /// The sibling's core it may borrow for a lone request's run.
+    /// The sibling's core it may borrow for a run while that core is idle.
     pub borrow: Option<usize>,
 }
 

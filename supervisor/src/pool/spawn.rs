@@ -1,8 +1,8 @@
 //! Starting a worker: its spec, the re-exec of this binary as `inferd worker` with its
 //! descriptors in place (the control socket, the shared counters, its slot's sockets on the
 //! port, the hand-off socket and the pool's core claims, at the numbers ipc/src/spec.rs and
-//! ipc/src/cores.rs give them), and the task that
-//! forwards its messages and then reaps it. And the slot's sockets themselves.
+//! ipc/src/cores.rs give them), and the task that forwards its messages and then reaps it.
+//! And the slot's sockets themselves.
 
 use super::*;
 

@@ -70,12 +70,6 @@ impl Dispatcher {
     /// `lanes`: each lane's work channel, all idle; `wide_poll`: whether lane 0 has wide
     /// sessions, and how long to poll for the next job after a lone request ran on them;
     /// `engine`: dropped with the last handle.
-    /// Lets every batch run wide ([`Dispatcher::wide_batches`]).
-    pub(super) fn with_wide_batches(mut self) -> Dispatcher {
-        self.wide_batches = true;
-        self
-    }
-
     pub(super) fn new(
         inbox: mpsc::Receiver<Event>,
         policies: Vec<Policy>,
@@ -102,6 +96,12 @@ impl Dispatcher {
             last_run: None,
             trimmed: true,
         }
+    }
+
+    /// Lets every batch run wide ([`Dispatcher::wide_batches`]).
+    pub(super) fn with_wide_batches(mut self) -> Dispatcher {
+        self.wide_batches = true;
+        self
     }
 
     pub(super) fn run(mut self) {
@@ -166,7 +166,8 @@ impl Dispatcher {
             }
             // Wide blocks every lane until it is done, and costs more CPU per request than a
             // narrow run: only for one request that has the worker to itself, and not while
-            // requests have been overlapping lately (a burst would then run wide one by one).
+            // requests have been overlapping lately (a burst would then run wide one by one);
+            // or, with `wide_batches`, whenever the lane can borrow a core.
             let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
             let wide = self.wide_poll.is_some() && (alone || self.wide_batches);
             let lane = if wide { 0 } else { lane };

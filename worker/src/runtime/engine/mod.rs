@@ -119,7 +119,7 @@ impl Cores {
     }
 
     /// Claims the worker's core for a run (waiting while a sibling has it) and, when `wide`,
-    /// borrows the sibling's if it is idle and was not wanted lately.
+    /// borrows the sibling's if it is free and its owner was not busy lately.
     fn hold(&self, wide: bool, counters: &WorkerCounters) -> Held<'_> {
         if self.claims.take(self.home, self.pid) {
             counters.lending(true);
