@@ -328,13 +328,22 @@ fn the_control_socket_refuses_other_users_and_status_says_when_no_server_runs() 
         std::fs::set_permissions(server.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let bin = server.dir.path().join("inferd-copy");
         std::fs::copy(BIN, &bin).unwrap();
-        let out = Command::new(&bin)
-            .args(["status", "--control-socket"])
-            .arg(&server.socket)
-            .uid(65534)
-            .gid(65534)
-            .output()
-            .unwrap();
+        // A child another test thread forked while the copy was open for writing holds it
+        // until that child execs: the copy is "busy" (ETXTBSY) for that moment.
+        let status_as_nobody = || {
+            Command::new(&bin).args(["status", "--control-socket"]).arg(&server.socket).uid(65534).gid(65534).output()
+        };
+        let mut out = status_as_nobody();
+        for _ in 0..100 {
+            match &out {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    out = status_as_nobody();
+                }
+                _ => break,
+            }
+        }
+        let out = out.unwrap();
         assert!(!out.status.success());
         assert!(text(&out).contains("permission denied"), "{}", text(&out));
     }
