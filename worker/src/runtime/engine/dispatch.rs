@@ -382,25 +382,19 @@ mod tests {
 
     #[test]
     fn a_worker_of_one_lane_that_borrows_asks_for_wide_runs_under_load_too() {
-        let mut d = dispatcher(32, 512, Vec::new()).with_wide_batches();
-        d.wide_poll = Some(Duration::ZERO);
-        let (sender, lane) = mpsc::channel::<Work>();
-        d.lanes = vec![(sender, LaneState::Idle)];
-        // Requests overlapping: a batch of two, and still wide (the lane borrows if it can).
-        d.take(Event::Job(text_job(1, 17, 0)));
-        d.take(Event::Job(text_job(1, 17, 1)));
-        d.dispatch().unwrap();
-        let work = lane.try_recv().unwrap();
-        assert_eq!((work.batch.len(), work.wide), (2, true));
-        // Without it, overlapping requests run narrow.
-        let mut d = dispatcher(32, 512, Vec::new());
-        d.wide_poll = Some(Duration::ZERO);
-        let (sender, lane) = mpsc::channel::<Work>();
-        d.lanes = vec![(sender, LaneState::Idle)];
-        d.take(Event::Job(text_job(1, 17, 0)));
-        d.take(Event::Job(text_job(1, 17, 1)));
-        d.dispatch().unwrap();
-        assert!(!lane.try_recv().unwrap().wide);
+        // Two requests overlapping on a worker of one lane: the batch of both it hands out.
+        let batch_of_two = |d: Dispatcher| {
+            let mut d = Dispatcher { wide_poll: Some(Duration::ZERO), ..d };
+            let (sender, lane) = mpsc::channel::<Work>();
+            d.lanes = vec![(sender, LaneState::Idle)];
+            d.take(Event::Job(text_job(1, 17, 0)));
+            d.take(Event::Job(text_job(1, 17, 1)));
+            d.dispatch().unwrap();
+            lane.try_recv().unwrap()
+        };
+        let work = batch_of_two(dispatcher(32, 512, Vec::new()).with_wide_batches());
+        assert_eq!((work.batch.len(), work.wide), (2, true), "wide: the lane borrows if it can");
+        assert!(!batch_of_two(dispatcher(32, 512, Vec::new())).wide, "without it, load runs narrow");
     }
 
     #[test]
