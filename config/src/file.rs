@@ -93,11 +93,11 @@ pub struct ServerConfig {
     pub allow_oversubscription: bool,
     /// Pin each worker to its own disjoint CPU set (sched_setaffinity).
     pub pin_workers: bool,
-    /// With pinned workers of one thread each, a worker runs a request that has it to itself
-    /// on two threads, the second on a sibling's core while that core is idle (borrowed for
-    /// the one run; the sibling waits for it at most that run). So a pool of two one-thread
-    /// workers (the default on 2 or 3 cores) answers a lone request as fast as one worker of
-    /// two threads, and loses only half its capacity when a worker dies. docs/tuning.md.
+    /// With pinned workers of one thread each, a worker runs on two threads, the second on a
+    /// sibling's core, while that core is idle (borrowed for one run; the sibling waits for it
+    /// at most that run). So a pool of two one-thread workers (the default on 2 or 3 cores)
+    /// answers a lone request as fast as one worker of two threads, and loses only half its
+    /// capacity when a worker dies. docs/tuning.md, "Lent cores".
     pub lend_idle_cores: bool,
     /// Unix socket for `inferd status`; created with mode 0600.
     pub control_socket: PathBuf,

@@ -5,8 +5,8 @@
 //! (v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`, the tightest along the cgroup's
 //! ancestors), rounded down. Workers x intra-op threads must fit in that number unless the
 //! operator allows oversubscription; worker `i` is pinned to CPUs `[i*T, (i+1)*T)` of the
-//! usable list. Workers of one thread each may borrow the next worker's core for a lone
-//! request (`server.lend_idle_cores`, see `inferd_ipc::cores`).
+//! usable list. Workers of one thread each may borrow the next worker's core for a run while
+//! it is idle (`server.lend_idle_cores`, see `inferd_ipc::cores`).
 
 use std::path::{Path, PathBuf};
 
@@ -61,8 +61,8 @@ pub struct Placement {
     pub cpus: Vec<usize>,
     /// ORT intra-op threads.
     pub threads: usize,
-    /// The CPU this worker may borrow for a lone request's run, while it is idle: the next
-    /// worker's (server.lend_idle_cores).
+    /// The CPU this worker may borrow for a run while it is idle: the next worker's
+    /// (server.lend_idle_cores).
     #[serde(default)]
     pub borrow: Option<usize>,
 }
@@ -120,8 +120,8 @@ pub fn plan(budget: &CpuBudget, ask: Ask) -> Result<Plan, PlanError> {
     let Ask { workers, threads, allow_oversubscription, pin, lend } = ask;
     let usable = budget.usable;
     let (workers, threads) = match (workers, threads) {
-        // Two or three cores, lending: a worker per core, each running a lone request on its
-        // own core and an idle sibling's, so one worker's crash leaves the others serving.
+        // Two or three cores, lending: a worker per core, each running on its own core and an
+        // idle sibling's, so one worker's crash leaves the others serving.
         (0, 0) if lend && pin && (2..4).contains(&usable) => (usable, 1),
         (0, 0) => {
             // Workers of two threads each. A worker runs a lone request on both threads (~0.6x
