@@ -2,10 +2,9 @@
 //! for the pool and hands every worker as fd 9, mapped by all.
 //!
 //! They let workers lend idle cores to each other (`server.lend_idle_cores`): a worker of one
-//! thread claims its own core for each run and gives it back after; for a request that has it
-//! to itself, it may also *borrow* a sibling's core, for one run on two threads (the second
-//! pinned there), but only while nobody holds that core and its owner has not had to wait for
-//! it lately. An owner that finds its core lent waits for it (at most one run of its
+//! thread claims its own core for each run and gives it back after; it may also *borrow* a
+//! sibling's core, for one run on two threads (the second pinned there), but only while
+//! nobody holds that core and its owner was not busy lately. An owner that finds its core lent waits for it (at most one run of its
 //! borrower) instead of running beside the borrower's thread: the pool never runs more
 //! threads than it has cores.
 //!
@@ -16,12 +15,11 @@
 //! pid: the supervisor clears the claims of every worker it reaps ([`CoreClaims::clear`]),
 //! and a waiter that finds the holder gone takes the core over itself.
 
-use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::region::Region;
 use crate::stats::monotonic_nanos;
 
 /// File descriptor of the claims in a worker.
@@ -43,57 +41,42 @@ const LEN: usize = CPUS * 4 + CPUS * 8;
 
 /// The pool's claims, mapped.
 pub struct CoreClaims {
-    ptr: NonNull<u8>,
+    region: Region,
 }
-
-// SAFETY: the region is only ever accessed through atomics.
-unsafe impl Send for CoreClaims {}
-unsafe impl Sync for CoreClaims {}
 
 impl CoreClaims {
     /// A new region, every core free, and the descriptor to hand to workers.
     pub fn create() -> std::io::Result<(CoreClaims, OwnedFd)> {
-        let fd = nix::sys::memfd::memfd_create("inferd-cores", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
-        nix::unistd::ftruncate(&fd, LEN as i64)?;
-        Ok((CoreClaims::map(&fd)?, fd))
+        let (region, fd) = Region::create("inferd-cores", LEN)?;
+        Ok((CoreClaims { region }, fd))
     }
 
     /// Maps a region made by [`CoreClaims::create`] (in a worker: fd 9).
     pub fn map(fd: impl AsFd) -> std::io::Result<CoreClaims> {
-        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
-        let len = NonZeroUsize::new(LEN).expect("non-empty");
-        // SAFETY: a fresh shared mapping of a file of exactly this size, only ever accessed
-        // through atomics (valid for any bit pattern).
-        let ptr =
-            unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, fd, 0)? };
-        Ok(CoreClaims { ptr: ptr.cast() })
+        Ok(CoreClaims { region: Region::map(fd, LEN)? })
     }
 
     fn claim(&self, cpu: usize) -> &AtomicU32 {
         assert!(cpu < CPUS);
-        // SAFETY: in bounds of the mapping (page-aligned), which lives as long as self.
-        unsafe { &*self.ptr.as_ptr().cast::<AtomicU32>().add(cpu) }
+        self.region.at(cpu * 4)
     }
 
-    fn wanted(&self, cpu: usize) -> &AtomicU64 {
+    fn busy_at(&self, cpu: usize) -> &AtomicU64 {
         assert!(cpu < CPUS);
-        // SAFETY: as above; the second array starts 8-byte aligned after the first.
-        unsafe { &*self.ptr.as_ptr().add(CPUS * 4).cast::<AtomicU64>().add(cpu) }
+        self.region.at(CPUS * 4 + cpu * 8)
     }
 
     /// Takes `cpu`, its own core, for `pid`, waiting while another process holds it. Returns
     /// whether it had to wait.
     pub fn take(&self, cpu: usize, pid: u32) -> bool {
         let word = self.claim(cpu);
-        let mut waited = false;
         let mut since = None;
         loop {
             let holder = match word.compare_exchange(0, pid, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return waited,
+                Ok(_) => return since.is_some(),
                 Err(holder) => holder,
             };
-            if !waited {
-                waited = true;
+            if since.is_none() {
                 self.mark_busy(cpu);
             }
             let started = *since.get_or_insert_with(std::time::Instant::now);
@@ -114,14 +97,14 @@ impl CoreClaims {
 
     /// Its owner has more work than one run, or waited for it: not to be lent for a while.
     pub fn mark_busy(&self, cpu: usize) {
-        self.wanted(cpu).store(monotonic_nanos(), Ordering::Relaxed);
+        self.busy_at(cpu).store(monotonic_nanos(), Ordering::Relaxed);
     }
 
     /// Takes `cpu`, a sibling's core, for `pid` if nobody holds it and its owner was not busy
     /// within `recent` (it has work coming: a loan would make it wait).
     pub fn try_borrow(&self, cpu: usize, pid: u32, recent: Duration) -> bool {
-        let wanted = self.wanted(cpu).load(Ordering::Relaxed);
-        if wanted != 0 && monotonic_nanos().saturating_sub(wanted) < recent.as_nanos() as u64 {
+        let busy = self.busy_at(cpu).load(Ordering::Relaxed);
+        if busy != 0 && monotonic_nanos().saturating_sub(busy) < recent.as_nanos() as u64 {
             return false;
         }
         self.claim(cpu).compare_exchange(0, pid, Ordering::Acquire, Ordering::Relaxed).is_ok()
@@ -150,13 +133,6 @@ impl CoreClaims {
     /// The pid holding `cpu` (None: free).
     pub fn holder(&self, cpu: usize) -> Option<u32> {
         Some(self.claim(cpu).load(Ordering::Relaxed) & !WAITING).filter(|&p| p != 0)
-    }
-}
-
-impl Drop for CoreClaims {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once.
-        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), LEN) };
     }
 }
 

@@ -11,5 +11,6 @@
 //! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
 
 pub mod cores;
+mod region;
 pub mod spec;
 pub mod stats;

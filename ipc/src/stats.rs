@@ -7,10 +7,10 @@
 //! pool's totals) and cost the hot path no system call. The region is a flat array of
 //! `AtomicU64`; the functions below give each counter its index.
 
-use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::region::Region;
 
 /// File descriptor of the counters in a worker.
 pub const WORKER_STATS_FD: i32 = 4;
@@ -168,37 +168,24 @@ impl Histogram<'static> {
 /// One worker's counters: a mapped memfd region, written by the worker and read by the
 /// supervisor, only ever through atomics.
 pub struct WorkerCounters {
-    ptr: NonNull<AtomicU64>,
+    region: Region,
 }
-
-// SAFETY: the region is only ever accessed through atomics.
-unsafe impl Send for WorkerCounters {}
-unsafe impl Sync for WorkerCounters {}
 
 impl WorkerCounters {
     /// A new zeroed region and the descriptor to hand to a worker.
     pub fn create(name: &str) -> std::io::Result<(WorkerCounters, OwnedFd)> {
-        let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
-        nix::unistd::ftruncate(&fd, (LEN * 8) as i64)?;
-        let shared = WorkerCounters::map(&fd)?;
-        Ok((shared, fd))
+        let (region, fd) = Region::create(name, LEN * 8)?;
+        Ok((WorkerCounters { region }, fd))
     }
 
     /// Maps a region created by [`WorkerCounters::create`] (in the worker: fd 4).
     pub fn map(fd: impl AsFd) -> std::io::Result<WorkerCounters> {
-        let len = NonZeroUsize::new(LEN * 8).expect("non-empty");
-        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
-        // SAFETY: a fresh shared mapping of a file of exactly this size; nothing else aliases it
-        // in this process, and all access goes through AtomicU64 (valid for any bit pattern).
-        let ptr =
-            unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, fd, 0)? };
-        Ok(WorkerCounters { ptr: ptr.cast() })
+        Ok(WorkerCounters { region: Region::map(fd, LEN * 8)? })
     }
 
     fn counter(&self, index: usize) -> &AtomicU64 {
         assert!(index < LEN);
-        // SAFETY: in bounds of the mapping, which lives as long as self.
-        unsafe { &*self.ptr.as_ptr().add(index) }
+        self.region.at(index * 8)
     }
 
     pub fn add(&self, index: usize, n: u64) {
@@ -321,13 +308,6 @@ impl WorkerCounters {
     /// A copy of every counter.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot((0..LEN).map(|i| self.counter(i).load(Ordering::Relaxed)).collect())
-    }
-}
-
-impl Drop for WorkerCounters {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once.
-        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), LEN * 8) };
     }
 }
 
