@@ -79,6 +79,11 @@ tests/fixtures/strings.onnx  custom operators of onnxruntime-extensions (domain 
                            -> StringLength -> length INT64 ["n"]
        (no model.toml: the library's path is the machine's, so tests/published.rs writes it)
 
+mlp    a raw model with the two kinds of weighted node the int8 rewrite quantises:
+         x FLOAT ["batch", 16] -> MatMul W1 [16, 64] -> Add b1 -> Relu
+           -> Gemm (W2 [4, 64], transB = 1, bias b2 [4]) -> y FLOAT ["batch", 4]
+       W1, W2, b1, b2 are fixed sine patterns (MLP_W1, ... below), so y = relu(x W1 + b1) W2^T + b2.
+
 cnn    task = "classification", an image model (32x32 RGB, NCHW, (x/255 - 0.5) / 0.5).
          pixel_values FLOAT ["batch", 3, 32, 32] -> logits FLOAT ["batch", 4],
          labels red, green, blue, gray (softmax).
@@ -386,6 +391,42 @@ def cnn_model():
     return make_model(graph)
 
 
+MLP_IN, MLP_HIDDEN, MLP_OUT = 16, 64, 4
+
+
+def mlp_weights():
+    """W1 [16, 64], b1 [64], W2 [4, 64] (stored transposed, as Gemm's transB reads it), b2 [4]."""
+    i = np.arange(MLP_IN)[:, None]
+    h = np.arange(MLP_HIDDEN)[None, :]
+    w1 = 0.3 * np.sin(0.7 * i + 1.3 * h + 0.1)
+    b1 = 0.05 * np.cos(np.arange(MLP_HIDDEN))
+    o = np.arange(MLP_OUT)[:, None]
+    # Mostly positive, so the outputs are not small differences of large terms (where any
+    # rounding is a large relative error).
+    w2 = 0.2 * (1.5 + np.cos(0.9 * o + 0.4 * h))
+    b2 = np.array([0.1, -0.2, 0.3, 0.0])
+    return w1, b1, w2, b2
+
+
+def mlp_model():
+    w1, b1, w2, b2 = mlp_weights()
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", MLP_IN])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", MLP_OUT])]
+    initializers = [
+        const("w1", w1, np.float32),
+        const("b1", b1, np.float32),
+        const("w2", w2, np.float32),
+        const("b2", b2, np.float32),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["xw1"], name="hidden"),
+        helper.make_node("Add", ["xw1", "b1"], ["pre"], name="hidden_bias"),
+        helper.make_node("Relu", ["pre"], ["h"], name="relu"),
+        helper.make_node("Gemm", ["h", "w2", "b2"], ["y"], name="out", transB=1),
+    ]
+    return make_model(helper.make_graph(nodes, "mlp", inputs, outputs, initializer=initializers))
+
+
 def classifier_probs_model():
     return classifier_model(name="classifier_probs", softmax=True)
 
@@ -410,6 +451,7 @@ MODELS = {
     "reranker": reranker_model,
     "cnn": cnn_model,
     "pixels": pixels_model,
+    "mlp": mlp_model,
 }
 
 
@@ -641,6 +683,14 @@ def check_cnn(path):
     assert np.allclose(one[0], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def check_mlp(path):
+    w1, b1, w2, b2 = (w.astype(np.float32) for w in mlp_weights())
+    x = np.sin(np.arange(3 * MLP_IN, dtype=np.float32)).reshape(3, MLP_IN) * np.float32(2)
+    (y,) = session(path).run(["y"], {"x": x})
+    want = np.maximum(x @ w1 + b1, 0) @ w2.T + b2
+    assert y.shape == (3, MLP_OUT) and np.allclose(y, want, rtol=1e-5, atol=1e-5), (y, want)
+
+
 def check_classifier_probs(path):
     """onnxruntime's own output: the classifier's logits, softmaxed once."""
     rows = [[101, 7592, 999, 102], [101, 2023, 2003, 1037, 3231, 1012, 30521, 102]]
@@ -672,6 +722,7 @@ CHECKS = {
     "reranker": check_reranker,
     "cnn": check_cnn,
     "pixels": check_pixels,
+    "mlp": check_mlp,
 }
 
 

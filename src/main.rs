@@ -105,6 +105,9 @@ struct ServeArgs {
     /// The int8 guard's largest probability error for classifiers, over model.toml's [quantization].
     #[arg(long)]
     max_probability_error: Option<f64>,
+    /// The int8 guard's largest relative error of raw models' outputs, over model.toml's [quantization].
+    #[arg(long)]
+    max_relative_error: Option<f64>,
 }
 
 #[derive(Args)]
@@ -259,6 +262,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
             precision: args.precision,
             min_cosine: args.min_cosine,
             max_probability_error: args.max_probability_error,
+            max_relative_error: args.max_relative_error,
         },
     })?;
     Ok(Resolved::new(config)?)

@@ -3,7 +3,8 @@
 //! when the guard passes, saying what it measured; the session runs DynamicQuantizeMatMul and QAttention
 //! (read from the graph ORT optimised and the workers map); embeddings of texts the guard
 //! never saw stay close to onnxruntime's fp32 ones; a guard that cannot pass refuses int8
-//! (`int8`) or serves fp32 (`auto`), with the figures.
+//! (`int8`) or serves fp32 (`auto`), with the figures. Image and raw models are guarded too, on
+//! generated images and tensors and on the user's own inputs.
 
 mod common;
 
@@ -55,7 +56,10 @@ fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     let status = server.status();
     for worker in status["workers"].as_array().unwrap() {
         let precision = worker["models"][0]["precision"].as_str().unwrap();
-        assert!(precision.starts_with("int8 (") && precision.contains("MatMul/Attention nodes in int8"), "{precision}");
+        assert!(
+            precision.starts_with("int8 (") && precision.contains("MatMul/Gemm/Attention nodes in int8"),
+            "{precision}"
+        );
         assert!(precision.contains("min cosine 0.9"), "{precision}");
     }
     // Prepared once, by one process: the others found it.
@@ -98,30 +102,44 @@ fn int8_is_served_with_the_guards_figures_and_stays_close_to_fp32() {
     }
 }
 
-/// `inferd check` on a repository of `model` (minilm or the test classifier) with `settings`
-/// added to its model.toml: whether it passed, and what it printed.
-fn check(dir: &Path, case: &str, model: &str, settings: &str) -> (bool, String) {
+/// A repository in `dir` of the test model `model` with `settings` in its model.toml (keys
+/// first, then any `[section]`) and `files` (name, bytes) beside it.
+fn test_repository(dir: &Path, model: &str, settings: &str, files: &[(&str, &[u8])]) -> PathBuf {
+    let folder = dir.join("repo").join(model);
+    std::fs::create_dir_all(&folder).unwrap();
+    let source = test_models().join(model);
+    std::fs::copy(source.join("model.onnx"), folder.join("model.onnx")).unwrap();
+    let tokenizer = repo().join("models/minilm/tokenizer.json");
+    let toml = std::fs::read_to_string(source.join("model.toml")).unwrap();
+    let toml = toml.replace("../../../models/minilm/tokenizer.json", tokenizer.to_str().unwrap());
+    // Top-level keys go before the file's sections, a section after them.
+    let (keys, section) = settings.split_at(settings.find('[').unwrap_or(settings.len()));
+    let file = "file = \"model.onnx\"\n";
+    let toml = format!("{}\n{section}\n", toml.replacen(file, &format!("{file}{keys}\n"), 1));
+    std::fs::write(folder.join("model.toml"), toml).unwrap();
+    for (name, bytes) in files {
+        std::fs::write(folder.join(name), bytes).unwrap();
+    }
+    dir.join("repo")
+}
+
+/// `inferd check` on a repository of `model` (minilm or a test model) with `settings` added to
+/// its model.toml and `files` beside it: whether it passed, and what it printed.
+fn check_with(dir: &Path, case: &str, model: &str, settings: &str, files: &[(&str, &[u8])]) -> (bool, String) {
     let sub = dir.join(case);
     std::fs::create_dir_all(&sub).unwrap();
     let repository = match model {
         "minilm" => repository(&sub, settings),
-        _ => {
-            let folder = sub.join("repo").join(model);
-            std::fs::create_dir_all(&folder).unwrap();
-            let source = test_models().join(model);
-            std::fs::copy(source.join("model.onnx"), folder.join("model.onnx")).unwrap();
-            let tokenizer = repo().join("models/minilm/tokenizer.json");
-            let toml = std::fs::read_to_string(source.join("model.toml")).unwrap();
-            let toml = toml.replace("../../../models/minilm/tokenizer.json", tokenizer.to_str().unwrap());
-            let toml = toml.replacen("task = \"classification\"", &format!("task = \"classification\"\n{settings}"), 1);
-            std::fs::write(folder.join("model.toml"), toml).unwrap();
-            sub.join("repo")
-        }
+        _ => test_repository(&sub, model, settings, files),
     };
     let config = write_config(&sub, free_port(), 1, &repository, model, &[], "");
     let out = Command::new(BIN).arg("check").arg("--config").arg(&config).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
+}
+
+fn check(dir: &Path, case: &str, model: &str, settings: &str) -> (bool, String) {
+    check_with(dir, case, model, settings, &[])
 }
 
 #[test]
@@ -132,7 +150,7 @@ fn a_classifiers_guard_measures_probabilities() {
     let (ok, text) = check(dir.path(), "int8", "classifier", "precision = \"int8\"");
     assert!(ok, "{text}");
     assert!(
-        text.contains("precision int8 (1 of 1 MatMul/Attention nodes in int8; largest probability error 0.0"),
+        text.contains("precision int8 (1 of 1 MatMul/Gemm/Attention nodes in int8; largest probability error 0.0"),
         "{text}"
     );
     assert!(text.contains("top-1 agreement 100.0% with fp32"), "{text}");
@@ -165,4 +183,103 @@ fn a_guard_that_cannot_pass_refuses_int8_or_keeps_fp32_with_the_figures() {
     let (ok, text) = check("auto", &format!("precision = \"auto\"\n{guard}"));
     assert!(ok, "{text}");
     assert!(text.contains("precision fp32 (int8 refused: the least cosine to fp32 is"), "{text}");
+}
+
+#[test]
+fn image_models_are_guarded_on_generated_images_and_the_users_own() {
+    let dir = temp_dir("int8-image");
+    // The test CNN's Gemm head (its Conv stays fp32) over the 24 generated images.
+    let (ok, text) = check(dir.path(), "int8", "cnn", "precision = \"int8\"");
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("precision int8 (1 of 1 MatMul/Gemm/Attention nodes in int8; largest probability error 0.0"),
+        "{text}"
+    );
+    assert!(text.contains("top-1 agreement 100.0% with fp32 over 24 images"), "{text}");
+    // The user's images, named relative to the calibration file, are measured too.
+    let images = repo().join("tests/fixtures/images");
+    let red = std::fs::read(images.join("red.png")).unwrap();
+    let gray = std::fs::read(images.join("gray.jpg")).unwrap();
+    let own = "[quantization]\ncalibration = \"calibration.txt\"";
+    let list = b"red.png\n\ngray.jpg\n";
+    let files: &[(&str, &[u8])] = &[("calibration.txt", list), ("red.png", &red), ("gray.jpg", &gray)];
+    let (ok, text) = check_with(dir.path(), "own", "cnn", &format!("precision = \"int8\"\n{own}"), files);
+    assert!(ok, "{text}");
+    assert!(text.contains("with fp32 over 26 images"), "{text}");
+    // One that cannot be read is named with its line.
+    let files: &[(&str, &[u8])] = &[("calibration.txt", b"red.png\nmissing.png\n"), ("red.png", &red)];
+    let (ok, text) = check_with(dir.path(), "missing", "cnn", &format!("precision = \"int8\"\n{own}"), files);
+    assert!(!ok, "{text}");
+    assert!(text.contains("calibration.txt, line 2: cannot read") && text.contains("missing.png"), "{text}");
+    // Nor one outside the calibration file's folder (a model.toml may not name files outside
+    // the repository, and neither may its calibration list).
+    let files: &[(&str, &[u8])] = &[("calibration.txt", b"../../inferd.toml\n")];
+    let (ok, text) = check_with(dir.path(), "outside", "cnn", &format!("precision = \"int8\"\n{own}"), files);
+    assert!(!ok, "{text}");
+    assert!(text.contains("line 1: cannot read") && text.contains("outside the calibration file's folder"), "{text}");
+    // A model with nothing to quantise: `auto` serves fp32 and says why.
+    let (ok, text) = check(dir.path(), "pixels", "pixels", "precision = \"auto\"");
+    assert!(ok, "{text}");
+    assert!(text.contains("precision fp32 (int8 refused: the model has no fp32 MatMul or Gemm"), "{text}");
+}
+
+/// The test MLP's fp32 output for `x`, by onnxruntime.
+fn mlp_fp32(x: &[f32]) -> Vec<f64> {
+    let script = "import json, sys, numpy as np, onnxruntime as ort\n\
+                  s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
+                  x = np.array(json.loads(sys.argv[2]), np.float32).reshape(-1, 16)\n\
+                  print(json.dumps(s.run(None, {'x': x})[0].ravel().tolist()))";
+    let model = test_models().join("mlp/model.onnx");
+    let x = serde_json::to_string(x).unwrap();
+    let out = Command::new(python()).args(["-c", script]).arg(model).arg(x).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    floats(&serde_json::from_slice(&out.stdout).unwrap())
+}
+
+#[test]
+fn raw_models_are_guarded_on_generated_tensors_and_the_users_requests() {
+    let dir = temp_dir("int8-raw");
+    // Served: the MatMul and the Gemm (transB) in int8, answers close to onnxruntime's fp32.
+    let repository = test_repository(dir.path(), "mlp", "precision = \"int8\"", &[]);
+    let server = serve(dir, 1, &repository, "mlp", &[], "");
+    let precision = server.status()["workers"][0]["models"][0]["precision"].as_str().unwrap().to_string();
+    assert!(
+        precision.starts_with("int8 (2 of 2 MatMul/Gemm/Attention nodes in int8; relative error to fp32 at most 0.0"),
+        "{precision}"
+    );
+    assert!(precision.contains("over 24 inputs"), "{precision}");
+    let x: Vec<f32> = (0..32).map(|i| ((i * 7 % 13) as f32 - 6.0) / 3.0).collect();
+    let body = json!({"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x}]});
+    let r = server.request("POST", "/v2/models/mlp/infer", &serde_json::to_vec(&body).unwrap());
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let got = floats(&r.json()["outputs"][0]["data"]);
+    let want = mlp_fp32(&x);
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
+    let error = norm(&mut got.iter().zip(&want).map(|(g, w)| g - w)) / norm(&mut want.iter().copied());
+    assert!(got.len() == 8 && error < 0.05, "int8 {got:?} against fp32 {want:?}: relative error {error}");
+    drop(server);
+
+    let dir = temp_dir("int8-raw-check");
+    // A bound it cannot meet refuses int8 with the figure and the key.
+    let strict = "precision = \"int8\"\n[quantization]\nmax_relative_error = 0.0001";
+    let (ok, text) = check(dir.path(), "strict", "mlp", strict);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("the largest relative error of an output is 0.0")
+            && text.contains("over quantization.max_relative_error = 0.0001"),
+        "{text}"
+    );
+    // The user's own inputs, as KServe v2 requests, one per line.
+    let line = |v: f32| json!({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": vec![v; 16]}]});
+    let requests = format!("{}\n{}\n", line(0.5), line(-2.0));
+    let own = "precision = \"int8\"\n[quantization]\ncalibration = \"requests.jsonl\"";
+    let (ok, text) = check_with(dir.path(), "own", "mlp", own, &[("requests.jsonl", requests.as_bytes())]);
+    assert!(ok, "{text}");
+    assert!(text.contains("over 26 inputs"), "{text}");
+    // A request that does not fit the model is named by its line, with what is wrong.
+    let wrong = json!({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]});
+    let requests = format!("{}\n{wrong}\n", line(0.5));
+    let (ok, text) = check_with(dir.path(), "wrong", "mlp", own, &[("requests.jsonl", requests.as_bytes())]);
+    assert!(!ok, "{text}");
+    assert!(text.contains("requests.jsonl, line 2: input 'x'"), "{text}");
 }

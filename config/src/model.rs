@@ -28,7 +28,8 @@
 //! [quantization]         # the accuracy guard of int8; defaults shown
 //! min_cosine = 0.99      # embeddings: least cosine to fp32 over the calibration texts
 //! max_probability_error = 0.02  # classifiers: largest probability difference to fp32
-//! calibration = "texts.txt"     # optional: one input text per line, added to the built-in set
+//! max_relative_error = 0.05     # raw models: largest relative (L2) error of an output
+//! calibration = "inputs.txt"    # optional: your own inputs, one per line, added to the built-in set
 //! [custom_ops]           # optional: see [`CustomOps`]
 //! library = "libortextensions.so"
 //! preload = []
@@ -119,21 +120,30 @@ pub struct Quantization {
     pub min_cosine: f64,
     /// Classifiers: the largest difference of any class probability to fp32.
     pub max_probability_error: f64,
-    /// The user's own calibration texts, one per line, used with the built-in ones (relative
-    /// to the model's folder in model.toml; absolute once loaded).
+    /// Raw models: the largest relative error of any float output, |int8 - fp32| / |fp32|
+    /// over the output tensor (L2 norms).
+    pub max_relative_error: f64,
+    /// The user's own calibration inputs, one per line, used with the built-in ones (relative
+    /// to the model's folder in model.toml; absolute once loaded): texts for text models, image
+    /// files (relative to this file's folder) for image models, KServe v2 inference requests
+    /// (JSON) for raw models.
     pub calibration: Option<PathBuf>,
 }
 
 impl Default for Quantization {
     fn default() -> Self {
-        Quantization { min_cosine: 0.99, max_probability_error: 0.02, calibration: None }
+        Quantization { min_cosine: 0.99, max_probability_error: 0.02, max_relative_error: 0.05, calibration: None }
     }
 }
 
 impl Quantization {
-    /// Both bounds in (0, 1].
+    /// Every bound in (0, 1].
     fn check(&self) -> Result<(), String> {
-        for (key, value) in [("min_cosine", self.min_cosine), ("max_probability_error", self.max_probability_error)] {
+        for (key, value) in [
+            ("min_cosine", self.min_cosine),
+            ("max_probability_error", self.max_probability_error),
+            ("max_relative_error", self.max_relative_error),
+        ] {
             if !(value > 0.0 && value <= 1.0) {
                 return Err(format!("quantization.{key} = {value} is not in (0, 1]"));
             }
@@ -204,6 +214,8 @@ pub struct ModelOverride {
     pub min_cosine: Option<f64>,
     /// Over `[quantization] max_probability_error`.
     pub max_probability_error: Option<f64>,
+    /// Over `[quantization] max_relative_error`.
+    pub max_relative_error: Option<f64>,
 }
 
 impl ModelOverride {
@@ -215,27 +227,16 @@ impl ModelOverride {
         b.max_queue_delay_ms = self.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
         b.check().map_err(err)?;
         entry.precision = self.precision.unwrap_or(entry.precision);
-        check_precision(entry.precision, &entry.tokenizer).map_err(err)?;
         if entry.custom_ops.is_some() && entry.precision != Precision::Fp32 {
             return Err(err("precision int8 or auto is not prepared for graphs with custom operators".into()));
         }
         let q = &mut entry.quantization;
         q.min_cosine = self.min_cosine.unwrap_or(q.min_cosine);
         q.max_probability_error = self.max_probability_error.unwrap_or(q.max_probability_error);
+        q.max_relative_error = self.max_relative_error.unwrap_or(q.max_relative_error);
         q.check().map_err(err)?;
         Ok(entry)
     }
-}
-
-/// Precisions other than fp32 need a text model: the accuracy guard runs texts.
-fn check_precision(precision: Precision, tokenizer: &Option<TokenizerConfig>) -> Result<(), String> {
-    if precision == Precision::Fp32 || tokenizer.is_some() {
-        return Ok(());
-    }
-    Err(format!(
-        "precision = \"{}\" needs a text model for now (its accuracy guard runs texts); image and raw models are served in fp32",
-        precision.as_str()
-    ))
 }
 
 impl Precision {
@@ -665,7 +666,6 @@ impl ModelEntry {
         if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
             return Err(err(format!("quantization.calibration: {} not found", c.display())));
         }
-        check_precision(file.precision, &tokenizer).map_err(err)?;
         let custom_ops = match file.custom_ops {
             None => None,
             Some(c) => {

@@ -1,7 +1,8 @@
 //! An ONNX model rewritten for int8 execution, at the protobuf wire level: every fp32 `MatMul`
 //! whose weight is a 2-D initializer becomes ONNX Runtime's `DynamicQuantizeMatMul`
 //! (com.microsoft: the activation quantised to uint8 at run time, the weight int8 per output
-//! column, symmetric), and every fused `Attention` (com.microsoft, as ORT's transformer
+//! column, symmetric), and so does every `Gemm` that is such a MatMul plus a bias (its weight
+//! transposed first when `transB` says so), and every fused `Attention` (com.microsoft, as ORT's transformer
 //! optimiser writes it) a `DynamicQuantizeLinear` of its input feeding a `QAttention` with the
 //! same int8 weights and the node's own attributes. Everything else in the file (other nodes, attributes, metadata, value
 //! infos, doc strings, fields this code does not know) is copied byte for byte, so nothing a
@@ -9,7 +10,7 @@
 //!
 //! Field numbers are those of onnx.proto: ModelProto graph = 7, opset_import = 8; GraphProto
 //! node = 1, initializer = 5, input = 11; NodeProto input = 1, output = 2, name = 3,
-//! op_type = 4, attribute = 5, domain = 7; AttributeProto name = 1; TensorProto dims = 1, data_type = 2, float_data = 4, name = 8,
+//! op_type = 4, attribute = 5, domain = 7; AttributeProto name = 1, f = 2, i = 3; TensorProto dims = 1, data_type = 2, float_data = 4, name = 8,
 //! raw_data = 9, data_location = 14; OperatorSetIdProto domain = 1, version = 2.
 
 use std::collections::{HashMap, HashSet};
@@ -81,6 +82,17 @@ impl<'a> Node<'a> {
         Ok(node)
     }
 
+    /// An attribute's value as a number (its `i` or its `f`), when the node has it.
+    fn number(&self, name: &str) -> Option<f64> {
+        let (_, whole) = self.attributes.iter().find(|(n, _)| n == name)?;
+        let attribute = fields(whole).ok()?.into_iter().next()?;
+        fields(attribute.payload).ok()?.into_iter().find_map(|f| match (f.number, f.wire) {
+            (2, 5) => Some(f64::from(f32::from_le_bytes(f.payload.try_into().ok()?))),
+            (3, 0) => Some(f.value as i64 as f64),
+            _ => None,
+        })
+    }
+
     /// How the guard and the report name the node: its name, or its place when it has none.
     fn label(&self, index: usize) -> String {
         match self.name.is_empty() {
@@ -150,6 +162,18 @@ pub enum Range {
     Reduced,
 }
 
+/// A matrix's transpose (`Gemm`'s `transB`: the weight stored as [columns, rows]).
+fn transpose(weight: &Weight) -> Weight {
+    let (rows, cols) = (weight.dims[0] as usize, weight.dims[1] as usize);
+    let mut values = vec![0f32; rows * cols];
+    for (r, row) in weight.values.chunks_exact(cols).enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            values[c * rows + r] = *v;
+        }
+    }
+    Weight { dims: vec![weight.dims[1], weight.dims[0]], values }
+}
+
 /// Per output column: the largest magnitude maps to the range's end; zero point 0.
 fn quantize(weight: &Weight, range: Range) -> (Vec<u8>, Vec<u8>) {
     let (rows, cols) = (weight.dims[0] as usize, weight.dims[1] as usize);
@@ -184,7 +208,7 @@ pub struct Quantized {
 pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
     let (_, graph) = graph_of(model)?;
     let parts = fields(graph)?;
-    let weights = float_matrices(&parts)?;
+    let weights = float_tensors(&parts)?;
     let mut out = Vec::new();
     for (i, f) in parts.iter().filter(|f| f.number == 1 && f.wire == 2).enumerate() {
         let node = Node::read(*f)?;
@@ -246,10 +270,29 @@ pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>,
 const QATTENTION_ATTRIBUTES: &[&str] =
     &["num_heads", "unidirectional", "do_rotary", "past_present_share_buffer", "mask_filter_value", "scale"];
 
-fn eligible(node: &Node, weights: &HashSet<String>) -> bool {
-    let weight = node.inputs.get(1).is_some_and(|w| weights.contains(w));
+/// Whether `node` can be quantised, `weights` the dims of the float initializers in the file.
+fn eligible(node: &Node, weights: &HashMap<String, Vec<u64>>) -> bool {
+    let dims = |i: usize| node.inputs.get(i).and_then(|w| weights.get(w));
+    let weight = dims(1).is_some_and(|d| d.len() == 2 && d.iter().all(|&n| n > 0));
     match (node.op_type.as_str(), node.domain.as_str()) {
         ("MatMul", "" | "ai.onnx") => node.inputs.len() == 2 && weight,
+        // A MatMul plus a bias of one value per output column: alpha and beta 1, A as it is.
+        ("Gemm", "" | "ai.onnx") => {
+            let attribute = |name, default| node.number(name).unwrap_or(default);
+            let columns =
+                dims(1).map(|d| if attribute("transB", 0.0) != 0.0 { d[0] } else { d.get(1).copied().unwrap_or(0) });
+            let bias = match node.inputs.get(2).filter(|c| !c.is_empty()) {
+                None => true,
+                Some(_) => {
+                    attribute("beta", 1.0) == 1.0 && dims(2).is_some_and(|d| d.len() == 1 && Some(d[0]) == columns)
+                }
+            };
+            weight
+                && node.inputs.len() <= 3
+                && attribute("alpha", 1.0) == 1.0
+                && attribute("transA", 0.0) == 0.0
+                && bias
+        }
         // input, weight, bias and the mask: no past state or attention bias.
         ("Attention", "com.microsoft") => {
             weight
@@ -294,24 +337,33 @@ fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), String> {
     Ok((top, graph))
 }
 
-/// Names of the graph's 2-D fp32 initializers stored in the file.
-fn float_matrices(parts: &[Field]) -> Result<HashSet<String>, String> {
-    let mut names = HashSet::new();
+/// The graph's fp32 initializers stored in the file: their dims, by name.
+fn float_tensors(parts: &[Field]) -> Result<HashMap<String, Vec<u64>>, String> {
+    let mut found = HashMap::new();
     for f in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
         if let (name, Some(w)) = initializer(f.payload)? {
-            if w.dims.len() == 2 && w.dims.iter().all(|&d| d > 0) {
-                names.insert(name);
-            }
+            found.insert(name, w.dims);
         }
     }
-    Ok(names)
+    Ok(found)
+}
+
+/// Whether a quantised node reads its weight transposed (a `Gemm` with `transB`).
+fn transposed(node: &Node) -> bool {
+    node.op_type == "Gemm" && node.number("transB").is_some_and(|t| t != 0.0)
+}
+
+/// The names a quantised weight's int8 values, scales and zero points are stored under.
+fn quantized_names(weight: &str, transposed: bool) -> [String; 3] {
+    let w = if transposed { format!("{weight}_t") } else { weight.to_string() };
+    [format!("{w}_int8"), format!("{w}_scale"), format!("{w}_zero")]
 }
 
 /// Quantises every candidate MatMul except those named in `keep`.
 pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Quantized, String> {
     let (top, graph) = graph_of(model)?;
     let parts = fields(graph)?;
-    let weights = float_matrices(&parts)?;
+    let weights = float_tensors(&parts)?;
     let nodes: Vec<Node> =
         parts.iter().filter(|f| f.number == 1 && f.wire == 2).map(|f| Node::read(*f)).collect::<Result<_, _>>()?;
     let chosen: Vec<(usize, &Node)> =
@@ -328,7 +380,11 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
             still_read.insert(std::str::from_utf8(name.payload).unwrap_or_default());
         }
     }
-    let wanted: HashSet<&str> = chosen.iter().map(|(_, n)| n.inputs[1].as_str()).collect();
+    // Each weight to quantise, as it is and/or transposed.
+    let mut wanted: HashMap<&str, HashSet<bool>> = HashMap::new();
+    for (_, n) in &chosen {
+        wanted.entry(n.inputs[1].as_str()).or_default().insert(transposed(n));
+    }
     let mut new_tensors: HashMap<String, Vec<Vec<u8>>> = HashMap::new();
     let mut out_graph = Vec::with_capacity(graph.len());
     let mut index = 0;
@@ -341,10 +397,11 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                     out_graph.extend_from_slice(f.whole);
                     continue;
                 }
-                let w = &node.inputs[1];
-                let (w_int8, w_scale, w_zero) = (format!("{w}_int8"), format!("{w}_scale"), format!("{w}_zero"));
-                if node.op_type == "MatMul" {
-                    let inputs = [node.inputs[0].as_str(), &w_int8, &w_scale, &w_zero];
+                let [w_int8, w_scale, w_zero] = quantized_names(&node.inputs[1], transposed(node));
+                if node.op_type != "Attention" {
+                    // MatMul, or Gemm with its bias (the optional fifth input).
+                    let mut inputs = vec![node.inputs[0].as_str(), &w_int8, &w_scale, &w_zero];
+                    inputs.extend(node.inputs.get(2).filter(|c| !c.is_empty()).map(String::as_str));
                     let n =
                         node_bytes(&inputs, &node.outputs, &node.name, "DynamicQuantizeMatMul", "com.microsoft", &[]);
                     put_bytes(&mut out_graph, 1, &n);
@@ -374,14 +431,26 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
             (5, 2) => {
                 let (name, weight) = initializer(f.payload)?;
                 match weight {
-                    Some(weight) if wanted.contains(name.as_str()) => {
-                        let (q, scales) = quantize(&weight, range);
-                        let cols = weight.dims[1];
-                        let made = vec![
-                            tensor(&format!("{name}_int8"), INT8, &weight.dims, &q),
-                            tensor(&format!("{name}_scale"), FLOAT, &[cols], &scales),
-                            tensor(&format!("{name}_zero"), INT8, &[cols], &vec![0u8; cols as usize]),
-                        ];
+                    Some(weight) if wanted.contains_key(name.as_str()) => {
+                        let mut made = Vec::new();
+                        let mut forms: Vec<bool> = wanted[name.as_str()].iter().copied().collect();
+                        forms.sort();
+                        for t in forms {
+                            let turned;
+                            let weight = match t {
+                                true => {
+                                    turned = transpose(&weight);
+                                    &turned
+                                }
+                                false => &weight,
+                            };
+                            let (q, scales) = quantize(weight, range);
+                            let cols = weight.dims[1];
+                            let [w_int8, w_scale, w_zero] = quantized_names(&name, t);
+                            made.push(tensor(&w_int8, INT8, &weight.dims, &q));
+                            made.push(tensor(&w_scale, FLOAT, &[cols], &scales));
+                            made.push(tensor(&w_zero, INT8, &[cols], &vec![0u8; cols as usize]));
+                        }
                         new_tensors.insert(name.clone(), made);
                         if still_read.contains(name.as_str()) {
                             out_graph.extend_from_slice(f.whole);
@@ -488,6 +557,61 @@ mod tests {
         assert_eq!(q, vec![64, -127, 0, -127, 64, 0]);
         let (q, _) = quantize(&w, Range::Reduced);
         assert_eq!(q[3] as i8, -63);
+    }
+
+    /// An INT (`i`) or FLOAT (`f`) attribute's bytes, field key included.
+    fn attribute(name: &str, i: Option<u64>, f: Option<f32>) -> Vec<u8> {
+        let mut a = Vec::new();
+        put_bytes(&mut a, 1, name.as_bytes());
+        if let Some(f) = f {
+            put_varint(&mut a, 2 << 3 | 5);
+            a.extend_from_slice(&f.to_le_bytes());
+        }
+        if let Some(i) = i {
+            put_number(&mut a, 3, i);
+        }
+        let mut whole = Vec::new();
+        put_bytes(&mut whole, 5, &a);
+        whole
+    }
+
+    #[test]
+    fn a_gemm_that_is_a_matmul_plus_bias_is_quantised_with_its_weight_transposed() {
+        let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let mut graph = Vec::new();
+        let gemm = |name: &str, bias: &str, attributes: &[Vec<u8>]| {
+            let attributes: Vec<&[u8]> = attributes.iter().map(Vec::as_slice).collect();
+            node_bytes(&["x", "w", bias], &["y".to_string()], name, "Gemm", "", &attributes)
+        };
+        let trans_b = attribute("transB", Some(1), None);
+        put_bytes(&mut graph, 1, &gemm("plain", "b", &[trans_b.clone()]));
+        put_bytes(&mut graph, 1, &gemm("scaled", "b", &[trans_b.clone(), attribute("alpha", None, Some(2.0))]));
+        put_bytes(&mut graph, 1, &gemm("wide_bias", "b2", &[trans_b.clone()]));
+        // w is [2, 3] read transposed: 3 inputs, 2 outputs; b has one value per output.
+        put_bytes(&mut graph, 5, &tensor("w", FLOAT, &[2, 3], &floats(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])));
+        put_bytes(&mut graph, 5, &tensor("b", FLOAT, &[2], &floats(&[0.5, -0.5])));
+        put_bytes(&mut graph, 5, &tensor("b2", FLOAT, &[2, 2], &floats(&[0.0; 4])));
+        let mut model = Vec::new();
+        put_bytes(&mut model, 7, &graph);
+        assert_eq!(candidates(&model).unwrap(), vec!["plain".to_string()], "alpha 2 and a 2-D bias are not");
+        let rewritten = rewrite(&model, &HashSet::new(), Range::Full).unwrap();
+        let counts = op_counts(&rewritten.bytes).unwrap();
+        assert_eq!((counts["DynamicQuantizeMatMul"], counts["Gemm"]), (1, 2), "{counts:?}");
+        // The int8 weight is the transpose, [3, 2], scaled per output column (3 and 6 map to 127).
+        let (_, graph) = graph_of(&rewritten.bytes).unwrap();
+        let stored = fields(graph).unwrap().into_iter().filter(|f| f.number == 5).find_map(|f| {
+            let parts = fields(f.payload).unwrap();
+            let named = parts.iter().any(|p| p.number == 8 && p.payload == b"w_t_int8");
+            let dims: Vec<u64> = parts.iter().filter(|p| p.number == 1).map(|p| p.value).collect();
+            named.then(|| (dims, parts.iter().find(|p| p.number == 9).unwrap().payload.to_vec()))
+        });
+        let (dims, raw) = stored.expect("w_t_int8 stored");
+        assert_eq!(dims, vec![3, 2]);
+        assert_eq!(raw.iter().map(|b| *b as i8).collect::<Vec<_>>(), vec![42, 85, 85, 106, 127, 127]);
+        // The node reads the quantised weight and keeps its bias.
+        let node = fields(graph).unwrap().into_iter().find(|f| f.number == 1).map(|f| Node::read(f).unwrap()).unwrap();
+        assert_eq!(node.op_type, "DynamicQuantizeMatMul");
+        assert_eq!(node.inputs, vec!["x", "w_t_int8", "w_t_scale", "w_t_zero", "b"]);
     }
 
     #[test]

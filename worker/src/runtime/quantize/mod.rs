@@ -1,16 +1,19 @@
 //! Int8 execution with an accuracy guard (`precision = "int8"` or `"auto"` in model.toml).
 //!
-//! inferd rewrites the model itself ([`graph`]: every fp32 MatMul with a weight matrix becomes
-//! ONNX Runtime's DynamicQuantizeMatMul, weights int8 per output column), with no Python on
-//! the serving host. Before serving it, the guard runs the fp32 and the int8 model side by side
-//! on calibration texts (a built-in set of 1 to `max_length` tokens in several languages, and
-//! `[quantization] calibration`, the user's own) and measures what the task cares about: the
-//! cosine of each embedding to fp32 (least and mean), or for a classifier the largest
-//! probability difference and top-1 agreement. When the guard fails with every MatMul in int8,
-//! the MatMuls that cost the most accuracy (each measured alone) are kept in fp32, one by one,
-//! until it passes; past half of them int8 is refused with the figures (`int8`: the model does
-//! not load; `auto`: it is served in fp32). `auto` also keeps fp32 when int8 is not faster on
-//! this CPU (measured on the calibration texts); `int8` is then served with a warning.
+//! inferd rewrites the model itself ([`graph`]: every fp32 MatMul or Gemm with a weight matrix
+//! becomes ONNX Runtime's DynamicQuantizeMatMul, weights int8 per output column; fused Attention
+//! becomes QAttention), with no Python on the serving host. Before serving it, the guard runs the
+//! fp32 and the int8 model side by side on calibration inputs, each alone, and measures what the
+//! task cares about: the cosine of each embedding to fp32 (least and mean), for a classifier the
+//! largest probability difference and top-1 agreement, for a raw model the relative error of
+//! each float output. The inputs are built in for each kind of model (texts of 1 to
+//! `max_length` tokens in several languages; generated images; for raw models with float
+//! inputs, generated tensors at scales from 0.1 to 10), plus `[quantization] calibration`, the
+//! user's own. When the guard fails with every node in int8, the nodes that cost the most
+//! accuracy (each measured alone) are kept in fp32, one by one, until it passes; past half of
+//! them int8 is refused with the figures (`int8`: the model does not load; `auto`: it is served
+//! in fp32). `auto` also keeps fp32 when int8 is not faster on this CPU (measured on the
+//! calibration inputs); `int8` is then served with a warning.
 //!
 //! The outcome is prepared once per model content, settings, runtime and CPU: the int8 file
 //! and its report are kept in `runtime.cache_dir` (one process prepares, the others wait on a
@@ -19,7 +22,7 @@
 pub mod graph;
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -29,10 +32,11 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
-use crate::runtime::model::{ModelSession, Runtime, Threads};
+use crate::runtime::model::{ModelMeta, ModelSession, Runtime, Threads};
+use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
 /// Changes whenever what the preparation writes or how it measures changes.
-const FORMAT: &str = "q4";
+const FORMAT: &str = "q5";
 
 /// Preparations made without a cache_dir, by folder: the report and the int8 file's bytes.
 type Memo = HashMap<PathBuf, (Report, Option<Arc<Vec<u8>>>)>;
@@ -48,14 +52,19 @@ pub struct Report {
     pub candidates: usize,
     /// Kept in fp32 by the guard.
     pub kept: Vec<String>,
-    pub texts: usize,
+    /// Calibration inputs measured, and what they are ("texts", "images", "inputs").
+    pub inputs: usize,
+    pub of: String,
     /// Embeddings: least and mean cosine to fp32.
     pub min_cosine: Option<f64>,
     pub mean_cosine: Option<f64>,
     /// Classifiers: largest probability difference, and top-1 agreement (0..1).
     pub max_probability_error: Option<f64>,
     pub top1_agreement: Option<f64>,
-    /// Time of the calibration texts, one at a time on one thread.
+    /// Raw models: largest and mean relative error of an output.
+    pub max_relative_error: Option<f64>,
+    pub mean_relative_error: Option<f64>,
+    /// Median time of a calibration input, one at a time on one thread.
     pub fp32_ms: f64,
     pub int8_ms: f64,
     /// Why int8 is not served, when it is not.
@@ -63,28 +72,60 @@ pub struct Report {
 }
 
 impl Report {
+    /// Int8 refused before anything was measured, for `why`.
+    fn refused(candidates: usize, why: String) -> Report {
+        Report {
+            int8: false,
+            quantized: 0,
+            candidates,
+            kept: Vec::new(),
+            inputs: 0,
+            of: "inputs".into(),
+            min_cosine: None,
+            mean_cosine: None,
+            max_probability_error: None,
+            top1_agreement: None,
+            max_relative_error: None,
+            mean_relative_error: None,
+            fp32_ms: 0.0,
+            int8_ms: 0.0,
+            refused: Some(why),
+        }
+    }
+
     /// One line for the log, `status` and the model's metadata.
     pub fn summary(&self) -> String {
+        if self.inputs == 0 {
+            return format!("fp32 (int8 refused: {})", self.refused.as_deref().unwrap_or("not measured"));
+        }
         let error = match (self.min_cosine, self.mean_cosine, self.max_probability_error, self.top1_agreement) {
             (Some(min), Some(mean), _, _) => format!("min cosine {min:.4}, mean {mean:.4} to fp32"),
             (_, _, Some(p), Some(top1)) => {
                 format!("largest probability error {p:.4}, top-1 agreement {:.1}% with fp32", top1 * 100.0)
             }
-            _ => "not measured".into(),
+            _ => match (self.max_relative_error, self.mean_relative_error) {
+                (Some(max), Some(mean)) => format!("relative error to fp32 at most {max:.4}, mean {mean:.4}"),
+                _ => "not measured".into(),
+            },
         };
         let speed = format!(
-            "{:.2}x fp32's speed ({:.2} vs {:.2} ms a text)",
+            "{:.2}x fp32's speed ({:.2} vs {:.2} ms {})",
             self.fp32_ms / self.int8_ms.max(1e-9),
             self.int8_ms,
-            self.fp32_ms
+            self.fp32_ms,
+            match self.of.as_str() {
+                "texts" => "a text",
+                "images" => "an image",
+                _ => "an input",
+            }
         );
         let kept = match self.kept.len() {
             0 => String::new(),
             n => format!("; {n} kept in fp32: {}", self.kept.join(", ")),
         };
         let what = format!(
-            "{} of {} MatMul/Attention nodes in int8{kept}; {error} over {} texts; {speed}",
-            self.quantized, self.candidates, self.texts
+            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}",
+            self.quantized, self.candidates, self.inputs, self.of
         );
         match &self.refused {
             None => format!("int8 ({what})"),
@@ -105,10 +146,11 @@ pub struct Prepared {
 /// `Ok(None)` with a report: serve fp32 (`auto` whose guard failed); `Err`: `int8` refused.
 pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), String> {
     let settings = format!(
-        "{FORMAT} {:?} {} {} {:?} {:?}",
+        "{FORMAT} {:?} {} {} {} {:?} {:?}",
         entry.precision,
         entry.quantization.min_cosine,
         entry.quantization.max_probability_error,
+        entry.quantization.max_relative_error,
         entry.quantization.calibration.as_ref().map(|c| std::fs::read(c).unwrap_or_default()),
         graph::host_range(),
     );
@@ -202,7 +244,7 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
 /// Removes this model's other int8 preparations (earlier contents or settings) from the cache,
 /// as shared weights do: a session that loaded one does not need it any more. One being
 /// prepared right now (its lock held) is left alone.
-fn remove_older(dir: &std::path::Path, name: &str) {
+fn remove_older(dir: &Path, name: &str) {
     let (Some(root), Some(this)) = (dir.parent(), dir.file_name()) else { return };
     let prefix = format!("{name}-int8-");
     let Ok(entries) = std::fs::read_dir(root) else { return };
@@ -226,101 +268,172 @@ pub fn remove(scratch: Option<PathBuf>) {
     }
 }
 
-/// What one model gives for the calibration texts.
-enum Outputs {
-    Embeddings(Vec<Vec<f32>>),
-    Probabilities(Vec<Vec<f32>>),
+/// One calibration input, as the model's pipeline takes it.
+#[derive(Clone)]
+enum Sample {
+    Text(String),
+    /// An encoded image (PNG or JPEG), decoded and resized as a request's would be.
+    Image(Vec<u8>),
+    /// A raw model's input tensors.
+    Tensors(Vec<Tensor>),
+}
+
+/// What the guard compares, by the model's head.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Pooled embeddings: cosine to fp32.
+    Embeddings,
+    /// Class probabilities: largest difference and top-1 agreement.
+    Probabilities,
+    /// A raw model's float outputs: relative error.
+    Tensors,
+}
+
+/// What one model gives for the calibration inputs: `per_sample` rows for each, in order
+/// (one for a pipeline's head; one per float output of a raw model).
+struct Outputs {
+    kind: Kind,
+    rows: Vec<Vec<f32>>,
+    per_sample: usize,
 }
 
 impl Outputs {
-    /// The rows of every third text, as [`run`] gives them for `texts.iter().step_by(3)`.
+    /// The rows of every third input, as [`run`] gives them for `samples.iter().step_by(3)`.
     fn every_third(&self) -> Outputs {
-        let pick = |rows: &[Vec<f32>]| rows.iter().step_by(3).cloned().collect();
-        match self {
-            Outputs::Embeddings(rows) => Outputs::Embeddings(pick(rows)),
-            Outputs::Probabilities(rows) => Outputs::Probabilities(pick(rows)),
-        }
+        let rows = self.rows.chunks(self.per_sample.max(1)).step_by(3).flatten().cloned().collect();
+        Outputs { rows, ..*self }
     }
 }
 
-/// Runs every text alone through `model`: its outputs, and the median time of a text.
-fn run(model: &mut ModelSession, texts: &[String]) -> Result<(Outputs, f64), String> {
+/// A float output's values as f32 (`None` for other element types).
+fn float_values(tensor: &Tensor) -> Option<Vec<f32>> {
+    match &tensor.data {
+        TensorData::F32(v) => Some(v.clone()),
+        TensorData::F64(v) => Some(v.iter().map(|x| *x as f32).collect()),
+        TensorData::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+        _ => None,
+    }
+}
+
+/// Runs every input alone through `model`: its outputs, and the median time of an input.
+fn run(model: &mut ModelSession, samples: &[Sample]) -> Result<(Outputs, f64), String> {
     let pipeline = model.meta.pipeline.clone();
-    let Pipeline::Text(p) = &*pipeline else { return Err("the accuracy guard needs a text model".into()) };
-    let head = p.head.clone();
-    let mut rows = Vec::with_capacity(texts.len());
-    let mut times = Vec::with_capacity(texts.len());
-    for text in texts {
-        let encoded = p.encode(&[Text::Single(text.clone())], true).map_err(|e| e.to_string())?;
+    let head = pipeline.head().cloned();
+    let mut rows = Vec::with_capacity(samples.len());
+    let mut times = Vec::with_capacity(samples.len());
+    for sample in samples {
+        let (inputs, lengths) = match (&*pipeline, sample) {
+            (Pipeline::Text(p), Sample::Text(text)) => {
+                let encoded = p.encode(&[Text::Single(text.clone())], true).map_err(|e| e.to_string())?;
+                (encoded.inputs, encoded.lengths)
+            }
+            (Pipeline::Image(p), Sample::Image(bytes)) => {
+                (p.preprocess(std::slice::from_ref(bytes)).map_err(|e| e.to_string())?, Vec::new())
+            }
+            (Pipeline::Raw, Sample::Tensors(tensors)) => (tensors.clone(), Vec::new()),
+            _ => return Err("a calibration input of another kind than the model's".into()),
+        };
         let started = Instant::now();
-        let outputs = model.run(encoded.inputs, None).map_err(|e| e.to_string())?;
+        let outputs = model.run(inputs, None).map_err(|e| e.to_string())?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
-        let output = &outputs[head.output()];
-        let row = match &head {
-            Head::Embedding { settings, .. } => embeddings(output, &encoded.lengths, settings.pooling, true),
-            Head::Classification { labels, activation, .. } => scores(output, labels.len(), *activation, false),
+        match &head {
+            Some(Head::Embedding { output, settings }) => {
+                rows.extend(embeddings(&outputs[*output], &lengths, settings.pooling, true).map_err(|e| e.to_string())?)
+            }
+            Some(Head::Classification { output, labels, activation, .. }) => {
+                rows.extend(scores(&outputs[*output], labels.len(), *activation, false).map_err(|e| e.to_string())?)
+            }
+            None => rows.extend(outputs.iter().filter_map(float_values)),
         }
-        .map_err(|e| e.to_string())?;
-        rows.extend(row);
     }
     times.sort_by(f64::total_cmp);
     let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
-    Ok(match head {
-        Head::Embedding { .. } => (Outputs::Embeddings(rows), median),
-        Head::Classification { .. } => (Outputs::Probabilities(rows), median),
-    })
+    let kind = match head {
+        Some(Head::Embedding { .. }) => Kind::Embeddings,
+        Some(Head::Classification { .. }) => Kind::Probabilities,
+        None => Kind::Tensors,
+    };
+    let per_sample = rows.len() / samples.len().max(1);
+    Ok((Outputs { kind, rows, per_sample }, median))
 }
 
 /// How far `got` is from the fp32 `want`.
 struct Deviation {
-    /// 0 = as fp32; the larger, the worse (1 - least cosine, or the largest probability error).
+    /// 0 = as fp32; the larger, the worse (1 - least cosine, the largest probability error, or
+    /// the largest relative error).
     worst: f64,
-    mean_cosine: Option<f64>,
+    /// The mean cosine (embeddings) or the mean relative error (raw outputs).
+    mean: Option<f64>,
     top1: Option<f64>,
 }
 
 fn compare(want: &Outputs, got: &Outputs) -> Deviation {
-    match (want, got) {
-        (Outputs::Embeddings(a), Outputs::Embeddings(b)) => {
-            let cosines: Vec<f64> = a
-                .iter()
-                .zip(b)
+    let pairs = want.rows.iter().zip(&got.rows);
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let mean = |values: &[f64]| values.iter().sum::<f64>() / values.len().max(1) as f64;
+    match want.kind {
+        Kind::Embeddings => {
+            let cosines: Vec<f64> = pairs
                 .map(|(x, y)| {
                     let dot: f64 = x.iter().zip(y).map(|(p, q)| f64::from(*p) * f64::from(*q)).sum();
-                    let norm = |v: &[f32]| v.iter().map(|p| f64::from(*p).powi(2)).sum::<f64>().sqrt().max(1e-12);
-                    dot / (norm(x) * norm(y))
+                    let length = |v: &[f32]| norm(&mut v.iter().map(|p| f64::from(*p))).max(1e-12);
+                    dot / (length(x) * length(y))
                 })
                 .collect();
             let min = cosines.iter().copied().fold(1.0, f64::min);
-            Deviation {
-                worst: 1.0 - min,
-                mean_cosine: Some(cosines.iter().sum::<f64>() / cosines.len().max(1) as f64),
-                top1: None,
-            }
+            Deviation { worst: 1.0 - min, mean: Some(mean(&cosines)), top1: None }
         }
-        (Outputs::Probabilities(a), Outputs::Probabilities(b)) => {
+        Kind::Probabilities => {
             let argmax = |v: &[f32]| v.iter().enumerate().max_by(|p, q| p.1.total_cmp(q.1)).map(|(i, _)| i);
-            let worst = a
-                .iter()
-                .zip(b)
+            let worst = pairs
+                .clone()
                 .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| f64::from((p - q).abs())))
                 .fold(0.0, f64::max);
-            let agree = a.iter().zip(b).filter(|(x, y)| argmax(x) == argmax(y)).count();
-            Deviation { worst, mean_cosine: None, top1: Some(agree as f64 / a.len().max(1) as f64) }
+            let agree = pairs.filter(|(x, y)| argmax(x) == argmax(y)).count();
+            Deviation { worst, mean: None, top1: Some(agree as f64 / want.rows.len().max(1) as f64) }
         }
-        _ => Deviation { worst: f64::INFINITY, mean_cosine: None, top1: None },
+        Kind::Tensors => {
+            // |got - want| / |want| over each output tensor; an output fp32 gives as zeros
+            // must be zeros in int8 too.
+            let errors: Vec<f64> = pairs
+                .map(|(x, y)| {
+                    let diff = norm(&mut x.iter().zip(y).map(|(p, q)| f64::from(p - q)));
+                    let scale = norm(&mut x.iter().map(|p| f64::from(*p)));
+                    if diff == 0.0 {
+                        0.0
+                    } else {
+                        diff / scale
+                    }
+                })
+                .collect();
+            let worst = errors.iter().copied().fold(0.0, f64::max);
+            // NaN anywhere (an overflow in int8) fails the guard.
+            let worst = if errors.iter().any(|e| e.is_nan()) { f64::INFINITY } else { worst };
+            Deviation { worst, mean: Some(mean(&errors)), top1: None }
+        }
     }
 }
 
 /// The guard: the int8 bytes to serve (None when refused) and what was measured.
-fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Result<(Option<Vec<u8>>, Report), String> {
+fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<Vec<u8>>, Report), String> {
     let source = std::fs::read(&entry.path).map_err(|e| format!("cannot read {}: {e}", entry.path.display()))?;
     let candidates = graph::candidates(&source)?;
-    let texts = calibration(entry)?;
+    if candidates.is_empty() {
+        let mut why = "the model has no fp32 MatMul or Gemm with a weight matrix in the file to quantise".to_string();
+        if !graph::external_files(&source)?.is_empty() {
+            why.push_str(" (its weights are in external data files, which the int8 rewrite does not read)");
+        }
+        return Ok((None, Report::refused(0, why)));
+    }
     // Private, unshared sessions of one thread: nothing lands in the weights cache.
     let plain = ModelEntry { precision: Precision::Fp32, share_weights: false, ..entry.clone() };
     let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow).map_err(|e| e.to_string())?;
-    let (want, fp32_ms) = run(&mut fp32, &texts)?;
+    let (samples, of) = match calibration(entry, &fp32.meta)? {
+        Calibration::Inputs(samples, of) => (samples, of),
+        // Nothing to measure int8 on: refused, with the reason (`auto` serves fp32).
+        Calibration::None(why) => return Ok((None, Report::refused(candidates.len(), why))),
+    };
+    let (want, fp32_ms) = run(&mut fp32, &samples)?;
     drop(fp32);
     let scratch = dir.join("candidate.onnx");
     let range = graph::host_range();
@@ -335,20 +448,24 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Resu
     };
     let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), String> {
         let (bytes, mut model) = load(keep)?;
-        let (got, ms) = run(&mut model, &texts)?;
+        let (got, ms) = run(&mut model, &samples)?;
         Ok((bytes, compare(&want, &got), ms))
     };
-    let limit = match &want {
-        Outputs::Embeddings(_) => 1.0 - entry.quantization.min_cosine,
-        Outputs::Probabilities(_) => entry.quantization.max_probability_error,
+    // The bound as written, and as a limit on `Deviation::worst`.
+    let q = &entry.quantization;
+    let (bound, key, measured) = match want.kind {
+        Kind::Embeddings => (q.min_cosine, "min_cosine", "the least cosine to fp32"),
+        Kind::Probabilities => (q.max_probability_error, "max_probability_error", "the largest probability error"),
+        Kind::Tensors => (q.max_relative_error, "max_relative_error", "the largest relative error of an output"),
     };
+    let limit = if want.kind == Kind::Embeddings { 1.0 - bound } else { bound };
     let mut keep = HashSet::new();
     let mut outcome = try_keep(&keep)?;
     if outcome.1.worst > limit && candidates.len() > 1 {
-        // Each node alone in int8: what it costs, on every third text (the ranking needs no
+        // Each node alone in int8: what it costs, on every third input (the ranking needs no
         // more, and a model has tens of nodes).
-        // Each text runs alone, so fp32's answers for the sample are those of the full set.
-        let sample: Vec<String> = texts.iter().step_by(3).cloned().collect();
+        // Each input runs alone, so fp32's answers for the sample are those of the full set.
+        let sample: Vec<Sample> = samples.iter().step_by(3).cloned().collect();
         let want_sample = want.every_third();
         let mut costs = Vec::with_capacity(candidates.len());
         for node in &candidates {
@@ -370,23 +487,19 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Resu
     let (bytes, error, int8_ms) = outcome;
     let mut kept: Vec<String> = keep.into_iter().collect();
     kept.sort();
-    let refused = if candidates.is_empty() {
-        Some("the model has no fp32 MatMul with a weight matrix to quantise".to_string())
-    } else if error.worst > limit {
-        let kept = format!("{} of {} nodes kept in fp32", kept.len(), candidates.len());
-        Some(match &want {
-            Outputs::Embeddings(_) => format!(
-                "the least cosine to fp32 is {:.4} with {kept}, under quantization.min_cosine = {}",
-                1.0 - error.worst,
-                entry.quantization.min_cosine
-            ),
-            Outputs::Probabilities(_) => format!(
-                "the largest probability error is {:.4} with {kept}, over quantization.max_probability_error = {}",
-                error.worst, entry.quantization.max_probability_error
-            ),
-        })
+    let refused = if error.worst > limit {
+        let figure = match want.kind {
+            Kind::Embeddings => 1.0 - error.worst,
+            _ => error.worst,
+        };
+        Some(format!(
+            "{measured} is {figure:.4} with {} of {} nodes kept in fp32, {} quantization.{key} = {bound}",
+            kept.len(),
+            candidates.len(),
+            if want.kind == Kind::Embeddings { "under" } else { "over" },
+        ))
     } else if int8_ms >= fp32_ms * 0.95 {
-        let slow = format!("int8 is not faster than fp32 on this CPU ({int8_ms:.2} vs {fp32_ms:.2} ms a text)");
+        let slow = format!("int8 is not faster than fp32 on this CPU ({int8_ms:.2} vs {fp32_ms:.2} ms an input)");
         // Asked for by name, int8 is served anyway (the figures are in the log and status).
         match entry.precision {
             Precision::Auto => Some(slow),
@@ -398,17 +511,19 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Resu
     } else {
         None
     };
-    let embedding = matches!(want, Outputs::Embeddings(_));
     let report = Report {
         int8: refused.is_none(),
         quantized: candidates.len() - kept.len(),
         candidates: candidates.len(),
         kept,
-        texts: texts.len(),
-        min_cosine: embedding.then_some(1.0 - error.worst),
-        mean_cosine: error.mean_cosine,
-        max_probability_error: (!embedding).then_some(error.worst),
+        inputs: samples.len(),
+        of: of.into(),
+        min_cosine: (want.kind == Kind::Embeddings).then_some(1.0 - error.worst),
+        mean_cosine: error.mean.filter(|_| want.kind == Kind::Embeddings),
+        max_probability_error: (want.kind == Kind::Probabilities).then_some(error.worst),
         top1_agreement: error.top1,
+        max_relative_error: (want.kind == Kind::Tensors).then_some(error.worst),
+        mean_relative_error: error.mean.filter(|_| want.kind == Kind::Tensors),
         fp32_ms,
         int8_ms,
         refused,
@@ -416,12 +531,209 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &std::path::Path) -> Resu
     Ok((report.int8.then_some(bytes), report))
 }
 
-/// The built-in calibration texts, then the user's (one per line, empty lines skipped).
-fn calibration(entry: &ModelEntry) -> Result<Vec<String>, String> {
+/// What the guard measures int8 with.
+enum Calibration {
+    /// The inputs, and what they are ("texts", "images", "inputs").
+    Inputs(Vec<Sample>, &'static str),
+    /// None, and why: a raw model with inputs other than floats and no calibration file.
+    None(String),
+}
+
+/// The calibration inputs for `meta`'s model: the built-in ones for its kind, then the user's
+/// (`[quantization] calibration`, one per line, empty lines skipped). `Err`: the user's file
+/// has a line that cannot be read or does not fit the model.
+fn calibration(entry: &ModelEntry, meta: &ModelMeta) -> Result<Calibration, String> {
+    let own = match &entry.quantization.calibration {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        None => String::new(),
+    };
+    let lines = || own.lines().map(str::trim).filter(|l| !l.is_empty());
+    let place = |n: usize| {
+        let file = entry.quantization.calibration.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+        format!("quantization.calibration: {file}, line {n}")
+    };
+    match &*meta.pipeline {
+        Pipeline::Text(p) => {
+            let mut samples: Vec<Sample> = built_in_texts(p.max_length).into_iter().map(Sample::Text).collect();
+            samples.extend(lines().map(|l| Sample::Text(l.to_string())));
+            Ok(Calibration::Inputs(samples, "texts"))
+        }
+        Pipeline::Image(p) => {
+            let (w, h) = (p.config.width, p.config.height);
+            let mut samples: Vec<Sample> = (0..GENERATED).map(|i| Sample::Image(generated_image(i, w, h))).collect();
+            // Image files inside the calibration file's folder (which model loading confines to
+            // the repository), named relative to it.
+            let folder = entry.quantization.calibration.as_ref().and_then(|c| c.parent()).unwrap_or(Path::new("."));
+            let root =
+                std::fs::canonicalize(folder).map_err(|e| format!("{}: {e}", place(0).replace(", line 0", "")))?;
+            for (n, line) in lines().enumerate() {
+                let path = folder.join(line);
+                let bytes = std::fs::canonicalize(&path)
+                    .and_then(|real| match real.starts_with(&root) {
+                        true => std::fs::read(real),
+                        false => Err(std::io::Error::other("it is outside the calibration file's folder")),
+                    })
+                    .map_err(|e| format!("{}: cannot read {}: {e}", place(n + 1), path.display()))?;
+                samples.push(Sample::Image(bytes));
+            }
+            Ok(Calibration::Inputs(samples, "images"))
+        }
+        Pipeline::Raw => {
+            let mut samples = Vec::new();
+            for (n, line) in lines().enumerate() {
+                let parsed =
+                    crate::http::kserve::parse(line.as_bytes(), None).map_err(|e| format!("{}: {e}", place(n + 1)))?;
+                let tensors = crate::http::kserve::validate_inputs(parsed.inputs, meta)
+                    .map_err(|e| format!("{}: {e}", place(n + 1)))?;
+                samples.push(Sample::Tensors(tensors));
+            }
+            match generated_tensors(meta, entry.warmup.dynamic_dim) {
+                Ok(generated) => samples.splice(0..0, generated.into_iter().map(Sample::Tensors)).for_each(drop),
+                Err(_) if !samples.is_empty() => {}
+                Err(why) => return Ok(Calibration::None(why)),
+            }
+            Ok(Calibration::Inputs(samples, "inputs"))
+        }
+    }
+}
+
+/// How many inputs the guard generates for image and raw models.
+const GENERATED: usize = 24;
+
+/// Built-in image `i` of [`GENERATED`], a PNG twice the model's size (so that resizing runs):
+/// flat colours, gradients, edges, patterns, smooth and sharp noise, simple scenes.
+fn generated_image(i: usize, width: u32, height: u32) -> Vec<u8> {
+    let (w, h) = ((width * 2).clamp(16, 512), (height * 2).clamp(16, 512));
+    // A fixed pseudo-random value per (seed, x, y): splitmix64.
+    let noise = |seed: u64, x: u32, y: u32| -> f32 {
+        let mut z = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (u64::from(x) << 32 | u64::from(y));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    };
+    // Noise smoothed over cells of `cell` pixels (bilinear between cell corners).
+    let smooth = |seed: u64, x: u32, y: u32, cell: u32| -> f32 {
+        let (cx, cy) = (x / cell, y / cell);
+        let (fx, fy) = ((x % cell) as f32 / cell as f32, (y % cell) as f32 / cell as f32);
+        let at = |dx, dy| noise(seed, cx + dx, cy + dy);
+        let top = at(0, 0) * (1.0 - fx) + at(1, 0) * fx;
+        let bottom = at(0, 1) * (1.0 - fx) + at(1, 1) * fx;
+        top * (1.0 - fy) + bottom * fy
+    };
+    let byte = |v: f32| (v.clamp(0.0, 1.0) * 255.0).round() as u8;
+    let (fw, fh) = (w as f32, h as f32);
+    let image = image::RgbImage::from_fn(w, h, |x, y| {
+        let (u, v) = (x as f32 / fw, y as f32 / fh);
+        let rgb: [f32; 3] = match i % GENERATED {
+            0 => [0.0, 0.0, 0.0],
+            1 => [1.0, 1.0, 1.0],
+            2 => [0.5, 0.5, 0.5],
+            3 => [0.9, 0.1, 0.1],
+            4 => [0.1, 0.8, 0.2],
+            5 => [0.1, 0.2, 0.9],
+            6 => [u, 0.2, 1.0 - u],
+            7 => [v, v, v],
+            8 => [(u + v) / 2.0, 1.0 - u, v],
+            9 => [((x / 4 + y / 4) % 2) as f32; 3],
+            10 => [((x * 8 / w + y * 8 / h) % 2) as f32, 0.3, 0.6],
+            11 => [0.8, ((y / 3) % 2) as f32, 0.2],
+            12 => [((x / 2) % 2) as f32; 3],
+            13 => {
+                let r = ((u - 0.5).powi(2) + (v - 0.5).powi(2)).sqrt();
+                [(r * 40.0).sin() * 0.5 + 0.5, 0.4, (r * 20.0).cos() * 0.5 + 0.5]
+            }
+            14 => match (u - 0.5).powi(2) + (v - 0.5).powi(2) < 0.09 {
+                true => [0.95, 0.85, 0.1],
+                false => [0.1, 0.3, 0.6],
+            },
+            15 => [noise(1, x, y), noise(2, x, y), noise(3, x, y)],
+            16 => [smooth(4, x, y, 4), smooth(5, x, y, 4), smooth(6, x, y, 4)],
+            17 => [smooth(7, x, y, 16), smooth(8, x, y, 16), smooth(9, x, y, 16)],
+            18 => [smooth(10, x, y, 64); 3],
+            // Sky, ground and a sun.
+            19 => match (v < 0.55, (u - 0.7).powi(2) + (v - 0.2).powi(2) < 0.01) {
+                (_, true) => [1.0, 0.9, 0.4],
+                (true, false) => [0.4, 0.6 + 0.3 * v, 0.95],
+                (false, false) => [0.2, 0.5 + 0.2 * smooth(11, x, y, 8), 0.15],
+            },
+            // Blocks of colour.
+            20 | 21 => {
+                let cell = if i % GENERATED == 20 { w / 3 + 1 } else { w / 7 + 1 };
+                let seed = i as u64 * 100;
+                [
+                    noise(seed, x / cell, y / cell),
+                    noise(seed + 1, x / cell, y / cell),
+                    noise(seed + 2, x / cell, y / cell),
+                ]
+            }
+            // Dark and bright scenes: smooth noise near the ends of the range.
+            22 => [0.15 * smooth(12, x, y, 8), 0.1 * smooth(13, x, y, 8), 0.2 * smooth(14, x, y, 8)],
+            _ => [0.85 + 0.15 * smooth(15, x, y, 8), 0.9 + 0.1 * smooth(16, x, y, 8), 0.8 + 0.2 * smooth(17, x, y, 8)],
+        };
+        image::Rgb(rgb.map(byte))
+    });
+    let mut png = Vec::new();
+    image.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png).expect("PNG into memory");
+    png
+}
+
+/// [`GENERATED`] inputs for a raw model whose inputs are all floats, shaped as warm-up shapes
+/// them (batch 1, other free dimensions `dynamic_dim`): pseudo-random values spread around
+/// zero at scales from 0.1 to 10, so the activations' run-time ranges vary as real inputs'
+/// do. `Err` names an input that is not a float.
+fn generated_tensors(meta: &ModelMeta, dynamic_dim: usize) -> Result<Vec<Vec<Tensor>>, String> {
+    if let Some(spec) =
+        meta.inputs.iter().find(|s| !matches!(s.dtype, Some(DataType::F32 | DataType::F64 | DataType::F16)))
+    {
+        return Err(format!(
+            "the guard generates inputs for float tensors only, and input '{}' is {}: give your own inputs in [quantization] calibration (KServe v2 inference requests, one per line)",
+            spec.name, spec.datatype
+        ));
+    }
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        // xorshift64*, two draws summed: a triangular spread around zero.
+        let mut draw = || {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32
+        };
+        draw() + draw() - 1.0
+    };
+    let mut samples = Vec::with_capacity(GENERATED);
+    for i in 0..GENERATED {
+        let scale = 10f32.powf((i % 5) as f32 / 2.0 - 1.0);
+        let mut tensors = Vec::with_capacity(meta.inputs.len());
+        for spec in &meta.inputs {
+            let shape: Vec<i64> = spec
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(axis, &d)| match (d, axis) {
+                    (d, _) if d >= 0 => d,
+                    (_, 0) => 1,
+                    _ => dynamic_dim as i64,
+                })
+                .collect();
+            let count = crate::runtime::tensor::element_count(&shape).unwrap_or(0);
+            let values: Vec<f32> = (0..count).map(|_| next() * scale).collect();
+            let data = match spec.dtype {
+                Some(DataType::F64) => TensorData::F64(values.into_iter().map(f64::from).collect()),
+                Some(DataType::F16) => TensorData::F16(values.into_iter().map(half::f16::from_f32).collect()),
+                _ => TensorData::F32(values),
+            };
+            tensors.push(Tensor { name: spec.name.clone(), shape, data });
+        }
+        samples.push(tensors);
+    }
+    Ok(samples)
+}
+
+/// The built-in calibration texts: [`BUILT_IN`], then long ones up to and past `max_length`
+/// tokens (cut by the tokenizer): the sentences run together.
+fn built_in_texts(max: usize) -> Vec<String> {
     let mut texts: Vec<String> = BUILT_IN.iter().map(|t| t.to_string()).collect();
-    // Long ones, up to and past max_length tokens (cut by the tokenizer): the sentences above
-    // run together.
-    let max = entry.tokenizer.as_ref().map_or(256, |t| t.max_length);
     for (i, take) in [8usize, 16, 32].into_iter().enumerate() {
         let words: Vec<&str> = BUILT_IN.iter().skip(i * 5).take(take).copied().collect();
         let mut text = words.join(" ");
@@ -430,11 +742,7 @@ fn calibration(entry: &ModelEntry) -> Result<Vec<String>, String> {
         }
         texts.push(text);
     }
-    if let Some(path) = &entry.quantization.calibration {
-        let own = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        texts.extend(own.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string));
-    }
-    Ok(texts)
+    texts
 }
 
 /// Short and long, questions and statements, several languages and scripts, code and numbers.
@@ -489,6 +797,63 @@ const BUILT_IN: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::tensor::TensorSpec;
+
+    /// A raw model's metadata with inputs of these (name, datatype, shape).
+    fn raw_model(inputs: &[(&str, DataType, &[i64])]) -> ModelMeta {
+        ModelMeta {
+            info: inferd_ipc::spec::ModelInfo {
+                name: "m".into(),
+                version: "1".into(),
+                sha256: "0".into(),
+                weights: String::new(),
+                precision: String::new(),
+            },
+            task: inferd_config::model::Task::Raw,
+            inputs: inputs
+                .iter()
+                .map(|(name, dtype, shape)| TensorSpec {
+                    name: name.to_string(),
+                    datatype: dtype.name().into(),
+                    shape: shape.to_vec(),
+                    dtype: Some(*dtype),
+                })
+                .collect(),
+            outputs: Vec::new(),
+            pipeline: Arc::new(Pipeline::Raw),
+            batching: Default::default(),
+        }
+    }
+
+    #[test]
+    fn raw_inputs_are_generated_for_float_models_at_several_scales_and_refused_otherwise() {
+        let meta = raw_model(&[("x", DataType::F32, &[-1, -1, 3]), ("y", DataType::F64, &[2])]);
+        let samples = generated_tensors(&meta, 5).unwrap();
+        assert_eq!(samples.len(), GENERATED);
+        let largest = |t: &Tensor| match &t.data {
+            TensorData::F32(v) => v.iter().fold(0f32, |m, x| m.max(x.abs())),
+            other => panic!("{other:?}"),
+        };
+        for sample in &samples {
+            assert_eq!((sample[0].shape.as_slice(), sample[1].shape.as_slice()), (&[1, 5, 3][..], &[2][..]));
+            assert!(matches!(sample[1].data, TensorData::F64(_)));
+        }
+        // Sample 0 at scale 0.1, sample 4 at 10.
+        assert!(largest(&samples[0][0]) <= 0.1 && largest(&samples[4][0]) > 1.0);
+        let meta = raw_model(&[("x", DataType::F32, &[-1, 4]), ("ids", DataType::I64, &[-1, 4])]);
+        let why = generated_tensors(&meta, 5).unwrap_err();
+        assert!(why.contains("input 'ids' is INT64") && why.contains("[quantization] calibration"), "{why}");
+    }
+
+    #[test]
+    fn generated_images_are_distinct_pngs_twice_the_models_size() {
+        let images: Vec<Vec<u8>> = (0..GENERATED).map(|i| generated_image(i, 20, 12)).collect();
+        for (i, png) in images.iter().enumerate() {
+            let decoded = image::load_from_memory_with_format(png, image::ImageFormat::Png).unwrap();
+            assert_eq!((decoded.width(), decoded.height()), (40, 24), "image {i}");
+            assert!(!images[..i].contains(png), "image {i} repeats an earlier one");
+        }
+    }
 
     #[test]
     fn the_summary_says_what_was_served_and_what_it_cost() {
@@ -497,18 +862,23 @@ mod tests {
             quantized: 16,
             candidates: 18,
             kept: vec!["a".into(), "b".into()],
-            texts: 48,
+            inputs: 48,
+            of: "texts".into(),
             min_cosine: Some(0.9912),
             mean_cosine: Some(0.998),
             max_probability_error: None,
             top1_agreement: None,
+            max_relative_error: None,
+            mean_relative_error: None,
             fp32_ms: 6.0,
             int8_ms: 3.0,
             refused: None,
         };
         let s = report.summary();
         assert!(
-            s.starts_with("int8 (16 of 18 MatMul/Attention nodes in int8; 2 kept in fp32: a, b; min cosine 0.9912"),
+            s.starts_with(
+                "int8 (16 of 18 MatMul/Gemm/Attention nodes in int8; 2 kept in fp32: a, b; min cosine 0.9912"
+            ),
             "{s}"
         );
         assert!(s.contains("2.00x fp32's speed"), "{s}");
