@@ -316,7 +316,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // As the workers will: an int8 preparation made here is theirs too.
     let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())?;
     for entry in &resolved.models {
-        let model = ModelSession::load(&runtime, entry, Threads::Narrow)
+        let model = ModelSession::load(&runtime, entry, Threads::Narrow, None)
             .with_context(|| format!("checking model '{}'", entry.name))?;
         let meta = &model.meta;
         println!(

@@ -144,7 +144,7 @@ fn workers_of_one_thread_borrow_an_idle_siblings_core_and_a_killed_borrower_stal
         eprintln!("skipped: lending needs 2 usable cores, this machine has 1");
         return;
     }
-    let mut server = start("lend");
+    let server = start("lend");
     let status = server.status();
     let workers = status["workers"].as_array().unwrap().clone();
     for (w, sibling) in [(&workers[0], &workers[1]), (&workers[1], &workers[0])] {

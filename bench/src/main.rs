@@ -277,7 +277,7 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
             let (entry, stop, texts, start) = (entry.clone(), stop.clone(), texts.to_vec(), start.clone());
             let runtime = runtime.clone();
             std::thread::spawn(move || -> anyhow::Result<Vec<Duration>> {
-                let prepared = ModelSession::load(&runtime, &entry, session_threads)
+                let prepared = ModelSession::load(&runtime, &entry, session_threads, None)
                     .map_err(anyhow::Error::from)
                     .and_then(|model| {
                         let pipeline = model.meta.pipeline.clone();

@@ -10,6 +10,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 use std::io::Cursor;
+use std::sync::OnceLock;
 
 use image::{ImageFormat, ImageReader};
 use inferd_config::model::{
@@ -92,8 +93,9 @@ enum TextFeed {
 pub struct TextPipeline {
     /// Padding and truncation off: the batch is padded to its longest sequence here.
     plain: Tokenizer,
-    /// The same with truncation at `max_length`, for requests that allow it.
-    truncating: Tokenizer,
+    /// The same with truncation at `max_length`, made the first time a text has to be cut (a
+    /// tokenizer holds its vocabulary, ~6 MiB for MiniLM's; most workers never cut a text).
+    truncating: OnceLock<Result<Tokenizer, String>>,
     pub max_length: usize,
     /// For every model input, in the model's order: what feeds it and its element type.
     feeds: Vec<(String, TextFeed, DataType)>,
@@ -154,10 +156,6 @@ impl Pipeline {
             let mut plain = load()?;
             plain.with_padding(None);
             plain.with_truncation(None).map_err(|e| e.to_string())?;
-            let mut truncating = plain.clone();
-            truncating
-                .with_truncation(Some(TruncationParams { max_length: t.max_length, ..Default::default() }))
-                .map_err(|e| e.to_string())?;
             let mut feeds = Vec::new();
             for spec in inputs {
                 let feed = match spec.name.as_str() {
@@ -185,7 +183,7 @@ impl Pipeline {
             }
             return Ok(Pipeline::Text(Box::new(TextPipeline {
                 plain,
-                truncating,
+                truncating: OnceLock::new(),
                 max_length: t.max_length,
                 feeds,
                 head,
@@ -318,15 +316,14 @@ impl TextPipeline {
 
     /// Tokenises a batch and pads it to its longest row (never to a fixed length).
     pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
-        let tokenizer = if truncate { &self.truncating } else { &self.plain };
         let mut encodings = Vec::with_capacity(texts.len());
         let mut truncated = Vec::new();
         for (index, text) in texts.iter().enumerate() {
-            let input: EncodeInput = match text {
+            let (first, second) = match text {
                 Text::Single(s) if s.is_empty() => return Err(PipelineError::Empty { index }),
                 Text::Pair(a, b) if a.is_empty() || b.is_empty() => return Err(PipelineError::Empty { index }),
-                Text::Single(s) => self.bounded(index, s, truncate)?.into(),
-                Text::Pair(a, b) => (self.bounded(index, a, truncate)?, self.bounded(index, b, truncate)?).into(),
+                Text::Single(s) => (self.bounded(index, s, truncate)?, None),
+                Text::Pair(a, b) => (self.bounded(index, a, truncate)?, Some(self.bounded(index, b, truncate)?)),
                 Text::Ids(ids) => {
                     let (encoding, cut) = self.encode_ids(index, ids, truncate)?;
                     if cut {
@@ -336,9 +333,9 @@ impl TextPipeline {
                     continue;
                 }
             };
-            let encoding = tokenizer
-                .encode_fast(input, true)
-                .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
+            let encoding = self
+                .encode_text(first, second, truncate)
+                .map_err(|message| PipelineError::Tokenizer { index, message })?;
             if encoding.len() > self.max_length {
                 return Err(PipelineError::TooLong { index, tokens: encoding.len(), max: self.max_length });
             }
@@ -372,6 +369,27 @@ impl TextPipeline {
             })
             .collect();
         Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
+    }
+
+    /// A text (or a pair) with the model's special tokens; with `truncate`, cut to `max_length`
+    /// tokens by the tokenizer with truncation on. What fits is encoded once, by the plain
+    /// tokenizer: with nothing to cut, both give the same.
+    fn encode_text(&self, first: &str, second: Option<&str>, truncate: bool) -> Result<Encoding, String> {
+        let encode = |tokenizer: &Tokenizer| match second {
+            None => tokenizer.encode_fast(first, true),
+            Some(second) => tokenizer.encode_fast((first, second), true),
+        };
+        let whole = encode(&self.plain).map_err(|e| e.to_string())?;
+        if !truncate || whole.len() <= self.max_length {
+            return Ok(whole);
+        }
+        let truncating = self.truncating.get_or_init(|| {
+            let mut t = self.plain.clone();
+            let params = TruncationParams { max_length: self.max_length, ..Default::default() };
+            t.with_truncation(Some(params)).map(|_| ()).map_err(|e| e.to_string())?;
+            Ok(t)
+        });
+        encode(truncating.as_ref()?).map_err(|e| e.to_string())
     }
 
     /// Token ids a client tokenised itself, checked against the vocabulary; truncated to
@@ -767,6 +785,73 @@ pub fn ranked(labels: &[String], scores: &[f32], top_k: Option<usize>) -> Vec<(S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn texts_are_cut_as_the_truncating_tokenizer_cuts_it_made_only_when_needed() {
+        use tokenizers::processors::bert::BertProcessing;
+        use tokenizers::processors::PostProcessorWrapper;
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let long = "The committee postponed its decision until the auditors had reviewed every account \
+                    of the previous three years, including those of the subsidiaries abroad.";
+        let texts =
+            ["hello", "Why?", long, "東京は日本の首都で、人口が最も多い都市です。", "a b c d e f g h i j k l m n o p"];
+        let mut checked = 0;
+        for file in ["models/minilm/tokenizer.json", "tests/models/published/st-embedder/tokenizer.json"] {
+            let Ok(mut plain) = Tokenizer::from_file(root.join(file)) else {
+                eprintln!("skipping {file}: not there (`make setup` fetches the default model's)");
+                continue;
+            };
+            plain.with_padding(None);
+            plain.with_truncation(None).unwrap();
+            // The file's own post-processor (a template), BERT's, and none.
+            let mut bert = plain.clone();
+            bert.with_post_processor(Some(BertProcessing::new(("[SEP]".into(), 102), ("[CLS]".into(), 101))));
+            let mut bare = plain.clone();
+            bare.with_post_processor(None::<PostProcessorWrapper>);
+            for tokenizer in [plain, bert, bare] {
+                for max_length in [5, 12, 128] {
+                    let mut reference = tokenizer.clone();
+                    let params = TruncationParams { max_length, ..Default::default() };
+                    reference.with_truncation(Some(params)).unwrap();
+                    let pipeline = TextPipeline {
+                        plain: tokenizer.clone(),
+                        truncating: OnceLock::new(),
+                        max_length,
+                        feeds: Vec::new(),
+                        head: Head::Classification {
+                            output: 0,
+                            labels: Vec::new(),
+                            activation: Activation::AsIs,
+                            why: String::new(),
+                        },
+                    };
+                    // What fits is encoded by the plain tokenizer alone.
+                    pipeline.encode_text("hi", None, true).unwrap();
+                    assert!(pipeline.truncating.get().is_none(), "{file}, {max_length}");
+                    let mut needed = false;
+                    let pairs = texts.iter().flat_map(|a| texts.iter().map(move |b| (*a, Some(*b))));
+                    for (first, second) in texts.iter().map(|t| (*t, None)).chain(pairs) {
+                        let want = match second {
+                            None => reference.encode_fast(first, true),
+                            Some(second) => reference.encode_fast((first, second), true),
+                        }
+                        .unwrap();
+                        let got = pipeline.encode_text(first, second, true).unwrap();
+                        let what = format!("{file}, max_length {max_length}: {first:?} / {second:?}");
+                        assert_eq!(got.get_ids(), want.get_ids(), "{what}");
+                        assert_eq!(got.get_type_ids(), want.get_type_ids(), "{what}");
+                        assert_eq!(got.get_attention_mask(), want.get_attention_mask(), "{what}");
+                        assert_eq!(got.get_overflowing().is_empty(), want.get_overflowing().is_empty(), "{what}");
+                        checked += 1;
+                        needed |= pipeline.encode_text(first, second, false).unwrap().len() > max_length;
+                    }
+                    // Made once a text had to be cut.
+                    assert_eq!(pipeline.truncating.get().is_some(), needed, "{file}, {max_length}");
+                }
+            }
+        }
+        assert!(checked > 0, "no tokenizer to check with");
+    }
 
     #[test]
     fn mean_pooling_ignores_padding_and_normalises() {

@@ -232,10 +232,13 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
     let load_error = |e: ModelError| failure(FailureKind::ModelLoad)(e.to_string());
     let mut models = Vec::with_capacity(spec.models.len());
     for entry in &spec.models {
-        let narrow = (0..spec.threads.max(1))
-            .map(|_| ModelSession::load(&runtime, entry, Threads::Narrow))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(load_error)?;
+        // The sessions of a model share the first one's pipeline (tokenizer, image settings).
+        let first = ModelSession::load(&runtime, entry, Threads::Narrow, None).map_err(load_error)?;
+        let pipeline = Arc::clone(&first.meta.pipeline);
+        let mut narrow = vec![first];
+        for _ in 1..spec.threads.max(1) {
+            narrow.push(ModelSession::load(&runtime, entry, Threads::Narrow, Some(&pipeline)).map_err(load_error)?);
+        }
         // A worker of one thread that may borrow a sibling's core: its wide session has a
         // second thread, pinned there.
         let (spin, block_base) = (spec.server.intra_op_spinning, spec.server.intra_op_block_base);
@@ -244,7 +247,10 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             (1, None) => None,
             (threads, _) => Some(Threads::Wide { threads, spin, block_base, pool_cpu: None }),
         };
-        let wide = wide.map(|wide| ModelSession::load(&runtime, entry, wide)).transpose().map_err(load_error)?;
+        let wide = wide
+            .map(|wide| ModelSession::load(&runtime, entry, wide, Some(&pipeline)))
+            .transpose()
+            .map_err(load_error)?;
         models.push(Sessions { narrow, wide });
     }
     reporter.send(&WorkerMessage::Warming);

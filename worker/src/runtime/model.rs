@@ -198,8 +198,15 @@ fn sha256_prefix(digest: &[u8]) -> String {
 
 impl ModelSession {
     /// Loads one model into a session that runs on `threads`, from the shared artefact of its
-    /// weights where `runtime.cache_dir` allows (see [`weights`]).
-    pub fn load(runtime: &Runtime, entry: &ModelEntry, threads: Threads) -> Result<ModelSession, ModelError> {
+    /// weights where `runtime.cache_dir` allows (see [`weights`]). `pipeline`: the one an
+    /// earlier session of this same entry built, to share instead of building another (a
+    /// tokenizer holds megabytes, and a worker has a session per lane plus a wide one).
+    pub fn load(
+        runtime: &Runtime,
+        entry: &ModelEntry,
+        threads: Threads,
+        pipeline: Option<&Arc<Pipeline>>,
+    ) -> Result<ModelSession, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
             path: entry.path.display().to_string(),
@@ -209,7 +216,7 @@ impl ModelSession {
         let digest = |path: &Path| model_digest(path).map_err(fail);
         let digest_of_file = digest(&entry.path)?;
         if entry.precision == Precision::Fp32 {
-            return ModelSession::load_file(runtime, entry, threads, &digest_of_file);
+            return ModelSession::load_file(runtime, entry, threads, &digest_of_file, pipeline);
         }
         // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
         // model, then named as the model it came from.
@@ -218,11 +225,12 @@ impl ModelSession {
         let mut model = match prepared {
             Some(p) => {
                 let int8 = ModelEntry { path: p.path, ..plain };
-                let loaded = digest(&int8.path).and_then(|d| ModelSession::load_file(runtime, &int8, threads, &d));
+                let loaded =
+                    digest(&int8.path).and_then(|d| ModelSession::load_file(runtime, &int8, threads, &d, pipeline));
                 crate::runtime::quantize::remove(p.scratch);
                 loaded?
             }
-            None => ModelSession::load_file(runtime, &plain, threads, &digest_of_file)?,
+            None => ModelSession::load_file(runtime, &plain, threads, &digest_of_file, pipeline)?,
         };
         model.meta.info.sha256 = sha256_prefix(&digest_of_file);
         model.meta.info.precision = report.summary();
@@ -236,6 +244,7 @@ impl ModelSession {
         entry: &ModelEntry,
         threads: Threads,
         digest: &[u8],
+        pipeline: Option<&Arc<Pipeline>>,
     ) -> Result<ModelSession, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
@@ -339,9 +348,16 @@ impl ModelSession {
         if let Some(bad) = inputs.iter().find(|i| i.dtype.is_none()) {
             return Err(fail(format!("input '{}' has type {}, which inferd cannot feed", bad.name, bad.datatype)));
         }
-        let producer = |value: &str| producer_of(&entry.path, digest, value);
-        let pipeline =
-            Pipeline::build(entry, &inputs, &outputs, &producer).map_err(|e| fail(format!("model.toml: {e}")))?;
+        let pipeline = match pipeline {
+            Some(shared) => Arc::clone(shared),
+            None => {
+                let producer = |value: &str| producer_of(&entry.path, digest, value);
+                Arc::new(
+                    Pipeline::build(entry, &inputs, &outputs, &producer)
+                        .map_err(|e| fail(format!("model.toml: {e}")))?,
+                )
+            }
+        };
         let meta = ModelMeta {
             info: ModelInfo {
                 name: entry.name.clone(),
@@ -356,7 +372,7 @@ impl ModelSession {
             task: entry.task,
             inputs,
             outputs,
-            pipeline: Arc::new(pipeline),
+            pipeline,
             batching: entry.batching.clone(),
         };
         Ok(ModelSession { meta, entry: entry.clone(), session })

@@ -427,7 +427,7 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
     }
     // Private, unshared sessions of one thread: nothing lands in the weights cache.
     let plain = ModelEntry { precision: Precision::Fp32, share_weights: false, ..entry.clone() };
-    let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow).map_err(|e| e.to_string())?;
+    let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow, None).map_err(|e| e.to_string())?;
     let (samples, of) = match calibration(entry, &fp32.meta)? {
         Calibration::Inputs(samples, of) => (samples, of),
         // Nothing to measure int8 on: refused, with the reason (`auto` serves fp32).
@@ -442,7 +442,7 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
         let rewritten = graph::rewrite(&source, keep, range)?;
         std::fs::write(&scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
         let model =
-            ModelSession::load(runtime, &ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow)
+            ModelSession::load(runtime, &ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow, None)
                 .map_err(|e| format!("the int8 model does not load: {e}"))?;
         Ok((rewritten.bytes, model))
     };
