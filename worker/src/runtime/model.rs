@@ -431,16 +431,7 @@ impl ModelSession {
                 .inputs
                 .iter()
                 .map(|spec| {
-                    let shape: Vec<i64> = spec
-                        .shape
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &d)| match (d, i) {
-                            (d, _) if d >= 0 => d,
-                            (_, 0) => batch as i64,
-                            _ => warmup.dynamic_dim as i64,
-                        })
-                        .collect();
+                    let shape = spec.filled(batch, warmup.dynamic_dim);
                     let len = element_count(&shape).unwrap_or(0);
                     let dtype = spec.dtype.expect("checked in load");
                     Tensor { name: spec.name.clone(), shape, data: dtype.zeros(len) }

@@ -31,6 +31,19 @@ pub struct TensorSpec {
     pub dtype: Option<DataType>,
 }
 
+impl TensorSpec {
+    /// The declared shape with its dynamic dimensions filled in: the first (the batch) with
+    /// `batch`, any other with `other` (warm-up and the int8 guard's generated inputs).
+    pub fn filled(&self, batch: usize, other: usize) -> Vec<i64> {
+        let fill = |(axis, &d): (usize, &i64)| match (d, axis) {
+            (d, _) if d >= 0 => d,
+            (_, 0) => batch as i64,
+            _ => other as i64,
+        };
+        self.shape.iter().enumerate().map(fill).collect()
+    }
+}
+
 /// Calls `$m!` with the table: (variant, rust type, v2 name, ORT element type).
 macro_rules! for_each_type {
     ($m:ident) => {

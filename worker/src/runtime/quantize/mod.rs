@@ -706,16 +706,7 @@ fn generated_tensors(meta: &ModelMeta, dynamic_dim: usize) -> Result<Vec<Vec<Ten
         let scale = 10f32.powf((i % 5) as f32 / 2.0 - 1.0);
         let mut tensors = Vec::with_capacity(meta.inputs.len());
         for spec in &meta.inputs {
-            let shape: Vec<i64> = spec
-                .shape
-                .iter()
-                .enumerate()
-                .map(|(axis, &d)| match (d, axis) {
-                    (d, _) if d >= 0 => d,
-                    (_, 0) => 1,
-                    _ => dynamic_dim as i64,
-                })
-                .collect();
+            let shape = spec.filled(1, dynamic_dim);
             let count = crate::runtime::tensor::element_count(&shape).unwrap_or(0);
             let values: Vec<f32> = (0..count).map(|_| next() * scale).collect();
             let data = match spec.dtype {
