@@ -548,10 +548,8 @@ fn calibration(entry: &ModelEntry, meta: &ModelMeta) -> Result<Calibration, Stri
         None => String::new(),
     };
     let lines = || own.lines().map(str::trim).filter(|l| !l.is_empty());
-    let place = |n: usize| {
-        let file = entry.quantization.calibration.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
-        format!("quantization.calibration: {file}, line {n}")
-    };
+    let file = entry.quantization.calibration.as_deref().unwrap_or(Path::new(""));
+    let place = |n: usize| format!("quantization.calibration: {}, line {n}", file.display());
     match &*meta.pipeline {
         Pipeline::Text(p) => {
             let mut samples: Vec<Sample> = built_in_texts(p.max_length).into_iter().map(Sample::Text).collect();
@@ -563,9 +561,12 @@ fn calibration(entry: &ModelEntry, meta: &ModelMeta) -> Result<Calibration, Stri
             let mut samples: Vec<Sample> = (0..GENERATED).map(|i| Sample::Image(generated_image(i, w, h))).collect();
             // Image files inside the calibration file's folder (which model loading confines to
             // the repository), named relative to it.
-            let folder = entry.quantization.calibration.as_ref().and_then(|c| c.parent()).unwrap_or(Path::new("."));
-            let root =
-                std::fs::canonicalize(folder).map_err(|e| format!("{}: {e}", place(0).replace(", line 0", "")))?;
+            let folder = file.parent().unwrap_or(Path::new("."));
+            let root = match own.is_empty() {
+                true => PathBuf::new(),
+                false => std::fs::canonicalize(folder)
+                    .map_err(|e| format!("quantization.calibration: {}: {e}", file.display()))?,
+            };
             for (n, line) in lines().enumerate() {
                 let path = folder.join(line);
                 let bytes = std::fs::canonicalize(&path)
@@ -579,18 +580,18 @@ fn calibration(entry: &ModelEntry, meta: &ModelMeta) -> Result<Calibration, Stri
             Ok(Calibration::Inputs(samples, "images"))
         }
         Pipeline::Raw => {
-            let mut samples = Vec::new();
+            // Generated first, then the user's; with no float inputs, the user's alone.
+            let mut samples: Vec<Sample> = match generated_tensors(meta, entry.warmup.dynamic_dim) {
+                Ok(generated) => generated.into_iter().map(Sample::Tensors).collect(),
+                Err(why) if lines().next().is_none() => return Ok(Calibration::None(why)),
+                Err(_) => Vec::new(),
+            };
             for (n, line) in lines().enumerate() {
                 let parsed =
                     crate::http::kserve::parse(line.as_bytes(), None).map_err(|e| format!("{}: {e}", place(n + 1)))?;
                 let tensors = crate::http::kserve::validate_inputs(parsed.inputs, meta)
                     .map_err(|e| format!("{}: {e}", place(n + 1)))?;
                 samples.push(Sample::Tensors(tensors));
-            }
-            match generated_tensors(meta, entry.warmup.dynamic_dim) {
-                Ok(generated) => samples.splice(0..0, generated.into_iter().map(Sample::Tensors)).for_each(drop),
-                Err(_) if !samples.is_empty() => {}
-                Err(why) => return Ok(Calibration::None(why)),
             }
             Ok(Calibration::Inputs(samples, "inputs"))
         }
