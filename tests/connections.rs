@@ -1,6 +1,7 @@
-//! Keep-alive connections are handed back to the kernel after `max_requests_per_connection`
-//! requests, announced with `Connection: close`, so that SO_REUSEPORT places the client's
-//! next connection afresh.
+//! Keep-alive connections are handed back to the kernel, announced with `Connection: close`,
+//! so that SO_REUSEPORT places the client's next connection afresh: after
+//! `max_requests_per_connection` requests, and while a worker holds two or more connections
+//! beyond its sibling's (`balance_connections`).
 
 mod common;
 
@@ -26,6 +27,65 @@ fn a_connection_is_closed_after_its_requests_with_notice() {
     assert!(connection.post(path, &body).is_err(), "nothing after the announced close");
     // A new connection is served as usual.
     assert_eq!(server.request("POST", "/v2/models/typed/infer", &body).status, 200);
+}
+
+/// The kernel places each connection on a worker at random; a worker with two or more beyond
+/// its sibling's announces `Connection: close` on its next answer, and the client's next
+/// connection is placed afresh. The client here holds every connection to the server, so it
+/// knows what each worker counts: every answer must announce a close exactly when its worker
+/// holds two more than the other (no other reason applies: no request limit), and once a
+/// round of requests goes by without one, the connections are spread within one.
+#[test]
+fn connections_piled_on_one_worker_are_spread_over_both() {
+    let server = serve(temp_dir("balance"), 2, &test_models(), "typed", &[], "max_requests_per_connection = 0");
+    let (body, path) = (typed_request(), "/v2/models/typed/infer");
+    // The live connections, each with the worker that answered on it last (None: not asked yet).
+    let mut live: Vec<(Connection, Option<usize>)> = Vec::new();
+    let (mut closes, mut rounds) = (0, 0);
+    let mut ask = |live: &mut Vec<(Connection, Option<usize>)>, i: usize| -> bool {
+        let answer = live[i].0.post(path, &body).unwrap();
+        assert_eq!(answer.status, 200);
+        let worker: usize = answer.header("x-inferd-worker").unwrap().parse().unwrap();
+        live[i].1 = Some(worker);
+        let held = |w: usize| live.iter().filter(|(_, at)| *at == Some(w)).count();
+        let (mine, other) = (held(worker), held(1 - worker));
+        assert_eq!(answer.closes(), mine >= other + 2, "worker {worker} holds {mine}, its sibling {other}");
+        if answer.closes() {
+            live.remove(i);
+        }
+        answer.closes()
+    };
+    // Ten connections opened one after another, each asked once: those placed where the other
+    // worker has fewer are closed, and replaced.
+    let fill = |live: &mut Vec<(Connection, Option<usize>)>, ask: &mut dyn FnMut(&mut Vec<_>, usize) -> bool| {
+        let mut closes = 0;
+        while live.len() < 10 {
+            live.push((Connection::open(server.addr).unwrap(), None));
+            let last = live.len() - 1;
+            closes += ask(live, last) as usize;
+        }
+        closes
+    };
+    closes += fill(&mut live, &mut ask);
+    // Rounds over every connection until one goes by without a close.
+    loop {
+        rounds += 1;
+        assert!(rounds <= 200, "still closing connections after 200 rounds");
+        let (before, mut i) = (closes, 0);
+        while i < live.len() {
+            match ask(&mut live, i) {
+                true => closes += 1,
+                false => i += 1,
+            }
+        }
+        closes += fill(&mut live, &mut ask);
+        if closes == before {
+            break;
+        }
+    }
+    let on = |w| live.iter().filter(|(_, at)| *at == Some(w)).count();
+    assert!(on(0).abs_diff(on(1)) <= 1, "spread {} / {}", on(0), on(1));
+    eprintln!("10 connections spread {} / {} after {closes} closes and {rounds} rounds", on(0), on(1));
 }
 
 /// Sends one request on `stream` and reads its answer: (status, headers lower-cased).

@@ -114,10 +114,15 @@ pub struct ServerConfig {
     /// Open connections per worker; past it the worker stops accepting until one closes.
     pub max_connections: usize,
     /// A keep-alive connection is closed (announced with `Connection: close`) after this many
-    /// requests, so the kernel places the client's next connection afresh: SO_REUSEPORT
-    /// spreads connections, not requests, and a few long-lived connections that landed on one
-    /// worker would otherwise leave its siblings idle for good. 0 = never.
+    /// requests, so the client's next connection is placed afresh: by a load balancer in front,
+    /// over pods or hosts added since (within the pool, `balance_connections` evens out the
+    /// workers). 0 = never.
     pub max_requests_per_connection: u64,
+    /// A worker that holds two or more keep-alive connections more than its least busy
+    /// sibling announces `Connection: close` on its next answer, so the kernel places the
+    /// client's next connection afresh: the port's HTTP connections stay spread evenly over
+    /// the workers (docs/tuning.md, "Connection balance").
+    pub balance_connections: bool,
     /// A client must send its request headers within this (slowloris).
     pub header_timeout_secs: f64,
     /// ... and its body within this.
@@ -182,6 +187,7 @@ impl Default for ServerConfig {
             max_queue: 128,
             max_connections: 1024,
             max_requests_per_connection: 100,
+            balance_connections: true,
             header_timeout_secs: 10.0,
             body_timeout_secs: 30.0,
             write_timeout_secs: 30.0,

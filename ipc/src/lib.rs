@@ -6,10 +6,13 @@
 //! - [`stats`]: the counters each worker shares with the supervisor through a memfd (request
 //!   counts, latency and batch histograms, liveness of the model thread);
 //! - [`cores`]: which process runs on which CPU, shared by the whole pool, so that workers
-//!   lend idle cores to each other.
+//!   lend idle cores to each other;
+//! - [`balance`]: each worker's open connections, shared by the whole pool, so that a worker
+//!   with more than its share sheds some.
 //!
 //! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
 
+pub mod balance;
 pub mod cores;
 mod region;
 pub mod spec;

@@ -87,6 +87,10 @@ pub struct WorkerSpec {
     /// [`crate::cores::WORKER_CORES_FD`] (server.lend_idle_cores).
     #[serde(default)]
     pub lending: Option<Lending>,
+    /// The worker counts its connections in the pool's table at
+    /// [`crate::balance::WORKER_BALANCE_FD`] and sheds its excess (see [`crate::balance`]).
+    #[serde(default)]
+    pub balance: bool,
 }
 
 /// How a worker of one pinned thread shares cores with its siblings (see [`crate::cores`]).

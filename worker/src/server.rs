@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use inferd_ipc::balance::{Balance, Entry, WORKER_BALANCE_FD};
 use inferd_ipc::cores::CoreClaims;
 use inferd_ipc::spec::{
     Cause, FailureKind, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, WORKER_GRPC_LISTENER_FD,
@@ -371,6 +372,9 @@ struct Connections {
     fresh: Arc<Fresh>,
     /// server.max_requests_per_connection (0: no limit).
     limit: u64,
+    /// This worker's entry in the pool's connection table: a worker with more than its share
+    /// of the port's connections announces `Connection: close` (see `inferd_ipc::balance`).
+    balance: Option<Entry>,
     /// server.write_timeout_secs.
     write_timeout: Duration,
     drain: watch::Receiver<Drain>,
@@ -416,6 +420,11 @@ impl Connections {
         let (closes, draining) = (closing.clone(), self.drain.clone());
         // service_fn takes an Fn: the count is a Cell (one connection, one task).
         let (served, limit) = (std::cell::Cell::new(0u64), self.limit);
+        // Counted in the pool's table until it is announced to close, or ends.
+        let balance = self.balance.as_ref();
+        if let Some(entry) = balance {
+            entry.add(1);
+        }
         let service = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
             first.seen();
             served.set(served.get() + 1);
@@ -424,20 +433,26 @@ impl Connections {
                 || request.headers().get(CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
             let response = handle(state.clone(), peer, request);
             let (closes, draining) = (closes.clone(), draining.clone());
+            let balance = balance;
             // Boxed: the connection is polled by hand (poll_without_shutdown), which needs an
             // Unpin future.
             Box::pin(async move {
                 let mut reply = response.await?;
                 // Announced, so the client knows before it sends again: after `limit`
-                // requests (its next connection is placed afresh by the kernel), and for a
-                // request answered while the worker drains (an idle connection is handed
+                // requests, and while this worker holds more than its share of the port's
+                // connections (its next connection is placed afresh by the kernel), and for
+                // a request answered while the worker drains (an idle connection is handed
                 // over instead, but this one was busy).
-                if (limit > 0 && served >= limit) || *draining.borrow() != Drain::Serving {
+                let shed = || !asked && balance.is_some_and(|entry| entry.over_share());
+                if (limit > 0 && served >= limit) || *draining.borrow() != Drain::Serving || shed() {
                     reply.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
                 }
                 let announced = reply.headers().get(CONNECTION).is_some_and(|v| v.as_bytes() == b"close");
-                if asked || announced {
-                    closes.store(true, Ordering::Relaxed);
+                // Counted out at once, so that the connections answered next see it gone.
+                if (asked || announced) && !closes.swap(true, Ordering::Relaxed) {
+                    if let Some(entry) = balance {
+                        entry.add(-1);
+                    }
                 }
                 Ok::<_, std::convert::Infallible>(reply)
             })
@@ -467,6 +482,9 @@ impl Connections {
                 }
             }
         };
+        if let Some(entry) = self.balance.as_ref().filter(|_| !closing.load(Ordering::Relaxed)) {
+            entry.add(-1);
+        }
         let parts = connection.into_parts();
         match (told, ended, &self.handoff, parts.io.into_inner().into_inner()) {
             (Some(Drain::Handoff), Ok(()), Some(handoff), Either::Left(plain)) if !closing.load(Ordering::Relaxed) => {
@@ -493,6 +511,27 @@ impl Connections {
             }
         }
         drop(guard);
+    }
+}
+
+/// This worker's entry in the pool's connection table on [`WORKER_BALANCE_FD`], taken as it
+/// starts accepting (None, with a warning, when it cannot be had: the worker then only
+/// closes connections after `max_requests_per_connection`).
+fn balance_entry() -> Option<Entry> {
+    // SAFETY: the supervisor hands this descriptor when the spec says `balance`; mapped, then
+    // closed.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_BALANCE_FD) };
+    let entry = Balance::map(fd).map(|table| table.join(std::process::id(), 0));
+    match entry {
+        Ok(Some(entry)) => Some(entry),
+        Ok(None) => {
+            warn!("the pool's connection table is full: this worker does not balance its connections");
+            None
+        }
+        Err(e) => {
+            warn!("cannot map the pool's connection table on fd {WORKER_BALANCE_FD}: {e}");
+            None
+        }
     }
 }
 
@@ -756,6 +795,7 @@ fn serve(
             http,
             fresh: Arc::new(Fresh::default()),
             limit: spec.server.max_requests_per_connection,
+            balance: spec.balance.then(balance_entry).flatten(),
             write_timeout: Duration::from_secs_f64(spec.server.write_timeout_secs),
             drain: drained,
             handoff: handoff.clone(),
@@ -809,6 +849,9 @@ fn serve(
         // when retired (SIGUSR1), closed when the pool stops.
         state.ready.store(false, Ordering::Relaxed);
         drop(listener);
+        if let Some(entry) = &context.balance {
+            entry.drain();
+        }
         reporter.send(&WorkerMessage::Draining);
         let mode = if handoff.is_some() { mode } else { Drain::Close };
         info!(handing_over = mode == Drain::Handoff, "draining");

@@ -41,6 +41,7 @@ use crate::plan::Resolved;
 use inferd_config::auth::Access;
 use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
+use inferd_ipc::balance::{Balance, WORKER_BALANCE_FD};
 use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
 use inferd_ipc::spec::{
     Cause, FailureKind, Lending, ModelInfo, WorkerMessage, WorkerSpec, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC,
@@ -299,6 +300,9 @@ pub struct Supervisor {
     /// Which worker runs on which core now (server.lend_idle_cores), mapped here to clear
     /// the claims of workers that exit, and its descriptor for the workers.
     cores: Option<(CoreClaims, OwnedFd)>,
+    /// Each serving worker's open connections (see `inferd_ipc::balance`), mapped here to free
+    /// the entries of workers that exit, and its descriptor for the workers.
+    balance: Option<(Balance, OwnedFd)>,
     notifier: Notifier,
     /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
     /// hung loop stops the watchdog pings.
@@ -429,6 +433,10 @@ impl Supervisor {
             cores: CoreClaims::create()
                 .and_then(|(claims, fd)| Ok((claims, dup_high(fd.as_raw_fd())?)))
                 .map_err(|e| warn!("no core claims ({e}): workers do not lend idle cores to each other"))
+                .ok(),
+            balance: Balance::create()
+                .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
+                .map_err(|e| warn!("no connection table ({e}): workers do not shed connections to balance"))
                 .ok(),
             notifier: Notifier::from_env(),
             hang_on_sigusr2: hang_on_sigusr2(),
@@ -593,6 +601,9 @@ impl Supervisor {
         let worker = slot.workers.remove(at);
         if let Some((claims, _)) = &self.cores {
             claims.clear(pid);
+        }
+        if let Some((table, _)) = &self.balance {
+            table.clear(pid);
         }
         if worker.state != WorkerState::Draining {
             slot.leave_port_unless_served();

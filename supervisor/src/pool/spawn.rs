@@ -43,6 +43,7 @@ impl Supervisor {
                 }
                 _ => None,
             },
+            balance: self.balance.is_some() && config.server.balance_connections,
         };
         match self.start_process(&spec, &self.slots[index].sockets) {
             Ok((pid, stats)) => {
@@ -105,6 +106,7 @@ impl Supervisor {
         let grpc_fd = sockets.grpc.as_ref().map(|l| l.as_raw_fd());
         let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
         let cores_fd = self.cores.as_ref().filter(|_| spec.lending.is_some()).map(|(_, fd)| fd.as_raw_fd());
+        let balance_fd = self.balance.as_ref().filter(|_| spec.balance).map(|(_, fd)| fd.as_raw_fd());
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -141,7 +143,8 @@ impl Supervisor {
                     .flatten();
                 let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
                 let cores = cores_fd.map(|fd| (fd, WORKER_CORES_FD));
-                let listeners = listeners.into_iter().flatten().chain(cores);
+                let balance = balance_fd.map(|fd| (fd, WORKER_BALANCE_FD));
+                let listeners = listeners.into_iter().flatten().chain(cores).chain(balance);
                 for (from, to) in moves.into_iter().chain(listeners).chain(handoff) {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
@@ -257,7 +260,7 @@ pub(super) fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
 /// A copy of `fd` numbered 10 or above, close-on-exec.
 pub(super) fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 11) };
     if new < 0 {
         Err(std::io::Error::last_os_error())
     } else {

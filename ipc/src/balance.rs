@@ -1,0 +1,164 @@
+//! Connection balance: how many HTTP connections each serving worker has open, in one memfd
+//! the supervisor creates for the pool and hands every worker as fd 10, mapped by all.
+//!
+//! SO_REUSEPORT places connections, not requests, and at random: a few more keep-alive
+//! connections on one worker make its clients wait longer for as long as they live. Worse,
+//! closing a connection after a fixed number of requests drives connections *towards* the
+//! busiest worker: the clients of a less busy one get their answers sooner, reach the limit
+//! sooner and reconnect, and half of them land on the busy one (measured: 32 connections on 2
+//! workers drifted to 29 and 3 within seconds). With the counts shared here, a worker that
+//! has two or more connections more than its least busy sibling announces `Connection: close`
+//! on its next answer ([`Entry::over_share`]); the client's next connection is placed afresh,
+//! and the difference shrinks until the workers hold their share.
+//!
+//! The table has one entry per worker: its pid (0: free) and its open connections. A worker
+//! takes an entry when it starts accepting and marks it [`DRAINING`] when it stops (its
+//! connections are going anyway, and its siblings must not shed theirs towards it); the
+//! supervisor frees the entries of every worker it reaps ([`Balance::clear`]), so an entry is
+//! never taken by another worker while its own still counts into it.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::region::Region;
+
+/// File descriptor of the table in a worker.
+pub const WORKER_BALANCE_FD: i32 = 10;
+
+/// Entries in the table: more than the workers any pool runs at once, replacements included.
+const ENTRIES: usize = 1024;
+
+const LEN: usize = ENTRIES * 8;
+
+/// A worker with this many connections more than its least busy sibling sheds one.
+pub const EXCESS: u32 = 2;
+
+/// Set in an entry's pid while its worker drains: out of the comparison.
+const DRAINING: u32 = 1 << 31;
+
+/// The pool's table, mapped.
+pub struct Balance {
+    region: Region,
+}
+
+impl Balance {
+    /// A new table, every entry free, and the descriptor to hand to workers.
+    pub fn create() -> std::io::Result<(Balance, OwnedFd)> {
+        let (region, fd) = Region::create("inferd-balance", LEN)?;
+        Ok((Balance { region }, fd))
+    }
+
+    /// Maps a table made by [`Balance::create`] (in a worker: fd 10).
+    pub fn map(fd: impl AsFd) -> std::io::Result<Balance> {
+        Ok(Balance { region: Region::map(fd, LEN)? })
+    }
+
+    fn pid(&self, entry: usize) -> &AtomicU32 {
+        self.region.at(entry * 8)
+    }
+
+    fn count(&self, entry: usize) -> &AtomicU32 {
+        self.region.at(entry * 8 + 4)
+    }
+
+    /// Takes a free entry for `pid`, starting from `open` connections (None: the table is
+    /// full, and this worker does not take part).
+    pub fn join(self, pid: u32, open: u32) -> Option<Entry> {
+        let entry = (0..ENTRIES)
+            .find(|&e| self.pid(e).compare_exchange(0, pid, Ordering::AcqRel, Ordering::Relaxed).is_ok())?;
+        // A sibling that reads the entry before this store sees its previous worker's count:
+        // at worst one answer's decision is off by that.
+        self.count(entry).store(open, Ordering::Relaxed);
+        Some(Entry { balance: self, entry })
+    }
+
+    /// Frees the entries of `pid`: the supervisor, for a worker it reaped.
+    pub fn clear(&self, pid: u32) {
+        for entry in 0..ENTRIES {
+            for word in [pid, pid | DRAINING] {
+                let _ = self.pid(entry).compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The fewest connections any serving worker but `except` has open (None: no other).
+    fn least_but(&self, except: usize) -> Option<u32> {
+        (0..ENTRIES)
+            .filter(|&e| e != except && matches!(self.pid(e).load(Ordering::Acquire), p if p != 0 && p & DRAINING == 0))
+            .map(|e| self.count(e).load(Ordering::Relaxed))
+            .min()
+    }
+}
+
+/// A worker's entry in the table.
+pub struct Entry {
+    balance: Balance,
+    entry: usize,
+}
+
+impl Entry {
+    /// A connection opened (+1) or closed, or was told to close (-1).
+    pub fn add(&self, delta: i32) {
+        let count = self.balance.count(self.entry);
+        match delta >= 0 {
+            true => count.fetch_add(delta.unsigned_abs(), Ordering::Relaxed),
+            // Never below 0, whatever the order of a join and a close.
+            false => count
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(delta.unsigned_abs())))
+                .unwrap_or_default(),
+        };
+    }
+
+    /// Whether this worker holds [`EXCESS`] connections or more beyond its least busy
+    /// sibling's: one of them should go. The caller that acts on it counts that connection
+    /// out at once (`add(-1)`), so that the connections answered next see the new count and
+    /// no more go than the difference asks.
+    pub fn over_share(&self) -> bool {
+        let mine = self.balance.count(self.entry).load(Ordering::Relaxed);
+        self.balance.least_but(self.entry).is_some_and(|least| mine >= least.saturating_add(EXCESS))
+    }
+
+    /// Takes the worker out of the comparison: it drains. Its connections still count into
+    /// its entry until the supervisor frees it.
+    pub fn drain(&self) {
+        self.balance.pid(self.entry).fetch_or(DRAINING, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_sheds_only_while_it_holds_two_more_than_its_least_busy_sibling() {
+        let (supervisor, fd) = Balance::create().unwrap();
+        let join = |pid, open| Balance::map(&fd).unwrap().join(pid, open).unwrap();
+        let a = join(100, 0);
+        a.add(5);
+        assert!(!a.over_share(), "alone in the table: nobody to shed to");
+        let b = join(200, 4);
+        assert!(!a.over_share() && !b.over_share(), "5 against 4");
+        a.add(1);
+        assert!(a.over_share() && !b.over_share(), "6 against 4");
+        a.add(-1);
+        assert!(!a.over_share());
+        // A third worker with none: both others have too many.
+        let c = join(300, 0);
+        assert!(a.over_share() && b.over_share() && !c.over_share());
+        // A draining worker is out of the comparison: the others no longer shed towards it.
+        c.drain();
+        assert!(!a.over_share() && !b.over_share());
+        // Counts never go below zero.
+        b.add(-100);
+        assert!(a.over_share(), "5 against 0");
+        // The supervisor frees a reaped worker's entry, draining or not, and it is taken again.
+        supervisor.clear(200);
+        assert!(!a.over_share(), "b reaped: a alone again");
+        supervisor.clear(300);
+        let d = join(400, 2);
+        assert_eq!(d.entry, 1, "the first free entry");
+        let e = join(500, 0);
+        assert_eq!(e.entry, 2, "the draining worker's, once reaped");
+        assert!(a.over_share() && d.over_share() && !e.over_share(), "5, 2 and 0: both shed towards e");
+    }
+}
