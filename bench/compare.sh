@@ -75,6 +75,8 @@ ceiling() {
         ort_run --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort "batch=$b" "$1" | tee -a "$results"
     done
     ort_run --precision int8 --parallel 1 --threads 1 --batch 1 | python3 bench/record.py add ort-int8 single "$1" | tee -a "$results"
+    # A lone request's best on these cores: one call on two threads, as a worker's wide session.
+    ort_run --precision int8 --parallel 1 --threads 2 --spin --batch 1 | python3 bench/record.py add ort-int8 wide "$1" | tee -a "$results"
     for b in 1 8 16 32; do
         ort_run --precision int8 --parallel "$CORES" --batch "$b" | python3 bench/record.py add ort-int8 "batch=$b" "$1" | tee -a "$results"
     done

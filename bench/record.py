@@ -184,6 +184,9 @@ def report(path, record, seconds, rounds):
     if int8_ceiling:
         single8, batched8 = int8_ceiling
         lines[-1] += f" inferd's int8 rewrite of the same file: {single8:.2f} ms; {by_batch(batched8)} sequences/s."
+        wide8 = get("ort-int8", "wide", "p50_ms") if ("ort-int8", "wide") in rows else None
+        if wide8:
+            lines[-1] += f" One int8 call on two threads (as a wide session): {wide8:.2f} ms."
     lines += [
         "",
         "| | c=1 req/s (p50 ms) | c=4 | c=16 (p99 ms) | c=32 (p99 ms) | open loop at 50% of best: req/s (p99 ms) "
@@ -247,6 +250,8 @@ def report(path, record, seconds, rounds):
         checks.append(("int8: best throughput / fp32 best batched ceiling", best8 / ceiling, "~2", None))
         r = get("inferd-int8", "c=1", "p50_ms") / single8
         checks.append(("int8: c=1 p50 / int8 single-thread call", r, "<= 0.60", r <= 0.60))
+        if wide8:
+            checks.append(("int8: raw call on two threads (no server) / int8 single-thread call", wide8 / single8, "", None))
         pss = get("inferd-int8", "memory-short", "pss_bytes") / 2**20
         checks.append(("int8: PSS of the pool after the 17-token load, MiB", pss, "<= 100", pss <= 100))
         checks += tails("inferd-int8", "int8: ")
