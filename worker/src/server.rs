@@ -433,7 +433,6 @@ impl Connections {
                 || request.headers().get(CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
             let response = handle(state.clone(), peer, request);
             let (closes, draining) = (closes.clone(), draining.clone());
-            let balance = balance;
             // Boxed: the connection is polled by hand (poll_without_shutdown), which needs an
             // Unpin future.
             Box::pin(async move {

@@ -257,7 +257,7 @@ pub(super) fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok((dup_high(send.as_raw_fd())?, dup_high(recv.as_raw_fd())?))
 }
 
-/// A copy of `fd` numbered 10 or above, close-on-exec.
+/// A copy of `fd` numbered above 10 (a worker's descriptors are 3 to 10), close-on-exec.
 pub(super) fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 11) };
