@@ -38,36 +38,36 @@ fn a_connection_is_closed_after_its_requests_with_notice() {
 #[test]
 fn connections_piled_on_one_worker_are_spread_over_both() {
     let server = serve(temp_dir("balance"), 2, &test_models(), "typed", &[], "max_requests_per_connection = 0");
-    let (body, path) = (typed_request(), "/v2/models/typed/infer");
     // The live connections, each with the worker that answered on it last (None: not asked yet).
     let mut live: Vec<(Connection, Option<usize>)> = Vec::new();
-    let (mut closes, mut rounds) = (0, 0);
-    let mut ask = |live: &mut Vec<(Connection, Option<usize>)>, i: usize| -> bool {
-        let answer = live[i].0.post(path, &body).unwrap();
+    let held = |live: &[(Connection, Option<usize>)], w: usize| live.iter().filter(|(_, at)| *at == Some(w)).count();
+    // Asks on connection `i`, checks the answer against what each worker holds, and drops the
+    // connection when it is told to close; returns whether it was.
+    let ask = |live: &mut Vec<(Connection, Option<usize>)>, i: usize| -> bool {
+        let answer = live[i].0.post("/v2/models/typed/infer", &typed_request()).unwrap();
         assert_eq!(answer.status, 200);
         let worker: usize = answer.header("x-inferd-worker").unwrap().parse().unwrap();
         live[i].1 = Some(worker);
-        let held = |w: usize| live.iter().filter(|(_, at)| *at == Some(w)).count();
-        let (mine, other) = (held(worker), held(1 - worker));
+        let (mine, other) = (held(live, worker), held(live, 1 - worker));
         assert_eq!(answer.closes(), mine >= other + 2, "worker {worker} holds {mine}, its sibling {other}");
         if answer.closes() {
             live.remove(i);
         }
         answer.closes()
     };
-    // Ten connections opened one after another, each asked once: those placed where the other
-    // worker has fewer are closed, and replaced.
-    let fill = |live: &mut Vec<(Connection, Option<usize>)>, ask: &mut dyn FnMut(&mut Vec<_>, usize) -> bool| {
+    // Up to ten connections, opened one after another and each asked once: those placed where
+    // the other worker has fewer are closed, and replaced. Returns the closes.
+    let fill = |live: &mut Vec<(Connection, Option<usize>)>| {
         let mut closes = 0;
         while live.len() < 10 {
             live.push((Connection::open(server.addr).unwrap(), None));
-            let last = live.len() - 1;
-            closes += ask(live, last) as usize;
+            closes += ask(live, live.len() - 1) as usize;
         }
         closes
     };
-    closes += fill(&mut live, &mut ask);
+    let mut closes = fill(&mut live);
     // Rounds over every connection until one goes by without a close.
+    let mut rounds = 0;
     loop {
         rounds += 1;
         assert!(rounds <= 200, "still closing connections after 200 rounds");
@@ -78,14 +78,14 @@ fn connections_piled_on_one_worker_are_spread_over_both() {
                 false => i += 1,
             }
         }
-        closes += fill(&mut live, &mut ask);
+        closes += fill(&mut live);
         if closes == before {
             break;
         }
     }
-    let on = |w| live.iter().filter(|(_, at)| *at == Some(w)).count();
-    assert!(on(0).abs_diff(on(1)) <= 1, "spread {} / {}", on(0), on(1));
-    eprintln!("10 connections spread {} / {} after {closes} closes and {rounds} rounds", on(0), on(1));
+    let (on0, on1) = (held(&live, 0), held(&live, 1));
+    assert!(on0.abs_diff(on1) <= 1, "spread {on0} / {on1}");
+    eprintln!("10 connections spread {on0} / {on1} after {closes} closes and {rounds} rounds");
 }
 
 /// Sends one request on `stream` and reads its answer: (status, headers lower-cased).

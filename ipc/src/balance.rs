@@ -28,7 +28,9 @@ pub const WORKER_BALANCE_FD: i32 = 10;
 /// Entries in the table: more than the workers any pool runs at once, replacements included.
 const ENTRIES: usize = 1024;
 
-const LEN: usize = ENTRIES * 8;
+/// The entries, then how many of them were ever taken (a high-water mark: every answer reads
+/// the table, and a pool uses a handful of entries, not all of them).
+const LEN: usize = ENTRIES * 8 + 4;
 
 /// A worker with this many connections more than its least busy sibling sheds one.
 pub const EXCESS: u32 = 2;
@@ -61,6 +63,11 @@ impl Balance {
         self.region.at(entry * 8 + 4)
     }
 
+    /// The entries taken so far: 0 up to this.
+    fn used(&self) -> usize {
+        (self.region.at::<AtomicU32>(ENTRIES * 8).load(Ordering::Acquire) as usize).min(ENTRIES)
+    }
+
     /// Takes a free entry for `pid`, starting from `open` connections (None: the table is
     /// full, and this worker does not take part).
     pub fn join(self, pid: u32, open: u32) -> Option<Entry> {
@@ -69,12 +76,13 @@ impl Balance {
         // A sibling that reads the entry before this store sees its previous worker's count:
         // at worst one answer's decision is off by that.
         self.count(entry).store(open, Ordering::Relaxed);
+        self.region.at::<AtomicU32>(ENTRIES * 8).fetch_max(entry as u32 + 1, Ordering::AcqRel);
         Some(Entry { balance: self, entry })
     }
 
     /// Frees the entries of `pid`: the supervisor, for a worker it reaped.
     pub fn clear(&self, pid: u32) {
-        for entry in 0..ENTRIES {
+        for entry in 0..self.used() {
             for word in [pid, pid | DRAINING] {
                 let _ = self.pid(entry).compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
             }
@@ -83,7 +91,7 @@ impl Balance {
 
     /// The fewest connections any serving worker but `except` has open (None: no other).
     fn least_but(&self, except: usize) -> Option<u32> {
-        (0..ENTRIES)
+        (0..self.used())
             .filter(|&e| e != except && matches!(self.pid(e).load(Ordering::Acquire), p if p != 0 && p & DRAINING == 0))
             .map(|e| self.count(e).load(Ordering::Relaxed))
             .min()
