@@ -153,3 +153,48 @@ fn a_bad_request_fails_alone_and_its_batch_mates_are_answered() {
     // The pool is intact: the worker still answers.
     assert_eq!(embed(&server, "still here").len(), 384);
 }
+
+/// A worker of one thread runs a long input on its background lane (server.background_lane,
+/// at a lower priority on the same core), so short requests that come meanwhile run beside it
+/// on the worker's lane instead of waiting for it. The long request (64 texts of ~250 tokens,
+/// seconds on one thread) is known to be running once `status` counts its rows; five short
+/// requests one after another must then all be answered while it still runs. Without the
+/// background lane they wait for it, and it is answered first.
+#[test]
+fn short_requests_are_answered_while_a_long_one_runs_on_a_worker_of_one_thread() {
+    let dir = temp_dir("background-lane");
+    let repository = model_repository(dir.path(), &["minilm"]);
+    let server = serve(dir, 1, &repository, "minilm", &[], "");
+    let worker = server.worker_pids()[0];
+
+    // Its background lane's thread is 10 nicer than the worker's main thread.
+    let nice = |task: &std::path::Path| -> i64 {
+        let stat = std::fs::read_to_string(task.join("stat")).unwrap();
+        // Fields after the command's closing parenthesis: state is the 3rd, nice the 19th.
+        stat.rsplit_once(')').unwrap().1.split_whitespace().nth(16).unwrap().parse().unwrap()
+    };
+    let tasks: Vec<_> = std::fs::read_dir(format!("/proc/{worker}/task")).unwrap().map(|t| t.unwrap().path()).collect();
+    let named = |name: &str| {
+        tasks.iter().find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == name).cloned()
+    };
+    let lane = named("inferd-lane-bg").expect("a worker of one thread has a background lane");
+    assert_eq!(nice(&lane) - nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}"))), 10);
+
+    let long = serde_json::to_vec(&json!({ "inputs": vec!["model ".repeat(250); 64] })).unwrap();
+    let addr = server.addr;
+    let long = std::thread::spawn(move || request(addr, "POST", "/embed", &[], &long).unwrap());
+    let rows = |server: &Server| server.status()["batches"][0]["rows"].as_u64().unwrap_or(0);
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while rows(&server) < 64 {
+        assert!(std::time::Instant::now() < until && !long.is_finished(), "the long request never started running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for i in 0..5 {
+        let short = embed(&server, "A short sentence.");
+        assert_eq!(short.len(), 384);
+        assert!(!long.is_finished(), "short request {i} was answered only after the long one");
+    }
+    let answer = long.join().unwrap();
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(answer.json().as_array().unwrap().len(), 64);
+}

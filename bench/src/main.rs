@@ -171,6 +171,11 @@ fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]
     let label = format!("http {path} c={}", load.concurrency);
     report(&label, outcome.summary(), outcome.errors, shares);
     if let Some(limit) = short_below {
+        // The long texts first: bench/compare.sh reads the last line, the short ones.
+        let long: Vec<_> = samples.iter().filter(|s| texts[s.body].len() >= limit).map(|s| s.latency).collect();
+        if !long.is_empty() {
+            report(&format!("{label} texts of {limit} bytes or more"), Summary::of(long, outcome.elapsed, 1), 0, None);
+        }
         let short = samples.iter().filter(|s| texts[s.body].len() < limit).map(|s| s.latency).collect();
         report(&format!("{label} texts under {limit} bytes"), Summary::of(short, outcome.elapsed, 1), 0, None);
     }

@@ -99,6 +99,11 @@ pub struct ServerConfig {
     /// answers a lone request as fast as one worker of two threads, and loses only half its
     /// capacity when a worker dies. docs/tuning.md, "Lent cores".
     pub lend_idle_cores: bool,
+    /// A worker of one thread also runs long inputs (a batch of 256 tokens or more) on a second
+    /// lane at a lower CPU priority (nice +10) on the same core, so short requests that arrive
+    /// meanwhile do not wait behind them: the kernel gives the core to the short work first.
+    /// Costs one more session per model and worker. docs/tuning.md, "The background lane".
+    pub background_lane: bool,
     /// Unix socket for `inferd status`; created with mode 0600.
     pub control_socket: PathBuf,
     /// Request bodies above this size are refused with 413.
@@ -179,6 +184,7 @@ impl Default for ServerConfig {
             allow_oversubscription: false,
             pin_workers: true,
             lend_idle_cores: true,
+            background_lane: true,
             control_socket: PathBuf::from("/run/inferd/control.sock"),
             max_body_bytes: 16 * 1024 * 1024,
             max_batch_inputs: 64,

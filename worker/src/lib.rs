@@ -27,7 +27,9 @@
 //! 0 also runs the wide sessions, as the T-th member of ORT's intra-op pool), and T-1 ORT pool
 //! threads. At most T of them compute at once. (ORT's telemetry thread is switched off.) A
 //! worker of one thread that borrows a sibling's idle core has one ORT pool thread more,
-//! pinned to that core (4 threads), which computes only while the core is lent to it.
+//! pinned to that core (4 threads), which computes only while the core is lent to it, and a
+//! worker of one thread has its background lane (`inferd-lane-bg`, 5 threads with lending),
+//! which runs long inputs on the worker's core at a lower priority.
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

@@ -252,12 +252,18 @@ fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Sessions>, Listen
             .map(|wide| ModelSession::load(&runtime, entry, wide, Some(&pipeline)))
             .transpose()
             .map_err(load_error)?;
-        models.push(Sessions { narrow, wide });
+        // A worker of one thread: a second narrow session for long inputs, run at a lower
+        // priority on the same core (the engine's background lane).
+        let background = (spec.threads <= 1 && spec.server.background_lane)
+            .then(|| ModelSession::load(&runtime, entry, Threads::Narrow, Some(&pipeline)))
+            .transpose()
+            .map_err(load_error)?;
+        models.push(Sessions { narrow, wide, background });
     }
     reporter.send(&WorkerMessage::Warming);
     for set in &mut models {
         let started = Instant::now();
-        for model in set.narrow.iter_mut().chain(set.wide.as_mut()) {
+        for model in set.narrow.iter_mut().chain(set.wide.as_mut()).chain(set.background.as_mut()) {
             model.warm_up().map_err(load_error)?;
         }
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);

@@ -75,8 +75,13 @@ impl Job {
             && self.inputs.iter().zip(&other.inputs).all(|(a, b)| same_tensor(a, b))
     }
 
+    /// Rows x padded length (rows alone for jobs that are not text).
+    pub(super) fn tokens(&self) -> usize {
+        self.rows.unwrap_or(1) * self.width
+    }
+
     pub(super) fn heavy(&self) -> bool {
-        self.rows.unwrap_or(1) * self.width >= HEAVY_TOKENS
+        self.tokens() >= HEAVY_TOKENS
     }
 
     pub(super) fn expired(&self, now: Instant) -> bool {

@@ -49,6 +49,8 @@ pub(super) struct Dispatcher {
     /// an idle sibling's core (the lane runs it narrow when the core is not free), where no
     /// other lane of its own could run beside it.
     wide_batches: bool,
+    /// The background lane (the last), which takes only heavy work (see [`super::Lane`]).
+    background: Option<usize>,
     /// Whether the last batch ran wide.
     last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
@@ -86,6 +88,7 @@ impl Dispatcher {
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             wide_poll,
             wide_batches: false,
+            background: None,
             last_wide: false,
             wide_running: false,
             counters,
@@ -101,6 +104,12 @@ impl Dispatcher {
     /// Lets every batch run wide ([`Dispatcher::wide_batches`]).
     pub(super) fn with_wide_batches(mut self) -> Dispatcher {
         self.wide_batches = true;
+        self
+    }
+
+    /// Makes the last lane the background lane ([`Dispatcher::background`]).
+    pub(super) fn with_background_lane(mut self) -> Dispatcher {
+        self.background = self.lanes.len().checked_sub(1);
         self
     }
 
@@ -147,8 +156,7 @@ impl Dispatcher {
 
     /// Hands batches to free lanes while there is work that may start now.
     fn dispatch(&mut self) -> Result<(), mpsc::SendError<Work>> {
-        while let Some(lane) = self.free_lane() {
-            let Some(anchor) = self.next_anchor() else { break };
+        while let Some((anchor, lane)) = self.next_anchor() {
             let heavy = anchor.heavy();
             let policy = &self.policies[anchor.model];
             if policy.max_rows > 1 && !policy.delay.is_zero() && anchor.rows.is_some() {
@@ -156,9 +164,11 @@ impl Dispatcher {
             }
             // Lanes share what waits: a lane takes its share of it, not all of it, so the others
             // (free now or soon) get work too and no request waits behind one oversized batch.
+            // The background lane shares with nobody: only heavy work goes there, and only there.
             let free = self.lanes.iter().filter(|(_, s)| *s == LaneState::Idle).count();
             let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
-            let batch = self.gather(anchor, waiting.div_ceil(self.lanes.len()));
+            let sharing = if Some(lane) == self.background { 1 } else { self.regular_lanes() };
+            let batch = self.gather(anchor, waiting.div_ceil(sharing));
             let now = Instant::now();
             let idle = batch.len() == 1 && self.pending.is_empty() && free == self.lanes.len();
             if !idle {
@@ -169,7 +179,7 @@ impl Dispatcher {
             // requests have been overlapping lately (a burst would then run wide one by one);
             // or, with `wide_batches`, whenever the lane can borrow a core.
             let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
-            let wide = self.wide_poll.is_some() && (alone || self.wide_batches);
+            let wide = self.wide_poll.is_some() && (alone || self.wide_batches) && Some(lane) != self.background;
             let lane = if wide { 0 } else { lane };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
@@ -203,30 +213,53 @@ impl Dispatcher {
         }
     }
 
-    fn free_lane(&self) -> Option<usize> {
-        if self.wide_running {
-            return None;
-        }
-        self.lanes.iter().position(|(_, s)| *s == LaneState::Idle)
+    /// The lanes that take any work: all but the background lane.
+    fn regular_lanes(&self) -> usize {
+        self.lanes.len() - usize::from(self.background.is_some())
     }
 
-    /// While light work ran lately, heavy work may not take the last free lane: until when.
+    /// While light work ran lately, heavy work may not take the last free regular lane: until
+    /// when.
     fn reserved_until(&self) -> Option<Instant> {
-        let heavy_lanes = self.lanes.iter().filter(|(_, s)| *s == LaneState::Heavy).count();
-        if self.lanes.len() < 2 || heavy_lanes + 1 < self.lanes.len() {
+        let regular = &self.lanes[..self.regular_lanes()];
+        let heavy_lanes = regular.iter().filter(|(_, s)| *s == LaneState::Heavy).count();
+        // A worker of one lane and no background lane has nowhere else for heavy work.
+        if (regular.len() < 2 && self.background.is_none()) || heavy_lanes + 1 < regular.len() {
             return None;
         }
         self.last_light.map(|t| t + LIGHT_RESERVATION).filter(|&until| until > Instant::now())
     }
 
-    /// The oldest waiting job; but when it is heavy and the last free lane is reserved for
-    /// light work, the oldest light job, or none (the heavy job waits for a lane).
-    fn next_anchor(&mut self) -> Option<Job> {
-        let index = match self.pending.front()?.heavy() && self.reserved_until().is_some() {
-            true => self.pending.iter().position(|j| !j.heavy())?,
-            false => 0,
-        };
-        self.pending.remove(index)
+    /// The next job to start and its lane: the oldest job that a free lane may take. Light work
+    /// goes to a regular lane, and so does heavy work unless the last free regular lane is
+    /// reserved for light work ([`Dispatcher::reserved_until`]). Where there is a background
+    /// lane, heavy work goes there instead while light work comes (and a job of more than the
+    /// model's token budget, a bulk request, always), unless it has the worker to itself: then
+    /// lane 0 may run it wide. With no light work about, long texts run on lane 0 as in any
+    /// worker, batched, one run at a time. Nothing starts while a wide run holds every lane.
+    fn next_anchor(&mut self) -> Option<(Job, usize)> {
+        if self.wide_running {
+            return None;
+        }
+        let idle = |lane: usize| self.lanes[lane].1 == LaneState::Idle;
+        let regular = (0..self.regular_lanes()).find(|&lane| idle(lane));
+        let background = self.background.filter(|&lane| idle(lane));
+        let reserved = self.reserved_until().is_some();
+        let quiet = self.wide_poll.is_some()
+            && self.pending.len() == 1
+            && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
+            && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
+        let (index, lane) = self.pending.iter().enumerate().find_map(|(index, job)| {
+            let bulk = job.tokens() > self.policies[job.model].max_tokens;
+            let lane = match (job.heavy(), self.background.is_some()) {
+                (false, _) => regular,
+                (true, false) => regular.filter(|_| !reserved),
+                (true, true) if !bulk && (quiet || !reserved) => regular,
+                (true, true) => background,
+            };
+            lane.map(|lane| (index, lane))
+        })?;
+        self.pending.remove(index).map(|job| (job, lane))
     }
 
     /// Removes jobs whose client went away (skipping the work) and answers those past their
@@ -398,21 +431,82 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_of_one_lane_runs_heavy_work_on_its_background_lane_beside_light_work() {
+        let mut d = dispatcher(32, 512, Vec::new());
+        d.wide_poll = Some(Duration::ZERO);
+        let (senders, lanes): (Vec<_>, Vec<_>) = (0..2).map(|_| mpsc::channel::<Work>()).unzip();
+        d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
+        let mut d = d.with_background_lane();
+        // What each lane was handed: (rows, widest text, wide).
+        let handed = |lane: usize| {
+            lanes[lane].try_recv().ok().map(|w| (w.batch.len(), w.batch.iter().map(|j| j.width).max().unwrap(), w.wide))
+        };
+        // Only long texts about: they run on lane 0, batched, one run at a time, as in a worker
+        // without a background lane.
+        d.last_load = Some(Instant::now());
+        for i in 0..3 {
+            d.take(Event::Job(text_job(1, 256, i)));
+        }
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1), d.pending.len()), (Some((2, 256, false)), None, 1));
+        d.take(Event::Done { lane: 0 });
+        d.dispatch().unwrap();
+        assert_eq!(handed(0), Some((1, 256, false)));
+        d.take(Event::Done { lane: 0 });
+
+        // A long text and short ones waiting while short work comes: the long one runs on the
+        // background lane, the short ones beside it on lane 0, narrow.
+        d.last_light = Some(Instant::now());
+        d.take(Event::Job(text_job(1, 256, 0)));
+        d.take(Event::Job(text_job(1, 17, 0)));
+        d.take(Event::Job(text_job(1, 17, 1)));
+        d.dispatch().unwrap();
+        assert_eq!(handed(1), Some((1, 256, false)), "the long text, on the background lane");
+        assert_eq!(handed(0), Some((2, 17, false)), "both short texts, on lane 0");
+        // Lane 0 busy: a short text waits for it, never the background lane...
+        d.take(Event::Done { lane: 1 });
+        d.take(Event::Job(text_job(1, 17, 2)));
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1), d.pending.len()), (None, None, 1));
+        // ... while a long one takes the background lane past it.
+        d.take(Event::Job(text_job(1, 256, 1)));
+        d.dispatch().unwrap();
+        assert_eq!((handed(1), d.pending.len()), (Some((1, 256, false)), 1));
+        d.take(Event::Done { lane: 0 });
+        d.dispatch().unwrap();
+        assert_eq!(handed(0), Some((1, 17, false)));
+        d.take(Event::Done { lane: 0 });
+        d.take(Event::Done { lane: 1 });
+
+        // Alone, a long text within the token budget runs on lane 0, wide, even right after
+        // short work; a larger job (a bulk request) goes to the background lane even then.
+        d.last_load = Some(Instant::now() - RECENT_LOAD * 2);
+        d.take(Event::Job(text_job(2, 256, 0)));
+        d.dispatch().unwrap();
+        assert_eq!(handed(0), Some((1, 256, true)), "512 tokens, the worker to itself: wide");
+        d.take(Event::Done { lane: 0 });
+        d.last_load = Some(Instant::now() - RECENT_LOAD * 2);
+        d.take(Event::Job(text_job(4, 256, 0)));
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1)), (None, Some((1, 256, false))), "1024 tokens: background");
+    }
+
+    #[test]
     fn the_last_free_lane_is_kept_for_light_work_while_it_comes() {
         let lanes = || (0..2).map(|_| (mpsc::channel().0, LaneState::Idle)).collect::<Vec<_>>();
         let mut d = dispatcher(32, 512, vec![text_job(1, 256, 0), text_job(1, 17, 0), text_job(1, 256, 1)]);
         d.lanes = lanes();
         // Both lanes free: the oldest job goes first, heavy or not.
-        assert_eq!(d.next_anchor().unwrap().width, 256);
+        assert_eq!(d.next_anchor().unwrap().0.width, 256);
         // One lane runs heavy work and light work ran lately: the other lane takes light work,
         // and a heavy job waits rather than take it.
         d.lanes[0].1 = LaneState::Heavy;
         d.last_light = Some(Instant::now());
-        assert_eq!(d.next_anchor().unwrap().width, 17);
+        assert_eq!(d.next_anchor().unwrap().0.width, 17);
         assert!(d.next_anchor().is_none() && d.pending.len() == 1);
         assert!(d.reserved_until().is_some());
         // No light work for a while: heavy work may use every lane.
         d.last_light = Some(Instant::now() - LIGHT_RESERVATION);
-        assert_eq!(d.next_anchor().unwrap().width, 256);
+        assert_eq!(d.next_anchor().unwrap().0.width, 256);
     }
 }

@@ -7,7 +7,12 @@
 //!   free lane;
 //! - `inferd-lane-0` .. `inferd-lane-{T-1}` ([`Lane`]): each owns a *narrow* session (one
 //!   thread, its own) of every model and runs its batches on it; lane 0 also owns the *wide*
-//!   sessions (all T threads) and runs a request that has the worker to itself there.
+//!   sessions (all T threads) and runs a request that has the worker to itself there;
+//! - with one thread (server.background_lane), `inferd-lane-bg`: the *background lane*, a
+//!   second narrow session of every model that runs only heavy work ([`HEAVY_TOKENS`]), its
+//!   thread at [`BACKGROUND_NICE`] on the worker's core. A long text then does not hold the
+//!   worker's one lane: short requests keep running on lane 0, and the kernel gives them the
+//!   core while both run (at nice +10 a thread gets ~10% of a core that a nice-0 thread wants).
 //!
 //! Batching ([`batch`]): the dispatcher takes the oldest job (the *anchor*) and adds the
 //! waiting jobs that fit it: same model, tensors that agree in every dimension but the first
@@ -18,7 +23,8 @@
 //! arrival for company; with 0 (the default) only jobs already waiting join, so an idle server
 //! adds no latency. A batch that fails (one request's bad values, an output without a batch
 //! dimension) is rerun one job at a time, so a bad request fails alone. Long texts
-//! ([`HEAVY_TOKENS`]) may hold every lane but one while short ones keep coming.
+//! ([`HEAVY_TOKENS`]) may hold every lane but one while short ones keep coming, and go to the
+//! background lane first where there is one.
 //!
 //! Lent cores ([`Cores`], server.lend_idle_cores): a worker of one pinned thread claims its
 //! core for each run in the pool's shared claims, and a lone request may also borrow a
@@ -61,6 +67,11 @@ use dispatch::Dispatcher;
 /// not hold short ones up behind it (measured: short texts' p99 went from 61 ms alone to 1.5 s
 /// with one request in 8 of 256 tokens before this rule).
 const HEAVY_TOKENS: usize = 256;
+
+/// How much nicer than the worker the background lane's thread runs: at +10 the kernel's
+/// weights give it ~10% of a core that lane 0 also wants (1024 against 110), and all of one
+/// that nobody else wants.
+const BACKGROUND_NICE: i32 = 10;
 
 /// After a lone request's wide run, how long the dispatcher and lane 0 poll for the next job
 /// before they sleep ([`Engine::start`]'s `poll_when_idle`). A client that sends its next
@@ -158,6 +169,8 @@ pub struct Sessions {
     /// A session on the worker's whole thread pool, when the worker has more than one thread,
     /// or on its core and the one it may borrow ([`Cores`]).
     pub wide: Option<ModelSession>,
+    /// The background lane's narrow session (a worker of one thread, server.background_lane).
+    pub background: Option<ModelSession>,
 }
 
 /// Handle to the model threads; cheap to clone.
@@ -215,24 +228,27 @@ impl Engine {
         let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
+        let has_background = models.iter().all(|m| m.background.is_some()) && !models.is_empty();
         let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
         let (events, inbox) = mpsc::channel::<Event>();
         let alive = Arc::new(());
-        let clock =
-            Arc::new(RunClock::new(lanes, stats.clone(), run_timeout, allocator).map_err(std::io::Error::other)?);
-        // Regroup by lane: lane l gets the l-th narrow session of every model.
-        let mut per_lane: Vec<Vec<ModelSession>> = (0..lanes).map(|_| Vec::new()).collect();
+        let all = lanes + usize::from(has_background);
+        let clock = Arc::new(RunClock::new(all, stats.clone(), run_timeout, allocator).map_err(std::io::Error::other)?);
+        // Regroup by lane: lane l gets the l-th narrow session of every model; the background
+        // lane, when there is one, comes last.
+        let mut per_lane: Vec<Vec<ModelSession>> = (0..all).map(|_| Vec::new()).collect();
         let mut wide = Vec::new();
         for set in models {
-            for (lane, model) in set.narrow.into_iter().enumerate() {
+            for (lane, model) in set.narrow.into_iter().chain(set.background).enumerate() {
                 per_lane[lane].push(model);
             }
             wide.extend(set.wide);
         }
         let mut wide = Some(wide).filter(|_| has_wide);
-        let mut senders = Vec::with_capacity(lanes);
+        let mut senders = Vec::with_capacity(all);
         for (index, narrow) in per_lane.into_iter().enumerate() {
             let (work, queue) = mpsc::channel::<Work>();
+            let background = index == lanes;
             let lane = Lane {
                 index,
                 narrow,
@@ -241,9 +257,12 @@ impl Engine {
                 counters: stats.clone(),
                 clock: clock.clone(),
                 poll_when_idle,
-                cores: cores.clone(),
+                // The background lane claims no core: it runs only where lane 0 leaves room.
+                cores: cores.clone().filter(|_| !background),
+                background,
             };
-            std::thread::Builder::new().name(format!("inferd-lane-{index}")).spawn(move || lane.run(queue))?;
+            let name = if background { "inferd-lane-bg".to_string() } else { format!("inferd-lane-{index}") };
+            std::thread::Builder::new().name(name).spawn(move || lane.run(queue))?;
             senders.push(work);
         }
         let wide_poll = has_wide.then_some(poll_when_idle);
@@ -251,6 +270,7 @@ impl Engine {
         let dispatcher =
             Dispatcher::new(inbox, policies, senders, wide_poll, stats.clone(), clock, Arc::downgrade(&alive));
         let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
+        let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
         Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
     }
@@ -357,6 +377,26 @@ impl RunClock {
     }
 }
 
+/// Makes the calling thread `by` nicer than it is (Linux: a thread's own nice value). Raising
+/// it needs no privilege; failing, the lane runs at the worker's priority, which costs short
+/// requests latency, not correctness.
+fn lower_priority(by: i32) {
+    // SAFETY: plain system calls on the calling thread's id; no memory is passed.
+    let result = unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        *libc::__errno_location() = 0;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if now == -1 && *libc::__errno_location() != 0 {
+            -1
+        } else {
+            libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).min(19))
+        }
+    };
+    if result != 0 {
+        warn!("cannot lower the background lane's priority: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// A job's result with the channel it goes back on, sent once the run is over.
 type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>);
 
@@ -373,10 +413,15 @@ struct Lane {
     /// [`IDLE_POLL`] or zero.
     poll_when_idle: Duration,
     cores: Option<Arc<Cores>>,
+    /// The background lane: runs at [`BACKGROUND_NICE`].
+    background: bool,
 }
 
 impl Lane {
     fn run(mut self, work: mpsc::Receiver<Work>) {
+        if self.background {
+            lower_priority(BACKGROUND_NICE);
+        }
         let mut poll = Duration::ZERO;
         while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll, Duration::MAX) {
             let mut answers = Vec::with_capacity(batch.len());
