@@ -36,10 +36,12 @@ fn status_lists_k_ready_workers_pinned_to_disjoint_cpus_within_the_budget() {
         let threads = w["threads"].as_u64().unwrap() as usize;
         assert_eq!(threads, status["threads_per_worker"].as_u64().unwrap() as usize);
         assert_eq!(threads, usable / k, "each worker's intra-op threads are its share of the cores");
-        // Documented in worker/src/lib.rs: T intra-op threads -> 2T + 1 OS threads, and one
-        // more, pinned to the sibling's core, for a worker that borrows it.
+        // Documented in worker/src/lib.rs: T intra-op threads -> 2T + 1 OS threads, one more,
+        // pinned to the sibling's core, for a worker that borrows it, and one more, the
+        // background lane (server.background_lane), for a worker of one thread.
         let borrows = w["borrows"].as_u64().map(|cpu| cpu as usize);
-        assert_eq!(w["os_threads"].as_u64(), Some(2 * threads as u64 + 1 + borrows.is_some() as u64), "{w}");
+        let expected = 2 * threads as u64 + 1 + borrows.is_some() as u64 + (threads == 1) as u64;
+        assert_eq!(w["os_threads"].as_u64(), Some(expected), "{w}");
         if k == 2 && threads == 1 {
             // Two workers of one thread lend each other their cores (server.lend_idle_cores).
             let sibling = &workers[1 - w["index"].as_u64().unwrap() as usize];
