@@ -381,19 +381,18 @@ impl RunClock {
 /// it needs no privilege; failing, the lane runs at the worker's priority, which costs short
 /// requests latency, not correctness.
 fn lower_priority(by: i32) {
+    use nix::errno::Errno;
+    let tid = nix::unistd::gettid().as_raw() as libc::id_t;
+    // getpriority returns the nice value, and -1 both for nice -1 and for an error: errno tells.
+    Errno::clear();
     // SAFETY: plain system calls on the calling thread's id; no memory is passed.
-    let result = unsafe {
-        let tid = libc::gettid() as libc::id_t;
-        *libc::__errno_location() = 0;
-        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-        if now == -1 && *libc::__errno_location() != 0 {
-            -1
-        } else {
-            libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).min(19))
-        }
+    let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+    let result = match Errno::last_raw() {
+        0 => Errno::result(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).min(19)) }).map(drop),
+        _ => Err(Errno::last()),
     };
-    if result != 0 {
-        warn!("cannot lower the background lane's priority: {}", std::io::Error::last_os_error());
+    if let Err(e) = result {
+        warn!("cannot lower the background lane's priority: {e}");
     }
 }
 
