@@ -176,6 +176,10 @@ struct TuneArgs {
     /// Measured seconds at each concurrency.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
+    /// Image models: the image (PNG or JPEG, as clients send it) every request carries;
+    /// default: a PNG of the model's input size.
+    #[arg(long)]
+    image: Option<PathBuf>,
     /// The accuracy bound of int8 candidates (embeddings): least cosine to fp32 over the
     /// calibration texts; default: the model's [quantization] min_cosine.
     #[arg(long)]
@@ -232,6 +236,7 @@ fn main() -> ExitCode {
             goal: args.goal,
             write: args.write,
             seconds: args.seconds,
+            image: args.image,
             min_cosine: args.min_cosine,
             max_probability_error: args.max_probability_error,
         }),

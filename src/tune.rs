@@ -55,6 +55,8 @@ pub struct Tune {
     pub write: bool,
     /// Measured seconds per concurrency.
     pub seconds: f64,
+    /// Image models: the encoded image each request carries (else [`generated_image`]).
+    pub image: Option<PathBuf>,
     /// The accuracy bound int8 candidates are served under (over the model's [quantization]):
     /// a candidate whose guard refuses it fails, with the figures.
     pub min_cosine: Option<f64>,
@@ -154,9 +156,12 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
         resolved.models.iter().find(|m| m.name == name).with_context(|| {
             format!("model '{name}' is not served by this configuration (models.default, models.load)")
         })?;
-    if entry.image.is_some() {
-        bail!("tune loads text and tensor models; '{name}' takes images");
-    }
+    let image = match (&entry.image, &args.image) {
+        (Some(_), Some(path)) => Some(std::fs::read(path).with_context(|| format!("--image {}", path.display()))?),
+        (Some(settings), None) => Some(generated_image(settings.width, settings.height)?),
+        (None, Some(_)) => bail!("--image: model '{name}' takes no images"),
+        (None, None) => None,
+    };
     // A bound out of range is refused here, not by every int8 candidate.
     inferd_config::model::ModelOverride {
         min_cosine: args.min_cosine,
@@ -196,7 +201,7 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
             );
             let _ = std::io::stderr().flush();
         };
-        results.push(measure(&args, entry, *candidate, &work, progress));
+        results.push(measure(&args, entry, image.as_deref(), *candidate, &work, progress));
     }
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!("\r[{}] done{:60}", "#".repeat(20), "");
@@ -283,7 +288,14 @@ fn print_table(results: &[Measured]) {
 }
 
 /// Starts one candidate, loads it at each concurrency, reads its RSS, stops it.
-fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, progress: impl Fn(&str)) -> Measured {
+fn measure(
+    args: &Tune,
+    entry: &ModelEntry,
+    image: Option<&[u8]>,
+    candidate: Candidate,
+    work: &Path,
+    progress: impl Fn(&str),
+) -> Measured {
     let mut measured = Measured { candidate, points: Vec::new(), errors: 0, rss_bytes: 0, served: None, failure: None };
     progress("starting");
     let mut server = match Server::start(args, candidate, work) {
@@ -295,7 +307,7 @@ fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, p
     };
     let outcome = (|| -> anyhow::Result<()> {
         server.wait_ready()?;
-        let (path, body) = load_request(&server.addr, entry)?;
+        let (path, body) = load_request(&server.addr, entry, image)?;
         for c in CONCURRENCIES {
             progress(&format!("load at c={c}"));
             let load = Load {
@@ -324,9 +336,20 @@ fn measure(args: &Tune, entry: &ModelEntry, candidate: Candidate, work: &Path, p
     measured
 }
 
-/// The request the model is loaded with: one sentence for text models, zeros for tensor models.
-fn load_request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u8>)> {
+/// The request the model is loaded with: one sentence for text models, one image for image
+/// models (a v2 BYTES tensor, which every task of theirs takes), zeros for tensor models.
+fn load_request(addr: &str, entry: &ModelEntry, image: Option<&[u8]>) -> anyhow::Result<(String, Vec<u8>)> {
+    use base64::Engine as _;
     let name = &entry.name;
+    if let Some(image) = image {
+        let meta = metadata(addr, name)?;
+        // The pipeline's input (the encoded image), not the graph's pixel tensor.
+        let input = &meta["pipeline"]["inputs"][0]["name"];
+        anyhow::ensure!(input.is_string(), "model metadata without a pipeline input: {meta}");
+        let data = base64::engine::general_purpose::STANDARD.encode(image);
+        let inputs = serde_json::json!([{ "name": input, "datatype": "BYTES", "shape": [1], "data": [data] }]);
+        return Ok((format!("/v2/models/{name}/infer"), serde_json::to_vec(&serde_json::json!({ "inputs": inputs }))?));
+    }
     Ok(match entry.task {
         Task::Embedding => {
             (format!("/v2/models/{name}/embed"), serde_json::to_vec(&serde_json::json!({ "inputs": SENTENCE }))?)
@@ -335,9 +358,7 @@ fn load_request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u
             (format!("/v2/models/{name}/predict"), serde_json::to_vec(&serde_json::json!({ "inputs": SENTENCE }))?)
         }
         Task::Raw => {
-            let answer = request(addr, "GET", &format!("/v2/models/{name}"), &[], b"")?;
-            anyhow::ensure!(answer.status == 200, "model metadata: status {}", answer.status);
-            let meta: serde_json::Value = serde_json::from_slice(&answer.body)?;
+            let meta = metadata(addr, name)?;
             let inputs: Vec<serde_json::Value> = meta["inputs"]
                 .as_array()
                 .context("model metadata without inputs")?
@@ -369,6 +390,27 @@ fn load_request(addr: &str, entry: &ModelEntry) -> anyhow::Result<(String, Vec<u
             (format!("/v2/models/{name}/infer"), serde_json::to_vec(&serde_json::json!({ "inputs": inputs }))?)
         }
     })
+}
+
+/// The model's v2 metadata, as the candidate serves it.
+fn metadata(addr: &str, name: &str) -> anyhow::Result<serde_json::Value> {
+    let answer = request(addr, "GET", &format!("/v2/models/{name}"), &[], b"")?;
+    anyhow::ensure!(answer.status == 200, "model metadata: status {}", answer.status);
+    Ok(serde_json::from_slice(&answer.body)?)
+}
+
+/// A PNG of `width` x `height` (the model's input size, so no resize is measured): smooth
+/// colour gradients with some texture, a picture rather than a flat field that compresses to
+/// nothing.
+fn generated_image(width: u32, height: u32) -> anyhow::Result<Vec<u8>> {
+    let pixels = image::RgbImage::from_fn(width, height, |x, y| {
+        let (u, v) = (x * 255 / width.max(1), y * 255 / height.max(1));
+        let texture = (x.wrapping_mul(7919) ^ y.wrapping_mul(104_729)) % 32;
+        image::Rgb([u as u8, v as u8, ((u + v) / 2 + texture).min(255) as u8])
+    });
+    let mut png = std::io::Cursor::new(Vec::new());
+    pixels.write_to(&mut png, image::ImageFormat::Png).context("cannot encode the load's image")?;
+    Ok(png.into_inner())
 }
 
 /// A candidate's `inferd serve`, in its own process group (killed with it when dropped).
@@ -477,6 +519,16 @@ fn set_keys(path: &Path, section: Option<&str>, keys: &[(&str, toml_edit::Value)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_generated_image_is_a_png_of_the_models_size() {
+        let png = generated_image(224, 160).unwrap();
+        let decoded = image::load_from_memory_with_format(&png, image::ImageFormat::Png).unwrap();
+        assert_eq!((decoded.width(), decoded.height()), (224, 160));
+        // Not a flat field: the load decodes a picture.
+        let pixels = decoded.to_rgb8();
+        assert_ne!(pixels.get_pixel(0, 0), pixels.get_pixel(223, 159));
+    }
 
     #[test]
     fn goals_parse_and_bad_ones_are_explained() {

@@ -127,3 +127,35 @@ fn int8_candidates_are_held_to_the_accuracy_bound_given() {
     assert!(model_toml.contains("precision = \"fp32\""), "{model_toml}");
     assert!(!model_toml.contains("[quantization]"), "no bound written for fp32: {model_toml}");
 }
+
+/// Image models are loaded with an image (a PNG of the model's input size, or `--image`):
+/// every candidate of the CNN answers it without an error, and the best plan is named. An
+/// image for a model that takes none is refused before anything is measured.
+#[test]
+fn tune_loads_an_image_model_with_images() {
+    let dir = temp_dir("tune-image");
+    let config = write_config(dir.path(), free_port(), 1, &test_models(), "cnn", &[], "");
+    let usable = usable_cores(&config);
+    let tune = |args: &[&str]| {
+        let out = Command::new(BIN).arg("tune").arg("--config").arg(&config).args(args).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, stdout, stderr) = tune(&["--seconds", "0.3", "--goal", "throughput"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.contains(" fp32 ")).collect();
+    let splits = std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).count()
+        + usize::from(!usable.is_power_of_two());
+    assert_eq!(rows.len(), splits * 3, "three batchings per plan, fp32 only: {stdout}");
+    for row in &rows {
+        assert!(!row.contains("failed") && row.trim_end().ends_with(" 0"), "answered without errors: {row}");
+        // c=1 answered something: its requests per second are not 0.
+        let c1: f64 = row.split(" fp32 ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        assert!(c1 > 0.0, "{row}");
+    }
+    assert!(stdout.lines().any(|l| l.starts_with("best for Throughput: ")), "{stdout}");
+
+    let text = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let out = Command::new(BIN).arg("tune").arg("--config").arg(&text).args(["--image", "x.png"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--image: model 'typed' takes no images"), "{stderr}");
+}
