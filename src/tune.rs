@@ -404,8 +404,9 @@ fn metadata(addr: &str, name: &str) -> anyhow::Result<serde_json::Value> {
 /// nothing.
 fn generated_image(width: u32, height: u32) -> anyhow::Result<Vec<u8>> {
     let pixels = image::RgbImage::from_fn(width, height, |x, y| {
-        let (u, v) = (x * 255 / width.max(1), y * 255 / height.max(1));
-        let texture = (x.wrapping_mul(7919) ^ y.wrapping_mul(104_729)) % 32;
+        let ramp = |at: u32, of: u32| u64::from(at) * 255 / u64::from(of.max(1));
+        let (u, v) = (ramp(x, width), ramp(y, height));
+        let texture = u64::from(x.wrapping_mul(7919) ^ y.wrapping_mul(104_729)) % 32;
         image::Rgb([u as u8, v as u8, ((u + v) / 2 + texture).min(255) as u8])
     });
     let mut png = std::io::Cursor::new(Vec::new());
