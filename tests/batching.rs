@@ -173,11 +173,11 @@ fn short_requests_are_answered_while_a_long_one_runs_on_a_worker_of_one_thread()
         // Fields after the command's closing parenthesis: state is the 3rd, nice the 19th.
         stat.rsplit_once(')').unwrap().1.split_whitespace().nth(16).unwrap().parse().unwrap()
     };
-    let tasks: Vec<_> = std::fs::read_dir(format!("/proc/{worker}/task")).unwrap().map(|t| t.unwrap().path()).collect();
-    let named = |name: &str| {
-        tasks.iter().find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == name).cloned()
-    };
-    let lane = named("inferd-lane-bg").expect("a worker of one thread has a background lane");
+    let lane = std::fs::read_dir(format!("/proc/{worker}/task"))
+        .unwrap()
+        .map(|t| t.unwrap().path())
+        .find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == "inferd-lane-bg")
+        .expect("a worker of one thread has a background lane");
     assert_eq!(nice(&lane) - nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}"))), 10);
 
     let long = serde_json::to_vec(&json!({ "inputs": vec!["model ".repeat(250); 64] })).unwrap();

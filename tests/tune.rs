@@ -15,6 +15,25 @@ fn usable_cores(config: &std::path::Path) -> usize {
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
 }
 
+/// `inferd tune --config CONFIG ARGS`: whether it succeeded, its stdout and its stderr.
+fn tune(config: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN).arg("tune").arg("--config").arg(config).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The thread counts tune tries per worker on `usable` cores: 1, 2, 4, ... and all of them.
+fn thread_splits(usable: usize) -> Vec<usize> {
+    let mut splits: Vec<usize> = std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).collect();
+    if !splits.contains(&usable) {
+        splits.push(usable);
+    }
+    splits
+}
+
 #[test]
 fn tune_measures_each_candidate_and_writes_the_best_keeping_comments() {
     let dir = temp_dir("tune");
@@ -30,21 +49,11 @@ fn tune_measures_each_candidate_and_writes_the_best_keeping_comments() {
     std::fs::write(&config, format!("# operator's note: keep me\n{text}")).unwrap();
     let usable = usable_cores(&config);
 
-    let out = Command::new(BIN)
-        .arg("tune")
-        .arg("--config")
-        .arg(&config)
-        .args(["--seconds", "0.3", "--goal", "throughput", "--write"])
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (ok, stdout, stderr) = tune(&config, &["--seconds", "0.3", "--goal", "throughput", "--write"]);
+    assert!(ok, "{stdout}\n{stderr}");
 
     // One row per candidate: every thread split 1, 2, 4, ... (and all cores) x 3 batchings.
-    let mut splits: Vec<usize> = std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).collect();
-    if !splits.contains(&usable) {
-        splits.push(usable);
-    }
+    let splits = thread_splits(usable);
     for threads in &splits {
         let plan = format!("{} x {threads} ", usable / threads);
         let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with(&plan)).collect();
@@ -102,19 +111,11 @@ fn int8_candidates_are_held_to_the_accuracy_bound_given() {
     let text = std::fs::read_to_string(&config).unwrap().replace("boot_timeout_secs = 60", "boot_timeout_secs = 600");
     std::fs::write(&config, text).unwrap();
 
-    let tune = |args: &[&str]| {
-        let out = Command::new(BIN).arg("tune").arg("--config").arg(&config).args(args).output().unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
-    let (ok, _, stderr) = tune(&["--min-cosine", "1.5"]);
+    let (ok, _, stderr) = tune(&config, &["--min-cosine", "1.5"]);
     assert!(!ok && stderr.contains("quantization.min_cosine = 1.5 is not in (0, 1]"), "{stderr}");
     assert!(!stderr.contains("candidates"), "refused before measuring: {stderr}");
 
-    let (ok, stdout, stderr) = tune(&["--seconds", "0.3", "--min-cosine", "0.99999", "--write"]);
+    let (ok, stdout, stderr) = tune(&config, &["--seconds", "0.3", "--min-cosine", "0.99999", "--write"]);
     assert!(ok, "{stdout}\n{stderr}");
     let int8: Vec<&str> = stdout.lines().filter(|l| l.contains(" int8 ")).collect();
     assert!(!int8.is_empty(), "{stdout}");
@@ -136,16 +137,10 @@ fn tune_loads_an_image_model_with_images() {
     let dir = temp_dir("tune-image");
     let config = write_config(dir.path(), free_port(), 1, &test_models(), "cnn", &[], "");
     let usable = usable_cores(&config);
-    let tune = |args: &[&str]| {
-        let out = Command::new(BIN).arg("tune").arg("--config").arg(&config).args(args).output().unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-    };
-    let (ok, stdout, stderr) = tune(&["--seconds", "0.3", "--goal", "throughput"]);
+    let (ok, stdout, stderr) = tune(&config, &["--seconds", "0.3", "--goal", "throughput"]);
     assert!(ok, "{stdout}\n{stderr}");
     let rows: Vec<&str> = stdout.lines().filter(|l| l.contains(" fp32 ")).collect();
-    let splits = std::iter::successors(Some(1), |t| Some(t * 2)).take_while(|&t| t <= usable).count()
-        + usize::from(!usable.is_power_of_two());
-    assert_eq!(rows.len(), splits * 3, "three batchings per plan, fp32 only: {stdout}");
+    assert_eq!(rows.len(), thread_splits(usable).len() * 3, "three batchings per plan, fp32 only: {stdout}");
     for row in &rows {
         assert!(!row.contains("failed") && row.trim_end().ends_with(" 0"), "answered without errors: {row}");
         // c=1 answered something: its requests per second are not 0.
@@ -155,7 +150,6 @@ fn tune_loads_an_image_model_with_images() {
     assert!(stdout.lines().any(|l| l.starts_with("best for Throughput: ")), "{stdout}");
 
     let text = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
-    let out = Command::new(BIN).arg("tune").arg("--config").arg(&text).args(["--image", "x.png"]).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("--image: model 'typed' takes no images"), "{stderr}");
+    let (ok, _, stderr) = tune(&text, &["--image", "x.png"]);
+    assert!(!ok && stderr.contains("--image: model 'typed' takes no images"), "{stderr}");
 }

@@ -351,6 +351,14 @@ mod tests {
         d
     }
 
+    /// Gives `d` `n` idle lanes and wide sessions; returns what each lane is handed.
+    fn with_lanes(d: &mut Dispatcher, n: usize) -> Vec<mpsc::Receiver<Work>> {
+        d.wide_poll = Some(Duration::ZERO);
+        let (senders, lanes): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<Work>()).unzip();
+        d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
+        lanes
+    }
+
     #[test]
     fn short_texts_batch_together_and_a_long_one_does_not_inflate_them() {
         let shorts = || (0..15).map(|i| text_job(1, 17, i)).collect::<Vec<_>>();
@@ -382,9 +390,7 @@ mod tests {
     #[test]
     fn a_lone_request_runs_wide_unless_requests_arrive_while_others_run() {
         let mut d = dispatcher(32, 512, Vec::new());
-        d.wide_poll = Some(Duration::ZERO);
-        let (senders, lanes): (Vec<_>, Vec<_>) = (0..2).map(|_| mpsc::channel::<Work>()).unzip();
-        d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
+        let lanes = with_lanes(&mut d, 2);
         let wide_of_next_run = |d: &mut Dispatcher| {
             d.dispatch().unwrap();
             let work = lanes.iter().find_map(|l| l.try_recv().ok()).expect("a batch was handed out");
@@ -416,10 +422,8 @@ mod tests {
     #[test]
     fn a_worker_of_one_lane_that_borrows_asks_for_wide_runs_under_load_too() {
         // Two requests overlapping on a worker of one lane: the batch of both it hands out.
-        let batch_of_two = |d: Dispatcher| {
-            let mut d = Dispatcher { wide_poll: Some(Duration::ZERO), ..d };
-            let (sender, lane) = mpsc::channel::<Work>();
-            d.lanes = vec![(sender, LaneState::Idle)];
+        let batch_of_two = |mut d: Dispatcher| {
+            let lane = with_lanes(&mut d, 1).remove(0);
             d.take(Event::Job(text_job(1, 17, 0)));
             d.take(Event::Job(text_job(1, 17, 1)));
             d.dispatch().unwrap();
@@ -433,9 +437,7 @@ mod tests {
     #[test]
     fn a_worker_of_one_lane_runs_heavy_work_on_its_background_lane_beside_light_work() {
         let mut d = dispatcher(32, 512, Vec::new());
-        d.wide_poll = Some(Duration::ZERO);
-        let (senders, lanes): (Vec<_>, Vec<_>) = (0..2).map(|_| mpsc::channel::<Work>()).unzip();
-        d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
+        let lanes = with_lanes(&mut d, 2);
         let mut d = d.with_background_lane();
         // What each lane was handed: (rows, widest text, wide).
         let handed = |lane: usize| {
