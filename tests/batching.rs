@@ -154,20 +154,23 @@ fn a_bad_request_fails_alone_and_its_batch_mates_are_answered() {
     assert_eq!(embed(&server, "still here").len(), 384);
 }
 
-/// A worker of one thread runs a long input on its background lane (server.background_lane,
-/// at a lower priority on the same core), so short requests that come meanwhile run beside it
-/// on the worker's lane instead of waiting for it. The long request (64 texts of ~250 tokens,
-/// seconds on one thread) is known to be running once `status` counts its rows; five short
-/// requests one after another must then all be answered while it still runs. Without the
-/// background lane they wait for it, and it is answered first.
-#[test]
-fn short_requests_are_answered_while_a_long_one_runs_on_a_worker_of_one_thread() {
-    let dir = temp_dir("background-lane");
+/// A request of many long texts (64 of ~250 tokens: seconds on one thread) is cut into runs
+/// within the model's token budget (two texts a run), queued one after another, so short
+/// requests that come meanwhile take their turns between them; with the background lane
+/// (`background_lane`, the default) a worker of one thread runs the long runs there, at a lower
+/// priority, while short ones come. Either way, once `status` counts the first run's rows, five
+/// short requests one after another must all be answered while the long one still runs, and
+/// the long one's answer is each text's embedding, in order. Run as one ORT call (before the
+/// cut, without the background lane), the short requests waited for it and it was answered
+/// first.
+fn short_requests_are_answered_while_a_bulk_request_runs(background_lane: bool) {
+    let dir = temp_dir("bulk");
     let repository = model_repository(dir.path(), &["minilm"]);
-    let server = serve(dir, 1, &repository, "minilm", &[], "");
+    let extra = format!("background_lane = {background_lane}");
+    let server = serve(dir, 1, &repository, "minilm", &[], &extra);
     let worker = server.worker_pids()[0];
 
-    // Its background lane's thread is 10 nicer than the worker's main thread.
+    // The background lane's thread, where there is one, is 10 nicer than the main thread.
     let nice = |task: &std::path::Path| -> i64 {
         let stat = std::fs::read_to_string(task.join("stat")).unwrap();
         // Fields after the command's closing parenthesis: state is the 3rd, nice the 19th.
@@ -176,16 +179,19 @@ fn short_requests_are_answered_while_a_long_one_runs_on_a_worker_of_one_thread()
     let lane = std::fs::read_dir(format!("/proc/{worker}/task"))
         .unwrap()
         .map(|t| t.unwrap().path())
-        .find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == "inferd-lane-bg")
-        .expect("a worker of one thread has a background lane");
-    assert_eq!(nice(&lane) - nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}"))), 10);
+        .find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == "inferd-lane-bg");
+    assert_eq!(lane.is_some(), background_lane, "a worker of one thread has a background lane unless turned off");
+    if let Some(lane) = lane {
+        assert_eq!(nice(&lane) - nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}"))), 10);
+    }
 
-    let long = serde_json::to_vec(&json!({ "inputs": vec!["model ".repeat(250); 64] })).unwrap();
+    let texts: Vec<String> = (0..64).map(|i| format!("text {i} {}", "model ".repeat(248))).collect();
+    let body = serde_json::to_vec(&json!({ "inputs": texts })).unwrap();
     let addr = server.addr;
-    let long = std::thread::spawn(move || request(addr, "POST", "/embed", &[], &long).unwrap());
+    let long = std::thread::spawn(move || request(addr, "POST", "/embed", &[], &body).unwrap());
     let rows = |server: &Server| server.status()["batches"][0]["rows"].as_u64().unwrap_or(0);
     let until = std::time::Instant::now() + Duration::from_secs(60);
-    while rows(&server) < 64 {
+    while rows(&server) == 0 {
         assert!(std::time::Instant::now() < until && !long.is_finished(), "the long request never started running");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -196,5 +202,40 @@ fn short_requests_are_answered_while_a_long_one_runs_on_a_worker_of_one_thread()
     }
     let answer = long.join().unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
-    assert_eq!(answer.json().as_array().unwrap().len(), 64);
+    let answer = answer.json();
+    let rows = answer.as_array().unwrap();
+    assert_eq!(rows.len(), 64);
+    // Joined back in order: the first and last of the first run, the last run's.
+    for i in [0, 1, 2, 63] {
+        let got: Vec<f64> = rows[i].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        let diff = max_diff(&got, &embed(&server, &texts[i]));
+        assert!(diff < 1e-5, "text {i} of the bulk request differs from its own run by {diff}");
+    }
+}
+
+#[test]
+fn short_requests_are_answered_while_a_bulk_request_runs_on_a_worker_of_one_thread() {
+    short_requests_are_answered_while_a_bulk_request_runs(true);
+}
+
+#[test]
+fn short_requests_are_answered_while_a_bulk_request_runs_without_the_background_lane() {
+    short_requests_are_answered_while_a_bulk_request_runs(false);
+}
+
+/// A request cut into runs is bounded as a whole by request_timeout_secs, as one run is: 512
+/// texts of ~250 tokens (~15 s on two cores) with a limit of 1 s are answered 504 naming the
+/// limit, and the worker serves on (the same process).
+#[test]
+fn a_bulk_request_past_the_timeout_is_answered_504_and_the_worker_serves_on() {
+    let dir = temp_dir("bulk-timeout");
+    let repository = model_repository(dir.path(), &["minilm"]);
+    let server = serve(dir, 1, &repository, "minilm", &[], "request_timeout_secs = 1\nmax_batch_inputs = 512");
+    let pids = server.worker_pids();
+    let texts: Vec<String> = (0..512).map(|i| format!("text {i} {}", "model ".repeat(248))).collect();
+    let r = server.request("POST", "/embed", &serde_json::to_vec(&json!({ "inputs": texts })).unwrap());
+    assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("server.request_timeout_secs = 1"), "{}", r.error());
+    assert_eq!(embed(&server, "still here").len(), 384);
+    assert_eq!(server.worker_pids(), pids, "the worker was replaced");
 }

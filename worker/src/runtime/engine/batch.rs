@@ -1,7 +1,10 @@
 //! What a batch is made of: a [`Job`] (one request's tensors and its reply), which jobs can
-//! share an ORT call ([`Join`], [`Job::fits`]), a model's limits ([`Policy`]), and how a
-//! batch's inputs are assembled ([`merge`]) and its outputs split back ([`split`]).
+//! share an ORT call ([`Join`], [`Job::fits`]), a model's limits ([`Policy`]), how a
+//! batch's inputs are assembled ([`merge`]) and its outputs split back ([`split`]), and how a
+//! request past the limits is cut into runs within them ([`runs`], [`take_rows`]) whose outputs
+//! are joined again ([`concat`]).
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -39,22 +42,28 @@ pub(super) struct Job {
     pub(super) reply: ReplyTo,
 }
 
+/// A request's rows and their (padded) length: `None` for the rows when they cannot be told
+/// apart (the inputs disagree on them, or a row holds no data), so the request can be neither
+/// batched nor cut.
+fn rows_and_width(inputs: &[Tensor], join: Join) -> (Option<usize>, usize) {
+    let rows = inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(0);
+    let width = match join {
+        Join::Exact => Some(1),
+        Join::PadSequence => inputs.first().and_then(|t| t.shape.get(1)).copied(),
+    };
+    // Every input has the same rows (and width), and each row holds data.
+    let uniform = width.is_some()
+        && inputs.iter().all(|t| {
+            t.shape.first() == Some(&rows)
+                && (join == Join::Exact || t.shape.get(1).copied() == width)
+                && element_count(&t.shape[1..]).is_some_and(|n| n > 0)
+        });
+    ((uniform && rows > 0).then_some(rows as usize), width.unwrap_or(1).max(1) as usize)
+}
+
 impl Job {
     pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: ReplyTo) -> Job {
-        let rows = inputs.first().and_then(|t| t.shape.first()).copied().unwrap_or(0);
-        let width = match join {
-            Join::Exact => Some(1),
-            Join::PadSequence => inputs.first().and_then(|t| t.shape.get(1)).copied(),
-        };
-        // Batchable: every input has the same rows (and width), and each row holds data.
-        let uniform = width.is_some()
-            && inputs.iter().all(|t| {
-                t.shape.first() == Some(&rows)
-                    && (join == Join::Exact || t.shape.get(1).copied() == width)
-                    && element_count(&t.shape[1..]).is_some_and(|n| n > 0)
-            });
-        let rows = (uniform && rows > 0).then_some(rows as usize);
-        let width = width.unwrap_or(1).max(1) as usize;
+        let (rows, width) = rows_and_width(&inputs, join);
         Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply }
     }
 
@@ -90,8 +99,12 @@ impl Job {
 }
 
 /// A model's batching limits, from its model.toml `[batching]`.
+#[derive(Debug, Clone)]
 pub(super) struct Policy {
-    /// 1 when the model has no dynamic batch dimension.
+    /// Whether every input and output has a dynamic first dimension: requests may then be
+    /// batched together, and cut into runs of fewer rows.
+    pub(super) batchable: bool,
+    /// 1 when the model is not batchable.
     pub(super) max_rows: usize,
     pub(super) max_tokens: usize,
     pub(super) delay: Duration,
@@ -100,9 +113,84 @@ pub(super) struct Policy {
 impl Policy {
     pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
-        let max_rows = if model.meta.batchable() { b.max_batch_size } else { 1 };
-        Policy { max_rows, max_tokens: b.max_batch_tokens, delay: Duration::from_millis(b.max_queue_delay_ms) }
+        let batchable = model.meta.batchable();
+        let max_rows = if batchable { b.max_batch_size } else { 1 };
+        Policy {
+            batchable,
+            max_rows,
+            max_tokens: b.max_batch_tokens,
+            delay: Duration::from_millis(b.max_queue_delay_ms),
+        }
     }
+}
+
+/// The runs a request past its model's limits is served in: its rows cut so that each run
+/// stays within `max_batch_size` rows and `max_batch_tokens` padded tokens (at least one row a
+/// run). One request of many long texts then takes its turns with other requests, a run at a
+/// time, instead of holding a lane for seconds, and each of its runs is as fast per token as a
+/// full batch. Returns the request's rows and the runs' ranges; `None` when it runs whole: it
+/// fits, or cannot be cut (a model without a dynamic batch dimension, inputs that disagree on
+/// their rows).
+pub(super) fn runs(inputs: &[Tensor], join: Join, policy: &Policy) -> Option<(usize, Vec<Range<usize>>)> {
+    let (rows, width) = rows_and_width(inputs, join);
+    let rows = rows.filter(|_| policy.batchable)?;
+    let per_run = (policy.max_tokens / width).min(policy.max_rows).max(1);
+    (rows > per_run)
+        .then(|| (rows, (0..rows).step_by(per_run).map(|start| start..(start + per_run).min(rows)).collect()))
+}
+
+/// Rows `range` of a request's inputs, `rows` in all (every input has them, see [`runs`]).
+pub(super) fn take_rows(inputs: &[Tensor], range: Range<usize>, rows: usize) -> Vec<Tensor> {
+    inputs
+        .iter()
+        .map(|t| {
+            let row_len = t.data.len() / rows.max(1);
+            let mut shape = t.shape.clone();
+            shape[0] = range.len() as i64;
+            Tensor { name: t.name.clone(), shape, data: t.data.slice(range.start * row_len..range.end * row_len) }
+        })
+        .collect()
+}
+
+/// Joins the outputs of a request's runs ([`runs`]) back into one, row after row; `rows` is
+/// each run's. Text's runs may have been padded to different lengths (a run joins other
+/// requests' batches): an output whose second dimension differs is padded with zeros to the
+/// longest, as a batch pads its shorter rows. `None` when the runs' outputs cannot be joined
+/// (an output without the run's rows, or that differs in type or beyond that dimension).
+pub(super) fn concat(parts: Vec<Vec<Tensor>>, rows: &[usize], join: Join) -> Option<Vec<Tensor>> {
+    let first = parts.first()?;
+    let agree = |a: &Tensor, b: &Tensor| {
+        let skip = if join == Join::PadSequence { 2 } else { 1 };
+        a.name == b.name
+            && a.data.dtype() == b.data.dtype()
+            && a.shape.len() == b.shape.len()
+            && a.shape[skip.min(a.shape.len())..] == b.shape[skip.min(b.shape.len())..]
+    };
+    let sound = parts.iter().zip(rows).all(|(part, &n)| {
+        part.len() == first.len()
+            && part.iter().zip(first).all(|(t, f)| agree(t, f) && t.shape.first() == Some(&(n as i64)))
+    });
+    if !sound {
+        return None;
+    }
+    let total: usize = rows.iter().sum();
+    (0..first.len())
+        .map(|i| {
+            let widest = parts.iter().map(|p| p[i].shape.get(1).copied().unwrap_or(1)).max().unwrap_or(1);
+            let mut shape = first[i].shape.clone();
+            shape[0] = total as i64;
+            if let Some(width) = shape.get_mut(1) {
+                *width = widest;
+            }
+            let row_len = element_count(&shape[1..])?;
+            let mut data = first[i].data.dtype().zeros(0);
+            for (part, &n) in parts.iter().zip(rows) {
+                let from = part[i].data.len() / n.max(1);
+                data.extend_rows(&part[i].data, n, from, row_len).then_some(())?;
+            }
+            Some(Tensor { name: first[i].name.clone(), shape, data })
+        })
+        .collect()
 }
 
 /// The batch's inputs: each job's rows one after the other, padded along the sequence axis to
@@ -189,6 +277,38 @@ pub(super) mod tests {
         // An output without the batch's rows cannot be split.
         let scalar = Tensor { name: "s".into(), shape: vec![], data: TensorData::F32(vec![1.]) };
         assert!(split(vec![scalar], &[1, 2]).is_none());
+    }
+
+    #[test]
+    fn a_request_past_the_limits_is_cut_into_runs_within_them_and_joined_back() {
+        let policy = |max_rows, max_tokens| Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO };
+        let request = text_job(5, 100, 0).inputs;
+        // 512 tokens a run: 5 rows of 100 in runs of 5; of 250 tokens, runs of 2, 2 and 1.
+        assert!(runs(&request, Join::PadSequence, &policy(32, 512)).is_none(), "it fits: one run");
+        let (rows, ranges) = runs(&request, Join::PadSequence, &policy(32, 250)).unwrap();
+        assert_eq!((rows, ranges.clone()), (5, vec![0..2, 2..4, 4..5]));
+        assert_eq!(runs(&request, Join::PadSequence, &policy(3, 512)).unwrap().1, vec![0..3, 3..5]);
+        // A row past the budget runs alone; a model without a batch dimension is never cut.
+        assert_eq!(runs(&request, Join::PadSequence, &policy(32, 10)).unwrap().1.len(), 5);
+        let fixed = Policy { batchable: false, ..policy(1, 10) };
+        assert!(runs(&request, Join::PadSequence, &fixed).is_none());
+
+        let middle = take_rows(&request, 2..4, 5);
+        assert_eq!(middle[0].shape, vec![2, 100]);
+        assert_eq!(middle[0].data, TensorData::I64((200..400).collect()));
+        assert_eq!(middle[1].data, TensorData::I64(vec![1; 200]));
+
+        // Outputs [rows, sequence, 1]: the second run's was padded to 3 by a batch it joined.
+        let out = |rows: i64, seq: i64, first: f32| {
+            let data = (0..rows * seq).map(|i| first + i as f32).collect();
+            Tensor { name: "o".into(), shape: vec![rows, seq, 1], data: TensorData::F32(data) }
+        };
+        let joined = concat(vec![vec![out(2, 2, 0.)], vec![out(1, 3, 10.)]], &[2, 1], Join::PadSequence).unwrap();
+        assert_eq!(joined[0].shape, vec![3, 3, 1]);
+        assert_eq!(joined[0].data, TensorData::F32(vec![0., 1., 0., 2., 3., 0., 10., 11., 12.]));
+        // Images' runs must agree beyond the rows; an output without the run's rows cannot join.
+        assert!(concat(vec![vec![out(2, 2, 0.)], vec![out(1, 3, 0.)]], &[2, 1], Join::Exact).is_none());
+        assert!(concat(vec![vec![out(2, 2, 0.)], vec![out(2, 2, 0.)]], &[2, 1], Join::PadSequence).is_none());
     }
 
     #[test]

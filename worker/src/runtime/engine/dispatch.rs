@@ -342,7 +342,7 @@ mod tests {
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
         let (_, inbox) = mpsc::channel();
-        let policies = vec![Policy { max_rows, max_tokens, delay: Duration::ZERO }];
+        let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO }];
         let counters = Arc::new(WorkerCounters::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
         let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1), Default::default()).unwrap());

@@ -19,7 +19,9 @@
 //! (text may also differ in length: rows are padded to the longest, none to more than twice
 //! its own), within the model's `max_batch_size` rows and `max_batch_tokens` padded tokens,
 //! and within this lane's share of what waits; closest in length first. The outputs are split
-//! back by rows. With `max_queue_delay_ms` > 0 the anchor waits up to that long after its
+//! back by rows. A request past those limits (a bulk request of many long texts) is cut into
+//! runs within them, queued one after another ([`Engine::submit`]), so it takes its turns with
+//! other requests instead of holding a lane for seconds. With `max_queue_delay_ms` > 0 the anchor waits up to that long after its
 //! arrival for company; with 0 (the default) only jobs already waiting join, so an idle server
 //! adds no latency. A batch that fails (one request's bad values, an output without a batch
 //! dimension) is rerun one job at a time, so a bad request fails alone. Long texts
@@ -181,6 +183,11 @@ pub struct Engine {
     stats: Arc<WorkerCounters>,
     /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
     max_queue: u64,
+    /// Each model's limits, by which a request past them is cut into runs ([`batch::runs`]),
+    /// and its name.
+    policies: Arc<[(Policy, String)]>,
+    /// server.request_timeout_secs: bounds each run, and a request cut into runs as a whole.
+    run_timeout: Duration,
     /// Dropped with the last handle: the lanes hold senders too, so the channel alone never
     /// tells the dispatcher that nobody will send again.
     _alive: Arc<()>,
@@ -229,7 +236,8 @@ impl Engine {
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
         let has_background = models.iter().all(|m| m.background.is_some()) && !models.is_empty();
-        let policies = models.iter().map(|m| Policy::of(&m.narrow[0])).collect();
+        let policies: Arc<[(Policy, String)]> =
+            models.iter().map(|m| (Policy::of(&m.narrow[0]), m.narrow[0].name().to_string())).collect();
         let (events, inbox) = mpsc::channel::<Event>();
         let alive = Arc::new(());
         let all = lanes + usize::from(has_background);
@@ -267,16 +275,26 @@ impl Engine {
         }
         let wide_poll = has_wide.then_some(poll_when_idle);
         let borrows = cores.as_ref().is_some_and(|c| c.borrow.is_some());
-        let dispatcher =
-            Dispatcher::new(inbox, policies, senders, wide_poll, stats.clone(), clock, Arc::downgrade(&alive));
+        let dispatcher = Dispatcher::new(
+            inbox,
+            policies.iter().map(|p| p.0.clone()).collect(),
+            senders,
+            wide_poll,
+            stats.clone(),
+            clock,
+            Arc::downgrade(&alive),
+        );
         let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
-        Ok(Engine { events, stats, max_queue: max_queue as u64, _alive: alive })
+        Ok(Engine { events, stats, max_queue: max_queue as u64, policies, run_timeout, _alive: alive })
     }
 
     /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
-    /// with other requests where `join` and the model's limits allow.
+    /// with other requests where `join` and the model's limits allow. A request past the
+    /// limits is cut into runs within them ([`batch::runs`]), queued one after another: each
+    /// takes its turn with what else waits, a client that goes away stops the rest, and none
+    /// is queued once the request has taken `run_timeout` (504, as for a run that long).
     pub async fn submit(
         &self,
         model: usize,
@@ -284,11 +302,42 @@ impl Engine {
         join: Join,
         deadline: Option<Instant>,
     ) -> Result<Vec<Tensor>, ModelError> {
-        // Backpressure: a full queue answers at once instead of growing its latency.
+        // Backpressure: a full queue answers at once instead of growing its latency. A request
+        // cut into runs is admitted once, not refused half done.
         let waiting = self.stats.queued_now();
         if waiting >= self.max_queue {
             return Err(ModelError::Overloaded { waiting });
         }
+        let (policy, name) = &self.policies[model];
+        let Some((rows, runs)) = batch::runs(&inputs, join, policy) else {
+            return self.queue(model, inputs, join, deadline).await;
+        };
+        let stop_at = Instant::now() + self.run_timeout;
+        let mut parts = Vec::with_capacity(runs.len());
+        let mut sizes = Vec::with_capacity(runs.len());
+        for range in runs {
+            if Instant::now() >= stop_at {
+                return Err(ModelError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
+            }
+            sizes.push(range.len());
+            parts.push(self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?);
+        }
+        match batch::concat(parts, &sizes, join) {
+            Some(outputs) => Ok(outputs),
+            // Outputs that cannot be joined (a model whose output has no rows despite its
+            // dynamic first dimension): the request runs whole, as it would have.
+            None => self.queue(model, inputs, join, deadline).await,
+        }
+    }
+
+    /// Queues one job and awaits its answer.
+    async fn queue(
+        &self,
+        model: usize,
+        inputs: Vec<Tensor>,
+        join: Join,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
         if self.events.send(Event::Job(Job::new(model, inputs, join, deadline, reply))).is_err() {
