@@ -47,6 +47,8 @@ pub struct Summary {
     pub p50_ms: f64,
     pub p95_ms: f64,
     pub p99_ms: f64,
+    /// The slowest request: a stall that few requests meet stays below the p99.
+    pub max_ms: f64,
     pub requests: usize,
 }
 
@@ -66,6 +68,7 @@ impl Summary {
             p50_ms: pct(0.5),
             p95_ms: pct(0.95),
             p99_ms: pct(0.99),
+            max_ms: pct(1.0),
             requests: latencies.len(),
         }
     }

@@ -361,7 +361,7 @@ fn report(label: &str, s: Summary, errors: usize, shares: Option<(f64, f64)>) {
     println!(
         "{}",
         serde_json::json!({"label": label, "throughput": s.throughput, "p50_ms": s.p50_ms, "p95_ms": s.p95_ms,
-            "p99_ms": s.p99_ms, "requests": s.requests, "errors": errors,
+            "p99_ms": s.p99_ms, "max_ms": s.max_ms, "requests": s.requests, "errors": errors,
             "prepare_share": shares.map(|s| s.0), "model_share": shares.map(|s| s.1)})
     );
 }
