@@ -319,13 +319,19 @@ impl Engine {
             if Instant::now() >= stop_at {
                 return Err(ModelError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
             }
-            sizes.push(range.len());
-            parts.push(self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?);
+            let n = range.len();
+            let part = self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?;
+            // An output without the piece's rows (a model whose output has no batch dimension
+            // after all) cannot be joined: the request runs whole, as it would have.
+            if part.iter().any(|t| t.shape.first() != Some(&(n as i64))) {
+                return self.queue(model, inputs, join, deadline).await;
+            }
+            sizes.push(n);
+            parts.push(part);
         }
         match batch::concat(parts, &sizes, join) {
             Some(outputs) => Ok(outputs),
-            // Outputs that cannot be joined (a model whose output has no rows despite its
-            // dynamic first dimension): the request runs whole, as it would have.
+            // Pieces whose outputs disagree beyond their rows: likewise.
             None => self.queue(model, inputs, join, deadline).await,
         }
     }
