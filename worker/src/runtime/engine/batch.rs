@@ -42,6 +42,16 @@ pub(super) struct Job {
     pub(super) reply: ReplyTo,
 }
 
+/// Whether two tensors can stand in one batch, row after row: the same name and element type,
+/// and the same shape but for the rows (and, for text, the sequence length, padded).
+fn agree(a: &Tensor, b: &Tensor, join: Join) -> bool {
+    let skip = if join == Join::PadSequence { 2 } else { 1 };
+    a.name == b.name
+        && a.data.dtype() == b.data.dtype()
+        && a.shape.len() == b.shape.len()
+        && a.shape[skip.min(a.shape.len())..] == b.shape[skip.min(b.shape.len())..]
+}
+
 /// A request's rows and their (padded) length: `None` for the rows when they cannot be told
 /// apart (the inputs disagree on them, or a row holds no data), so the request can be neither
 /// batched nor cut.
@@ -69,19 +79,12 @@ impl Job {
 
     /// Whether `other` can run in one ORT call with `self`.
     pub(super) fn fits(&self, other: &Job) -> bool {
-        let same_tensor = |a: &Tensor, b: &Tensor| {
-            let skip = if self.join == Join::PadSequence { 2 } else { 1 };
-            a.name == b.name
-                && a.data.dtype() == b.data.dtype()
-                && a.shape.len() == b.shape.len()
-                && a.shape[skip.min(a.shape.len())..] == b.shape[skip.min(b.shape.len())..]
-        };
         self.model == other.model
             && self.join == other.join
             && self.rows.is_some()
             && other.rows.is_some()
             && self.inputs.len() == other.inputs.len()
-            && self.inputs.iter().zip(&other.inputs).all(|(a, b)| same_tensor(a, b))
+            && self.inputs.iter().zip(&other.inputs).all(|(a, b)| agree(a, b, self.join))
     }
 
     /// Rows x padded length (rows alone for jobs that are not text).
@@ -159,16 +162,9 @@ pub(super) fn take_rows(inputs: &[Tensor], range: Range<usize>, rows: usize) -> 
 /// (an output without the run's rows, or that differs in type or beyond that dimension).
 pub(super) fn concat(parts: Vec<Vec<Tensor>>, rows: &[usize], join: Join) -> Option<Vec<Tensor>> {
     let first = parts.first()?;
-    let agree = |a: &Tensor, b: &Tensor| {
-        let skip = if join == Join::PadSequence { 2 } else { 1 };
-        a.name == b.name
-            && a.data.dtype() == b.data.dtype()
-            && a.shape.len() == b.shape.len()
-            && a.shape[skip.min(a.shape.len())..] == b.shape[skip.min(b.shape.len())..]
-    };
     let sound = parts.iter().zip(rows).all(|(part, &n)| {
         part.len() == first.len()
-            && part.iter().zip(first).all(|(t, f)| agree(t, f) && t.shape.first() == Some(&(n as i64)))
+            && part.iter().zip(first).all(|(t, f)| agree(t, f, join) && t.shape.first() == Some(&(n as i64)))
     });
     if !sound {
         return None;

@@ -21,9 +21,9 @@
 //! and within this lane's share of what waits; closest in length first. The outputs are split
 //! back by rows. A request past those limits (a bulk request of many long texts) is cut into
 //! runs within them, queued one after another ([`Engine::submit`]), so it takes its turns with
-//! other requests instead of holding a lane for seconds. With `max_queue_delay_ms` > 0 the anchor waits up to that long after its
-//! arrival for company; with 0 (the default) only jobs already waiting join, so an idle server
-//! adds no latency. A batch that fails (one request's bad values, an output without a batch
+//! other requests instead of holding a lane for seconds. With `max_queue_delay_ms` > 0 the
+//! anchor waits up to that long after its arrival for company; with 0 (the default) only jobs
+//! already waiting join, so an idle server adds no latency. A batch that fails (one request's bad values, an output without a batch
 //! dimension) is rerun one job at a time, so a bad request fails alone. Long texts
 //! ([`HEAVY_TOKENS`]) may hold every lane but one while short ones keep coming, and go to the
 //! background lane first where there is one.
