@@ -12,8 +12,9 @@
 #       `--precision int8` (the guard's figures as the server reports them go into the table);
 #   (c) the seeds' recipe (gunicorn + uvicorn + FastAPI + onnxruntime, bench/seeds/app.py, its
 #       own virtualenv): one worker per core, one intra-op thread each, under the same load;
-#   (d) the RSS and PSS of every process of each server after the 17-token load of (b), and
-#       again after (e), whose stream includes 256-token texts;
+#   (d) the RSS and PSS of every process of each server after the 17-token load of (b) (for
+#       inferd int8 also 2 s later, once its workers are idle), and again after (e), whose
+#       stream includes 256-token texts;
 #   (e) inferd's token budget: p99 of short texts at 16 connections alone, and in a stream
 #       where every 8th request is a 256-token text;
 #   (f) inferd over HTTP (/embed) and over gRPC (ModelInfer, the text as a raw BYTES tensor) with
@@ -153,6 +154,8 @@ for round in $(seq 1 "$ROUNDS"); do
         python3 bench/record.py guard inferd-int8 "$round" | tee -a "$results"
     load inferd-int8 "$port" "$round"
     python3 bench/record.py memory inferd-int8 memory-short "$round" $(pgrep -g "$server") | tee -a "$results"
+    sleep 2
+    python3 bench/record.py memory inferd-int8 memory-idle "$round" $(pgrep -g "$server") | tee -a "$results"
     mixed inferd-int8 "$port" "$round"
     kill -- -"$server"; wait "$server" 2>/dev/null || true; server=""
 

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import statistics
 import json
+import math
 import os
 import platform
 import re
@@ -254,6 +255,9 @@ def report(path, record, seconds, rounds):
             checks.append(("int8: raw call on two threads (no server) / int8 single-thread call", wide8 / single8, "", None))
         pss = get("inferd-int8", "memory-short", "pss_bytes") / 2**20
         checks.append(("int8: PSS of the pool after the 17-token load, MiB", pss, "<= 100", pss <= 100))
+        idle = get("inferd-int8", "memory-idle", "pss_bytes") / 2**20
+        if not math.isnan(idle):
+            checks.append(("int8: the same, 2 s later (idle workers hand back their batches' buffers), MiB", idle, "", None))
         checks += tails("inferd-int8", "int8: ")
     if checks:
         lines += ["", "| ratio | value | target | |", "|---|---:|---|---|"]

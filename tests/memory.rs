@@ -136,3 +136,56 @@ fn a_pool_that_cannot_fit_is_refused_with_the_numbers() {
     assert!(log.contains("server.fit_workers_to_memory"), "{log}");
     assert_eq!(cgroup.oom_kills(), 0);
 }
+
+/// The anonymous memory of `pid` (its heap and the arena's regions), from smaps_rollup.
+fn anonymous(pid: i32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let kb: u64 =
+        text.lines().find_map(|l| l.strip_prefix("Anonymous:")).unwrap().trim_end_matches("kB").trim().parse().unwrap();
+    kb * 1024
+}
+
+fn embed(server: &Server, inputs: serde_json::Value) -> Vec<serde_json::Value> {
+    let r = server.request("POST", "/embed", &serde_json::to_vec(&serde_json::json!({ "inputs": inputs })).unwrap());
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json().as_array().unwrap().clone()
+}
+
+/// The default allocator, one arena per worker, keeps what the largest batch needed while
+/// batches come; once the worker has been idle a second it hands those buffers back to the
+/// system (in a worker that kept them, the idle memory stays where the batch left it), and it
+/// then answers as before.
+#[test]
+fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
+    let dir = temp_dir("idle-shrink");
+    let repository = model_repository(dir.path(), &["minilm"]);
+    let server = serve(dir, 1, &repository, "minilm", &[], "");
+    let pid = server.worker_pids()[0];
+    let first = embed(&server, "a short text".into());
+    std::thread::sleep(Duration::from_secs(2));
+    let ready = anonymous(pid);
+    let texts: Vec<String> = (0..32).map(|i| format!("text {i} {}", "model ".repeat(248))).collect();
+    assert_eq!(embed(&server, texts.into()).len(), 32);
+    let after = anonymous(pid);
+    eprintln!("anonymous memory: {} MiB at rest, {} MiB after 32 texts of ~250 tokens", ready / MIB, after / MIB);
+    // Run in pieces within the token budget (8,192 padded tokens): ~37 MiB more at their peak.
+    assert!(after > ready + 24 * MIB, "the batch did not grow the worker: {} -> {} MiB", ready / MIB, after / MIB);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let idle = loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let now = anonymous(pid);
+        if now < ready + (after - ready) / 4 {
+            break now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "30 s idle and the worker still holds {} MiB (at rest {} MiB, after the batch {} MiB)",
+            now / MIB,
+            ready / MIB,
+            after / MIB
+        );
+    };
+    eprintln!("anonymous memory once idle: {} MiB", idle / MIB);
+    assert_eq!(embed(&server, "a short text".into()), first, "the answer changed after the arena shrank");
+    assert_eq!(server.worker_pids(), vec![pid], "the worker was replaced");
+}

@@ -1,6 +1,7 @@
 //! The protobuf wire format, read field by field without a schema: what the gRPC intake
 //! measures a ModelInfer message with before it is decoded ([`crate::http::grpc::intake`]) and what
-//! the int8 rewrite walks an ONNX file with ([`crate::runtime::quantize::graph`]).
+//! the int8 rewrite walks an ONNX file with ([`crate::runtime::quantize::graph`]); and written,
+//! for the ONNX files inferd makes (that rewrite, the allocator's one-operator model).
 // Request bytes come through here: every operation on sizes is checked.
 #![deny(clippy::arithmetic_side_effects)]
 
@@ -64,4 +65,26 @@ pub fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
         }
     }
     Err("a varint is cut off or longer than 10 bytes".into())
+}
+
+/// Writes `value` as a varint.
+pub fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// Writes field `number` (below 2^61) as a length-delimited field holding `payload`.
+pub fn put_bytes(out: &mut Vec<u8>, number: u64, payload: &[u8]) {
+    put_varint(out, number << 3 | 2);
+    put_varint(out, payload.len() as u64);
+    out.extend_from_slice(payload);
+}
+
+/// Writes field `number` (below 2^61) as a varint field holding `value`.
+pub fn put_number(out: &mut Vec<u8>, number: u64, value: u64) {
+    put_varint(out, number << 3);
+    put_varint(out, value);
 }

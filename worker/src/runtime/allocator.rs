@@ -3,7 +3,9 @@
 //! ONNX Runtime's CPU arena keeps the buffers of the largest batch a session ever ran, for
 //! good, in every session: a worker with two lanes and a wide session holds three of them.
 //! inferd's default (`shared-arena`) registers one arena with the process's environment,
-//! which every session of the worker uses, extended by what a run asks rather than doubled.
+//! which every session of the worker uses, extended by what a run asks rather than doubled;
+//! once the worker has been idle a second, the regions no tensor uses go back to the system
+//! ([`trim`]), so a burst of large batches does not keep its buffers for good.
 //! Without an arena (`malloc`), each run mallocs its tensors and frees them; glibc keeps what
 //! was freed (it raises its mmap threshold to the largest block freed), so after each run
 //! memory goes back to the system when more than [`FREE_LIMIT`] lies free, and all of it after
@@ -17,6 +19,8 @@
 
 use inferd_config::file::Allocator;
 
+use crate::protowire::{put_bytes, put_number};
+
 /// Free memory the allocator may keep after a run: more than batches of short texts reuse,
 /// less than batches of long texts leave behind (a mixed stream ~120 MiB, a soak of long
 /// texts up to ~500).
@@ -27,6 +31,11 @@ pub const FREE_LIMIT: usize = 64 << 20;
 pub(crate) fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), String> {
     if choice == Allocator::SharedArena {
         register_shared_arena(env)?;
+        // Without it the arena keeps what the largest batches needed, as before.
+        match Shrinker::new(env) {
+            Ok(shrinker) => drop(SHRINKER.set(std::sync::Mutex::new(shrinker))),
+            Err(e) => tracing::warn!("the shared arena cannot be shrunk when idle: {e}"),
+        }
     }
     Ok(())
 }
@@ -75,8 +84,95 @@ fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), Stri
     }
 }
 
-/// Returns the allocator's free memory to the system (glibc keeps freed heap pages).
+/// Hands the shared arena's unused regions back: ONNX Runtime shrinks an arena only at the end
+/// of a run that asks it to (`memory.enable_memory_arena_shrinkage`; its C API gives no other
+/// way for an arena it made), so a one-operator model that uses the environment's allocators
+/// is run with that option. Its run takes microseconds and touches no model's session.
+struct Shrinker {
+    session: ort::session::Session,
+    options: ort::session::RunOptions,
+}
+
+static SHRINKER: std::sync::OnceLock<std::sync::Mutex<Shrinker>> = std::sync::OnceLock::new();
+
+impl Shrinker {
+    fn new(env: &ort::environment::Environment) -> ort::Result<Shrinker> {
+        let mut options = ort::session::RunOptions::new()?;
+        options.set("memory.enable_memory_arena_shrinkage", "cpu:0")?;
+        let plain = |r: ort::session::builder::BuilderResult| r.map_err(ort::Error::<()>::from);
+        let builder = plain(ort::session::Session::builder(env)?.with_intra_threads(1))?;
+        let builder = plain(builder.with_inter_threads(1))?;
+        let builder = plain(builder.with_config_entry("session.use_env_allocators", "1"))?;
+        let mut builder = plain(builder.with_memory_pattern(false))?;
+        let session = builder.commit_from_memory(&doubling_model())?;
+        Ok(Shrinker { session, options })
+    }
+
+    fn shrink(&mut self) -> ort::Result<()> {
+        let x = ort::value::Tensor::from_array(([1usize], vec![0f32]))?;
+        self.session.run_with_options(ort::inputs!["x" => x], &self.options).map(drop)
+    }
+}
+
+/// A model of one operator, `y = x + x` on a float tensor of one element (opset 13): run by
+/// [`Shrinker`]. Fields of onnx.proto: ModelProto ir_version = 1, graph = 7, opset_import = 8;
+/// GraphProto node = 1, name = 2, input = 11, output = 12; NodeProto input = 1, output = 2,
+/// op_type = 4; ValueInfoProto name = 1, type = 2; TypeProto tensor_type = 1, whose
+/// elem_type = 1 (FLOAT = 1) and shape = 2; TensorShapeProto dim = 1, its dim_value = 1;
+/// OperatorSetIdProto version = 2.
+fn doubling_model() -> Vec<u8> {
+    let value = |name: &str| {
+        let mut dim = Vec::new();
+        put_number(&mut dim, 1, 1);
+        let mut shape = Vec::new();
+        put_bytes(&mut shape, 1, &dim);
+        let mut tensor = Vec::new();
+        put_number(&mut tensor, 1, 1); // FLOAT
+        put_bytes(&mut tensor, 2, &shape);
+        let mut kind = Vec::new();
+        put_bytes(&mut kind, 1, &tensor);
+        let mut info = Vec::new();
+        put_bytes(&mut info, 1, name.as_bytes());
+        put_bytes(&mut info, 2, &kind);
+        info
+    };
+    let mut node = Vec::new();
+    put_bytes(&mut node, 1, b"x");
+    put_bytes(&mut node, 1, b"x");
+    put_bytes(&mut node, 2, b"y");
+    put_bytes(&mut node, 4, b"Add");
+    let mut graph = Vec::new();
+    put_bytes(&mut graph, 1, &node);
+    put_bytes(&mut graph, 2, b"double");
+    put_bytes(&mut graph, 11, &value("x"));
+    put_bytes(&mut graph, 12, &value("y"));
+    let mut opset = Vec::new();
+    put_number(&mut opset, 2, 13);
+    let mut model = Vec::new();
+    put_number(&mut model, 1, 8);
+    put_bytes(&mut model, 7, &graph);
+    put_bytes(&mut model, 8, &opset);
+    model
+}
+
+/// Returns free memory to the system: the shared arena's regions that no tensor uses (the
+/// largest batches' buffers, kept for good otherwise; the next large runs allocate theirs
+/// again), then what glibc keeps of freed heap.
 pub fn trim() {
+    if let Some(shrinker) = SHRINKER.get() {
+        let mut shrinker = shrinker.lock().unwrap_or_else(|e| e.into_inner());
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if let Err(e) = shrinker.shrink() {
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!("the shared arena cannot be shrunk (it keeps what the largest runs needed): {e}");
+            }
+        }
+    }
+    trim_heap();
+}
+
+/// Returns glibc's free heap to the system.
+fn trim_heap() {
     // SAFETY: malloc_trim only walks the allocator's own free lists.
     unsafe {
         libc::malloc_trim(0);
@@ -92,6 +188,6 @@ pub fn trim_if_over(limit: usize) {
     #[allow(deprecated)]
     let free = unsafe { libc::mallinfo() }.fordblks;
     if free < 0 || free as usize > limit {
-        trim();
+        trim_heap();
     }
 }

@@ -142,10 +142,10 @@ impl Dispatcher {
         }
     }
 
-    /// Without an arena, ONNX Runtime mallocs and frees every run's tensors, and glibc keeps
-    /// what was freed: the lanes hand back what passes [`crate::runtime::allocator::FREE_LIMIT`] after
-    /// each run, and once the worker has been idle for [`TRIM_AFTER_IDLE`] the rest goes back
-    /// too.
+    /// Once the worker has been idle for [`TRIM_AFTER_IDLE`], what its runs left behind goes
+    /// back to the system ([`crate::runtime::allocator::trim`]): the shared arena's regions
+    /// (the largest batches' buffers) and glibc's free heap. Without an arena the lanes also
+    /// hand back what passes [`crate::runtime::allocator::FREE_LIMIT`] after each run.
     fn trim_when_idle(&mut self) {
         let idle = self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
         if idle && !self.trimmed && self.last_run.is_some_and(|t| t.elapsed() >= TRIM_AFTER_IDLE) {

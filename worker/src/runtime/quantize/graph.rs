@@ -15,30 +15,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::protowire::{fields, varint, Field};
+use crate::protowire::{fields, put_bytes, put_number, varint, Field};
 
 /// TensorProto.DataType values used here.
 const FLOAT: u64 = 1;
 const INT8: u64 = 3;
-
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
-}
-
-fn put_bytes(out: &mut Vec<u8>, number: u64, payload: &[u8]) {
-    put_varint(out, number << 3 | 2);
-    put_varint(out, payload.len() as u64);
-    out.extend_from_slice(payload);
-}
-
-fn put_number(out: &mut Vec<u8>, number: u64, value: u64) {
-    put_varint(out, number << 3);
-    put_varint(out, value);
-}
 
 fn text(payload: &[u8]) -> String {
     String::from_utf8_lossy(payload).into_owned()
