@@ -498,6 +498,7 @@ pub fn host_range() -> Range {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protowire::put_varint;
 
     /// A model of just these nodes: (inputs, outputs, op type).
     fn model_of(nodes: &[(&[&str], &[&str], &str)]) -> Vec<u8> {
