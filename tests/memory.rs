@@ -158,7 +158,22 @@ fn embed(server: &Server, inputs: serde_json::Value) -> Vec<serde_json::Value> {
 #[test]
 fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
     let dir = temp_dir("idle-shrink");
-    let repository = model_repository(dir.path(), &["minilm"]);
+    // The default model's files, with a token budget that runs 32 texts of ~250 tokens at
+    // once: the arena's share of the growth then dwarfs the heap's (which glibc hands back
+    // with or without the arena shrinking).
+    let repository = dir.path().join("repo");
+    let model = repository.join("minilm");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(repo().join("models/minilm")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        if name == "model.toml" {
+            let text = std::fs::read_to_string(&path).unwrap() + "\n[batching]\nmax_batch_tokens = 8192\n";
+            std::fs::write(model.join(name), text).unwrap();
+        } else {
+            std::os::unix::fs::symlink(&path, model.join(name)).unwrap();
+        }
+    }
     let server = serve(dir, 1, &repository, "minilm", &[], "");
     let pid = server.worker_pids()[0];
     let first = embed(&server, "a short text".into());
@@ -168,13 +183,14 @@ fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
     assert_eq!(embed(&server, texts.into()).len(), 32);
     let after = anonymous(pid);
     eprintln!("anonymous memory: {} MiB at rest, {} MiB after 32 texts of ~250 tokens", ready / MIB, after / MIB);
-    // Run in pieces within the token budget (8,192 padded tokens): ~37 MiB more at their peak.
-    assert!(after > ready + 24 * MIB, "the batch did not grow the worker: {} -> {} MiB", ready / MIB, after / MIB);
+    // 32 x 256 tokens in one run: the attention scores alone are 96 MiB.
+    assert!(after > ready + 64 * MIB, "the batch did not grow the worker: {} -> {} MiB", ready / MIB, after / MIB);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let idle = loop {
         std::thread::sleep(Duration::from_millis(250));
         let now = anonymous(pid);
-        if now < ready + (after - ready) / 4 {
+        // At least two thirds of the growth handed back (the heap's share alone is less).
+        if now < ready + (after - ready) / 3 {
             break now;
         }
         assert!(

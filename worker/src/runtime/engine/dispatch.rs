@@ -63,7 +63,8 @@ pub(super) struct Dispatcher {
     last_light: Option<Instant>,
     /// When a batch last started with other work waiting or running beside it.
     last_load: Option<Instant>,
-    /// When the last batch started, and whether the allocator was trimmed since.
+    /// When the last batch started or ended (idleness counts from the end of a long run), and
+    /// whether the allocator was trimmed since.
     last_run: Option<Instant>,
     trimmed: bool,
 }
@@ -206,6 +207,7 @@ impl Dispatcher {
             }
             Event::Done { lane } => {
                 self.lanes[lane].1 = LaneState::Idle;
+                self.last_run = Some(Instant::now());
                 if lane == 0 {
                     self.wide_running = false;
                 }
