@@ -157,10 +157,25 @@ fn embed(server: &Server, inputs: serde_json::Value) -> Vec<serde_json::Value> {
 /// then answers as before.
 #[test]
 fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
-    let dir = temp_dir("idle-shrink");
-    // The default model's files, with a token budget that runs 32 texts of ~250 tokens at
-    // once: the arena's share of the growth then dwarfs the heap's (which glibc hands back
-    // with or without the arena shrinking).
+    after_a_large_batch("idle-shrink", false);
+}
+
+/// And so it does while small requests keep coming, never a second apart: the load has
+/// fallen, and the large batch's buffers lie unused.
+#[test]
+fn a_worker_whose_load_fell_hands_back_what_its_largest_batch_needed() {
+    after_a_large_batch("fell-shrink", true);
+}
+
+/// One worker serving the default model with a token budget that runs 32 texts of ~250
+/// tokens at once; after such a batch, it idles (or, `serving`, embeds a short text every 200
+/// ms: never idle a second) until it has handed back two thirds of what the batch grew it by,
+/// at most 30 s.
+fn after_a_large_batch(test: &str, serving: bool) {
+    let doing = if serving { "serving a short text every 200 ms" } else { "idle" };
+    let dir = temp_dir(test);
+    // The default model's files, with that budget: the arena's share of the growth then dwarfs
+    // the heap's (which glibc hands back with or without the arena shrinking).
     let repository = dir.path().join("repo");
     let model = repository.join("minilm");
     std::fs::create_dir_all(&model).unwrap();
@@ -186,8 +201,13 @@ fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
     // 32 x 256 tokens in one run: the attention scores alone are 96 MiB.
     assert!(after > ready + 64 * MIB, "the batch did not grow the worker: {} -> {} MiB", ready / MIB, after / MIB);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let idle = loop {
-        std::thread::sleep(Duration::from_millis(250));
+    let (mut requests, mut answers) = (0, Vec::new());
+    let now = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        if serving {
+            answers.push(embed(&server, "a short text".into()));
+            requests += 1;
+        }
         let now = anonymous(pid);
         // At least two thirds of the growth handed back (the heap's share alone is less).
         if now < ready + (after - ready) / 3 {
@@ -195,13 +215,14 @@ fn an_idle_worker_hands_back_what_its_largest_batch_needed() {
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "30 s idle and the worker still holds {} MiB (at rest {} MiB, after the batch {} MiB)",
+            "30 s {doing} and the worker still holds {} MiB (at rest {} MiB, after the batch {} MiB)",
             now / MIB,
             ready / MIB,
             after / MIB
         );
     };
-    eprintln!("anonymous memory once idle: {} MiB", idle / MIB);
+    eprintln!("anonymous memory after {doing} ({requests} short requests): {} MiB", now / MIB);
+    assert!(answers.iter().all(|a| *a == first), "an answer changed while the arena shrank");
     assert_eq!(embed(&server, "a short text".into()), first, "the answer changed after the arena shrank");
     assert_eq!(server.worker_pids(), vec![pid], "the worker was replaced");
 }

@@ -24,8 +24,13 @@ enum LaneState {
 pub(super) const RECENT_LOAD: Duration = Duration::from_millis(50);
 
 /// After this long with nothing to run, the worker hands the memory its last runs freed back
-/// to the system (see [`Dispatcher::run`]).
+/// to the system (see [`Dispatcher::trim_when_unneeded`]).
 const TRIM_AFTER_IDLE: Duration = Duration::from_secs(1);
+
+/// Under load, the worker also hands memory back when every batch of a whole [`TRIM_AFTER_IDLE`]
+/// was this many times smaller (rows x width) than the largest since it last did: the load
+/// has fallen, and the buffers of its largest batches lie unused.
+const LOAD_FELL: usize = 4;
 
 /// While a lane runs, the dispatcher looks this often for a run past its timeout.
 const WATCH_EVERY: Duration = Duration::from_millis(50);
@@ -67,6 +72,10 @@ pub(super) struct Dispatcher {
     /// whether the allocator was trimmed since.
     last_run: Option<Instant>,
     trimmed: bool,
+    /// The largest batch (rows x width) since the allocator was last trimmed; when the current
+    /// window of [`TRIM_AFTER_IDLE`] began, and its largest batch.
+    largest: usize,
+    window: (Instant, usize),
 }
 
 impl Dispatcher {
@@ -99,6 +108,8 @@ impl Dispatcher {
             last_load: None,
             last_run: None,
             trimmed: true,
+            largest: 0,
+            window: (Instant::now(), 0),
         }
     }
 
@@ -118,7 +129,7 @@ impl Dispatcher {
         loop {
             self.counters.beat();
             self.clock.stop_overdue();
-            self.trim_when_idle();
+            self.trim_when_unneeded();
             self.drop_dead();
             if self.dispatch().is_err() {
                 return; // a lane is gone: the worker is going down
@@ -145,14 +156,37 @@ impl Dispatcher {
 
     /// Once the worker has been idle for [`TRIM_AFTER_IDLE`], what its runs left behind goes
     /// back to the system ([`crate::runtime::allocator::trim`]): the shared arena's regions
-    /// (the largest batches' buffers) and glibc's free heap. Without an arena the lanes also
-    /// hand back what passes [`crate::runtime::allocator::FREE_LIMIT`] after each run.
-    fn trim_when_idle(&mut self) {
+    /// (the largest batches' buffers) and glibc's free heap; and so it does under load that has
+    /// fallen ([`LOAD_FELL`]): a burst of large batches followed by steady small ones. Without
+    /// an arena the lanes also hand back what passes [`crate::runtime::allocator::FREE_LIMIT`]
+    /// after each run.
+    fn trim_when_unneeded(&mut self) {
+        let now = Instant::now();
         let idle = self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
-        if idle && !self.trimmed && self.last_run.is_some_and(|t| t.elapsed() >= TRIM_AFTER_IDLE) {
+        if idle && !self.trimmed && self.last_run.is_some_and(|t| now - t >= TRIM_AFTER_IDLE) {
             crate::runtime::allocator::trim();
             self.trimmed = true;
+            (self.largest, self.window) = (0, (now, 0));
+            return;
         }
+        let (start, window_largest) = self.window;
+        if now - start >= TRIM_AFTER_IDLE {
+            // A window in which no batch started (one long run) says nothing of the load.
+            if window_largest > 0 && window_largest.saturating_mul(LOAD_FELL) <= self.largest {
+                crate::runtime::allocator::trim();
+                self.largest = window_largest;
+            }
+            self.window = (now, 0);
+        }
+    }
+
+    /// Counts a batch of `rows` rows of up to `width` tokens (or elements) each towards
+    /// [`Dispatcher::trim_when_unneeded`]'s windows.
+    fn note_batch(&mut self, batch: &[Job]) {
+        let rows: usize = batch.iter().map(|j| j.rows.unwrap_or(1)).sum();
+        let size = rows.saturating_mul(batch.iter().map(|j| j.width).max().unwrap_or(0).max(1));
+        self.largest = self.largest.max(size);
+        self.window.1 = self.window.1.max(size);
     }
 
     /// Hands batches to free lanes while there is work that may start now.
@@ -170,6 +204,7 @@ impl Dispatcher {
             let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
             let sharing = if Some(lane) == self.background { 1 } else { self.regular_lanes() };
             let batch = self.gather(anchor, waiting.div_ceil(sharing));
+            self.note_batch(&batch);
             let now = Instant::now();
             let idle = batch.len() == 1 && self.pending.is_empty() && free == self.lanes.len();
             if !idle {
