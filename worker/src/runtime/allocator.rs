@@ -4,8 +4,9 @@
 //! good, in every session: a worker with two lanes and a wide session holds three of them.
 //! inferd's default (`shared-arena`) registers one arena with the process's environment,
 //! which every session of the worker uses, extended by what a run asks rather than doubled;
-//! once the worker has been idle a second, the regions no tensor uses go back to the system
-//! ([`trim`]), so a burst of large batches does not keep its buffers for good.
+//! once the worker has been idle a second (or its load has fallen: `engine::dispatch`), the
+//! regions no tensor uses go back to the system ([`trim`]), so a burst of large batches does
+//! not keep its buffers for good.
 //! Without an arena (`malloc`), each run mallocs its tensors and frees them; glibc keeps what
 //! was freed (it raises its mmap threshold to the largest block freed), so after each run
 //! memory goes back to the system when more than [`FREE_LIMIT`] lies free, and all of it after
