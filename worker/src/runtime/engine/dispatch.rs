@@ -180,7 +180,7 @@ impl Dispatcher {
         }
     }
 
-    /// Counts a batch of `rows` rows of up to `width` tokens (or elements) each towards
+    /// Counts a batch's size (its rows x its widest row's tokens or elements) towards
     /// [`Dispatcher::trim_when_unneeded`]'s windows.
     fn note_batch(&mut self, batch: &[Job]) {
         let rows: usize = batch.iter().map(|j| j.rows.unwrap_or(1)).sum();
