@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use inferd_bench::http::request;
-use inferd_bench::load::{closed_loop, Load, Summary};
+use inferd_bench::load::{self, Load, Summary};
 use inferd_bench::process::Process;
 use inferd_config::model::{ModelEntry, Precision, Task, MODEL_CONFIG_FILE};
 use inferd_config::Config;
@@ -317,8 +317,9 @@ fn measure(
                 concurrency: c,
                 seconds: args.seconds,
                 warmup: Duration::from_millis(500),
+                rate: None,
             };
-            let outcome = closed_loop(&load)?;
+            let outcome = load::run(&load)?;
             measured.errors += outcome.errors;
             measured.points.push(outcome.summary());
         }

@@ -1,6 +1,8 @@
-//! A closed-loop HTTP load: C clients, each on its own keep-alive connection, POST the given
-//! bodies in turn for a fixed time and record each answer's latency. Shared by `inferd-bench
-//! http` and `inferd tune`; built on the tests' clients ([`crate::clients`], [`crate::http`]).
+//! An HTTP load: C clients, each on its own keep-alive connection, POST the given bodies in
+//! turn for a fixed time and record each answer's latency, each sending its next request as
+//! soon as it has an answer (a closed loop) or on a fixed schedule (an open loop, `rate`).
+//! Shared by `inferd-bench http` and `inferd tune`; built on the tests' clients
+//! ([`crate::clients`], [`crate::http`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,11 @@ pub struct Load {
     pub seconds: f64,
     /// Time the clients run before measuring starts.
     pub warmup: Duration,
+    /// An open loop: requests per second in all, on one schedule the clients share (client c
+    /// of C sends the c-th, (c+C)-th, ... request of it). A request's latency counts from its
+    /// time on the schedule, so a client still waiting for an earlier answer counts its lateness
+    /// against the server (as oha's `--latency-correction`). None: a closed loop.
+    pub rate: Option<f64>,
 }
 
 /// One answered request: its latency, the server's `prepare` (tokenising) and `model` (queue
@@ -81,7 +88,7 @@ impl Outcome {
 }
 
 /// Runs the load and returns every measured sample.
-pub fn closed_loop(load: &Load) -> anyhow::Result<Outcome> {
+pub fn run(load: &Load) -> anyhow::Result<Outcome> {
     anyhow::ensure!(!load.bodies.is_empty(), "no request bodies");
     // Checked up front: a client that cannot connect would only count errors.
     Connection::open(load.addr.as_str()).with_context(|| format!("connect {}", load.addr))?;
@@ -90,14 +97,24 @@ pub fn closed_loop(load: &Load) -> anyhow::Result<Outcome> {
     // or less at the edges does not matter).
     let measuring = Arc::new(AtomicBool::new(false));
     let samples: Vec<_> = (0..load.concurrency).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
+    let (schedule, clients) = (Instant::now(), load.concurrency as f64);
     let clients = Clients::start(load.concurrency, |c| {
         let (addr, path, bodies, measuring) = (load.addr.clone(), load.path.clone(), bodies.clone(), measuring.clone());
         let samples = samples[c].clone();
-        let (mut conn, mut i) = (None, c);
+        let rate = load.rate.filter(|r| *r > 0.0);
+        let (mut conn, mut i, mut sent) = (None, c, 0u64);
         move || {
             let body = i % bodies.len();
             i += 1;
-            let started = Instant::now();
+            let started = match rate {
+                Some(rate) => {
+                    let due = schedule + Duration::from_secs_f64((sent as f64 * clients + c as f64) / rate);
+                    sent += 1;
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                    due
+                }
+                None => Instant::now(),
+            };
             let counted = measuring.load(Ordering::Relaxed);
             let answer = match conn.take() {
                 Some(c) => Ok(c),

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
-use inferd_bench::load::{closed_loop, Load, Summary};
+use inferd_bench::load::{run, Load, Summary};
 use inferd_config::model::{ModelEntry, Precision};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
 use inferd_worker::runtime::model::{ModelSession, Runtime, Threads};
@@ -41,6 +41,11 @@ enum Command {
         /// bytes (how short texts fare in a mixed stream).
         #[arg(long)]
         short_below: Option<usize>,
+        /// An open loop: this many requests per second in all, on a fixed schedule shared by
+        /// the clients, latency counted from each request's time on it (as oha's `-q` with
+        /// `--latency-correction`); without it, a closed loop.
+        #[arg(long)]
+        rate: Option<f64>,
     },
     /// Load an inferd gRPC port (server.grpc_listen) with ModelInfer of one text each.
     Grpc {
@@ -111,9 +116,9 @@ struct Clients {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Http { clients, path, short_below } => {
+        Command::Http { clients, path, short_below, rate } => {
             let texts = read_texts(&clients.texts)?;
-            http(&clients, &path, short_below, &texts)
+            http(&clients, &path, short_below, rate, &texts)
         }
         Command::Grpc { clients, model } => {
             let texts = read_texts(&clients.texts)?;
@@ -149,16 +154,23 @@ fn read_texts(path: &PathBuf) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
-fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]) -> anyhow::Result<()> {
+fn http(
+    load: &Clients,
+    path: &str,
+    short_below: Option<usize>,
+    rate: Option<f64>,
+    texts: &[String],
+) -> anyhow::Result<()> {
     let bodies =
         texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t }))).collect::<Result<_, _>>()?;
-    let outcome = closed_loop(&Load {
+    let outcome = run(&Load {
         addr: load.addr.clone(),
         path: path.to_string(),
         bodies,
         concurrency: load.concurrency,
         seconds: load.seconds,
         warmup: Duration::from_secs_f64(load.warmup),
+        rate,
     })?;
     let samples = &outcome.samples;
     // Where a request's time goes, from Server-Timing: tokenising, the model (queue and run),
@@ -168,8 +180,25 @@ fn http(load: &Clients, path: &str, short_below: Option<usize>, texts: &[String]
     let prepare = mean(samples.iter().filter_map(|s| s.prepare_ms).collect());
     let model = mean(samples.iter().filter_map(|s| s.model_ms).collect());
     let shares = prepare.zip(model).map(|(p, m)| (p / latency, m / latency));
-    let label = format!("http {path} c={}", load.concurrency);
-    report(&label, outcome.summary(), outcome.errors, shares);
+    let label = match rate {
+        Some(rate) => format!("http {path} c={} open loop at {rate} req/s", load.concurrency),
+        None => format!("http {path} c={}", load.concurrency),
+    };
+    let summary = outcome.summary();
+    // The slowest 1%: how much of their time the server says was its model's (queue and run).
+    let tail: Vec<_> = samples.iter().filter(|s| s.latency.as_secs_f64() * 1e3 >= summary.p99_ms).collect();
+    let tail_latency = mean(tail.iter().map(|s| s.latency.as_secs_f64() * 1e3).collect());
+    let tail_model = mean(tail.iter().filter_map(|s| s.model_ms).collect());
+    let tail_prepare = mean(tail.iter().filter_map(|s| s.prepare_ms).collect());
+    if let (Some(l), Some(m), Some(p)) = (tail_latency, tail_model, tail_prepare) {
+        println!(
+            "{label}: the slowest 1% ({} requests) took {l:.2} ms on average: the model (queue and run) {m:.2} ms, \
+             tokenising {p:.2} ms, the rest (HTTP, JSON, waiting for a thread, the client) {:.2} ms",
+            tail.len(),
+            l - m - p
+        );
+    }
+    report(&label, summary, outcome.errors, shares);
     if let Some(limit) = short_below {
         // The long texts first: bench/compare.sh reads the last line, the short ones.
         let long: Vec<_> = samples.iter().filter(|s| texts[s.body].len() >= limit).map(|s| s.latency).collect();
