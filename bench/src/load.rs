@@ -97,7 +97,7 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
     // or less at the edges does not matter).
     let measuring = Arc::new(AtomicBool::new(false));
     let samples: Vec<_> = (0..load.concurrency).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
-    let (schedule, clients) = (Instant::now(), load.concurrency as f64);
+    let (schedule, senders) = (Instant::now(), load.concurrency as f64);
     let clients = Clients::start(load.concurrency, |c| {
         let (addr, path, bodies, measuring) = (load.addr.clone(), load.path.clone(), bodies.clone(), measuring.clone());
         let samples = samples[c].clone();
@@ -108,7 +108,7 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
             i += 1;
             let started = match rate {
                 Some(rate) => {
-                    let due = schedule + Duration::from_secs_f64((sent as f64 * clients + c as f64) / rate);
+                    let due = schedule + Duration::from_secs_f64((sent as f64 * senders + c as f64) / rate);
                     sent += 1;
                     std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     due
