@@ -207,17 +207,68 @@ pub fn external_files(model: &[u8]) -> Result<Vec<String>, String> {
     let (_, graph) = graph_of(model)?;
     let mut files = Vec::new();
     for init in fields(graph)?.into_iter().filter(|f| f.number == 5 && f.wire == 2) {
-        for entry in fields(init.payload)?.into_iter().filter(|f| f.number == 13 && f.wire == 2) {
-            let parts = fields(entry.payload)?;
-            let text_of = |n: u64| parts.iter().find(|p| p.number == n && p.wire == 2).map(|p| text(p.payload));
-            if let (Some(key), Some(value)) = (text_of(1), text_of(2)) {
-                if key == "location" && !files.contains(&value) {
-                    files.push(value);
-                }
+        if let Some(location) = external_data(init.payload)?.remove("location") {
+            if !files.contains(&location) {
+                files.push(location);
             }
         }
     }
     Ok(files)
+}
+
+/// A tensor's external_data entries (StringStringEntryProto key = 1, value = 2), by key.
+fn external_data(tensor: &[u8]) -> Result<HashMap<String, String>, String> {
+    let mut entries = HashMap::new();
+    for entry in fields(tensor)?.into_iter().filter(|f| f.number == 13 && f.wire == 2) {
+        let parts = fields(entry.payload)?;
+        let text_of = |n: u64| parts.iter().find(|p| p.number == n && p.wire == 2).map(|p| text(p.payload));
+        if let (Some(key), Some(value)) = (text_of(1), text_of(2)) {
+            entries.insert(key, value);
+        }
+    }
+    Ok(entries)
+}
+
+/// Where an initializer's bytes lie in an external data file.
+#[derive(Debug, PartialEq)]
+pub struct Extent {
+    pub file: String,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// The lookup tables among the initializers stored in external data files: tensors of which
+/// a run reads a few rows, not the whole (the data input of `Gather`, the embedding tables
+/// of com.microsoft `EmbedLayerNormalization`). Each once, in graph order of the initializers.
+pub fn lookup_tables(model: &[u8]) -> Result<Vec<Extent>, String> {
+    let (_, graph) = graph_of(model)?;
+    let parts = fields(graph)?;
+    let mut tables = HashSet::new();
+    for f in parts.iter().filter(|f| f.number == 1 && f.wire == 2) {
+        let node = Node::read(*f)?;
+        let (skip, take) = match (node.op_type.as_str(), node.domain.as_str()) {
+            ("Gather", "" | "ai.onnx") => (0, 1),
+            // input_ids, segment_ids, then the word, position and segment embeddings.
+            ("EmbedLayerNormalization", "com.microsoft") => (2, 3),
+            _ => continue,
+        };
+        tables.extend(node.inputs.iter().skip(skip).take(take).cloned());
+    }
+    let mut found = Vec::new();
+    for init in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
+        let name = fields(init.payload)?.into_iter().find(|f| f.number == 8 && f.wire == 2).map(|f| text(f.payload));
+        if !name.is_some_and(|n| tables.contains(&n)) {
+            continue;
+        }
+        let mut data = external_data(init.payload)?;
+        let number = |value: Option<String>| value.and_then(|v| v.parse::<u64>().ok());
+        if let (Some(file), offset, Some(length)) =
+            (data.remove("location"), number(data.remove("offset")).unwrap_or(0), number(data.remove("length")))
+        {
+            found.push(Extent { file, offset, length });
+        }
+    }
+    Ok(found)
 }
 
 /// Operators that pass their input on without changing its values (shape only).
@@ -510,6 +561,42 @@ mod tests {
         let mut model = Vec::new();
         put_bytes(&mut model, 7, &graph);
         model
+    }
+
+    #[test]
+    fn lookup_tables_are_the_external_initializers_gather_reads() {
+        let mut model = model_of(&[
+            (&["table", "ids"], &["rows"], "Gather"),
+            (&["rows", "w"], &["y"], "MatMul"),
+            (&["small", "ids"], &["z"], "Gather"),
+        ]);
+        // Initializers after the nodes (the graph is field 7 of the model: append to it).
+        let external = |name: &str, entries: &[(&str, &str)]| {
+            let mut t = Vec::new();
+            put_bytes(&mut t, 8, name.as_bytes());
+            for (key, value) in entries {
+                let mut e = Vec::new();
+                put_bytes(&mut e, 1, key.as_bytes());
+                put_bytes(&mut e, 2, value.as_bytes());
+                put_bytes(&mut t, 13, &e);
+            }
+            put_number(&mut t, 14, 1);
+            t
+        };
+        let mut graph = graph_of(&model).unwrap().1.to_vec();
+        for t in [
+            external("table", &[("location", "w.data"), ("offset", "4096"), ("length", "8192")]),
+            external("w", &[("location", "w.data"), ("length", "4096")]),
+            // Inside the model file itself: no extent.
+            tensor("small", FLOAT, &[2], &[0; 8]),
+        ] {
+            put_bytes(&mut graph, 5, &t);
+        }
+        model.clear();
+        put_bytes(&mut model, 7, &graph);
+        let want = Extent { file: "w.data".into(), offset: 4096, length: 8192 };
+        assert_eq!(lookup_tables(&model).unwrap(), vec![want], "the MatMul's weight is read whole: not a table");
+        assert_eq!(external_files(&model).unwrap(), vec!["w.data".to_string()]);
     }
 
     #[test]
