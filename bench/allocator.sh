@@ -48,7 +48,6 @@ load() { # $1 concurrency, $2 texts, [$3 --short-below N]: inferd-bench's JSON l
     target/release/inferd-bench http --addr "127.0.0.1:$PORT" --concurrency "$1" --seconds "$SECONDS_PER" \
         --warmup 1 --texts "$2" ${3:-} | grep '^{' | paste -sd, | sed 's/^/[/; s/$/]/'
 }
-pss_mib() { pool_pss "$1" | cut -d' ' -f1; }
 
 for round in $(seq 1 "$ROUNDS"); do
     for choice in "${CHOICES[@]}"; do

@@ -75,7 +75,7 @@ EOF
     curl -sf -H 'content-type: application/json' --data-binary @"$work/request.json" \
         "http://127.0.0.1:$PORT/v2/models/large/infer" >"$work/answer.json"
     err=$(check "$work/answer.json")
-    pss=$(pool_pss "$sup" | cut -d' ' -f1)
+    pss=$(pss_mib "$sup")
     cg=-; [[ $use_cgroup == 1 ]] && cg=$(( $(cat $cgroup/memory.usage_in_bytes) / 1048576 ))
     mapped=-
     if [[ $mode == shared ]]; then

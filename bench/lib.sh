@@ -40,6 +40,9 @@ pool_pss() {
     echo "$((total / 1024)) MiB ($(IFS=,; echo "${parts[*]}"))"
 }
 
+# pss_mib PID: the total of pool_pss alone (MiB).
+pss_mib() { pool_pss "$1" | cut -d' ' -f1; }
+
 # default_pool_config FILE PORT CACHE [ALLOCATOR]: an inferd.toml serving the default model
 # with the default plan on 127.0.0.1:PORT, its control socket beside FILE, shared weights in
 # CACHE, no metrics listener; runtime.allocator when given.

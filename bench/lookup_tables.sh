@@ -62,10 +62,10 @@ for round in $(seq 1 "$ROUNDS"); do
                 ((rps > best)) && best=$rps
             done
             load 64 "--rate $((best / 2))" >/dev/null
-            after=$(pool_pss "$sup" | cut -d' ' -f1)
+            after=$(pss_mib "$sup")
             tables=$(artefact_rss "$sup")
             sleep 2
-            idle=$(pool_pss "$sup" | cut -d' ' -f1)
+            idle=$(pss_mib "$sup")
             kill -- -"$sup"; wait "$sup" 2>/dev/null || true; sup=""
             printf '%s|%s|%s|%s|%s|%s|%s\n' "$precision" "$binary" "$round" "$best" "$after" "$idle" "$tables" |
                 tee -a "$results"

@@ -65,7 +65,7 @@ EOF
         line=$(target/release/inferd-bench http --addr "127.0.0.1:$PORT" --texts "$work/texts.txt" \
             --concurrency 1 --seconds "$SECONDS_PER" --warmup 1 | tail -n 1)
         p50=$(python3 -c 'import json,sys; print("%.1f" % json.loads(sys.argv[1])["p50_ms"])' "$line")
-        pss=$(pool_pss "$sup" | cut -d' ' -f1)
+        pss=$(pss_mib "$sup")
         cg=-; [[ $use_cgroup == 1 ]] && cg=$(( $(cat $cgroup/memory.usage_in_bytes) / 1048576 ))
         printf '%-8s %-8s %14s %16s %14s\n' "$k" "$mode" "$pss" "$cg" "$p50"
         kill -TERM "$sup"; wait "$sup" 2>/dev/null || true
