@@ -7,11 +7,14 @@
 //!   tensor, as tritonclient.grpc sends it), one HTTP/2 connection per client;
 //! - `ort`: the ceiling without any server: P threads, each with its own session of the same
 //!   model (1 intra-op thread each, the same settings inferd uses), running the same inputs
-//!   through the same tokenizer and pooling code, for a fixed time.
+//!   through the same tokenizer and pooling code, for a fixed time; or, with `--rate`, an
+//!   open loop through one perfect queue;
+//! - `floor`: the same sessions behind the thinnest HTTP server (one queue, nothing else),
+//!   for `http` to load: the reference for what a full server adds to the model.
 //!
-//! Both print one JSON line (for scripts) after a human-readable line.
+//! `http`, `grpc` and `ort` print one JSON line (for scripts) after a human-readable line.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -56,44 +59,68 @@ enum Command {
     },
     /// The same texts through the same model with no server in between.
     Ort {
-        /// Model folder (with model.toml), e.g. models/minilm.
-        #[arg(long)]
-        model: PathBuf,
-        #[arg(long)]
-        ort_library: PathBuf,
-        /// Threads, each with its own session.
-        #[arg(long, default_value_t = 1)]
-        parallel: usize,
-        /// ORT intra-op threads per session: 1 = a narrow session, more = a wide one (its own
-        /// pool, as in an inferd worker).
-        #[arg(long, default_value_t = 1)]
-        threads: usize,
-        /// Texts per run (one ORT call on the padded batch).
-        #[arg(long, default_value_t = 1)]
-        batch: usize,
-        /// Let a wide session's pool threads spin between operators (server.intra_op_spinning).
-        #[arg(long)]
-        spin: bool,
-        /// How finely a wide session splits its loops (server.intra_op_block_base; 0 = ORT's
-        /// static split).
-        #[arg(long, default_value_t = 4)]
-        block_base: u32,
-        /// Pin a wide session's pool threads to this CPU (as a worker that borrows a sibling's
-        /// core does; run the benchmark itself pinned to another with `taskset`).
-        #[arg(long)]
-        pool_cpu: Option<usize>,
-        /// fp32 (the file as it is) or int8 (inferd's int8 rewrite of it, prepared as a worker
-        /// prepares it, its accuracy guard included, and kept in --cache-dir).
-        #[arg(long, default_value = "fp32")]
-        precision: Precision,
-        /// Where int8 is prepared and found again (runtime.cache_dir of the server compared).
-        #[arg(long, default_value = ".cache/inferd")]
-        cache_dir: PathBuf,
+        #[command(flatten)]
+        sessions: Sessions,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
         #[arg(long)]
         texts: PathBuf,
+        /// An open loop: this many texts per second in all, on a fixed schedule. The sessions
+        /// take them from one queue, each run taking every text due (up to --batch), and a
+        /// text's latency counts from its time on the schedule: what a server with a perfect
+        /// queue and no HTTP, JSON or client would show.
+        #[arg(long)]
+        rate: Option<f64>,
     },
+    /// The same sessions behind the thinnest HTTP server: `POST /embed` with `{"inputs":
+    /// "text"}` answers `[[...]]`; one thread for all connections (hyper, HTTP/1.1), one
+    /// queue that every session takes from (up to --batch texts a run), nothing else: what
+    /// `http` measures against it is what any HTTP server of these sessions pays on these
+    /// cores, and a full server is compared with it. Serves until killed.
+    Floor {
+        #[command(flatten)]
+        sessions: Sessions,
+        #[arg(long, default_value = "127.0.0.1:18090")]
+        listen: String,
+    },
+}
+
+/// The sessions of `ort` and `floor`: P threads, each with its own session of the model.
+#[derive(Args)]
+struct Sessions {
+    /// Model folder (with model.toml), e.g. models/minilm.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    ort_library: PathBuf,
+    /// Threads, each with its own session.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
+    /// ORT intra-op threads per session: 1 = a narrow session, more = a wide one (its own
+    /// pool, as in an inferd worker).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Texts per run (one ORT call on the padded batch; at most this many with a queue).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Let a wide session's pool threads spin between operators (server.intra_op_spinning).
+    #[arg(long)]
+    spin: bool,
+    /// How finely a wide session splits its loops (server.intra_op_block_base; 0 = ORT's
+    /// static split).
+    #[arg(long, default_value_t = 4)]
+    block_base: u32,
+    /// Pin a wide session's pool threads to this CPU (as a worker that borrows a sibling's
+    /// core does; run the benchmark itself pinned to another with `taskset`).
+    #[arg(long)]
+    pool_cpu: Option<usize>,
+    /// fp32 (the file as it is) or int8 (inferd's int8 rewrite of it, prepared as a worker
+    /// prepares it, its accuracy guard included, and kept in --cache-dir).
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+    /// Where int8 is prepared and found again (runtime.cache_dir of the server compared).
+    #[arg(long, default_value = ".cache/inferd")]
+    cache_dir: PathBuf,
 }
 
 /// The closed-loop clients of `http` and `grpc`.
@@ -124,24 +151,10 @@ fn main() -> anyhow::Result<()> {
             let texts = read_texts(&clients.texts)?;
             grpc(&clients, &model, &texts)
         }
-        Command::Ort {
-            model,
-            ort_library,
-            parallel,
-            threads,
-            batch,
-            spin,
-            block_base,
-            pool_cpu,
-            precision,
-            cache_dir,
-            seconds,
-            texts,
-        } => {
-            let batch = batch.max(1);
-            let setup = OrtSetup { parallel, threads, batch, spin, block_base, pool_cpu, precision, cache_dir };
-            ort(&model, &ort_library, setup, seconds, &read_texts(&texts)?)
+        Command::Ort { sessions, seconds, texts, rate } => {
+            ort(sessions, seconds, rate.filter(|r| *r > 0.0), &read_texts(&texts)?)
         }
+        Command::Floor { sessions, listen } => floor(sessions, &listen),
     }
 }
 
@@ -280,74 +293,129 @@ fn grpc(load: &Clients, model: &str, texts: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct OrtSetup {
-    parallel: usize,
-    threads: usize,
-    batch: usize,
-    spin: bool,
-    block_base: u32,
-    pool_cpu: Option<usize>,
-    precision: Precision,
-    cache_dir: PathBuf,
+/// One session of an embedding model and the pipeline around it: tokenising, the run and
+/// pooling, as a worker does them.
+struct Embedder {
+    model: ModelSession,
+    pipeline: Arc<Pipeline>,
 }
 
-fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[String]) -> anyhow::Result<()> {
-    let OrtSetup { parallel, threads, batch, spin, block_base, pool_cpu, precision, cache_dir } = setup;
-    let folder = std::path::absolute(model)?;
-    let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
-    let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
-    std::env::set_var("TOKENIZERS_PARALLELISM", "false");
-    // The defaults a worker has (runtime.allocator); int8 is prepared into the server's cache.
-    let cache = (precision != Precision::Fp32).then(|| std::path::absolute(cache_dir)).transpose()?;
-    entry.precision = precision;
-    let runtime = Arc::new(Runtime::init(library, Default::default(), cache)?);
-    let session_threads =
-        if threads > 1 { Threads::Wide { threads, spin, block_base, pool_cpu } } else { Threads::Narrow };
+impl Sessions {
+    /// The ORT environment and the model's entry, int8 prepared into the cache if asked.
+    fn runtime(&self) -> anyhow::Result<(Arc<Runtime>, ModelEntry)> {
+        let folder = std::path::absolute(&self.model)?;
+        let name = folder.file_name().context("model folder")?.to_string_lossy().to_string();
+        let mut entry = ModelEntry::load(folder.parent().context("model folder")?, &name)?;
+        std::env::set_var("TOKENIZERS_PARALLELISM", "false");
+        // The defaults a worker has (runtime.allocator); int8 is prepared into the server's cache.
+        let cache = (self.precision != Precision::Fp32).then(|| std::path::absolute(&self.cache_dir)).transpose()?;
+        entry.precision = self.precision;
+        Ok((Arc::new(Runtime::init(&self.ort_library, Default::default(), cache)?), entry))
+    }
+
+    fn threads(&self) -> Threads {
+        let Sessions { threads, spin, block_base, pool_cpu, .. } = *self;
+        if threads > 1 {
+            Threads::Wide { threads, spin, block_base, pool_cpu }
+        } else {
+            Threads::Narrow
+        }
+    }
+
+    fn label(&self) -> String {
+        let Sessions { parallel, threads, batch, spin, block_base, pool_cpu, .. } = self;
+        format!(
+            "parallel={parallel} threads={threads} batch={batch} spin={spin} block_base={block_base} pool_cpu={pool_cpu:?} precision={}",
+            self.precision.as_str()
+        )
+    }
+}
+
+impl Embedder {
+    /// Loads a session and warms it with 20 runs of `batch` texts.
+    fn load(
+        runtime: &Runtime,
+        entry: &ModelEntry,
+        threads: Threads,
+        warm: &[String],
+        batch: usize,
+    ) -> anyhow::Result<Self> {
+        let model = ModelSession::load(runtime, entry, threads, None)?;
+        let pipeline = model.meta.pipeline.clone();
+        let Pipeline::Text(text) = &*pipeline else { bail!("this mode needs a text model") };
+        let Head::Embedding { .. } = text.head else { bail!("this mode needs an embedding model") };
+        let mut embedder = Embedder { model, pipeline };
+        for i in 0..20 {
+            embedder.embed((0..batch).map(|b| warm[(i * batch + b) % warm.len()].clone()).collect())?;
+        }
+        Ok(embedder)
+    }
+
+    /// One run of these texts: their embeddings.
+    fn embed(&mut self, texts: Vec<String>) -> anyhow::Result<Vec<Vec<f32>>> {
+        let Pipeline::Text(text) = &*self.pipeline else { unreachable!("checked at load") };
+        let Head::Embedding { output, settings } = &text.head else { unreachable!("checked at load") };
+        let rows: Vec<Text> = texts.into_iter().map(Text::Single).collect();
+        let encoded = text.encode(&rows, false)?;
+        let outputs = self.model.run(encoded.inputs, None)?;
+        Ok(embeddings(&outputs[*output], &encoded.lengths, settings.pooling, settings.normalize)?)
+    }
+}
+
+fn ort(setup: Sessions, seconds: f64, rate: Option<f64>, texts: &[String]) -> anyhow::Result<()> {
+    let (runtime, entry) = setup.runtime()?;
+    let (parallel, batch, threads) = (setup.parallel, setup.batch.max(1), setup.threads());
     let stop = Arc::new(AtomicBool::new(false));
     // Every thread loads and warms its session, then all start measuring together.
     let start = Arc::new(std::sync::Barrier::new(parallel + 1));
+    // The open loop's schedule: the next text not yet taken, and when text 0 was due (when
+    // the first session is through the start, once all are warm).
+    let schedule = Arc::new((std::sync::Mutex::new(0u64), std::sync::OnceLock::<Instant>::new()));
     let sessions: Vec<_> = (0..parallel)
         .map(|p| {
             let (entry, stop, texts, start) = (entry.clone(), stop.clone(), texts.to_vec(), start.clone());
-            let runtime = runtime.clone();
+            let (runtime, schedule) = (runtime.clone(), schedule.clone());
             std::thread::spawn(move || -> anyhow::Result<Vec<Duration>> {
-                let prepared = ModelSession::load(&runtime, &entry, session_threads, None)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|model| {
-                        let pipeline = model.meta.pipeline.clone();
-                        let Pipeline::Text(_) = &*pipeline else { bail!("ort mode needs a text model") };
-                        Ok((model, pipeline))
-                    });
-                let (mut model, pipeline) = match prepared {
-                    Ok(p) => p,
-                    Err(e) => {
-                        start.wait(); // never leave the others waiting
-                        return Err(e);
-                    }
+                let loaded = Embedder::load(&runtime, &entry, threads, &texts, batch);
+                start.wait(); // also on failure: never leave the others waiting
+                let mut embedder = loaded?;
+                let mut run = |first: usize, rows: usize| {
+                    embedder.embed((first..first + rows).map(|i| texts[i % texts.len()].clone()).collect())
                 };
-                let Pipeline::Text(text) = &*pipeline else { unreachable!("checked above") };
-                let Head::Embedding { output, settings } = text.head.clone() else {
-                    start.wait();
-                    bail!("ort mode needs an embedding model")
-                };
-                let mut run = |i: usize| -> anyhow::Result<()> {
-                    let rows: Vec<Text> =
-                        (0..batch).map(|b| Text::Single(texts[(i * batch + b) % texts.len()].clone())).collect();
-                    let encoded = text.encode(&rows, false)?;
-                    let outputs = model.run(encoded.inputs, None)?;
-                    embeddings(&outputs[output], &encoded.lengths, settings.pooling, settings.normalize)?;
-                    Ok(())
-                };
-                let warmed = (0..20).try_for_each(&mut run);
-                start.wait();
-                warmed?;
                 let mut latencies = Vec::new();
-                let mut i = p;
+                let Some(rate) = rate else {
+                    let mut i = p;
+                    while !stop.load(Ordering::Relaxed) {
+                        let started = Instant::now();
+                        run(i * batch, batch)?;
+                        latencies.push(started.elapsed());
+                        i += 1;
+                    }
+                    return Ok(latencies);
+                };
+                let (next, zero) = &*schedule;
+                let zero = *zero.get_or_init(Instant::now);
+                let due = |n: u64| zero + Duration::from_secs_f64(n as f64 / rate);
                 while !stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    run(i)?;
-                    latencies.push(started.elapsed());
-                    i += 1;
+                    // Take every text due, up to a batch; or wait for the next one.
+                    let taken = {
+                        let mut next = next.lock().map_err(|_| anyhow::anyhow!("a session panicked"))?;
+                        let now = Instant::now();
+                        let mut k = 0;
+                        while k < batch as u64 && due(*next + k) <= now {
+                            k += 1;
+                        }
+                        *next += k;
+                        (k > 0).then(|| (*next - k, k)).ok_or(due(*next) - now)
+                    };
+                    match taken {
+                        Ok((first, k)) => {
+                            run(first as usize, k as usize)?;
+                            let done = Instant::now();
+                            latencies.extend((first..first + k).map(|n| done - due(n)));
+                        }
+                        Err(wait) => std::thread::sleep(wait),
+                    }
                 }
                 Ok(latencies)
             })
@@ -362,12 +430,94 @@ fn ort(model: &Path, library: &Path, setup: OrtSetup, seconds: f64, texts: &[Str
     for t in sessions {
         all.extend(t.join().expect("ort thread")?);
     }
-    let label = format!(
-        "ort tokenize+run+pool parallel={parallel} threads={threads} batch={batch} spin={spin} block_base={block_base} pool_cpu={pool_cpu:?} precision={}",
-        precision.as_str()
-    );
-    report(&label, Summary::of(all, elapsed, batch), 0, None);
+    let open = rate.map_or(String::new(), |r| format!(" open loop at {r} texts/s"));
+    let label = format!("ort tokenize+run+pool {}{open}", setup.label());
+    // Closed, each latency is a run of `batch` texts; open, each is one text's.
+    report(&label, Summary::of(all, elapsed, if rate.is_some() { 1 } else { batch }), 0, None);
     Ok(())
+}
+
+/// A text waiting for a session, and where its embedding goes.
+type Queued = (String, tokio::sync::oneshot::Sender<Vec<f32>>);
+
+fn floor(setup: Sessions, listen: &str) -> anyhow::Result<()> {
+    use http_body_util::{BodyExt, Full, Limited};
+    use hyper::body::Bytes;
+
+    let (runtime, entry) = setup.runtime()?;
+    let (batch, threads) = (setup.batch.max(1), setup.threads());
+    let queue =
+        Arc::new((std::sync::Mutex::new(std::collections::VecDeque::<Queued>::new()), std::sync::Condvar::new()));
+    let warm = vec!["The quick brown fox jumps over the lazy dog.".to_string()];
+    let (ready, loaded) = std::sync::mpsc::channel();
+    for _ in 0..setup.parallel {
+        let (runtime, entry, queue, warm, ready) =
+            (runtime.clone(), entry.clone(), queue.clone(), warm.clone(), ready.clone());
+        std::thread::spawn(move || {
+            let mut embedder = match Embedder::load(&runtime, &entry, threads, &warm, batch) {
+                Ok(e) => e,
+                Err(e) => return ready.send(Err(e)).unwrap_or(()),
+            };
+            let _ = ready.send(Ok(()));
+            let (waiting, wake) = &*queue;
+            loop {
+                let taken: Vec<Queued> = {
+                    let Ok(mut waiting) = wake.wait_while(waiting.lock().expect("queue"), |w| w.is_empty()) else {
+                        return;
+                    };
+                    let k = waiting.len().min(batch);
+                    waiting.drain(..k).collect()
+                };
+                let (texts, replies): (Vec<_>, Vec<_>) = taken.into_iter().unzip();
+                match embedder.embed(texts) {
+                    Ok(rows) => rows.into_iter().zip(replies).for_each(|(row, reply)| drop(reply.send(row))),
+                    Err(e) => eprintln!("run failed: {e:#}"), // the replies drop: 500
+                }
+            }
+        });
+    }
+    drop(ready);
+    for _ in 0..setup.parallel {
+        loaded.recv().context("a session thread ended")??;
+    }
+    let io = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    io.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+        println!("floor: {} sessions ({}) serving POST /embed on {listen}", setup.parallel, setup.label());
+        loop {
+            let (stream, _) = listener.accept().await?;
+            stream.set_nodelay(true)?;
+            let queue = queue.clone();
+            let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                let queue = queue.clone();
+                async move {
+                    let answer = |status: u16, body: Vec<u8>| {
+                        hyper::Response::builder().status(status).body(Full::new(Bytes::from(body)))
+                    };
+                    let Ok(body) = Limited::new(request.into_body(), 1 << 20).collect().await else {
+                        return answer(400, b"unreadable body".to_vec());
+                    };
+                    let parsed = serde_json::from_slice::<serde_json::Value>(&body.to_bytes());
+                    let Some(text) = parsed.ok().and_then(|v| v.get("inputs")?.as_str().map(String::from)) else {
+                        return answer(400, b"expected {\"inputs\": \"text\"}".to_vec());
+                    };
+                    let (reply, embedding) = tokio::sync::oneshot::channel();
+                    let (waiting, wake) = &*queue;
+                    waiting.lock().expect("queue").push_back((text, reply));
+                    wake.notify_one();
+                    match embedding.await {
+                        Ok(row) => answer(200, serde_json::to_vec(&[row]).unwrap_or_default()),
+                        Err(_) => answer(500, b"the run failed".to_vec()),
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    })
 }
 
 /// Prints one line for people and one JSON line for scripts. `shares`: of tokenising and of
