@@ -346,16 +346,17 @@ impl Embedder {
         let Head::Embedding { .. } = text.head else { bail!("this mode needs an embedding model") };
         let mut embedder = Embedder { model, pipeline };
         for i in 0..20 {
-            embedder.embed((0..batch).map(|b| warm[(i * batch + b) % warm.len()].clone()).collect())?;
+            let texts: Vec<String> = (0..batch).map(|b| warm[(i * batch + b) % warm.len()].clone()).collect();
+            embedder.embed(&texts)?;
         }
         Ok(embedder)
     }
 
     /// One run of these texts: their embeddings.
-    fn embed(&mut self, texts: Vec<String>) -> anyhow::Result<Vec<Vec<f32>>> {
+    fn embed(&mut self, texts: &[String]) -> anyhow::Result<Vec<Vec<f32>>> {
         let Pipeline::Text(text) = &*self.pipeline else { unreachable!("checked at load") };
         let Head::Embedding { output, settings } = &text.head else { unreachable!("checked at load") };
-        let rows: Vec<Text> = texts.into_iter().map(Text::Single).collect();
+        let rows: Vec<Text> = texts.iter().cloned().map(Text::Single).collect();
         let encoded = text.encode(&rows, false)?;
         let outputs = self.model.run(encoded.inputs, None)?;
         Ok(embeddings(&outputs[*output], &encoded.lengths, settings.pooling, settings.normalize)?)
@@ -380,7 +381,8 @@ fn ort(setup: Sessions, seconds: f64, rate: Option<f64>, texts: &[String]) -> an
                 start.wait(); // also on failure: never leave the others waiting
                 let mut embedder = loaded?;
                 let mut run = |first: usize, rows: usize| {
-                    embedder.embed((first..first + rows).map(|i| texts[i % texts.len()].clone()).collect())
+                    let batch: Vec<String> = (first..first + rows).map(|i| texts[i % texts.len()].clone()).collect();
+                    embedder.embed(&batch)
                 };
                 let mut latencies = Vec::new();
                 let Some(rate) = rate else {
@@ -469,9 +471,19 @@ fn floor(setup: Sessions, listen: &str) -> anyhow::Result<()> {
                     waiting.drain(..k).collect()
                 };
                 let (texts, replies): (Vec<_>, Vec<_>) = taken.into_iter().unzip();
-                match embedder.embed(texts) {
+                match embedder.embed(&texts) {
                     Ok(rows) => rows.into_iter().zip(replies).for_each(|(row, reply)| drop(reply.send(row))),
-                    Err(e) => eprintln!("run failed: {e:#}"), // the replies drop: 500
+                    // One bad text (empty, too long) fails the batch: each runs alone, and the
+                    // reply of one that fails again drops (500).
+                    Err(_) => {
+                        for (text, reply) in texts.into_iter().zip(replies) {
+                            if let Some(row) =
+                                embedder.embed(std::slice::from_ref(&text)).ok().and_then(|mut r| r.pop())
+                            {
+                                let _ = reply.send(row);
+                            }
+                        }
+                    }
                 }
             }
         });
