@@ -38,19 +38,22 @@ trap 'stop_server; rm -rf "$work"' EXIT
 echo "$TEXT" >"$work/text.txt"
 default_pool_config "$work/inferd.toml" "$PORT" "$PWD/.cache/inferd"
 
-# http PORT CONCURRENCY [RATE]: "REQ/S P50 P99" of inferd-bench http (5 s; open: 8 s, 64 connections).
+# summary: "THROUGHPUT P50 P99" from the JSON line inferd-bench prints last.
+summary() {
+    python3 -c 'import json,sys; d=json.loads(sys.stdin.readlines()[-1]); print("%.0f %.2f %.2f" % (d["throughput"], d["p50_ms"], d["p99_ms"]))'
+}
+
+# http PORT CONCURRENCY [RATE]: the summary of inferd-bench http (5 s; open: 8 s, 64 connections).
 http() {
     local args=(--concurrency "$2" --seconds 5)
     [ -n "${3:-}" ] && args=(--concurrency 64 --seconds 8 --rate "$3")
-    target/release/inferd-bench http --addr "127.0.0.1:$1" "${args[@]}" --warmup 1 --texts "$work/text.txt" |
-        python3 -c 'import json,sys; d=json.loads(sys.stdin.readlines()[-1]); print("%.0f %.2f %.2f" % (d["throughput"], d["p50_ms"], d["p99_ms"]))'
+    target/release/inferd-bench http --addr "127.0.0.1:$1" "${args[@]}" --warmup 1 --texts "$work/text.txt" | summary
 }
 
-# ort ARGS...: "SEQ/S P50 P99" of inferd-bench ort on the default model.
+# ort ARGS...: the summary of inferd-bench ort on the default model.
 ort() {
     target/release/inferd-bench ort --model models/minilm --ort-library "$LIB" --precision "$precision" \
-        --texts "$work/text.txt" --seconds 5 "$@" |
-        python3 -c 'import json,sys; d=json.loads(sys.stdin.readlines()[-1]); print("%.0f %.2f %.2f" % (d["throughput"], d["p50_ms"], d["p99_ms"]))'
+        --texts "$work/text.txt" --seconds 5 "$@" | summary
 }
 
 # serve NAME: starts server NAME (inferd, inferd-1x2, floor-narrow, floor-wide); echoes its port.
@@ -62,7 +65,8 @@ serve() {
         target/release/inferd serve --config "$work/inferd.toml" --listen "127.0.0.1:$PORT" \
             --precision "$precision" "${plan[@]}" >"$work/log" 2>&1 &
         echo $! >"$work/pid"
-        wait_http "http://127.0.0.1:$PORT/health" >/dev/null && wait_pool "$work/control.sock"
+        { wait_http "http://127.0.0.1:$PORT/health" >/dev/null && wait_pool "$work/control.sock"; } ||
+            { tail -n 20 "$work/log" >&2; return 1; }
         echo "$PORT" ;;
     floor-*)
         local shape=(--parallel 2 --batch 32)
@@ -71,6 +75,7 @@ serve() {
             "${shape[@]}" --listen "127.0.0.1:$FLOOR_PORT" >"$work/log" 2>&1 &
         echo $! >"$work/pid"
         for _ in $(seq 1 600); do grep -q serving "$work/log" && break; sleep 0.2; done
+        grep -q serving "$work/log" || { tail -n 20 "$work/log" >&2; return 1; }
         echo "$FLOOR_PORT" ;;
     esac
     sleep 1
