@@ -11,7 +11,7 @@
 # model alone in the same open loop with a perfect queue (`inferd-bench ort --rate`). What no
 # server gets here, inferd cannot either: the issue's targets are read against these figures.
 #
-#   bench/floor.sh                          # ~5 minutes a precision on 2 cores
+#   bench/floor.sh                          # ~6 minutes a precision on 2 cores
 #   ROUNDS=3 PRECISIONS="int8 fp32" bench/floor.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -38,22 +38,17 @@ trap 'stop_server; rm -rf "$work"' EXIT
 echo "$TEXT" >"$work/text.txt"
 default_pool_config "$work/inferd.toml" "$PORT" "$PWD/.cache/inferd"
 
-# summary: "THROUGHPUT P50 P99" from the JSON line inferd-bench prints last.
-summary() {
-    python3 -c 'import json,sys; d=json.loads(sys.stdin.readlines()[-1]); print("%.0f %.2f %.2f" % (d["throughput"], d["p50_ms"], d["p99_ms"]))'
-}
-
-# http PORT CONCURRENCY [RATE]: the summary of inferd-bench http (5 s; open: 8 s, 64 connections).
+# http PORT CONCURRENCY [RATE]: bench_summary of inferd-bench http (5 s; open: 8 s, 64 connections).
 http() {
     local args=(--concurrency "$2" --seconds 5)
     [ -n "${3:-}" ] && args=(--concurrency 64 --seconds 8 --rate "$3")
-    target/release/inferd-bench http --addr "127.0.0.1:$1" "${args[@]}" --warmup 1 --texts "$work/text.txt" | summary
+    target/release/inferd-bench http --addr "127.0.0.1:$1" "${args[@]}" --warmup 1 --texts "$work/text.txt" | bench_summary
 }
 
-# ort ARGS...: the summary of inferd-bench ort on the default model.
+# ort ARGS...: bench_summary of inferd-bench ort on the default model.
 ort() {
     target/release/inferd-bench ort --model models/minilm --ort-library "$LIB" --precision "$precision" \
-        --texts "$work/text.txt" --seconds 5 "$@" | summary
+        --texts "$work/text.txt" --seconds 5 "$@" | bench_summary
 }
 
 # serve NAME: starts server NAME (inferd, inferd-1x2, floor-narrow, floor-wide); echoes its port.

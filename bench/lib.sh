@@ -29,6 +29,12 @@ wait_pool() {
     return 1
 }
 
+# bench_summary: "THROUGHPUT P50 P99" (requests or sequences/s, ms) from the JSON line
+# inferd-bench prints last, read from stdin.
+bench_summary() {
+    python3 -c 'import json,sys; d=json.loads(sys.stdin.readlines()[-1]); print("%.0f %.2f %.2f" % (d["throughput"], d["p50_ms"], d["p99_ms"]))'
+}
+
 # pool_pss PID: "TOTAL MiB (pid: MiB, ...)", the PSS of PID and its children
 # (/proc/PID/smaps_rollup; bench/record.py's `memory` is the same sum for the record).
 pool_pss() {

@@ -31,8 +31,7 @@ printf '%s\n' "$TEXT" >"$work/short.txt"
 default_pool_config "$work/inferd.toml" "$PORT" "$work/cache"
 load() { # $1 concurrency, [$2 --rate R]: the requests/s inferd-bench measured
     target/release/inferd-bench http --addr "127.0.0.1:$PORT" --concurrency "$1" --seconds "$SECONDS_PER" \
-        --warmup 1 --texts "$work/short.txt" ${2:-} | grep '^{' | tail -n 1 |
-        python3 -c 'import json, sys; print(round(json.load(sys.stdin)["throughput"]))'
+        --warmup 1 --texts "$work/short.txt" ${2:-} | bench_summary | cut -d' ' -f1
 }
 # The Rss (MiB) of the artefacts' data files in each process of pool $1, comma-separated.
 artefact_rss() {
