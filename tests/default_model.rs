@@ -91,7 +91,12 @@ fn embed_matches_the_python_pipeline() {
         assert!(d < 1e-4, "{text:.40}: max diff {d}");
         worst = worst.max(d);
         assert_eq!(r.header("x-inferd-truncated"), truncated.then_some("0"), "{text:.40}");
-        assert!(r.header("server-timing").unwrap().contains("model;dur="));
+        // Where the model's time went: waiting for a lane and the run are parts of it.
+        let timing = |metric| r.server_timing(metric).unwrap_or_else(|| panic!("no {metric} in Server-Timing"));
+        let (model, queue, compute) = (timing("model"), timing("queue"), timing("compute"));
+        assert!(compute > 0.0 && queue >= 0.0, "{text:.40}: queue {queue}, compute {compute}");
+        // Each is rounded to a microsecond.
+        assert!(queue + compute <= model + 0.002, "{text:.40}: queue {queue} + compute {compute} > model {model}");
 
         let body = serde_json::to_vec(&json!({ "inputs": [text], "truncate": true, "normalize": false })).unwrap();
         let raw = server.request("POST", "/embed", &body).json();

@@ -30,12 +30,15 @@ pub struct Load {
     pub rate: Option<f64>,
 }
 
-/// One answered request: its latency, the server's `prepare` (tokenising) and `model` (queue
-/// and run) times from Server-Timing, and which body it sent.
+/// One answered request: its latency, the server's times from Server-Timing (`prepare`:
+/// tokenising; `model`: waiting for the model, running it and handing the answer back; of it,
+/// `queue` and `compute`), and which body it sent.
 pub struct Sample {
     pub latency: Duration,
     pub prepare_ms: Option<f64>,
     pub model_ms: Option<f64>,
+    pub queue_ms: Option<f64>,
+    pub compute_ms: Option<f64>,
     pub body: usize,
 }
 
@@ -125,8 +128,15 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
                 Ok((c, answer)) if answer.status == 200 => {
                     if counted {
                         let latency = started.elapsed();
-                        let (prepare_ms, model_ms) = (answer.server_timing("prepare"), answer.server_timing("model"));
-                        samples.lock().unwrap().push(Sample { latency, prepare_ms, model_ms, body });
+                        let timing = |metric| answer.server_timing(metric);
+                        samples.lock().unwrap().push(Sample {
+                            latency,
+                            prepare_ms: timing("prepare"),
+                            model_ms: timing("model"),
+                            queue_ms: timing("queue"),
+                            compute_ms: timing("compute"),
+                            body,
+                        });
                     }
                     // A close the server announced is not an error: the next request reconnects.
                     conn = (!answer.closes()).then_some(c);

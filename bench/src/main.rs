@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
-use inferd_bench::load::{run, Load, Summary};
+use inferd_bench::load::{run, Load, Sample, Summary};
 use inferd_config::model::{ModelEntry, Precision};
 use inferd_worker::pipeline::{embeddings, Head, Pipeline, Text};
 use inferd_worker::runtime::model::{ModelSession, Runtime, Threads};
@@ -198,15 +198,22 @@ fn http(
         None => format!("http {path} c={}", load.concurrency),
     };
     let summary = outcome.summary();
-    // The slowest 1%: how much of their time the server says was its model's (queue and run).
+    // The slowest 1%: where the server says their time went.
     let tail: Vec<_> = samples.iter().filter(|s| s.latency.as_secs_f64() * 1e3 >= summary.p99_ms).collect();
-    let tail_latency = mean(tail.iter().map(|s| s.latency.as_secs_f64() * 1e3).collect());
-    let tail_model = mean(tail.iter().filter_map(|s| s.model_ms).collect());
-    let tail_prepare = mean(tail.iter().filter_map(|s| s.prepare_ms).collect());
+    let tail_mean = |f: fn(&Sample) -> Option<f64>| mean(tail.iter().filter_map(|s| f(s)).collect());
+    let tail_latency = tail_mean(|s| Some(s.latency.as_secs_f64() * 1e3));
+    let (tail_model, tail_prepare) = (tail_mean(|s| s.model_ms), tail_mean(|s| s.prepare_ms));
     if let (Some(l), Some(m), Some(p)) = (tail_latency, tail_model, tail_prepare) {
+        // A server without the engine's split (an older inferd) gives only `model`.
+        let split = match (tail_mean(|s| s.queue_ms), tail_mean(|s| s.compute_ms)) {
+            (Some(q), Some(c)) => {
+                format!(": waiting for a lane {q:.2}, the run {c:.2}, the answer's way back {:.2}", m - q - c)
+            }
+            _ => String::new(),
+        };
         println!(
-            "{label}: the slowest 1% ({} requests) took {l:.2} ms on average: the model (queue and run) {m:.2} ms, \
-             tokenising {p:.2} ms, the rest (HTTP, JSON, waiting for a thread, the client) {:.2} ms",
+            "{label}: the slowest 1% ({} requests) took {l:.2} ms on average: the model {m:.2} ms{split}; \
+             tokenising {p:.2} ms; the rest (HTTP, JSON, waiting for a thread, the client) {:.2} ms",
             tail.len(),
             l - m - p
         );

@@ -52,7 +52,7 @@ pub async fn run_v2(
     let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
     let inputs = kserve::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
-    let outputs = state.engine.submit(index, inputs, Join::Exact, deadline).await?;
+    let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, deadline).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
 }
 

@@ -10,7 +10,7 @@ use hyper::Response;
 
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
 use crate::request::app::{json_reply, ApiError, AppState, Reply};
-use crate::runtime::engine::Join;
+use crate::runtime::engine::{Join, Timing};
 use crate::runtime::model::ModelMeta;
 
 /// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
@@ -57,8 +57,10 @@ pub struct Outcome {
     pub tokens: usize,
     /// Tokenising or decoding.
     pub prepare: Duration,
-    /// Waiting for and running the model.
+    /// Waiting for and running the model, and handing its answer back.
     pub model: Duration,
+    /// Of `model`: waiting for a lane, and the run.
+    pub engine: Timing,
 }
 
 impl From<PipelineError> for ApiError {
@@ -215,7 +217,7 @@ pub async fn run_pipeline(
         }
     };
     let prepare = started.elapsed();
-    let outputs = state.engine.submit(index, tensors, join, options.deadline).await?;
+    let (outputs, engine) = state.engine.submit(index, tensors, join, options.deadline).await?;
     let model_time = started.elapsed() - prepare;
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];
@@ -232,7 +234,7 @@ pub async fn run_pipeline(
             scores: scores(output, labels.len(), *activation, options.raw_scores)?,
         },
     };
-    Ok(Outcome { rows, truncated, tokens: lengths.iter().sum(), prepare, model: model_time })
+    Ok(Outcome { rows, truncated, tokens: lengths.iter().sum(), prepare, model: model_time, engine })
 }
 
 /// `texts` with the model's prompt before each (the one `name`d, else the model's default);
@@ -257,7 +259,9 @@ fn prompted(head: &Head, texts: Vec<Text>, name: Option<&str>) -> Result<Vec<Tex
 }
 
 /// `x-inferd-truncated: 0,3` when inputs were truncated, and `Server-Timing` with the time
-/// spent preparing the inputs and in the model.
+/// spent preparing the inputs (`prepare`) and in the model (`model`), and of the latter,
+/// waiting for a lane (`queue`) and running (`compute`: the whole batch the request joined);
+/// what `model` holds beyond both is the answer's way back to the I/O thread.
 pub fn annotate<B>(reply: &mut Response<B>, outcome: &Outcome) {
     let headers = reply.headers_mut();
     if !outcome.truncated.is_empty() {
@@ -266,10 +270,13 @@ pub fn annotate<B>(reply: &mut Response<B>, outcome: &Outcome) {
             headers.insert("x-inferd-truncated", v);
         }
     }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let timing = format!(
-        "prepare;dur={:.3}, model;dur={:.3}",
-        outcome.prepare.as_secs_f64() * 1e3,
-        outcome.model.as_secs_f64() * 1e3
+        "prepare;dur={:.3}, model;dur={:.3}, queue;dur={:.3}, compute;dur={:.3}",
+        ms(outcome.prepare),
+        ms(outcome.model),
+        ms(outcome.engine.queue),
+        ms(outcome.engine.compute)
     );
     if let Ok(v) = HeaderValue::from_str(&timing) {
         headers.insert("server-timing", v);

@@ -26,7 +26,7 @@ pub enum Join {
 
 /// Where a job's result goes: the handler awaiting it (not an HTTP answer: that is
 /// `request::app::Reply`).
-pub(super) type ReplyTo = oneshot::Sender<Result<Vec<Tensor>, ModelError>>;
+pub(super) type ReplyTo = oneshot::Sender<(Result<Vec<Tensor>, ModelError>, super::Timing)>;
 
 pub(super) struct Job {
     pub(super) model: usize,

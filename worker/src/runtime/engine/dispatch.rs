@@ -310,7 +310,8 @@ impl Dispatcher {
             } else if job.expired(now) {
                 self.counters.queued(-1);
                 let waited = now - job.queued_at;
-                let _ = job.reply.send(Err(ModelError::DeadlineExceeded { waited }));
+                let timing = super::Timing { queue: waited, compute: Duration::ZERO };
+                let _ = job.reply.send((Err(ModelError::DeadlineExceeded { waited }), timing));
             } else {
                 live.push_back(job);
             }

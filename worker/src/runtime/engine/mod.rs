@@ -193,6 +193,23 @@ pub struct Engine {
     _alive: Arc<()>,
 }
 
+/// Where a job's time in the engine went, as the worker's metrics count it: waiting for a
+/// lane (`inferd_queue_duration_seconds`), and running on it (`inferd_compute_duration_seconds`:
+/// the whole run of the batch it joined, a wait for a lent core included). The rest of the
+/// time a request waits for the engine is handing the answer back to its I/O thread.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timing {
+    pub queue: Duration,
+    pub compute: Duration,
+}
+
+impl std::ops::AddAssign for Timing {
+    fn add_assign(&mut self, other: Timing) {
+        self.queue += other.queue;
+        self.compute += other.compute;
+    }
+}
+
 /// What the dispatcher hears about: a new job from the I/O thread, or a lane that finished.
 enum Event {
     Job(Job),
@@ -295,13 +312,14 @@ impl Engine {
     /// limits is cut into runs within them ([`batch::runs`]), queued one after another: each
     /// takes its turn with what else waits, a client that goes away stops the rest, and none
     /// is queued once the request has taken `run_timeout` (504, as for a run that long).
+    /// Returns the outputs and where the time went (summed over the runs).
     pub async fn submit(
         &self,
         model: usize,
         inputs: Vec<Tensor>,
         join: Join,
         deadline: Option<Instant>,
-    ) -> Result<Vec<Tensor>, ModelError> {
+    ) -> Result<(Vec<Tensor>, Timing), ModelError> {
         // Backpressure: a full queue answers at once instead of growing its latency. A request
         // cut into runs is admitted once, not refused half done.
         let waiting = self.stats.queued_now();
@@ -315,12 +333,14 @@ impl Engine {
         let stop_at = Instant::now() + self.run_timeout;
         let mut parts = Vec::with_capacity(runs.len());
         let mut sizes = Vec::with_capacity(runs.len());
+        let mut timing = Timing::default();
         for range in runs {
             if Instant::now() >= stop_at {
                 return Err(ModelError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
             }
             let n = range.len();
-            let part = self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?;
+            let (part, spent) = self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?;
+            timing += spent;
             // An output without the piece's rows (a model whose output has no batch dimension
             // after all) cannot be joined: the request runs whole, as it would have.
             if part.iter().any(|t| t.shape.first() != Some(&(n as i64))) {
@@ -330,7 +350,7 @@ impl Engine {
             parts.push(part);
         }
         match batch::concat(parts, &sizes, join) {
-            Some(outputs) => Ok(outputs),
+            Some(outputs) => Ok((outputs, timing)),
             // Pieces whose outputs disagree beyond their rows: likewise.
             None => self.queue(model, inputs, join, deadline).await,
         }
@@ -343,14 +363,15 @@ impl Engine {
         inputs: Vec<Tensor>,
         join: Join,
         deadline: Option<Instant>,
-    ) -> Result<Vec<Tensor>, ModelError> {
+    ) -> Result<(Vec<Tensor>, Timing), ModelError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
         if self.events.send(Event::Job(Job::new(model, inputs, join, deadline, reply))).is_err() {
             self.stats.queued(-1);
             return Err(ModelError::EngineGone);
         }
-        answer.await.map_err(|_| ModelError::EngineGone)?
+        let (result, timing) = answer.await.map_err(|_| ModelError::EngineGone)?;
+        result.map(|outputs| (outputs, timing))
     }
 }
 
@@ -452,7 +473,7 @@ fn lower_priority(by: i32) {
 }
 
 /// A job's result with the channel it goes back on, sent once the run is over.
-type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>);
+type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>, Timing);
 
 /// A thread that runs batches on its own sessions.
 struct Lane {
@@ -491,8 +512,8 @@ impl Lane {
             // Free before the answers go out: a request sent on receipt of one then never finds
             // this lane still busy (the dispatcher would take it for load, see `dispatch`).
             let dispatcher_gone = self.done.send(Event::Done { lane: self.index }).is_err();
-            for (reply, answer) in answers {
-                let _ = reply.send(answer);
+            for (reply, answer, timing) in answers {
+                let _ = reply.send((answer, timing));
             }
             if dispatcher_gone {
                 return;
@@ -532,8 +553,10 @@ impl Lane {
         let split = match run.unwrap_or(Err(ModelError::Bug)) {
             Err(ModelError::Stopped { model: name, limit }) => {
                 // Stopped for time: running each request alone would take as long again.
+                let compute = started.elapsed();
                 for job in batch {
-                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit })));
+                    let timing = Timing { queue: started - job.queued_at, compute };
+                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit }), timing));
                 }
                 return;
             }
@@ -541,10 +564,10 @@ impl Lane {
         };
         match split {
             Some(parts) => {
-                let elapsed = started.elapsed().as_secs_f64();
+                let compute = started.elapsed();
                 for (job, part) in batch.into_iter().zip(parts) {
-                    counters.observe_latency(Latency::Compute, model, elapsed);
-                    answers.push((job.reply, Ok(part)));
+                    counters.observe_latency(Latency::Compute, model, compute.as_secs_f64());
+                    answers.push((job.reply, Ok(part), Timing { queue: started - job.queued_at, compute }));
                 }
             }
             None => {
@@ -570,8 +593,9 @@ impl Lane {
             self.clock.set(self.index, false);
             Err(ModelError::Bug)
         });
-        self.counters.observe_latency(Latency::Compute, model, started.elapsed().as_secs_f64());
-        answers.push((job.reply, result));
+        let timing = Timing { queue: started - job.queued_at, compute: started.elapsed() };
+        self.counters.observe_latency(Latency::Compute, model, timing.compute.as_secs_f64());
+        answers.push((job.reply, result, timing));
     }
 
     /// One ORT call, counted as a batch of `rows`.
