@@ -24,9 +24,9 @@ pub enum Join {
     PadSequence,
 }
 
-/// Where a job's result goes: the handler awaiting it (not an HTTP answer: that is
-/// `request::app::Reply`).
-pub(super) type ReplyTo = oneshot::Sender<(Result<Vec<Tensor>, ModelError>, super::Timing)>;
+/// Where a job's result (its outputs and where its time went) goes: the handler awaiting it
+/// (not an HTTP answer: that is `request::app::Reply`).
+pub(super) type ReplyTo = oneshot::Sender<Result<(Vec<Tensor>, super::Timing), ModelError>>;
 
 pub(super) struct Job {
     pub(super) model: usize,

@@ -310,8 +310,7 @@ impl Dispatcher {
             } else if job.expired(now) {
                 self.counters.queued(-1);
                 let waited = now - job.queued_at;
-                let timing = super::Timing { queue: waited, compute: Duration::ZERO };
-                let _ = job.reply.send((Err(ModelError::DeadlineExceeded { waited }), timing));
+                let _ = job.reply.send(Err(ModelError::DeadlineExceeded { waited }));
             } else {
                 live.push_back(job);
             }

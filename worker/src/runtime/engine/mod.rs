@@ -370,8 +370,7 @@ impl Engine {
             self.stats.queued(-1);
             return Err(ModelError::EngineGone);
         }
-        let (result, timing) = answer.await.map_err(|_| ModelError::EngineGone)?;
-        result.map(|outputs| (outputs, timing))
+        answer.await.map_err(|_| ModelError::EngineGone)?
     }
 }
 
@@ -473,7 +472,7 @@ fn lower_priority(by: i32) {
 }
 
 /// A job's result with the channel it goes back on, sent once the run is over.
-type Delivery = (batch::ReplyTo, Result<Vec<Tensor>, ModelError>, Timing);
+type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), ModelError>);
 
 /// A thread that runs batches on its own sessions.
 struct Lane {
@@ -512,8 +511,8 @@ impl Lane {
             // Free before the answers go out: a request sent on receipt of one then never finds
             // this lane still busy (the dispatcher would take it for load, see `dispatch`).
             let dispatcher_gone = self.done.send(Event::Done { lane: self.index }).is_err();
-            for (reply, answer, timing) in answers {
-                let _ = reply.send((answer, timing));
+            for (reply, answer) in answers {
+                let _ = reply.send(answer);
             }
             if dispatcher_gone {
                 return;
@@ -553,10 +552,8 @@ impl Lane {
         let split = match run.unwrap_or(Err(ModelError::Bug)) {
             Err(ModelError::Stopped { model: name, limit }) => {
                 // Stopped for time: running each request alone would take as long again.
-                let compute = started.elapsed();
                 for job in batch {
-                    let timing = Timing { queue: started - job.queued_at, compute };
-                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit }), timing));
+                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit })));
                 }
                 return;
             }
@@ -567,7 +564,7 @@ impl Lane {
                 let compute = started.elapsed();
                 for (job, part) in batch.into_iter().zip(parts) {
                     counters.observe_latency(Latency::Compute, model, compute.as_secs_f64());
-                    answers.push((job.reply, Ok(part), Timing { queue: started - job.queued_at, compute }));
+                    answers.push((job.reply, Ok((part, Timing { queue: started - job.queued_at, compute }))));
                 }
             }
             None => {
@@ -595,7 +592,7 @@ impl Lane {
         });
         let timing = Timing { queue: started - job.queued_at, compute: started.elapsed() };
         self.counters.observe_latency(Latency::Compute, model, timing.compute.as_secs_f64());
-        answers.push((job.reply, result, timing));
+        answers.push((job.reply, result.map(|outputs| (outputs, timing))));
     }
 
     /// One ORT call, counted as a batch of `rows`.
