@@ -247,8 +247,9 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
     assert!(server.metrics_text().contains("inferd_worker_recycles_total{reason=\"fault\"} 1"));
     assert!(server.log().contains("panicked serving a request"), "{}", server.log());
 
-    // The dispatcher panics: outside any one request, so the worker exits and is respawned.
-    // The clients pause: requests in flight on that worker fail by design.
+    // The dispatcher panics (taking the job, on the I/O thread): its state is every request's,
+    // not one request's, so the worker exits and is respawned. The clients pause: requests in
+    // flight on that worker fail by design.
     let before = server.status();
     let r = request(server.addr, "POST", infer, &[], &typed_rows_request(9));
     assert!(r.as_ref().map_or(true, |r| r.status >= 500), "{:?}", r.map(|r| r.status));
@@ -259,7 +260,7 @@ fn a_panic_costs_its_request_or_its_worker_and_readiness_never_lies() {
             && s["workers"].as_array().unwrap().len() == before["workers"].as_array().unwrap().len()
     });
     assert!(server.metrics_text().contains("inferd_worker_restarts_total{reason=\"panic\"} 1"), "{status:#}");
-    assert!(server.log().contains("thread inferd-batch panicked"), "{}", server.log());
+    assert!(server.log().contains("rows at batch; the worker exits"), "{}", server.log());
     // Ready means answering: every worker, again and again.
     let load = typed_load(&server, 3);
     for _ in 0..50 {

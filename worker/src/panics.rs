@@ -6,10 +6,10 @@
 //!   happened; the requests it concerned are answered 500, the worker's fault counter goes up,
 //!   and the supervisor, which reads that counter, replaces the worker gap-free (incoming
 //!   first), since state a panic unwound through is no longer trusted for long.
-//! - Anywhere else (the dispatcher, the accept loops, the hand-off, the runtime itself) the
-//!   hook logs the panic and ends the process at once with [`EXIT_PANIC`]: the supervisor sees
-//!   a crash and respawns the slot, and no thread is left silently dead behind a worker that
-//!   still reports ready.
+//! - Anywhere else (the dispatcher, whichever thread holds it: see [`unguarded`]; the accept
+//!   loops, the hand-off, the runtime itself) the hook logs the panic and ends the process at
+//!   once with [`EXIT_PANIC`]: the supervisor sees a crash and respawns the slot, and no
+//!   thread is left silently dead behind a worker that still reports ready.
 
 use std::cell::Cell;
 use std::future::Future;
@@ -63,6 +63,17 @@ pub fn guarded<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
     catching(&GUARDED, f)
 }
 
+/// Runs `f` outside any guarded region, though its caller may be in one: a panic in it ends the
+/// process. For state that every thread of the worker shares (the dispatcher's, taken under
+/// its lock by the I/O thread and the lanes): unwound half-changed, it could leave the worker
+/// ready but unable to answer.
+pub fn unguarded<R>(f: impl FnOnce() -> R) -> R {
+    let outer = GUARDED.with(|g| g.replace(false));
+    let result = f(); // a panic here never returns: the hook ends the process
+    GUARDED.with(|g| g.set(outer));
+    result
+}
+
 /// Runs library code that works on one request's input alone and keeps no state (an image
 /// decoder), turning a panic in it into `Err` with the panic's message: the input is refused
 /// as invalid, and the worker is not counted faulty, since nothing it holds was touched.
@@ -96,7 +107,8 @@ pub async fn guarded_future<F: Future>(future: F) -> std::thread::Result<F::Outp
 
 /// Test switch for the hostile-input tests: with INFERD_TEST_PANIC="lane:7,batch:9" in its
 /// environment, a worker panics where `site` names (`lane`: running the batch, guarded;
-/// `batch`: the dispatcher taking the job, not guarded) for a job of that many rows. Never
+/// `batch`: the dispatcher taking the job, on the I/O thread but not guarded) for a job of
+/// that many rows. Never
 /// set in production: the variable is read once, and an unset one costs a branch. Only in
 /// builds with the `test-switches` feature (`make test`'s), not releases.
 #[cfg(not(feature = "test-switches"))]

@@ -1,9 +1,14 @@
-//! The dispatcher thread (`inferd-batch`): takes jobs from the I/O thread, forms batches and
-//! hands them to free lanes, deciding which job anchors the next batch, how much of what waits
-//! a lane takes, and when a batch runs wide.
+//! The dispatcher: the waiting jobs, and the decisions which job anchors the next batch, how
+//! much of what waits a lane takes, and when a batch runs wide. It is shared under one lock
+//! ([`Shared`]) and has no thread of its own on a request's way: the I/O thread hands it each
+//! job and a lane tells it when it is free, and each then hands out, before it lets go of the
+//! lock, what may start at once (a lane that finishes usually hands itself its next batch). A
+//! timer thread (`inferd-batch`) does what falls due by the clock: a batch's wait for company,
+//! a lapsed reservation, a run past its timeout, a job past its deadline, the worker's beat and
+//! handing memory back.
 
 use std::collections::VecDeque;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use inferd_ipc::stats::WorkerCounters;
@@ -24,7 +29,7 @@ enum LaneState {
 pub(super) const RECENT_LOAD: Duration = Duration::from_millis(50);
 
 /// After this long with nothing to run, the worker hands the memory its last runs freed back
-/// to the system (see [`Dispatcher::trim_when_unneeded`]).
+/// to the system (see [`Dispatcher::trim_due`]).
 const TRIM_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// Under load, the worker also hands memory back when every batch of a whole [`TRIM_AFTER_IDLE`]
@@ -41,29 +46,29 @@ const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
 
 /// Takes jobs, forms batches and hands them to free lanes.
 pub(super) struct Dispatcher {
-    inbox: mpsc::Receiver<Event>,
-    /// Jobs taken from the channel and not yet handed to a lane, oldest first.
+    /// Jobs taken and not yet handed to a lane, oldest first.
     pending: VecDeque<Job>,
     policies: Vec<Policy>,
     /// Each lane's work channel and what it runs.
     lanes: Vec<(mpsc::Sender<Work>, LaneState)>,
-    /// Whether lane 0 has wide sessions, and how long to poll for the next job after a lone
-    /// request ran on them before sleeping.
-    wide_poll: Option<Duration>,
+    /// Whether lane 0 has wide sessions.
+    has_wide: bool,
     /// Every batch may run wide, not only a lone request: a worker of one lane that borrows
     /// an idle sibling's core (the lane runs it narrow when the core is not free), where no
     /// other lane of its own could run beside it.
     wide_batches: bool,
     /// The background lane (the last), which takes only heavy work (see [`super::Lane`]).
     background: Option<usize>,
-    /// Whether the last batch ran wide.
-    last_wide: bool,
     /// Lane 0 runs on every thread: no other lane may start until it is done.
     wide_running: bool,
     counters: Arc<WorkerCounters>,
     clock: Arc<RunClock>,
     /// Gone once every [`super::Engine`] handle is dropped.
     engine: std::sync::Weak<()>,
+    /// Until when the oldest job waits for company (`max_queue_delay_ms`), and what wakes the
+    /// timer thread for it.
+    company_until: Option<Instant>,
+    timer: Arc<Condvar>,
     /// When the last light batch started.
     last_light: Option<Instant>,
     /// When a batch last started with other work waiting or running beside it.
@@ -78,32 +83,86 @@ pub(super) struct Dispatcher {
     window: (Instant, usize),
 }
 
+/// The dispatcher under its lock, shared by the I/O thread, the lanes and the timer thread.
+pub(super) struct Shared {
+    dispatcher: Mutex<Dispatcher>,
+    timer: Arc<Condvar>,
+}
+
+impl Shared {
+    pub(super) fn new(dispatcher: Dispatcher) -> Shared {
+        let timer = dispatcher.timer.clone();
+        Shared { dispatcher: Mutex::new(dispatcher), timer }
+    }
+
+    /// A panic under the lock ends the process ([`Shared::handle`]): a poisoned lock is never
+    /// seen by the worker's other threads, which are gone with it.
+    fn lock(&self) -> MutexGuard<'_, Dispatcher> {
+        self.dispatcher.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes a new job or a lane's end, drops the jobs nobody waits for any more and hands out
+    /// what may start now, all under the lock; a panic in it ends the worker, whose thread
+    /// calls it ([`crate::panics::unguarded`]).
+    pub(super) fn handle(&self, event: Event) {
+        crate::panics::unguarded(|| {
+            let mut d = self.lock();
+            d.take(event);
+            d.drop_dead();
+            if d.dispatch().is_err() {
+                d.close(); // a lane is gone: the worker is going down
+            }
+        })
+    }
+
+    /// The timer thread: does what is due by the clock, then sleeps until the next thing is
+    /// ([`Dispatcher::next_due`]) or a wait for company begins. Returns once every
+    /// [`super::Engine`] handle is dropped, closing the lanes' channels.
+    pub(super) fn run_timer(&self) {
+        let mut d = self.lock();
+        loop {
+            d.counters.beat();
+            d.clock.stop_overdue();
+            if d.trim_due() {
+                drop(d);
+                crate::runtime::allocator::trim();
+                d = self.lock();
+            }
+            d.drop_dead();
+            if d.dispatch().is_err() || d.engine.strong_count() == 0 {
+                d.close();
+                return;
+            }
+            let wait = d.next_due();
+            d = self.timer.wait_timeout(d, wait).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+}
+
 impl Dispatcher {
-    /// `lanes`: each lane's work channel, all idle; `wide_poll`: whether lane 0 has wide
-    /// sessions, and how long to poll for the next job after a lone request ran on them;
-    /// `engine`: dropped with the last handle.
+    /// `lanes`: each lane's work channel, all idle; `has_wide`: whether lane 0 has wide
+    /// sessions; `engine`: dropped with the last handle.
     pub(super) fn new(
-        inbox: mpsc::Receiver<Event>,
         policies: Vec<Policy>,
         lanes: Vec<mpsc::Sender<Work>>,
-        wide_poll: Option<Duration>,
+        has_wide: bool,
         counters: Arc<WorkerCounters>,
         clock: Arc<RunClock>,
         engine: std::sync::Weak<()>,
     ) -> Dispatcher {
         Dispatcher {
-            inbox,
             pending: VecDeque::new(),
             policies,
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
-            wide_poll,
+            has_wide,
             wide_batches: false,
             background: None,
-            last_wide: false,
             wide_running: false,
             counters,
             clock,
             engine,
+            company_until: None,
+            timer: Arc::new(Condvar::new()),
             last_light: None,
             last_load: None,
             last_run: None,
@@ -125,33 +184,22 @@ impl Dispatcher {
         self
     }
 
-    pub(super) fn run(mut self) {
-        loop {
-            self.counters.beat();
-            self.clock.stop_overdue();
-            self.trim_when_unneeded();
-            self.drop_dead();
-            if self.dispatch().is_err() {
-                return; // a lane is gone: the worker is going down
-            }
-            // Nothing more can start until a job arrives, a lane finishes or a reservation for
-            // light work lapses; while a lane runs, its run is watched for its timeout.
-            let wait = self.reserved_until().map_or(Duration::from_secs(1), |t| t - Instant::now());
-            let busy = self.lanes.iter().any(|(_, s)| *s != LaneState::Idle);
-            let wait = if busy { wait.min(WATCH_EVERY) } else { wait };
-            // After a lone request's run, its client's next request may be on its way.
-            let poll = self.wide_poll.filter(|_| !busy && self.last_wide).unwrap_or_default();
-            match super::recv_polling(&self.inbox, poll, wait.min(Duration::from_secs(1))) {
-                Ok(event) => self.take(event),
-                Err(mpsc::RecvTimeoutError::Timeout) if self.engine.strong_count() == 0 => return,
-                // Polled once: until the next lone request, sleep.
-                Err(mpsc::RecvTimeoutError::Timeout) => self.last_wide = false,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-            while let Ok(event) = self.inbox.try_recv() {
-                self.take(event);
-            }
-        }
+    /// How long the timer may sleep: until a wait for company or a reservation ends, at most
+    /// [`WATCH_EVERY`] while a lane runs (its run is watched for its timeout) and a second
+    /// otherwise (the beat).
+    fn next_due(&self) -> Duration {
+        let busy = self.lanes.iter().any(|(_, s)| *s != LaneState::Idle);
+        let limit = if busy { WATCH_EVERY } else { Duration::from_secs(1) };
+        let now = Instant::now();
+        [self.reserved_until(), self.company_until].into_iter().flatten().fold(limit, |wait, t| wait.min(t - now))
+    }
+
+    /// The worker is going down (a lane is gone) or the engine is dropped: every lane's channel
+    /// closes, so the lanes end, and each waiting job's handler hears that the engine is gone.
+    fn close(&mut self) {
+        self.lanes.clear();
+        self.background = None;
+        self.pending.clear();
     }
 
     /// Once the worker has been idle for [`TRIM_AFTER_IDLE`], what its runs left behind goes
@@ -159,29 +207,31 @@ impl Dispatcher {
     /// (the largest batches' buffers) and glibc's free heap; and so it does under load that has
     /// fallen ([`LOAD_FELL`]): a burst of large batches followed by steady small ones. Without
     /// an arena the lanes also hand back what passes [`crate::runtime::allocator::FREE_LIMIT`]
-    /// after each run.
-    fn trim_when_unneeded(&mut self) {
+    /// after each run. Returns whether to trim now: the timer does, once it has let go of the
+    /// lock (a trim can take milliseconds).
+    fn trim_due(&mut self) -> bool {
         let now = Instant::now();
         let idle = self.pending.is_empty() && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle);
         if idle && !self.trimmed && self.last_run.is_some_and(|t| now - t >= TRIM_AFTER_IDLE) {
-            crate::runtime::allocator::trim();
             self.trimmed = true;
             (self.largest, self.window) = (0, (now, 0));
-            return;
+            return true;
         }
         let (start, window_largest) = self.window;
+        let mut due = false;
         if now - start >= TRIM_AFTER_IDLE {
             // A window in which no batch started (one long run) says nothing of the load.
             if window_largest > 0 && window_largest.saturating_mul(LOAD_FELL) <= self.largest {
-                crate::runtime::allocator::trim();
+                due = true;
                 self.largest = window_largest;
             }
             self.window = (now, 0);
         }
+        due
     }
 
     /// Counts a batch's size (its rows x its widest row's tokens or elements) towards
-    /// [`Dispatcher::trim_when_unneeded`]'s windows.
+    /// [`Dispatcher::trim_due`]'s windows.
     fn note_batch(&mut self, batch: &[Job]) {
         let rows: usize = batch.iter().map(|j| j.rows.unwrap_or(1)).sum();
         let size = rows.saturating_mul(batch.iter().map(|j| j.width).max().unwrap_or(0).max(1));
@@ -191,12 +241,19 @@ impl Dispatcher {
 
     /// Hands batches to free lanes while there is work that may start now.
     fn dispatch(&mut self) -> Result<(), mpsc::SendError<Work>> {
-        while let Some((anchor, lane)) = self.next_anchor() {
-            let heavy = anchor.heavy();
-            let policy = &self.policies[anchor.model];
-            if policy.max_rows > 1 && !policy.delay.is_zero() && anchor.rows.is_some() {
-                self.wait_for_company(&anchor);
+        let waited_for = self.company_until.take();
+        while let Some((index, lane)) = self.next_anchor() {
+            if let Some(until) = self.company_due(index) {
+                // Nothing starts before it: the timer dispatches it when its wait ends, and a
+                // job that fills its batch sooner does.
+                self.company_until = Some(until);
+                if waited_for != Some(until) {
+                    self.timer.notify_one();
+                }
+                break;
             }
+            let anchor = self.pending.remove(index).expect("next_anchor gives an index into pending");
+            let heavy = anchor.heavy();
             // Lanes share what waits: a lane takes its share of it, not all of it, so the others
             // (free now or soon) get work too and no request waits behind one oversized batch.
             // The background lane shares with nobody: only heavy work goes there, and only there.
@@ -215,13 +272,13 @@ impl Dispatcher {
             // requests have been overlapping lately (a burst would then run wide one by one);
             // or, with `wide_batches`, whenever the lane can borrow a core.
             let alone = idle && self.last_load.is_none_or(|t| now - t > RECENT_LOAD);
-            let wide = self.wide_poll.is_some() && (alone || self.wide_batches) && Some(lane) != self.background;
+            let wide = self.has_wide && (alone || self.wide_batches) && Some(lane) != self.background;
             let lane = if wide { 0 } else { lane };
             self.lanes[lane].1 = if heavy { LaneState::Heavy } else { LaneState::Light };
             if !heavy {
                 self.last_light = Some(now);
             }
-            (self.wide_running, self.last_wide) = (wide, wide);
+            self.wide_running = wide;
             self.last_run = Some(now);
             self.trimmed = false;
             self.lanes[lane].0.send(Work { batch, wide, loaded: !idle })?;
@@ -241,7 +298,9 @@ impl Dispatcher {
                 self.pending.push_back(job);
             }
             Event::Done { lane } => {
-                self.lanes[lane].1 = LaneState::Idle;
+                // None once closed.
+                let Some(entry) = self.lanes.get_mut(lane) else { return };
+                entry.1 = LaneState::Idle;
                 self.last_run = Some(Instant::now());
                 if lane == 0 {
                     self.wide_running = false;
@@ -274,7 +333,8 @@ impl Dispatcher {
     /// model's token budget, a bulk request, always), unless it has the worker to itself: then
     /// lane 0 may run it wide. With no light work about, long texts run on lane 0 as in any
     /// worker, batched, one run at a time. Nothing starts while a wide run holds every lane.
-    fn next_anchor(&mut self) -> Option<(Job, usize)> {
+    /// Returns the job's index in `pending`.
+    fn next_anchor(&self) -> Option<(usize, usize)> {
         if self.wide_running {
             return None;
         }
@@ -282,11 +342,11 @@ impl Dispatcher {
         let regular = (0..self.regular_lanes()).find(|&lane| idle(lane));
         let background = self.background.filter(|&lane| idle(lane));
         let reserved = self.reserved_until().is_some();
-        let quiet = self.wide_poll.is_some()
+        let quiet = self.has_wide
             && self.pending.len() == 1
             && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
             && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
-        let (index, lane) = self.pending.iter().enumerate().find_map(|(index, job)| {
+        self.pending.iter().enumerate().find_map(|(index, job)| {
             let bulk = job.tokens() > self.policies[job.model].max_tokens;
             let lane = match (job.heavy(), self.background.is_some()) {
                 (false, _) => regular,
@@ -295,8 +355,7 @@ impl Dispatcher {
                 (true, true) => background,
             };
             lane.map(|lane| (index, lane))
-        })?;
-        self.pending.remove(index).map(|job| (job, lane))
+        })
     }
 
     /// Removes jobs whose client went away (skipping the work) and answers those past their
@@ -318,22 +377,19 @@ impl Dispatcher {
         self.pending = live;
     }
 
-    /// Holds the anchor until its batch is full or `max_queue_delay_ms` after its arrival.
-    fn wait_for_company(&mut self, anchor: &Job) {
+    /// With `max_queue_delay_ms`, the anchor (`pending[index]`) waits for company until its
+    /// batch is full or that long after its arrival: until when, if it is to wait now.
+    fn company_due(&self, index: usize) -> Option<Instant> {
+        let anchor = &self.pending[index];
         let policy = &self.policies[anchor.model];
-        let (until, max_rows) = (anchor.queued_at + policy.delay, policy.max_rows);
-        loop {
-            let rows: usize = anchor.rows.unwrap_or(1)
-                + self.pending.iter().filter(|j| anchor.fits(j)).filter_map(|j| j.rows).sum::<usize>();
-            let now = Instant::now();
-            if rows >= max_rows || now >= until {
-                return;
-            }
-            match self.inbox.recv_timeout(until - now) {
-                Ok(event) => self.take(event),
-                Err(_) => return,
-            }
+        let rows = anchor.rows?;
+        if policy.max_rows <= 1 || policy.delay.is_zero() {
+            return None;
         }
+        let others = self.pending.iter().enumerate().filter(|&(i, job)| i != index && anchor.fits(job));
+        let rows = rows + others.filter_map(|(_, job)| job.rows).sum::<usize>();
+        let until = anchor.queued_at + policy.delay;
+        (rows < policy.max_rows && Instant::now() < until).then_some(until)
     }
 
     /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`.
@@ -378,19 +434,24 @@ mod tests {
     use crate::runtime::engine::batch::tests::text_job;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
-        let (_, inbox) = mpsc::channel();
         let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO }];
         let counters = Arc::new(WorkerCounters::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
         let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1), Default::default()).unwrap());
-        let mut d = Dispatcher::new(inbox, policies, Vec::new(), None, counters, clock, std::sync::Weak::new());
+        let mut d = Dispatcher::new(policies, Vec::new(), false, counters, clock, std::sync::Weak::new());
         d.pending = pending.into();
         d
     }
 
+    /// The next anchor, taken from the waiting jobs as `dispatch` takes it.
+    fn take_anchor(d: &mut Dispatcher) -> Option<Job> {
+        let (index, _) = d.next_anchor()?;
+        d.pending.remove(index)
+    }
+
     /// Gives `d` `n` idle lanes and wide sessions; returns what each lane is handed.
     fn with_lanes(d: &mut Dispatcher, n: usize) -> Vec<mpsc::Receiver<Work>> {
-        d.wide_poll = Some(Duration::ZERO);
+        d.has_wide = true;
         let (senders, lanes): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<Work>()).unzip();
         d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
         lanes
@@ -536,16 +597,16 @@ mod tests {
         let mut d = dispatcher(32, 512, vec![text_job(1, 256, 0), text_job(1, 17, 0), text_job(1, 256, 1)]);
         d.lanes = lanes();
         // Both lanes free: the oldest job goes first, heavy or not.
-        assert_eq!(d.next_anchor().unwrap().0.width, 256);
+        assert_eq!(take_anchor(&mut d).unwrap().width, 256);
         // One lane runs heavy work and light work ran lately: the other lane takes light work,
         // and a heavy job waits rather than take it.
         d.lanes[0].1 = LaneState::Heavy;
         d.last_light = Some(Instant::now());
-        assert_eq!(d.next_anchor().unwrap().0.width, 17);
-        assert!(d.next_anchor().is_none() && d.pending.len() == 1);
+        assert_eq!(take_anchor(&mut d).unwrap().width, 17);
+        assert!(take_anchor(&mut d).is_none() && d.pending.len() == 1);
         assert!(d.reserved_until().is_some());
         // No light work for a while: heavy work may use every lane.
         d.last_light = Some(Instant::now() - LIGHT_RESERVATION);
-        assert_eq!(d.next_anchor().unwrap().0.width, 256);
+        assert_eq!(take_anchor(&mut d).unwrap().width, 256);
     }
 }

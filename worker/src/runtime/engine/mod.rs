@@ -1,10 +1,12 @@
 //! The engine: the one place sessions run, and the dynamic batcher in front of them.
 //!
-//! HTTP handlers never run inference on the async executor. They send a job (validated
-//! tensors and a `oneshot` reply) to the dispatcher thread and await the reply. Threads, for a
-//! worker with T threads:
-//! - `inferd-batch` ([`dispatch`]): keeps the waiting jobs, forms batches and hands each to a
-//!   free lane;
+//! HTTP handlers never run inference on the async executor. They hand a job (validated
+//! tensors and a `oneshot` reply) to the dispatcher ([`dispatch`], under a lock: it keeps the
+//! waiting jobs, forms batches and hands each to a free lane) and await the reply. A lane that
+//! finishes takes its next batch from the dispatcher itself, so no thread stands between a
+//! request and its lane. Threads, for a worker with T threads:
+//! - `inferd-batch`: the dispatcher's timer (waits for company, reservations, run timeouts,
+//!   deadlines, the beat, handing memory back);
 //! - `inferd-lane-0` .. `inferd-lane-{T-1}` ([`Lane`]): each owns a *narrow* session (one
 //!   thread, its own) of every model and runs its batches on it; lane 0 also owns the *wide*
 //!   sessions (all T threads) and runs a request that has the worker to itself there;
@@ -61,7 +63,7 @@ mod dispatch;
 
 pub use batch::Join;
 use batch::{merge, split, Job, Policy};
-use dispatch::Dispatcher;
+use dispatch::{Dispatcher, Shared};
 
 /// A job of at least this many tokens (rows x padded length; other jobs count their rows) is
 /// *heavy*: one 256-token MiniLM text takes ~70 ms on one thread, 14x a short sentence. Heavy
@@ -75,11 +77,11 @@ const HEAVY_TOKENS: usize = 256;
 /// that nobody else wants.
 const BACKGROUND_NICE: i32 = 10;
 
-/// After a lone request's wide run, how long the dispatcher and lane 0 poll for the next job
-/// before they sleep ([`Engine::start`]'s `poll_when_idle`). A client that sends its next
-/// request as soon as it has an answer finds both awake: on the 2-core development machine,
-/// 0.12 ms less per lone request (p50 2.36 -> 2.24 ms with MiniLM), for at most this much CPU
-/// per thread and request.
+/// After a lone request's wide run, how long lane 0 polls for its next batch before it sleeps
+/// ([`Engine::start`]'s `poll_when_idle`). A client that sends its next request as soon as it
+/// has an answer finds it awake: on the 2-core development machine, 0.12 ms less per lone
+/// request (p50 2.36 -> 2.24 ms with MiniLM, when a dispatcher thread polled too), for at most
+/// this much CPU per request.
 const IDLE_POLL: Duration = Duration::from_micros(300);
 
 /// Waits up to `timeout` for a message, checking for one for `poll` (yielding the CPU between
@@ -178,8 +180,7 @@ pub struct Sessions {
 /// Handle to the model threads; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
-    // std's channel: the receiving side is a plain thread that blocks on recv().
-    events: mpsc::Sender<Event>,
+    dispatcher: Arc<Shared>,
     stats: Arc<WorkerCounters>,
     /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
     max_queue: u64,
@@ -188,8 +189,8 @@ pub struct Engine {
     policies: Arc<[(Policy, String)]>,
     /// server.request_timeout_secs: bounds each run, and a request cut into runs as a whole.
     run_timeout: Duration,
-    /// Dropped with the last handle: the lanes hold senders too, so the channel alone never
-    /// tells the dispatcher that nobody will send again.
+    /// Dropped with the last handle: the lanes hold the dispatcher too, so it alone never tells
+    /// the timer that nobody will send again.
     _alive: Arc<()>,
 }
 
@@ -210,7 +211,7 @@ impl std::ops::AddAssign for Timing {
     }
 }
 
-/// What the dispatcher hears about: a new job from the I/O thread, or a lane that finished.
+/// What the dispatcher is told: a new job from the I/O thread, or a lane that finished.
 enum Event {
     Job(Job),
     Done { lane: usize },
@@ -226,9 +227,9 @@ struct Work {
 }
 
 impl Engine {
-    /// Starts the dispatcher thread (`inferd-batch`) and one thread per lane (`inferd-lane-N`),
-    /// each owning the narrow session of every model for its lane; lane 0 also owns the wide
-    /// sessions. `models[m].narrow.len()` is the number of lanes, the same for every model.
+    /// Starts the dispatcher's timer thread (`inferd-batch`) and one thread per lane
+    /// (`inferd-lane-N`), each owning the narrow session of every model for its lane; lane 0
+    /// also owns the wide sessions. `models[m].narrow.len()` is the number of lanes, the same for every model.
     ///
     /// Scheduling (see [`dispatch`]): one request runs *wide* (on every thread of the worker)
     /// when it is the only work there is and requests have not overlapped lately; otherwise
@@ -255,7 +256,6 @@ impl Engine {
         let has_background = models.iter().all(|m| m.background.is_some()) && !models.is_empty();
         let policies: Arc<[(Policy, String)]> =
             models.iter().map(|m| (Policy::of(&m.narrow[0]), m.narrow[0].name().to_string())).collect();
-        let (events, inbox) = mpsc::channel::<Event>();
         let alive = Arc::new(());
         let all = lanes + usize::from(has_background);
         let clock = Arc::new(RunClock::new(all, stats.clone(), run_timeout, allocator).map_err(std::io::Error::other)?);
@@ -270,15 +270,21 @@ impl Engine {
             wide.extend(set.wide);
         }
         let mut wide = Some(wide).filter(|_| has_wide);
-        let mut senders = Vec::with_capacity(all);
-        for (index, narrow) in per_lane.into_iter().enumerate() {
-            let (work, queue) = mpsc::channel::<Work>();
+        let (senders, queues): (Vec<_>, Vec<_>) = (0..all).map(|_| mpsc::channel::<Work>()).unzip();
+        let borrows = cores.as_ref().is_some_and(|c| c.borrow.is_some());
+        let limits = policies.iter().map(|p| p.0.clone()).collect();
+        let dispatcher =
+            Dispatcher::new(limits, senders, has_wide, stats.clone(), clock.clone(), Arc::downgrade(&alive));
+        let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
+        let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
+        let dispatcher = Arc::new(Shared::new(dispatcher));
+        for ((index, narrow), queue) in per_lane.into_iter().enumerate().zip(queues) {
             let background = index == lanes;
             let lane = Lane {
                 index,
                 narrow,
                 wide: if index == 0 { wide.take() } else { None },
-                done: events.clone(),
+                dispatcher: dispatcher.clone(),
                 counters: stats.clone(),
                 clock: clock.clone(),
                 poll_when_idle,
@@ -288,23 +294,10 @@ impl Engine {
             };
             let name = if background { "inferd-lane-bg".to_string() } else { format!("inferd-lane-{index}") };
             std::thread::Builder::new().name(name).spawn(move || lane.run(queue))?;
-            senders.push(work);
         }
-        let wide_poll = has_wide.then_some(poll_when_idle);
-        let borrows = cores.as_ref().is_some_and(|c| c.borrow.is_some());
-        let dispatcher = Dispatcher::new(
-            inbox,
-            policies.iter().map(|p| p.0.clone()).collect(),
-            senders,
-            wide_poll,
-            stats.clone(),
-            clock,
-            Arc::downgrade(&alive),
-        );
-        let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
-        let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
-        std::thread::Builder::new().name("inferd-batch".into()).spawn(move || dispatcher.run())?;
-        Ok(Engine { events, stats, max_queue: max_queue as u64, policies, run_timeout, _alive: alive })
+        let timer = dispatcher.clone();
+        std::thread::Builder::new().name("inferd-batch".into()).spawn(move || timer.run_timer())?;
+        Ok(Engine { dispatcher, stats, max_queue: max_queue as u64, policies, run_timeout, _alive: alive })
     }
 
     /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
@@ -366,10 +359,8 @@ impl Engine {
     ) -> Result<(Vec<Tensor>, Timing), ModelError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
-        if self.events.send(Event::Job(Job::new(model, inputs, join, deadline, reply))).is_err() {
-            self.stats.queued(-1);
-            return Err(ModelError::EngineGone);
-        }
+        // Dropped unanswered if the engine is going down: EngineGone below.
+        self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, deadline, reply)));
         answer.await.map_err(|_| ModelError::EngineGone)?
     }
 }
@@ -481,7 +472,8 @@ struct Lane {
     narrow: Vec<ModelSession>,
     /// Lane 0 only: the wide session of every model.
     wide: Option<Vec<ModelSession>>,
-    done: mpsc::Sender<Event>,
+    /// Told when a run is over; hands the lane its next batch then.
+    dispatcher: Arc<Shared>,
     counters: Arc<WorkerCounters>,
     clock: Arc<RunClock>,
     /// [`IDLE_POLL`] or zero.
@@ -509,13 +501,11 @@ impl Lane {
                 self.clock.set(self.index, false);
             }
             // Free before the answers go out: a request sent on receipt of one then never finds
-            // this lane still busy (the dispatcher would take it for load, see `dispatch`).
-            let dispatcher_gone = self.done.send(Event::Done { lane: self.index }).is_err();
+            // this lane still busy (the dispatcher would take it for load, see `dispatch`). What
+            // waits starts now: the lane hands itself its next batch, waking no other thread.
+            self.dispatcher.handle(Event::Done { lane: self.index });
             for (reply, answer) in answers {
                 let _ = reply.send(answer);
-            }
-            if dispatcher_gone {
-                return;
             }
             // A lone request ran: the next one may come as soon as its client has the answer.
             poll = if wide { self.poll_when_idle } else { Duration::ZERO };
