@@ -65,10 +65,9 @@ pub(super) struct Dispatcher {
     clock: Arc<RunClock>,
     /// Gone once every [`super::Engine`] handle is dropped.
     engine: std::sync::Weak<()>,
-    /// Until when the oldest job waits for company (`max_queue_delay_ms`), and what wakes the
-    /// timer thread for it.
+    /// Until when the oldest job waits for company (`max_queue_delay_ms`): the timer thread
+    /// wakes then.
     company_until: Option<Instant>,
-    timer: Arc<Condvar>,
     /// When the last light batch started.
     last_light: Option<Instant>,
     /// When a batch last started with other work waiting or running beside it.
@@ -86,13 +85,13 @@ pub(super) struct Dispatcher {
 /// The dispatcher under its lock, shared by the I/O thread, the lanes and the timer thread.
 pub(super) struct Shared {
     dispatcher: Mutex<Dispatcher>,
-    timer: Arc<Condvar>,
+    /// What the timer thread sleeps on, woken early when a wait for company begins.
+    timer: Condvar,
 }
 
 impl Shared {
     pub(super) fn new(dispatcher: Dispatcher) -> Shared {
-        let timer = dispatcher.timer.clone();
-        Shared { dispatcher: Mutex::new(dispatcher), timer }
+        Shared { dispatcher: Mutex::new(dispatcher), timer: Condvar::new() }
     }
 
     /// A panic under the lock ends the process ([`Shared::handle`]): a poisoned lock is never
@@ -107,10 +106,15 @@ impl Shared {
     pub(super) fn handle(&self, event: Event) {
         crate::panics::unguarded(|| {
             let mut d = self.lock();
+            let waiting = d.company_until;
             d.take(event);
             d.drop_dead();
             if d.dispatch().is_err() {
                 d.close(); // a lane is gone: the worker is going down
+            }
+            // A wait for company began (or another job now waits): the timer ends it.
+            if d.company_until.is_some_and(|until| Some(until) != waiting) {
+                self.timer.notify_one();
             }
         })
     }
@@ -162,7 +166,6 @@ impl Dispatcher {
             clock,
             engine,
             company_until: None,
-            timer: Arc::new(Condvar::new()),
             last_light: None,
             last_load: None,
             last_run: None,
@@ -199,6 +202,7 @@ impl Dispatcher {
     fn close(&mut self) {
         self.lanes.clear();
         self.background = None;
+        self.counters.queued(-(self.pending.len() as i64));
         self.pending.clear();
     }
 
@@ -241,15 +245,12 @@ impl Dispatcher {
 
     /// Hands batches to free lanes while there is work that may start now.
     fn dispatch(&mut self) -> Result<(), mpsc::SendError<Work>> {
-        let waited_for = self.company_until.take();
+        self.company_until = None;
         while let Some((index, lane)) = self.next_anchor() {
             if let Some(until) = self.company_due(index) {
                 // Nothing starts before it: the timer dispatches it when its wait ends, and a
                 // job that fills its batch sooner does.
                 self.company_until = Some(until);
-                if waited_for != Some(until) {
-                    self.timer.notify_one();
-                }
                 break;
             }
             let anchor = self.pending.remove(index).expect("next_anchor gives an index into pending");
