@@ -84,20 +84,19 @@ const BACKGROUND_NICE: i32 = 10;
 /// this much CPU per request.
 const IDLE_POLL: Duration = Duration::from_micros(300);
 
-/// Waits up to `timeout` for a message, checking for one for `poll` (yielding the CPU between
-/// checks) before blocking: a thread that blocks takes a wake-up to start again.
-fn recv_polling<T>(rx: &mpsc::Receiver<T>, poll: Duration, timeout: Duration) -> Result<T, mpsc::RecvTimeoutError> {
+/// Waits for a message, checking for one for `poll` (yielding the CPU between checks) before
+/// blocking: a thread that blocks takes a wake-up to start again.
+fn recv_polling<T>(rx: &mpsc::Receiver<T>, poll: Duration) -> Result<T, mpsc::RecvError> {
     let started = Instant::now();
-    let poll = poll.min(timeout);
     while !poll.is_zero() {
         match rx.try_recv() {
             Ok(message) => return Ok(message),
-            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvTimeoutError::Disconnected),
+            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvError),
             Err(mpsc::TryRecvError::Empty) if started.elapsed() >= poll => break,
             Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
         }
     }
-    rx.recv_timeout(timeout.saturating_sub(started.elapsed()))
+    rx.recv()
 }
 
 /// Test switch for the memory guards: with INFERD_TEST_LEAK_BYTES_PER_REQUEST=N in its
@@ -489,7 +488,7 @@ impl Lane {
             lower_priority(BACKGROUND_NICE);
         }
         let mut poll = Duration::ZERO;
-        while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll, Duration::MAX) {
+        while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll) {
             let mut answers = Vec::with_capacity(batch.len());
             if let Some(cores) = self.cores.as_deref().filter(|_| loaded) {
                 cores.claims.mark_busy(cores.home);
