@@ -374,6 +374,7 @@ mod tests {
             datatype: dt.name().into(),
             shape,
             dtype: Some(dt),
+            first_dim: String::new(),
         };
         ModelMeta {
             info: ModelInfo {

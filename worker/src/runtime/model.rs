@@ -67,9 +67,15 @@ pub struct ModelMeta {
 }
 
 impl ModelMeta {
-    /// Whether requests can be batched: every input and output has a dynamic first dimension.
+    /// Whether requests can be batched: every input and output has a dynamic first dimension,
+    /// and those the graph names have one name. An output whose first dimension is named
+    /// otherwise (`num_detections` beside `batch`) has as many rows as the model finds, not one
+    /// per input row: a batch could not be split back by rows.
     pub fn batchable(&self) -> bool {
-        self.inputs.iter().chain(&self.outputs).all(|t| t.shape.first().is_some_and(|&d| d < 0))
+        let specs = || self.inputs.iter().chain(&self.outputs);
+        let mut names = specs().map(|t| t.first_dim.as_str()).filter(|n| !n.is_empty());
+        let one_name = names.next().is_none_or(|first| names.all(|n| n == first));
+        one_name && specs().all(|t| t.shape.first().is_some_and(|&d| d < 0))
     }
 }
 
@@ -328,17 +334,19 @@ impl ModelSession {
             outlets
                 .iter()
                 .map(|o| match o.dtype() {
-                    ValueType::Tensor { ty, shape, .. } => TensorSpec {
+                    ValueType::Tensor { ty, shape, dimension_symbols } => TensorSpec {
                         name: o.name().to_string(),
                         datatype: ort_type_name(*ty),
                         shape: shape.to_vec(),
                         dtype: DataType::from_ort(*ty),
+                        first_dim: dimension_symbols.first().cloned().unwrap_or_default(),
                     },
                     other => TensorSpec {
                         name: o.name().to_string(),
                         datatype: format!("{other:?}"),
                         shape: Vec::new(),
                         dtype: None,
+                        first_dim: String::new(),
                     },
                 })
                 .collect()
@@ -478,6 +486,7 @@ mod tests {
             datatype: "FP32".into(),
             shape: shape.to_vec(),
             dtype: Some(DataType::F32),
+            first_dim: String::new(),
         };
         ModelMeta {
             info: ModelInfo {
@@ -501,5 +510,17 @@ mod tests {
         assert!(!meta(&[&[1, 16]], &[&[-1, 384]]).batchable(), "a fixed batch of 1");
         assert!(!meta(&[&[-1, 16]], &[&[384]]).batchable(), "an output without rows");
         assert!(!meta(&[&[]], &[&[-1]]).batchable(), "a scalar input");
+        // Named first dimensions: one name, or none, is a batch; two are not.
+        let named = |inputs: &[&str], outputs: &[&str]| {
+            let rows: [&[i64]; 2] = [&[-1, 4], &[-1, 4]];
+            let mut m = meta(&rows[..inputs.len()], &rows[..outputs.len()]);
+            for (spec, name) in m.inputs.iter_mut().chain(&mut m.outputs).zip(inputs.iter().chain(outputs)) {
+                spec.first_dim = name.to_string();
+            }
+            m.batchable()
+        };
+        assert!(named(&["batch", "batch"], &["batch"]));
+        assert!(named(&["batch", ""], &[""]), "unnamed dimensions are taken as the batch");
+        assert!(!named(&["batch"], &["batch", "num_detections"]), "an output with rows of its own");
     }
 }

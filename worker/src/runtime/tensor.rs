@@ -29,6 +29,9 @@ pub struct TensorSpec {
     /// `None` when inferd cannot carry this element type.
     #[serde(skip)]
     pub dtype: Option<DataType>,
+    /// The first dimension's symbolic name in the graph ("batch"), empty when it has none.
+    #[serde(skip)]
+    pub first_dim: String,
 }
 
 impl TensorSpec {

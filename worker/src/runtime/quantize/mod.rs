@@ -809,6 +809,7 @@ mod tests {
                     datatype: dtype.name().into(),
                     shape: shape.to_vec(),
                     dtype: Some(*dtype),
+                    first_dim: String::new(),
                 })
                 .collect(),
             outputs: Vec::new(),
