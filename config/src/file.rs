@@ -486,6 +486,18 @@ impl Config {
                 return invalid(key, "must be greater than 0".into());
             }
         }
+        // Upper bounds the worker's semaphores can hold (tokio's limit is usize::MAX >> 3),
+        // well past any real use: a larger value is a typo, refused here rather than a
+        // worker that panics at boot.
+        if self.server.max_connections > 1 << 20 {
+            let message =
+                format!("{} is more than 1048576 (the kernel's default open-file limit)", self.server.max_connections);
+            return invalid("server.max_connections", message);
+        }
+        if self.server.max_body_bytes_in_flight > 1 << 40 {
+            let message = format!("{} is more than 1 TiB", self.server.max_body_bytes_in_flight);
+            return invalid("server.max_body_bytes_in_flight", message);
+        }
         if self.server.max_body_bytes_in_flight < self.server.max_body_bytes {
             return invalid(
                 "server.max_body_bytes_in_flight",
@@ -650,6 +662,15 @@ mod tests {
         let config = parse("").unwrap();
         assert_eq!(config.server.listen, "127.0.0.1:8000");
         assert_eq!(config.model_names(), vec!["minilm".to_string()]);
+    }
+
+    #[test]
+    fn limits_past_what_a_worker_can_hold_are_refused() {
+        let err = parse("[server]\nmax_connections = 4611686018427387904\n").unwrap_err().to_string();
+        assert!(err.contains("server.max_connections") && err.contains("more than 1048576"), "{err}");
+        let err = parse("[server]\nmax_body_bytes_in_flight = 4611686018427387904\n").unwrap_err().to_string();
+        assert!(err.contains("server.max_body_bytes_in_flight") && err.contains("1 TiB"), "{err}");
+        parse("[server]\nmax_connections = 1048576\nmax_body_bytes_in_flight = 1099511627776\n").unwrap();
     }
 
     #[test]
