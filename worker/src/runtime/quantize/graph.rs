@@ -118,8 +118,9 @@ fn initializer(payload: &[u8]) -> Result<(String, Option<Weight>), String> {
         Some(raw) => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         None => floats,
     };
-    let count: u64 = dims.iter().product();
-    Ok((name, (values.len() as u64 == count).then_some(Weight { dims, values })))
+    // Dims are the file's word: a product past u64 is no tensor this file holds.
+    let count = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    Ok((name, (count == Some(values.len() as u64)).then_some(Weight { dims, values })))
 }
 
 fn tensor(name: &str, data_type: u64, dims: &[u64], raw: &[u8]) -> Vec<u8> {
@@ -187,13 +188,14 @@ pub struct Quantized {
 /// The fp32 MatMul nodes that can be quantised: their weight is a 2-D float initializer in
 /// the file. By name, in graph order.
 pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
-    let (_, graph) = graph_of(model)?;
+    let (top, graph) = graph_of(model)?;
+    let opset = default_opset(&top)?;
     let parts = fields(graph)?;
     let weights = float_tensors(&parts)?;
     let mut out = Vec::new();
     for (i, f) in parts.iter().filter(|f| f.number == 1 && f.wire == 2).enumerate() {
         let node = Node::read(*f)?;
-        if eligible(&node, &weights) {
+        if eligible(&node, &weights, opset) {
             out.push(node.label(i));
         }
     }
@@ -302,8 +304,10 @@ pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>,
 const QATTENTION_ATTRIBUTES: &[&str] =
     &["num_heads", "unidirectional", "do_rotary", "past_present_share_buffer", "mask_filter_value", "scale"];
 
-/// Whether `node` can be quantised, `weights` the dims of the float initializers in the file.
-fn eligible(node: &Node, weights: &HashMap<String, Vec<u64>>) -> bool {
+/// Whether `node` can be quantised, `weights` the dims of the float initializers in the file,
+/// `opset` the model's default-domain opset (a fused Attention's input is quantised by
+/// `DynamicQuantizeLinear`, which needs 11).
+fn eligible(node: &Node, weights: &HashMap<String, Vec<u64>>, opset: u64) -> bool {
     let dims = |i: usize| node.inputs.get(i).and_then(|w| weights.get(w));
     let weight = dims(1).is_some_and(|d| d.len() == 2 && d.iter().all(|&n| n > 0));
     match (node.op_type.as_str(), node.domain.as_str()) {
@@ -311,8 +315,7 @@ fn eligible(node: &Node, weights: &HashMap<String, Vec<u64>>) -> bool {
         // A MatMul plus a bias of one value per output column: alpha and beta 1, A as it is.
         ("Gemm", "" | "ai.onnx") => {
             let attribute = |name, default| node.number(name).unwrap_or(default);
-            let columns =
-                dims(1).map(|d| if attribute("transB", 0.0) != 0.0 { d[0] } else { d.get(1).copied().unwrap_or(0) });
+            let columns = dims(1).map(|d| d.get(usize::from(attribute("transB", 0.0) == 0.0)).copied().unwrap_or(0));
             let bias = match node.inputs.get(2).filter(|c| !c.is_empty()) {
                 None => true,
                 Some(_) => {
@@ -328,6 +331,7 @@ fn eligible(node: &Node, weights: &HashMap<String, Vec<u64>>) -> bool {
         // input, weight, bias and the mask: no past state or attention bias.
         ("Attention", "com.microsoft") => {
             weight
+                && opset >= 11
                 && (3..=4).contains(&node.inputs.len())
                 && !node.inputs[2].is_empty()
                 && node.attributes.iter().all(|(name, _)| QATTENTION_ATTRIBUTES.contains(&name.as_str()))
@@ -369,6 +373,59 @@ fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), String> {
     Ok((top, graph))
 }
 
+/// The model's opset for the default domain ("" or "ai.onnx"); 0 when it names none.
+fn default_opset(top: &[Field]) -> Result<u64, String> {
+    let mut version = 0;
+    for f in top.iter().filter(|f| f.number == 8 && f.wire == 2) {
+        let parts = fields(f.payload)?;
+        let domain = parts.iter().find(|p| p.number == 1 && p.wire == 2).map_or(&b""[..], |p| p.payload);
+        if domain.is_empty() || domain == b"ai.onnx" {
+            version = parts.iter().find(|p| p.number == 2 && p.wire == 0).map_or(0, |p| p.value);
+        }
+    }
+    Ok(version)
+}
+
+/// Adds to `read` every value that nodes inside `node`'s subgraphs (the bodies of `If`, `Loop`,
+/// `Scan`: AttributeProto g = 6, graphs = 11) take as input, down to [`MAX_NESTING`]: a body
+/// may read the outer graph's initializers by name.
+fn subgraph_reads(node: &Node, read: &mut HashSet<String>, depth: usize) -> Result<(), String> {
+    if depth > MAX_NESTING {
+        return Err(format!("the graph nests subgraphs more than {MAX_NESTING} deep"));
+    }
+    for (_, whole) in &node.attributes {
+        for attribute in fields(whole)? {
+            for body in fields(attribute.payload)?.into_iter().filter(|f| matches!(f.number, 6 | 11) && f.wire == 2) {
+                for n in fields(body.payload)?.into_iter().filter(|f| f.number == 1 && f.wire == 2) {
+                    let inner = Node::read(n)?;
+                    read.extend(inner.inputs.iter().cloned());
+                    subgraph_reads(&inner, read, depth + 1)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How deep [`subgraph_reads`] follows subgraphs (a file could nest them until the stack
+/// runs out).
+const MAX_NESTING: usize = 64;
+
+/// Names ending in each of `suffixes` after one stem, `stem` itself when none of them is in
+/// `taken`, else `stem_1`, `stem_2`, ...; `taken` then holds them too.
+fn fresh(stem: &str, suffixes: &[&str], taken: &mut HashSet<String>) -> Vec<String> {
+    let mut n = 0;
+    loop {
+        let base = if n == 0 { stem.to_string() } else { format!("{stem}_{n}") };
+        let names: Vec<String> = suffixes.iter().map(|s| format!("{base}_{s}")).collect();
+        if names.iter().all(|name| !taken.contains(name)) {
+            taken.extend(names.iter().cloned());
+            return names;
+        }
+        n += 1;
+    }
+}
+
 /// The graph's fp32 initializers stored in the file: their dims, by name.
 fn float_tensors(parts: &[Field]) -> Result<HashMap<String, Vec<u64>>, String> {
     let mut found = HashMap::new();
@@ -385,37 +442,51 @@ fn transposed(node: &Node) -> bool {
     node.op_type == "Gemm" && node.number("transB").is_some_and(|t| t != 0.0)
 }
 
-/// The names a quantised weight's int8 values, scales and zero points are stored under.
-fn quantized_names(weight: &str, transposed: bool) -> [String; 3] {
-    let w = if transposed { format!("{weight}_t") } else { weight.to_string() };
-    [format!("{w}_int8"), format!("{w}_scale"), format!("{w}_zero")]
-}
-
 /// Quantises every candidate MatMul except those named in `keep`.
 pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Quantized, String> {
     let (top, graph) = graph_of(model)?;
+    let opset = default_opset(&top)?;
     let parts = fields(graph)?;
     let weights = float_tensors(&parts)?;
     let nodes: Vec<Node> =
         parts.iter().filter(|f| f.number == 1 && f.wire == 2).map(|f| Node::read(*f)).collect::<Result<_, _>>()?;
-    let chosen: Vec<(usize, &Node)> =
-        nodes.iter().enumerate().filter(|(i, n)| eligible(n, &weights) && !keep.contains(&n.label(*i))).collect();
+    let chosen: Vec<(usize, &Node)> = nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, n)| eligible(n, &weights, opset) && !keep.contains(&n.label(*i)))
+        .collect();
     let quantized: HashSet<usize> = chosen.iter().map(|(i, _)| *i).collect();
     // A weight stays in fp32 as well if anything but a quantised MatMul reads it.
-    let mut still_read: HashSet<&str> = HashSet::new();
+    let mut still_read: HashSet<String> = HashSet::new();
     for (_, n) in nodes.iter().enumerate().filter(|(i, _)| !quantized.contains(i)) {
-        still_read.extend(n.inputs.iter().map(String::as_str));
+        still_read.extend(n.inputs.iter().cloned());
+        subgraph_reads(n, &mut still_read, 1)?;
     }
     for f in parts.iter().filter(|f| matches!(f.number, 11 | 12)) {
         // Graph inputs and outputs (an initializer may be listed as an input in old files).
         if let Some(name) = fields(f.payload)?.iter().find(|v| v.number == 1) {
-            still_read.insert(std::str::from_utf8(name.payload).unwrap_or_default());
+            still_read.insert(text(name.payload));
         }
     }
-    // Each weight to quantise, as it is and/or transposed.
-    let mut wanted: HashMap<&str, HashSet<bool>> = HashMap::new();
-    for (_, n) in &chosen {
-        wanted.entry(n.inputs[1].as_str()).or_default().insert(transposed(n));
+    // Every name in use, so that the new ones clash with none: initializers, values read or
+    // written (subgraphs' reads included), graph inputs and outputs.
+    let mut taken: HashSet<String> = still_read.clone();
+    for f in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
+        taken.insert(initializer(f.payload)?.0);
+    }
+    for n in &nodes {
+        taken.extend(n.inputs.iter().chain(&n.outputs).cloned());
+    }
+    // Each weight to quantise, as it is and/or transposed, and the names of its int8 values,
+    // scales and zero points (`<weight>[_t]_int8`, `_scale`, `_zero` unless taken).
+    let mut wanted: Vec<(&str, bool)> = chosen.iter().map(|(_, n)| (n.inputs[1].as_str(), transposed(n))).collect();
+    wanted.sort();
+    wanted.dedup();
+    let mut quantized_names: HashMap<(&str, bool), [String; 3]> = HashMap::new();
+    for &(weight, t) in &wanted {
+        let stem = if t { format!("{weight}_t") } else { weight.to_string() };
+        let names = fresh(&stem, &["int8", "scale", "zero"], &mut taken);
+        quantized_names.insert((weight, t), [names[0].clone(), names[1].clone(), names[2].clone()]);
     }
     let mut new_tensors: HashMap<String, Vec<Vec<u8>>> = HashMap::new();
     let mut out_graph = Vec::with_capacity(graph.len());
@@ -429,10 +500,10 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                     out_graph.extend_from_slice(f.whole);
                     continue;
                 }
-                let [w_int8, w_scale, w_zero] = quantized_names(&node.inputs[1], transposed(node));
+                let [w_int8, w_scale, w_zero] = &quantized_names[&(node.inputs[1].as_str(), transposed(node))];
                 if node.op_type != "Attention" {
                     // MatMul, or Gemm with its bias (the optional fifth input).
-                    let mut inputs = vec![node.inputs[0].as_str(), &w_int8, &w_scale, &w_zero];
+                    let mut inputs = vec![node.inputs[0].as_str(), w_int8, w_scale, w_zero];
                     inputs.extend(node.inputs.get(2).filter(|c| !c.is_empty()).map(String::as_str));
                     let n =
                         node_bytes(&inputs, &node.outputs, &node.name, "DynamicQuantizeMatMul", "com.microsoft", &[]);
@@ -441,8 +512,7 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                 }
                 // Attention: its input quantised at run time, then QAttention.
                 let base = format!("{}_{}", node.outputs[0], index - 1);
-                let quantized =
-                    [format!("{base}_input_int8"), format!("{base}_input_scale"), format!("{base}_input_zero")];
+                let quantized = fresh(&base, &["input_int8", "input_scale", "input_zero"], &mut taken);
                 let n = node_bytes(
                     &[node.inputs[0].as_str()],
                     &quantized,
@@ -454,7 +524,7 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                 put_bytes(&mut out_graph, 1, &n);
                 let mask = node.inputs.get(3).map_or("", String::as_str);
                 let inputs =
-                    [&quantized[0], &w_int8, &node.inputs[2], &quantized[1], &w_scale, mask, &quantized[2], &w_zero];
+                    [&quantized[0], w_int8, &node.inputs[2], &quantized[1], w_scale, mask, &quantized[2], w_zero];
                 let inputs: Vec<&str> = inputs.iter().map(|s| s.as_ref()).collect();
                 let attributes: Vec<&[u8]> = node.attributes.iter().map(|(_, bytes)| *bytes).collect();
                 let n = node_bytes(&inputs, &node.outputs, &node.name, "QAttention", "com.microsoft", &attributes);
@@ -463,10 +533,9 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
             (5, 2) => {
                 let (name, weight) = initializer(f.payload)?;
                 match weight {
-                    Some(weight) if wanted.contains_key(name.as_str()) => {
+                    Some(weight) if wanted.iter().any(|(w, _)| *w == name) => {
                         let mut made = Vec::new();
-                        let mut forms: Vec<bool> = wanted[name.as_str()].iter().copied().collect();
-                        forms.sort();
+                        let forms = wanted.iter().filter(|(w, _)| *w == name).map(|(_, t)| *t);
                         for t in forms {
                             let turned;
                             let weight = match t {
@@ -478,10 +547,10 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                             };
                             let (q, scales) = quantize(weight, range);
                             let cols = weight.dims[1];
-                            let [w_int8, w_scale, w_zero] = quantized_names(&name, t);
-                            made.push(tensor(&w_int8, INT8, &weight.dims, &q));
-                            made.push(tensor(&w_scale, FLOAT, &[cols], &scales));
-                            made.push(tensor(&w_zero, INT8, &[cols], &vec![0u8; cols as usize]));
+                            let [w_int8, w_scale, w_zero] = &quantized_names[&(name.as_str(), t)];
+                            made.push(tensor(w_int8, INT8, &weight.dims, &q));
+                            made.push(tensor(w_scale, FLOAT, &[cols], &scales));
+                            made.push(tensor(w_zero, INT8, &[cols], &vec![0u8; cols as usize]));
                         }
                         new_tensors.insert(name.clone(), made);
                         if still_read.contains(name.as_str()) {
@@ -681,6 +750,102 @@ mod tests {
         let node = fields(graph).unwrap().into_iter().find(|f| f.number == 1).map(|f| Node::read(f).unwrap()).unwrap();
         assert_eq!(node.op_type, "DynamicQuantizeMatMul");
         assert_eq!(node.inputs, vec!["x", "w_t_int8", "w_t_scale", "w_t_zero", "b"]);
+    }
+
+    /// The model: `graph` as field 7, and the default-domain opset `opset` when given.
+    fn model_with(graph: &[u8], opset: Option<u64>) -> Vec<u8> {
+        let mut model = Vec::new();
+        put_bytes(&mut model, 7, graph);
+        if let Some(version) = opset {
+            let mut o = Vec::new();
+            put_bytes(&mut o, 1, b"");
+            put_number(&mut o, 2, version);
+            put_bytes(&mut model, 8, &o);
+        }
+        model
+    }
+
+    fn floats(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// The names of a model's initializers, in order.
+    fn initializer_names(model: &[u8]) -> Vec<String> {
+        let (_, graph) = graph_of(model).unwrap();
+        fields(graph)
+            .unwrap()
+            .into_iter()
+            .filter(|f| f.number == 5)
+            .map(|f| initializer(f.payload).unwrap().0)
+            .collect()
+    }
+
+    #[test]
+    fn new_names_clash_with_none_the_model_has() {
+        // MatMul reads w_t; Gemm reads w transposed: both would store "w_t_int8".
+        let mut graph = Vec::new();
+        let trans_b = attribute("transB", Some(1), None);
+        put_bytes(&mut graph, 1, &node_bytes(&["x", "w_t"], &["y".to_string()], "mm", "MatMul", "", &[]));
+        put_bytes(&mut graph, 1, &node_bytes(&["y", "w"], &["z".to_string()], "g", "Gemm", "", &[&trans_b]));
+        put_bytes(&mut graph, 5, &tensor("w_t", FLOAT, &[2, 2], &floats(&[1.0, 2.0, 3.0, 4.0])));
+        put_bytes(&mut graph, 5, &tensor("w", FLOAT, &[2, 2], &floats(&[5.0, 6.0, 7.0, 8.0])));
+        let model = model_with(&graph, Some(13));
+        let rewritten = rewrite(&model, &HashSet::new(), Range::Full).unwrap();
+        let names = initializer_names(&rewritten.bytes);
+        let unique: HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+        assert_eq!(names.len(), 6, "three tensors for each weight, the fp32 ones gone: {names:?}");
+    }
+
+    #[test]
+    fn a_weight_a_subgraph_reads_stays_in_fp32_too() {
+        // An If whose then-branch reads w by its outer name.
+        let mut body = Vec::new();
+        put_bytes(&mut body, 1, &node_bytes(&["w"], &["w_copy".to_string()], "inner", "Identity", "", &[]));
+        let mut branch = Vec::new();
+        put_bytes(&mut branch, 1, b"then_branch");
+        put_bytes(&mut branch, 6, &body);
+        let mut then_branch = Vec::new();
+        put_bytes(&mut then_branch, 5, &branch);
+        let mut graph = Vec::new();
+        put_bytes(&mut graph, 1, &node_bytes(&["x", "w"], &["y".to_string()], "mm", "MatMul", "", &[]));
+        put_bytes(&mut graph, 1, &node_bytes(&["cond"], &["out".to_string()], "if", "If", "", &[&then_branch]));
+        put_bytes(&mut graph, 5, &tensor("w", FLOAT, &[2, 2], &floats(&[1.0, 2.0, 3.0, 4.0])));
+        let rewritten = rewrite(&model_with(&graph, Some(13)), &HashSet::new(), Range::Full).unwrap();
+        assert!(initializer_names(&rewritten.bytes).contains(&"w".to_string()), "the If's body still reads w");
+    }
+
+    #[test]
+    fn attention_is_quantised_only_where_the_opset_has_dynamic_quantize_linear() {
+        let mut graph = Vec::new();
+        let heads = attribute("num_heads", Some(1), None);
+        let inputs = ["x", "w", "b", "mask"];
+        put_bytes(
+            &mut graph,
+            1,
+            &node_bytes(&inputs, &["y".to_string()], "att", "Attention", "com.microsoft", &[&heads]),
+        );
+        put_bytes(&mut graph, 5, &tensor("w", FLOAT, &[2, 6], &floats(&[0.5; 12])));
+        put_bytes(&mut graph, 5, &tensor("b", FLOAT, &[6], &floats(&[0.0; 6])));
+        assert_eq!(candidates(&model_with(&graph, Some(11))).unwrap(), vec!["att".to_string()]);
+        assert!(candidates(&model_with(&graph, Some(10))).unwrap().is_empty(), "opset 10");
+        assert!(candidates(&model_with(&graph, None)).unwrap().is_empty(), "no default opset named");
+    }
+
+    #[test]
+    fn malformed_weights_are_no_candidates_and_no_panic() {
+        let trans_b = attribute("transB", Some(1), None);
+        // A Gemm whose B is a scalar, read transposed.
+        let mut graph = Vec::new();
+        put_bytes(&mut graph, 1, &node_bytes(&["x", "s", "c"], &["y".to_string()], "g", "Gemm", "", &[&trans_b]));
+        put_bytes(&mut graph, 5, &tensor("s", FLOAT, &[], &floats(&[1.0])));
+        put_bytes(&mut graph, 5, &tensor("c", FLOAT, &[1], &floats(&[1.0])));
+        assert!(candidates(&model_with(&graph, Some(13))).unwrap().is_empty());
+        // Dims whose product wraps to 0 in u64, with no values: not an empty tensor.
+        let mut graph = Vec::new();
+        put_bytes(&mut graph, 1, &node_bytes(&["x", "huge"], &["y".to_string()], "mm", "MatMul", "", &[]));
+        put_bytes(&mut graph, 5, &tensor("huge", FLOAT, &[1 << 32, 1 << 32], &[]));
+        assert!(candidates(&model_with(&graph, Some(13))).unwrap().is_empty());
     }
 
     #[test]

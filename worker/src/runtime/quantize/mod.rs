@@ -154,9 +154,24 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
         entry.quantization.calibration.as_ref().map(|c| std::fs::read(c).unwrap_or_default()),
         graph::host_range(),
     );
+    // What the calibration inputs and the guard's measure depend on: the task and its head,
+    // the tokenizer (its file's text and max_length), the image settings, generated tensors'
+    // free dimensions.
+    let pipeline = format!(
+        "{:?} {:?} {:?} {:?} {:?} {}",
+        entry.task,
+        entry.tokenizer.as_ref().map(|t| t.max_length),
+        entry.embedding.as_ref().map(|e| (e.pooling, &e.output)),
+        entry.classification,
+        entry.image,
+        entry.warmup.dynamic_dim,
+    );
+    let tokenizer = entry.tokenizer.as_ref().map(|t| std::fs::read(&t.path).unwrap_or_default()).unwrap_or_default();
     let key: String = Sha256::new()
         .chain_update(sha256)
         .chain_update(settings)
+        .chain_update(pipeline)
+        .chain_update(Sha256::digest(tokenizer))
         .finalize()
         .iter()
         .take(8)
@@ -208,7 +223,22 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
         _ => {
             let started = Instant::now();
             info!(model = entry.name, "preparing int8: rewriting the MatMuls and measuring them against fp32");
-            let (bytes, r) = measure(runtime, entry, &dir)?;
+            let (bytes, r) = match measure(runtime, entry, &dir) {
+                Ok(measured) => measured,
+                // Not kept in the cache: the cause may pass (a full disk), and a fixed model is
+                // another preparation anyway.
+                Err(e) if entry.precision == Precision::Auto => {
+                    let _ = std::fs::remove_file(dir.join("candidate.onnx"));
+                    let report = Report::refused(0, format!("the int8 preparation failed: {e}"));
+                    warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
+                    remove(scratch);
+                    return Ok((None, report));
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(dir.join("candidate.onnx"));
+                    return Err(e);
+                }
+            };
             if scratch.is_some() {
                 memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
             }
@@ -295,13 +325,16 @@ struct Outputs {
     kind: Kind,
     rows: Vec<Vec<f32>>,
     per_sample: usize,
+    /// A raw model's other outputs (integers, booleans, strings), per input: compared exactly.
+    exact: Vec<Vec<TensorData>>,
 }
 
 impl Outputs {
     /// The rows of every third input, as [`run`] gives them for `samples.iter().step_by(3)`.
     fn every_third(&self) -> Outputs {
         let rows = self.rows.chunks(self.per_sample.max(1)).step_by(3).flatten().cloned().collect();
-        Outputs { rows, ..*self }
+        let exact = self.exact.iter().step_by(3).cloned().collect();
+        Outputs { rows, exact, ..*self }
     }
 }
 
@@ -320,6 +353,7 @@ fn run(model: &mut ModelSession, samples: &[Sample]) -> Result<(Outputs, f64), S
     let pipeline = model.meta.pipeline.clone();
     let head = pipeline.head().cloned();
     let mut rows = Vec::with_capacity(samples.len());
+    let mut exact = Vec::new();
     let mut times = Vec::with_capacity(samples.len());
     for sample in samples {
         let (inputs, lengths) = match (&*pipeline, sample) {
@@ -343,7 +377,16 @@ fn run(model: &mut ModelSession, samples: &[Sample]) -> Result<(Outputs, f64), S
             Some(Head::Classification { output, labels, activation, .. }) => {
                 rows.extend(scores(&outputs[*output], labels.len(), *activation, false).map_err(|e| e.to_string())?)
             }
-            None => rows.extend(outputs.iter().filter_map(float_values)),
+            None => {
+                let mut others = Vec::new();
+                for output in outputs {
+                    match float_values(&output) {
+                        Some(values) => rows.push(values),
+                        None => others.push(output.data),
+                    }
+                }
+                exact.push(others);
+            }
         }
     }
     times.sort_by(f64::total_cmp);
@@ -354,17 +397,27 @@ fn run(model: &mut ModelSession, samples: &[Sample]) -> Result<(Outputs, f64), S
         None => Kind::Tensors,
     };
     let per_sample = rows.len() / samples.len().max(1);
-    Ok((Outputs { kind, rows, per_sample }, median))
+    Ok((Outputs { kind, rows, per_sample, exact }, median))
 }
 
 /// How far `got` is from the fp32 `want`.
 struct Deviation {
     /// 0 = as fp32; the larger, the worse (1 - least cosine, the largest probability error, or
-    /// the largest relative error).
+    /// the largest relative error); infinite when int8 gave a NaN or an infinity where fp32 did
+    /// not, or an exactly compared output differs.
     worst: f64,
     /// The mean cosine (embeddings) or the mean relative error (raw outputs).
     mean: Option<f64>,
     top1: Option<f64>,
+    /// Inputs on which an exactly compared output (a raw model's integers, booleans or
+    /// strings) differs from fp32's.
+    differ: usize,
+}
+
+/// The largest of `deviations` (each 0 or more), infinite if any is NaN: `f64::max` would
+/// pass over a NaN, and the guard with it.
+fn worst_of(deviations: impl Iterator<Item = f64>) -> f64 {
+    deviations.fold(0.0, |worst, d| if d.is_nan() { f64::INFINITY } else { worst.max(d) })
 }
 
 fn compare(want: &Outputs, got: &Outputs) -> Deviation {
@@ -380,17 +433,19 @@ fn compare(want: &Outputs, got: &Outputs) -> Deviation {
                     dot / (length(x) * length(y))
                 })
                 .collect();
-            let min = cosines.iter().copied().fold(1.0, f64::min);
-            Deviation { worst: 1.0 - min, mean: Some(mean(&cosines)), top1: None }
+            Deviation {
+                worst: worst_of(cosines.iter().map(|c| 1.0 - c)),
+                mean: Some(mean(&cosines)),
+                top1: None,
+                differ: 0,
+            }
         }
         Kind::Probabilities => {
             let argmax = |v: &[f32]| v.iter().enumerate().max_by(|p, q| p.1.total_cmp(q.1)).map(|(i, _)| i);
-            let worst = pairs
-                .clone()
-                .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| f64::from((p - q).abs())))
-                .fold(0.0, f64::max);
+            let worst =
+                worst_of(pairs.clone().flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| f64::from((p - q).abs()))));
             let agree = pairs.filter(|(x, y)| argmax(x) == argmax(y)).count();
-            Deviation { worst, mean: None, top1: Some(agree as f64 / want.rows.len().max(1) as f64) }
+            Deviation { worst, mean: None, top1: Some(agree as f64 / want.rows.len().max(1) as f64), differ: 0 }
         }
         Kind::Tensors => {
             // |got - want| / |want| over each output tensor; an output fp32 gives as zeros
@@ -406,10 +461,9 @@ fn compare(want: &Outputs, got: &Outputs) -> Deviation {
                     }
                 })
                 .collect();
-            let worst = errors.iter().copied().fold(0.0, f64::max);
-            // NaN anywhere (an overflow in int8) fails the guard.
-            let worst = if errors.iter().any(|e| e.is_nan()) { f64::INFINITY } else { worst };
-            Deviation { worst, mean: Some(mean(&errors)), top1: None }
+            let differ = want.exact.iter().zip(&got.exact).filter(|(x, y)| x != y).count();
+            let worst = if differ > 0 { f64::INFINITY } else { worst_of(errors.iter().copied()) };
+            Deviation { worst, mean: Some(mean(&errors)), top1: None, differ }
         }
     }
 }
@@ -487,7 +541,21 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
     let (bytes, error, int8_ms) = outcome;
     let mut kept: Vec<String> = keep.into_iter().collect();
     kept.sort();
-    let refused = if error.worst > limit {
+    let refused = if error.differ > 0 {
+        Some(format!(
+            "an output that is not float, compared exactly, differs from fp32's on {} of {} inputs with {} of {} nodes kept in fp32",
+            error.differ,
+            samples.len(),
+            kept.len(),
+            candidates.len()
+        ))
+    } else if !error.worst.is_finite() {
+        Some(format!(
+            "comparing int8 to fp32 gives NaN or infinite values, with {} of {} nodes kept in fp32",
+            kept.len(),
+            candidates.len()
+        ))
+    } else if error.worst > limit {
         let figure = match want.kind {
             Kind::Embeddings => 1.0 - error.worst,
             _ => error.worst,
@@ -846,6 +914,36 @@ mod tests {
             assert_eq!((decoded.width(), decoded.height()), (40, 24), "image {i}");
             assert!(!images[..i].contains(png), "image {i} repeats an earlier one");
         }
+    }
+
+    fn outputs(kind: Kind, rows: &[&[f32]], exact: Vec<Vec<TensorData>>) -> Outputs {
+        Outputs { kind, rows: rows.iter().map(|r| r.to_vec()).collect(), per_sample: 1, exact }
+    }
+
+    #[test]
+    fn a_nan_fails_the_guard_whatever_the_task() {
+        let nan = f32::NAN;
+        for kind in [Kind::Embeddings, Kind::Probabilities, Kind::Tensors] {
+            let want = outputs(kind, &[&[0.6, 0.8], &[1.0, 0.0]], Vec::new());
+            let close = compare(&want, &outputs(kind, &[&[0.6, 0.8], &[0.99, 0.01]], Vec::new()));
+            assert!(close.worst.is_finite() && close.worst < 0.02, "{}", close.worst);
+            // One input of two gives NaN: f64::min or max would have passed over it.
+            let broken = compare(&want, &outputs(kind, &[&[0.6, 0.8], &[nan, nan]], Vec::new()));
+            assert_eq!(broken.worst, f64::INFINITY);
+        }
+    }
+
+    #[test]
+    fn outputs_that_are_not_float_must_be_the_same_as_fp32s() {
+        let ids = |v: Vec<i64>| vec![TensorData::I64(v)];
+        let want = outputs(Kind::Tensors, &[&[1.0], &[2.0]], vec![ids(vec![3]), ids(vec![1])]);
+        let same = compare(&want, &outputs(Kind::Tensors, &[&[1.0], &[2.0]], vec![ids(vec![3]), ids(vec![1])]));
+        assert_eq!((same.worst, same.differ), (0.0, 0));
+        let moved = compare(&want, &outputs(Kind::Tensors, &[&[1.0], &[2.0]], vec![ids(vec![3]), ids(vec![2])]));
+        assert_eq!((moved.worst, moved.differ), (f64::INFINITY, 1));
+        // A model with no float output at all is compared on the others alone.
+        let want = outputs(Kind::Tensors, &[], vec![ids(vec![3])]);
+        assert_eq!(compare(&want, &outputs(Kind::Tensors, &[], vec![ids(vec![4])])).differ, 1);
     }
 
     #[test]
