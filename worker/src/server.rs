@@ -643,10 +643,18 @@ async fn serve_grpc(
                     drop(call);
                     return Ok(crate::http::grpc::status(e).into_http());
                 }
-                let request = crate::http::grpc::intake::read(&state, request).await;
-                let answered = service.call(request).await;
+                // A bug that panics in a call costs that call (INTERNAL), not the worker, as
+                // on the HTTP routes (panics.rs).
+                let served = crate::panics::guarded_future(async {
+                    let request = crate::http::grpc::intake::read(&state, request).await;
+                    service.call(request).await
+                })
+                .await;
                 drop(call);
-                answered
+                served.unwrap_or_else(|_| {
+                    let bug = "internal error: the server hit a bug serving this call (logged)";
+                    Ok(crate::http::grpc::status(crate::request::app::ApiError::Internal(bug.into())).into_http())
+                })
             }
         });
         let (mut drain, http2, tls) = (drain.clone(), http2.clone(), tls.clone());
