@@ -1,8 +1,8 @@
 //! KServe v2 over gRPC (`server.grpc_listen`, `--grpc-listen`): NVIDIA's tritonclient.grpc and
 //! the protocol's raw stub against every worker's gRPC port (tests/clients/triton_grpc_check.py),
 //! counted like REST requests; gRPC clients see no failure while the pool reloads, nor a call in
-//! progress when a stream opens just as its worker drains; a gRPC port that cannot be bound
-//! stops the start with a message.
+//! progress when a stream opens just as its worker drains; a bug in a call costs that call
+//! INTERNAL, not the worker; a gRPC port that cannot be bound stops the start with a message.
 
 mod common;
 
@@ -75,6 +75,24 @@ fn hostile_grpc_messages_are_refused_before_decoding_and_idle_connections_close(
     assert_eq!((count(413), count(400)), (refused - 1.0, 1.0), "{refused} refused:\n{metrics}");
     let status = server.status();
     assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
+}
+
+#[test]
+fn a_bug_in_a_grpc_call_costs_that_call_not_the_worker() {
+    let dir = temp_dir("grpc-panic");
+    let repository = model_repository(dir.path(), &["typed"]);
+    let port = free_port();
+    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &[], "");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut command = Command::new(BIN);
+    command.arg("serve").arg("--config").arg(&config).args(["--grpc-listen", &grpc]);
+    command.env("INFERD_TEST_PANIC", "grpc:3");
+    let mut server = Server::spawn(command, dir, port, None);
+    server.wait_ready(Duration::from_secs(120));
+    client_check("grpc_panic.py", &[&grpc], &server, "grpc panic: all checks passed");
+    let log = server.log();
+    assert!(log.contains("panicked serving a request") && log.contains("INFERD_TEST_PANIC"), "{log}");
+    assert!(!log.contains("the worker exits"), "the panic ended the worker:\n{log}");
 }
 
 #[test]

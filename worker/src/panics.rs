@@ -107,8 +107,8 @@ pub async fn guarded_future<F: Future>(future: F) -> std::thread::Result<F::Outp
 
 /// Test switch for the hostile-input tests: with INFERD_TEST_PANIC="lane:7,batch:9" in its
 /// environment, a worker panics where `site` names (`lane`: running the batch, guarded;
-/// `batch`: the dispatcher taking the job, on the I/O thread but not guarded) for a job of
-/// that many rows. Never set in production: the variable is read once, and an unset one costs
+/// `batch`: the dispatcher taking the job, on the I/O thread but not guarded; `grpc`: a
+/// ModelInfer call, guarded) for a job of that many rows. Never set in production: the variable is read once, and an unset one costs
 /// a branch. Only in builds with the `test-switches` feature (`make test`'s), not releases.
 #[cfg(not(feature = "test-switches"))]
 pub fn test_switch(_site: &str, _rows: Option<usize>) {}

@@ -143,6 +143,8 @@ impl GrpcInferenceService for Grpc {
                 return Err(e);
             }
             let (index, meta) = found?;
+            let rows = request.inputs.first().and_then(|i| usize::try_from(*i.shape.first()?).ok());
+            crate::panics::test_switch("grpc", rows);
             let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
             let inferred = infer::run_v2(state, index, meta, parsed, deadline).await?;
