@@ -109,8 +109,11 @@ impl Shared {
             let waiting = d.company_until;
             d.take(event);
             d.drop_dead();
-            if d.dispatch().is_err() {
-                d.close(); // a lane is gone: the worker is going down
+            if let Err(e) = d.dispatch() {
+                // A lane ends only once close() dropped its channel: one gone before is a bug,
+                // and a worker that cannot reach its lanes must not stay ready, answering
+                // nothing. Unguarded, this panic ends the process and the slot is respawned.
+                panic!("a lane of this worker is gone ({e})");
             }
             // A wait for company began (or another job now waits): the timer ends it.
             if d.company_until.is_some_and(|until| Some(until) != waiting) {
@@ -197,8 +200,8 @@ impl Dispatcher {
         [self.reserved_until(), self.company_until].into_iter().flatten().fold(limit, |wait, t| wait.min(t - now))
     }
 
-    /// The worker is going down (a lane is gone) or the engine is dropped: every lane's channel
-    /// closes, so the lanes end, and each waiting job's handler hears that the engine is gone.
+    /// The engine is dropped: every lane's channel closes, so the lanes end, and each waiting
+    /// job's handler hears that the engine is gone.
     fn close(&mut self) {
         self.lanes.clear();
         self.background = None;
@@ -456,6 +459,18 @@ mod tests {
         let (senders, lanes): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<Work>()).unzip();
         d.lanes = senders.into_iter().map(|s| (s, LaneState::Idle)).collect();
         lanes
+    }
+
+    #[test]
+    #[should_panic(expected = "a lane of this worker is gone")]
+    fn a_lane_gone_before_its_channel_closed_ends_the_worker() {
+        let mut d = dispatcher(32, 8192, Vec::new());
+        drop(with_lanes(&mut d, 1));
+        // A job someone waits for (text_job's answer goes nowhere: it would be dropped).
+        let (reply, _waiting) = tokio::sync::oneshot::channel();
+        let job = Job { reply, ..text_job(1, 17, 0) };
+        // In a worker the panic hook ends the process here (unguarded); in a test it unwinds.
+        Shared::new(d).handle(Event::Job(job));
     }
 
     #[test]
