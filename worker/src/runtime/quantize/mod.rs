@@ -403,8 +403,8 @@ fn run(model: &mut ModelSession, samples: &[Sample]) -> Result<(Outputs, f64), S
 /// How far `got` is from the fp32 `want`.
 struct Deviation {
     /// 0 = as fp32; the larger, the worse (1 - least cosine, the largest probability error, or
-    /// the largest relative error); infinite when int8 gave a NaN or an infinity where fp32 did
-    /// not, or an exactly compared output differs.
+    /// the largest relative error); infinite when a measure is NaN (a NaN or an infinity in
+    /// either model's outputs) or an exactly compared output differs.
     worst: f64,
     /// The mean cosine (embeddings) or the mean relative error (raw outputs).
     mean: Option<f64>,
