@@ -20,6 +20,7 @@ fn pipeline() -> &'static Pipeline {
             datatype: datatype.into(),
             shape,
             dtype: Some(dtype),
+            first_dim: String::new(),
         };
         let inputs = [
             spec("input_ids", "INT64", DataType::I64, vec![-1, -1]),
