@@ -123,6 +123,11 @@ fn initializer(payload: &[u8]) -> Result<(String, Option<Weight>), String> {
     Ok((name, (count == Some(values.len() as u64)).then_some(Weight { dims, values })))
 }
 
+/// An initializer's name alone (None when it has none), its values not decoded.
+fn initializer_name(payload: &[u8]) -> Result<Option<String>, String> {
+    Ok(fields(payload)?.into_iter().find(|f| f.number == 8 && f.wire == 2).map(|f| text(f.payload)))
+}
+
 fn tensor(name: &str, data_type: u64, dims: &[u64], raw: &[u8]) -> Vec<u8> {
     let mut t = Vec::with_capacity(raw.len() + name.len() + 32);
     for &d in dims {
@@ -258,7 +263,7 @@ pub fn lookup_tables(model: &[u8]) -> Result<Vec<Extent>, String> {
     }
     let mut found = Vec::new();
     for init in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
-        let name = fields(init.payload)?.into_iter().find(|f| f.number == 8 && f.wire == 2).map(|f| text(f.payload));
+        let name = initializer_name(init.payload)?;
         if !name.is_some_and(|n| tables.contains(&n)) {
             continue;
         }
@@ -413,11 +418,11 @@ const MAX_NESTING: usize = 64;
 
 /// Names ending in each of `suffixes` after one stem, `stem` itself when none of them is in
 /// `taken`, else `stem_1`, `stem_2`, ...; `taken` then holds them too.
-fn fresh(stem: &str, suffixes: &[&str], taken: &mut HashSet<String>) -> Vec<String> {
+fn fresh<const N: usize>(stem: &str, suffixes: [&str; N], taken: &mut HashSet<String>) -> [String; N] {
     let mut n = 0;
     loop {
         let base = if n == 0 { stem.to_string() } else { format!("{stem}_{n}") };
-        let names: Vec<String> = suffixes.iter().map(|s| format!("{base}_{s}")).collect();
+        let names = suffixes.map(|s| format!("{base}_{s}"));
         if names.iter().all(|name| !taken.contains(name)) {
             taken.extend(names.iter().cloned());
             return names;
@@ -472,7 +477,7 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
     // written (subgraphs' reads included), graph inputs and outputs.
     let mut taken: HashSet<String> = still_read.clone();
     for f in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
-        taken.insert(initializer(f.payload)?.0);
+        taken.extend(initializer_name(f.payload)?);
     }
     for n in &nodes {
         taken.extend(n.inputs.iter().chain(&n.outputs).cloned());
@@ -485,8 +490,7 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
     let mut quantized_names: HashMap<(&str, bool), [String; 3]> = HashMap::new();
     for &(weight, t) in &wanted {
         let stem = if t { format!("{weight}_t") } else { weight.to_string() };
-        let names = fresh(&stem, &["int8", "scale", "zero"], &mut taken);
-        quantized_names.insert((weight, t), [names[0].clone(), names[1].clone(), names[2].clone()]);
+        quantized_names.insert((weight, t), fresh(&stem, ["int8", "scale", "zero"], &mut taken));
     }
     let mut new_tensors: HashMap<String, Vec<Vec<u8>>> = HashMap::new();
     let mut out_graph = Vec::with_capacity(graph.len());
@@ -512,7 +516,7 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                 }
                 // Attention: its input quantised at run time, then QAttention.
                 let base = format!("{}_{}", node.outputs[0], index - 1);
-                let quantized = fresh(&base, &["input_int8", "input_scale", "input_zero"], &mut taken);
+                let quantized = fresh(&base, ["input_int8", "input_scale", "input_zero"], &mut taken);
                 let n = node_bytes(
                     &[node.inputs[0].as_str()],
                     &quantized,
@@ -715,7 +719,6 @@ mod tests {
 
     #[test]
     fn a_gemm_that_is_a_matmul_plus_bias_is_quantised_with_its_weight_transposed() {
-        let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let mut graph = Vec::new();
         let gemm = |name: &str, bias: &str, attributes: &[Vec<u8>]| {
             let attributes: Vec<&[u8]> = attributes.iter().map(Vec::as_slice).collect();
@@ -776,7 +779,7 @@ mod tests {
             .unwrap()
             .into_iter()
             .filter(|f| f.number == 5)
-            .map(|f| initializer(f.payload).unwrap().0)
+            .map(|f| initializer_name(f.payload).unwrap().unwrap_or_default())
             .collect()
     }
 

@@ -228,16 +228,12 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
                 // Not kept in the cache: the cause may pass (a full disk), and a fixed model is
                 // another preparation anyway.
                 Err(e) if entry.precision == Precision::Auto => {
-                    let _ = std::fs::remove_file(dir.join("candidate.onnx"));
                     let report = Report::refused(0, format!("the int8 preparation failed: {e}"));
                     warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
                     remove(scratch);
                     return Ok((None, report));
                 }
-                Err(e) => {
-                    let _ = std::fs::remove_file(dir.join("candidate.onnx"));
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             };
             if scratch.is_some() {
                 memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
@@ -489,12 +485,14 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
     };
     let (want, fp32_ms) = run(&mut fp32, &samples)?;
     drop(fp32);
-    let scratch = dir.join("candidate.onnx");
+    // The candidate file goes however the measuring ends (an error included).
+    let candidate = ScratchFile(dir.join("candidate.onnx"));
+    let scratch = &candidate.0;
     let range = graph::host_range();
     // The model with every candidate but `keep` in int8, loaded from the scratch file.
     let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), String> {
         let rewritten = graph::rewrite(&source, keep, range)?;
-        std::fs::write(&scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
+        std::fs::write(scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
         let model =
             ModelSession::load(runtime, &ModelEntry { path: scratch.clone(), ..plain.clone() }, Threads::Narrow, None)
                 .map_err(|e| format!("the int8 model does not load: {e}"))?;
@@ -537,7 +535,6 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
             }
         }
     }
-    let _ = std::fs::remove_file(&scratch);
     let (bytes, error, int8_ms) = outcome;
     let mut kept: Vec<String> = keep.into_iter().collect();
     kept.sort();
@@ -597,6 +594,15 @@ fn measure(runtime: &Runtime, entry: &ModelEntry, dir: &Path) -> Result<(Option<
         refused,
     };
     Ok((report.int8.then_some(bytes), report))
+}
+
+/// A file removed when this is dropped.
+struct ScratchFile(PathBuf);
+
+impl Drop for ScratchFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// What the guard measures int8 with.
