@@ -2,6 +2,7 @@
 //! asks a running server, and the hidden `worker` is what the supervisor executes for each
 //! worker process.
 
+mod exit;
 mod logging;
 mod tune;
 
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use exit::{Failure, EXIT_ANSWERED_NO};
 use inferd_config::file::LogFormat;
 use inferd_config::model::{ModelOverride, Precision};
 use inferd_config::{Config, Overrides};
@@ -78,7 +80,8 @@ struct ServeArgs {
     /// Address to serve KServe v2 over gRPC on, "" for none (server.grpc_listen).
     #[arg(long)]
     grpc_listen: Option<String>,
-    /// Address of the Prometheus metrics listener, "" for none (admin.listen).
+    /// Address of the admin listener (Prometheus /metrics, Triton's statistics and model
+    /// repository load/unload), "" for none (admin.listen).
     #[arg(long)]
     admin_listen: Option<String>,
     /// Number of worker processes; 0 = fill the CPU budget (server.workers).
@@ -239,19 +242,22 @@ fn main() -> ExitCode {
             image: args.image,
             min_cosine: args.min_cosine,
             max_probability_error: args.max_probability_error,
-        }),
+        })
+        .map_err(Failure::from),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("inferd: error: {e:#}");
-            let code = e.downcast_ref::<inferd_supervisor::SupervisorError>().map_or(1, |s| s.exit_code());
-            ExitCode::from(code as u8)
+            match &e {
+                Failure::Other(e) => eprintln!("inferd: error: {e:#}"),
+                e => eprintln!("inferd: error: {e}"),
+            }
+            e.exit_code()
         }
     }
 }
 
-fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
+fn resolve(args: &ServeArgs) -> Result<Resolved, Failure> {
     let mut config = Config::load(args.config.config.as_deref())?;
     config.apply(&Overrides {
         listen: args.listen.clone(),
@@ -273,7 +279,7 @@ fn resolve(args: &ServeArgs) -> anyhow::Result<Resolved> {
     Ok(Resolved::new(config)?)
 }
 
-fn serve(args: ServeArgs, log_format: LogFormat) -> anyhow::Result<ExitCode> {
+fn serve(args: ServeArgs, log_format: LogFormat) -> Result<ExitCode, Failure> {
     let mut resolved = resolve(&args)?;
     // What this process uses, so that the workers log the same way.
     resolved.config.log.format = log_format;
@@ -281,7 +287,7 @@ fn serve(args: ServeArgs, log_format: LogFormat) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
+fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
     let resolved = resolve(&args)?;
     let config = &resolved.config;
     let plan = &resolved.plan;
@@ -319,10 +325,11 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
     // As the workers will: an int8 preparation made here is theirs too.
-    let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())?;
+    let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())
+        .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error })?;
     for entry in &resolved.models {
         let model = ModelSession::load(&runtime, entry, Threads::Narrow, None)
-            .with_context(|| format!("checking model '{}'", entry.name))?;
+            .map_err(|error| Failure::Model { context: format!("checking model '{}'", entry.name), error })?;
         let meta = &model.meta;
         println!(
             "model {} (version {}, sha256 {}): {}",
@@ -382,7 +389,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
+fn init(args: InitArgs) -> Result<ExitCode, Failure> {
     use inferd_config::model::{published, ModelEntry, MODEL_CONFIG_FILE};
     let dir = std::path::absolute(&args.dir)?;
     let name = match &args.name {
@@ -391,7 +398,7 @@ fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
     };
     let path = dir.join(MODEL_CONFIG_FILE);
     if path.exists() && !args.force {
-        anyhow::bail!("{} exists; --force replaces it", path.display());
+        return Err(anyhow::anyhow!("{} exists; --force replaces it", path.display()).into());
     }
     let text = published::infer(&dir, &name, args.file.as_deref()).map_err(anyhow::Error::msg)?;
     // Put in place whole, then read back as the server will read it.
@@ -406,13 +413,13 @@ fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+fn status(args: StatusArgs) -> Result<ExitCode, Failure> {
     let socket = args.socket.path()?;
     loop {
         let response = control::query(&socket, &Request::Status, |_| {})?;
         let status = response.status.context("the server sent no status")?;
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&status)?);
+            println!("{}", serde_json::to_string_pretty(&status).map_err(anyhow::Error::from)?);
         } else if args.watch {
             // Clear the screen and home the cursor, then redraw.
             print!("\x1b[2J\x1b[H{}", status.render());
@@ -422,13 +429,13 @@ fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         }
         if !args.watch {
             let degraded = status.phase == inferd_supervisor::status::Phase::Degraded;
-            return Ok(if degraded { ExitCode::from(2) } else { ExitCode::SUCCESS });
+            return Ok(if degraded { ExitCode::from(EXIT_ANSWERED_NO as u8) } else { ExitCode::SUCCESS });
         }
         std::thread::sleep(std::time::Duration::from_secs_f64(args.interval.max(0.1)));
     }
 }
 
-fn reload(args: ReloadArgs) -> anyhow::Result<ExitCode> {
+fn reload(args: ReloadArgs) -> Result<ExitCode, Failure> {
     let path = args.path.map(|p| std::path::absolute(&p).unwrap_or(p));
     let request = Request::Reload { model: args.model, path, wait: args.wait };
     let response = control::query(&args.socket.path()?, &request, |p| println!("{p}"))?;
@@ -436,7 +443,7 @@ fn reload(args: ReloadArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
+fn scale(args: ScaleArgs) -> Result<ExitCode, Failure> {
     let delta: i32 = args.delta.parse().with_context(|| format!("scale takes +1 or -1, not {}", args.delta))?;
     let response = control::query(&args.socket.path()?, &Request::Scale { delta }, |p| println!("{p}"))?;
     println!("{}", response.message.unwrap_or_default());

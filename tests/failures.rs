@@ -1,5 +1,6 @@
 //! What inferd refuses, and how it says so: a model that cannot load, a missing ONNX Runtime,
-//! an impossible CPU plan, a bad config key, a status query with no server.
+//! an impossible CPU plan, a bad config key, a status query with no server; and with which
+//! exit code (docs/operations.md, "Exit codes": 3 a model, 4 booting, 78 the configuration).
 
 mod common;
 
@@ -52,23 +53,36 @@ fn a_missing_onnx_runtime_is_explained() {
             .env("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so.1.31.1")
             .output()
             .unwrap();
-        assert!(!out.status.success());
         let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(4), "{command}: {err}");
         assert!(
             err.contains("ORT_DYLIB_PATH points to /nonexistent/libonnxruntime.so.1.31.1, which does not exist"),
             "{err}"
         );
     }
-    // A path that exists but is not the library: the worker reports it and serve stops.
+    // The same named by the configuration (the unit's RestartPreventExitStatus relies on 4).
+    let config = std::fs::read_to_string(dir.path().join("inferd.toml")).unwrap();
+    let missing = format!("{config}\n[runtime]\nort_library = \"/nonexistent/libonnxruntime.so\"\n");
+    std::fs::write(dir.path().join("missing.toml"), missing).unwrap();
+    for command in ["check", "serve"] {
+        let out = inferd(&[command, "--config", "missing.toml"], &dir);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(4), "{command}: {err}");
+        assert!(err.contains("runtime.ort_library points to /nonexistent/libonnxruntime.so"), "{err}");
+    }
+    // A path that exists but is not the library: `check` says so, and in `serve` the worker
+    // reports it and serve stops.
     std::fs::write(dir.path().join("libonnxruntime.so.1.31.1"), b"not a library").unwrap();
-    let out = Command::new(BIN)
-        .args(["serve", "--config", "inferd.toml"])
-        .current_dir(dir.path())
-        .env("ORT_DYLIB_PATH", dir.path().join("libonnxruntime.so.1.31.1"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
-    assert!(stderr(&out).contains("cannot load ONNX Runtime from"), "{}", stderr(&out));
+    for command in ["check", "serve"] {
+        let out = Command::new(BIN)
+            .args([command, "--config", "inferd.toml"])
+            .current_dir(dir.path())
+            .env("ORT_DYLIB_PATH", dir.path().join("libonnxruntime.so.1.31.1"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(4), "{command}: {}", stderr(&out));
+        assert!(stderr(&out).contains("cannot load ONNX Runtime from"), "{}", stderr(&out));
+    }
 }
 
 #[test]
@@ -79,7 +93,7 @@ fn an_oversubscribed_plan_is_refused_by_check_and_serve() {
     write_config(dir.path(), port, cores, &test_models(), "typed", &[], "");
     for command in ["check", "serve"] {
         let out = inferd(&[command, "--config", "inferd.toml", "--threads", "2"], &dir);
-        assert!(!out.status.success(), "{command} accepted {cores} x 2 threads");
+        assert_eq!(out.status.code(), Some(78), "{command} accepted {cores} x 2 threads: {}", stderr(&out));
         let err = stderr(&out);
         assert!(err.contains(&format!("{cores} workers x 2 threads = {} threads", cores * 2)), "{err}");
         assert!(err.contains("allow_oversubscription"), "{err}");
@@ -128,25 +142,49 @@ fn bad_config_values_are_refused_naming_the_key() {
     let dir = temp_dir("badkey");
     std::fs::write(dir.path().join("inferd.toml"), "[server]\nworkerz = 2\n").unwrap();
     let out = inferd(&["check", "--config", "inferd.toml"], &dir);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78), "{}", stderr(&out));
     assert!(stderr(&out).contains("unknown field `workerz`"), "{}", stderr(&out));
     std::fs::write(dir.path().join("inferd.toml"), "[server]\nlisten = \"8000\"\n").unwrap();
     let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78), "{}", stderr(&out));
     assert!(stderr(&out).contains("config key `server.listen`"), "{}", stderr(&out));
+    // A file that cannot be read, for both commands.
+    for command in ["check", "serve"] {
+        let out = inferd(&[command, "--config", "absent.toml"], &dir);
+        assert_eq!(out.status.code(), Some(78), "{}", stderr(&out));
+        assert!(stderr(&out).contains("cannot read config"), "{}", stderr(&out));
+    }
+    // A model the configuration names that is not there is a model that cannot load.
     std::fs::write(dir.path().join("inferd.toml"), "[models]\ndefault = \"absent\"\n").unwrap();
-    let out = inferd(&["check", "--config", "inferd.toml"], &dir);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("model 'absent'"), "{}", stderr(&out));
+    for command in ["check", "serve"] {
+        let out = inferd(&[command, "--config", "inferd.toml"], &dir);
+        assert_eq!(out.status.code(), Some(3), "{command}: {}", stderr(&out));
+        assert!(stderr(&out).contains("model 'absent'"), "{}", stderr(&out));
+    }
+}
+
+/// The public port held by a socket outside inferd's SO_REUSEPORT group: `serve` cannot bind
+/// it and exits 4 (as the gRPC port does, tests/grpc.rs).
+#[test]
+fn a_port_that_cannot_be_bound_exits_4() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = temp_dir("port-taken");
+    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&format!("cannot listen on 127.0.0.1:{port}")), "{}", stderr(&out));
 }
 
 #[test]
 fn status_without_a_server_says_so_and_fails() {
     let dir = temp_dir("nostatus");
     let socket = dir.path().join("none.sock");
-    let out = Command::new(BIN).args(["status", "--control-socket"]).arg(&socket).output().unwrap();
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("inferd is not running"), "{}", stderr(&out));
+    for command in [&["status"][..], &["reload"], &["scale", "+1"]] {
+        let out = Command::new(BIN).args(command).arg("--control-socket").arg(&socket).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{command:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("inferd is not running"), "{}", stderr(&out));
+    }
 }
 
 /// A model.toml whose pipeline does not fit the model is refused with the reason, by `check`
@@ -199,7 +237,7 @@ fn a_worker_memory_limit_below_a_fresh_worker_is_refused() {
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "worker_memory_soft_limit_mb = 5");
     let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("the soft worker memory limit (5 MiB) is not above a fresh worker's private memory"),
         "{}",

@@ -361,6 +361,10 @@ fn status_exits_2_while_the_pool_is_degraded() {
     let mut server = start("degraded", 1, &[]);
     let out = inferd(&server, &["status"]);
     assert!(out.status.success());
+    // A reload the server refuses exits 2, as a degraded status does: the server answered no.
+    let out = inferd(&server, &["reload", "--model", "nosuch"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("nosuch"), "{}", text(&out));
     // The model file disappears, then the worker dies: its replacement cannot load, so the
     // slot stays down (retried with backoff) and the pool is degraded.
     let model = server.dir.path().join("models/typed/model.onnx");

@@ -40,6 +40,11 @@ pub const EXIT_BOOT: i32 = 4;
 /// Exit code of a worker in which a thread panicked outside any one request's work (see
 /// worker/src/panics.rs): a bug, reported as such; the slot is respawned like after a crash.
 pub const EXIT_PANIC: i32 = 5;
+/// Exit code of `inferd serve` and `inferd check` when the configuration cannot be used (not
+/// found, unreadable, a bad key, an impossible CPU or memory plan): sysexits' EX_CONFIG, which
+/// systemd names CONFIG. Like 3 and 4, restarting does not help (the unit's
+/// RestartPreventExitStatus lists all three).
+pub const EXIT_CONFIG: i32 = 78;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerSpec {

@@ -83,6 +83,7 @@ const LATENCY_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 /// After a failed recycling replacement, the slot is not recycled again for this long.
 const RECYCLE_PAUSE: Duration = Duration::from_secs(30);
 
+/// How the pool ends with an error; `inferd serve` exits with the code src/exit.rs maps it to.
 #[derive(Debug, thiserror::Error)]
 pub enum SupervisorError {
     #[error("worker {slot} could not load its model: {error}")]
@@ -98,18 +99,6 @@ pub enum SupervisorError {
     Control(#[from] ControlError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
-}
-
-impl SupervisorError {
-    /// `inferd serve` exits with the worker's reserved code, so scripts can tell a bad model
-    /// from a bad environment.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            SupervisorError::ModelLoad { .. } => EXIT_MODEL_LOAD,
-            SupervisorError::Boot { .. } | SupervisorError::Port(_) => EXIT_BOOT,
-            _ => 1,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
