@@ -1,7 +1,8 @@
 //! `net.ipv4.tcp_migrate_req`: when a SO_REUSEPORT listener closes, connections still in its
 //! accept queue are reset unless this is 1, in which case the kernel moves them to another
 //! listener of the same group. A slot left without a worker (crash, SIGTERM, `scale -1`) takes
-//! its socket out of the group (pool/spawn.rs, `SlotSockets`), so inferd wants it on.
+//! its socket out of the group while a sibling serves (pool/mod.rs, `settle_port`), so inferd
+//! wants it on.
 
 use tracing::{info, warn};
 

@@ -193,15 +193,6 @@ impl Slot {
         self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
     }
 
-    /// After one of its workers stopped accepting or died: when no other one accepts (its
-    /// current worker is not ready; an incoming one is promoted as it reports ready), the slot
-    /// leaves the port until its next worker is warm.
-    fn leave_port_unless_served(&self) {
-        if !self.ready() {
-            self.sockets.leave();
-        }
-    }
-
     /// A worker of the slot, other than a retiring one, that has not reported ready yet.
     fn booting(&self) -> Option<&Worker> {
         self.workers
@@ -547,6 +538,7 @@ impl Supervisor {
                 if worker.role == Role::Incoming {
                     self.promote(index, pid);
                 }
+                self.settle_port();
                 if self.memory.worker_rss.is_none() {
                     if let Err(e) = self.memory_plan(pid) {
                         error!("{e}");
@@ -556,7 +548,7 @@ impl Supervisor {
             }
             WorkerMessage::Draining => {
                 worker.state = WorkerState::Draining;
-                slot.leave_port_unless_served();
+                self.settle_port();
                 self.finish_reload();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
@@ -595,8 +587,9 @@ impl Supervisor {
             table.clear(pid);
         }
         if worker.state != WorkerState::Draining {
-            slot.leave_port_unless_served();
+            self.settle_port();
         }
+        let slot = &mut self.slots[index];
         self.totals
             .retired
             .add(&worker.stats.snapshot().without_gauges().remapped(&rows_of(&self.models, &worker.models)));
@@ -682,6 +675,22 @@ impl Supervisor {
         }
         self.slots[index].start = Start::At(Instant::now() + delay);
         self.slots[index].cause = Cause::Respawn;
+    }
+
+    /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
+    /// workers accepts (its worker died, drains, or is not warm yet) leaves the group, so that
+    /// connections waiting in its queue move to a sibling (net.ipv4.tcp_migrate_req) and new
+    /// ones go there, but only while a sibling accepts: when every worker is down at once, the
+    /// sockets that still listen stay, and clients wait in their queues for the first worker
+    /// back instead of being refused. That worker's readiness settles the port again, and the
+    /// slots still without a worker leave then. A stopping pool respawns nothing: its slots
+    /// leave as their workers stop accepting.
+    fn settle_port(&self) {
+        if self.stopping || self.slots.iter().any(Slot::ready) {
+            for slot in self.slots.iter().filter(|s| !s.ready()) {
+                slot.sockets.leave();
+            }
+        }
     }
 
     fn on_tick(&mut self) {

@@ -221,7 +221,8 @@ impl SlotSockets {
 
     /// Takes the slot out of the port's group when none of its workers accepts any more (its
     /// worker died, or was retired with no successor: `scale -1`, a replacement that waits
-    /// for memory): connections waiting in its sockets move to the siblings
+    /// for memory) and a sibling's does (`Supervisor::settle_port` decides): connections
+    /// waiting in its sockets move to the siblings
     /// (net.ipv4.tcp_migrate_req) and new ones go there, instead of waiting for the slot's
     /// next worker, which puts the sockets back by listening on them.
     ///
