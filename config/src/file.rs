@@ -145,8 +145,9 @@ pub struct ServerConfig {
     pub max_headers: usize,
     /// Request-body bytes one worker may hold at once; past it, 503 (at least max_body_bytes).
     pub max_body_bytes_in_flight: u64,
-    /// A model run longer than this means the worker is stuck: it gets SIGABRT, then
-    /// SIGKILL on the next tick, and is replaced.
+    /// A model run longer than this is stopped (through ORT's run options) and every request
+    /// in it answered 504; the worker goes on serving. Only a run that does not stop within a
+    /// grace after it means a stuck worker: SIGABRT, then SIGKILL on the next tick, replaced.
     pub request_timeout_secs: f64,
     /// When K workers do not fit in memory (measured on the first worker after warm-up), start
     /// as many as fit instead of refusing to start.

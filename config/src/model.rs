@@ -7,6 +7,7 @@
 //! file = "model.onnx"    # relative to the model's folder
 //! task = "embedding"     # "raw" (default) | "embedding" | "classification"
 //! share_weights = true   # one optimised copy of the weights for every session (runtime.cache_dir)
+//! precision = "fp32"     # "fp32" | "int8" | "auto": see [`Precision`], [`Quantization`]
 //! [warmup]
 //! batch_sizes = [1, 4]   # warm-up runs, one per batch size
 //! dynamic_dim = 16       # value used for every other dynamic dimension
@@ -24,7 +25,6 @@
 //! labels = ["negative", "positive"]
 //! activation = "softmax" # "softmax" | "sigmoid" | "none"; default: read from the graph
 //! [image]                # image models: see [`ImageConfig`]
-//! precision = "fp32"     # "fp32" | "int8" | "auto": see [`Precision`], [`Quantization`]
 //! [quantization]         # the accuracy guard of int8; defaults shown
 //! min_cosine = 0.99      # embeddings: least cosine to fp32 over the calibration texts
 //! max_probability_error = 0.02  # classifiers: largest probability difference to fp32

@@ -76,7 +76,7 @@ impl Endpoint {
 
 /// Status codes counted apart; any other counts as the last ("other").
 /// 499: the client closed the connection before the answer (nginx's code for it).
-pub const CODES: [u16; 11] = [200, 400, 404, 405, 413, 429, 499, 500, 503, 504, 0];
+pub const CODES: [u16; 10] = [200, 400, 404, 405, 413, 499, 500, 503, 504, 0];
 /// Upper bounds (seconds) of the queue-time and compute-time histograms; +Inf follows.
 pub const LATENCY_BUCKETS: [f64; 14] =
     [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];

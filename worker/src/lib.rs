@@ -23,13 +23,15 @@
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
-//! `inferd-batch` dispatcher that forms batches, T `inferd-lane-N` threads that run them (lane
-//! 0 also runs the wide sessions, as the T-th member of ORT's intra-op pool), and T-1 ORT pool
-//! threads. At most T of them compute at once. (ORT's telemetry thread is switched off.) A
-//! worker of one thread that borrows a sibling's idle core has one ORT pool thread more,
-//! pinned to that core (4 threads), which computes only while the core is lent to it, and a
-//! worker of one thread has its background lane (`inferd-lane-bg`, 5 threads with lending),
-//! which runs long inputs on the worker's core at a lower priority.
+//! `inferd-batch` timer thread (what falls due by the clock: a batch's wait for company, run
+//! timeouts; batches are formed under the dispatcher's lock by whoever hands a job in or
+//! frees a lane), T `inferd-lane-N` threads that run them (lane 0 also runs the wide sessions,
+//! as the T-th member of ORT's intra-op pool), and T-1 ORT pool threads. At most T of them
+//! compute at once. (ORT's telemetry thread is switched off.) A worker of one thread that
+//! borrows a sibling's idle core has one ORT pool thread more, pinned to that core (4
+//! threads), which computes only while the core is lent to it, and a worker of one thread has
+//! its background lane (`inferd-lane-bg`, 5 threads with lending), which runs long inputs on
+//! the worker's core at a lower priority.
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

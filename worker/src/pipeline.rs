@@ -4,7 +4,8 @@
 //! A [`Pipeline`] is built when the model loads, against the model's declared inputs and
 //! outputs, so a `model.toml` that does not fit its model is refused at start (and by
 //! `inferd check`) instead of failing on the first request. Tokenisation runs on the worker's
-//! I/O thread; the model thread only runs the model.
+//! I/O thread for a request's texts up to 4 KiB in all, on its one blocking thread beyond
+//! (request/tasks.rs); the lanes only run the model.
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
