@@ -348,9 +348,9 @@ fn take_port(fd: RawFd, slot: bool) -> std::io::Result<std::net::TcpListener> {
 /// by the supervisor (its slot had no worker left to accept, see `SlotSockets::leave`) just as
 /// this worker joined it; the worker joins again. Other errors (out of descriptors) back off
 /// instead of spinning.
-async fn accept_failed(listener: &tokio::net::TcpListener, error: std::io::Error) {
+async fn accept_failed(listener: &mut tokio::net::TcpListener, error: std::io::Error) {
     if error.raw_os_error() == Some(libc::EINVAL) {
-        match socket2::SockRef::from(listener).listen(BACKLOG) {
+        match rejoin(listener) {
             Ok(()) => return info!("the slot's socket had left the port; listening again"),
             Err(e) => warn!("cannot listen again: {e}"),
         }
@@ -358,6 +358,19 @@ async fn accept_failed(listener: &tokio::net::TcpListener, error: std::io::Error
         warn!("accept failed: {error}");
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Listens again on a socket taken out of the port, through a new registration with the
+/// reactor: leaving put the socket in TCP_CLOSE, which polls as a hang-up, and tokio keeps a
+/// hang-up in the old registration's readiness for good, so accepting through it would find
+/// it ready forever and spin the I/O thread (seen: a worker replaced as stuck after 60 s).
+fn rejoin(listener: &mut tokio::net::TcpListener) -> std::io::Result<()> {
+    let socket = socket2::SockRef::from(&*listener).try_clone()?;
+    socket.listen(BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    socket.set_cloexec(true)?;
+    *listener = tokio::net::TcpListener::from_std(socket.into())?;
+    Ok(())
 }
 
 /// What open connections are told when the worker drains.
@@ -598,7 +611,7 @@ impl Calls {
 /// sibling); gRPC clients retry a stream the GOAWAY refused on their own. Each
 /// call's body is read and charged by [`crate::http::grpc::intake`] before tonic decodes it.
 async fn serve_grpc(
-    listener: tokio::net::TcpListener,
+    mut listener: tokio::net::TcpListener,
     state: Arc<AppState>,
     connections: Arc<tokio::sync::Semaphore>,
     mut drain: watch::Receiver<Drain>,
@@ -623,7 +636,7 @@ async fn serve_grpc(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
-                    accept_failed(&listener, e).await;
+                    accept_failed(&mut listener, e).await;
                     continue;
                 }
             },
@@ -758,7 +771,7 @@ fn serve(
     runtime.block_on(async move {
         let registered = tokio::net::TcpListener::from_std(listeners.http)
             .and_then(|http| Ok((http, listeners.grpc.map(tokio::net::TcpListener::from_std).transpose()?)));
-        let (listener, grpc) = match registered {
+        let (mut listener, grpc) = match registered {
             Ok(l) => l,
             Err(e) => {
                 error!("cannot register the listener: {e}");
@@ -836,7 +849,7 @@ fn serve(
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => context.serve(stream, peer, Vec::new(), permit),
-                    Err(e) => accept_failed(&listener, e).await,
+                    Err(e) => accept_failed(&mut listener, e).await,
                 },
                 // A connection a retiring sibling handed over, with the bytes it had read.
                 received = async { handoff.as_ref().expect("guarded").recv().await }, if handoff.is_some() => {
@@ -887,4 +900,47 @@ fn serve(
         }
         0
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The supervisor takes a slot's socket out of the port (`shutdown`) just as this worker
+    /// listens on it: accepting fails with EINVAL, the worker listens again, and then waits for
+    /// connections as before, its I/O thread free (it once spun there for good).
+    #[test]
+    fn a_socket_taken_out_of_the_port_is_joined_again_without_spinning() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let outcome = runtime.block_on(async {
+                // A port of its own, bound as the supervisor binds a slot's (an ephemeral one
+                // would be given up by the shutdown below).
+                let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+                socket.set_reuse_address(true).unwrap();
+                socket.set_reuse_port(true).unwrap();
+                socket.bind(&addr.into()).unwrap();
+                socket.listen(BACKLOG).unwrap();
+                socket.set_nonblocking(true).unwrap();
+                let mut listener = tokio::net::TcpListener::from_std(socket.into()).unwrap();
+                nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Read).unwrap();
+                let error = listener.accept().await.unwrap_err();
+                assert_eq!(error.raw_os_error(), Some(libc::EINVAL), "{error}");
+                accept_failed(&mut listener, error).await;
+                // Nobody connects: accepting waits, and a timer on the same thread fires.
+                let idle = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
+                assert!(idle.is_err(), "accepted {idle:?} with nobody connecting");
+                let client = std::thread::spawn(move || std::net::TcpStream::connect(addr));
+                let accepted = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await;
+                assert!(matches!(accepted, Ok(Ok(_))), "{accepted:?}");
+                client.join().unwrap().unwrap();
+            });
+            let _ = done.send(outcome);
+        });
+        finished.recv_timeout(Duration::from_secs(30)).expect("the I/O thread is stuck (or the test panicked)");
+    }
 }

@@ -685,9 +685,13 @@ impl Supervisor {
     /// back instead of being refused. That worker's readiness settles the port again, and the
     /// slots still without a worker leave then. A stopping pool respawns nothing: its slots
     /// leave as their workers stop accepting.
+    ///
+    /// A slot whose next worker is booting is left as it is: that worker listens as soon as
+    /// it is warm, before its `Ready` arrives here, and taking its socket out just then would
+    /// make it join again (a slot left earlier has left already).
     fn settle_port(&self) {
         if self.stopping || self.slots.iter().any(Slot::ready) {
-            for slot in self.slots.iter().filter(|s| !s.ready()) {
+            for slot in self.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
                 slot.sockets.leave();
             }
         }
