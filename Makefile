@@ -1,7 +1,7 @@
 # inferd: the two commands of the README, and the set-up they share.
 #   make run    set up (idempotent), build release, serve the default model on 127.0.0.1:8000
-#   make test   set up (idempotent), then the whole test suite (unit + integration, real binary),
-#               the parsers' lint and a bounded run of every fuzz target
+#   make test   set up (idempotent) while the tests build, then the whole test suite (unit +
+#               integration, real binary), the parsers' lint and a bounded run of every fuzz target
 #   make setup  only the set-up: .venv tooling, ONNX Runtime library, default model
 #   make rpm    the CentOS/RHEL 8/9 package (glibc 2.28 binary) in target/rpm/ (docs/rhel.md)
 
@@ -23,13 +23,10 @@ check: setup build
 	target/release/inferd check $(ARGS)
 
 # The integration tests run the release binary, so `make run` and `make test` share one build.
-test: setup
-	scripts/test-deps.sh
-	$(CARGO) test --release --locked --workspace --features inferd/test-switches
-	# The request parsers deny unchecked arithmetic (clippy::arithmetic_side_effects).
-	$(CARGO) clippy --release --locked -p inferd-worker --all-features -- -D warnings
-	# Every request parser's fuzz target, 10 s each, from its seed corpus (fuzz/, docs/guards.md).
-	scripts/fuzz.sh 10
+# scripts/test.sh: the set-up while the tests build, the suite (cargo-nextest where the
+# toolchain has it), the parsers' lint and a bounded run of every fuzz target.
+test:
+	CARGO=$(CARGO) scripts/test.sh
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md).

@@ -17,18 +17,38 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing"
 cargo build --release --locked --target "$host" --bins
-for target in "${targets[@]}"; do
+# One target per core at a time: each still runs for SECONDS on a core of its own.
+jobs=$(nproc)
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+run() {
+    local target=$1 work status=0
     work=$(mktemp -d)
     cp -r "corpus/$target/." "$work/"
     mkdir -p "artifacts/$target"
-    echo "fuzz: $target for $seconds s"
-    status=0
     "target/$host/release/$target" "$work" -max_total_time="$seconds" -max_len=65536 -timeout=10 \
         -rss_limit_mb=2048 -artifact_prefix="artifacts/$target/" -print_final_stats=1 >"$work.log" 2>&1 || status=$?
-    grep -E "DONE|stat::(number_of_executed_units|new_units_added|peak_rss_mb)|panicked|deadly|SUMMARY|Test unit" "$work.log" || true
+    {
+        echo "fuzz: $target for $seconds s"
+        grep -E "DONE|stat::(number_of_executed_units|new_units_added|peak_rss_mb)|panicked|deadly|SUMMARY|Test unit" "$work.log" || true
+    } >"$results/$target.out"
+    echo "$status" >"$results/$target.status"
     rm -rf "$work" "$work.log"
+}
+for target in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do
+        wait -n || true
+    done
+    run "$target" &
+done
+wait
+failed=0
+for target in "${targets[@]}"; do
+    cat "$results/$target.out"
+    status=$(cat "$results/$target.status")
     if [ "$status" -ne 0 ]; then
         echo "fuzz: $target FAILED (exit $status); the input is in fuzz/artifacts/$target/" >&2
-        exit 1
+        failed=1
     fi
 done
+exit "$failed"

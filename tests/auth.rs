@@ -5,15 +5,13 @@
 //! keys rotated by reload under load with no failed request; a keys file others can read is
 //! refused at start and at reload, the pool keeping its keys.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 const KEY_A: &str = "key-a-7f3c9e2b41d86a05e1f4";

@@ -5,12 +5,10 @@
 //! The worker has 2 threads: a lone request runs on the wide session (both threads), concurrent
 //! ones on the two narrow lanes, so the comparisons also cover wide against narrow.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// A model repository holding the default model with `batching` as its `[batching]` section.

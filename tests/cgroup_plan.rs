@@ -5,14 +5,12 @@
 //! with server.fit_workers_to_memory, shrunk (docs/guards.md). Needs root and the cgroup v1
 //! cpu, cpuset and memory controllers; without them each test prints why and returns.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const MIB: u64 = 1 << 20;
 

@@ -4,11 +4,9 @@
 //! worker killed at once, again and again: the port never refuses a connection while the
 //! supervisor lives (clients wait in the queue of the last socket listening).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 #[test]
 fn random_kills_every_two_seconds_cost_only_the_requests_in_flight() {

@@ -4,11 +4,9 @@
 //! `/similarity`, `POST /`, SageMaker's `/invocations` and `/ping`), each mistake answered
 //! with a 4xx in the shape its protocol uses.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// The default model (minilm), the classifier and the reranker test models, `default` first;

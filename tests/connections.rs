@@ -3,11 +3,9 @@
 //! `max_requests_per_connection` requests, and while a worker holds two or more connections
 //! beyond its sibling's (`balance_connections`).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 #[test]
 fn a_connection_is_closed_after_its_requests_with_notice() {

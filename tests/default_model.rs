@@ -2,12 +2,10 @@
 //! default model (all-MiniLM-L6-v2 int8, fetched by `make setup`) with the same numbers as
 //! onnxruntime in Python (reference produced by scripts/make_reference.py).
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 fn fixture(name: &str) -> Value {

@@ -8,15 +8,13 @@
 //! pod's CPU and memory limits. A missing tool fails the test with what installs it; only
 //! missing root skips the image build, saying so.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// Manifests of Kubernetes' own kinds (kubernetes-validate has their schemas) ...

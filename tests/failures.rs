@@ -2,12 +2,10 @@
 //! an impossible CPU plan, a bad config key, a status query with no server; and with which
 //! exit code (docs/operations.md, "Exit codes": 3 a model, 4 booting, 78 the configuration).
 
-mod common;
-
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 fn inferd(args: &[&str], dir: &TempDir) -> Output {
     Command::new(BIN).args(args).current_dir(dir.path()).env("INFERD_LOG", "info").output().unwrap()

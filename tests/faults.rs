@@ -20,14 +20,12 @@
 //! exists; with the load paused, nothing is in flight; the Prometheus request total equals the
 //! answers the clients received; and no request failed.
 
-mod common;
-
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 struct Rng(u64);

@@ -4,12 +4,10 @@
 //! progress when a stream opens just as its worker drains; a bug in a call costs that call
 //! INTERNAL, not the worker; a gRPC port that cannot be bound stops the start with a message.
 
-mod common;
-
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 /// `typed` (the default), `minilm`, `classifier` and `slow`, serving gRPC on a port of its own
 /// (given on the command line); two workers where there are two cores.

@@ -1,14 +1,12 @@
 //! Guards: backpressure instead of collapse, stuck workers killed and replaced, hostile
 //! clients refused without hurting the worker.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::json;
 
 fn start(tag: &str, extra: &str) -> Server {

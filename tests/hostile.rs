@@ -5,11 +5,9 @@
 //! request's work, its worker, which is replaced), never a worker that says it is ready but
 //! cannot answer.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::json;
 
 /// Generous: the bound says "answered, not hung", not how fast.

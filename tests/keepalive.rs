@@ -4,14 +4,12 @@
 //! never retry: a request that fails is a failure. A retiring worker hands its idle
 //! connections to a sibling instead of closing them under the client.
 
-mod common;
-
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Keep-alive clients pausing 0-`pause_ms` ms between requests (different pauses for each);
 /// `announced_closes` counts the connections the server closed with notice (`Connection:

@@ -1,11 +1,9 @@
 //! Logs operators read: JSON lines from every process, one access line per answered request,
 //! and request ids (X-Request-Id) echoed and carried into the failure's log line.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 fn json_lines(log: &str) -> Vec<serde_json::Value> {

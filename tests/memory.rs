@@ -2,13 +2,11 @@
 //! every request are replaced gracefully before the kernel's OOM killer fires, and no request
 //! fails. Also: a pool that cannot fit is refused at start with the numbers.
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const MIB: u64 = 1 << 20;
 

@@ -2,11 +2,9 @@
 //! loopback) scrapes the supervisor's admin listener, and its query API must count exactly
 //! the requests the test sent, also across a worker's SIGKILL.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The value of a scalar-ish PromQL query, if Prometheus has one yet.
 fn query(p: &Prometheus, promql: &str) -> Option<f64> {

@@ -7,13 +7,11 @@
 //! Seeded and reproducible: INFERD_PARSER_SEED picks the seed (printed on failure),
 //! INFERD_PARSER_CASES the number of requests (default 1500; 20000 for a long run).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// xorshift64*: enough randomness for mutations, and the same sequence for the same seed.

@@ -4,12 +4,10 @@
 //! encoded images, including hostile ones that must get a 4xx without hurting the worker. References come from
 //! scripts/make_reference.py (tokenizers/Pillow + onnxruntime in Python).
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use base64::Engine as _;
-use common::*;
 use serde_json::{json, Value};
 
 fn fixture(name: &str) -> Value {

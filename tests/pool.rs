@@ -1,12 +1,10 @@
 //! The pool as the operator sees it: K ready workers on disjoint CPU sets with their share of
 //! threads, and a SIGKILLed worker replaced while the others keep answering.
 
-mod common;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 

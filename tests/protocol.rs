@@ -1,11 +1,9 @@
 //! KServe v2 over real HTTP: every datatype, output selection, request ids, the errors for bad
 //! requests, and the real `tritonclient` package against the server.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 fn typed_server(tag: &str) -> Server {

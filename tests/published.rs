@@ -4,13 +4,11 @@
 //! tests/clients/published_reference.py computes from the same files with onnxruntime,
 //! tokenizers and Pillow; `inferd init` and `inferd check`; folders that cannot be read so.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 const FOLDERS: [&str; 6] =

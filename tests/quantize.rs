@@ -6,13 +6,11 @@
 //! (`int8`) or serves fp32 (`auto`), with the figures. Image and raw models are guarded too, on
 //! generated images and tensors and on the user's own inputs.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// A repository whose `minilm` is the default model with `settings` added to its model.toml.

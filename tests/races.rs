@@ -7,14 +7,12 @@
 //! ready, and fails only when that worker fails; a replacement that was already booting
 //! finishes on the old models; after a failed reload every later worker runs the old models.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 /// Every bound: generous, since a busy 2-core machine boots workers slowly.

@@ -2,14 +2,12 @@
 //! that must fail without hurting anyone, scaling within the CPU budget, and who may talk to
 //! the control socket.
 
-mod common;
-
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 use serde_json::json;
 

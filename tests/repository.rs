@@ -4,12 +4,10 @@
 //! admin.model_control turns them on, and need the admin token (admin.token_file); a
 //! `parameters.path` outside the repository is refused while the pool serves on.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const TOKEN: &str = "admin-token-5e1b9c0d27f4a863";
 

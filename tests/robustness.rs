@@ -2,14 +2,12 @@
 //! it cannot hold, a label value with a quote, clients that leave mid-request, a reload while
 //! `scale -1` drains. Each must end in a clear message or a correct count, never a panic.
 
-mod common;
-
 use std::io::Write;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 /// A repository of `n` models m0..m{n-1}, each the `slow` test model under its own name;

@@ -1,14 +1,12 @@
 //! SIGTERM under load: accepted requests complete, the supervisor exits 0, no worker is left.
 //! (Own file: it sends real signals.)
 
-mod common;
-
 use std::io::ErrorKind;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 #[test]

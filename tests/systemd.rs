@@ -2,8 +2,6 @@
 //! `WATCHDOG_USEC`) and socket activation (`LISTEN_FDS`). The real systemd runs the unit in
 //! scripts/systemd-e2e.sh.
 
-mod common;
-
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
@@ -12,7 +10,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 /// `inferd serve` through `sh`, which puts its own pid (kept by `exec`) in `variable`:

@@ -5,13 +5,11 @@
 //! journal, and socket activation across a restart (zero refused connections).
 //! Needs root; a host that cannot run the container (exit 77) is reported as a skip.
 
-mod common;
-
 use std::process::Command;
 
 #[test]
 fn the_units_under_a_real_systemd() {
-    let out = Command::new(common::repo().join("scripts/systemd-e2e.sh"))
+    let out = Command::new(crate::common::repo().join("scripts/systemd-e2e.sh"))
         .env("INFERD_BIN", env!("CARGO_BIN_EXE_inferd"))
         .output()
         .expect("run scripts/systemd-e2e.sh");

@@ -2,11 +2,9 @@
 //! row per candidate and writes the best plan into the configuration and the model's
 //! model.toml, keeping their comments.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn usable_cores(config: &std::path::Path) -> usize {
     let out = Command::new(BIN).arg("check").arg("--config").arg(config).output().unwrap();

@@ -2,13 +2,11 @@
 //! that every session of every worker maps. Answers must not change, a damaged artefact is
 //! rebuilt and never loaded, and a new version gets its own artefact while the old one goes.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use base64::Engine as _;
-use common::*;
 use nix::sys::signal::Signal;
 use serde_json::json;
 
@@ -16,7 +14,7 @@ use serde_json::json;
 const MODELS: [&str; 5] = ["minilm", "typed", "slow", "classifier", "cnn"];
 
 fn repo_root() -> PathBuf {
-    common::repo()
+    crate::common::repo()
 }
 
 /// One request per model, and the bodies of their answers.

@@ -66,15 +66,26 @@ pub fn client_check(script: &str, args: &[&str], server: &Server, success: &str)
 
 /// A port nobody listens on right now. Every worker slot binds the same port with SO_REUSEPORT,
 /// so the port must be chosen up front rather than by binding port 0.
-/// Never the same port twice in one test binary: tests run in parallel, and two servers
-/// given the same port would join one SO_REUSEPORT group and answer each other's requests.
+/// Never a port another test holds: tests run in parallel, in this process and in others (the
+/// runner may start each test in a process of its own), and two servers given the same port
+/// would join one SO_REUSEPORT group and answer each other's requests. A port is held by an
+/// exclusive lock on a file named after it, which this process keeps until it exits (the
+/// kernel drops the lock then, however it ends).
 pub fn free_port() -> u16 {
-    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    use nix::fcntl::{Flock, FlockArg};
+    static HELD: Mutex<Vec<(u16, Flock<std::fs::File>)>> = Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("inferd-test-ports");
+    std::fs::create_dir_all(&dir).unwrap();
     loop {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut given = GIVEN.lock().unwrap();
-        if !given.contains(&port) {
-            given.push(port);
+        let mut held = HELD.lock().unwrap();
+        if held.iter().any(|(p, _)| *p == port) {
+            continue;
+        }
+        let file =
+            std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()));
+        if let Ok(lock) = Flock::lock(file.unwrap(), FlockArg::LockExclusiveNonblock) {
+            held.push((port, lock));
             return port;
         }
     }
