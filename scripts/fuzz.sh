@@ -3,7 +3,9 @@
 # toolchain and runs each for SECONDS on a copy of its committed seed corpus; a crash, a leak
 # or a timeout fails the run and leaves its input in fuzz/artifacts/<target>/.
 #   scripts/fuzz.sh [SECONDS] [TARGET...]   (default 10 s each, every target)
-# `make test` runs it with the default; a long run: scripts/fuzz.sh 3600 kserve_json
+#   scripts/fuzz.sh build                   (only the build)
+# `make test` builds while the suite runs, then runs the default; a long run:
+# scripts/fuzz.sh 3600 kserve_json
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../fuzz"
 seconds=${1:-10}
@@ -17,6 +19,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing"
 cargo build --release --locked --target "$host" --bins
+[ "$seconds" != build ] || exit 0
 # One target per core at a time: each still runs for SECONDS on a core of its own.
 jobs=$(nproc)
 results=$(mktemp -d)
