@@ -18,6 +18,7 @@ use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, Tensor
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct InferRequest {
     #[serde(default)]
     id: Option<String>,
@@ -29,6 +30,7 @@ struct InferRequest {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "an input: an object with name, shape, datatype and data")]
 struct RequestInput {
     name: String,
     shape: Vec<i64>,
@@ -40,6 +42,7 @@ struct RequestInput {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "an output: an object with a name")]
 struct RequestOutput {
     name: String,
     #[serde(default)]
@@ -84,7 +87,7 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
         }
     };
     let request: InferRequest =
-        serde_json::from_slice(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
+        crate::http::body::json(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
     let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
         let name = input.name;

@@ -1,6 +1,7 @@
 //! HTTP routing for one worker: KServe v2 REST, text-embeddings-inference's and OpenAI's routes
 //! (handled in `tei` and `openai`), and each protocol's error bodies.
 
+pub mod body;
 pub mod grpc;
 pub mod handoff;
 pub mod kserve;

@@ -31,7 +31,9 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
+use crate::http::body::{self, OneOrMany, Shape};
 use crate::pipeline::{ranked, sparse, Head, Pipeline, Text, TextPipeline};
 use crate::request::app::{json_reply, ApiError, AppState, Reply};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
@@ -39,22 +41,7 @@ use crate::runtime::model::ModelMeta;
 use inferd_config::model::{Pooling, Task};
 
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum OneOrMany<T> {
-    One(T),
-    Many(Vec<T>),
-}
-
-impl<T> OneOrMany<T> {
-    fn into_vec(self) -> (Vec<T>, bool) {
-        match self {
-            OneOrMany::One(x) => (vec![x], false),
-            OneOrMany::Many(v) => (v, true),
-        }
-    }
-}
-
-#[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct EmbedRequest {
     inputs: OneOrMany<String>,
     /// One of the model's `[embedding.prompts]`, put before every input.
@@ -66,11 +53,35 @@ struct EmbedRequest {
     truncate: bool,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// A text, or a pair of texts (`["query", "passage"]`).
 enum Sequence {
     Single(String),
     Pair(String, String),
+}
+
+impl Shape for Sequence {
+    const EXPECTED: &'static str = "a text or a pair of texts";
+    const PLURAL: &'static str = "texts and pairs of texts";
+    fn fits(value: &Value) -> bool {
+        match value {
+            Value::String(_) => true,
+            Value::Array(pair) => pair.len() == 2 && pair.iter().all(Value::is_string),
+            _ => false,
+        }
+    }
+    fn take(value: Value) -> Self {
+        match value {
+            Value::String(text) => Sequence::Single(text),
+            Value::Array(pair) => {
+                let mut texts = pair.into_iter().map(String::take);
+                match (texts.next(), texts.next()) {
+                    (Some(a), Some(b)) => Sequence::Pair(a, b),
+                    _ => unreachable!("fits"),
+                }
+            }
+            _ => unreachable!("fits"),
+        }
+    }
 }
 
 impl From<Sequence> for Text {
@@ -83,6 +94,7 @@ impl From<Sequence> for Text {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct PredictRequest {
     #[serde(default)]
     inputs: Option<OneOrMany<Sequence>>,
@@ -102,8 +114,12 @@ struct Prediction {
     score: f32,
 }
 
-fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("request body: {e}")))
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    read(body).map_err(ApiError::BadRequest)
+}
+
+fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    body::json(body).map_err(|e| format!("request body: {e}"))
 }
 
 fn require(meta: &ModelMeta, task: Task, endpoint: &str) -> Result<(), ApiError> {
@@ -182,6 +198,7 @@ pub async fn embed_all(
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct SparseRequest {
     inputs: OneOrMany<String>,
     #[serde(default)]
@@ -300,6 +317,7 @@ pub async fn predict(
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct RerankRequest {
     query: String,
     texts: Vec<String>,
@@ -423,7 +441,9 @@ pub fn info(state: &AppState, meta: &ModelMeta) -> Reply {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct TokenizeRequest {
+    #[serde(deserialize_with = "body::read")]
     inputs: TokenizeInputs,
     #[serde(default = "yes")]
     add_special_tokens: bool,
@@ -434,11 +454,28 @@ fn yes() -> bool {
 }
 
 /// As TEI reads it: a text, or a list of texts; a pair is a list of two inside the list.
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum TokenizeInputs {
     One(String),
     Many(Vec<Sequence>),
+}
+
+impl Shape for TokenizeInputs {
+    const EXPECTED: &'static str = "a text or a list of texts and pairs of texts";
+    const PLURAL: &'static str = "such lists";
+    fn fits(value: &Value) -> bool {
+        match value {
+            Value::String(_) => true,
+            Value::Array(items) => items.iter().all(Sequence::fits),
+            _ => false,
+        }
+    }
+    fn take(value: Value) -> Self {
+        match value {
+            Value::String(text) => TokenizeInputs::One(text),
+            Value::Array(items) => TokenizeInputs::Many(items.into_iter().map(Sequence::take).collect()),
+            _ => unreachable!("fits"),
+        }
+    }
 }
 
 /// `POST /tokenize`: `[[{"id", "text", "special", "start", "stop"}, ...], ...]`, one list per
@@ -463,17 +500,38 @@ pub async fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct DecodeRequest {
     ids: OneOrMany<IdsOrId>,
     #[serde(default = "yes")]
     skip_special_tokens: bool,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum IdsOrId {
     Id(u32),
     Ids(Vec<u32>),
+}
+
+/// A token id: a whole number that fits the tokenizer's u32.
+fn token_id(value: &Value) -> Option<u32> {
+    value.as_u64().and_then(|id| u32::try_from(id).ok())
+}
+
+impl Shape for IdsOrId {
+    const EXPECTED: &'static str = "a token id (a whole number from 0 to 4294967295) or a list of them";
+    const PLURAL: &'static str = "token ids and lists of token ids";
+    fn fits(value: &Value) -> bool {
+        match value {
+            Value::Array(ids) => ids.iter().all(|id| token_id(id).is_some()),
+            id => token_id(id).is_some(),
+        }
+    }
+    fn take(value: Value) -> Self {
+        match value {
+            Value::Array(ids) => IdsOrId::Ids(ids.iter().filter_map(token_id).collect()),
+            id => IdsOrId::Id(token_id(&id).expect("fits")),
+        }
+    }
 }
 
 /// `POST /decode`: `{"ids": [..] | [[..], ..], "skip_special_tokens": true}` -> a list of texts.
@@ -515,6 +573,7 @@ pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, 
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct SimilarityRequest {
     inputs: SimilarityInputs,
     #[serde(default)]
@@ -522,6 +581,7 @@ struct SimilarityRequest {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct SimilarityInputs {
     source_sentence: String,
     sentences: Vec<String>,
@@ -553,24 +613,123 @@ pub async fn similarity(
 }
 
 /// Every TEI request body this module reads, parsed as its handler parses it: the inputs each
-/// would carry, `None` where the body is not that request (the fuzz target's entry,
-/// fuzz/fuzz_targets/tei_openai.rs).
-pub fn parse_bodies(body: &[u8]) -> [Option<usize>; 7] {
-    let embed = parse::<EmbedRequest>(body).ok().map(|r| r.inputs.into_vec().0.len());
-    let predict = parse::<PredictRequest>(body).ok().map(|r| {
-        let texts = r.inputs.map_or(0, |i| i.into_vec().0.into_iter().map(Text::from).count());
-        texts.saturating_add(r.image_b64.map_or(0, |i| i.into_vec().0.len()))
-    });
-    let rerank = parse::<RerankRequest>(body).ok().map(|r| r.texts.len());
-    let tokenize = parse::<TokenizeRequest>(body).ok().map(|r| match r.inputs {
-        TokenizeInputs::One(_) => 1,
-        TokenizeInputs::Many(list) => list.len(),
-    });
-    let decode = parse::<DecodeRequest>(body).ok().map(|r| match r.ids {
-        OneOrMany::One(_) => 1,
-        OneOrMany::Many(items) => items.len(),
-    });
-    let similarity = parse::<SimilarityRequest>(body).ok().map(|r| r.inputs.sentences.len());
-    let sparse = parse::<SparseRequest>(body).ok().map(|r| r.inputs.into_vec().0.len());
-    [embed, predict, rerank, tokenize, decode, similarity, sparse]
+/// would carry, or the error a client would read where the body is not that request (the fuzz
+/// target's entry, fuzz/fuzz_targets/tei_openai.rs).
+pub fn parse_bodies(body: &[u8]) -> [Result<usize, String>; 7] {
+    fn count<T: serde::de::DeserializeOwned>(body: &[u8], count: impl FnOnce(T) -> usize) -> Result<usize, String> {
+        read(body).map(count)
+    }
+    [
+        count(body, |r: EmbedRequest| r.inputs.into_vec().0.len()),
+        count(body, |r: PredictRequest| {
+            let texts = r.inputs.map_or(0, |i| i.into_vec().0.into_iter().map(Text::from).count());
+            texts.saturating_add(r.image_b64.map_or(0, |i| i.into_vec().0.len()))
+        }),
+        count(body, |r: RerankRequest| r.texts.len()),
+        count(body, |r: TokenizeRequest| match r.inputs {
+            TokenizeInputs::One(_) => 1,
+            TokenizeInputs::Many(list) => list.len(),
+        }),
+        count(body, |r: DecodeRequest| match r.ids {
+            OneOrMany::One(_) => 1,
+            OneOrMany::Many(items) => items.len(),
+        }),
+        count(body, |r: SimilarityRequest| r.inputs.sentences.len()),
+        count(body, |r: SparseRequest| r.inputs.into_vec().0.len()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Words of serde's and Rust's that a client's error must not carry.
+    pub(crate) const INTERNAL: [&str; 12] = [
+        "untagged",
+        "variant",
+        "struct ",
+        "enum ",
+        "OneOrMany",
+        "usize",
+        "u32",
+        "u64",
+        "i64",
+        "f32",
+        "a sequence",
+        "a map",
+    ];
+
+    /// Each seed of the fuzz targets' corpora with each of its fields given each wrong shape:
+    /// every route's error names the field, says what it must be and what came, in words.
+    #[test]
+    fn every_body_error_over_the_seed_corpora_is_in_the_clients_terms() {
+        let wrong = [
+            json!(5),
+            json!(-1),
+            json!(1.5),
+            json!("x"),
+            json!(true),
+            json!(null),
+            json!([]),
+            json!({}),
+            json!([5]),
+            json!([[5]]),
+            json!([{"a": 1}]),
+            json!(["a", 5]),
+        ];
+        let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/tei_openai");
+        let mut checked = 0;
+        for seed in std::fs::read_dir(&corpus).unwrap() {
+            let seed = seed.unwrap().path();
+            let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&std::fs::read(&seed).unwrap()) else {
+                continue;
+            };
+            for key in fields.keys() {
+                for value in &wrong {
+                    let mut body = fields.clone();
+                    body.insert(key.clone(), value.clone());
+                    let body = serde_json::to_vec(&body).unwrap();
+                    let openai = crate::http::openai::parse(&body).err().map(|e| e.to_string());
+                    for error in parse_bodies(&body).into_iter().filter_map(Result::err).chain(openai) {
+                        checked += 1;
+                        for word in INTERNAL {
+                            assert!(
+                                !error.contains(word),
+                                "{}: {key} = {value}: {error:?} says {word:?}",
+                                seed.display()
+                            );
+                        }
+                        // A value of the wrong shape is named by its path (TEI's routes) or
+                        // its name (OpenAI's).
+                        if ["must be", "invalid type", "invalid value"].iter().any(|w| error.contains(w)) {
+                            let named = error.starts_with("request body: `") || error.starts_with('\'');
+                            assert!(named, "{key} = {value}: {error}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "only {checked} errors checked: is the corpus at {} there?", corpus.display());
+    }
+
+    #[test]
+    fn the_embed_inputs_that_were_a_rust_type_name_now_say_what_they_must_be() {
+        let [embed, ..] = parse_bodies(br#"{"inputs": 5}"#);
+        let error = embed.unwrap_err();
+        assert!(
+            error.starts_with("request body: `inputs`: must be a string or a list of strings, got the number 5"),
+            "{error}"
+        );
+        let [_, predict, _, tokenize, decode, ..] = parse_bodies(br#"{"inputs": [["a", "b"], ["c"]], "ids": [1, -2]}"#);
+        let predict = predict.unwrap_err();
+        assert!(predict.contains("must be a text or a pair of texts or a list of texts and pairs of texts, got a list whose item [1] is a list of 1"), "{predict}");
+        let tokenize = tokenize.unwrap_err();
+        assert!(tokenize.contains("`inputs`: must be a text or a list of texts and pairs of texts"), "{tokenize}");
+        let decode = decode.unwrap_err();
+        assert!(
+            decode.contains("`ids`: must be a token id") && decode.contains("item [1] is the number -2"),
+            "{decode}"
+        );
+    }
 }
