@@ -3,9 +3,10 @@
 //! KServe v2 over HTTP/1.1 (and over gRPC on a second shared port when `server.grpc_listen`
 //! is set).
 //!
-//! Layout, by layer, from the socket down (each folder uses only those below it):
+//! Layout, by layer, from the socket down (each folder uses only those below it; `layers`,
+//! a test in `make test`, reads this list and fails on a `crate::` path that goes up it):
 //! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the
-//!   supervisor; [`panics`]: a panic costs its request (500, then the worker is replaced);
+//!   supervisor;
 //! - [`http`]: the protocol surface: REST routing and error bodies ([`http`] itself), KServe
 //!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
 //!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), and connection plumbing: the
@@ -19,7 +20,9 @@
 //!   dynamic batcher and the lanes that run them ([`runtime::engine`]), where runs' buffers
 //!   come from ([`runtime::allocator`]), prepared weights ([`runtime::weights`]), the int8
 //!   preparation ([`runtime::quantize`]), datatypes and values ([`runtime::tensor`]);
-//! - [`protowire`]: the protobuf wire format, read by the gRPC intake and the int8 rewriter.
+//! - [`protowire`]: the protobuf wire format, read by the gRPC intake and the int8 rewriter;
+//!   [`panics`]: a panic costs its request (500, then the worker is replaced), for every
+//!   layer's threads and tasks.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -87,3 +90,6 @@ pub mod runtime;
 pub mod server;
 
 pub use server::run;
+
+#[cfg(test)]
+mod layers;
