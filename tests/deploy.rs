@@ -622,8 +622,9 @@ fn dashboard_alerts_and_adapter_use_only_metrics_a_live_inferd_exports() {
     assert!(!exported.contains("inferd_batch_size"), "{exported:?}");
 
     let queries = deploy_queries();
-    let pool_source: String =
-        ["mod.rs", "guards.rs"].iter().map(|f| read(&repo().join("supervisor/src/pool").join(f))).collect();
+    // The restart and recycle reasons' labels, as `RestartReason::as_str` and
+    // `RecycleReason::as_str` write them.
+    let reasons = read(&repo().join("supervisor/src/metrics.rs"));
     for (place, query) in &queries {
         let names = metric_names(query);
         assert!(!names.is_empty(), "{place}: no metric found in `{query}`");
@@ -634,7 +635,7 @@ fn dashboard_alerts_and_adapter_use_only_metrics_a_live_inferd_exports() {
         for part in query.split("reason=\"").skip(1) {
             let reason = part.split('"').next().unwrap();
             assert!(
-                pool_source.contains(&format!("\"{reason}\"")),
+                reasons.contains(&format!("=> \"{reason}\"")),
                 "{place}: no worker restart or recycle reason \"{reason}\""
             );
         }

@@ -57,11 +57,20 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// Every reason, in the order of their counters (`inferd_ipc::stats`).
+    pub const ALL: [Refusal; 2] = [Refusal::Missing, Refusal::Invalid];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::Missing => "missing",
             Refusal::Invalid => "invalid",
         }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -11,6 +11,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::region::Region;
+use inferd_config::auth::Refusal;
 
 /// File descriptor of the counters in a worker.
 pub const WORKER_STATS_FD: i32 = 4;
@@ -106,13 +107,12 @@ const IO_BEAT_AT: usize = BEAT_AT + 1;
 /// Panics caught while serving a request (worker/src/panics.rs): the supervisor replaces a
 /// worker that has any.
 const FAULTS_AT: usize = IO_BEAT_AT + 1;
-/// Requests refused for their API key, by [`AUTH_REFUSALS`].
+/// Requests refused for their API key, one counter per [`Refusal`] in the order of
+/// [`Refusal::ALL`] (`inferd_auth_refused_total{reason}`).
 const AUTH_REFUSED_AT: usize = FAULTS_AT + 1;
-/// The reasons a request is refused for its key (`inferd_auth_refused_total{reason}`).
-pub const AUTH_REFUSALS: [&str; 2] = ["missing", "invalid"];
 /// Runs on two threads, one on a sibling's idle core, and runs that waited for their own core
 /// to come back from a sibling, by [`LENDING_EVENTS`] (server.lend_idle_cores).
-const LENDING_AT: usize = AUTH_REFUSED_AT + AUTH_REFUSALS.len();
+const LENDING_AT: usize = AUTH_REFUSED_AT + Refusal::ALL.len();
 /// `inferd_core_lending_total{event}`.
 pub const LENDING_EVENTS: [&str; 2] = ["borrowed", "waited"];
 /// Number of counters in a region.
@@ -279,11 +279,9 @@ impl WorkerCounters {
         self.counter(FAULTS_AT).load(Ordering::Relaxed)
     }
 
-    /// A request refused for its API key (`reason`: one of [`AUTH_REFUSALS`]).
-    pub fn auth_refused(&self, reason: &str) {
-        if let Some(i) = AUTH_REFUSALS.iter().position(|r| *r == reason) {
-            self.add(AUTH_REFUSED_AT + i, 1);
-        }
+    /// A request refused for its API key.
+    pub fn count_auth_refusal(&self, reason: Refusal) {
+        self.add(AUTH_REFUSED_AT + reason as usize, 1);
     }
 
     /// A run borrowed a sibling's core (`waited`: false), or waited for its own core to come
@@ -309,6 +307,21 @@ impl WorkerCounters {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot((0..LEN).map(|i| self.counter(i).load(Ordering::Relaxed)).collect())
     }
+}
+
+/// A model's answers, as Triton's statistics split them into success and failure.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Outcomes {
+    /// Requests answered 200.
+    pub ok: u64,
+    /// Seconds they took.
+    pub ok_seconds: f64,
+    /// Requests answered otherwise.
+    pub failed: u64,
+    /// Seconds those took.
+    pub failed_seconds: f64,
+    /// Unix milliseconds of the last answer (0: none yet).
+    pub last_millis: u64,
 }
 
 /// Plain counts: one worker's at a moment, or the pool's totals.
@@ -367,11 +380,11 @@ impl Snapshot {
         out
     }
 
-    /// A model's answers: (answered 200, seconds they took, answered otherwise, seconds those
-    /// took, Unix milliseconds of the last answer).
-    pub fn outcomes(&self, model: usize) -> (u64, f64, u64, f64, u64) {
+    /// A model's answers: how many were 200 and how many not, the seconds each took, and
+    /// when the last was.
+    pub fn outcomes(&self, model: usize) -> Outcomes {
         if model >= MAX_MODELS {
-            return (0, 0.0, 0, 0.0, 0);
+            return Outcomes::default();
         }
         let codes = |pick: fn(u16) -> bool| -> u64 {
             Endpoint::ALL
@@ -383,13 +396,13 @@ impl Snapshot {
         let base = ANSWERS_AT + model * ANSWER_SLOTS;
         let failed_seconds = self.0[base] as f64 / 1e6;
         let all_seconds = self.latency(Latency::Request, model).sum;
-        (
-            codes(|c| c == 200),
-            (all_seconds - failed_seconds).max(0.0),
-            codes(|c| c != 200),
+        Outcomes {
+            ok: codes(|c| c == 200),
+            ok_seconds: (all_seconds - failed_seconds).max(0.0),
+            failed: codes(|c| c != 200),
             failed_seconds,
-            self.0[base + 1],
-        )
+            last_millis: self.0[base + 1],
+        }
     }
 
     /// Drops the gauges: what a dead worker leaves to the totals.
@@ -400,9 +413,9 @@ impl Snapshot {
         self
     }
 
-    /// Requests refused for their API key, per [`AUTH_REFUSALS`].
+    /// Requests refused for their API key, per [`Refusal::ALL`].
     pub fn auth_refused(&self) -> &[u64] {
-        &self.0[AUTH_REFUSED_AT..AUTH_REFUSED_AT + AUTH_REFUSALS.len()]
+        &self.0[AUTH_REFUSED_AT..AUTH_REFUSED_AT + Refusal::ALL.len()]
     }
 
     /// Runs that borrowed a core and runs that waited for theirs, per [`LENDING_EVENTS`].
@@ -492,11 +505,11 @@ mod tests {
         a.answered(1, 503, 0.25);
         a.observe_latency(Latency::Request, 1, 0.5);
         a.observe_latency(Latency::Request, 1, 0.25);
-        let (_, ok_seconds, _, failed_seconds, last) = b.snapshot().outcomes(1);
+        let Outcomes { ok_seconds, failed_seconds, last_millis: last, .. } = b.snapshot().outcomes(1);
         assert!((ok_seconds - 0.5).abs() < 1e-6 && (failed_seconds - 0.25).abs() < 1e-6);
         let mut twice = b.snapshot();
         twice.add(&b.snapshot());
-        assert_eq!(twice.outcomes(1).4, last, "the last answer's time is a maximum, not a sum");
+        assert_eq!(twice.outcomes(1).last_millis, last, "the last answer's time is a maximum, not a sum");
         a.busy_since(Some(monotonic_nanos()));
         assert!(b.model_thread().0.is_some());
         a.busy_since(None);
@@ -508,6 +521,17 @@ mod tests {
         total.add(&s);
         assert_eq!(total.requests_total(), 8);
         assert_eq!(total.in_flight(), 1);
+    }
+
+    #[test]
+    fn auth_refusals_are_counted_by_reason() {
+        // The counters are indexed by the enum's value: `Refusal::ALL` must be in its order.
+        assert!(Refusal::ALL.iter().enumerate().all(|(i, &r)| r as usize == i));
+        let (a, _fd) = WorkerCounters::create("inferd-test").unwrap();
+        a.count_auth_refusal(Refusal::Invalid);
+        a.count_auth_refusal(Refusal::Invalid);
+        a.count_auth_refusal(Refusal::Missing);
+        assert_eq!(a.snapshot().auth_refused(), &[1, 2]);
     }
 
     #[test]

@@ -119,6 +119,9 @@ fn stamps(paths: &inferd_config::tls::TlsPaths) -> Vec<Option<FileStamp>> {
 
 impl Admin {
     /// Whether `request` may use a route (`metrics`: the `/metrics` route).
+    // The refusal is the reply itself, sent as it is: boxing it (as clippy's result_large_err
+    // asks of a hyper `Response`) would only add an allocation.
+    #[allow(clippy::result_large_err)]
     fn authorize(&self, request: &Request<Incoming>, metrics: bool) -> Result<(), Reply> {
         let Some(file) = &self.token_file else {
             return match metrics || self.loopback {
@@ -447,9 +450,9 @@ async fn statistics(events: &mpsc::UnboundedSender<Event>, name: Option<&str>, v
 /// no response cache (cache_hit, cache_miss 0), and its batch-size histogram has buckets, not
 /// sizes, so batch_stats is empty (the histogram is in /metrics).
 fn model_statistics(m: &PoolMetrics, row: usize) -> Value {
-    use inferd_ipc::stats::Latency;
+    use inferd_ipc::stats::{Latency, Outcomes};
     let t = &m.totals;
-    let (ok, ok_seconds, failed, failed_seconds, last) = t.outcomes(row);
+    let Outcomes { ok, ok_seconds, failed, failed_seconds, last_millis } = t.outcomes(row);
     let duration = |count: u64, seconds: f64| json!({"count": count, "ns": (seconds * 1e9).round() as u64});
     let queue = t.latency(Latency::Queue, row);
     let compute = t.latency(Latency::Compute, row);
@@ -457,7 +460,7 @@ fn model_statistics(m: &PoolMetrics, row: usize) -> Value {
     json!({
         "name": m.models[row],
         "version": m.versions[row],
-        "last_inference": last,
+        "last_inference": last_millis,
         "inference_count": batches.sum as u64,
         "execution_count": batches.count,
         "inference_stats": {

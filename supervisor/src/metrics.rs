@@ -5,9 +5,11 @@
 //! supervisor (see `inferd_ipc::stats`): those of live workers plus the final counts of
 //! every worker that has exited, so a SIGKILLed worker does not take its counts with it.
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
-use std::fmt::Write;
+use std::fmt::{self, Write};
 
+use inferd_config::auth::Refusal;
 use inferd_ipc::spec::ModelInfo;
 use inferd_ipc::stats::{Endpoint, Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, LATENCY_BUCKETS, MAX_MODELS};
 
@@ -17,6 +19,106 @@ pub struct Reloads {
     pub succeeded: u64,
     pub failed: u64,
 }
+
+/// Why a worker that died was replaced (`inferd_worker_restarts_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartReason {
+    /// The supervisor aborted it for a run, a model thread or an I/O loop that did not move
+    /// (pool/guards.rs).
+    Stuck,
+    /// The supervisor killed it for passing the hard memory limit.
+    MemoryHard,
+    /// It could not load its model.
+    ModelLoad,
+    /// It failed to start otherwise (or was not ready within server.boot_timeout_secs).
+    Boot,
+    /// It exited with the code of a panic.
+    Panic,
+    /// A signal killed it.
+    Signal,
+    /// It exited on its own.
+    Exit,
+}
+
+impl RestartReason {
+    /// Every reason, so that the first scrape has each series at 0.
+    pub const ALL: [RestartReason; 7] = [
+        RestartReason::Stuck,
+        RestartReason::MemoryHard,
+        RestartReason::ModelLoad,
+        RestartReason::Boot,
+        RestartReason::Panic,
+        RestartReason::Signal,
+        RestartReason::Exit,
+    ];
+
+    /// Its `reason` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartReason::Stuck => "stuck",
+            RestartReason::MemoryHard => "memory_hard",
+            RestartReason::ModelLoad => "model_load",
+            RestartReason::Boot => "boot",
+            RestartReason::Panic => "panic",
+            RestartReason::Signal => "signal",
+            RestartReason::Exit => "exit",
+        }
+    }
+}
+
+/// Why a live worker was replaced gap-free (`inferd_worker_recycles_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecycleReason {
+    /// Its memory (pool/guards.rs's soft limit), or the pool's near its cgroup's limit.
+    Memory,
+    /// server.max_requests.
+    MaxRequests,
+    /// server.max_worker_age_secs.
+    MaxAge,
+    /// A panic it caught serving a request.
+    Fault,
+}
+
+impl RecycleReason {
+    /// Every reason, so that the first scrape has each series at 0.
+    pub const ALL: [RecycleReason; 4] =
+        [RecycleReason::Memory, RecycleReason::MaxRequests, RecycleReason::MaxAge, RecycleReason::Fault];
+
+    /// Its `reason` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecycleReason::Memory => "memory",
+            RecycleReason::MaxRequests => "max_requests",
+            RecycleReason::MaxAge => "max_age",
+            RecycleReason::Fault => "fault",
+        }
+    }
+}
+
+/// Shown as their labels, and ordered by them: the order of their series in `/metrics`.
+macro_rules! by_label {
+    ($($reason:ty),*) => {$(
+        impl fmt::Display for $reason {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Ord for $reason {
+            fn cmp(&self, other: &Self) -> Ordering {
+                self.as_str().cmp(other.as_str())
+            }
+        }
+
+        impl PartialOrd for $reason {
+            fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+    )*};
+}
+
+by_label!(RestartReason, RecycleReason);
 
 /// What the loop hands over for one scrape.
 #[derive(Debug)]
@@ -30,8 +132,8 @@ pub struct PoolMetrics {
     pub workers: Vec<(usize, u32, Option<u64>)>,
     pub ready: usize,
     pub desired: usize,
-    pub restarts: BTreeMap<&'static str, u64>,
-    pub recycles: BTreeMap<&'static str, u64>,
+    pub restarts: BTreeMap<RestartReason, u64>,
+    pub recycles: BTreeMap<RecycleReason, u64>,
     pub reloads: Reloads,
     pub generation: u64,
     pub model_info: Vec<ModelInfo>,
@@ -118,7 +220,7 @@ pub fn render(m: &PoolMetrics) -> String {
         "counter",
         "Requests refused for their API key ([auth]), by reason: missing or invalid.",
     );
-    for (reason, n) in inferd_ipc::stats::AUTH_REFUSALS.iter().zip(m.totals.auth_refused()) {
+    for (reason, n) in Refusal::ALL.iter().zip(m.totals.auth_refused()) {
         let _ = writeln!(out, "inferd_auth_refused_total{{reason=\"{reason}\"}} {n}");
     }
     header(
@@ -191,5 +293,37 @@ mod tests {
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
         assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));
         assert!(!text.contains(r#"model="m8""#), "a ninth model has no counter row");
+    }
+
+    #[test]
+    fn reasons_are_listed_by_their_labels_from_zero() {
+        let restarts: BTreeMap<RestartReason, u64> = RestartReason::ALL.iter().map(|&r| (r, 0)).collect();
+        let recycles: BTreeMap<RecycleReason, u64> = RecycleReason::ALL.iter().map(|&r| (r, 0)).collect();
+        let labels = |keys: Vec<String>| keys.join(" ");
+        assert_eq!(
+            labels(restarts.keys().map(|r| r.to_string()).collect()),
+            "boot exit memory_hard model_load panic signal stuck"
+        );
+        assert_eq!(labels(recycles.keys().map(|r| r.to_string()).collect()), "fault max_age max_requests memory");
+        let text = render(&PoolMetrics {
+            models: vec!["m".into()],
+            versions: vec!["1".into()],
+            totals: Snapshot::default(),
+            workers: Vec::new(),
+            ready: 1,
+            desired: 1,
+            restarts,
+            recycles,
+            reloads: Reloads::default(),
+            generation: 1,
+            model_info: Vec::new(),
+        });
+        for line in [
+            "inferd_auth_refused_total{reason=\"missing\"} 0\ninferd_auth_refused_total{reason=\"invalid\"} 0\n",
+            "inferd_worker_restarts_total{reason=\"memory_hard\"} 0\ninferd_worker_restarts_total{reason=\"model_load\"} 0\n",
+            "inferd_worker_recycles_total{reason=\"max_requests\"} 0\ninferd_worker_recycles_total{reason=\"memory\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 }

@@ -1,12 +1,46 @@
 //! The supervisor's guards: the memory plan at start, the memory watch, stuck-worker
 //! escalation (SIGABRT, then SIGKILL) and recycling after server.max_requests or an age.
 
-use super::*;
-use crate::plan::memory::{WorkerLimits, WorkerMemory};
+use std::time::{Duration, Instant};
+
+use inferd_config::file::ServerConfig;
+use inferd_ipc::spec::Cause;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tracing::{error, info, warn};
+
+use super::slot::{Role, Start};
+use super::{Supervisor, SupervisorError, TICK};
+use crate::metrics::RecycleReason;
+use crate::plan::memory::{proc_status, MemoryBudget, WorkerLimits, WorkerMemory};
+use crate::status::WorkerState;
 
 /// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
 /// supervisor aborts the worker only if the run is still going this long after.
 const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// The memory guard's state.
+#[derive(Default)]
+pub(super) struct MemoryWatch {
+    /// Private memory of the first worker after its warm-up: what one more worker costs.
+    worker_rss: Option<u64>,
+    /// Per-worker limits of private memory, set once worker 0 is warm.
+    limits: Option<WorkerLimits>,
+    /// When the watch last ran.
+    checked: Option<Instant>,
+}
+
+impl MemoryWatch {
+    /// Whether the first worker's memory has been measured (by [`Supervisor::memory_plan`]).
+    pub(super) fn measured(&self) -> bool {
+        self.worker_rss.is_some()
+    }
+
+    /// The per-worker limits, once the memory plan has set them.
+    pub(super) fn limits(&self) -> Option<&WorkerLimits> {
+        self.limits.as_ref()
+    }
+}
 
 impl Supervisor {
     /// Called once, when the first worker is ready: do the other K-1 fit ([`MemoryBudget::fit`],
@@ -19,7 +53,7 @@ impl Supervisor {
         self.memory.worker_rss = Some(rss);
         let budget = MemoryBudget::detect();
         let mib = |b: u64| b / (1 << 20);
-        let k = self.slots.len() as u64;
+        let k = self.pool.slots.len() as u64;
         let (fit, plan) = budget.fit(k, one, "on worker 0 after warm-up");
         if fit < k {
             if !self.resolved.config.server.fit_workers_to_memory {
@@ -28,14 +62,14 @@ impl Supervisor {
                 )));
             }
             warn!("memory plan: {plan}; starting {fit} workers (server.fit_workers_to_memory)");
-            self.slots.truncate(fit as usize);
+            self.pool.slots.truncate(fit as usize);
         } else {
             info!("memory plan: {plan}");
         }
         let s = &self.resolved.config.server;
         let limits = WorkerLimits::derive(
             &budget,
-            self.slots.len() as u64,
+            self.pool.slots.len() as u64,
             rss,
             shared,
             s.worker_memory_soft_limit_mb,
@@ -54,22 +88,28 @@ impl Supervisor {
         }
         info!("worker memory limits (private memory): {}", limits.describe());
         self.memory.limits = Some(limits);
-        for slot in self.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
+        for slot in self.pool.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
             slot.start = Start::At(Instant::now());
         }
         Ok(())
     }
 
     /// Per-worker private memory against the soft and hard limits, and the whole pool against its cgroup:
-    /// the worker that grows is replaced before the kernel picks a victim.
-    pub(super) fn watch_memory(&mut self) {
+    /// the worker that grows is replaced before the kernel picks a victim. Every
+    /// server.memory_check_interval_secs (called every tick).
+    pub(super) fn watch_memory(&mut self, now: Instant) {
+        let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
+        if self.memory.checked.is_some_and(|t| now - t < every) {
+            return;
+        }
+        self.memory.checked = Some(now);
         let Some(WorkerLimits { soft, hard, .. }) = self.memory.limits.clone() else { return };
         let budget = MemoryBudget::detect();
         // The pool itself close to its cgroup's limit: the biggest worker goes first.
         let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
         let mut biggest: Option<(u64, usize)> = None;
-        for index in 0..self.slots.len() {
-            let slot = &mut self.slots[index];
+        for index in 0..self.pool.slots.len() {
+            let slot = &mut self.pool.slots[index];
             if slot.removing() || slot.with_role(Role::Incoming).is_some() {
                 continue;
             }
@@ -106,17 +146,16 @@ impl Supervisor {
     /// before it replaces the slot (retiring first would leave a 1-worker pool without a
     /// listener for a boot's length).
     pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
-        *self.totals.recycles.entry("memory").or_default() += 1;
+        self.totals.recycled(RecycleReason::Memory);
         let room_for_one = self.memory.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
-        let slot = &mut self.slots[index];
+        let slot = &mut self.pool.slots[index];
         if room_for_one {
             let (models, generation) = (slot.models.clone(), slot.generation);
             self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
             return;
         }
         for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
-            w.role = Role::Retiring;
-            retire(w.pid);
+            w.retire();
         }
         slot.start = Start::WhenEmpty;
         slot.cause = Cause::Memory;
@@ -128,7 +167,7 @@ impl Supervisor {
     /// there (gunicorn's escalation); it is then replaced like any dead worker.
     pub(super) fn kill_stuck_workers(&mut self) {
         let timeout = self.resolved.config.server.request_timeout_secs;
-        for (index, slot) in self.slots.iter_mut().enumerate() {
+        for (index, slot) in self.pool.slots.iter_mut().enumerate() {
             for w in slot.workers.iter_mut().filter(|w| w.ready_at.is_some()) {
                 if let Some((why, since)) = &w.stuck {
                     if since.elapsed() >= TICK {
@@ -167,20 +206,21 @@ impl Supervisor {
     /// everyone anyway).
     pub(super) fn maybe_recycle(&mut self, now: Instant) {
         let max_age = self.resolved.config.server.max_worker_age_secs;
-        if self.reload.is_some() || self.slots.iter().any(|s| s.with_role(Role::Incoming).is_some()) {
+        if self.reload.in_progress() || self.pool.slots.iter().any(|s| s.with_role(Role::Incoming).is_some()) {
             return;
         }
         // (how far past the limit, as a share of it; slot; reason)
-        let mut due: Option<(f64, usize, &'static str)> = None;
-        for (index, slot) in self.slots.iter().enumerate() {
+        let mut due: Option<(f64, usize, RecycleReason)> = None;
+        for (index, slot) in self.pool.slots.iter().enumerate() {
             if slot.removing() || slot.recycle_pause.is_some_and(|t| now < t) {
                 continue;
             }
             let Some(w) = slot.with_role(Role::Current).filter(|w| w.state == WorkerState::Ready) else { continue };
-            let by_requests =
-                w.recycle_after.map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, "max_requests"));
-            let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, "max_age"));
-            let by_fault = (w.stats.faults() > 0).then_some((f64::INFINITY, "fault"));
+            let by_requests = w
+                .recycle_after
+                .map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, RecycleReason::MaxRequests));
+            let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, RecycleReason::MaxAge));
+            let by_fault = (w.stats.faults() > 0).then_some((f64::INFINITY, RecycleReason::Fault));
             for (over, reason) in [by_requests, by_age, by_fault].into_iter().flatten() {
                 if over >= 1.0 && due.is_none_or(|(o, _, _)| over > o) {
                     due = Some((over, index, reason));
@@ -188,10 +228,10 @@ impl Supervisor {
             }
         }
         let Some((_, index, reason)) = due else { return };
-        let slot = &self.slots[index];
+        let slot = &self.pool.slots[index];
         let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
         let cause = match reason {
-            "fault" => {
+            RecycleReason::Fault => {
                 warn!("worker {index} (pid {pid}) caught a panic serving a request (a bug, in its log); replacing it");
                 Cause::Fault
             }
@@ -200,15 +240,14 @@ impl Supervisor {
                 Cause::Recycle
             }
         };
-        debug_assert!(RECYCLE_REASONS.contains(&reason), "{reason} is listed");
-        *self.totals.recycles.entry(reason).or_default() += 1;
+        self.totals.recycled(reason);
         let (models, generation) = (slot.models.clone(), slot.generation);
         self.spawn(index, Role::Incoming, cause, models, generation);
     }
 }
 
 /// server.max_requests plus a per-worker draw from 0..=server.max_requests_jitter.
-pub(super) fn recycle_threshold(server: &inferd_config::file::ServerConfig) -> Option<u64> {
+pub(super) fn recycle_threshold(server: &ServerConfig) -> Option<u64> {
     use std::hash::{BuildHasher, Hasher};
     if server.max_requests == 0 {
         return None;

@@ -1,16 +1,97 @@
 //! Rolling reloads and scaling: which models a reload installs, replacing the slots one by
 //! one (the first replacement validates), and adding or draining a slot within the CPU plan.
+//!
+//! The reload's state is all here, in [`ReloadState`]: the rest of the pool reads it through
+//! its methods and changes it only by calling this file's.
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use inferd_config::auth::Access;
+use inferd_config::model::ModelEntry;
+use inferd_ipc::spec::Cause;
+use inferd_ipc::stats::MAX_MODELS;
+use tracing::{error, info};
+
+use super::slot::{Role, Slot, Start};
+use super::spawn::SlotSockets;
+use super::Supervisor;
+use crate::control::{Replies, Response};
+use crate::metrics::Reloads;
+use crate::plan::cpu::{format_cpus, plan, Ask};
+use crate::status::WorkerState;
+
+/// The reload's state: the rolling reload in progress, if any, and how the reloads so far
+/// ended.
+#[derive(Default)]
+pub(super) struct ReloadState {
+    rolling: Option<Reload>,
+    /// Rolling reloads since start, by outcome.
+    outcomes: Reloads,
+}
+
+/// A rolling reload in progress.
+struct Reload {
+    models: Vec<ModelEntry>,
+    /// The API keys and certificate the new workers take, read when the reload began.
+    access: Access,
+    generation: u64,
+    /// The slot being replaced now; slots below it run the new models.
+    slot: usize,
+    /// The spawn id of the worker this reload started for `slot`, the only one whose
+    /// readiness advances it and whose failure fails it; None while it waits for a worker of
+    /// that slot started for another cause, on the old models, to finish booting.
+    worker: Option<u64>,
+    replies: Option<Replies>,
+    /// Keep `replies` until the last slot is done (else only until validation).
+    wait: bool,
+    started: Instant,
+}
+
+impl ReloadState {
+    pub(super) fn in_progress(&self) -> bool {
+        self.rolling.is_some()
+    }
+
+    /// Whether worker `spawn` is the one the reload in progress started: the only one whose
+    /// failure fails it.
+    pub(super) fn owns(&self, spawn: u64) -> bool {
+        self.rolling.as_ref().is_some_and(|r| r.worker == Some(spawn))
+    }
+
+    /// The API keys and certificate a worker started for `cause` takes when they are the
+    /// reload's own (its new workers'); None: the pool's.
+    pub(super) fn access(&self, cause: Cause) -> Option<&Access> {
+        self.rolling.as_ref().filter(|_| cause == Cause::Reload).map(|r| &r.access)
+    }
+
+    /// Where the reload in progress is, out of `slots` (status and systemd's STATUS=).
+    pub(super) fn progress(&self, slots: usize) -> Option<String> {
+        self.rolling.as_ref().map(|r| format!("replacing worker {} of {slots}", r.slot + 1))
+    }
+
+    pub(super) fn outcomes(&self) -> Reloads {
+        self.outcomes
+    }
+
+    /// The pool is stopping: the reload in progress ends here, and its client hears why.
+    pub(super) fn abandon(&mut self) {
+        if let Some(reload) = self.rolling.take() {
+            if let Some(replies) = reload.replies {
+                let _ = replies.send(Response::error("reload abandoned: the server is stopping"));
+            }
+        }
+    }
+}
 
 impl Supervisor {
     /// Worker `spawn` (pid `pid`) of slot `index` is ready and current: if the reload started
     /// it, the slot now runs the reload's models, the client hears of it, and the reload moves
     /// on to the next slot.
     pub(super) fn reload_worker_ready(&mut self, index: usize, spawn: u64, pid: u32) {
-        let Some(reload) = self.reload.as_mut().filter(|r| r.worker == Some(spawn)) else { return };
-        self.slots[index].models = reload.models.clone();
-        let total = self.slots.len();
+        let Some(reload) = self.reload.rolling.as_mut().filter(|r| r.worker == Some(spawn)) else { return };
+        self.pool.slots[index].models = reload.models.clone();
+        let total = self.pool.slots.len();
         let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
         info!("reload: {progress}");
         if let Some(replies) = &reload.replies {
@@ -42,14 +123,14 @@ impl Supervisor {
 
     /// Whether a rolling reload (`what`) may start now.
     fn can_roll(&self, what: &str) -> Result<(), String> {
-        if self.stopping || !self.booted {
+        if self.life.stopping || !self.life.booted {
             return Err(format!("{what} refused: the pool is starting or stopping"));
         }
-        if self.reload.is_some() {
+        if self.reload.in_progress() {
             return Err(format!("{what} refused: a reload is already in progress"));
         }
         // A reload replaces every slot; one that `scale -1` is draining must be gone first.
-        if let Some(i) = self.slots.iter().position(Slot::removing) {
+        if let Some(i) = self.pool.removing() {
             return Err(format!(
                 "{what} refused: worker {i} is still draining from the last scale -1; retry once it is gone"
             ));
@@ -66,14 +147,14 @@ impl Supervisor {
         path: Option<PathBuf>,
         replies: Option<Replies>,
     ) -> Result<(), String> {
-        if self.models.iter().any(|m| m.name == model) {
+        if self.pool.models.iter().any(|m| m.name == model) {
             return self.start_reload(Some(model), path, true, replies);
         }
         self.can_roll("load")?;
-        if self.models.len() >= MAX_MODELS {
+        if self.pool.models.len() >= MAX_MODELS {
             return Err(format!(
                 "load refused: the pool serves {} models, the most one server counts (its shared counters have a row per model)",
-                self.models.len()
+                self.pool.models.len()
             ));
         }
         let config = &self.resolved.config;
@@ -89,7 +170,7 @@ impl Supervisor {
         }
         .and_then(|entry| config.model_override.apply(entry))
         .map_err(|e| format!("load refused: {e}"))?;
-        let mut models = self.models.clone();
+        let mut models = self.pool.models.clone();
         models.push(entry);
         self.roll(models, true, replies)
     }
@@ -98,7 +179,7 @@ impl Supervisor {
     /// default model stays (requests that name no model go to it).
     pub(super) fn start_unload(&mut self, model: String, replies: Option<Replies>) -> Result<(), String> {
         self.can_roll("unload")?;
-        let Some(at) = self.models.iter().position(|m| m.name == model) else {
+        let Some(at) = self.pool.models.iter().position(|m| m.name == model) else {
             return Err(format!("unload refused: this server does not serve a model '{model}'"));
         };
         if at == 0 {
@@ -106,7 +187,7 @@ impl Supervisor {
                 "unload refused: '{model}' is the default model (models.default), which requests without a model name go to"
             ));
         }
-        let mut models = self.models.clone();
+        let mut models = self.pool.models.clone();
         models.remove(at);
         self.roll(models, true, replies)
     }
@@ -115,20 +196,20 @@ impl Supervisor {
     /// keys and TLS files read again now (a file that cannot be used refuses the reload).
     fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) -> Result<(), String> {
         let access = self.resolved.config.access().map_err(|e| format!("reload refused: {e}"))?;
-        self.generation += 1;
+        self.pool.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
-        info!("reload to generation {}: {names}", self.generation);
+        info!("reload to generation {}: {names}", self.pool.generation);
         if let Some(r) = &replies {
             let _ = r.send(Response::progress(format!(
                 "generation {}: validating {names} in a new worker 1 of {}",
-                self.generation,
-                self.slots.len()
+                self.pool.generation,
+                self.pool.slots.len()
             )));
         }
-        self.reload = Some(Reload {
+        self.reload.rolling = Some(Reload {
             models,
             access,
-            generation: self.generation,
+            generation: self.pool.generation,
             slot: 0,
             worker: None,
             replies,
@@ -143,7 +224,7 @@ impl Supervisor {
     pub(super) fn new_models(&self, model: Option<String>, path: Option<PathBuf>) -> Result<Vec<ModelEntry>, String> {
         let Some(path) = path else {
             // No path: read every model again from the repository (new files, new model.toml).
-            let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
+            let names: Vec<String> = self.pool.models.iter().map(|m| m.name.clone()).collect();
             if let Some(name) = model.as_ref().filter(|n| !names.contains(n)) {
                 return Err(format!("reload refused: this server has no model '{name}'"));
             }
@@ -151,7 +232,7 @@ impl Supervisor {
                 .iter()
                 .map(|name| match &model {
                     Some(only) if only != name => {
-                        Ok(self.models.iter().find(|m| &m.name == name).cloned().expect("listed"))
+                        Ok(self.pool.models.iter().find(|m| &m.name == name).cloned().expect("listed"))
                     }
                     _ => self.resolved.config.load_model(name),
                 })
@@ -160,10 +241,10 @@ impl Supervisor {
         };
         let name = match model {
             Some(name) => name,
-            None if self.models.len() == 1 => self.models[0].name.clone(),
+            None if self.pool.models.len() == 1 => self.pool.models[0].name.clone(),
             None => return Err("reload refused: --path needs --model when the server has several models".into()),
         };
-        let Some(at) = self.models.iter().position(|m| m.name == name) else {
+        let Some(at) = self.pool.models.iter().position(|m| m.name == name) else {
             return Err(format!("reload refused: this server has no model '{name}'"));
         };
         // As the admin listener's load: inside the repository or admin.allowed_paths. The
@@ -172,7 +253,7 @@ impl Supervisor {
         let allowed = self.resolved.config.allowed_model_paths();
         let path = crate::admin::confined(&path, &name, &allowed, crate::admin::PathFrom::ReloadPath)
             .map_err(|e| format!("reload refused: {e}"))?;
-        let mut models = self.models.clone();
+        let mut models = self.pool.models.clone();
         models[at] = models[at]
             .replaced_by(&path)
             .and_then(|entry| self.resolved.config.model_override.apply(entry))
@@ -187,48 +268,50 @@ impl Supervisor {
     /// once, and an in-flight replacement finishes on the old models before the reload
     /// replaces it in turn.
     pub(super) fn replace_slot(&mut self, index: usize) {
-        let Some(reload) = self.reload.as_mut() else { return };
+        let Some(reload) = self.reload.rolling.as_mut() else { return };
         reload.slot = index;
         reload.worker = None;
-        let Some(w) = self.slots[index].booting() else { return self.start_reload_worker() };
+        let Some(w) = self.pool.slots[index].booting() else { return self.start_reload_worker() };
         let note = format!(
             "worker {} of {}: its worker started for {} (pid {}) is still booting on the previous models; \
              replacing it once it is ready or gone",
             index + 1,
-            self.slots.len(),
+            self.pool.slots.len(),
             w.cause.as_str(),
             w.pid
         );
         info!("reload: {note}");
-        if let Some(replies) = self.reload.as_ref().and_then(|r| r.replies.as_ref()) {
+        if let Some(replies) = self.reload.rolling.as_ref().and_then(|r| r.replies.as_ref()) {
             let _ = replies.send(Response::progress(note));
         }
     }
 
     /// The reload waits for a slot's booting worker: start its own once that one is done.
     pub(super) fn resume_reload(&mut self) {
-        let Some(reload) = self.reload.as_ref().filter(|r| r.worker.is_none() && r.slot < self.slots.len()) else {
+        let Some(reload) =
+            self.reload.rolling.as_ref().filter(|r| r.worker.is_none() && r.slot < self.pool.slots.len())
+        else {
             return;
         };
-        if self.slots[reload.slot].booting().is_none() {
+        if self.pool.slots[reload.slot].booting().is_none() {
             self.start_reload_worker();
         }
     }
 
     fn start_reload_worker(&mut self) {
-        let reload = self.reload.as_ref().expect("called during a reload");
+        let reload = self.reload.rolling.as_ref().expect("called during a reload");
         let (index, models, generation) = (reload.slot, reload.models.clone(), reload.generation);
         match self.spawn(index, Role::Incoming, Cause::Reload, models, generation) {
-            Some(spawn) => self.reload.as_mut().expect("checked").worker = Some(spawn),
+            Some(spawn) => self.reload.rolling.as_mut().expect("checked").worker = Some(spawn),
             None => self.abort_reload(index, "the new worker could not be started"),
         }
     }
 
     /// After slot `reload.slot` was replaced: the next slot, or done.
     pub(super) fn advance_reload(&mut self) {
-        let Some(reload) = self.reload.as_mut() else { return };
+        let Some(reload) = self.reload.rolling.as_mut() else { return };
         reload.slot += 1;
-        if reload.slot < self.slots.len() {
+        if reload.slot < self.pool.slots.len() {
             let next = reload.slot;
             self.replace_slot(next);
             return;
@@ -245,27 +328,23 @@ impl Supervisor {
     /// "not ready" for a model just loaded made tests/repository.rs fail now and then.
     /// Called after each Draining report and every tick.
     pub(super) fn finish_reload(&mut self) {
-        let Some(reload) = self.reload.as_ref() else { return };
-        let listening = self
-            .slots
-            .iter()
-            .flat_map(|s| &s.workers)
-            .any(|w| w.role == Role::Retiring && w.state != WorkerState::Draining);
-        if reload.slot < self.slots.len() || listening {
+        let Some(reload) = self.reload.rolling.as_ref() else { return };
+        let listening = self.pool.workers().any(|w| w.role == Role::Retiring && w.state != WorkerState::Draining);
+        if reload.slot < self.pool.slots.len() || listening {
             return;
         }
-        let reload = self.reload.take().expect("checked");
+        let reload = self.reload.rolling.take().expect("checked");
         // The counters of exited workers follow the models into their rows in the new list
         // (an unloaded model's are dropped; see `totals`).
         let rows: Vec<Option<usize>> =
-            self.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
-        self.totals.retired = self.totals.retired.remapped(&rows);
-        self.models = reload.models;
-        self.access = reload.access;
-        self.totals.reloads.succeeded += 1;
+            self.pool.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
+        self.totals.remap(&rows);
+        self.pool.models = reload.models;
+        self.pool.access = reload.access;
+        self.reload.outcomes.succeeded += 1;
         let message = format!(
             "reload complete: {} workers on generation {} after {:.1} s",
-            self.slots.len(),
+            self.pool.slots.len(),
             reload.generation,
             reload.started.elapsed().as_secs_f64()
         );
@@ -276,14 +355,14 @@ impl Supervisor {
     }
 
     pub(super) fn abort_reload(&mut self, index: usize, error: &str) {
-        let Some(reload) = self.reload.take() else { return };
-        self.totals.reloads.failed += 1;
+        let Some(reload) = self.reload.rolling.take() else { return };
+        self.reload.outcomes.failed += 1;
         let kept = if index == 0 {
             "every worker keeps the previous models".to_string()
         } else {
             format!("workers 1-{index} run generation {}, the others the previous models", reload.generation)
         };
-        let message = format!("reload failed at worker {} of {}: {error}; {kept}", index + 1, self.slots.len());
+        let message = format!("reload failed at worker {} of {}: {error}; {kept}", index + 1, self.pool.slots.len());
         error!("{message}");
         if let Some(replies) = reload.replies {
             let _ = replies.send(Response::error(message));
@@ -292,15 +371,15 @@ impl Supervisor {
 
     /// `scale +1` adds a slot when the CPU budget has room for it; `scale -1` drains the last.
     pub(super) fn scale(&mut self, delta: i32) -> Result<String, String> {
-        if self.stopping || !self.booted || self.reload.is_some() {
+        if self.life.stopping || !self.life.booted || self.reload.in_progress() {
             return Err("scale refused: the pool is starting, reloading or stopping".into());
         }
         // One step at a time: slots are named by index, so a draining one must be gone before
         // the pool changes size again.
-        if let Some(i) = self.slots.iter().position(Slot::removing) {
+        if let Some(i) = self.pool.removing() {
             return Err(format!("scale refused: worker {i} is still draining from the last scale -1"));
         }
-        let count = self.slots.len();
+        let count = self.pool.slots.len();
         match delta {
             1 => {
                 let threads = self.resolved.plan.threads_per_worker;
@@ -308,24 +387,24 @@ impl Supervisor {
                 let plan = plan(&self.resolved.plan.budget, ask).map_err(|e| format!("scale +1 refused: {e}"))?;
                 let placement = plan.workers[count].clone();
                 let cpus = format_cpus(&placement.cpus);
-                let sockets = SlotSockets::bind(&self.resolved.config.server, self.listener.is_some())
+                let sockets = SlotSockets::bind(&self.resolved.config.server, self.launcher.activated())
                     .map_err(|e| format!("scale +1 refused: {e}"))?;
-                self.slots.push(new_slot(placement, self.models.clone(), self.generation, Cause::Scale, sockets));
-                Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
+                let slot = Slot::new(placement, self.pool.models.clone(), self.pool.generation, Cause::Scale, sockets);
+                self.pool.slots.push(slot);
+                Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.pool.slots.len()))
             }
             -1 => {
                 if count <= 1 {
                     return Err("scale -1 refused: the pool cannot go below 1 worker".into());
                 }
                 let index = count - 1;
-                let slot = &mut self.slots[index];
+                let slot = &mut self.pool.slots[index];
                 slot.start = Start::Removing;
                 for w in slot.workers.iter_mut() {
-                    w.role = Role::Retiring;
-                    retire(w.pid);
+                    w.retire();
                 }
                 if slot.workers.is_empty() {
-                    self.slots.pop(); // the last slot: no removing slot follows it (checked above)
+                    self.pool.slots.pop(); // the last slot: no removing slot follows it (checked above)
                 }
                 Ok(format!("scaling down to {} workers: draining worker {index}", count - 1))
             }

@@ -1,14 +1,93 @@
 //! What the supervisor tells: `inferd status`, the pool's counters and their last-minute
 //! latency percentiles, and the Prometheus metrics.
 
-use super::*;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use inferd_config::model::ModelEntry;
+use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::stats::{Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS};
+
+use super::slot::{Role, Worker};
+use super::Supervisor;
+use crate::metrics::{PoolMetrics, RecycleReason, RestartReason};
+use crate::plan::memory::{proc_status, MemoryBudget};
+use crate::status::{BatchSizes, PoolStatus, WorkerState, WorkerStatus};
+
+/// Status shows request-latency percentiles over this window, from samples this far apart.
+const LATENCY_WINDOW: Duration = Duration::from_secs(60);
+const LATENCY_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+
+/// What the pool has counted since it started, beyond its live workers' own counters.
+pub(super) struct Totals {
+    /// Final counts of every worker that has exited.
+    retired: Snapshot,
+    /// Workers replaced after dying, by reason (every reason from the start, so that the
+    /// first scrape has each series at 0: one that appears only with its first restart leaves
+    /// rate() and the dashboard without data until then).
+    restarts: BTreeMap<RestartReason, u64>,
+    /// Workers replaced gap-free on purpose, by reason (the same).
+    recycles: BTreeMap<RecycleReason, u64>,
+    /// Request-latency buckets of the whole pool, sampled every few seconds, for the
+    /// last-minute percentiles in status.
+    latency_samples: VecDeque<(Instant, Vec<u64>)>,
+}
+
+impl Totals {
+    pub(super) fn new() -> Totals {
+        Totals {
+            retired: Snapshot::default(),
+            restarts: RestartReason::ALL.iter().map(|&r| (r, 0)).collect(),
+            recycles: RecycleReason::ALL.iter().map(|&r| (r, 0)).collect(),
+            latency_samples: VecDeque::new(),
+        }
+    }
+
+    /// A worker that died was replaced.
+    pub(super) fn restarted(&mut self, reason: RestartReason) {
+        *self.restarts.entry(reason).or_default() += 1;
+    }
+
+    /// A live worker is being replaced gap-free.
+    pub(super) fn recycled(&mut self, reason: RecycleReason) {
+        *self.recycles.entry(reason).or_default() += 1;
+    }
+
+    /// The pool's model list changed: the counts of exited workers follow their models to
+    /// their new rows (`rows[i]`: the new row of row `i`; None: dropped).
+    pub(super) fn remap(&mut self, rows: &[Option<usize>]) {
+        self.retired = self.retired.remapped(rows);
+    }
+}
 
 impl Supervisor {
+    /// A worker has exited: its final counts join the totals, each model in its pool row.
+    pub(super) fn keep_counts(&mut self, worker: &Worker) {
+        let rows = rows_of(&self.pool.models, &worker.models);
+        self.totals.retired.add(&worker.stats.snapshot().without_gauges().remapped(&rows));
+    }
+
+    /// Every [`LATENCY_SAMPLE_EVERY`] (called every tick): the pool's request-latency
+    /// buckets now, kept for [`LATENCY_WINDOW`].
+    pub(super) fn sample_latency(&mut self, now: Instant) {
+        if self.totals.latency_samples.back().is_none_or(|(t, _)| now - *t >= LATENCY_SAMPLE_EVERY) {
+            self.totals.latency_samples.push_back((now, self.totals().request_latency_buckets()));
+            while self
+                .totals
+                .latency_samples
+                .front()
+                .is_some_and(|(t, _)| now - *t > LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)
+            {
+                self.totals.latency_samples.pop_front();
+            }
+        }
+    }
+
     pub(super) fn status(&self) -> PoolStatus {
         let plan = &self.resolved.plan;
         let totals = self.totals();
         let mut workers = Vec::new();
-        for (index, slot) in self.slots.iter().enumerate() {
+        for (index, slot) in self.pool.slots.iter().enumerate() {
             let row = |w: Option<&Worker>| {
                 let proc = w.map(|w| proc_status(w.pid)).unwrap_or_default();
                 let counts = w.map(|w| w.stats.snapshot());
@@ -46,11 +125,11 @@ impl Supervisor {
             version: env!("CARGO_PKG_VERSION").into(),
             pid: std::process::id(),
             phase: self.phase(),
-            generation: self.generation,
-            reload: self.reload.as_ref().map(|r| format!("replacing worker {} of {}", r.slot + 1, self.slots.len())),
+            generation: self.pool.generation,
+            reload: self.reload.progress(self.pool.slots.len()),
             listen: self.resolved.config.server.listen.clone(),
             grpc_listen: Some(self.resolved.config.server.grpc_listen.clone()).filter(|g| !g.is_empty()),
-            uptime_secs: self.started.elapsed().as_secs_f64(),
+            uptime_secs: self.life.started.elapsed().as_secs_f64(),
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
             threads_per_worker: plan.threads_per_worker,
@@ -59,11 +138,12 @@ impl Supervisor {
             memory: format!(
                 "{}; worker memory limits (private): {}",
                 MemoryBudget::detect().describe(),
-                self.memory.limits.as_ref().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
+                self.memory.limits().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
             ),
-            reloads_succeeded: self.totals.reloads.succeeded,
-            reloads_failed: self.totals.reloads.failed,
+            reloads_succeeded: self.reload.outcomes().succeeded,
+            reloads_failed: self.reload.outcomes().failed,
             batches: self
+                .pool
                 .models
                 .iter()
                 .enumerate()
@@ -85,28 +165,28 @@ impl Supervisor {
 
     /// The pool in one line, for systemd's STATUS= (`systemctl status inferd`).
     pub(super) fn summary(&self) -> String {
-        let ready = self.slots.iter().filter(|s| s.ready()).count();
-        let restarts: u32 = self.slots.iter().map(|s| s.restarts).sum();
+        let ready = self.pool.ready_count();
+        let restarts: u32 = self.pool.slots.iter().map(|s| s.restarts).sum();
         let mut line = format!(
             "{}: {ready}/{} workers ready on {}, generation {}, {} requests, {restarts} restarts",
             format!("{:?}", self.phase()).to_lowercase(),
-            self.slots.len(),
+            self.pool.slots.len(),
             self.resolved.config.server.listen,
-            self.generation,
+            self.pool.generation,
             self.totals().requests_total(),
         );
-        if let Some(r) = &self.reload {
-            line += &format!("; reload: replacing worker {} of {}", r.slot + 1, self.slots.len());
+        if let Some(progress) = self.reload.progress(self.pool.slots.len()) {
+            line += &format!("; reload: {progress}");
         }
         line
     }
 
     /// The pool's counts: every exited worker's final counts plus the live workers' now, each
-    /// model in its row of the pool's model list (`self.models`).
+    /// model in its row of the pool's model list (`self.pool.models`).
     pub(super) fn totals(&self) -> Snapshot {
         let mut totals = self.totals.retired.clone();
-        for w in self.slots.iter().flat_map(|s| &s.workers) {
-            totals.add(&w.stats.snapshot().remapped(&rows_of(&self.models, &w.models)));
+        for w in self.pool.workers() {
+            totals.add(&w.stats.snapshot().remapped(&rows_of(&self.pool.models, &w.models)));
         }
         totals
     }
@@ -114,7 +194,7 @@ impl Supervisor {
     /// p50 and p99 of request latency over about the last minute, as the upper bound of the
     /// histogram bucket each falls in (milliseconds; None: no requests, or beyond the last
     /// bucket).
-    pub(super) fn latency_last_minute(&self, totals: &Snapshot) -> Option<(f64, Option<f64>, Option<f64>)> {
+    fn latency_last_minute(&self, totals: &Snapshot) -> Option<(f64, Option<f64>, Option<f64>)> {
         let now = totals.request_latency_buckets();
         let (start, old) =
             self.totals.latency_samples.iter().find(|(t, _)| t.elapsed() <= LATENCY_WINDOW + LATENCY_SAMPLE_EVERY)?;
@@ -140,7 +220,7 @@ impl Supervisor {
 
     pub(super) fn metrics(&self) -> PoolMetrics {
         let mut model_info: Vec<ModelInfo> = Vec::new();
-        for w in self.slots.iter().flat_map(|s| &s.workers) {
+        for w in self.pool.workers() {
             for info in &w.models {
                 // One series per version served (how each worker holds its weights aside).
                 if !model_info.iter().any(|m| m.name == info.name && m.full_version() == info.full_version()) {
@@ -149,21 +229,22 @@ impl Supervisor {
             }
         }
         PoolMetrics {
-            models: self.models.iter().map(|m| m.name.clone()).collect(),
-            versions: self.models.iter().map(|m| m.version.clone()).collect(),
+            models: self.pool.models.iter().map(|m| m.name.clone()).collect(),
+            versions: self.pool.models.iter().map(|m| m.version.clone()).collect(),
             totals: self.totals(),
             workers: self
+                .pool
                 .slots
                 .iter()
                 .enumerate()
                 .flat_map(|(i, s)| s.workers.iter().map(move |w| (i, w.pid, proc_status(w.pid).rss)))
                 .collect(),
-            ready: self.slots.iter().filter(|s| s.ready()).count(),
-            desired: self.slots.iter().filter(|s| !s.removing()).count(),
+            ready: self.pool.ready_count(),
+            desired: self.pool.slots.iter().filter(|s| !s.removing()).count(),
             restarts: self.totals.restarts.clone(),
             recycles: self.totals.recycles.clone(),
-            reloads: self.totals.reloads,
-            generation: self.generation,
+            reloads: self.reload.outcomes(),
+            generation: self.pool.generation,
             model_info,
         }
     }
@@ -171,6 +252,6 @@ impl Supervisor {
 
 /// Where the counter rows of a worker serving `served` (in its order) go in the pool's, which
 /// serves `pool`: a model the pool no longer serves is dropped.
-pub(super) fn rows_of(pool: &[ModelEntry], served: &[ModelInfo]) -> Vec<Option<usize>> {
+fn rows_of(pool: &[ModelEntry], served: &[ModelInfo]) -> Vec<Option<usize>> {
     served.iter().map(|m| pool.iter().position(|n| n.name == m.name)).collect()
 }

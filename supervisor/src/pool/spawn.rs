@@ -2,9 +2,34 @@
 //! descriptors in place (the control socket, the shared counters, its slot's sockets on the
 //! port, the hand-off socket and the pool's core claims, at the numbers ipc/src/spec.rs and
 //! ipc/src/cores.rs give them), and the task that forwards its messages and then reaps it.
-//! And the slot's sockets themselves.
+//! What that takes beside the spec, the descriptors every worker shares included, is the
+//! [`Launcher`]'s. And the slot's sockets themselves.
 
-use super::*;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use inferd_config::file::ServerConfig;
+use inferd_config::model::ModelEntry;
+use inferd_ipc::balance::{Balance, WORKER_BALANCE_FD};
+use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
+use inferd_ipc::spec::{
+    Cause, Lending, WorkerSpec, WORKER_CONTROL_FD, WORKER_GRPC_LISTENER_FD, WORKER_HANDOFF_RECV_FD,
+    WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
+};
+use inferd_ipc::stats::{WorkerCounters, WORKER_STATS_FD};
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use super::guards::recycle_threshold;
+use super::slot::{backoff, Role, Start, Worker};
+use super::Supervisor;
+use crate::plan::cpu::format_cpus;
+use crate::status::WorkerState;
+use crate::{systemd, Event};
 
 impl Supervisor {
     /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
@@ -17,7 +42,7 @@ impl Supervisor {
         models: Vec<ModelEntry>,
         generation: u64,
     ) -> Option<u64> {
-        let placement = &self.slots[index].placement;
+        let placement = &self.pool.slots[index].placement;
         let config = &self.resolved.config;
         let spec = WorkerSpec {
             index,
@@ -28,24 +53,21 @@ impl Supervisor {
             ort_library: self.resolved.ort.path.clone(),
             models,
             server: config.server.clone(),
-            shared_listener: self.listener.is_some(),
-            handoff: self.handoff.is_some(),
+            shared_listener: self.launcher.activated(),
+            handoff: self.launcher.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
             allocator: config.runtime.allocator,
-            access: match (&self.reload, cause) {
-                (Some(reload), Cause::Reload) => reload.access.clone(),
-                _ => self.access.clone(),
-            },
-            lending: match (&self.cores, placement.cpus.as_slice()) {
+            access: self.reload.access(cause).unwrap_or(&self.pool.access).clone(),
+            lending: match (&self.launcher.cores, placement.cpus.as_slice()) {
                 (Some(_), &[home]) if placement.threads == 1 && config.server.lend_idle_cores => {
                     Some(Lending { home, borrow: placement.borrow })
                 }
                 _ => None,
             },
-            balance: self.balance.is_some() && config.server.balance_connections,
+            balance: self.launcher.balance.is_some() && config.server.balance_connections,
         };
-        match self.start_process(&spec, &self.slots[index].sockets) {
+        match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {
                 let borrows = match spec.lending.and_then(|l| l.borrow) {
                     Some(cpu) => format!(" (and cpu {cpu} while idle)"),
@@ -57,9 +79,9 @@ impl Supervisor {
                     format_cpus(&spec.cpus),
                     spec.threads
                 );
-                self.spawns += 1;
-                let spawn = self.spawns;
-                self.slots[index].workers.push(Worker {
+                self.launcher.spawns += 1;
+                let spawn = self.launcher.spawns;
+                self.pool.slots[index].workers.push(Worker {
                     pid,
                     spawn,
                     cause,
@@ -78,7 +100,7 @@ impl Supervisor {
                 Some(spawn)
             }
             Err(e) => {
-                let slot = &mut self.slots[index];
+                let slot = &mut self.pool.slots[index];
                 slot.failures += 1;
                 let delay = backoff(slot.failures).max(Duration::from_millis(500));
                 error!("cannot start worker {index}: {e}; retrying in {delay:?}");
@@ -87,6 +109,69 @@ impl Supervisor {
                 }
                 None
             }
+        }
+    }
+}
+
+/// What starting a worker takes beside its spec: this binary, the queue its task reports to,
+/// the descriptors every worker shares, and the spawn ids handed out so far.
+pub(super) struct Launcher {
+    exe: PathBuf,
+    events: mpsc::UnboundedSender<Event>,
+    /// Workers started so far: the next one's spawn id.
+    spawns: u64,
+    /// The listening socket systemd passed (socket activation), shared with every worker.
+    listener: Option<OwnedFd>,
+    /// The pool's hand-off socket (send end, receive end), held open for the pool's life so
+    /// that connections handed over wait in it for a worker to take them.
+    handoff: Option<(OwnedFd, OwnedFd)>,
+    /// Which worker runs on which core now (server.lend_idle_cores), mapped here to clear
+    /// the claims of workers that exit, and its descriptor for the workers.
+    cores: Option<(CoreClaims, OwnedFd)>,
+    /// Each serving worker's open connections (see `inferd_ipc::balance`), mapped here to free
+    /// the entries of workers that exit, and its descriptor for the workers.
+    balance: Option<(Balance, OwnedFd)>,
+}
+
+impl Launcher {
+    /// `listener`: systemd's socket, under socket activation. Without a hand-off socket, core
+    /// claims or a connection table, the pool runs without what each gives (and says so).
+    pub(super) fn new(events: mpsc::UnboundedSender<Event>, listener: Option<OwnedFd>) -> std::io::Result<Launcher> {
+        Ok(Launcher {
+            exe: std::env::current_exe()?,
+            events,
+            spawns: 0,
+            listener,
+            handoff: handoff_socket()
+                .map_err(|e| {
+                    warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
+                })
+                .ok(),
+            // Above fd 10, as every descriptor a worker gets (see `start_process`).
+            cores: CoreClaims::create()
+                .and_then(|(claims, fd)| Ok((claims, dup_high(fd.as_raw_fd())?)))
+                .map_err(|e| warn!("no core claims ({e}): workers do not lend idle cores to each other"))
+                .ok(),
+            balance: Balance::create()
+                .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
+                .map_err(|e| warn!("no connection table ({e}): workers do not shed connections to balance"))
+                .ok(),
+        })
+    }
+
+    /// Whether the workers share systemd's socket (socket activation) rather than their
+    /// slots' own.
+    pub(super) fn activated(&self) -> bool {
+        self.listener.is_some()
+    }
+
+    /// Worker `pid` has exited: its core claims and its entry in the connection table go.
+    pub(super) fn forget(&self, pid: u32) {
+        if let Some((claims, _)) = &self.cores {
+            claims.clear(pid);
+        }
+        if let Some((table, _)) = &self.balance {
+            table.clear(pid);
         }
     }
 
@@ -124,7 +209,7 @@ impl Supervisor {
             // No ONNX Runtime telemetry thread (see worker/src/runtime/model.rs).
             .env("ORT_DISABLE_TELEMETRY", "1")
             // Logging starts before the spec is read: the format and the slot come this way.
-            .env("INFERD_LOG_FORMAT", self.resolved.config.log.format.as_str())
+            .env("INFERD_LOG_FORMAT", spec.log.format.as_str())
             .env("INFERD_WORKER", spec.index.to_string())
             .stdin(Stdio::null());
         for name in systemd::VARIABLES {

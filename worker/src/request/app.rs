@@ -51,7 +51,7 @@ impl AppState {
             return Ok(());
         }
         keys.check(authorization.and_then(bearer)).map_err(|refusal| {
-            self.stats.auth_refused(refusal.as_str());
+            self.stats.count_auth_refusal(refusal);
             ApiError::Unauthorized(refusal)
         })
     }

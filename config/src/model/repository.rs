@@ -1,0 +1,274 @@
+//! The repository loader: a model's folder in the repository (or the folder or file a
+//! reload names), its model.toml or the one its published files amount to ([`published`]),
+//! read and checked, with the files it names resolved into a [`ModelEntry`].
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::schema::{
+    check_pipeline, yes, Batching, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig, ModelFile, Precision,
+    Quantization, Task, TokenizerConfig, Warmup,
+};
+use super::{published, MODEL_CONFIG_FILE};
+use crate::ConfigError;
+
+/// A model as the workers will load it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelEntry {
+    pub name: String,
+    pub version: String,
+    /// Absolute path of the ONNX file.
+    pub path: PathBuf,
+    pub warmup: Warmup,
+    pub batching: Batching,
+    pub task: Task,
+    /// Sessions map one prepared copy of the weights (with `runtime.cache_dir` set); false:
+    /// each session optimises and holds its own (a graph that must stay as written, or a load
+    /// time that matters more than memory).
+    #[serde(default = "yes")]
+    pub share_weights: bool,
+    pub tokenizer: Option<TokenizerConfig>,
+    pub embedding: Option<EmbeddingConfig>,
+    pub classification: Option<ClassificationConfig>,
+    pub image: Option<ImageConfig>,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default)]
+    pub quantization: Quantization,
+    #[serde(default)]
+    pub custom_ops: Option<CustomOps>,
+}
+
+impl ModelEntry {
+    /// Reads `<repository>/<name>/model.toml` and checks that the files it names exist and
+    /// that its sections make sense together.
+    pub fn load(repository: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
+        let dir = repository.join(name);
+        if !dir.is_dir() {
+            let message = format!("no folder {} in the model repository", dir.display());
+            return Err(ConfigError::Model { model: name.to_string(), message });
+        }
+        ModelEntry::load_dir(&dir, name)
+    }
+
+    /// What `inferd reload --path` points at, for model `name`: a folder with its own
+    /// model.toml (whose name must be `name`), or a model file that replaces this entry's.
+    pub fn replaced_by(&self, path: &Path) -> Result<ModelEntry, ConfigError> {
+        let err = |message: String| ConfigError::Model { model: self.name.clone(), message };
+        if path.is_dir() {
+            return ModelEntry::load_dir(path, &self.name);
+        }
+        if !path.is_file() {
+            return Err(err(format!("{} is neither a model folder nor a model file", path.display())));
+        }
+        let path = std::path::absolute(path).map_err(|e| err(e.to_string()))?;
+        Ok(ModelEntry { path, ..self.clone() })
+    }
+
+    /// Whether `dir` holds a model: its model.toml, or an ONNX file to serve without one.
+    pub fn is_model_dir(dir: &Path) -> bool {
+        dir.join(MODEL_CONFIG_FILE).is_file() || matches!(published::model_file(dir), Ok(Some(_)) | Err(_))
+    }
+
+    /// The model.toml the files of `dir` amount to when it has none ([`published`]); None
+    /// when it has one.
+    pub fn inferred_toml(dir: &Path, name: &str) -> Result<Option<String>, ConfigError> {
+        if dir.join(MODEL_CONFIG_FILE).exists() {
+            return Ok(None);
+        }
+        published::infer(dir, name, None)
+            .map(Some)
+            .map_err(|message| ConfigError::Model { model: name.into(), message })
+    }
+
+    /// Reads `dir/model.toml`, which must describe model `name`; without one, the settings
+    /// the folder's published files amount to ([`published`]).
+    pub fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
+        let err = |message: String| ConfigError::Model { model: name.to_string(), message };
+        let mut config_path = dir.join(MODEL_CONFIG_FILE);
+        let text = match ModelEntry::inferred_toml(dir, name)? {
+            Some(text) => {
+                config_path = dir.join("(inferred model.toml)");
+                text
+            }
+            None => read_settings(&config_path).map_err(err)?,
+        };
+        let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
+        if file.name != name {
+            return Err(err(format!("{} says name = \"{}\"; it must be \"{name}\"", config_path.display(), file.name)));
+        }
+        if file.warmup.batch_sizes.is_empty() || file.warmup.batch_sizes.contains(&0) || file.warmup.dynamic_dim == 0 {
+            return Err(err(format!("{}: warmup sizes must be at least 1", config_path.display())));
+        }
+        file.batching.check().map_err(|e| err(format!("{}: {e}", config_path.display())))?;
+        // A file named in model.toml, relative to its folder.
+        let resolve = |file: &Path| std::path::absolute(dir.join(file)).unwrap_or_else(|_| dir.join(file));
+        let path = resolve(&file.file);
+        if !path.is_file() {
+            return Err(err(format!(
+                "model file {} not found (for the default model, `make setup` fetches it)",
+                path.display()
+            )));
+        }
+        let tokenizer = match file.tokenizer {
+            None => None,
+            Some(t) => {
+                let path = resolve(&t.file);
+                if !path.is_file() {
+                    return Err(err(format!("tokenizer file {} not found", path.display())));
+                }
+                if t.max_length < 2 {
+                    return Err(err("tokenizer.max_length must be at least 2".into()));
+                }
+                Some(TokenizerConfig { path, max_length: t.max_length })
+            }
+        };
+        check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
+        if let Some(e) = &file.embedding {
+            e.prompt(None).map_err(|e| err(format!("embedding.default_prompt: {e}")))?;
+        }
+        let quantization =
+            Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
+        quantization.check().map_err(err)?;
+        if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
+            return Err(err(format!("quantization.calibration: {} not found", c.display())));
+        }
+        let custom_ops = match file.custom_ops {
+            None => None,
+            Some(c) => {
+                let ops =
+                    CustomOps { library: resolve(&c.library), preload: c.preload.iter().map(|p| resolve(p)).collect() };
+                if let Some(missing) = std::iter::once(&ops.library).chain(&ops.preload).find(|p| !p.is_file()) {
+                    return Err(err(format!("custom_ops: {} not found", missing.display())));
+                }
+                if file.precision != Precision::Fp32 {
+                    return Err(err("precision int8 or auto is not prepared for graphs with custom operators".into()));
+                }
+                Some(ops)
+            }
+        };
+        Ok(ModelEntry {
+            name: file.name,
+            version: file.version,
+            path,
+            warmup: file.warmup,
+            batching: file.batching,
+            task: file.task,
+            share_weights: file.share_weights,
+            tokenizer,
+            embedding: file.embedding,
+            classification: file.classification,
+            image: file.image,
+            precision: file.precision,
+            quantization,
+            custom_ops,
+        })
+    }
+}
+
+/// The largest model.toml read.
+const MAX_MODEL_TOML_BYTES: u64 = 1 << 20;
+
+/// A model.toml's text: a regular file (a FIFO or device would block the reader) of at most
+/// [`MAX_MODEL_TOML_BYTES`].
+fn read_settings(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    if meta.len() > MAX_MODEL_TOML_BYTES {
+        return Err(format!(
+            "{} is {} bytes; a model.toml may have at most {MAX_MODEL_TOML_BYTES}",
+            path.display(),
+            meta.len()
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ChannelOrder, Layout};
+
+    fn repo_with(name: &str, toml: &str, onnx: bool) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("inferd-model-test-{}-{name}", std::process::id()));
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(MODEL_CONFIG_FILE), toml).unwrap();
+        if onnx {
+            std::fs::write(dir.join("model.onnx"), b"x").unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn loads_with_defaults() {
+        let repo = repo_with("m1", "name = \"m1\"\n", true);
+        let entry = ModelEntry::load(&repo, "m1").unwrap();
+        assert_eq!(entry.version, "1");
+        assert_eq!(entry.warmup, Warmup::default());
+        assert!(entry.path.ends_with("m1/model.onnx"));
+    }
+
+    #[test]
+    fn pipelines_are_read_and_checked() {
+        let repo = repo_with(
+            "c1",
+            "name = \"c1\"\ntask = \"classification\"\n[classification]\nlabels = [\"a\", \"b\"]\n\
+             [image]\nwidth = 8\nheight = 8\nmean = [0.5, 0.5, 0.5]\nstd = [0.5, 0.5, 0.5]\nlayout = \"NHWC\"\n",
+            true,
+        );
+        let entry = ModelEntry::load(&repo, "c1").unwrap();
+        let image = entry.image.unwrap();
+        assert_eq!((image.layout, image.channels, image.max_pixels), (Layout::Nhwc, ChannelOrder::Rgb, 40_000_000));
+        assert_eq!(entry.classification.unwrap().activation, None, "chosen from the graph at load");
+
+        let cases = [
+            ("task = \"embedding\"\n", "needs a [tokenizer]"),
+            ("task = \"classification\"\n", "needs a [classification] section"),
+            ("task = \"classification\"\n[classification]\nlabels = [\"a\"]\n", "exactly one of"),
+            ("[image]\nwidth = 8\nheight = 8\n", "task = \"raw\" takes no"),
+            ("[tokenizer]\nfile = \"absent.json\"\n", "tokenizer file"),
+            ("task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 0\n", "at least 1"),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 8\nstd = [1, 0, 1]\n",
+                "non-zero",
+            ),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 8\nshortest_edge = 9\n",
+                "image.shortest_edge needs image.resize = \"shortest_edge\"",
+            ),
+            (
+                "task = \"classification\"\n[classification]\nlabels = [\"a\"]\n[image]\nwidth = 8\nheight = 6\n\
+                 resize = \"shortest_edge\"\nshortest_edge = 7\n",
+                "image.shortest_edge = 7 must be between the crop's larger side (8)",
+            ),
+            ("task = \"sorting\"\n", "unknown variant"),
+            ("[batching]\nmax_batch_size = 0\n", "must be at least 1"),
+            ("[batching]\nmax_queue_delay_ms = 5000\n", "milliseconds"),
+        ];
+        for (i, (extra, message)) in cases.iter().enumerate() {
+            let name = format!("p{i}");
+            let repo = repo_with(&name, &format!("name = \"{name}\"\n{extra}"), true);
+            let e = ModelEntry::load(&repo, &name).unwrap_err().to_string();
+            assert!(e.contains(message), "case {i}: {e}");
+        }
+    }
+
+    #[test]
+    fn errors_name_the_model_and_the_problem() {
+        let repo = repo_with("m2", "name = \"other\"\n", true);
+        let e = ModelEntry::load(&repo, "m2").unwrap_err().to_string();
+        assert!(e.contains("m2") && e.contains("it must be \"m2\""), "{e}");
+        let repo = repo_with("m3", "name = \"m3\"\n", false);
+        let e = ModelEntry::load(&repo, "m3").unwrap_err().to_string();
+        assert!(e.contains("not found"), "{e}");
+        let e = ModelEntry::load(&repo, "absent").unwrap_err().to_string();
+        assert!(e.contains("absent"), "{e}");
+        let repo = repo_with("m4", "name = \"m4\"\ncolour = 1\n", true);
+        let e = ModelEntry::load(&repo, "m4").unwrap_err().to_string();
+        assert!(e.contains("colour"), "{e}");
+    }
+}

@@ -1,0 +1,261 @@
+//! The pool's parts: its slots, each with a fixed CPU set and the workers it runs, and what
+//! workers started now run. A worker's [`Role`] in its slot, a slot's [`Start`] (the only thing
+//! that starts a current worker), and the backoff of a slot whose workers keep dying young.
+
+use std::time::{Duration, Instant};
+
+use inferd_config::auth::Access;
+use inferd_config::model::ModelEntry;
+use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
+use inferd_ipc::stats::WorkerCounters;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+
+use super::spawn::SlotSockets;
+use crate::plan::cpu::Placement;
+use crate::status::WorkerState;
+
+/// The pool: its slots, and what the workers started now run.
+pub(super) struct Pool {
+    pub(super) slots: Vec<Slot>,
+    /// Incremented by every reload; workers carry the generation they were started for.
+    pub(super) generation: u64,
+    /// The models new slots (scale +1) run: those of the latest successful reload.
+    pub(super) models: Vec<ModelEntry>,
+    /// The API keys and certificate workers started now take: those of the latest
+    /// successful reload.
+    pub(super) access: Access,
+}
+
+impl Pool {
+    /// Every worker of every slot.
+    pub(super) fn workers(&self) -> impl Iterator<Item = &Worker> {
+        self.slots.iter().flat_map(|s| &s.workers)
+    }
+
+    /// Whether every slot not being removed has its current worker ready.
+    pub(super) fn all_ready(&self) -> bool {
+        self.slots.iter().filter(|s| !s.removing()).all(Slot::ready)
+    }
+
+    /// Slots whose current worker is ready.
+    pub(super) fn ready_count(&self) -> usize {
+        self.slots.iter().filter(|s| s.ready()).count()
+    }
+
+    /// The first slot that `scale -1` is still draining.
+    pub(super) fn removing(&self) -> Option<usize> {
+        self.slots.iter().position(Slot::removing)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// The slot's serving worker.
+    Current,
+    /// Started to replace the current worker; takes its place once ready.
+    Incoming,
+    /// Replaced: draining, then gone.
+    Retiring,
+}
+
+pub(super) struct Worker {
+    pub(super) pid: u32,
+    /// This spawn's identity, unique over the supervisor's life: a reload waits for the one
+    /// worker it started, whatever other workers of the same slot or generation report.
+    pub(super) spawn: u64,
+    pub(super) cause: Cause,
+    pub(super) generation: u64,
+    pub(super) role: Role,
+    pub(super) state: WorkerState,
+    pub(super) started: Instant,
+    pub(super) ready_at: Option<Instant>,
+    pub(super) models: Vec<ModelInfo>,
+    /// What the worker said before failing, or why the supervisor killed it.
+    pub(super) failure: Option<(FailureKind, String)>,
+    /// The counters it shares with the supervisor.
+    pub(super) stats: WorkerCounters,
+    /// Requests after which it is recycled (server.max_requests plus its own jitter).
+    pub(super) recycle_after: Option<u64>,
+    /// Why and when the supervisor sent SIGABRT to a stuck worker; SIGKILL follows a tick later.
+    pub(super) stuck: Option<(String, Instant)>,
+    /// Killed by the supervisor for passing the hard memory limit.
+    pub(super) memory_killed: bool,
+}
+
+impl Worker {
+    /// Retires a worker whose siblings carry on: SIGUSR1 makes it drain and hand its idle
+    /// keep-alive connections to them (SIGTERM, for a stopping pool, closes them).
+    pub(super) fn retire(&mut self) {
+        self.role = Role::Retiring;
+        let _ = nix::sys::signal::kill(Pid::from_raw(self.pid as i32), Signal::SIGUSR1);
+    }
+}
+
+pub(super) struct Slot {
+    pub(super) placement: Placement,
+    /// What this slot's workers run, and the pool generation that brought it.
+    pub(super) models: Vec<ModelEntry>,
+    pub(super) generation: u64,
+    pub(super) workers: Vec<Worker>,
+    pub(super) restarts: u32,
+    /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`](super::STABLE_AFTER).
+    pub(super) failures: u32,
+    /// When it starts its next current worker (see [`Start`]), and why.
+    pub(super) start: Start,
+    pub(super) cause: Cause,
+    pub(super) last_exit: Option<String>,
+    /// A recycling replacement failed: no new attempt before this.
+    pub(super) recycle_pause: Option<Instant>,
+    /// Its place on the port, shared by its successive workers (spawn.rs).
+    pub(super) sockets: SlotSockets,
+}
+
+/// When a slot starts its next current worker: the one place that says what may start one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Start {
+    /// Nothing to start: its current worker serves or is on its way.
+    No,
+    /// Held at boot until the first worker's memory says whether this one fits.
+    Held,
+    /// At this instant: now, or once a crash's backoff has passed.
+    At(Instant),
+    /// Once its retiring workers have exited (memory is too tight for two), then at once.
+    WhenEmpty,
+    /// Being removed by `scale -1`: never again; the slot goes once its workers are gone.
+    Removing,
+}
+
+impl Slot {
+    /// A slot whose first worker starts at once.
+    pub(super) fn new(
+        placement: Placement,
+        models: Vec<ModelEntry>,
+        generation: u64,
+        cause: Cause,
+        sockets: SlotSockets,
+    ) -> Slot {
+        Slot {
+            placement,
+            models,
+            generation,
+            workers: Vec::new(),
+            restarts: 0,
+            failures: 0,
+            start: Start::At(Instant::now()),
+            cause,
+            last_exit: None,
+            recycle_pause: None,
+            sockets,
+        }
+    }
+
+    /// Whether its next current worker should start now.
+    pub(super) fn due(&self, now: Instant) -> bool {
+        let serving_or_coming = self.workers.iter().any(|w| w.role != Role::Retiring);
+        !serving_or_coming
+            && match self.start {
+                Start::At(t) => now >= t,
+                Start::WhenEmpty => self.workers.is_empty(),
+                Start::No | Start::Held | Start::Removing => false,
+            }
+    }
+
+    pub(super) fn removing(&self) -> bool {
+        self.start == Start::Removing
+    }
+
+    pub(super) fn with_role(&self, role: Role) -> Option<&Worker> {
+        self.workers.iter().find(|w| w.role == role)
+    }
+
+    pub(super) fn ready(&self) -> bool {
+        self.with_role(Role::Current).is_some_and(|w| w.state == WorkerState::Ready)
+    }
+
+    /// A worker of the slot, other than a retiring one, that has not reported ready yet.
+    pub(super) fn booting(&self) -> Option<&Worker> {
+        self.workers
+            .iter()
+            .find(|w| w.role != Role::Retiring && matches!(w.state, WorkerState::Starting | WorkerState::Warming))
+    }
+}
+
+/// 0 for the first failure, then 0.5 s doubling up to 30 s.
+pub(super) fn backoff(failures: u32) -> Duration {
+    match failures {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(500u64.saturating_mul(1 << (n - 2).min(6))).min(Duration::from_secs(30)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inferd_config::file::ServerConfig;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let delays: Vec<u64> = (1..=10).map(|n| backoff(n).as_millis() as u64).collect();
+        assert_eq!(delays, vec![0, 500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
+    }
+
+    fn worker(role: Role) -> Worker {
+        Worker {
+            pid: 1,
+            spawn: 1,
+            cause: Cause::Boot,
+            generation: 1,
+            role,
+            state: WorkerState::Ready,
+            started: Instant::now(),
+            ready_at: None,
+            models: Vec::new(),
+            failure: None,
+            stats: WorkerCounters::create("inferd-test").unwrap().0,
+            recycle_after: None,
+            stuck: None,
+            memory_killed: false,
+        }
+    }
+
+    #[test]
+    fn only_a_slots_start_state_starts_its_worker() {
+        let now = Instant::now();
+        let sockets =
+            SlotSockets::bind(&ServerConfig { listen: "127.0.0.1:0".into(), ..Default::default() }, false).unwrap();
+        let mut slot = Slot::new(
+            Placement { index: 0, cpus: vec![0], threads: 1, borrow: None },
+            Vec::new(),
+            1,
+            Cause::Boot,
+            sockets,
+        );
+        let later = now + Duration::from_secs(5);
+        for (start, due) in [
+            (Start::At(now), true),
+            (Start::At(later), false),
+            (Start::Held, false),
+            (Start::No, false),
+            (Start::Removing, false),
+            (Start::WhenEmpty, true),
+        ] {
+            slot.start = start;
+            assert_eq!(slot.due(now), due, "{start:?}, no workers");
+        }
+        // A retiring worker holds back WhenEmpty (memory for one only), not a timed start.
+        slot.workers.push(worker(Role::Retiring));
+        slot.start = Start::WhenEmpty;
+        assert!(!slot.due(now));
+        slot.start = Start::At(now);
+        assert!(slot.due(now));
+        // A current or incoming worker: nothing to start, whatever the state says.
+        for role in [Role::Current, Role::Incoming] {
+            slot.workers = vec![worker(role)];
+            assert!(!slot.due(now), "{role:?}");
+        }
+        assert!(!slot.removing());
+        slot.start = Start::Removing;
+        assert!(slot.removing());
+    }
+}
