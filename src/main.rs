@@ -18,7 +18,7 @@ use inferd_config::{Config, Overrides};
 use inferd_supervisor::control::{self, Request};
 use inferd_supervisor::plan::cpu::format_cpus;
 use inferd_supervisor::plan::Resolved;
-use inferd_worker::runtime::model::{ModelSession, Runtime, Threads};
+use inferd_worker::runtime::model::{Runtime, Threads};
 
 /// A production server for ONNX models: one supervisor, K pinned worker processes, one port.
 #[derive(Parser)]
@@ -328,9 +328,8 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
     let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())
         .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error })?;
     for entry in &resolved.models {
-        let model = ModelSession::load(&runtime, entry, Threads::Narrow, None)
+        let (meta, _session) = inferd_worker::load::one(&runtime, entry, Threads::Narrow)
             .map_err(|error| Failure::Model { context: format!("checking model '{}'", entry.name), error })?;
-        let meta = &model.meta;
         println!(
             "model {} (version {}, sha256 {}): {}",
             meta.info.name,

@@ -1,6 +1,6 @@
 //! A rolling reload against every other action that starts a worker, each interleaving forced
 //! rather than left to timing: a worker started for a given cause is held, warm but not yet
-//! listening, while a file says so (INFERD_TEST_HOLD_DIR, worker/src/server.rs), so the test
+//! listening, while a file says so (INFERD_TEST_HOLD_DIR, worker/src/server/boot.rs), so the test
 //! decides what is in flight when the reload starts and what finishes first.
 //!
 //! What must hold in each: a reload completes only when the worker it started itself is

@@ -347,8 +347,8 @@ impl Embedder {
         warm: &[String],
         batch: usize,
     ) -> anyhow::Result<Self> {
-        let model = ModelSession::load(runtime, entry, threads, None)?;
-        let pipeline = model.meta.pipeline.clone();
+        let (served, model) = inferd_worker::load::one(runtime, entry, threads)?;
+        let pipeline = served.pipeline;
         let Pipeline::Text(text) = &*pipeline else { bail!("this mode needs a text model") };
         let Head::Embedding { .. } = text.head else { bail!("this mode needs an embedding model") };
         let mut embedder = Embedder { model, pipeline };

@@ -7,22 +7,26 @@
 //! a test in `make test`, reads this list and fails on a `crate::` path that goes up it):
 //! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the
 //!   supervisor;
+//! - [`load`]: a model loaded above the runtime: digest, the int8 preparation and its
+//!   accuracy guard ([`load::int8`]), sessions, pipeline;
 //! - [`http`]: the protocol surface: REST routing and error bodies ([`http`] itself), KServe
 //!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
-//!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), and connection plumbing: the
-//!   hand-off of idle connections ([`http::handoff`]) and write timeouts
-//!   ([`http::write_timeout`]);
-//! - [`request`]: what every handler shares ([`request::app`]: the worker's state, the one
-//!   error type and its status codes, model lookup, request counting), a parsed v2 request run
-//!   ([`request::infer`]) and pipelined requests through the engine ([`request::tasks`]);
+//!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), answers as hyper sends them
+//!   ([`http::reply`]), and connection plumbing: the hand-off of idle connections
+//!   ([`http::handoff`]) and write timeouts ([`http::write_timeout`]);
+//! - [`request`]: what every handler shares ([`request::app`]: the worker's state and its
+//!   models, the one error type and its status codes, model lookup, request counting), a v2
+//!   request once decoded ([`request::v2`]) and its run ([`request::infer`]), and pipelined
+//!   requests through the engine ([`request::tasks`]);
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
 //! - [`runtime`]: everything that calls ONNX Runtime: sessions ([`runtime::model`]), the
 //!   dynamic batcher and the lanes that run them ([`runtime::engine`]), where runs' buffers
-//!   come from ([`runtime::allocator`]), prepared weights ([`runtime::weights`]), the int8
-//!   preparation ([`runtime::quantize`]), datatypes and values ([`runtime::tensor`]);
-//! - [`protowire`]: the protobuf wire format, read by the gRPC intake and the int8 rewriter;
-//!   [`panics`]: a panic costs its request (500, then the worker is replaced), for every
-//!   layer's threads and tasks.
+//!   come from ([`runtime::allocator`]), prepared weights ([`runtime::weights`]), datatypes
+//!   and values, checked against a model's inputs ([`runtime::tensor`]);
+//! - [`onnx`]: read-only questions about a model file; [`protowire`]: the protobuf wire
+//!   format, read by the gRPC intake and [`onnx`] and written by the int8 rewrite; [`panics`]:
+//!   a panic costs its request (500, then the worker is replaced), for every layer's threads
+//!   and tasks.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -82,6 +86,8 @@ macro_rules! write_through_inner {
 }
 
 pub mod http;
+pub mod load;
+pub mod onnx;
 pub mod panics;
 pub mod pipeline;
 pub mod protowire;

@@ -1,7 +1,7 @@
 //! The protobuf wire format, read field by field without a schema: what the gRPC intake
-//! measures a ModelInfer message with before it is decoded ([`crate::http::grpc::intake`]) and what
-//! the int8 rewrite walks an ONNX file with ([`crate::runtime::quantize::graph`]); and written,
-//! for the ONNX files inferd makes (that rewrite, the allocator's one-operator model).
+//! measures a ModelInfer message with before it is decoded ([`crate::http::grpc::intake`]) and
+//! what an ONNX file is walked with ([`crate::onnx`], the int8 rewrite); and written, for the
+//! ONNX files inferd makes (the int8 rewrite, the allocator's one-operator model).
 // Request bytes come through here: every operation on sizes is checked.
 #![deny(clippy::arithmetic_side_effects)]
 

@@ -1,9 +1,10 @@
-//! KServe v2 / Open Inference Protocol over REST: request parsing (JSON tensors and the binary
-//! tensor data extension), validation against the model's declared inputs, output selection
-//! and response bodies.
+//! KServe v2 / Open Inference Protocol over REST: a request body (JSON tensors and the binary
+//! tensor data extension) into a [`Parsed`] request, and the response bodies. What a parsed
+//! request means (its inputs checked against the model's, its outputs chosen) is the request
+//! layer's ([`crate::request::v2`]), shared with gRPC.
 //!
-//! Every validation error names the input or output and says what was expected, e.g.
-//! `input 'input_ids': expected INT64, got FP32`.
+//! Every error names the input and says what was expected, e.g. `input 'a': shape [1,2]
+//! needs 2 values, got 1`.
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
@@ -11,8 +12,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::runtime::model::ModelMeta;
-use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
+use crate::request::app::Model;
+use crate::request::v2::{InputTensor, Parsed, WantedOutput};
+use crate::runtime::tensor::{element_count, shape_text, DataType, Tensor, TensorData, TensorSpec};
 
 /// Header of the binary tensor data extension: the length of the JSON part of the body.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -47,32 +49,6 @@ struct RequestOutput {
     name: String,
     #[serde(default)]
     parameters: Option<Map<String, Value>>,
-}
-
-/// A request tensor, typed and checked against its own shape, not yet against the model.
-#[derive(Debug)]
-pub struct InputTensor {
-    pub tensor: Tensor,
-    /// Sent as binary data rather than JSON (BYTES in JSON are text; in binary, raw bytes).
-    pub binary: bool,
-}
-
-/// One requested output; `binary` is its `binary_data` parameter when given.
-#[derive(Debug)]
-pub struct WantedOutput {
-    pub name: String,
-    pub binary: Option<bool>,
-}
-
-#[derive(Debug)]
-pub struct Parsed {
-    pub id: Option<String>,
-    pub parameters: Map<String, Value>,
-    pub inputs: Vec<InputTensor>,
-    /// `None`: every output.
-    pub outputs: Option<Vec<WantedOutput>>,
-    /// The request's `binary_data_output` parameter: outputs go binary unless they say otherwise.
-    pub binary_output: bool,
 }
 
 /// Parses an infer request body. `header_length` is the value of
@@ -185,96 +161,6 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-pub fn shape_text(shape: &[i64]) -> String {
-    format!("[{}]", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
-}
-
-/// Checks the request's tensors against the model's inputs and returns them in the model's order.
-pub fn validate_inputs(inputs: Vec<InputTensor>, meta: &ModelMeta) -> Result<Vec<Tensor>, String> {
-    let model = &meta.info.name;
-    let mut given: Vec<Option<Tensor>> = meta.inputs.iter().map(|_| None).collect();
-    for input in inputs {
-        let tensor = input.tensor;
-        let Some(i) = meta.inputs.iter().position(|s| s.name == tensor.name) else {
-            return Err(format!("unknown input '{}'; model '{model}' has inputs {}", tensor.name, names(&meta.inputs)));
-        };
-        if given[i].is_some() {
-            return Err(format!("input '{}' is given twice", tensor.name));
-        }
-        check_against(&tensor, &meta.inputs[i])?;
-        given[i] = Some(tensor);
-    }
-    meta.inputs
-        .iter()
-        .zip(given)
-        .map(|(spec, tensor)| {
-            tensor.ok_or_else(|| {
-                format!(
-                    "missing input '{}' ({} {}); model '{model}' needs {}",
-                    spec.name,
-                    spec.datatype,
-                    shape_text(&spec.shape),
-                    names(&meta.inputs)
-                )
-            })
-        })
-        .collect()
-}
-
-fn names(specs: &[TensorSpec]) -> String {
-    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
-}
-
-fn check_against(tensor: &Tensor, spec: &TensorSpec) -> Result<(), String> {
-    let name = &tensor.name;
-    let expected = spec.dtype.expect("models with inputs inferd cannot feed are refused at load");
-    let got = tensor.data.dtype();
-    if got != expected {
-        return Err(format!("input '{name}': expected {}, got {}", expected.name(), got.name()));
-    }
-    if tensor.shape.len() != spec.shape.len() {
-        return Err(format!(
-            "input '{name}': expected shape {} (rank {}), got {} (rank {})",
-            shape_text(&spec.shape),
-            spec.shape.len(),
-            shape_text(&tensor.shape),
-            tensor.shape.len()
-        ));
-    }
-    for (axis, (&want, &have)) in spec.shape.iter().zip(&tensor.shape).enumerate() {
-        if want >= 0 && want != have {
-            return Err(format!(
-                "input '{name}': dimension {axis} must be {want} (model shape {}), got {}",
-                shape_text(&spec.shape),
-                shape_text(&tensor.shape)
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Resolves the requested outputs against the names the model (or its pipeline) produces:
-/// indices into `available` in the order asked, each with whether it goes out as binary data.
-pub fn select_outputs(parsed: &Parsed, available: &[&str], model: &str) -> Result<Vec<(usize, bool)>, String> {
-    let Some(wanted) = &parsed.outputs else {
-        return Ok((0..available.len()).map(|i| (i, parsed.binary_output)).collect());
-    };
-    let mut selection: Vec<(usize, bool)> = Vec::with_capacity(wanted.len());
-    for out in wanted {
-        let Some(i) = available.iter().position(|n| *n == out.name) else {
-            return Err(format!(
-                "unknown output '{}'; model '{model}' has outputs {}",
-                out.name,
-                available.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
-            ));
-        };
-        if !selection.iter().any(|(j, _)| *j == i) {
-            selection.push((i, out.binary.unwrap_or(parsed.binary_output)));
-        }
-    }
-    Ok(selection)
-}
-
 #[derive(Serialize)]
 struct InferResponse<'a> {
     model_name: &'a str,
@@ -298,7 +184,7 @@ struct ResponseOutput {
 /// The response body, and the JSON part's length when binary data follows it (the value of
 /// the `Inference-Header-Content-Length` response header).
 pub fn infer_response(
-    meta: &ModelMeta,
+    meta: &Model,
     id: Option<String>,
     outputs: Vec<Tensor>,
     selection: &[(usize, bool)],
@@ -352,7 +238,7 @@ pub struct ModelMetadata<'a> {
 }
 
 impl<'a> ModelMetadata<'a> {
-    pub fn of(meta: &'a ModelMeta, pipeline: Option<Value>) -> Self {
+    pub fn of(meta: &'a Model, pipeline: Option<Value>) -> Self {
         ModelMetadata {
             name: &meta.info.name,
             versions: [&meta.info.version],
@@ -368,9 +254,12 @@ impl<'a> ModelMetadata<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::v2::select_outputs;
+    use crate::runtime::model::ModelMeta;
+    use crate::runtime::tensor::validate_inputs;
     use inferd_ipc::spec::ModelInfo;
 
-    fn meta() -> ModelMeta {
+    fn meta() -> Model {
         use inferd_config::model::Task;
         let spec = |name: &str, dt: DataType, shape: Vec<i64>| TensorSpec {
             name: name.into(),
@@ -379,7 +268,7 @@ mod tests {
             dtype: Some(dt),
             first_dim: String::new(),
         };
-        ModelMeta {
+        let meta = ModelMeta {
             info: ModelInfo {
                 name: "m".into(),
                 version: "1".into(),
@@ -388,11 +277,11 @@ mod tests {
                 precision: String::new(),
             },
             task: Task::Raw,
-            pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
             outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
             batching: Default::default(),
-        }
+        };
+        Model { meta, pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw) }
     }
 
     /// (id, inputs, output selection).
@@ -405,7 +294,8 @@ mod tests {
         let available: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
         let selection = select_outputs(&parsed, &available, "m")?;
         let id = parsed.id.clone();
-        Ok((id, validate_inputs(parsed.inputs, &meta)?, selection))
+        let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
+        Ok((id, validate_inputs(given, &meta.inputs, "m")?, selection))
     }
 
     const A: &str = r#"{"name":"a","shape":[1,2],"datatype":"FP32","data":[[1,2]]}"#;

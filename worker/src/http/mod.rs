@@ -6,6 +6,7 @@ pub mod grpc;
 pub mod handoff;
 pub mod kserve;
 pub mod openai;
+pub mod reply;
 pub mod tei;
 pub mod write_timeout;
 
@@ -26,10 +27,9 @@ use tracing::{debug, info, warn};
 use inferd_config::model::Task;
 use inferd_ipc::stats::Endpoint;
 
-use crate::request::app::{counted, found_index, json_reply, model, ApiError, AppState, Reply};
+use crate::http::reply::{annotate, json_reply, Reply};
+use crate::request::app::{counted, found_index, model, ApiError, AppState, Model};
 use crate::request::infer::{pipeline_io, run_v2};
-use crate::request::tasks;
-use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::Tensor;
 
 fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
@@ -331,7 +331,7 @@ async fn tei_route(
     request: Request<Incoming>,
     deadline: Option<Instant>,
     endpoint: Endpoint,
-    handler: impl AsyncFnOnce(&AppState, usize, &ModelMeta, &[u8], Option<Instant>) -> Result<Reply, ApiError>,
+    handler: impl AsyncFnOnce(&AppState, usize, &Model, &[u8], Option<Instant>) -> Result<Reply, ApiError>,
 ) -> Result<Reply, ApiError> {
     let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
     let row = found_index(&found);
@@ -359,7 +359,7 @@ fn deadline(request: &Request<Incoming>) -> Result<Option<Instant>, ApiError> {
 
 /// `x-inferd-model-version: <version label>+<sha256 prefix>`: which model answered, so a
 /// client can see a rolling reload arrive.
-fn versioned(mut reply: Reply, meta: &ModelMeta) -> Reply {
+fn versioned(mut reply: Reply, meta: &Model) -> Reply {
     if let Ok(v) = HeaderValue::from_str(&meta.info.full_version()) {
         reply.headers_mut().insert("x-inferd-model-version", v);
     }
@@ -384,7 +384,7 @@ fn server_metadata(state: &AppState) -> Reply {
     json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
 }
 
-fn model_metadata(meta: &ModelMeta) -> Reply {
+fn model_metadata(meta: &Model) -> Reply {
     let pipeline = pipeline_io(meta).map(|(input, outputs)| {
         let outputs: Vec<Value> = outputs
             .iter()
@@ -456,7 +456,7 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
 async fn kserve_infer(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     request: Request<Incoming>,
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -474,12 +474,12 @@ async fn kserve_infer(
     let inferred = run_v2(state, index, meta, parsed, deadline).await?;
     let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
     if let Some(outcome) = &inferred.outcome {
-        tasks::annotate(&mut reply, outcome);
+        annotate(&mut reply, outcome);
     }
     Ok(reply)
 }
 
-fn infer_reply(meta: &ModelMeta, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
+fn infer_reply(meta: &Model, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
     let (body, header_length) = kserve::infer_response(meta, id, outputs, selection);
     let mut reply = json_reply(StatusCode::OK, body);
     if let Some(n) = header_length {

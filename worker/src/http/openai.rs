@@ -23,10 +23,10 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+use crate::http::reply::{annotate, json_reply, Reply};
 use crate::pipeline::{l2_normalize, Head, Text};
-use crate::request::app::{json_reply, ApiError, AppState, Reply};
+use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
-use crate::runtime::model::ModelMeta;
 
 /// The request, checked field by field so that each mistake names its field.
 pub struct Request {
@@ -100,7 +100,7 @@ fn inputs(input: &Value) -> Result<Vec<Text>, ApiError> {
 /// `POST /v1/embeddings`.
 pub async fn embeddings(
     state: &AppState,
-    (index, meta): (usize, &ModelMeta),
+    (index, meta): (usize, &Model),
     request: Request,
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -157,7 +157,7 @@ pub async fn embeddings(
         "usage": {"prompt_tokens": outcome.tokens, "total_tokens": outcome.tokens},
     });
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&body).expect("json"));
-    tasks::annotate(&mut reply, &outcome);
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 

@@ -34,10 +34,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::http::body::{self, OneOrMany, Shape};
+use crate::http::reply::{annotate, json_reply, large_json, Reply};
 use crate::pipeline::{ranked, sparse, Head, Pipeline, Text, TextPipeline};
-use crate::request::app::{json_reply, ApiError, AppState, Reply};
+use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
-use crate::runtime::model::ModelMeta;
 use inferd_config::model::{Pooling, Task};
 
 #[derive(Deserialize)]
@@ -122,7 +122,7 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     body::json(body).map_err(|e| format!("request body: {e}"))
 }
 
-fn require(meta: &ModelMeta, task: Task, endpoint: &str) -> Result<(), ApiError> {
+fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
     if meta.task == task {
         return Ok(());
     }
@@ -142,7 +142,7 @@ fn require(meta: &ModelMeta, task: Task, endpoint: &str) -> Result<(), ApiError>
 pub async fn embed(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -160,7 +160,7 @@ pub async fn embed(
     let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
-    tasks::annotate(&mut reply, &outcome);
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 
@@ -169,7 +169,7 @@ pub async fn embed(
 pub async fn embed_all(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -192,8 +192,8 @@ pub async fn embed_all(
     let floats: usize = rows.iter().flatten().map(Vec::len).sum();
     let lists = rows.iter().map(|r| r.len().saturating_add(1)).sum::<usize>().saturating_add(1);
     let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add((lists as u64).saturating_mul(3));
-    let mut reply = tasks::large_json(state, rows, bound).await?;
-    tasks::annotate(&mut reply, &outcome);
+    let mut reply = large_json(state, rows, bound).await?;
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 
@@ -223,7 +223,7 @@ struct SparseValue {
 pub async fn embed_sparse(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -264,15 +264,15 @@ pub async fn embed_sparse(
     let bound = entries
         .saturating_mul(tasks::JSON_F32_BYTES.saturating_add(40))
         .saturating_add((rows.len() as u64).saturating_mul(3).saturating_add(2));
-    let mut reply = tasks::large_json(state, rows, bound).await?;
-    tasks::annotate(&mut reply, &outcome);
+    let mut reply = large_json(state, rows, bound).await?;
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 
 pub async fn predict(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -312,7 +312,7 @@ pub async fn predict(
         .collect();
     let body = if listed { serde_json::to_vec(&lists) } else { serde_json::to_vec(&lists[0]) };
     let mut reply = json_reply(hyper::StatusCode::OK, body.expect("predictions serialise"));
-    tasks::annotate(&mut reply, &outcome);
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 
@@ -344,7 +344,7 @@ struct Rank {
 pub async fn rerank(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -380,7 +380,7 @@ pub async fn rerank(
         .collect();
     ranks.sort_by(|a, b| b.score.total_cmp(&a.score));
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&ranks).expect("ranks serialise"));
-    tasks::annotate(&mut reply, &outcome);
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 
@@ -396,7 +396,7 @@ pub fn error_body(e: &ApiError) -> serde_json::Value {
     serde_json::json!({"error": e.to_string(), "error_type": kind})
 }
 
-fn text_pipeline<'a>(meta: &'a ModelMeta, endpoint: &str) -> Result<&'a TextPipeline, ApiError> {
+fn text_pipeline<'a>(meta: &'a Model, endpoint: &str) -> Result<&'a TextPipeline, ApiError> {
     match &*meta.pipeline {
         Pipeline::Text(p) => Ok(p),
         _ => Err(ApiError::BadRequest(format!(
@@ -407,7 +407,7 @@ fn text_pipeline<'a>(meta: &'a ModelMeta, endpoint: &str) -> Result<&'a TextPipe
 }
 
 /// `GET /info`: what the default model is and the limits requests meet.
-pub fn info(state: &AppState, meta: &ModelMeta) -> Reply {
+pub fn info(state: &AppState, meta: &Model) -> Reply {
     let model_type = match meta.pipeline.head() {
         Some(Head::Embedding { settings, .. }) => serde_json::json!({"embedding": {"pooling": settings.pooling}}),
         Some(Head::Classification { labels, .. }) => {
@@ -480,7 +480,7 @@ impl Shape for TokenizeInputs {
 
 /// `POST /tokenize`: `[[{"id", "text", "special", "start", "stop"}, ...], ...]`, one list per
 /// input (a single text too), offsets in bytes of the text (of the second text for its tokens).
-pub async fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+pub async fn tokenize(state: &AppState, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
     let pipeline = text_pipeline(meta, "/tokenize")?;
     let request: TokenizeRequest = parse(body)?;
     let sequences = match request.inputs {
@@ -496,7 +496,7 @@ pub async fn tokenize(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result
     // A token's object with its largest numbers, and its text escaped (at most 6 bytes each).
     let bound = lists.iter().flatten().map(|p| 112u64.saturating_add(6u64.saturating_mul(p.text.len() as u64)));
     let bound = bound.fold(2u64.saturating_mul(lists.len() as u64).saturating_add(2), u64::saturating_add);
-    tasks::large_json(state, lists, bound).await
+    large_json(state, lists, bound).await
 }
 
 #[derive(Deserialize)]
@@ -535,7 +535,7 @@ impl Shape for IdsOrId {
 }
 
 /// `POST /decode`: `{"ids": [..] | [[..], ..], "skip_special_tokens": true}` -> a list of texts.
-pub fn decode(state: &AppState, meta: &ModelMeta, body: &[u8]) -> Result<Reply, ApiError> {
+pub fn decode(state: &AppState, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
     let pipeline = text_pipeline(meta, "/decode")?;
     let request: DecodeRequest = parse(body)?;
     // One list of ids, or a list of lists.
@@ -592,7 +592,7 @@ struct SimilarityInputs {
 pub async fn similarity(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     body: &[u8],
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
@@ -608,7 +608,7 @@ pub async fn similarity(
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&scores).expect("floats serialise"));
-    tasks::annotate(&mut reply, &outcome);
+    annotate(&mut reply, &outcome);
     Ok(reply)
 }
 

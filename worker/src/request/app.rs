@@ -6,22 +6,38 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
-use hyper::{Method, Response, StatusCode};
+use hyper::header::HeaderValue;
+use hyper::{Method, StatusCode};
 
 use inferd_config::auth::{bearer, ApiKeys, Refusal};
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
-use crate::runtime::engine::Engine;
+use crate::pipeline::Pipeline;
+use crate::runtime::engine::{Engine, EngineError};
 use crate::runtime::model::{ModelError, ModelMeta};
+
+/// A model as the handlers see it: what its sessions take and give ([`ModelMeta`], which it
+/// dereferences to) and the pipeline around them. Made by the loader ([`crate::load`]).
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub meta: ModelMeta,
+    /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
+    pub pipeline: Arc<Pipeline>,
+}
+
+impl std::ops::Deref for Model {
+    type Target = ModelMeta;
+
+    fn deref(&self) -> &ModelMeta {
+        &self.meta
+    }
+}
 
 /// Everything a request handler may touch.
 pub struct AppState {
     pub worker: usize,
     /// The default model first.
-    pub models: Vec<ModelMeta>,
+    pub models: Vec<Model>,
     pub engine: Engine,
     pub max_body_bytes: u64,
     pub max_batch_inputs: usize,
@@ -125,30 +141,21 @@ impl ApiError {
     }
 }
 
-impl From<ModelError> for ApiError {
-    fn from(e: ModelError) -> Self {
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
         match e {
-            ModelError::InvalidInput { .. } => ApiError::BadRequest(e.to_string()),
-            ModelError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
-            ModelError::DeadlineExceeded { .. } | ModelError::Stopped { .. } => {
+            EngineError::Model(ModelError::InvalidInput { .. }) => ApiError::BadRequest(e.to_string()),
+            EngineError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
+            EngineError::DeadlineExceeded { .. } | EngineError::Stopped { .. } => {
                 ApiError::DeadlineExceeded(e.to_string())
             }
-            _ => ApiError::Internal(e.to_string()),
+            EngineError::Model(_) | EngineError::Gone | EngineError::Bug => ApiError::Internal(e.to_string()),
         }
     }
 }
 
-pub type Reply = Response<Full<Bytes>>;
-
-pub fn json_reply(status: StatusCode, body: Vec<u8>) -> Reply {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
 /// The counter row of a looked-up model (unknown models share the last one).
-pub fn found_index(found: &Result<(usize, &ModelMeta), ApiError>) -> usize {
+pub fn found_index(found: &Result<(usize, &Model), ApiError>) -> usize {
     found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
 }
 
@@ -175,12 +182,6 @@ pub async fn counted<T: CountedAs>(
 /// The status code an answer is counted under.
 pub trait CountedAs {
     fn code(&self) -> u16;
-}
-
-impl CountedAs for Reply {
-    fn code(&self) -> u16 {
-        self.status().as_u16()
-    }
 }
 
 /// Status counted for a request whose client closed the connection before the answer.
@@ -217,7 +218,7 @@ impl Drop for InFlight<'_> {
 }
 
 /// Finds a model by name (and version, when the path names one).
-pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a ModelMeta), ApiError> {
+pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a Model), ApiError> {
     let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
         let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
         ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))

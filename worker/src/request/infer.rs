@@ -6,13 +6,12 @@ use std::time::Instant;
 use base64::Engine as _;
 use serde_json::Value;
 
-use crate::http::kserve::{self, Parsed};
 use crate::pipeline::{Head, Pipeline, Text};
-use crate::request::app::{ApiError, AppState};
+use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::request::v2::{select_outputs, Parsed};
 use crate::runtime::engine::Join;
-use crate::runtime::model::ModelMeta;
-use crate::runtime::tensor::{Tensor, TensorData};
+use crate::runtime::tensor::{shape_text, validate_inputs, Tensor, TensorData};
 
 /// A v2 request's answer before it is encoded (as JSON and binary data, or as protobuf).
 pub struct Inferred {
@@ -29,7 +28,7 @@ pub struct Inferred {
 pub async fn run_v2(
     state: &AppState,
     index: usize,
-    meta: &ModelMeta,
+    meta: &Model,
     parsed: Parsed,
     deadline: Option<Instant>,
 ) -> Result<Inferred, ApiError> {
@@ -37,7 +36,7 @@ pub async fn run_v2(
     if let Some((input_name, outputs)) = pipeline_io(meta) {
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
             let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
-            let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+            let selection = select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
@@ -49,9 +48,10 @@ pub async fn run_v2(
         }
     }
     let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
-    let selection = kserve::select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+    let selection = select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
     let id = parsed.id.clone();
-    let inputs = kserve::validate_inputs(parsed.inputs, meta).map_err(ApiError::BadRequest)?;
+    let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
+    let inputs = validate_inputs(given, &meta.inputs, model).map_err(ApiError::BadRequest)?;
     let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, deadline).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
 }
@@ -59,7 +59,7 @@ pub async fn run_v2(
 pub type OutputSpec = (&'static str, &'static str, Vec<i64>);
 
 /// The BYTES input a pipelined model takes through `/infer`, and the outputs it returns.
-pub fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> {
+pub fn pipeline_io(meta: &Model) -> Option<(&'static str, Vec<OutputSpec>)> {
     let input = match &*meta.pipeline {
         Pipeline::Raw => return None,
         Pipeline::Text(_) => "text",
@@ -78,7 +78,7 @@ pub fn pipeline_io(meta: &ModelMeta) -> Option<(&'static str, Vec<OutputSpec>)> 
 
 /// The pipeline's input from a one-tensor request: UTF-8 texts, or encoded images (raw bytes
 /// when sent as binary data, base64 when sent as JSON strings).
-fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput, ApiError> {
+fn pipeline_input(meta: &Model, mut parsed: Parsed) -> Result<PipelineInput, ApiError> {
     let input = parsed.inputs.remove(0);
     let name = input.tensor.name;
     let TensorData::Bytes(items) = input.tensor.data else {
@@ -90,7 +90,7 @@ fn pipeline_input(meta: &ModelMeta, mut parsed: Parsed) -> Result<PipelineInput,
     if !matches!(input.tensor.shape.as_slice(), [_] | [_, 1]) {
         return Err(ApiError::BadRequest(format!(
             "input '{name}': expected shape [n] or [n,1], got {}",
-            kserve::shape_text(&input.tensor.shape)
+            shape_text(&input.tensor.shape)
         )));
     }
     let bad = |i: usize, what: &str| ApiError::BadRequest(format!("input '{name}': element {i} is not {what}"));

@@ -1,12 +1,11 @@
 //! Everything that calls ONNX Runtime, and nothing else does: sessions and their options
 //! ([`model`]), the engine that batches requests and runs them on its lanes ([`engine`]), the
 //! arena runs' buffers come from ([`allocator`]), a model's prepared weights, mapped by every
-//! worker ([`weights`]), the int8 preparation and its accuracy guard ([`quantize`]), and
-//! values in and out ([`tensor`]).
+//! worker ([`weights`]), and values in and out, checked against what a model declares
+//! ([`tensor`]).
 
 pub mod allocator;
 pub mod engine;
 pub mod model;
-pub mod quantize;
 pub mod tensor;
 pub mod weights;

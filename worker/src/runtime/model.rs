@@ -1,6 +1,8 @@
-//! Loading and running models: ORT sessions, their options and warm-up. ONNX Runtime is also
-//! reached by allocator.rs (the shared arena), weights.rs (prepared, mapped weights),
-//! tensor.rs (values in and out) and the engine (runs); nothing above those does.
+//! ORT sessions: a model file into a session with its options, runs and warm-up. ONNX Runtime
+//! is also reached by allocator.rs (the shared arena), weights.rs (prepared, mapped weights),
+//! tensor.rs (values in and out) and the engine (runs); nothing above those does. What a model
+//! is made of above its sessions (its digest, its int8 form, its pipeline) is the loader's
+//! ([`crate::load`]).
 //!
 //! One ORT environment per process, created once by [`Runtime::init`]. A model is loaded as
 //! *narrow* sessions that run only on the thread that calls them ([`Threads::Narrow`], no pool
@@ -10,21 +12,22 @@
 //! mmap'd file, shared by every worker) is used when there is one.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use inferd_config::file::Allocator;
-use inferd_config::model::{ModelEntry, Precision, Task};
+use inferd_config::model::{ModelEntry, Task};
 use inferd_ipc::spec::ModelInfo;
 use ort::environment::Environment;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::session::Session;
 use ort::value::ValueType;
-use sha2::{Digest, Sha256};
 
-use crate::pipeline::Pipeline;
 use crate::runtime::tensor::{element_count, ort_type_name, DataType, Tensor, TensorData, TensorSpec};
 use crate::runtime::weights::{self, Weights};
 
+/// What went wrong with a model itself: ONNX Runtime or the model could not be loaded or
+/// warmed up, or a run failed. The engine's own refusals (a full queue, a deadline, the run
+/// clock) are [`crate::runtime::engine::EngineError`]s.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("cannot load ONNX Runtime from {path}: {message}")]
@@ -39,29 +42,16 @@ pub enum ModelError {
     Run { model: String, message: String },
     #[error("model '{model}' produced output '{output}' of a type inferd cannot return")]
     UnsupportedOutput { model: String, output: String },
-    #[error("the model thread has stopped")]
-    EngineGone,
-    #[error("internal error: the server hit a bug running this request (logged); the worker is being replaced")]
-    Bug,
-    #[error(
-        "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
-    )]
-    Overloaded { waiting: u64 },
-    #[error("the request's deadline passed after {waited:?} in the queue; it never reached the model")]
-    DeadlineExceeded { waited: std::time::Duration },
-    #[error("model '{model}' ran longer than server.request_timeout_secs = {limit} s and was stopped")]
-    Stopped { model: String, limit: f64 },
 }
 
-/// What the HTTP side needs to know about a model; shared, read-only.
+/// What a model's sessions take and give, and what status and metadata say of it; shared,
+/// read-only.
 #[derive(Debug, Clone)]
 pub struct ModelMeta {
     pub info: ModelInfo,
     pub task: Task,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
-    /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
-    pub pipeline: Arc<Pipeline>,
     /// model.toml's [batching], with the command line's overrides.
     pub batching: inferd_config::model::Batching,
 }
@@ -79,8 +69,7 @@ impl ModelMeta {
     }
 }
 
-/// One ORT session of a model (narrow or wide, see [`Threads`]) and what the HTTP side needs
-/// to know of the model.
+/// One ORT session of a model (narrow or wide, see [`Threads`]) and what it takes and gives.
 pub struct ModelSession {
     pub meta: ModelMeta,
     entry: ModelEntry,
@@ -147,110 +136,20 @@ pub enum Threads {
     Wide { threads: usize, spin: bool, block_base: u32, pool_cpu: Option<usize> },
 }
 
-/// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
-/// the file once per process and value: every session of a worker asks.
-fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String, String)>, String> {
-    type Known = std::collections::HashMap<(Vec<u8>, String), Option<(String, String)>>;
-    static KNOWN: std::sync::Mutex<Option<Known>> = std::sync::Mutex::new(None);
-    let key = (digest.to_vec(), value.to_string());
-    if let Some(found) = KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&key) {
-        return Ok(found.clone());
-    }
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let found = crate::runtime::quantize::graph::producer_of(&bytes, value)?;
-    KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(key, found.clone());
-    Ok(found)
-}
-
-/// The SHA-256 of a model: its file, then the name and content of each external data file the
-/// graph names (`model.onnx_data`), so that new weights beside the same graph are a new
-/// version (and a new shared artefact). The file is mapped, not read into memory.
-fn model_digest(path: &Path) -> Result<Vec<u8>, String> {
-    let io = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
-    let file = std::fs::File::open(path).map_err(io)?;
-    let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| "the file is too large".to_string())?;
-    let mut hasher = Sha256::new();
-    let mut external = Vec::new();
-    if len > 0 {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a private read-only mapping of the whole file, unmapped below; a file
-        // changed under it gives another digest, not unsafety in a byte slice we only read.
-        let at =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
-        if at == libc::MAP_FAILED {
-            return Err(io(std::io::Error::last_os_error()));
-        }
-        let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
-        hasher.update(bytes);
-        // A file that does not parse is ONNX Runtime's to refuse, with its own message.
-        external = crate::runtime::quantize::graph::external_files(bytes).unwrap_or_default();
-        unsafe { libc::munmap(at, len) };
-    }
-    let folder = path.parent().unwrap_or(Path::new("."));
-    for location in external {
-        let data = folder.join(&location);
-        let mut data_file = std::fs::File::open(&data)
-            .map_err(|e| format!("external data {} named by the model: {e}", data.display()))?;
-        hasher.update(location.as_bytes());
-        std::io::copy(&mut data_file, &mut hasher).map_err(io)?;
-    }
-    Ok(hasher.finalize().to_vec())
-}
-
 /// The first 16 hex digits of a SHA-256, as status and metadata show it.
-fn sha256_prefix(digest: &[u8]) -> String {
+pub fn sha256_prefix(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 impl ModelSession {
-    /// Loads one model into a session that runs on `threads`, from the shared artefact of its
-    /// weights where `runtime.cache_dir` allows (see [`weights`]). `pipeline`: the one an
-    /// earlier session of this same entry built, to share instead of building another (a
-    /// tokenizer holds megabytes, and a worker has a session per lane plus a wide one).
+    /// Loads `entry`'s file as it is into a session that runs on `threads`, from the shared
+    /// artefact of its weights where `runtime.cache_dir` allows (see [`weights`]); `digest`:
+    /// the file's SHA-256 (with its external data), which names that artefact.
     pub fn load(
         runtime: &Runtime,
         entry: &ModelEntry,
         threads: Threads,
-        pipeline: Option<&Arc<Pipeline>>,
-    ) -> Result<ModelSession, ModelError> {
-        let fail = |message: String| ModelError::Load {
-            model: entry.name.clone(),
-            path: entry.path.display().to_string(),
-            message,
-        };
-        // Streamed: a model of hundreds of MB is not read into memory just to be hashed.
-        let digest = |path: &Path| model_digest(path).map_err(fail);
-        let digest_of_file = digest(&entry.path)?;
-        if entry.precision == Precision::Fp32 {
-            return ModelSession::load_file(runtime, entry, threads, &digest_of_file, pipeline);
-        }
-        // int8: the file the guard prepared (or fp32 with its reasons), loaded as a plain
-        // model, then named as the model it came from.
-        let (prepared, report) = crate::runtime::quantize::prepare(runtime, entry, &digest_of_file).map_err(fail)?;
-        let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
-        let mut model = match prepared {
-            Some(p) => {
-                let int8 = ModelEntry { path: p.path, ..plain };
-                let loaded =
-                    digest(&int8.path).and_then(|d| ModelSession::load_file(runtime, &int8, threads, &d, pipeline));
-                crate::runtime::quantize::remove(p.scratch);
-                loaded?
-            }
-            None => ModelSession::load_file(runtime, &plain, threads, &digest_of_file, pipeline)?,
-        };
-        model.meta.info.sha256 = sha256_prefix(&digest_of_file);
-        model.meta.info.precision = report.summary();
-        model.entry = entry.clone();
-        Ok(model)
-    }
-
-    /// Loads `entry`'s file as it is, `digest` its SHA-256.
-    fn load_file(
-        runtime: &Runtime,
-        entry: &ModelEntry,
-        threads: Threads,
         digest: &[u8],
-        pipeline: Option<&Arc<Pipeline>>,
     ) -> Result<ModelSession, ModelError> {
         let fail = |message: String| ModelError::Load {
             model: entry.name.clone(),
@@ -356,16 +255,6 @@ impl ModelSession {
         if let Some(bad) = inputs.iter().find(|i| i.dtype.is_none()) {
             return Err(fail(format!("input '{}' has type {}, which inferd cannot feed", bad.name, bad.datatype)));
         }
-        let pipeline = match pipeline {
-            Some(shared) => Arc::clone(shared),
-            None => {
-                let producer = |value: &str| producer_of(&entry.path, digest, value);
-                Arc::new(
-                    Pipeline::build(entry, &inputs, &outputs, &producer)
-                        .map_err(|e| fail(format!("model.toml: {e}")))?,
-                )
-            }
-        };
         let meta = ModelMeta {
             info: ModelInfo {
                 name: entry.name.clone(),
@@ -380,10 +269,17 @@ impl ModelSession {
             task: entry.task,
             inputs,
             outputs,
-            pipeline,
             batching: entry.batching.clone(),
         };
         Ok(ModelSession { meta, entry: entry.clone(), session })
+    }
+
+    /// This session as the model `entry` (loaded from another file, its int8 form): status,
+    /// metadata and warm-up speak of `entry`, its SHA-256 `digest` and `precision`.
+    pub fn stand_for(&mut self, entry: &ModelEntry, digest: &[u8], precision: String) {
+        self.meta.info.sha256 = sha256_prefix(digest);
+        self.meta.info.precision = precision;
+        self.entry = entry.clone();
     }
 
     pub fn entry(&self) -> &ModelEntry {
@@ -499,7 +395,6 @@ mod tests {
             task: Task::Raw,
             inputs: inputs.iter().map(spec).collect(),
             outputs: outputs.iter().map(spec).collect(),
-            pipeline: Arc::new(Pipeline::Raw),
             batching: Default::default(),
         }
     }

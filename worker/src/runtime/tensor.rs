@@ -346,6 +346,79 @@ pub fn element_count(shape: &[i64]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
 }
 
+/// `[1,-1,384]`: a shape as messages show it.
+pub fn shape_text(shape: &[i64]) -> String {
+    format!("[{}]", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
+}
+
+/// Checks a request's tensors against `specs`, the inputs model `model` declares, and returns
+/// them in the model's order: each named once, of its declared type, rank and fixed
+/// dimensions, none missing. Every error names the input and says what was expected, e.g.
+/// `input 'input_ids': expected INT64, got FP32`.
+pub fn validate_inputs(inputs: Vec<Tensor>, specs: &[TensorSpec], model: &str) -> Result<Vec<Tensor>, String> {
+    let mut given: Vec<Option<Tensor>> = specs.iter().map(|_| None).collect();
+    for tensor in inputs {
+        let Some(i) = specs.iter().position(|s| s.name == tensor.name) else {
+            return Err(format!("unknown input '{}'; model '{model}' has inputs {}", tensor.name, names(specs)));
+        };
+        if given[i].is_some() {
+            return Err(format!("input '{}' is given twice", tensor.name));
+        }
+        specs[i].check(&tensor)?;
+        given[i] = Some(tensor);
+    }
+    specs
+        .iter()
+        .zip(given)
+        .map(|(spec, tensor)| {
+            tensor.ok_or_else(|| {
+                format!(
+                    "missing input '{}' ({} {}); model '{model}' needs {}",
+                    spec.name,
+                    spec.datatype,
+                    shape_text(&spec.shape),
+                    names(specs)
+                )
+            })
+        })
+        .collect()
+}
+
+fn names(specs: &[TensorSpec]) -> String {
+    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
+}
+
+impl TensorSpec {
+    /// Whether `tensor` fits this input: its type, its rank and every fixed dimension.
+    fn check(&self, tensor: &Tensor) -> Result<(), String> {
+        let name = &tensor.name;
+        let expected = self.dtype.expect("models with inputs inferd cannot feed are refused at load");
+        let got = tensor.data.dtype();
+        if got != expected {
+            return Err(format!("input '{name}': expected {}, got {}", expected.name(), got.name()));
+        }
+        if tensor.shape.len() != self.shape.len() {
+            return Err(format!(
+                "input '{name}': expected shape {} (rank {}), got {} (rank {})",
+                shape_text(&self.shape),
+                self.shape.len(),
+                shape_text(&tensor.shape),
+                tensor.shape.len()
+            ));
+        }
+        for (axis, (&want, &have)) in self.shape.iter().zip(&tensor.shape).enumerate() {
+            if want >= 0 && want != have {
+                return Err(format!(
+                    "input '{name}': dimension {axis} must be {want} (model shape {}), got {}",
+                    shape_text(&self.shape),
+                    shape_text(&tensor.shape)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

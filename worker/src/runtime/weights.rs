@@ -198,7 +198,7 @@ fn settle_lookup_tables(dir: &Path) {
     use std::os::unix::fs::FileExt;
     let settle = || -> Result<u64, String> {
         let model = std::fs::read(dir.join(MODEL_FILE)).map_err(|e| e.to_string())?;
-        let tables = crate::runtime::quantize::graph::lookup_tables(&model)?;
+        let tables = crate::onnx::lookup_tables(&model)?;
         let mut tables = tables.iter().filter(|t| t.file == DATA_FILE && t.length >= SMALL_TABLE).peekable();
         if tables.peek().is_none() {
             return Ok(0);

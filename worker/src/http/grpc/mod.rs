@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
-use crate::http::kserve::{self, InputTensor, Parsed, WantedOutput};
-use crate::request::app::{self, ApiError, AppState, CountedAs};
+use crate::http::kserve;
+use crate::request::app::{self, ApiError, AppState, CountedAs, Model};
 use crate::request::infer::{self, Inferred};
-use crate::runtime::model::ModelMeta;
+use crate::request::v2::{InputTensor, Parsed, WantedOutput};
 use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
 pub mod intake;
@@ -75,7 +75,7 @@ pub fn is_health_call(path: &str) -> bool {
 }
 
 /// A model by name; an empty version means the one served.
-fn find<'a>(state: &'a AppState, name: &str, version: &str) -> Result<(usize, &'a ModelMeta), ApiError> {
+fn find<'a>(state: &'a AppState, name: &str, version: &str) -> Result<(usize, &'a Model), ApiError> {
     app::model(state, name, Some(version).filter(|v| !v.is_empty()))
 }
 
@@ -178,7 +178,7 @@ impl CountedAs for Infer {
 
 /// What a client sends the model: a pipelined model's BYTES input and outputs (as
 /// `/v2/models/{name}` lists under `pipeline`), else the model's own tensors.
-fn metadata(meta: &ModelMeta) -> proto::ModelMetadataResponse {
+fn metadata(meta: &Model) -> proto::ModelMetadataResponse {
     let tensor = |name: &str, datatype: &str, shape: &[i64]| TensorMetadata {
         name: name.into(),
         datatype: datatype.into(),
@@ -325,7 +325,7 @@ fn typed(name: &str, dtype: DataType, count: usize, c: InferTensorContents) -> R
 }
 
 /// The answer, raw when the request was raw or an output has no typed field (FP16), else typed.
-fn encode(meta: &ModelMeta, inferred: Inferred, raw: bool) -> proto::ModelInferResponse {
+fn encode(meta: &Model, inferred: Inferred, raw: bool) -> proto::ModelInferResponse {
     let Inferred { id, outputs, selection, .. } = inferred;
     let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
     let chosen: Vec<Tensor> = selection.iter().filter_map(|&(i, _)| taken.get_mut(i).and_then(Option::take)).collect();
@@ -465,7 +465,7 @@ mod tests {
     #[test]
     fn fp16_outputs_go_raw() {
         let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
-        let meta = ModelMeta {
+        let meta = crate::runtime::model::ModelMeta {
             info: inferd_ipc::spec::ModelInfo {
                 name: "m".into(),
                 version: "1".into(),
@@ -474,11 +474,11 @@ mod tests {
                 precision: String::new(),
             },
             task: inferd_config::model::Task::Raw,
-            pipeline: Arc::new(crate::pipeline::Pipeline::Raw),
             inputs: Vec::new(),
             outputs: Vec::new(),
             batching: Default::default(),
         };
+        let meta = Model { meta, pipeline: Arc::new(crate::pipeline::Pipeline::Raw) };
         let inferred = |outputs| Inferred { id: None, outputs, selection: vec![(0, false), (1, false)], outcome: None };
         let typed =
             encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", TensorData::I64(vec![2]))]), false);

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::HEAVY_TOKENS;
-use crate::runtime::model::{ModelError, ModelSession};
+use super::{EngineError, HEAVY_TOKENS};
+use crate::runtime::model::ModelSession;
 use crate::runtime::tensor::element_count;
 use crate::runtime::tensor::Tensor;
 
@@ -26,7 +26,7 @@ pub enum Join {
 
 /// Where a job's result (its outputs and where its time went) goes: the handler awaiting it
 /// (not an HTTP answer: that is `request::app::Reply`).
-pub(super) type ReplyTo = oneshot::Sender<Result<(Vec<Tensor>, super::Timing), ModelError>>;
+pub(super) type ReplyTo = oneshot::Sender<Result<(Vec<Tensor>, super::Timing), EngineError>>;
 
 pub(super) struct Job {
     pub(super) model: usize,

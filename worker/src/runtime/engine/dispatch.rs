@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use inferd_ipc::stats::WorkerCounters;
 
 use super::batch::{Job, Join, Policy};
-use super::{Event, RunClock, Work};
-use crate::runtime::model::ModelError;
+use super::{EngineError, Event, RunClock, Work};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneState {
@@ -373,7 +372,7 @@ impl Dispatcher {
             } else if job.expired(now) {
                 self.counters.queued(-1);
                 let waited = now - job.queued_at;
-                let _ = job.reply.send(Err(ModelError::DeadlineExceeded { waited }));
+                let _ = job.reply.send(Err(EngineError::DeadlineExceeded { waited }));
             } else {
                 live.push_back(job);
             }

@@ -165,7 +165,28 @@ impl Drop for Held<'_> {
     }
 }
 
-/// One model's sessions: the HTTP side only ever sees its `meta`.
+/// Why a job got no outputs: the model's own error, or the engine's admission (a full queue, a
+/// deadline that passed in it) and run clock.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("the model thread has stopped")]
+    Gone,
+    #[error("internal error: the server hit a bug running this request (logged); the worker is being replaced")]
+    Bug,
+    #[error(
+        "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
+    )]
+    Overloaded { waiting: u64 },
+    #[error("the request's deadline passed after {waited:?} in the queue; it never reached the model")]
+    DeadlineExceeded { waited: std::time::Duration },
+    #[error("model '{model}' ran longer than server.request_timeout_secs = {limit} s and was stopped")]
+    Stopped { model: String, limit: f64 },
+}
+
+/// One model's sessions, which only the engine runs (the handlers see the model's
+/// [`crate::runtime::model::ModelMeta`]).
 pub struct Sessions {
     /// One narrow session (1 thread: its caller) per lane.
     pub narrow: Vec<ModelSession>,
@@ -311,12 +332,12 @@ impl Engine {
         inputs: Vec<Tensor>,
         join: Join,
         deadline: Option<Instant>,
-    ) -> Result<(Vec<Tensor>, Timing), ModelError> {
+    ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         // Backpressure: a full queue answers at once instead of growing its latency. A request
         // cut into runs is admitted once, not refused half done.
         let waiting = self.stats.queued_now();
         if waiting >= self.max_queue {
-            return Err(ModelError::Overloaded { waiting });
+            return Err(EngineError::Overloaded { waiting });
         }
         let (policy, name) = &self.policies[model];
         let Some((rows, runs)) = batch::runs(&inputs, join, policy) else {
@@ -328,7 +349,7 @@ impl Engine {
         let mut timing = Timing::default();
         for range in runs {
             if Instant::now() >= stop_at {
-                return Err(ModelError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
+                return Err(EngineError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
             }
             let n = range.len();
             let (part, spent) = self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?;
@@ -355,12 +376,12 @@ impl Engine {
         inputs: Vec<Tensor>,
         join: Join,
         deadline: Option<Instant>,
-    ) -> Result<(Vec<Tensor>, Timing), ModelError> {
+    ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
         // Dropped unanswered if the engine is going down: EngineGone below.
         self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, deadline, reply)));
-        answer.await.map_err(|_| ModelError::EngineGone)?
+        answer.await.map_err(|_| EngineError::Gone)?
     }
 }
 
@@ -462,7 +483,7 @@ fn lower_priority(by: i32) {
 }
 
 /// A job's result with the channel it goes back on, sent once the run is over.
-type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), ModelError>);
+type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), EngineError>);
 
 /// A thread that runs batches on its own sessions.
 struct Lane {
@@ -538,11 +559,11 @@ impl Lane {
         if run.is_err() {
             self.clock.set(self.index, false);
         }
-        let split = match run.unwrap_or(Err(ModelError::Bug)) {
-            Err(ModelError::Stopped { model: name, limit }) => {
+        let split = match run.unwrap_or(Err(EngineError::Bug)) {
+            Err(EngineError::Stopped { model: name, limit }) => {
                 // Stopped for time: running each request alone would take as long again.
                 for job in batch {
-                    answers.push((job.reply, Err(ModelError::Stopped { model: name.clone(), limit })));
+                    answers.push((job.reply, Err(EngineError::Stopped { model: name.clone(), limit })));
                 }
                 return;
             }
@@ -577,7 +598,7 @@ impl Lane {
         })
         .unwrap_or_else(|_| {
             self.clock.set(self.index, false);
-            Err(ModelError::Bug)
+            Err(EngineError::Bug)
         });
         let timing = Timing { queue: started - job.queued_at, compute: started.elapsed() };
         self.counters.observe_latency(Latency::Compute, model, timing.compute.as_secs_f64());
@@ -585,7 +606,13 @@ impl Lane {
     }
 
     /// One ORT call, counted as a batch of `rows`.
-    fn run_one(&mut self, model: usize, inputs: Vec<Tensor>, rows: u64, wide: bool) -> Result<Vec<Tensor>, ModelError> {
+    fn run_one(
+        &mut self,
+        model: usize,
+        inputs: Vec<Tensor>,
+        rows: u64,
+        wide: bool,
+    ) -> Result<Vec<Tensor>, EngineError> {
         self.counters.observe_batch(model, rows);
         let held = self.cores.as_deref().map(|cores| cores.hold(wide, &self.counters));
         // Lending: wide only on a borrowed core.
@@ -602,9 +629,9 @@ impl Lane {
         match result {
             // A run that finished just as it was told to stop keeps its answer.
             Err(_) if stopped => {
-                Err(ModelError::Stopped { model: session.name().to_string(), limit: self.clock.timeout.as_secs_f64() })
+                Err(EngineError::Stopped { model: session.name().to_string(), limit: self.clock.timeout.as_secs_f64() })
             }
-            result => result,
+            result => Ok(result?),
         }
     }
 }

@@ -2,86 +2,27 @@
 //! whose weight is a 2-D initializer becomes ONNX Runtime's `DynamicQuantizeMatMul`
 //! (com.microsoft: the activation quantised to uint8 at run time, the weight int8 per output
 //! column, symmetric), and so does every `Gemm` that is such a MatMul plus a bias (its weight
-//! transposed first when `transB` says so), and every fused `Attention` (com.microsoft, as ORT's transformer
-//! optimiser writes it) a `DynamicQuantizeLinear` of its input feeding a `QAttention` with the
-//! same int8 weights and the node's own attributes. Everything else in the file (other nodes, attributes, metadata, value
-//! infos, doc strings, fields this code does not know) is copied byte for byte, so nothing a
-//! newer exporter wrote is lost in a decode and re-encode.
+//! transposed first when `transB` says so), and every fused `Attention` (com.microsoft, as ORT's
+//! transformer optimiser writes it) a `DynamicQuantizeLinear` of its input feeding a
+//! `QAttention` with the same int8 weights and the node's own attributes. Everything else in
+//! the file (other nodes, attributes, metadata, value infos, doc strings, fields this code does
+//! not know) is copied byte for byte, so nothing a newer exporter wrote is lost in a decode and
+//! re-encode. Nodes are read as [`crate::onnx`] reads them.
 //!
 //! Field numbers are those of onnx.proto: ModelProto graph = 7, opset_import = 8; GraphProto
 //! node = 1, initializer = 5, input = 11; NodeProto input = 1, output = 2, name = 3,
-//! op_type = 4, attribute = 5, domain = 7; AttributeProto name = 1, f = 2, i = 3; TensorProto dims = 1, data_type = 2, float_data = 4, name = 8,
-//! raw_data = 9, data_location = 14; OperatorSetIdProto domain = 1, version = 2.
+//! op_type = 4, attribute = 5, domain = 7; AttributeProto name = 1, f = 2, i = 3; TensorProto
+//! dims = 1, data_type = 2, float_data = 4, name = 8, raw_data = 9, data_location = 14;
+//! OperatorSetIdProto domain = 1, version = 2.
 
 use std::collections::{HashMap, HashSet};
 
+use crate::onnx::{default_opset, graph_of, initializer_name, subgraph_reads, text, Node};
 use crate::protowire::{fields, put_bytes, put_number, varint, Field};
 
 /// TensorProto.DataType values used here.
 const FLOAT: u64 = 1;
 const INT8: u64 = 3;
-
-fn text(payload: &[u8]) -> String {
-    String::from_utf8_lossy(payload).into_owned()
-}
-
-/// What a node is, read from its bytes.
-struct Node<'a> {
-    /// Each attribute's name and its bytes as written (field key included).
-    attributes: Vec<(String, &'a [u8])>,
-    inputs: Vec<String>,
-    outputs: Vec<String>,
-    name: String,
-    op_type: String,
-    domain: String,
-}
-
-impl<'a> Node<'a> {
-    fn read(field: Field<'a>) -> Result<Node<'a>, String> {
-        let mut node = Node {
-            attributes: Vec::new(),
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            name: String::new(),
-            op_type: String::new(),
-            domain: String::new(),
-        };
-        for f in fields(field.payload)? {
-            match (f.number, f.wire) {
-                (1, 2) => node.inputs.push(text(f.payload)),
-                (2, 2) => node.outputs.push(text(f.payload)),
-                (3, 2) => node.name = text(f.payload),
-                (4, 2) => node.op_type = text(f.payload),
-                (5, 2) => {
-                    let name = fields(f.payload)?.iter().find(|a| a.number == 1).map(|a| text(a.payload));
-                    node.attributes.push((name.unwrap_or_default(), f.whole));
-                }
-                (7, 2) => node.domain = text(f.payload),
-                _ => {}
-            }
-        }
-        Ok(node)
-    }
-
-    /// An attribute's value as a number (its `i` or its `f`), when the node has it.
-    fn number(&self, name: &str) -> Option<f64> {
-        let (_, whole) = self.attributes.iter().find(|(n, _)| n == name)?;
-        let attribute = fields(whole).ok()?.into_iter().next()?;
-        fields(attribute.payload).ok()?.into_iter().find_map(|f| match (f.number, f.wire) {
-            (2, 5) => Some(f64::from(f32::from_le_bytes(f.payload.try_into().ok()?))),
-            (3, 0) => Some(f.value as i64 as f64),
-            _ => None,
-        })
-    }
-
-    /// How the guard and the report name the node: its name, or its place when it has none.
-    fn label(&self, index: usize) -> String {
-        match self.name.is_empty() {
-            true => format!("#{index} ({})", self.op_type),
-            false => self.name.clone(),
-        }
-    }
-}
 
 /// An fp32 initializer's values and shape, when it is stored in the file itself.
 struct Weight {
@@ -121,11 +62,6 @@ fn initializer(payload: &[u8]) -> Result<(String, Option<Weight>), String> {
     // Dims are the file's word: a product past u64 is no tensor this file holds.
     let count = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
     Ok((name, (count == Some(values.len() as u64)).then_some(Weight { dims, values })))
-}
-
-/// An initializer's name alone (None when it has none), its values not decoded.
-fn initializer_name(payload: &[u8]) -> Result<Option<String>, String> {
-    Ok(fields(payload)?.into_iter().find(|f| f.number == 8 && f.wire == 2).map(|f| text(f.payload)))
 }
 
 fn tensor(name: &str, data_type: u64, dims: &[u64], raw: &[u8]) -> Vec<u8> {
@@ -207,103 +143,6 @@ pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
-/// The external data files the graph's initializers name (TensorProto external_data = 13,
-/// `location` entries), each once, in the order first named. Subgraphs' initializers are not
-/// read: exporters put a model's weights in its main graph.
-pub fn external_files(model: &[u8]) -> Result<Vec<String>, String> {
-    let (_, graph) = graph_of(model)?;
-    let mut files = Vec::new();
-    for init in fields(graph)?.into_iter().filter(|f| f.number == 5 && f.wire == 2) {
-        if let Some(location) = external_data(init.payload)?.remove("location") {
-            if !files.contains(&location) {
-                files.push(location);
-            }
-        }
-    }
-    Ok(files)
-}
-
-/// A tensor's external_data entries (StringStringEntryProto key = 1, value = 2), by key.
-fn external_data(tensor: &[u8]) -> Result<HashMap<String, String>, String> {
-    let mut entries = HashMap::new();
-    for entry in fields(tensor)?.into_iter().filter(|f| f.number == 13 && f.wire == 2) {
-        let parts = fields(entry.payload)?;
-        let text_of = |n: u64| parts.iter().find(|p| p.number == n && p.wire == 2).map(|p| text(p.payload));
-        if let (Some(key), Some(value)) = (text_of(1), text_of(2)) {
-            entries.insert(key, value);
-        }
-    }
-    Ok(entries)
-}
-
-/// Where an initializer's bytes lie in an external data file.
-#[derive(Debug, PartialEq)]
-pub struct Extent {
-    pub file: String,
-    pub offset: u64,
-    pub length: u64,
-}
-
-/// The lookup tables among the initializers stored in external data files: tensors of which
-/// a run reads a few rows, not the whole (the data input of `Gather`, the embedding tables
-/// of com.microsoft `EmbedLayerNormalization`). Each once, in graph order of the initializers.
-pub fn lookup_tables(model: &[u8]) -> Result<Vec<Extent>, String> {
-    let (_, graph) = graph_of(model)?;
-    let parts = fields(graph)?;
-    let mut tables = HashSet::new();
-    for f in parts.iter().filter(|f| f.number == 1 && f.wire == 2) {
-        let node = Node::read(*f)?;
-        let (skip, take) = match (node.op_type.as_str(), node.domain.as_str()) {
-            ("Gather", "" | "ai.onnx") => (0, 1),
-            // input_ids, segment_ids, then the word, position and segment embeddings.
-            ("EmbedLayerNormalization", "com.microsoft") => (2, 3),
-            _ => continue,
-        };
-        tables.extend(node.inputs.iter().skip(skip).take(take).cloned());
-    }
-    let mut found = Vec::new();
-    for init in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
-        let name = initializer_name(init.payload)?;
-        if !name.is_some_and(|n| tables.contains(&n)) {
-            continue;
-        }
-        let mut data = external_data(init.payload)?;
-        let number = |value: Option<String>| value.and_then(|v| v.parse::<u64>().ok());
-        if let (Some(file), offset, Some(length)) =
-            (data.remove("location"), number(data.remove("offset")).unwrap_or(0), number(data.remove("length")))
-        {
-            found.push(Extent { file, offset, length });
-        }
-    }
-    Ok(found)
-}
-
-/// Operators that pass their input on without changing its values (shape only).
-const PASS_THROUGH: &[&str] = &["Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"];
-
-/// The operator that computes graph value `name`, looking through shape-only operators
-/// (exporters often end a graph in Softmax then Identity or Reshape): its op type and label,
-/// or None when no node produces it (a graph input or an initializer).
-pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>, String> {
-    let (_, graph) = graph_of(model)?;
-    let mut nodes = Vec::new();
-    for (i, f) in fields(graph)?.into_iter().filter(|f| f.number == 1 && f.wire == 2).enumerate() {
-        nodes.push((i, Node::read(f)?));
-    }
-    let mut value = name.to_string();
-    // A graph without cycles takes at most one step per node; a file may say otherwise.
-    for _ in 0..=nodes.len() {
-        let Some((i, node)) = nodes.iter().find(|(_, n)| n.outputs.contains(&value)) else { return Ok(None) };
-        match node.inputs.first() {
-            Some(input) if PASS_THROUGH.contains(&node.op_type.as_str()) && node.domain.is_empty() => {
-                value = input.clone();
-            }
-            _ => return Ok(Some((node.op_type.clone(), node.label(*i)))),
-        }
-    }
-    Err(format!("the graph's nodes that produce '{name}' form a cycle"))
-}
-
 /// What QAttention takes of a fused Attention's attributes (one with any other, such as
 /// `qkv_hidden_sizes`, stays fp32).
 const QATTENTION_ATTRIBUTES: &[&str] =
@@ -371,50 +210,6 @@ fn node_bytes(
     }
     n
 }
-
-fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), String> {
-    let top = fields(model)?;
-    let graph = top.iter().find(|f| f.number == 7 && f.wire == 2).ok_or("the file has no graph")?.payload;
-    Ok((top, graph))
-}
-
-/// The model's opset for the default domain ("" or "ai.onnx"); 0 when it names none.
-fn default_opset(top: &[Field]) -> Result<u64, String> {
-    let mut version = 0;
-    for f in top.iter().filter(|f| f.number == 8 && f.wire == 2) {
-        let parts = fields(f.payload)?;
-        let domain = parts.iter().find(|p| p.number == 1 && p.wire == 2).map_or(&b""[..], |p| p.payload);
-        if domain.is_empty() || domain == b"ai.onnx" {
-            version = parts.iter().find(|p| p.number == 2 && p.wire == 0).map_or(0, |p| p.value);
-        }
-    }
-    Ok(version)
-}
-
-/// Adds to `read` every value that nodes inside `node`'s subgraphs (the bodies of `If`, `Loop`,
-/// `Scan`: AttributeProto g = 6, graphs = 11) take as input, down to [`MAX_NESTING`]: a body
-/// may read the outer graph's initializers by name.
-fn subgraph_reads(node: &Node, read: &mut HashSet<String>, depth: usize) -> Result<(), String> {
-    if depth > MAX_NESTING {
-        return Err(format!("the graph nests subgraphs more than {MAX_NESTING} deep"));
-    }
-    for (_, whole) in &node.attributes {
-        for attribute in fields(whole)? {
-            for body in fields(attribute.payload)?.into_iter().filter(|f| matches!(f.number, 6 | 11) && f.wire == 2) {
-                for n in fields(body.payload)?.into_iter().filter(|f| f.number == 1 && f.wire == 2) {
-                    let inner = Node::read(n)?;
-                    read.extend(inner.inputs.iter().cloned());
-                    subgraph_reads(&inner, read, depth + 1)?;
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// How deep [`subgraph_reads`] follows subgraphs (a file could nest them until the stack
-/// runs out).
-const MAX_NESTING: usize = 64;
 
 /// Names ending in each of `suffixes` after one stem, `stem` itself when none of them is in
 /// `taken`, else `stem_1`, `stem_2`, ...; `taken` then holds them too.
@@ -598,16 +393,6 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
     Ok(Quantized { bytes: out, nodes: chosen.iter().map(|(i, n)| n.label(*i)).collect() })
 }
 
-/// The op types of a model's nodes, counted (to verify what a rewrite produced).
-pub fn op_counts(model: &[u8]) -> Result<HashMap<String, usize>, String> {
-    let (_, graph) = graph_of(model)?;
-    let mut counts = HashMap::new();
-    for f in fields(graph)?.into_iter().filter(|f| f.number == 1 && f.wire == 2) {
-        *counts.entry(Node::read(f)?.op_type).or_default() += 1;
-    }
-    Ok(counts)
-}
-
 /// The weight range that is exact on this CPU: full with VNNI (AVX-512 VNNI or AVX-VNNI, whose
 /// u8 x s8 dot products accumulate in 32 bits), reduced without.
 pub fn host_range() -> Range {
@@ -622,72 +407,8 @@ pub fn host_range() -> Range {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::onnx::op_counts;
     use crate::protowire::put_varint;
-
-    /// A model of just these nodes: (inputs, outputs, op type).
-    fn model_of(nodes: &[(&[&str], &[&str], &str)]) -> Vec<u8> {
-        let mut graph = Vec::new();
-        for (i, (inputs, outputs, op)) in nodes.iter().enumerate() {
-            let outputs: Vec<String> = outputs.iter().map(|o| o.to_string()).collect();
-            put_bytes(&mut graph, 1, &node_bytes(inputs, &outputs, &format!("n{i}"), op, "", &[]));
-        }
-        let mut model = Vec::new();
-        put_bytes(&mut model, 7, &graph);
-        model
-    }
-
-    #[test]
-    fn lookup_tables_are_the_external_initializers_gather_reads() {
-        let mut model = model_of(&[
-            (&["table", "ids"], &["rows"], "Gather"),
-            (&["rows", "w"], &["y"], "MatMul"),
-            (&["small", "ids"], &["z"], "Gather"),
-        ]);
-        // Initializers after the nodes (the graph is field 7 of the model: append to it).
-        let external = |name: &str, entries: &[(&str, &str)]| {
-            let mut t = Vec::new();
-            put_bytes(&mut t, 8, name.as_bytes());
-            for (key, value) in entries {
-                let mut e = Vec::new();
-                put_bytes(&mut e, 1, key.as_bytes());
-                put_bytes(&mut e, 2, value.as_bytes());
-                put_bytes(&mut t, 13, &e);
-            }
-            put_number(&mut t, 14, 1);
-            t
-        };
-        let mut graph = graph_of(&model).unwrap().1.to_vec();
-        for t in [
-            external("table", &[("location", "w.data"), ("offset", "4096"), ("length", "8192")]),
-            external("w", &[("location", "w.data"), ("length", "4096")]),
-            // Inside the model file itself: no extent.
-            tensor("small", FLOAT, &[2], &[0; 8]),
-        ] {
-            put_bytes(&mut graph, 5, &t);
-        }
-        model.clear();
-        put_bytes(&mut model, 7, &graph);
-        let want = Extent { file: "w.data".into(), offset: 4096, length: 8192 };
-        assert_eq!(lookup_tables(&model).unwrap(), vec![want], "the MatMul's weight is read whole: not a table");
-        assert_eq!(external_files(&model).unwrap(), vec!["w.data".to_string()]);
-    }
-
-    #[test]
-    fn the_producer_of_an_output_is_found_through_shape_only_operators() {
-        let model = model_of(&[
-            (&["x", "w"], &["logits"], "MatMul"),
-            (&["logits"], &["p"], "Softmax"),
-            (&["p", "shape"], &["p2"], "Reshape"),
-            (&["p2"], &["probs"], "Identity"),
-        ]);
-        let found = |name| producer_of(&model, name).unwrap();
-        assert_eq!(found("probs"), Some(("Softmax".to_string(), "n1".to_string())));
-        assert_eq!(found("logits"), Some(("MatMul".to_string(), "n0".to_string())));
-        assert_eq!(found("x"), None, "a graph input");
-        // Nodes that feed each other (no valid graph, but a file may say so) end in an error.
-        let cycle = model_of(&[(&["b"], &["a"], "Identity"), (&["a"], &["b"], "Identity")]);
-        assert!(producer_of(&cycle, "a").unwrap_err().contains("cycle"));
-    }
 
     #[test]
     fn columns_are_scaled_by_their_own_largest_magnitude() {
@@ -725,9 +446,9 @@ mod tests {
             node_bytes(&["x", "w", bias], &["y".to_string()], name, "Gemm", "", &attributes)
         };
         let trans_b = attribute("transB", Some(1), None);
-        put_bytes(&mut graph, 1, &gemm("plain", "b", &[trans_b.clone()]));
+        put_bytes(&mut graph, 1, &gemm("plain", "b", std::slice::from_ref(&trans_b)));
         put_bytes(&mut graph, 1, &gemm("scaled", "b", &[trans_b.clone(), attribute("alpha", None, Some(2.0))]));
-        put_bytes(&mut graph, 1, &gemm("wide_bias", "b2", &[trans_b.clone()]));
+        put_bytes(&mut graph, 1, &gemm("wide_bias", "b2", std::slice::from_ref(&trans_b)));
         // w is [2, 3] read transposed: 3 inputs, 2 outputs; b has one value per output.
         put_bytes(&mut graph, 5, &tensor("w", FLOAT, &[2, 3], &floats(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])));
         put_bytes(&mut graph, 5, &tensor("b", FLOAT, &[2], &floats(&[0.5, -0.5])));

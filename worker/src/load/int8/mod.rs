@@ -1,0 +1,333 @@
+//! Int8 execution with an accuracy guard (`precision = "int8"` or `"auto"` in model.toml).
+//!
+//! inferd rewrites the model itself ([`rewrite`]: every fp32 MatMul or Gemm with a weight matrix
+//! becomes ONNX Runtime's DynamicQuantizeMatMul, weights int8 per output column; fused Attention
+//! becomes QAttention), with no Python on the serving host. Before serving it, the guard runs the
+//! fp32 and the int8 model side by side on calibration inputs, each alone, and measures what the
+//! task cares about: the cosine of each embedding to fp32 (least and mean), for a classifier the
+//! largest probability difference and top-1 agreement, for a raw model the relative error of
+//! each float output. The inputs are built in for each kind of model (texts of 1 to
+//! `max_length` tokens in several languages; generated images; for raw models with float
+//! inputs, generated tensors at scales from 0.1 to 10), plus `[quantization] calibration`, the
+//! user's own. When the guard fails with every node in int8, the nodes that cost the most
+//! accuracy (each measured alone) are kept in fp32, one by one, until it passes; past half of
+//! them int8 is refused with the figures (`int8`: the model does not load; `auto`: it is served
+//! in fp32). `auto` also keeps fp32 when int8 is not faster on this CPU (measured on the
+//! calibration inputs); `int8` is then served with a warning.
+//!
+//! The outcome is prepared once per model content, settings, runtime and CPU: the int8 file
+//! and its report are kept in `runtime.cache_dir` (one process prepares, the others wait on a
+//! lock and read it). Without a cache_dir, each worker prepares its own at boot.
+
+pub mod rewrite;
+
+mod calibration;
+mod guard;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use inferd_config::model::{ModelEntry, Precision};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+use crate::runtime::model::Runtime;
+
+/// Changes whenever what the preparation writes or how it measures changes.
+const FORMAT: &str = "q5";
+
+/// Preparations made without a cache_dir, by folder: the report and the int8 file's bytes.
+type Memo = HashMap<PathBuf, (Report, Option<Arc<Vec<u8>>>)>;
+static MEMO: Mutex<Option<Memo>> = Mutex::new(None);
+
+/// What the guard measured, kept beside the int8 file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Whether int8 is served.
+    pub int8: bool,
+    /// MatMul and Attention nodes in int8, of how many candidates.
+    pub quantized: usize,
+    pub candidates: usize,
+    /// Kept in fp32 by the guard.
+    pub kept: Vec<String>,
+    /// Calibration inputs measured, and what they are ("texts", "images", "inputs").
+    pub inputs: usize,
+    pub of: String,
+    /// Embeddings: least and mean cosine to fp32.
+    pub min_cosine: Option<f64>,
+    pub mean_cosine: Option<f64>,
+    /// Classifiers: largest probability difference, and top-1 agreement (0..1).
+    pub max_probability_error: Option<f64>,
+    pub top1_agreement: Option<f64>,
+    /// Raw models: largest and mean relative error of an output.
+    pub max_relative_error: Option<f64>,
+    pub mean_relative_error: Option<f64>,
+    /// Median time of a calibration input, one at a time on one thread.
+    pub fp32_ms: f64,
+    pub int8_ms: f64,
+    /// Why int8 is not served, when it is not.
+    pub refused: Option<String>,
+}
+
+impl Report {
+    /// Int8 refused before anything was measured, for `why`.
+    fn refused(candidates: usize, why: String) -> Report {
+        Report {
+            int8: false,
+            quantized: 0,
+            candidates,
+            kept: Vec::new(),
+            inputs: 0,
+            of: "inputs".into(),
+            min_cosine: None,
+            mean_cosine: None,
+            max_probability_error: None,
+            top1_agreement: None,
+            max_relative_error: None,
+            mean_relative_error: None,
+            fp32_ms: 0.0,
+            int8_ms: 0.0,
+            refused: Some(why),
+        }
+    }
+
+    /// One line for the log, `status` and the model's metadata.
+    pub fn summary(&self) -> String {
+        if self.inputs == 0 {
+            return format!("fp32 (int8 refused: {})", self.refused.as_deref().unwrap_or("not measured"));
+        }
+        let error = match (self.min_cosine, self.mean_cosine, self.max_probability_error, self.top1_agreement) {
+            (Some(min), Some(mean), _, _) => format!("min cosine {min:.4}, mean {mean:.4} to fp32"),
+            (_, _, Some(p), Some(top1)) => {
+                format!("largest probability error {p:.4}, top-1 agreement {:.1}% with fp32", top1 * 100.0)
+            }
+            _ => match (self.max_relative_error, self.mean_relative_error) {
+                (Some(max), Some(mean)) => format!("relative error to fp32 at most {max:.4}, mean {mean:.4}"),
+                _ => "not measured".into(),
+            },
+        };
+        let speed = format!(
+            "{:.2}x fp32's speed ({:.2} vs {:.2} ms {})",
+            self.fp32_ms / self.int8_ms.max(1e-9),
+            self.int8_ms,
+            self.fp32_ms,
+            match self.of.as_str() {
+                "texts" => "a text",
+                "images" => "an image",
+                _ => "an input",
+            }
+        );
+        let kept = match self.kept.len() {
+            0 => String::new(),
+            n => format!("; {n} kept in fp32: {}", self.kept.join(", ")),
+        };
+        let what = format!(
+            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}",
+            self.quantized, self.candidates, self.inputs, self.of
+        );
+        match &self.refused {
+            None => format!("int8 ({what})"),
+            Some(why) => format!("fp32 (int8 refused: {why}; {what})"),
+        }
+    }
+}
+
+/// The file to load for `entry` and what the guard measured; `None` for fp32 as written.
+pub struct Prepared {
+    pub path: PathBuf,
+    pub report: Report,
+    /// Made without a cache_dir: to be removed once the session has loaded it ([`remove`]).
+    pub scratch: Option<PathBuf>,
+}
+
+/// Prepares (or finds prepared) the int8 form of `entry`'s model. `Ok(Some)`: serve that file;
+/// `Ok(None)` with a report: serve fp32 (`auto` whose guard failed); `Err`: `int8` refused.
+pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), String> {
+    let settings = format!(
+        "{FORMAT} {:?} {} {} {} {:?} {:?}",
+        entry.precision,
+        entry.quantization.min_cosine,
+        entry.quantization.max_probability_error,
+        entry.quantization.max_relative_error,
+        entry.quantization.calibration.as_ref().map(|c| std::fs::read(c).unwrap_or_default()),
+        rewrite::host_range(),
+    );
+    // What the calibration inputs and the guard's measure depend on: the task and its head,
+    // the tokenizer (its file's text and max_length), the image settings, generated tensors'
+    // free dimensions.
+    let pipeline = format!(
+        "{:?} {:?} {:?} {:?} {:?} {}",
+        entry.task,
+        entry.tokenizer.as_ref().map(|t| t.max_length),
+        entry.embedding.as_ref().map(|e| (e.pooling, &e.output)),
+        entry.classification,
+        entry.image,
+        entry.warmup.dynamic_dim,
+    );
+    let tokenizer = entry.tokenizer.as_ref().map(|t| std::fs::read(&t.path).unwrap_or_default()).unwrap_or_default();
+    let key: String = Sha256::new()
+        .chain_update(sha256)
+        .chain_update(settings)
+        .chain_update(pipeline)
+        .chain_update(Sha256::digest(tokenizer))
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let (dir, scratch) = match runtime.cache_root() {
+        Some((root, host)) => {
+            let dir = root.join(format!("{}-int8-{key}-{host}", entry.name));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            // A preparation someone else could have written is not read.
+            crate::runtime::weights::ours(&dir)?;
+            (dir, None)
+        }
+        None => {
+            // In the shared temporary folder: a name no one else can predict (the same for this
+            // process's sessions, which find what the first wrote), made by this process.
+            static NONCE: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+            let nonce = std::hash::BuildHasher::hash_one(NONCE.get_or_init(Default::default), key.as_str());
+            let dir =
+                std::env::temp_dir().join(format!("inferd-int8-{}-{}-{nonce:016x}", entry.name, std::process::id()));
+            match crate::runtime::weights::private_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => crate::runtime::weights::ours(&dir)?,
+                Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+            }
+            (dir.clone(), Some(dir))
+        }
+    };
+    // One process prepares; the others wait here, then read what it wrote.
+    let lock = std::fs::File::create(dir.join("lock")).map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
+    lock.lock().map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
+    let (model, report) = (dir.join("model.onnx"), dir.join("report.json"));
+    // Without a cache_dir the folder goes once a session has loaded the file: this process's
+    // later sessions (a worker has several) write it again from memory instead of measuring.
+    let mut memo = MEMO.lock().unwrap_or_else(|e| e.into_inner());
+    let memo = memo.get_or_insert_with(HashMap::new);
+    if let Some((r, bytes)) = memo.get(&dir).filter(|_| scratch.is_some()) {
+        if let Some(bytes) = bytes {
+            std::fs::write(&model, &bytes[..]).map_err(|e| format!("cannot write {}: {e}", model.display()))?;
+        }
+        std::fs::write(&report, serde_json::to_vec_pretty(r).expect("json")).map_err(|e| e.to_string())?;
+    }
+    let found = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice::<Report>(&r).ok());
+    let report = match found {
+        Some(r) if !r.int8 || model.is_file() => {
+            info!(model = entry.name, "int8 preparation found in {}", dir.display());
+            r
+        }
+        _ => {
+            let started = Instant::now();
+            info!(model = entry.name, "preparing int8: rewriting the MatMuls and measuring them against fp32");
+            let (bytes, r) = match guard::measure(runtime, entry, sha256, &dir) {
+                Ok(measured) => measured,
+                // Not kept in the cache: the cause may pass (a full disk), and a fixed model is
+                // another preparation anyway.
+                Err(e) if entry.precision == Precision::Auto => {
+                    let report = Report::refused(0, format!("the int8 preparation failed: {e}"));
+                    warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
+                    remove(scratch);
+                    return Ok((None, report));
+                }
+                Err(e) => return Err(e),
+            };
+            if scratch.is_some() {
+                memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
+            }
+            if let Some(bytes) = bytes {
+                let tmp = dir.join("model.onnx.tmp");
+                std::fs::write(&tmp, bytes)
+                    .and_then(|()| std::fs::rename(&tmp, &model))
+                    .map_err(|e| format!("cannot write {}: {e}", model.display()))?;
+            }
+            std::fs::write(&report, serde_json::to_vec_pretty(&r).expect("json"))
+                .map_err(|e| format!("cannot write {}: {e}", report.display()))?;
+            info!(model = entry.name, "int8 prepared in {:.1} s: {}", started.elapsed().as_secs_f64(), r.summary());
+            if scratch.is_none() {
+                remove_older(&dir, &entry.name);
+            }
+            r
+        }
+    };
+    match (report.int8, entry.precision) {
+        (true, _) => Ok((Some(Prepared { path: model, report: report.clone(), scratch }), report)),
+        (false, Precision::Auto) => {
+            warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
+            remove(scratch);
+            Ok((None, report))
+        }
+        (false, _) => {
+            remove(scratch);
+            Err(format!("precision = \"int8\" refused: {}", report.summary()))
+        }
+    }
+}
+
+/// Removes this model's other int8 preparations (earlier contents or settings) from the cache,
+/// as shared weights do: a session that loaded one does not need it any more. One being
+/// prepared right now (its lock held) is left alone.
+fn remove_older(dir: &Path, name: &str) {
+    let (Some(root), Some(this)) = (dir.parent(), dir.file_name()) else { return };
+    let prefix = format!("{name}-int8-");
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for other in entries.flatten() {
+        let file_name = other.file_name();
+        if file_name == this || !file_name.to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let free = std::fs::File::open(other.path().join("lock")).is_ok_and(|lock| lock.try_lock().is_ok());
+        if free {
+            info!(model = name, "removing an earlier int8 preparation: {}", other.path().display());
+            let _ = std::fs::remove_dir_all(other.path());
+        }
+    }
+}
+
+/// Removes a preparation made without a cache_dir, once loaded (or refused).
+pub fn remove(scratch: Option<PathBuf>) {
+    if let Some(dir) = scratch {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_says_what_was_served_and_what_it_cost() {
+        let mut report = Report {
+            int8: true,
+            quantized: 16,
+            candidates: 18,
+            kept: vec!["a".into(), "b".into()],
+            inputs: 48,
+            of: "texts".into(),
+            min_cosine: Some(0.9912),
+            mean_cosine: Some(0.998),
+            max_probability_error: None,
+            top1_agreement: None,
+            max_relative_error: None,
+            mean_relative_error: None,
+            fp32_ms: 6.0,
+            int8_ms: 3.0,
+            refused: None,
+        };
+        let s = report.summary();
+        assert!(
+            s.starts_with(
+                "int8 (16 of 18 MatMul/Gemm/Attention nodes in int8; 2 kept in fp32: a, b; min cosine 0.9912"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("2.00x fp32's speed"), "{s}");
+        report.int8 = false;
+        report.refused = Some("too slow".into());
+        assert!(report.summary().starts_with("fp32 (int8 refused: too slow;"));
+    }
+}

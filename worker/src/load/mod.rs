@@ -1,0 +1,185 @@
+//! Loading a model, above the runtime: its digest (the file and the external data it names),
+//! its int8 form when model.toml asks (rewritten, measured against fp32 by the accuracy
+//! guard and kept in the cache: [`int8`]), its sessions, one per lane
+//! ([`crate::runtime::model`]), and its pipeline (tokenizer or image decoding in front,
+//! pooling or scoring behind: [`crate::pipeline`]), built once for all of them. The runtime
+//! knows a model by its sessions and tensors; the handlers by the [`Model`] made here.
+//!
+//! Runs on the boot thread, before the worker serves: loading a model takes ONNX Runtime
+//! seconds of CPU, and the int8 guard many runs of the model.
+
+pub mod int8;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use inferd_config::model::{ModelEntry, Precision};
+use sha2::{Digest, Sha256};
+
+use crate::pipeline::Pipeline;
+use crate::request::app::Model;
+use crate::runtime::engine::Sessions;
+use crate::runtime::model::{ModelError, ModelMeta, ModelSession, Runtime, Threads};
+
+/// The sessions a worker runs a model on: one narrow session per lane, a wide one on the
+/// worker's whole pool (more than one thread, or a core it may borrow), and the background
+/// lane's (a worker of one thread).
+pub struct Lanes {
+    pub narrow: usize,
+    pub wide: Option<Threads>,
+    pub background: bool,
+}
+
+/// Loads `entry` into the sessions `lanes` asks for, not yet warmed up.
+pub fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), ModelError> {
+    let source = Source::prepare(runtime, entry)?;
+    let first = source.session(runtime, Threads::Narrow)?;
+    // Before the other sessions: a model.toml that does not fit the model fails at once.
+    let model = source.model(&first)?;
+    let mut narrow = vec![first];
+    for _ in 1..lanes.narrow.max(1) {
+        narrow.push(source.session(runtime, Threads::Narrow)?);
+    }
+    let wide = lanes.wide.map(|threads| source.session(runtime, threads)).transpose()?;
+    let background = lanes.background.then(|| source.session(runtime, Threads::Narrow)).transpose()?;
+    Ok((model, Sessions { narrow, wide, background }))
+}
+
+/// Loads `entry` into one session on `threads` (`inferd check`, benchmarks).
+pub fn one(runtime: &Runtime, entry: &ModelEntry, threads: Threads) -> Result<(Model, ModelSession), ModelError> {
+    let source = Source::prepare(runtime, entry)?;
+    let session = source.session(runtime, threads)?;
+    Ok((source.model(&session)?, session))
+}
+
+/// What a model's sessions are loaded from: its int8 form as the guard prepared it, or the
+/// model as written. A preparation made without a cache_dir is removed when this goes, once
+/// every session has read it.
+struct Source<'a> {
+    entry: &'a ModelEntry,
+    /// The model's digest, and the loaded file's (its int8 form's, when int8 is served).
+    sha256: Vec<u8>,
+    file: ModelEntry,
+    file_sha256: Vec<u8>,
+    /// What status says of the precision served.
+    precision: String,
+    scratch: Option<std::path::PathBuf>,
+}
+
+impl<'a> Source<'a> {
+    fn prepare(runtime: &Runtime, entry: &'a ModelEntry) -> Result<Source<'a>, ModelError> {
+        let fail = |message: String| ModelError::Load {
+            model: entry.name.clone(),
+            path: entry.path.display().to_string(),
+            message,
+        };
+        let sha256 = digest(&entry.path).map_err(fail)?;
+        let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
+        let source = |file, file_sha256, precision, scratch| Source {
+            entry,
+            sha256: sha256.clone(),
+            file,
+            file_sha256,
+            precision,
+            scratch,
+        };
+        Ok(match entry.precision {
+            Precision::Fp32 => source(plain, sha256.clone(), "fp32".to_string(), None),
+            _ => match int8::prepare(runtime, entry, &sha256).map_err(fail)? {
+                (Some(prepared), report) => {
+                    // Made before the digest, so that an error still removes the scratch copy.
+                    let mut int8 = source(
+                        ModelEntry { path: prepared.path, ..plain },
+                        Vec::new(),
+                        report.summary(),
+                        prepared.scratch,
+                    );
+                    int8.file_sha256 = digest(&int8.file.path).map_err(fail)?;
+                    int8
+                }
+                (None, report) => source(plain, sha256.clone(), report.summary(), None),
+            },
+        })
+    }
+
+    /// One session on `threads`, named as the model.
+    fn session(&self, runtime: &Runtime, threads: Threads) -> Result<ModelSession, ModelError> {
+        let mut session = ModelSession::load(runtime, &self.file, threads, &self.file_sha256)?;
+        session.stand_for(self.entry, &self.sha256, self.precision.clone());
+        Ok(session)
+    }
+
+    /// The model as the handlers see it, with the pipeline built around `session`'s inputs
+    /// and outputs.
+    fn model(&self, session: &ModelSession) -> Result<Model, ModelError> {
+        let pipeline = pipeline(self.entry, &session.meta, &self.sha256).map_err(|message| ModelError::Load {
+            model: self.entry.name.clone(),
+            path: self.entry.path.display().to_string(),
+            message,
+        })?;
+        Ok(Model { meta: session.meta.clone(), pipeline: Arc::new(pipeline) })
+    }
+}
+
+impl Drop for Source<'_> {
+    fn drop(&mut self) {
+        int8::remove(self.scratch.take());
+    }
+}
+
+/// The pipeline around a model whose sessions take and give what `meta` says; `sha256`: the
+/// model file's digest. `Err`: model.toml does not fit the model.
+pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta, sha256: &[u8]) -> Result<Pipeline, String> {
+    let producer = |value: &str| producer_of(&entry.path, sha256, value);
+    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer).map_err(|e| format!("model.toml: {e}"))
+}
+
+/// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
+/// the file once per process and value.
+fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String, String)>, String> {
+    type Known = std::collections::HashMap<(Vec<u8>, String), Option<(String, String)>>;
+    static KNOWN: std::sync::Mutex<Option<Known>> = std::sync::Mutex::new(None);
+    let key = (digest.to_vec(), value.to_string());
+    if let Some(found) = KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&key) {
+        return Ok(found.clone());
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let found = crate::onnx::producer_of(&bytes, value)?;
+    KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(key, found.clone());
+    Ok(found)
+}
+
+/// The SHA-256 of a model: its file, then the name and content of each external data file the
+/// graph names (`model.onnx_data`), so that new weights beside the same graph are a new
+/// version (and a new shared artefact). Streamed: the file is mapped, not read into memory.
+fn digest(path: &Path) -> Result<Vec<u8>, String> {
+    let io = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+    let file = std::fs::File::open(path).map_err(io)?;
+    let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| "the file is too large".to_string())?;
+    let mut hasher = Sha256::new();
+    let mut external = Vec::new();
+    if len > 0 {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a private read-only mapping of the whole file, unmapped below; a file
+        // changed under it gives another digest, not unsafety in a byte slice we only read.
+        let at =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+        if at == libc::MAP_FAILED {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
+        hasher.update(bytes);
+        // A file that does not parse is ONNX Runtime's to refuse, with its own message.
+        external = crate::onnx::external_files(bytes).unwrap_or_default();
+        unsafe { libc::munmap(at, len) };
+    }
+    let folder = path.parent().unwrap_or(Path::new("."));
+    for location in external {
+        let data = folder.join(&location);
+        let mut data_file = std::fs::File::open(&data)
+            .map_err(|e| format!("external data {} named by the model: {e}", data.display()))?;
+        hasher.update(location.as_bytes());
+        std::io::copy(&mut data_file, &mut hasher).map_err(io)?;
+    }
+    Ok(hasher.finalize().to_vec())
+}

@@ -1,0 +1,96 @@
+//! Per-model pre- and post-processing: text through a tokenizer ([`text`]), images through a
+//! decoder ([`image`]), and the model's outputs turned into embeddings or labelled scores
+//! ([`head`]).
+//!
+//! A [`Pipeline`] is built when the model loads, against the model's declared inputs and
+//! outputs, so a `model.toml` that does not fit its model is refused at start (and by
+//! `inferd check`) instead of failing on the first request. Tokenisation runs on the worker's
+//! I/O thread for a request's texts up to 4 KiB in all, on its one blocking thread beyond
+//! (request/tasks.rs); the lanes only run the model.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
+
+pub mod head;
+pub mod image;
+pub mod text;
+
+use inferd_config::model::{ModelEntry, Task};
+
+use crate::runtime::tensor::TensorSpec;
+pub use head::{embeddings, l2_normalize, ranked, scores, sparse, token_embeddings, Head, Producer};
+pub use image::{decode_image, ImagePipeline};
+pub use text::{Encoded, Piece, Text, TextPipeline, BYTES_PER_TOKEN};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("input {index} is empty")]
+    Empty { index: usize },
+    #[error(
+        "input {index} has {tokens} tokens, but the model takes at most {max}; shorten it or send \"truncate\": true"
+    )]
+    TooLong { index: usize, tokens: usize, max: usize },
+    #[error(
+        "input {index} is {bytes} bytes of text; at most {max} bytes are tokenized (tokenizer.max_length x {BYTES_PER_TOKEN}); shorten it or send \"truncate\": true"
+    )]
+    TextTooLong { index: usize, bytes: usize, max: usize },
+    #[error("input {index}: {message}")]
+    Tokenizer { index: usize, message: String },
+    #[error("image {index}: {message}")]
+    NotAnImage { index: usize, message: String },
+    #[error(
+        "image {index} is {width}x{height} = {pixels} pixels, more than the model's limit of {max} (image.max_pixels)"
+    )]
+    ImageTooLarge { index: usize, width: u32, height: u32, pixels: u64, max: u64 },
+    #[error("image {index} is {width}x{height}; no side may be longer than {max} (image.max_side)")]
+    ImageTooLong { index: usize, width: u32, height: u32, max: u32 },
+    #[error(
+        "image {index} is {width}x{height}: resizing it to {to_width}x{to_height} needs {mib} MiB, more than the {max_mib} MiB one image may use"
+    )]
+    ImageTooCostly { index: usize, width: u32, height: u32, to_width: u32, to_height: u32, mib: u64, max_mib: u64 },
+    #[error("the model's output does not fit the pipeline: {0}")]
+    Output(String),
+    /// Token vectors asked of a model whose output is pooled already (the client's request
+    /// does not fit the model: 400, not the server's fault).
+    #[error(
+        "the model's output does not fit the pipeline: '{output}' has shape {shape:?}: token embeddings need [batch, sequence, dim]"
+    )]
+    NoTokenVectors { output: String, shape: Vec<i64> },
+}
+
+#[derive(Debug)]
+pub enum Pipeline {
+    /// Tensors in, tensors out.
+    Raw,
+    Text(Box<TextPipeline>),
+    Image(ImagePipeline),
+}
+
+impl Pipeline {
+    /// Builds the pipeline `entry` asks for and checks it against the model's inputs and outputs.
+    /// `producer` names the operator that computes a graph value (see [`Producer`]).
+    pub fn build(
+        entry: &ModelEntry,
+        inputs: &[TensorSpec],
+        outputs: &[TensorSpec],
+        producer: Producer,
+    ) -> Result<Pipeline, String> {
+        if entry.task == Task::Raw {
+            return Ok(Pipeline::Raw);
+        }
+        let head = Head::build(entry, outputs, producer)?;
+        if let Some(t) = &entry.tokenizer {
+            return Ok(Pipeline::Text(Box::new(TextPipeline::build(t, inputs, head)?)));
+        }
+        let config = entry.image.clone().ok_or("a classification model needs [tokenizer] or [image]")?;
+        Ok(Pipeline::Image(ImagePipeline::build(config, inputs, head)?))
+    }
+
+    pub fn head(&self) -> Option<&Head> {
+        match self {
+            Pipeline::Raw => None,
+            Pipeline::Text(t) => Some(&t.head),
+            Pipeline::Image(i) => Some(&i.head),
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Texts into a model's input tensors: tokenised (truncated when allowed, refused past the
+//! model's length otherwise), padded to the batch's longest row, token ids fed as they are;
+//! and `/tokenize`'s and `/decode`'s answers.
+// Sizes here come from request data: every operation on them is checked (issue: a
+// wrapped `count * size` once let a 2^61-element tensor through in release builds).
+#![deny(clippy::arithmetic_side_effects)]
+
+use std::sync::OnceLock;
+
+use inferd_config::model::TokenizerConfig;
+use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
+
+use super::{Head, PipelineError};
+use crate::runtime::tensor::{DataType, Tensor, TensorData, TensorSpec};
+
+/// Text is cut to `max_length` times this many bytes before it is tokenized (or refused, when
+/// it may not be truncated), so that the tokenizer's work and memory are bounded by the model's
+/// own limit and not by the body size. A token of real text covers a few bytes (English ~4,
+/// CJK 3 per character; WordPiece makes any word over 100 characters a single `[UNK]`), so
+/// only text of many long unknown words or runs of whitespace could still have had fewer than
+/// `max_length` tokens in it.
+pub const BYTES_PER_TOKEN: usize = 64;
+
+#[derive(Debug, Clone, Copy)]
+enum TextFeed {
+    Ids,
+    Mask,
+    TypeIds,
+}
+
+#[derive(Debug)]
+pub struct TextPipeline {
+    /// Padding and truncation off: the batch is padded to its longest sequence here.
+    plain: Tokenizer,
+    /// The same with truncation at `max_length`, made the first time a text has to be cut (a
+    /// tokenizer holds its vocabulary, ~6 MiB for MiniLM's; most workers never cut a text).
+    truncating: OnceLock<Result<Tokenizer, String>>,
+    pub max_length: usize,
+    /// For every model input, in the model's order: what feeds it and its element type.
+    feeds: Vec<(String, TextFeed, DataType)>,
+    pub head: Head,
+}
+
+/// One text input: a sentence, or a pair for cross-encoders.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Text {
+    Single(String),
+    Pair(String, String),
+    /// Already tokenised: the model's own token ids, fed as they are (no special tokens added).
+    Ids(Vec<u32>),
+}
+
+impl Text {
+    /// Bytes of text (or of ids) it holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Text::Single(s) => s.len(),
+            Text::Pair(a, b) => a.len().saturating_add(b.len()),
+            Text::Ids(ids) => ids.len().saturating_mul(4),
+        }
+    }
+}
+
+/// A tokenised batch, ready for the model.
+pub struct Encoded {
+    pub inputs: Vec<Tensor>,
+    /// Tokens of each row before padding.
+    pub lengths: Vec<usize>,
+    /// Rows that were truncated.
+    pub truncated: Vec<usize>,
+}
+
+impl TextPipeline {
+    /// The text pipeline `tokenizer` asks for, feeding `inputs` (input_ids, and attention_mask
+    /// and token_type_ids when the model takes them), in front of `head`.
+    pub(super) fn build(t: &TokenizerConfig, inputs: &[TensorSpec], head: Head) -> Result<TextPipeline, String> {
+        let load = || Tokenizer::from_file(&t.path).map_err(|e| format!("tokenizer {}: {e}", t.path.display()));
+        let mut plain = load()?;
+        plain.with_padding(None);
+        plain.with_truncation(None).map_err(|e| e.to_string())?;
+        let mut feeds = Vec::new();
+        for spec in inputs {
+            let feed = match spec.name.as_str() {
+                "input_ids" => TextFeed::Ids,
+                "attention_mask" => TextFeed::Mask,
+                "token_type_ids" => TextFeed::TypeIds,
+                other => {
+                    return Err(format!(
+                        "input '{other}' is not one the text pipeline produces (input_ids, attention_mask, \
+                         token_type_ids)"
+                    ))
+                }
+            };
+            let dtype = spec.dtype.filter(|d| matches!(d, DataType::I64 | DataType::I32));
+            if spec.shape.len() != 2 || dtype.is_none() {
+                return Err(format!(
+                    "input '{}' is {} {:?}; the text pipeline feeds INT64 or INT32 [batch, sequence]",
+                    spec.name, spec.datatype, spec.shape
+                ));
+            }
+            feeds.push((spec.name.clone(), feed, dtype.expect("checked")));
+        }
+        if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
+            return Err("the model has no input 'input_ids' for the tokenizer to feed".into());
+        }
+        Ok(TextPipeline { plain, truncating: OnceLock::new(), max_length: t.max_length, feeds, head })
+    }
+}
+
+impl TextPipeline {
+    /// The most bytes of one text that are tokenized ([`BYTES_PER_TOKEN`]).
+    pub fn max_text_bytes(&self) -> usize {
+        self.max_length.saturating_mul(BYTES_PER_TOKEN)
+    }
+
+    /// `text`, cut at a character boundary to [`TextPipeline::max_text_bytes`] when `truncate`
+    /// allows it, else refused when longer.
+    fn bounded<'a>(&self, index: usize, text: &'a str, truncate: bool) -> Result<&'a str, PipelineError> {
+        let max = self.max_text_bytes();
+        match (text.len() > max, truncate) {
+            (false, _) => Ok(text),
+            (true, true) => Ok(&text[..text.floor_char_boundary(max)]),
+            (true, false) => Err(PipelineError::TextTooLong { index, bytes: text.len(), max }),
+        }
+    }
+
+    /// Tokenises a batch and pads it to its longest row (never to a fixed length).
+    pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
+        let mut encodings = Vec::with_capacity(texts.len());
+        let mut truncated = Vec::new();
+        for (index, text) in texts.iter().enumerate() {
+            let (first, second) = match text {
+                Text::Single(s) if s.is_empty() => return Err(PipelineError::Empty { index }),
+                Text::Pair(a, b) if a.is_empty() || b.is_empty() => return Err(PipelineError::Empty { index }),
+                Text::Single(s) => (self.bounded(index, s, truncate)?, None),
+                Text::Pair(a, b) => (self.bounded(index, a, truncate)?, Some(self.bounded(index, b, truncate)?)),
+                Text::Ids(ids) => {
+                    let (encoding, cut) = self.encode_ids(index, ids, truncate)?;
+                    if cut {
+                        truncated.push(index);
+                    }
+                    encodings.push(encoding);
+                    continue;
+                }
+            };
+            let encoding = self
+                .encode_text(first, second, truncate)
+                .map_err(|message| PipelineError::Tokenizer { index, message })?;
+            if encoding.len() > self.max_length {
+                return Err(PipelineError::TooLong { index, tokens: encoding.len(), max: self.max_length });
+            }
+            if !encoding.get_overflowing().is_empty() {
+                truncated.push(index);
+            }
+            encodings.push(encoding);
+        }
+        let rows = encodings.len();
+        let width = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
+        // rows <= server.max_batch_inputs, width <= max_length: checked all the same.
+        let size = rows.checked_mul(width).ok_or_else(|| PipelineError::Output("batch too large".into()))?;
+        let inputs = self
+            .feeds
+            .iter()
+            .map(|(name, feed, dtype)| {
+                let mut flat = vec![0i64; size];
+                for (row, e) in flat.chunks_mut(width.max(1)).zip(&encodings) {
+                    let values = match feed {
+                        TextFeed::Ids => e.get_ids(),
+                        TextFeed::Mask => e.get_attention_mask(),
+                        TextFeed::TypeIds => e.get_type_ids(),
+                    };
+                    row.iter_mut().zip(values).for_each(|(slot, &v)| *slot = i64::from(v));
+                }
+                let data = match dtype {
+                    DataType::I32 => TensorData::I32(flat.into_iter().map(|v| v as i32).collect()),
+                    _ => TensorData::I64(flat),
+                };
+                Tensor { name: name.clone(), shape: vec![rows as i64, width as i64], data }
+            })
+            .collect();
+        Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
+    }
+
+    /// A text (or a pair) with the model's special tokens; with `truncate`, cut to `max_length`
+    /// tokens by the tokenizer with truncation on. What fits is encoded once, by the plain
+    /// tokenizer: with nothing to cut, both give the same.
+    fn encode_text(&self, first: &str, second: Option<&str>, truncate: bool) -> Result<Encoding, String> {
+        let encode = |tokenizer: &Tokenizer| match second {
+            None => tokenizer.encode_fast(first, true),
+            Some(second) => tokenizer.encode_fast((first, second), true),
+        };
+        let whole = encode(&self.plain).map_err(|e| e.to_string())?;
+        if !truncate || whole.len() <= self.max_length {
+            return Ok(whole);
+        }
+        let truncating = self.truncating.get_or_init(|| {
+            let mut t = self.plain.clone();
+            let params = TruncationParams { max_length: self.max_length, ..Default::default() };
+            t.with_truncation(Some(params)).map(|_| ()).map_err(|e| e.to_string())?;
+            Ok(t)
+        });
+        encode(truncating.as_ref()?).map_err(|e| e.to_string())
+    }
+
+    /// Token ids a client tokenised itself, checked against the vocabulary; truncated to
+    /// `max_length` when allowed (the second value says whether they were).
+    fn encode_ids(&self, index: usize, ids: &[u32], truncate: bool) -> Result<(Encoding, bool), PipelineError> {
+        if ids.is_empty() {
+            return Err(PipelineError::Empty { index });
+        }
+        self.known_ids(index, ids)?;
+        if ids.len() > self.max_length && !truncate {
+            return Err(PipelineError::TooLong { index, tokens: ids.len(), max: self.max_length });
+        }
+        let kept = &ids[..ids.len().min(self.max_length)];
+        let tokens = kept.iter().map(|&id| Token::new(id, String::new(), (0, 0))).collect();
+        Ok((Encoding::from_tokens(tokens, 0), kept.len() < ids.len()))
+    }
+
+    /// Every id within the vocabulary (an id past it would index the model's embedding table
+    /// out of bounds).
+    fn known_ids(&self, index: usize, ids: &[u32]) -> Result<(), PipelineError> {
+        let vocabulary = self.plain.get_vocab_size(true);
+        match ids.iter().find(|&&id| id as usize >= vocabulary) {
+            Some(bad) => Err(PipelineError::Tokenizer {
+                index,
+                message: format!("token id {bad} is not in the model's vocabulary of {vocabulary}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The tokens of input `index` as the model sees them (`/tokenize`): id, text, whether
+    /// special, and byte offsets into the text.
+    pub fn tokenize(&self, index: usize, text: &Text, add_special_tokens: bool) -> Result<Vec<Piece>, PipelineError> {
+        // Every token is listed: nothing is cut, so a text past the bound is refused.
+        let (input, source): (EncodeInput, &str) = match text {
+            Text::Single(s) => {
+                let s = self.bounded(index, s, false)?;
+                (s.into(), s)
+            }
+            Text::Pair(a, b) => {
+                let a = self.bounded(index, a, false)?;
+                ((a, self.bounded(index, b, false)?).into(), a)
+            }
+            Text::Ids(_) => return Err(PipelineError::Tokenizer { index, message: "already token ids".into() }),
+        };
+        let encoding = self
+            .plain
+            .encode(input, add_special_tokens)
+            .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
+        let pieces = (0..encoding.len())
+            .map(|i| {
+                let (start, stop) = encoding.get_offsets()[i];
+                let special = encoding.get_special_tokens_mask()[i] == 1;
+                // Offsets of the second text of a pair point into that text.
+                let in_second = encoding.get_sequence_ids()[i] == Some(1);
+                let text = match (special, in_second, text) {
+                    (true, _, _) => encoding.get_tokens()[i].clone(),
+                    (false, true, Text::Pair(_, b)) => b.get(start..stop).unwrap_or_default().to_string(),
+                    _ => source.get(start..stop).unwrap_or_default().to_string(),
+                };
+                Piece {
+                    id: encoding.get_ids()[i],
+                    text,
+                    special,
+                    start: (!special).then_some(start),
+                    stop: (!special).then_some(stop),
+                }
+            })
+            .collect();
+        Ok(pieces)
+    }
+
+    /// Input `index`'s token ids back to text (`/decode`).
+    pub fn decode(&self, index: usize, ids: &[u32], skip_special_tokens: bool) -> Result<String, PipelineError> {
+        self.known_ids(index, ids)?;
+        self.plain
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })
+    }
+}
+
+/// One token of `/tokenize`'s answer, in text-embeddings-inference's shape.
+#[derive(Debug, serde::Serialize)]
+pub struct Piece {
+    pub id: u32,
+    pub text: String,
+    pub special: bool,
+    pub start: Option<usize>,
+    pub stop: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inferd_config::model::Activation;
+
+    #[test]
+    fn texts_are_cut_as_the_truncating_tokenizer_cuts_it_made_only_when_needed() {
+        use tokenizers::processors::bert::BertProcessing;
+        use tokenizers::processors::PostProcessorWrapper;
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let long = "The committee postponed its decision until the auditors had reviewed every account \
+                    of the previous three years, including those of the subsidiaries abroad.";
+        let texts =
+            ["hello", "Why?", long, "東京は日本の首都で、人口が最も多い都市です。", "a b c d e f g h i j k l m n o p"];
+        let mut checked = 0;
+        for file in ["models/minilm/tokenizer.json", "tests/models/published/st-embedder/tokenizer.json"] {
+            let Ok(mut plain) = Tokenizer::from_file(root.join(file)) else {
+                eprintln!("skipping {file}: not there (`make setup` fetches the default model's)");
+                continue;
+            };
+            plain.with_padding(None);
+            plain.with_truncation(None).unwrap();
+            // The file's own post-processor (a template), BERT's, and none.
+            let mut bert = plain.clone();
+            bert.with_post_processor(Some(BertProcessing::new(("[SEP]".into(), 102), ("[CLS]".into(), 101))));
+            let mut bare = plain.clone();
+            bare.with_post_processor(None::<PostProcessorWrapper>);
+            for tokenizer in [plain, bert, bare] {
+                for max_length in [5, 12, 128] {
+                    let mut reference = tokenizer.clone();
+                    let params = TruncationParams { max_length, ..Default::default() };
+                    reference.with_truncation(Some(params)).unwrap();
+                    let pipeline = TextPipeline {
+                        plain: tokenizer.clone(),
+                        truncating: OnceLock::new(),
+                        max_length,
+                        feeds: Vec::new(),
+                        head: Head::Classification {
+                            output: 0,
+                            labels: Vec::new(),
+                            activation: Activation::AsIs,
+                            why: String::new(),
+                        },
+                    };
+                    // What fits is encoded by the plain tokenizer alone.
+                    pipeline.encode_text("hi", None, true).unwrap();
+                    assert!(pipeline.truncating.get().is_none(), "{file}, {max_length}");
+                    let mut needed = false;
+                    let pairs = texts.iter().flat_map(|a| texts.iter().map(move |b| (*a, Some(*b))));
+                    for (first, second) in texts.iter().map(|t| (*t, None)).chain(pairs) {
+                        let want = match second {
+                            None => reference.encode_fast(first, true),
+                            Some(second) => reference.encode_fast((first, second), true),
+                        }
+                        .unwrap();
+                        let got = pipeline.encode_text(first, second, true).unwrap();
+                        let what = format!("{file}, max_length {max_length}: {first:?} / {second:?}");
+                        assert_eq!(got.get_ids(), want.get_ids(), "{what}");
+                        assert_eq!(got.get_type_ids(), want.get_type_ids(), "{what}");
+                        assert_eq!(got.get_attention_mask(), want.get_attention_mask(), "{what}");
+                        assert_eq!(got.get_overflowing().is_empty(), want.get_overflowing().is_empty(), "{what}");
+                        checked += 1;
+                        needed |= pipeline.encode_text(first, second, false).unwrap().len() > max_length;
+                    }
+                    // Made once a text had to be cut.
+                    assert_eq!(pipeline.truncating.get().is_some(), needed, "{file}, {max_length}");
+                }
+            }
+        }
+        assert!(checked > 0, "no tokenizer to check with");
+    }
+}
