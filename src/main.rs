@@ -324,6 +324,15 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
         println!("  worker {}:      cpus {cpus}, {} thread(s){borrows}", w.index, w.threads);
     }
     println!("onnx runtime:    {} (from {})", resolved.ort.path.display(), resolved.ort.source);
+    if config.models.on_demand {
+        let (on_demand, unusable) = config.on_demand_models(&resolved.models);
+        let names: Vec<&str> = on_demand.iter().map(|m| m.name.as_str()).collect();
+        let names = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+        println!("on demand:       {names} (loaded on a worker's first request for each)");
+        for (name, error) in unusable {
+            println!("  {name}: cannot be loaded on demand: {error}");
+        }
+    }
     // As the workers will: an int8 preparation made here is theirs too.
     let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())
         .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error })?;

@@ -25,6 +25,7 @@ mod keepalive;
 mod logging;
 mod memory;
 mod metrics;
+mod on_demand;
 mod parsers;
 mod pipelines;
 mod pool;

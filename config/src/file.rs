@@ -263,11 +263,24 @@ pub struct ModelsConfig {
     pub default: String,
     /// Models every worker loads besides the default one.
     pub load: Vec<String>,
+    /// Every other model of the repository is servable too: a worker loads it on the first
+    /// request that names it (warm-up included), once for every request that waits for it.
+    /// The default model and `load` stay loaded always.
+    pub on_demand: bool,
+    /// How long a request waits for its model's load on demand before it is answered 503
+    /// (with Retry-After; the load goes on).
+    pub load_timeout_secs: f64,
 }
 
 impl Default for ModelsConfig {
     fn default() -> Self {
-        ModelsConfig { repository: PathBuf::from("models"), default: "minilm".into(), load: Vec::new() }
+        ModelsConfig {
+            repository: PathBuf::from("models"),
+            default: "minilm".into(),
+            load: Vec::new(),
+            on_demand: false,
+            load_timeout_secs: 120.0,
+        }
     }
 }
 
@@ -423,7 +436,7 @@ impl Config {
                 return invalid(format!("{} is not a folder", dir.display()));
             }
             self.models =
-                ModelsConfig { repository: parent.to_path_buf(), default: name.to_string(), load: Vec::new() };
+                ModelsConfig { repository: parent.to_path_buf(), default: name.to_string(), ..ModelsConfig::default() };
         }
         if let Some(socket) = &overrides.control_socket {
             // A path given on the command line is relative to the working directory.
@@ -520,6 +533,7 @@ impl Config {
             ("server.idle_timeout_secs", self.server.idle_timeout_secs),
             ("server.request_timeout_secs", self.server.request_timeout_secs),
             ("server.memory_check_interval_secs", self.server.memory_check_interval_secs),
+            ("models.load_timeout_secs", self.models.load_timeout_secs),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("{value} is not a positive number of seconds"));
@@ -627,6 +641,31 @@ impl Config {
         self.model_override.apply(ModelEntry::load(&self.model_repository(), name)?)
     }
 
+    /// With `[models] on_demand`, the repository's models besides `pinned` (those every
+    /// worker loads), sorted by name, each resolved as [`Config::load_model`] resolves it; and
+    /// the model folders that do not resolve, with why. Nothing when on_demand is off.
+    pub fn on_demand_models(&self, pinned: &[ModelEntry]) -> (Vec<ModelEntry>, Vec<(String, ConfigError)>) {
+        let (mut found, mut refused) = (Vec::new(), Vec::new());
+        if !self.models.on_demand {
+            return (found, refused);
+        }
+        let repository = self.model_repository();
+        let mut names: Vec<String> = std::fs::read_dir(&repository)
+            .map(|dir| dir.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        names.sort();
+        for name in names {
+            if pinned.iter().any(|m| m.name == name) || !ModelEntry::is_model_dir(&repository.join(&name)) {
+                continue;
+            }
+            match self.load_model(&name) {
+                Ok(entry) => found.push(entry),
+                Err(e) => refused.push((name, e)),
+            }
+        }
+        (found, refused)
+    }
+
     /// The models every worker loads, default first.
     pub fn model_names(&self) -> Vec<String> {
         let mut names = vec![self.models.default.clone()];
@@ -720,6 +759,18 @@ mod tests {
         assert!(err.contains("models.load") && err.contains("at most 8"), "{err}");
         let eight = (1..8).map(|i| format!("\"m{i}\"")).collect::<Vec<_>>().join(", ");
         parse(&format!("[models]\ndefault = \"m0\"\nload = [{eight}]\n")).unwrap();
+    }
+
+    #[test]
+    fn models_on_demand_are_off_by_default_and_wait_a_bounded_time() {
+        let models = parse("").unwrap().models;
+        assert_eq!((models.on_demand, models.load_timeout_secs), (false, 120.0));
+        let models = parse("[models]\non_demand = true\nload_timeout_secs = 30\n").unwrap().models;
+        assert_eq!((models.on_demand, models.load_timeout_secs), (true, 30.0));
+        for bad in ["0", "-1", "1e300"] {
+            let err = parse(&format!("[models]\nload_timeout_secs = {bad}\n")).unwrap_err().to_string();
+            assert!(err.contains("models.load_timeout_secs"), "{err}");
+        }
     }
 
     #[test]

@@ -96,6 +96,13 @@ pub struct WorkerSpec {
     /// [`crate::balance::WORKER_BALANCE_FD`] and sheds its excess (see [`crate::balance`]).
     #[serde(default)]
     pub balance: bool,
+    /// `[models] on_demand`: the repository's other models, each resolved as `models` are,
+    /// which the worker loads on the first request for one; empty when off.
+    #[serde(default)]
+    pub on_demand: Vec<ModelEntry>,
+    /// models.load_timeout_secs.
+    #[serde(default)]
+    pub load_timeout_secs: f64,
 }
 
 /// How a worker of one pinned thread shares cores with its siblings (see [`crate::cores`]).
@@ -186,6 +193,8 @@ pub enum WorkerMessage {
     Draining,
     /// Sent just before exiting with [`EXIT_MODEL_LOAD`] or [`EXIT_BOOT`].
     Failed { kind: FailureKind, error: String },
+    /// Ready already, the worker loaded `model` on demand: its next model number.
+    Loaded { model: ModelInfo },
 }
 
 #[cfg(test)]

@@ -372,6 +372,12 @@ impl Supervisor {
                 self.finish_reload();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
+            // Its next model number: status and the metrics name its counter row after it.
+            WorkerMessage::Loaded { model } if worker.state == WorkerState::Ready => {
+                info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
+                worker.models.push(model);
+            }
+            WorkerMessage::Loaded { .. } => {}
         }
     }
 

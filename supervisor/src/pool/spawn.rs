@@ -44,6 +44,12 @@ impl Supervisor {
     ) -> Option<u64> {
         let placement = &self.pool.slots[index].placement;
         let config = &self.resolved.config;
+        // [models] on_demand: what the worker may load besides `models`, read from the
+        // repository as it is when the worker starts.
+        let (on_demand, unusable) = config.on_demand_models(&models);
+        for (name, error) in unusable {
+            warn!("model folder '{name}' cannot be loaded on demand: {error}");
+        }
         let spec = WorkerSpec {
             index,
             generation,
@@ -66,6 +72,8 @@ impl Supervisor {
                 _ => None,
             },
             balance: self.launcher.balance.is_some() && config.server.balance_connections,
+            on_demand,
+            load_timeout_secs: config.models.load_timeout_secs,
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {

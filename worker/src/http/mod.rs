@@ -28,7 +28,7 @@ use inferd_config::model::Task;
 use inferd_ipc::stats::Endpoint;
 
 use crate::http::reply::{annotate, json_reply, Reply};
-use crate::request::app::{counted, found_index, model, ApiError, AppState, Model};
+use crate::request::app::{counted, found_index, ApiError, AppState, Model};
 use crate::request::infer::{pipeline_io, run_v2};
 use crate::runtime::tensor::Tensor;
 
@@ -94,9 +94,10 @@ pub async fn handle(
     };
     if state.access_log {
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let default = state.models.default_model();
         let model = match parse_route(&segments).and_then(|r| r.model()) {
             Some(Some(name)) => name,
-            Some(None) => &state.models[0].info.name,
+            Some(None) => &default.info.name,
             None => "",
         };
         info!(
@@ -259,14 +260,21 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
         Route::Server => Ok(server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
         Route::Ready => Ok(readiness(ready)),
-        Route::Model(name, version) => model(state, name, version).map(|(_, m)| versioned(model_metadata(m), m)),
-        Route::ModelReady(name, version) => model(state, name, version).map(|(_, m)| versioned(readiness(ready), m)),
+        // A model loaded on demand is not loaded by being asked about.
+        Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(not_loaded(name, None)),
+        Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(not_loaded(name, Some(ready))),
+        Route::Model(name, version) => {
+            state.models.find(name, version).await.map(|(_, m)| versioned(model_metadata(&m), &m))
+        }
+        Route::ModelReady(name, version) => {
+            state.models.find(name, version).await.map(|(_, m)| versioned(readiness(ready), &m))
+        }
         Route::Infer(name, version) => {
-            let found = model(state, name, version);
-            let row = found_index(&found);
+            let found = state.models.find(name, version).await;
+            let row = found_index(state, &found);
             let work = async {
                 let (index, meta) = found?;
-                kserve_infer(state, index, meta, request, deadline).await.map(|r| versioned(r, meta))
+                kserve_infer(state, index, &meta, request, deadline).await.map(|r| versioned(r, &meta))
             };
             counted(state, row, Endpoint::Infer, work).await
         }
@@ -281,16 +289,20 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             };
             let request = openai::parse(&body);
             let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
-            let found = wanted.and_then(|name| model(state, name, None).ok()).unwrap_or((0, &state.models[0]));
-            let work = async {
-                let reply = openai::embeddings(state, found, request?, deadline).await?;
-                Ok(versioned(reply, found.1))
+            let found = match wanted {
+                Some(name) => state.models.find(name, None).await.ok(),
+                None => None,
             };
-            counted(state, found.0, Endpoint::OpenAiEmbeddings, work).await
+            let found = found.unwrap_or_else(|| (0, state.models.default_model()));
+            let work = async {
+                let reply = openai::embeddings(state, (found.0, &found.1), request?, deadline).await?;
+                Ok(versioned(reply, &found.1))
+            };
+            counted(state, state.models.row(found.0), Endpoint::OpenAiEmbeddings, work).await
         }
-        Route::Info => Ok(tei::info(state, &state.models[0])),
-        Route::Tokenize => tei::tokenize(state, &state.models[0], &read_body(state, request).await?).await,
-        Route::Decode => tei::decode(state, &state.models[0], &read_body(state, request).await?),
+        Route::Info => Ok(tei::info(state, &state.models.default_model())),
+        Route::Tokenize => tei::tokenize(state, &state.models.default_model(), &read_body(state, request).await?).await,
+        Route::Decode => tei::decode(state, &state.models.default_model(), &read_body(state, request).await?),
         Route::Similarity => tei_route(state, None, request, deadline, Endpoint::Similarity, tei::similarity).await,
         Route::Rerank(name) => tei_route(state, name, request, deadline, Endpoint::Rerank, tei::rerank).await,
         Route::EmbedAll => tei_route(state, None, request, deadline, Endpoint::EmbedAll, tei::embed_all).await,
@@ -298,7 +310,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             tei_route(state, name, request, deadline, Endpoint::EmbedSparse, tei::embed_sparse).await
         }
         Route::Invocations => {
-            let meta = &state.models[0];
+            let meta = &state.models.default_model();
             let embedding = match meta.task {
                 Task::Embedding => true,
                 Task::Classification => false,
@@ -333,12 +345,15 @@ async fn tei_route(
     endpoint: Endpoint,
     handler: impl AsyncFnOnce(&AppState, usize, &Model, &[u8], Option<Instant>) -> Result<Reply, ApiError>,
 ) -> Result<Reply, ApiError> {
-    let found = model(state, name.unwrap_or(&state.models[0].info.name), None);
-    let row = found_index(&found);
+    let found = match name {
+        Some(name) => state.models.find(name, None).await,
+        None => Ok((0, state.models.default_model())),
+    };
+    let row = found_index(state, &found);
     let work = async {
         let (index, meta) = found?;
         let body = read_body(state, request).await?;
-        handler(state, index, meta, &body, deadline).await.map(|r| versioned(r, meta))
+        handler(state, index, &meta, &body, deadline).await.map(|r| versioned(r, &meta))
     };
     counted(state, row, endpoint, work).await
 }
@@ -379,8 +394,20 @@ fn server_metadata(state: &AppState) -> Reply {
         "name": "inferd",
         "version": env!("CARGO_PKG_VERSION"),
         "extensions": ["binary_tensor_data"],
-        "models": state.models.iter().map(|m| &m.info.name).collect::<Vec<_>>(),
+        "models": state.models.loaded().iter().map(|m| m.info.name.clone()).collect::<Vec<_>>(),
+        "loadable": state.models.loadable(),
     });
+    json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
+}
+
+/// A model this worker loads on the first request for it, not loaded yet: its metadata says
+/// so (what it takes and gives is known once it is loaded), and `/ready` with `ready` says
+/// whether a request for it would be served (after its load).
+fn not_loaded(name: &str, ready: Option<bool>) -> Reply {
+    let body = match ready {
+        None => json!({"name": name, "versions": [], "platform": "onnxruntime_onnx", "loaded": false}),
+        Some(ready) => json!({"ready": ready, "loaded": false}),
+    };
     json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
 }
 

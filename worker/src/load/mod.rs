@@ -9,6 +9,7 @@
 //! seconds of CPU, and the int8 guard many runs of the model.
 
 pub mod int8;
+pub mod on_demand;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use crate::runtime::model::{ModelError, ModelMeta, ModelSession, Runtime, Thread
 /// The sessions a worker runs a model on: one narrow session per lane, a wide one on the
 /// worker's whole pool (more than one thread, or a core it may borrow), and the background
 /// lane's (a worker of one thread).
+#[derive(Debug, Clone, Copy)]
 pub struct Lanes {
     pub narrow: usize,
     pub wide: Option<Threads>,

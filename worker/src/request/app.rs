@@ -13,6 +13,7 @@ use inferd_config::auth::{bearer, ApiKeys, Refusal};
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
 use crate::pipeline::Pipeline;
+use crate::request::models::Models;
 use crate::runtime::engine::{Engine, EngineError};
 use crate::runtime::model::{ModelError, ModelMeta};
 
@@ -36,8 +37,8 @@ impl std::ops::Deref for Model {
 /// Everything a request handler may touch.
 pub struct AppState {
     pub worker: usize,
-    /// The default model first.
-    pub models: Vec<Model>,
+    /// The models it serves, the default first; on demand, those it may load.
+    pub models: Models,
     pub engine: Engine,
     pub max_body_bytes: u64,
     pub max_batch_inputs: usize,
@@ -154,9 +155,10 @@ impl From<EngineError> for ApiError {
     }
 }
 
-/// The counter row of a looked-up model (unknown models share the last one).
-pub fn found_index(found: &Result<(usize, &Model), ApiError>) -> usize {
-    found.as_ref().map_or(MAX_MODELS, |(index, _)| *index)
+/// The counter row of a looked-up model: its own for a model loaded at boot, the shared last
+/// row for an unknown model and for one loaded on demand ([`Models::row`]).
+pub fn found_index(state: &AppState, found: &Result<(usize, Arc<Model>), ApiError>) -> usize {
+    found.as_ref().map_or(MAX_MODELS, |(index, _)| state.models.row(*index))
 }
 
 /// Counts an inference request (by model, route family and status code) and its latency in
@@ -214,20 +216,5 @@ impl Drop for InFlight<'_> {
         stats.count_request(self.model, self.endpoint, self.code);
         stats.observe_latency(Latency::Request, self.model, seconds);
         stats.answered(self.model, self.code, seconds);
-    }
-}
-
-/// Finds a model by name (and version, when the path names one).
-pub fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<(usize, &'a Model), ApiError> {
-    let (index, meta) = state.models.iter().enumerate().find(|(_, m)| m.info.name == name).ok_or_else(|| {
-        let known: Vec<&str> = state.models.iter().map(|m| m.info.name.as_str()).collect();
-        ApiError::NotFound(format!("unknown model '{name}'; this server has {}", known.join(", ")))
-    })?;
-    match version {
-        Some(v) if v != meta.info.version => Err(ApiError::NotFound(format!(
-            "model '{name}' has no version '{v}'; it serves version '{}'",
-            meta.info.version
-        ))),
-        _ => Ok((index, meta)),
     }
 }

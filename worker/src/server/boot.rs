@@ -46,7 +46,17 @@ impl Acceptors {
 }
 
 /// Pins the process, loads the runtime and the models, warms them up and binds the ports.
-pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>, Vec<Sessions>, Listeners), Failure> {
+/// What a worker's boot made: its runtime and the lanes it loads models for (kept to load
+/// models on demand), the models loaded and their sessions, the ports.
+pub(super) struct Booted {
+    pub(super) runtime: Runtime,
+    pub(super) lanes: Lanes,
+    pub(super) models: Vec<Model>,
+    pub(super) sessions: Vec<Sessions>,
+    pub(super) listeners: Listeners,
+}
+
+pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Failure> {
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
         let mut set = nix::sched::CpuSet::new();
@@ -104,7 +114,7 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<(Vec<Model>
         .map(Acceptors::new)
         .transpose()
         .map_err(|e| failure(FailureKind::Boot)(format!("server.tls_cert: {e}")))?;
-    Ok((served, models, Listeners { http, grpc, tls }))
+    Ok(Booted { runtime, lanes, models: served, sessions: models, listeners: Listeners { http, grpc, tls } })
 }
 
 /// Test switch for the supervisor's races (tests/races.rs): with INFERD_TEST_HOLD_DIR=D set,

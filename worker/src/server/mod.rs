@@ -25,9 +25,10 @@ use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
 use crate::http::handoff::Handoff;
-use crate::request::app::{AppState, Model, RequestIds};
-use crate::runtime::engine::{Cores, Engine, Sessions};
-use boot::{boot, read_spec, Listeners};
+use crate::request::app::{AppState, RequestIds};
+use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
+use crate::runtime::engine::{Cores, Engine};
+use boot::{boot, read_spec, Booted};
 use connections::{accept_failed, balance_entry, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
 
@@ -81,7 +82,7 @@ pub fn run(fd: RawFd) -> i32 {
     };
     crate::panics::install(stats.clone());
     match boot(&spec, &reporter) {
-        Ok((served, models, listeners)) => serve(spec, served, models, listeners, reporter, stats),
+        Ok(booted) => serve(spec, booted, reporter, stats),
         Err(f) => {
             error!("{}", f.error);
             reporter.send(&WorkerMessage::Failed { kind: f.kind, error: f.error });
@@ -96,14 +97,8 @@ pub fn run(fd: RawFd) -> i32 {
 /// How often the I/O loop beats into the shared counters.
 const IO_BEAT_EVERY: Duration = Duration::from_millis(250);
 
-fn serve(
-    spec: WorkerSpec,
-    metas: Vec<Model>,
-    models: Vec<Sessions>,
-    listeners: Listeners,
-    reporter: Arc<Reporter>,
-    stats: Arc<WorkerCounters>,
-) -> i32 {
+fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<WorkerCounters>) -> i32 {
+    let Booted { runtime, lanes, models: metas, sessions: models, listeners } = booted;
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let run_timeout = Duration::from_secs_f64(spec.server.request_timeout_secs);
     let (max_queue, spinning) = (spec.server.max_queue, spec.server.intra_op_spinning);
@@ -128,9 +123,19 @@ fn serve(
             return EXIT_BOOT;
         }
     };
+    // With [models] on_demand: the loader thread, and the bounded queue of loads to it.
+    let (on_demand, loads) = match spec.on_demand.is_empty() {
+        true => (None, None),
+        false => {
+            let (queue, loads) = std::sync::mpsc::sync_channel(LOADS_QUEUED);
+            let names = spec.on_demand.iter().map(|e| e.name.clone()).collect();
+            let timeout = Duration::from_secs_f64(spec.load_timeout_secs);
+            (Some(OnDemand::new(names, queue, max_queue, timeout)), Some(loads))
+        }
+    };
     let state = Arc::new(AppState {
         worker: spec.index,
-        models: metas,
+        models: Models::new(metas, on_demand),
         engine,
         max_body_bytes: spec.server.max_body_bytes,
         max_batch_inputs: spec.server.max_batch_inputs,
@@ -143,6 +148,20 @@ fn serve(
         api_keys: spec.access.api_keys.clone(),
         request_ids: RequestIds::default(),
     });
+    if let Some(loads) = loads {
+        let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());
+        let told =
+            move |model: &inferd_ipc::spec::ModelInfo| reporter.send(&WorkerMessage::Loaded { model: model.clone() });
+        let span = tracing::Span::current();
+        let started = std::thread::Builder::new().name("inferd-load".into()).spawn(move || {
+            let _worker = span.enter();
+            crate::load::on_demand::run(runtime, catalog, lanes, state, loads, told)
+        });
+        if let Err(e) = started {
+            error!("cannot start the loader thread: {e}");
+            return EXIT_BOOT;
+        }
+    }
     // One thread for all I/O: the worker's CPU share belongs to the model. At most one more,
     // started on demand, decodes images (see tasks.rs).
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(1).build() {

@@ -75,8 +75,8 @@ pub fn is_health_call(path: &str) -> bool {
 }
 
 /// A model by name; an empty version means the one served.
-fn find<'a>(state: &'a AppState, name: &str, version: &str) -> Result<(usize, &'a Model), ApiError> {
-    app::model(state, name, Some(version).filter(|v| !v.is_empty()))
+async fn find(state: &AppState, name: &str, version: &str) -> Result<(usize, std::sync::Arc<Model>), ApiError> {
+    state.models.find(name, Some(version).filter(|v| !v.is_empty())).await
 }
 
 #[tonic::async_trait]
@@ -100,7 +100,10 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::ModelReadyRequest>,
     ) -> Result<Response<proto::ModelReadyResponse>, Status> {
         let request = request.into_inner();
-        find(&self.state, &request.name, &request.version).map_err(status)?;
+        // A model loaded on demand is ready before its first request: that request loads it.
+        if !(request.version.is_empty() && self.state.models.loads_on_demand(&request.name)) {
+            find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        }
         Ok(Response::new(proto::ModelReadyResponse { ready: self.state.ready.load(Ordering::Relaxed) }))
     }
 
@@ -120,8 +123,9 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::ModelMetadataRequest>,
     ) -> Result<Response<proto::ModelMetadataResponse>, Status> {
         let request = request.into_inner();
-        let (_, meta) = find(&self.state, &request.name, &request.version).map_err(status)?;
-        Ok(Response::new(metadata(meta)))
+        // What a model loaded on demand takes and gives is known once it is loaded: this loads it.
+        let (_, meta) = find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        Ok(Response::new(metadata(&meta)))
     }
 
     async fn model_infer(
@@ -136,8 +140,8 @@ impl GrpcInferenceService for Grpc {
         let _budget = request.extensions_mut().remove::<intake::Claim>();
         let request = request.into_inner();
         let (model, version) = (request.model_name.clone(), request.model_version.clone());
-        let found = find(state, &model, &version);
-        let row = app::found_index(&found);
+        let found = find(state, &model, &version).await;
+        let row = app::found_index(state, &found);
         let work = async {
             if let Some(intake::Intake::Refused(e)) = refused {
                 return Err(e);
@@ -147,8 +151,8 @@ impl GrpcInferenceService for Grpc {
             crate::panics::test_switch("grpc", rows);
             let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
-            let inferred = infer::run_v2(state, index, meta, parsed, deadline).await?;
-            Ok(Infer(encode(meta, inferred, raw)))
+            let inferred = infer::run_v2(state, index, &meta, parsed, deadline).await?;
+            Ok(Infer(encode(&meta, inferred, raw)))
         };
         let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;
         if state.access_log {

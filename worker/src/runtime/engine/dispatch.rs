@@ -93,6 +93,12 @@ impl Shared {
         Shared { dispatcher: Mutex::new(dispatcher), timer: Condvar::new() }
     }
 
+    /// A model added while the engine runs ([`super::Engine::add`]): its limits, at the next
+    /// model number.
+    pub(super) fn add_policy(&self, policy: Policy) {
+        self.lock().policies.push(policy);
+    }
+
     /// A panic under the lock ends the process ([`Shared::handle`]): a poisoned lock is never
     /// seen by the worker's other threads, which are gone with it.
     fn lock(&self) -> MutexGuard<'_, Dispatcher> {

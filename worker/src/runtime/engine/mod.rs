@@ -47,11 +47,11 @@
 //! request in it is answered 504; the worker goes on serving.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
-use inferd_ipc::stats::{Latency, WorkerCounters};
+use inferd_ipc::stats::{Latency, WorkerCounters, MAX_MODELS};
 use tokio::sync::oneshot;
 use tracing::warn;
 
@@ -205,8 +205,12 @@ pub struct Engine {
     /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
     max_queue: u64,
     /// Each model's limits, by which a request past them is cut into runs ([`batch::runs`]),
-    /// and its name.
-    policies: Arc<[(Policy, String)]>,
+    /// and its name; a model added while serving ([`Engine::add`]) comes last.
+    policies: Arc<std::sync::RwLock<Vec<(Policy, String)>>>,
+    /// Where each lane finds the sessions of models added while serving, and what a model's
+    /// [`Sessions`] must hold for them.
+    added: Arc<[Mutex<Added>]>,
+    shape: (usize, bool, bool),
     /// server.request_timeout_secs: bounds each run, and a request cut into runs as a whole.
     run_timeout: Duration,
     /// Dropped with the last handle: the lanes hold the dispatcher too, so it alone never tells
@@ -274,7 +278,7 @@ impl Engine {
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
         let has_wide = models.iter().all(|m| m.wide.is_some()) && !models.is_empty();
         let has_background = models.iter().all(|m| m.background.is_some()) && !models.is_empty();
-        let policies: Arc<[(Policy, String)]> =
+        let policies: Vec<(Policy, String)> =
             models.iter().map(|m| (Policy::of(&m.narrow[0]), m.narrow[0].name().to_string())).collect();
         let alive = Arc::new(());
         let all = lanes + usize::from(has_background);
@@ -298,11 +302,14 @@ impl Engine {
         let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         let dispatcher = Arc::new(Shared::new(dispatcher));
+        let added: Arc<[Mutex<Added>]> = (0..all).map(|_| Mutex::new(Added::default())).collect();
         for ((index, narrow), queue) in per_lane.into_iter().enumerate().zip(queues) {
             let background = index == lanes;
             let lane = Lane {
                 index,
                 narrow,
+                added: added.clone(),
+                started_with: policies.len(),
                 wide: if index == 0 { wide.take() } else { None },
                 dispatcher: dispatcher.clone(),
                 counters: stats.clone(),
@@ -317,7 +324,45 @@ impl Engine {
         }
         let timer = dispatcher.clone();
         std::thread::Builder::new().name("inferd-batch".into()).spawn(move || timer.run_timer())?;
-        Ok(Engine { dispatcher, stats, max_queue: max_queue as u64, policies, run_timeout, _alive: alive })
+        Ok(Engine {
+            dispatcher,
+            stats,
+            max_queue: max_queue as u64,
+            policies: Arc::new(std::sync::RwLock::new(policies)),
+            added,
+            shape: (lanes, has_wide, has_background),
+            run_timeout,
+            _alive: alive,
+        })
+    }
+
+    /// Adds a model loaded while the engine serves (on demand), its sessions shaped as those
+    /// of the models it started with (a narrow session per lane, and the wide and background
+    /// ones where those are); returns its model number. Each lane takes its session before it
+    /// runs its next batch, and no job can name the model before this returns: a lane never
+    /// finds a job's session missing.
+    pub fn add(&self, sessions: Sessions) -> Result<usize, String> {
+        let (lanes, has_wide, has_background) = self.shape;
+        if sessions.narrow.len() != lanes
+            || sessions.wide.is_some() != has_wide
+            || sessions.background.is_some() != has_background
+        {
+            return Err(format!(
+                "the model's sessions ({} narrow, wide {}, background {}) do not fit the engine's lanes ({lanes}, wide {has_wide}, background {has_background})",
+                sessions.narrow.len(),
+                sessions.wide.is_some(),
+                sessions.background.is_some()
+            ));
+        }
+        let mut policies = self.policies.write().unwrap_or_else(|e| e.into_inner());
+        let policy = (Policy::of(&sessions.narrow[0]), sessions.narrow[0].name().to_string());
+        for (lane, session) in sessions.narrow.into_iter().chain(sessions.background).enumerate() {
+            self.added[lane].lock().unwrap_or_else(|e| e.into_inner()).narrow.push(session);
+        }
+        self.added[0].lock().unwrap_or_else(|e| e.into_inner()).wide.extend(sessions.wide);
+        self.dispatcher.add_policy(policy.0.clone());
+        policies.push(policy);
+        Ok(policies.len() - 1)
     }
 
     /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
@@ -339,7 +384,8 @@ impl Engine {
         if waiting >= self.max_queue {
             return Err(EngineError::Overloaded { waiting });
         }
-        let (policy, name) = &self.policies[model];
+        let (policy, name) = self.policies.read().unwrap_or_else(|e| e.into_inner())[model].clone();
+        let (policy, name) = (&policy, &name);
         let Some((rows, runs)) = batch::runs(&inputs, join, policy) else {
             return self.queue(model, inputs, join, deadline).await;
         };
@@ -485,11 +531,23 @@ fn lower_priority(by: i32) {
 /// A job's result with the channel it goes back on, sent once the run is over.
 type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), EngineError>);
 
+/// Sessions of models added while serving, waiting for their lane to take them.
+#[derive(Default)]
+struct Added {
+    narrow: Vec<ModelSession>,
+    /// Lane 0's: the wide ones.
+    wide: Vec<ModelSession>,
+}
+
 /// A thread that runs batches on its own sessions.
 struct Lane {
     index: usize,
     /// This lane's narrow session of every model.
     narrow: Vec<ModelSession>,
+    /// Every lane's sessions of models added while serving ([`Engine::add`]).
+    added: Arc<[Mutex<Added>]>,
+    /// How many models the engine started with.
+    started_with: usize,
     /// Lane 0 only: the wide session of every model.
     wide: Option<Vec<ModelSession>>,
     /// Told when a run is over; hands the lane its next batch then.
@@ -510,6 +568,7 @@ impl Lane {
         }
         let mut poll = Duration::ZERO;
         while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll) {
+            self.take_added();
             let mut answers = Vec::with_capacity(batch.len());
             if let Some(cores) = self.cores.as_deref().filter(|_| loaded) {
                 cores.claims.mark_busy(cores.home);
@@ -534,6 +593,26 @@ impl Lane {
         }
     }
 
+    /// Model `model`'s row in the shared counters: its own for the models the engine started
+    /// with, the shared last row ([`MAX_MODELS`]) for those added while serving (each worker
+    /// numbers those in its own order, so their numbers are no rows the supervisor can name).
+    fn row(&self, model: usize) -> usize {
+        if model < self.started_with {
+            model
+        } else {
+            MAX_MODELS
+        }
+    }
+
+    /// Takes the sessions of the models added since the last batch.
+    fn take_added(&mut self) {
+        let mut added = self.added[self.index].lock().unwrap_or_else(|e| e.into_inner());
+        self.narrow.append(&mut added.narrow);
+        if let Some(wide) = &mut self.wide {
+            wide.append(&mut added.wide);
+        }
+    }
+
     /// Runs a batch and adds each job's answer to `answers`.
     fn execute(&mut self, batch: Vec<Job>, wide: bool, answers: &mut Vec<Delivery>) {
         let started = Instant::now();
@@ -541,7 +620,7 @@ impl Lane {
         let counters = Arc::clone(&self.counters);
         for job in &batch {
             counters.queued(-1);
-            counters.observe_latency(Latency::Queue, model, (started - job.queued_at).as_secs_f64());
+            counters.observe_latency(Latency::Queue, self.row(model), (started - job.queued_at).as_secs_f64());
         }
         if batch.len() == 1 {
             let job = batch.into_iter().next().expect("one job");
@@ -573,7 +652,7 @@ impl Lane {
             Some(parts) => {
                 let compute = started.elapsed();
                 for (job, part) in batch.into_iter().zip(parts) {
-                    counters.observe_latency(Latency::Compute, model, compute.as_secs_f64());
+                    counters.observe_latency(Latency::Compute, self.row(model), compute.as_secs_f64());
                     answers.push((job.reply, Ok((part, Timing { queue: started - job.queued_at, compute }))));
                 }
             }
@@ -601,7 +680,7 @@ impl Lane {
             Err(EngineError::Bug)
         });
         let timing = Timing { queue: started - job.queued_at, compute: started.elapsed() };
-        self.counters.observe_latency(Latency::Compute, model, timing.compute.as_secs_f64());
+        self.counters.observe_latency(Latency::Compute, self.row(model), timing.compute.as_secs_f64());
         answers.push((job.reply, result.map(|outputs| (outputs, timing))));
     }
 
@@ -613,7 +692,7 @@ impl Lane {
         rows: u64,
         wide: bool,
     ) -> Result<Vec<Tensor>, EngineError> {
-        self.counters.observe_batch(model, rows);
+        self.counters.observe_batch(self.row(model), rows);
         let held = self.cores.as_deref().map(|cores| cores.hold(wide, &self.counters));
         // Lending: wide only on a borrowed core.
         let wide = wide && held.as_ref().is_none_or(|held| held.borrowed.is_some());
