@@ -187,3 +187,26 @@ fn a_request_that_waits_past_the_load_timeout_is_answered_503_and_the_load_goes_
     }
     assert_eq!(loads_logged(&server, "classifier", "loaded on demand"), 1, "{}", server.log());
 }
+
+#[test]
+fn a_folder_added_while_serving_is_servable_after_a_reload() {
+    let server = on_demand_server("on-demand-reload", test_workers(), &[]);
+    let repository = server.dir.path().join("repo");
+    let x: Vec<f32> = (0..16).map(|i| i as f32 / 16.0).collect();
+    let raw = infer_body(serde_json::json!([{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": x}]));
+    // What may be loaded was read at start: a folder added since is unknown...
+    let late = std::fs::read_to_string(test_models().join("mlp/model.toml")).unwrap().replace("\"mlp\"", "\"late\"");
+    std::fs::create_dir(repository.join("late")).unwrap();
+    std::fs::write(repository.join("late/model.toml"), late).unwrap();
+    std::fs::copy(test_models().join("mlp/model.onnx"), repository.join("late/model.onnx")).unwrap();
+    assert_eq!(server.request("POST", "/v2/models/late/infer", &raw).status, 404);
+    // ... until a reload reads the repository again.
+    let out = std::process::Command::new(BIN)
+        .args(["reload", "--wait", "--control-socket"])
+        .arg(&server.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let response = server.request("POST", "/v2/models/late/infer", &raw);
+    assert_eq!(response.status, 200, "{}", body(&response));
+}

@@ -265,7 +265,8 @@ pub struct ModelsConfig {
     pub load: Vec<String>,
     /// Every other model of the repository is servable too: a worker loads it on the first
     /// request that names it (warm-up included), once for every request that waits for it.
-    /// The default model and `load` stay loaded always.
+    /// The default model and `load` stay loaded always. Which folders those are is read at
+    /// start and at each reload; one that does not resolve is left out with a warning.
     pub on_demand: bool,
     /// How long a request waits for its model's load on demand before it is answered 503
     /// (with Retry-After; the load goes on).
@@ -771,6 +772,32 @@ mod tests {
             let err = parse(&format!("[models]\nload_timeout_secs = {bad}\n")).unwrap_err().to_string();
             assert!(err.contains("models.load_timeout_secs"), "{err}");
         }
+    }
+
+    #[test]
+    fn models_on_demand_are_the_other_folders_that_resolve() {
+        let repository = std::env::temp_dir().join(format!("inferd-config-on-demand-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&repository);
+        for (name, says) in [("a", "a"), ("b", "b"), ("c", "c"), ("broken", "other")] {
+            let dir = repository.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("model.onnx"), b"x").unwrap();
+            let toml = format!("name = \"{says}\"\nversion = \"1\"\nfile = \"model.onnx\"\n");
+            std::fs::write(dir.join(crate::model::MODEL_CONFIG_FILE), toml).unwrap();
+        }
+        std::fs::create_dir_all(repository.join("empty")).unwrap();
+        let mut config = parse("[models]\ndefault = \"a\"\nload = [\"b\"]\n").unwrap();
+        config.models.repository = repository.clone();
+        let pinned: Vec<ModelEntry> = config.model_names().iter().map(|n| config.load_model(n).unwrap()).collect();
+        let (found, refused) = config.on_demand_models(&pinned);
+        assert!(found.is_empty() && refused.is_empty(), "off by default");
+        config.models.on_demand = true;
+        let (found, refused) = config.on_demand_models(&pinned);
+        assert_eq!(found, vec![config.load_model("c").unwrap()]);
+        let refused: Vec<String> = refused.iter().map(|(name, e)| format!("{name}: {e}")).collect();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].starts_with("broken: ") && refused[0].contains("it must be \"broken\""), "{refused:?}");
+        let _ = std::fs::remove_dir_all(&repository);
     }
 
     #[test]

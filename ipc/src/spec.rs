@@ -210,6 +210,20 @@ mod tests {
     }
 
     #[test]
+    fn a_model_loaded_on_demand_is_reported_by_name() {
+        let model = ModelInfo {
+            name: "m".into(),
+            version: "1".into(),
+            sha256: "0123456789abcdef".into(),
+            weights: "shared".into(),
+            precision: "fp32".into(),
+        };
+        let line = serde_json::to_string(&WorkerMessage::Loaded { model: model.clone() }).unwrap();
+        assert!(line.starts_with(r#"{"event":"loaded","model":{"name":"m","#), "{line}");
+        assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), WorkerMessage::Loaded { model });
+    }
+
+    #[test]
     fn causes_are_written_as_their_names() {
         for cause in
             [Cause::Boot, Cause::Scale, Cause::Respawn, Cause::Reload, Cause::Recycle, Cause::Memory, Cause::Fault]

@@ -225,7 +225,13 @@ impl Supervisor {
         }
         Ok(Supervisor {
             launcher: Launcher::new(events, listener)?,
-            pool: Pool { slots, generation: 1, models: resolved.models.clone(), access: resolved.access.clone() },
+            pool: Pool {
+                slots,
+                generation: 1,
+                models: resolved.models.clone(),
+                on_demand: slot::read_on_demand(&resolved.config, &resolved.models),
+                access: resolved.access.clone(),
+            },
             resolved,
             life: Life {
                 started: Instant::now(),
@@ -372,7 +378,8 @@ impl Supervisor {
                 self.finish_reload();
             }
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
-            // Its next model number: status and the metrics name its counter row after it.
+            // A model of its catalog, loaded on demand: status and the model_info metric show
+            // it on this worker from now on (its counts go to the shared "other" row).
             WorkerMessage::Loaded { model } if worker.state == WorkerState::Ready => {
                 info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
                 worker.models.push(model);

@@ -13,7 +13,7 @@ use inferd_ipc::spec::Cause;
 use inferd_ipc::stats::MAX_MODELS;
 use tracing::{error, info};
 
-use super::slot::{Role, Slot, Start};
+use super::slot::{read_on_demand, Role, Slot, Start};
 use super::spawn::SlotSockets;
 use super::Supervisor;
 use crate::control::{Replies, Response};
@@ -33,6 +33,9 @@ pub(super) struct ReloadState {
 /// A rolling reload in progress.
 struct Reload {
     models: Vec<ModelEntry>,
+    /// The on-demand catalog its workers take, read from the repository when it began
+    /// (`Pool::on_demand` once it succeeds).
+    on_demand: Vec<ModelEntry>,
     /// The API keys and certificate the new workers take, read when the reload began.
     access: Access,
     generation: u64,
@@ -63,6 +66,12 @@ impl ReloadState {
     /// reload's own (its new workers'); None: the pool's.
     pub(super) fn access(&self, cause: Cause) -> Option<&Access> {
         self.rolling.as_ref().filter(|_| cause == Cause::Reload).map(|r| &r.access)
+    }
+
+    /// The on-demand catalog of a worker of `generation` when that is the reload's (its new
+    /// workers', and theirs alone); None: the pool's.
+    pub(super) fn on_demand(&self, generation: u64) -> Option<&[ModelEntry]> {
+        self.rolling.as_ref().filter(|r| r.generation == generation).map(|r| r.on_demand.as_slice())
     }
 
     /// Where the reload in progress is, out of `slots` (status and systemd's STATUS=).
@@ -193,9 +202,12 @@ impl Supervisor {
     }
 
     /// Starts replacing every slot, one by one, with workers running `models` and the API
-    /// keys and TLS files read again now (a file that cannot be used refuses the reload).
+    /// keys and TLS files read again now (a file that cannot be used refuses the reload), and
+    /// the on-demand catalog read again too (a folder added since is servable on the new
+    /// workers; one that does not resolve is left out, as at start).
     fn roll(&mut self, models: Vec<ModelEntry>, wait: bool, replies: Option<Replies>) -> Result<(), String> {
         let access = self.resolved.config.access().map_err(|e| format!("reload refused: {e}"))?;
+        let on_demand = read_on_demand(&self.resolved.config, &models);
         self.pool.generation += 1;
         let names = models.iter().map(|m| format!("{} ({})", m.name, m.path.display())).collect::<Vec<_>>().join(", ");
         info!("reload to generation {}: {names}", self.pool.generation);
@@ -208,6 +220,7 @@ impl Supervisor {
         }
         self.reload.rolling = Some(Reload {
             models,
+            on_demand,
             access,
             generation: self.pool.generation,
             slot: 0,
@@ -340,6 +353,7 @@ impl Supervisor {
             self.pool.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
         self.totals.remap(&rows);
         self.pool.models = reload.models;
+        self.pool.on_demand = reload.on_demand;
         self.pool.access = reload.access;
         self.reload.outcomes.succeeded += 1;
         let message = format!(

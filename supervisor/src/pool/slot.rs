@@ -6,10 +6,12 @@ use std::time::{Duration, Instant};
 
 use inferd_config::auth::Access;
 use inferd_config::model::ModelEntry;
+use inferd_config::Config;
 use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
 use inferd_ipc::stats::WorkerCounters;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
+use tracing::warn;
 
 use super::spawn::SlotSockets;
 use crate::plan::cpu::Placement;
@@ -22,6 +24,10 @@ pub(super) struct Pool {
     pub(super) generation: u64,
     /// The models new slots (scale +1) run: those of the latest successful reload.
     pub(super) models: Vec<ModelEntry>,
+    /// `[models] on_demand`: the repository's models besides the default one, as read when the
+    /// pool started or by the latest successful reload ([`read_on_demand`]); a worker gets
+    /// those it does not run (spawn.rs). Empty when on_demand is off.
+    pub(super) on_demand: Vec<ModelEntry>,
     /// The API keys and certificate workers started now take: those of the latest
     /// successful reload.
     pub(super) access: Access,
@@ -47,6 +53,24 @@ impl Pool {
     pub(super) fn removing(&self) -> Option<usize> {
         self.slots.iter().position(Slot::removing)
     }
+}
+
+/// `[models] on_demand`'s catalog, read from the repository now: every model folder but the
+/// default model's (`models[0]`), each resolved as a `models.load` entry is. A folder that does
+/// not resolve is left out with a warning naming it: a request for it gets a worker's 404.
+/// Models the pool runs stay in, so that a later unload leaves them servable on demand; a
+/// worker gets those it does not run ([`on_demand_besides`]). Nothing when on_demand is off.
+pub(super) fn read_on_demand(config: &Config, models: &[ModelEntry]) -> Vec<ModelEntry> {
+    let (found, refused) = config.on_demand_models(&models[..models.len().min(1)]);
+    for (name, error) in refused {
+        warn!("model folder '{name}' cannot be loaded on demand: {error}");
+    }
+    found
+}
+
+/// What a worker that runs `models` may load on demand: the catalog's other models.
+pub(super) fn on_demand_besides(catalog: &[ModelEntry], models: &[ModelEntry]) -> Vec<ModelEntry> {
+    catalog.iter().filter(|m| !models.iter().any(|p| p.name == m.name)).cloned().collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,5 +281,41 @@ mod tests {
         assert!(!slot.removing());
         slot.start = Start::Removing;
         assert!(slot.removing());
+    }
+
+    #[test]
+    fn the_on_demand_catalog_is_every_other_model_folder_that_resolves() {
+        let repository = std::env::temp_dir().join(format!("inferd-on-demand-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&repository);
+        let model = |name: &str, toml: &str| {
+            let dir = repository.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("model.onnx"), b"x").unwrap();
+            if !toml.is_empty() {
+                std::fs::write(dir.join("model.toml"), toml).unwrap();
+            }
+        };
+        for name in ["a", "b", "c"] {
+            model(name, &format!("name = \"{name}\"\nversion = \"1\"\nfile = \"model.onnx\"\n"));
+        }
+        model("published", ""); // an ONNX file and no model.toml: served as its files say
+        model("broken", "name = \"other\"\nversion = \"1\"\nfile = \"model.onnx\"\n");
+        std::fs::create_dir_all(repository.join("notes")).unwrap(); // no model: not a model folder
+        let mut config = Config::default();
+        config.models.repository = repository.clone();
+        config.models.default = "a".into();
+        let load = |name: &str| config.load_model(name).unwrap();
+        let (pinned, c) = (vec![load("a"), load("b")], load("c"));
+        let names = |models: &[ModelEntry]| models.iter().map(|m| m.name.clone()).collect::<Vec<_>>();
+
+        assert!(read_on_demand(&config, &pinned).is_empty(), "on_demand is off by default");
+        config.models.on_demand = true;
+        let catalog = read_on_demand(&config, &pinned);
+        // The default model never; a pinned one stays in the catalog (an unload may drop it).
+        assert_eq!(names(&catalog), ["b", "c", "published"]);
+        assert_eq!(catalog[1], c, "resolved as models.load resolves it");
+        assert_eq!(names(&on_demand_besides(&catalog, &pinned)), ["c", "published"]);
+        assert_eq!(names(&on_demand_besides(&catalog, &pinned[..1])), ["b", "c", "published"]);
+        let _ = std::fs::remove_dir_all(&repository);
     }
 }

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use super::guards::recycle_threshold;
-use super::slot::{backoff, Role, Start, Worker};
+use super::slot::{backoff, on_demand_besides, Role, Start, Worker};
 use super::Supervisor;
 use crate::plan::cpu::format_cpus;
 use crate::status::WorkerState;
@@ -44,12 +44,11 @@ impl Supervisor {
     ) -> Option<u64> {
         let placement = &self.pool.slots[index].placement;
         let config = &self.resolved.config;
-        // [models] on_demand: what the worker may load besides `models`, read from the
-        // repository as it is when the worker starts.
-        let (on_demand, unusable) = config.on_demand_models(&models);
-        for (name, error) in unusable {
-            warn!("model folder '{name}' cannot be loaded on demand: {error}");
-        }
+        // [models] on_demand: what the worker may load besides `models`, from the catalog the
+        // reload in progress read when this is one of its workers, else the pool's (read at
+        // start or by the latest successful reload; slot.rs). Nothing read here.
+        let catalog = self.reload.on_demand(generation).unwrap_or(&self.pool.on_demand);
+        let on_demand = on_demand_besides(catalog, &models);
         let spec = WorkerSpec {
             index,
             generation,
