@@ -8,16 +8,18 @@
 //! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the
 //!   supervisor;
 //! - [`load`]: a model loaded above the runtime: digest, the int8 preparation and its
-//!   accuracy guard ([`load::int8`]), sessions, pipeline;
+//!   accuracy guard ([`load::int8`]), sessions, pipeline; at boot, and on demand by the
+//!   loader thread ([`load::on_demand`]);
 //! - [`http`]: the protocol surface: REST routing and error bodies ([`http`] itself), KServe
 //!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
 //!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), answers as hyper sends them
 //!   ([`http::reply`]), and connection plumbing: the hand-off of idle connections
 //!   ([`http::handoff`]) and write timeouts ([`http::write_timeout`]);
-//! - [`request`]: what every handler shares ([`request::app`]: the worker's state and its
-//!   models, the one error type and its status codes, model lookup, request counting), a v2
-//!   request once decoded ([`request::v2`]) and its run ([`request::infer`]), and pipelined
-//!   requests through the engine ([`request::tasks`]);
+//! - [`request`]: what every handler shares ([`request::app`]: the worker's state, the one
+//!   error type and its status codes, request counting; [`request::models`]: the models it
+//!   serves, loaded at boot or on demand, and their lookup), a v2 request once decoded
+//!   ([`request::v2`]) and its run ([`request::infer`]), and pipelined requests through the
+//!   engine ([`request::tasks`]);
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
 //! - [`runtime`]: everything that calls ONNX Runtime: sessions ([`runtime::model`]), the
 //!   dynamic batcher and the lanes that run them ([`runtime::engine`]), where runs' buffers

@@ -1,6 +1,7 @@
 //! What every request handler touches, whatever its protocol (REST routes in `http`, TEI and
-//! OpenAI handlers, gRPC): the worker's state, the one error type and its status codes, model
-//! lookup, and the counting of each request in the counters the supervisor reads.
+//! OpenAI handlers, gRPC): the worker's state, a model as handlers see it, the one error type
+//! and its status codes, and the counting of each request in the counters the supervisor
+//! reads. Which models there are, and their lookup: [`crate::request::models`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,10 +1,10 @@
 //! The request layer: what a handler does between the protocol surface (`http`) and the
-//! runtime. [`app`]: the worker's state and its models, the one error type and where it
-//! becomes a status and request counting; [`models`]: the models it serves, loaded at boot or on
-//! demand, and their lookup; [`v2`]: a KServe v2 request once
-//! decoded (REST or gRPC) and its output selection; [`infer`]: such a request run through the
-//! model's pipeline or its tensors; [`tasks`]: texts and images through the pipeline and the
-//! engine, and the answers' shapes shared by TEI, OpenAI and v2.
+//! runtime. [`app`]: the worker's state, the one error type and where it becomes a status,
+//! request counting; [`models`]: the models it serves, loaded at boot or on demand, and their
+//! lookup; [`v2`]: a KServe v2 request once decoded (REST or gRPC) and its output selection;
+//! [`infer`]: such a request run through the model's pipeline or its tensors; [`tasks`]: texts
+//! and images through the pipeline and the engine, and the answers' shapes shared by TEI,
+//! OpenAI and v2.
 
 pub mod app;
 pub mod infer;
