@@ -52,15 +52,8 @@ pub fn run(
 }
 
 /// `entry`'s model and its sessions, warmed up.
-fn load(
-    runtime: &crate::runtime::model::Runtime,
-    entry: &ModelEntry,
-    lanes: &Lanes,
-) -> Result<(Model, Sessions), String> {
+fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), String> {
     let (model, mut sessions) = super::load(runtime, entry, lanes).map_err(|e| e.to_string())?;
-    let Sessions { narrow, wide, background } = &mut sessions;
-    for session in narrow.iter_mut().chain(wide.as_mut()).chain(background.as_mut()) {
-        session.warm_up().map_err(|e| e.to_string())?;
-    }
+    sessions.warm_up().map_err(|e| e.to_string())?;
     Ok((model, sessions))
 }

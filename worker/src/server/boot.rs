@@ -93,9 +93,7 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Fai
     reporter.send(&WorkerMessage::Warming);
     for set in &mut models {
         let started = Instant::now();
-        for model in set.narrow.iter_mut().chain(set.wide.as_mut()).chain(set.background.as_mut()) {
-            model.warm_up().map_err(load_error)?;
-        }
+        set.warm_up().map_err(load_error)?;
         info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     // Loading and warming left freed buffers in the allocator: give them back before serving.

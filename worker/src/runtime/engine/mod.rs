@@ -197,6 +197,14 @@ pub struct Sessions {
     pub background: Option<ModelSession>,
 }
 
+impl Sessions {
+    /// Runs each session once per configured batch size ([`ModelSession::warm_up`]).
+    pub fn warm_up(&mut self) -> Result<(), ModelError> {
+        let Sessions { narrow, wide, background } = self;
+        narrow.iter_mut().chain(wide.as_mut()).chain(background.as_mut()).try_for_each(ModelSession::warm_up)
+    }
+}
+
 /// Handle to the model threads; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
