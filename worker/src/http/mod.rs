@@ -298,7 +298,7 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
                 let reply = openai::embeddings(state, (found.0, &found.1), request?, deadline).await?;
                 Ok(versioned(reply, &found.1))
             };
-            counted(state, state.models.row(found.0), Endpoint::OpenAiEmbeddings, work).await
+            counted(state, state.engine.row(found.0), Endpoint::OpenAiEmbeddings, work).await
         }
         Route::Info => Ok(tei::info(state, &state.models.default_model())),
         Route::Tokenize => tei::tokenize(state, &state.models.default_model(), &read_body(state, request).await?).await,

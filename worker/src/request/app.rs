@@ -157,9 +157,9 @@ impl From<EngineError> for ApiError {
 }
 
 /// The counter row of a looked-up model: its own for a model loaded at boot, the shared last
-/// row for an unknown model and for one loaded on demand ([`Models::row`]).
+/// row for an unknown model and for one loaded on demand ([`Engine::row`]).
 pub fn found_index(state: &AppState, found: &Result<(usize, Arc<Model>), ApiError>) -> usize {
-    found.as_ref().map_or(MAX_MODELS, |(index, _)| state.models.row(*index))
+    found.as_ref().map_or(MAX_MODELS, |(index, _)| state.engine.row(*index))
 }
 
 /// Counts an inference request (by model, route family and status code) and its latency in

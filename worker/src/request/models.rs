@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use inferd_ipc::stats::MAX_MODELS;
 use tokio::sync::watch;
 
 use crate::request::app::{ApiError, Model};
@@ -39,8 +38,6 @@ pub struct Load {
 
 pub struct Models {
     loaded: RwLock<Vec<Arc<Model>>>,
-    /// How many were loaded at boot: the models with a counter row of their own.
-    at_boot: usize,
     on_demand: Option<OnDemand>,
 }
 
@@ -93,19 +90,7 @@ impl Drop for Waiting<'_> {
 impl Models {
     /// `loaded`: the models loaded at boot, the default first.
     pub fn new(loaded: Vec<Model>, on_demand: Option<OnDemand>) -> Models {
-        let at_boot = loaded.len();
-        Models { loaded: RwLock::new(loaded.into_iter().map(Arc::new).collect()), at_boot, on_demand }
-    }
-
-    /// Model number `index`'s row in the shared counters: its own for a model loaded at boot
-    /// (the supervisor names the rows after the pool's models), the shared last row for one
-    /// loaded on demand (each worker numbers those in its own order).
-    pub fn row(&self, index: usize) -> usize {
-        if index < self.at_boot {
-            index
-        } else {
-            MAX_MODELS
-        }
+        Models { loaded: RwLock::new(loaded.into_iter().map(Arc::new).collect()), on_demand }
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Model>>> {

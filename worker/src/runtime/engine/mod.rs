@@ -219,6 +219,8 @@ pub struct Engine {
     /// [`Sessions`] must hold for them.
     added: Arc<[Mutex<Added>]>,
     shape: (usize, bool, bool),
+    /// How many models the engine started with ([`counter_row`]).
+    started_with: usize,
     /// server.request_timeout_secs: bounds each run, and a request cut into runs as a whole.
     run_timeout: Duration,
     /// Dropped with the last handle: the lanes hold the dispatcher too, so it alone never tells
@@ -311,13 +313,14 @@ impl Engine {
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         let dispatcher = Arc::new(Shared::new(dispatcher));
         let added: Arc<[Mutex<Added>]> = (0..all).map(|_| Mutex::new(Added::default())).collect();
+        let lanes_started_with = policies.len();
         for ((index, narrow), queue) in per_lane.into_iter().enumerate().zip(queues) {
             let background = index == lanes;
             let lane = Lane {
                 index,
                 narrow,
                 added: added.clone(),
-                started_with: policies.len(),
+                started_with: lanes_started_with,
                 wide: if index == 0 { wide.take() } else { None },
                 dispatcher: dispatcher.clone(),
                 counters: stats.clone(),
@@ -339,6 +342,7 @@ impl Engine {
             policies: Arc::new(std::sync::RwLock::new(policies)),
             added,
             shape: (lanes, has_wide, has_background),
+            started_with: lanes_started_with,
             run_timeout,
             _alive: alive,
         })
@@ -393,8 +397,7 @@ impl Engine {
             return Err(EngineError::Overloaded { waiting });
         }
         let (policy, name) = self.policies.read().unwrap_or_else(|e| e.into_inner())[model].clone();
-        let (policy, name) = (&policy, &name);
-        let Some((rows, runs)) = batch::runs(&inputs, join, policy) else {
+        let Some((rows, runs)) = batch::runs(&inputs, join, &policy) else {
             return self.queue(model, inputs, join, deadline).await;
         };
         let stop_at = Instant::now() + self.run_timeout;
@@ -421,6 +424,11 @@ impl Engine {
             // Pieces whose outputs disagree beyond their rows: likewise.
             None => self.queue(model, inputs, join, deadline).await,
         }
+    }
+
+    /// Model number `model`'s row in the shared counters ([`counter_row`]).
+    pub fn row(&self, model: usize) -> usize {
+        counter_row(model, self.started_with)
     }
 
     /// Queues one job and awaits its answer.
@@ -539,6 +547,18 @@ fn lower_priority(by: i32) {
 /// A job's result with the channel it goes back on, sent once the run is over.
 type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), EngineError>);
 
+/// Model number `model`'s row in the shared counters, of an engine that started with
+/// `started_with` models: its own for those, the shared last row ([`MAX_MODELS`]) for a model
+/// added while serving (each worker numbers those in its own order, so their numbers are no
+/// rows the supervisor can name).
+fn counter_row(model: usize, started_with: usize) -> usize {
+    if model < started_with {
+        model
+    } else {
+        MAX_MODELS
+    }
+}
+
 /// Sessions of models added while serving, waiting for their lane to take them.
 #[derive(Default)]
 struct Added {
@@ -601,15 +621,8 @@ impl Lane {
         }
     }
 
-    /// Model `model`'s row in the shared counters: its own for the models the engine started
-    /// with, the shared last row ([`MAX_MODELS`]) for those added while serving (each worker
-    /// numbers those in its own order, so their numbers are no rows the supervisor can name).
     fn row(&self, model: usize) -> usize {
-        if model < self.started_with {
-            model
-        } else {
-            MAX_MODELS
-        }
+        counter_row(model, self.started_with)
     }
 
     /// Takes the sessions of the models added since the last batch.
