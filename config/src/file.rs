@@ -650,13 +650,8 @@ impl Config {
         if !self.models.on_demand {
             return (found, refused);
         }
-        let repository = self.model_repository();
-        let mut names: Vec<String> = std::fs::read_dir(&repository)
-            .map(|dir| dir.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
-            .unwrap_or_default();
-        names.sort();
-        for name in names {
-            if pinned.iter().any(|m| m.name == name) || !ModelEntry::is_model_dir(&repository.join(&name)) {
+        for name in ModelEntry::folders(&self.model_repository()) {
+            if pinned.iter().any(|m| m.name == name) {
                 continue;
             }
             match self.load_model(&name) {

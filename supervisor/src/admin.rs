@@ -395,14 +395,7 @@ async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only:
         .map(|(name, version)| json!({"name": name, "version": version, "state": "READY", "reason": ""}))
         .collect();
     if !ready_only {
-        let mut folders: Vec<String> = std::fs::read_dir(&admin.repository)
-            .map(|dir| dir.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
-            .unwrap_or_default();
-        folders.sort();
-        for name in folders.into_iter().filter(|n| !m.models.contains(n)) {
-            if !ModelEntry::is_model_dir(&admin.repository.join(&name)) {
-                continue;
-            }
+        for name in ModelEntry::folders(&admin.repository).into_iter().filter(|n| !m.models.contains(n)) {
             let (version, reason) = match ModelEntry::load(&admin.repository, &name) {
                 Ok(entry) => (entry.version, "unloaded".to_string()),
                 Err(e) => (String::new(), e.to_string()),

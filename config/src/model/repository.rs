@@ -71,6 +71,17 @@ impl ModelEntry {
         dir.join(MODEL_CONFIG_FILE).is_file() || matches!(published::model_file(dir), Ok(Some(_)) | Err(_))
     }
 
+    /// The names of `repository`'s model folders ([`ModelEntry::is_model_dir`]), sorted; none
+    /// when it cannot be read.
+    pub fn folders(repository: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(repository)
+            .map(|dir| dir.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        names.retain(|name| ModelEntry::is_model_dir(&repository.join(name)));
+        names.sort();
+        names
+    }
+
     /// The model.toml the files of `dir` amount to when it has none ([`published`]); None
     /// when it has one.
     pub fn inferred_toml(dir: &Path, name: &str) -> Result<Option<String>, ConfigError> {
