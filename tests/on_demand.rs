@@ -48,7 +48,7 @@ fn text_request(text: &str) -> Vec<u8> {
 
 /// The class probabilities of an answer to [`text_request`].
 fn probabilities(response: &Response) -> Vec<f64> {
-    assert_eq!(response.status, 200, "{}", body(&response));
+    assert_eq!(response.status, 200, "{}", body(response));
     let body = response.json();
     let outputs = body["outputs"].as_array().unwrap();
     let probabilities = outputs.iter().find(|o| o["name"] == "probabilities").expect("probabilities");

@@ -70,11 +70,7 @@ struct Source<'a> {
 
 impl<'a> Source<'a> {
     fn prepare(runtime: &Runtime, entry: &'a ModelEntry) -> Result<Source<'a>, ModelError> {
-        let fail = |message: String| ModelError::Load {
-            model: entry.name.clone(),
-            path: entry.path.display().to_string(),
-            message,
-        };
+        let fail = |message| load_error(entry, message);
         let sha256 = digest(&entry.path).map_err(fail)?;
         let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
         let source = |file, file_sha256, precision, scratch| Source {
@@ -114,11 +110,7 @@ impl<'a> Source<'a> {
     /// The model as the handlers see it, with the pipeline built around `session`'s inputs
     /// and outputs.
     fn model(&self, session: &ModelSession) -> Result<Model, ModelError> {
-        let pipeline = pipeline(self.entry, &session.meta, &self.sha256).map_err(|message| ModelError::Load {
-            model: self.entry.name.clone(),
-            path: self.entry.path.display().to_string(),
-            message,
-        })?;
+        let pipeline = pipeline(self.entry, &session.meta).map_err(|message| load_error(self.entry, message))?;
         Ok(Model { meta: session.meta.clone(), pipeline: Arc::new(pipeline) })
     }
 }
@@ -129,26 +121,19 @@ impl Drop for Source<'_> {
     }
 }
 
-/// The pipeline around a model whose sessions take and give what `meta` says; `sha256`: the
-/// model file's digest. `Err`: model.toml does not fit the model.
-pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta, sha256: &[u8]) -> Result<Pipeline, String> {
-    let producer = |value: &str| producer_of(&entry.path, sha256, value);
-    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer).map_err(|e| format!("model.toml: {e}"))
+fn load_error(entry: &ModelEntry, message: String) -> ModelError {
+    ModelError::Load { model: entry.name.clone(), path: entry.path.display().to_string(), message }
 }
 
-/// What computes graph value `value` of the model file at `path` (SHA-256 `digest`), read from
-/// the file once per process and value.
-fn producer_of(path: &Path, digest: &[u8], value: &str) -> Result<Option<(String, String)>, String> {
-    type Known = std::collections::HashMap<(Vec<u8>, String), Option<(String, String)>>;
-    static KNOWN: std::sync::Mutex<Option<Known>> = std::sync::Mutex::new(None);
-    let key = (digest.to_vec(), value.to_string());
-    if let Some(found) = KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&key) {
-        return Ok(found.clone());
-    }
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let found = crate::onnx::producer_of(&bytes, value)?;
-    KNOWN.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(key, found.clone());
-    Ok(found)
+/// The pipeline around a model whose sessions take and give what `meta` says. `Err`:
+/// model.toml does not fit the model. Built once per load (and once by the int8 guard), so
+/// what computes an output is read from the file when asked, not kept.
+pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta) -> Result<Pipeline, String> {
+    let producer = |value: &str| {
+        let bytes = std::fs::read(&entry.path).map_err(|e| format!("cannot read {}: {e}", entry.path.display()))?;
+        crate::onnx::producer_of(&bytes, value)
+    };
+    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer).map_err(|e| format!("model.toml: {e}"))
 }
 
 /// The SHA-256 of a model: its file, then the name and content of each external data file the
