@@ -393,6 +393,19 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
         config.server.worker_memory_hard_limit_mb,
     );
     println!("worker memory:   {} (about; serve measures worker 0)", limits.describe());
+    if config.models.on_demand {
+        let configured = config.models.memory_budget.map(|b| b.0);
+        let (models, source) = inferd_supervisor::plan::memory::models_budget(configured, &budget);
+        let share = models / k.max(1);
+        println!("models budget:   {} MiB ({source}): {} MiB per worker", models >> 20, share >> 20);
+        if share <= one.private + one.shared {
+            println!(
+                "                 TOO SMALL: a worker's share is not above what one holds with its pinned models \
+                 ({} MiB): every load on demand is refused",
+                (one.private + one.shared) >> 20
+            );
+        }
+    }
     println!("plan OK");
     Ok(ExitCode::SUCCESS)
 }

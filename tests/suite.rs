@@ -25,6 +25,7 @@ mod keepalive;
 mod logging;
 mod memory;
 mod metrics;
+mod model_budget;
 mod on_demand;
 mod parsers;
 mod pipelines;

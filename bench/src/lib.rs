@@ -3,4 +3,5 @@
 pub mod clients;
 pub mod http;
 pub mod load;
+pub mod models;
 pub mod process;

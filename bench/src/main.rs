@@ -72,6 +72,40 @@ enum Command {
         #[arg(long)]
         rate: Option<f64>,
     },
+    /// Writes generated models (`m00`.., [`inferd_bench::models`]) into a repository folder.
+    Models {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 60)]
+        count: usize,
+        #[arg(long, default_value_t = 5)]
+        min_mib: usize,
+        #[arg(long, default_value_t = 30)]
+        max_mib: usize,
+    },
+    /// Zipf-distributed traffic over generated models (as `models` wrote them, the same
+    /// arguments), every answer checked against its model's reference; prints the hit ratio
+    /// (requests that did not wait for a load), latency of cold and warm requests, and the
+    /// pool's PSS sampled every 100 ms (with --pool-pid: the supervisor's).
+    Trace {
+        #[arg(long)]
+        addr: String,
+        #[arg(long, default_value_t = 60)]
+        count: usize,
+        #[arg(long, default_value_t = 5)]
+        min_mib: usize,
+        #[arg(long, default_value_t = 30)]
+        max_mib: usize,
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
+        /// The Zipf exponent.
+        #[arg(long, default_value_t = 1.0)]
+        zipf: f64,
+        #[arg(long)]
+        pool_pid: Option<u32>,
+    },
     /// The same sessions behind the thinnest HTTP server: `POST /embed` with `{"inputs":
     /// "text"}` answers `[[...]]`; one thread for all connections (hyper, HTTP/1.1), one
     /// queue that every session takes from (up to --batch texts a run), nothing else: what
@@ -143,6 +177,13 @@ struct Clients {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Models { out, count, min_mib, max_mib } => {
+            inferd_bench::models::generate(&out, count, min_mib, max_mib)?;
+            Ok(())
+        }
+        Command::Trace { addr, count, min_mib, max_mib, concurrency, seconds, zipf, pool_pid } => {
+            trace(&addr, count, (min_mib, max_mib), concurrency, seconds, zipf, pool_pid)
+        }
         Command::Http { clients, path, short_below, rate } => {
             let texts = read_texts(&clients.texts)?;
             http(&clients, &path, short_below, rate, &texts)
@@ -562,4 +603,69 @@ fn report(label: &str, s: Summary, errors: usize, shares: Option<(f64, f64)>) {
             "p99_ms": s.p99_ms, "max_ms": s.max_ms, "requests": s.requests, "errors": errors,
             "prepare_share": shares.map(|s| s.0), "model_share": shares.map(|s| s.1)})
     );
+}
+
+/// `trace`: see [`Command::Trace`].
+fn trace(
+    addr: &str,
+    count: usize,
+    (min_mib, max_mib): (usize, usize),
+    concurrency: usize,
+    seconds: f64,
+    zipf: f64,
+    pool_pid: Option<u32>,
+) -> anyhow::Result<()> {
+    use inferd_bench::models::{trace, tree_pss, Mlp, Outcome};
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)?.next().context("no address")?;
+    let span = max_mib.saturating_sub(min_mib) + 1;
+    let models: Vec<Mlp> = (0..count).map(|k| Mlp::of_size(k as u64, (min_mib + (k * 37) % span) << 20)).collect();
+    let running = Arc::new(AtomicBool::new(true));
+    let sampler = pool_pid.map(|pid| {
+        let running = running.clone();
+        std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while running.load(Ordering::Relaxed) {
+                samples.push(tree_pss(pid));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            samples
+        })
+    });
+    let sent = trace(addr, &models, concurrency, seconds, zipf);
+    running.store(false, Ordering::Relaxed);
+    let pss = sampler.map(|s| s.join().unwrap_or_default()).unwrap_or_default();
+    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+    let percentile = |mut v: Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+    };
+    let answered: Vec<_> = sent.iter().filter(|s| s.outcome == Outcome::Answered).collect();
+    let cold: Vec<f64> = answered.iter().filter(|s| s.load.is_some()).map(|s| ms(&s.latency)).collect();
+    let warm: Vec<f64> = answered.iter().filter(|s| s.load.is_none()).map(|s| ms(&s.latency)).collect();
+    let busy = sent.iter().filter(|s| s.outcome == Outcome::Busy).count();
+    let failed: Vec<&String> = sent
+        .iter()
+        .filter_map(|s| match &s.outcome {
+            Outcome::Failed(why) => Some(why),
+            _ => None,
+        })
+        .collect();
+    let mib = |b: u64| (b >> 20) as f64;
+    let summary = serde_json::json!({
+        "requests": sent.len(),
+        "answered": answered.len(),
+        "busy_503": busy,
+        "failed": failed.len(),
+        "first_failure": failed.first(),
+        "hit_ratio": warm.len() as f64 / answered.len().max(1) as f64,
+        "cold_requests": cold.len(),
+        "cold_p50_ms": percentile(cold.clone(), 0.5),
+        "cold_p99_ms": percentile(cold, 0.99),
+        "warm_p50_ms": percentile(warm.clone(), 0.5),
+        "warm_p99_ms": percentile(warm, 0.99),
+        "pss_peak_mib": pss.iter().copied().max().map(mib),
+        "pss_mean_mib": (!pss.is_empty()).then(|| mib(pss.iter().sum::<u64>() / pss.len() as u64)),
+    });
+    println!("{summary}");
+    Ok(())
 }

@@ -271,6 +271,85 @@ pub struct ModelsConfig {
     /// How long a request waits for its model's load on demand before it is answered 503
     /// (with Retry-After; the load goes on).
     pub load_timeout_secs: f64,
+    /// With on_demand: the memory the pool's workers may hold, in all (each keeps its resident
+    /// memory under its share, evicting idle models loaded on demand before a load). None:
+    /// derived from the memory plan (docs/configuration.md, "Models on demand").
+    pub memory_budget: Option<ByteSize>,
+    /// Which idle model loaded on demand is evicted first.
+    pub eviction: Eviction,
+}
+
+/// Which idle model goes first when a load needs room ([`ModelsConfig::eviction`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Eviction {
+    /// SIEVE: models in load order, a hand that passes over those used since it last passed
+    /// (and forgets that they were) and evicts the first that was not. A model used once does
+    /// not push out one used all the time.
+    #[default]
+    Sieve,
+    /// The least recently used.
+    Lru,
+}
+
+/// A number of bytes, written as an integer or as a string with a unit: `"2GiB"`,
+/// `"512 MiB"`, `"1.5GB"`, `"800000"` (B, kB/KB, KiB, MB, MiB, GB, GiB, TB, TiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<ByteSize, String> {
+        let text = text.trim();
+        let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+        let (number, unit) = (&text[..split], text[split..].trim());
+        let scale: u64 = match unit {
+            "" | "B" => 1,
+            "kB" | "KB" => 1_000,
+            "KiB" => 1 << 10,
+            "MB" => 1_000_000,
+            "MiB" => 1 << 20,
+            "GB" => 1_000_000_000,
+            "GiB" => 1 << 30,
+            "TB" => 1_000_000_000_000,
+            "TiB" => 1 << 40,
+            other => return Err(format!("'{text}': unknown unit '{other}' (B, kB, KiB, MB, MiB, GB, GiB, TB, TiB)")),
+        };
+        let value: f64 = number.parse().map_err(|_| format!("'{text}' is not a size such as \"2GiB\""))?;
+        let bytes = value * scale as f64;
+        if !(bytes.is_finite() && bytes < u64::MAX as f64) {
+            return Err(format!("'{text}' is too large"));
+        }
+        Ok(ByteSize(bytes as u64))
+    }
+}
+
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} MiB", self.0 >> 20)
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ByteSize, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Bytes(u64),
+            Text(String),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::Bytes(n) => Ok(ByteSize(n)),
+            Written::Text(text) => text.parse().map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 impl Default for ModelsConfig {
@@ -281,6 +360,8 @@ impl Default for ModelsConfig {
             load: Vec::new(),
             on_demand: false,
             load_timeout_secs: 120.0,
+            memory_budget: None,
+            eviction: Eviction::default(),
         }
     }
 }
@@ -763,6 +844,17 @@ mod tests {
         assert_eq!((models.on_demand, models.load_timeout_secs), (false, 120.0));
         let models = parse("[models]\non_demand = true\nload_timeout_secs = 30\n").unwrap().models;
         assert_eq!((models.on_demand, models.load_timeout_secs), (true, 30.0));
+        assert_eq!((models.memory_budget, models.eviction), (None, Eviction::Sieve));
+        for (written, bytes) in
+            [("\"2GiB\"", 2u64 << 30), ("\"512 MiB\"", 512 << 20), ("\"1.5GB\"", 1_500_000_000), ("4096", 4096)]
+        {
+            let models = parse(&format!("[models]\nmemory_budget = {written}\neviction = \"lru\"\n")).unwrap().models;
+            assert_eq!((models.memory_budget, models.eviction), (Some(ByteSize(bytes)), Eviction::Lru), "{written}");
+        }
+        for bad in ["\"2 parsecs\"", "\"GiB\"", "\"-1GiB\"", "-5", "\"1e30TiB\""] {
+            let err = parse(&format!("[models]\nmemory_budget = {bad}\n")).unwrap_err().to_string();
+            assert!(err.contains("memory_budget"), "{bad}: {err}");
+        }
         for bad in ["0", "-1", "1e300"] {
             let err = parse(&format!("[models]\nload_timeout_secs = {bad}\n")).unwrap_err().to_string();
             assert!(err.contains("models.load_timeout_secs"), "{err}");

@@ -103,6 +103,13 @@ pub struct WorkerSpec {
     /// models.load_timeout_secs.
     #[serde(default)]
     pub load_timeout_secs: f64,
+    /// With on_demand: the worker's share of models.memory_budget, in bytes (its resident
+    /// memory stays under it when it loads a model); None: no budget.
+    #[serde(default)]
+    pub memory_share: Option<u64>,
+    /// models.eviction.
+    #[serde(default)]
+    pub eviction: inferd_config::file::Eviction,
 }
 
 /// How a worker of one pinned thread shares cores with its siblings (see [`crate::cores`]).
@@ -193,8 +200,31 @@ pub enum WorkerMessage {
     Draining,
     /// Sent just before exiting with [`EXIT_MODEL_LOAD`] or [`EXIT_BOOT`].
     Failed { kind: FailureKind, error: String },
-    /// Ready already, the worker loaded `model` on demand: its next model number.
-    Loaded { model: ModelInfo },
+    /// Ready already, the worker loaded `model` on demand, in `seconds`, at `cost`.
+    Loaded {
+        model: ModelInfo,
+        #[serde(default)]
+        cost: ModelCost,
+        #[serde(default)]
+        seconds: f64,
+    },
+    /// The worker evicted `model`, loaded on demand, to make room for another.
+    Evicted { model: String },
+}
+
+/// What a model loaded on demand holds in one worker's memory, measured across its load and
+/// warm-up: the worker's own new pages (`private`: anonymous and shmem) and the file pages
+/// it mapped (`mapped`: the weights, one copy in the page cache whoever maps them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelCost {
+    pub private: u64,
+    pub mapped: u64,
+}
+
+impl ModelCost {
+    pub fn total(&self) -> u64 {
+        self.private + self.mapped
+    }
 }
 
 #[cfg(test)]
@@ -218,9 +248,14 @@ mod tests {
             weights: "shared".into(),
             precision: "fp32".into(),
         };
-        let line = serde_json::to_string(&WorkerMessage::Loaded { model: model.clone() }).unwrap();
+        let cost = ModelCost { private: 3 << 20, mapped: 5 << 20 };
+        let loaded = WorkerMessage::Loaded { model, cost, seconds: 0.25 };
+        let line = serde_json::to_string(&loaded).unwrap();
         assert!(line.starts_with(r#"{"event":"loaded","model":{"name":"m","#), "{line}");
-        assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), WorkerMessage::Loaded { model });
+        assert_eq!(serde_json::from_str::<WorkerMessage>(&line).unwrap(), loaded);
+        let evicted = WorkerMessage::Evicted { model: "m".into() };
+        let line = serde_json::to_string(&evicted).unwrap();
+        assert_eq!(line, r#"{"event":"evicted","model":"m"}"#);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt::{self, Write};
 
 use inferd_config::auth::Refusal;
-use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::spec::{ModelCost, ModelInfo};
 use inferd_ipc::stats::{Endpoint, Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, LATENCY_BUCKETS, MAX_MODELS};
 
 /// Rolling reloads since start, by outcome.
@@ -121,7 +121,7 @@ macro_rules! by_label {
 by_label!(RestartReason, RecycleReason);
 
 /// What the loop hands over for one scrape.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct PoolMetrics {
     /// Model names by counter row.
     pub models: Vec<String>,
@@ -137,6 +137,46 @@ pub struct PoolMetrics {
     pub reloads: Reloads,
     pub generation: u64,
     pub model_info: Vec<ModelInfo>,
+    /// Models loaded and evicted, by model, since start.
+    pub model_events: BTreeMap<String, ModelEvents>,
+    /// How long loads on demand took.
+    pub load_seconds: LoadSeconds,
+    /// What each model loaded on demand holds now, summed over the live workers.
+    pub model_bytes: BTreeMap<String, ModelCost>,
+    /// models.memory_budget, with on_demand.
+    pub models_budget: Option<u64>,
+}
+
+/// A model's loads and evictions since start (`inferd_model_loads_total`,
+/// `inferd_model_evictions_total`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelEvents {
+    /// Loaded by a worker as it started (the default model and models.load).
+    pub boot: u64,
+    /// Loaded by a worker for a request ([models] on_demand).
+    pub on_demand: u64,
+    pub evictions: u64,
+}
+
+/// Upper bounds (seconds) of `inferd_model_load_seconds`' buckets.
+pub const LOAD_SECONDS_BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// The histogram of load times on demand.
+#[derive(Debug, Clone, Default)]
+pub struct LoadSeconds {
+    /// One count per bound of [`LOAD_SECONDS_BUCKETS`], and one above the last.
+    pub buckets: [u64; LOAD_SECONDS_BUCKETS.len() + 1],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl LoadSeconds {
+    pub fn observe(&mut self, seconds: f64) {
+        let bucket = LOAD_SECONDS_BUCKETS.iter().position(|&b| seconds <= b).unwrap_or(LOAD_SECONDS_BUCKETS.len());
+        self.buckets[bucket] += 1;
+        self.sum += seconds;
+        self.count += 1;
+    }
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -145,12 +185,13 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 
 fn histogram(out: &mut String, name: &str, labels: &str, h: &Histogram, bounds: &[String]) {
     let mut cumulative = 0;
+    let (before_le, set) = if labels.is_empty() { ("", String::new()) } else { (",", format!("{{{labels}}}")) };
     for (bound, count) in bounds.iter().map(String::as_str).chain(["+Inf"]).zip(h.buckets) {
         cumulative += count;
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        let _ = writeln!(out, "{name}_bucket{{{labels}{before_le}le=\"{bound}\"}} {cumulative}");
     }
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
-    let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+    let _ = writeln!(out, "{name}_sum{set} {}", h.sum);
+    let _ = writeln!(out, "{name}_count{set} {}", h.count);
 }
 
 /// A label value in the text exposition format: backslash, double quote and newline escaped.
@@ -261,6 +302,58 @@ pub fn render(m: &PoolMetrics) -> String {
             label(&info.sha256)
         );
     }
+    header(
+        &mut out,
+        "inferd_model_loads_total",
+        "counter",
+        "Models loaded by the workers, by model and reason: boot (as a worker started) or on_demand (for a request).",
+    );
+    for (model, events) in &m.model_events {
+        for (reason, n) in [("boot", events.boot), ("on_demand", events.on_demand)] {
+            if n > 0 {
+                let _ = writeln!(out, "inferd_model_loads_total{{model=\"{}\",reason=\"{reason}\"}} {n}", label(model));
+            }
+        }
+    }
+    header(
+        &mut out,
+        "inferd_model_evictions_total",
+        "counter",
+        "Models evicted by the workers to make room for others, by model.",
+    );
+    for (model, events) in m.model_events.iter().filter(|(_, e)| e.evictions > 0) {
+        let _ = writeln!(out, "inferd_model_evictions_total{{model=\"{}\"}} {}", label(model), events.evictions);
+    }
+    header(
+        &mut out,
+        "inferd_model_load_seconds",
+        "histogram",
+        "Time a worker took to load a model on demand, warm-up included.",
+    );
+    let bounds: Vec<String> = LOAD_SECONDS_BUCKETS.iter().map(|b| b.to_string()).collect();
+    let loads = Histogram { buckets: &m.load_seconds.buckets, sum: m.load_seconds.sum, count: m.load_seconds.count };
+    histogram(&mut out, "inferd_model_load_seconds", "", &loads, &bounds);
+    header(
+        &mut out,
+        "inferd_model_bytes",
+        "gauge",
+        "Memory the models loaded on demand hold now, summed over the workers, by model and kind: private \
+         (each worker's own pages) or mapped (file pages: the weights, one copy in the page cache).",
+    );
+    for (model, cost) in &m.model_bytes {
+        for (kind, bytes) in [("private", cost.private), ("mapped", cost.mapped)] {
+            let _ = writeln!(out, "inferd_model_bytes{{model=\"{}\",kind=\"{kind}\"}} {bytes}", label(model));
+        }
+    }
+    if let Some(budget) = m.models_budget {
+        header(
+            &mut out,
+            "inferd_models_budget_bytes",
+            "gauge",
+            "models.memory_budget: what the pool's workers may hold, in all.",
+        );
+        let _ = writeln!(out, "inferd_models_budget_bytes {budget}");
+    }
     out
 }
 
@@ -289,6 +382,7 @@ mod tests {
                 weights: "shared".into(),
                 precision: "fp32".into(),
             }],
+            ..Default::default()
         });
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
         assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));
@@ -317,6 +411,7 @@ mod tests {
             reloads: Reloads::default(),
             generation: 1,
             model_info: Vec::new(),
+            ..Default::default()
         });
         for line in [
             "inferd_auth_refused_total{reason=\"missing\"} 0\ninferd_auth_refused_total{reason=\"invalid\"} 0\n",
@@ -325,5 +420,37 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} in {text}");
         }
+    }
+
+    #[test]
+    fn models_loaded_and_evicted_are_counted_by_model_and_their_bytes_and_load_times_shown() {
+        let mut load_seconds = LoadSeconds::default();
+        for seconds in [0.04, 0.3, 200.0] {
+            load_seconds.observe(seconds);
+        }
+        let events = ModelEvents { boot: 2, on_demand: 3, evictions: 1 };
+        let text = render(&PoolMetrics {
+            model_events: [("m\"1".to_string(), events), ("quiet".to_string(), ModelEvents::default())].into(),
+            load_seconds,
+            model_bytes: [("m\"1".to_string(), ModelCost { private: 5, mapped: 7 })].into(),
+            models_budget: Some(1 << 30),
+            ..Default::default()
+        });
+        for line in [
+            r#"inferd_model_loads_total{model="m\"1",reason="boot"} 2"#,
+            r#"inferd_model_loads_total{model="m\"1",reason="on_demand"} 3"#,
+            r#"inferd_model_evictions_total{model="m\"1"} 1"#,
+            r#"inferd_model_bytes{model="m\"1",kind="private"} 5"#,
+            r#"inferd_model_bytes{model="m\"1",kind="mapped"} 7"#,
+            r#"inferd_model_load_seconds_bucket{le="0.05"} 1"#,
+            r#"inferd_model_load_seconds_bucket{le="0.5"} 2"#,
+            r#"inferd_model_load_seconds_bucket{le="120"} 2"#,
+            r#"inferd_model_load_seconds_bucket{le="+Inf"} 3"#,
+            "inferd_model_load_seconds_count 3",
+            "inferd_models_budget_bytes 1073741824",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        assert!(!text.contains("quiet"), "a model never loaded on demand nor evicted has no series");
     }
 }

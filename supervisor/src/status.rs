@@ -3,7 +3,9 @@
 use std::fmt::Write;
 
 use crate::plan::cpu::format_cpus;
-use inferd_ipc::spec::{Cause, ModelInfo};
+use std::collections::BTreeMap;
+
+use inferd_ipc::spec::{Cause, ModelCost, ModelInfo};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +70,10 @@ pub struct WorkerStatus {
     pub restarts: u32,
     pub uptime_secs: Option<f64>,
     pub models: Vec<ModelInfo>,
+    /// What each model it loaded on demand holds, as it measured when loading it ([models]
+    /// on_demand).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub model_bytes: BTreeMap<String, ModelCost>,
     /// How the previous worker of this slot ended, if one did.
     pub last_exit: Option<String>,
 }
@@ -203,7 +209,11 @@ impl PoolStatus {
                     let weights = m.weights.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?");
                     // `int8` or `fp32` (the guard's figures are in the JSON).
                     let precision = m.precision.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32");
-                    format!("{}:{} ({}, {precision}, {weights} weights)", m.name, m.version, m.sha256)
+                    let held = match w.model_bytes.get(&m.name) {
+                        Some(cost) => format!(", on demand: {}", bytes(cost.total())),
+                        None => String::new(),
+                    };
+                    format!("{}:{} ({}, {precision}, {weights} weights{held})", m.name, m.version, m.sha256)
                 })
                 .collect::<Vec<_>>();
             rows.push(vec![
@@ -290,6 +300,7 @@ mod tests {
                 weights: "shared".into(),
                 precision: "fp32".into(),
             }],
+            model_bytes: [("m".to_string(), ModelCost { private: 1 << 20, mapped: 24 << 20 })].into(),
             last_exit: None,
         };
         let status = PoolStatus {
@@ -320,7 +331,8 @@ mod tests {
         let table = status.render();
         assert!(table.contains("ready on 127.0.0.1:8000"), "{table}");
         assert!(table.contains("2/2 workers ready"), "{table}");
-        let rows: Vec<&str> = table.lines().filter(|l| l.contains("m:1 (abcd, fp32, shared weights)")).collect();
+        let rows: Vec<&str> =
+            table.lines().filter(|l| l.contains("m:1 (abcd, fp32, shared weights, on demand: 25.0MiB)")).collect();
         assert_eq!(rows.len(), 2, "{table}");
         assert!(rows[1].starts_with("1  "), "{table}");
         assert!(rows[1].contains("50.0MiB  20.0MiB") && rows[1].contains("1m15s"), "{table}");

@@ -186,6 +186,21 @@ impl WorkerLimits {
     }
 }
 
+/// The memory the pool's models may hold ([models] on_demand), and where the figure comes
+/// from: models.memory_budget (`configured`), else 80% of what the default soft limits allow
+/// the workers in all (85% of the cgroup's limit, or of 80% of MemAvailable without one), so
+/// that a worker within its share of the budget stays below its soft limit whatever it loads.
+pub fn models_budget(configured: Option<u64>, budget: &MemoryBudget) -> (u64, String) {
+    if let Some(bytes) = configured {
+        return (bytes, "models.memory_budget".into());
+    }
+    let (pool, source) = match &budget.cgroup {
+        Some(c) => (c.limit, "the cgroup's memory limit".to_string()),
+        None => (budget.available / 100 * HOST_SHARE_PERCENT, format!("{HOST_SHARE_PERCENT}% of MemAvailable")),
+    };
+    (pool / 100 * 85 / 100 * 80, format!("68% of {source}"))
+}
+
 fn read_u64(path: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
     let text = text.trim();

@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 use super::slot::{Role, Start};
 use super::{Supervisor, SupervisorError, TICK};
 use crate::metrics::RecycleReason;
-use crate::plan::memory::{proc_status, MemoryBudget, WorkerLimits, WorkerMemory};
+use crate::plan::memory::{models_budget, proc_status, MemoryBudget, WorkerLimits, WorkerMemory};
 use crate::status::WorkerState;
 
 /// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
@@ -28,6 +28,8 @@ pub(super) struct MemoryWatch {
     limits: Option<WorkerLimits>,
     /// When the watch last ran.
     checked: Option<Instant>,
+    /// models.memory_budget, or what the memory plan gave it when the first worker started.
+    models_budget: Option<u64>,
 }
 
 impl MemoryWatch {
@@ -39,6 +41,21 @@ impl MemoryWatch {
     /// The per-worker limits, once the memory plan has set them.
     pub(super) fn limits(&self) -> Option<&WorkerLimits> {
         self.limits.as_ref()
+    }
+
+    /// The memory the pool's models may hold ([models] on_demand): models.memory_budget, or
+    /// [`models_budget`] of the memory there was when the first worker started.
+    pub(super) fn models_budget(&mut self, config: &inferd_config::file::Config) -> u64 {
+        *self.models_budget.get_or_insert_with(|| {
+            let (bytes, source) = models_budget(config.models.memory_budget.map(|b| b.0), &MemoryBudget::detect());
+            info!("models loaded on demand: a budget of {} MiB ({source})", bytes >> 20);
+            bytes
+        })
+    }
+
+    /// [`MemoryWatch::models_budget`] once set.
+    pub(super) fn models_budget_now(&self) -> Option<u64> {
+        self.models_budget
     }
 }
 

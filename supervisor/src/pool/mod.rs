@@ -359,6 +359,9 @@ impl Supervisor {
             WorkerMessage::Ready { models } => {
                 worker.state = WorkerState::Ready;
                 worker.ready_at = Some(Instant::now());
+                for model in &models {
+                    self.totals.model_event(&model.name).boot += 1;
+                }
                 worker.models = models;
                 info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
                 if worker.role == Role::Incoming {
@@ -380,11 +383,19 @@ impl Supervisor {
             WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
             // A model of its catalog, loaded on demand: status and the model_info metric show
             // it on this worker from now on (its counts go to the shared "other" row).
-            WorkerMessage::Loaded { model } if worker.state == WorkerState::Ready => {
+            WorkerMessage::Loaded { model, cost, seconds } if worker.state == WorkerState::Ready => {
                 info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
+                self.totals.model_event(&model.name).on_demand += 1;
+                self.totals.load_seconds.observe(seconds);
+                worker.costs.insert(model.name.clone(), cost);
                 worker.models.push(model);
             }
             WorkerMessage::Loaded { .. } => {}
+            WorkerMessage::Evicted { model } => {
+                self.totals.model_event(&model).evictions += 1;
+                worker.costs.remove(&model);
+                worker.models.retain(|m| m.name != model);
+            }
         }
     }
 

@@ -352,6 +352,8 @@ impl Supervisor {
         let rows: Vec<Option<usize>> =
             self.pool.models.iter().map(|m| reload.models.iter().position(|n| n.name == m.name)).collect();
         self.totals.remap(&rows);
+        let served = reload.models.iter().chain(&reload.on_demand).map(|m| m.name.as_str());
+        self.totals.keep_model_events(&served.collect::<Vec<_>>());
         self.pool.models = reload.models;
         self.pool.on_demand = reload.on_demand;
         self.pool.access = reload.access;

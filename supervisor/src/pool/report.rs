@@ -5,12 +5,12 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use inferd_config::model::ModelEntry;
-use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::spec::{ModelCost, ModelInfo};
 use inferd_ipc::stats::{Snapshot, BATCH_BUCKETS, LATENCY_BUCKETS, MAX_MODELS};
 
 use super::slot::{Role, Worker};
 use super::Supervisor;
-use crate::metrics::{PoolMetrics, RecycleReason, RestartReason};
+use crate::metrics::{LoadSeconds, ModelEvents, PoolMetrics, RecycleReason, RestartReason};
 use crate::plan::memory::{proc_status, MemoryBudget};
 use crate::status::{BatchSizes, PoolStatus, WorkerState, WorkerStatus};
 
@@ -31,6 +31,10 @@ pub(super) struct Totals {
     /// Request-latency buckets of the whole pool, sampled every few seconds, for the
     /// last-minute percentiles in status.
     latency_samples: VecDeque<(Instant, Vec<u64>)>,
+    /// Models loaded and evicted, by model.
+    model_events: BTreeMap<String, ModelEvents>,
+    /// How long loads on demand took.
+    pub(super) load_seconds: LoadSeconds,
 }
 
 impl Totals {
@@ -40,7 +44,20 @@ impl Totals {
             restarts: RestartReason::ALL.iter().map(|&r| (r, 0)).collect(),
             recycles: RecycleReason::ALL.iter().map(|&r| (r, 0)).collect(),
             latency_samples: VecDeque::new(),
+            model_events: BTreeMap::new(),
+            load_seconds: LoadSeconds::default(),
         }
+    }
+
+    /// A reload: the loads and evictions of the models the pool no longer serves (nor may load)
+    /// leave the metrics, as their other series do.
+    pub(super) fn keep_model_events(&mut self, served: &[&str]) {
+        self.model_events.retain(|model, _| served.contains(&model.as_str()));
+    }
+
+    /// `model`'s loads and evictions, to count one more.
+    pub(super) fn model_event(&mut self, model: &str) -> &mut ModelEvents {
+        self.model_events.entry(model.to_string()).or_default()
     }
 
     /// A worker that died was replaced.
@@ -113,6 +130,7 @@ impl Supervisor {
                     restarts: slot.restarts,
                     uptime_secs: w.map(|w| w.started.elapsed().as_secs_f64()),
                     models: w.map(|w| w.models.clone()).unwrap_or_default(),
+                    model_bytes: w.map(|w| w.costs.clone()).unwrap_or_default(),
                     last_exit: slot.last_exit.clone(),
                 }
             };
@@ -136,9 +154,17 @@ impl Supervisor {
             requests_total: totals.requests_total(),
             latency_last_minute: self.latency_last_minute(&totals),
             memory: format!(
-                "{}; worker memory limits (private): {}",
+                "{}; worker memory limits (private): {}{}",
                 MemoryBudget::detect().describe(),
-                self.memory.limits().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe())
+                self.memory.limits().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe()),
+                match self.memory.models_budget_now().filter(|_| self.resolved.config.models.on_demand) {
+                    Some(budget) => format!(
+                        "; models on demand within {} MiB ({} MiB per worker)",
+                        budget >> 20,
+                        (budget / self.pool.slots.len().max(1) as u64) >> 20
+                    ),
+                    None => String::new(),
+                }
             ),
             reloads_succeeded: self.reload.outcomes().succeeded,
             reloads_failed: self.reload.outcomes().failed,
@@ -246,6 +272,15 @@ impl Supervisor {
             reloads: self.reload.outcomes(),
             generation: self.pool.generation,
             model_info,
+            model_events: self.totals.model_events.clone(),
+            load_seconds: self.totals.load_seconds.clone(),
+            model_bytes: self.pool.workers().flat_map(|w| &w.costs).fold(BTreeMap::new(), |mut sum, (model, cost)| {
+                let total: &mut ModelCost = sum.entry(model.clone()).or_default();
+                total.private += cost.private;
+                total.mapped += cost.mapped;
+                sum
+            }),
+            models_budget: self.resolved.config.models.on_demand.then(|| self.memory.models_budget_now()).flatten(),
         }
     }
 }

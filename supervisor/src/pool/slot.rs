@@ -105,6 +105,8 @@ pub(super) struct Worker {
     pub(super) stuck: Option<(String, Instant)>,
     /// Killed by the supervisor for passing the hard memory limit.
     pub(super) memory_killed: bool,
+    /// What each model it loaded on demand holds, as it measured.
+    pub(super) costs: std::collections::BTreeMap<String, inferd_ipc::spec::ModelCost>,
 }
 
 impl Worker {
@@ -240,6 +242,7 @@ mod tests {
             recycle_after: None,
             stuck: None,
             memory_killed: false,
+            costs: Default::default(),
         }
     }
 

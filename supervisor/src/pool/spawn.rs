@@ -71,8 +71,13 @@ impl Supervisor {
                 _ => None,
             },
             balance: self.launcher.balance.is_some() && config.server.balance_connections,
+            memory_share: config
+                .models
+                .on_demand
+                .then(|| self.memory.models_budget(config) / self.pool.slots.len().max(1) as u64),
             on_demand,
             load_timeout_secs: config.models.load_timeout_secs,
+            eviction: config.models.eviction,
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {
@@ -103,6 +108,7 @@ impl Supervisor {
                     recycle_after: recycle_threshold(&config.server),
                     stuck: None,
                     memory_killed: false,
+                    costs: Default::default(),
                 });
                 Some(spawn)
             }

@@ -30,6 +30,7 @@ use inferd_ipc::stats::Endpoint;
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::request::app::{counted, found_index, ApiError, AppState, Model};
 use crate::request::infer::{pipeline_io, run_v2};
+use crate::request::models::LOAD_WAIT;
 use crate::runtime::tensor::Tensor;
 
 fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
@@ -72,7 +73,14 @@ pub async fn handle(
         }
     };
     // A bug that panics in a handler costs this request (500), not the worker (panics.rs).
-    let routed = crate::panics::guarded_future(route(&state, request)).await.unwrap_or_else(|_| {
+    // How long it waited for its model to load on demand, if it did (models.rs).
+    let (routed, loading) = LOAD_WAIT
+        .scope(Default::default(), async {
+            let routed = crate::panics::guarded_future(route(&state, request)).await;
+            (routed, LOAD_WAIT.with(std::cell::Cell::get))
+        })
+        .await;
+    let routed = routed.unwrap_or_else(|_| {
         Err(ApiError::Internal("internal error: the server hit a bug serving this request (logged)".into()))
     });
     let mut refused = "";
@@ -117,6 +125,17 @@ pub async fn handle(
         );
     }
     let headers = reply.headers_mut();
+    if let Some(waited) = loading {
+        // Server-Timing's `load`: this request waited that long for its model to load.
+        let load = format!("load;dur={:.3}", waited.as_secs_f64() * 1e3);
+        let timing = match headers.get("server-timing").and_then(|v| v.to_str().ok()) {
+            Some(timing) => format!("{timing}, {load}"),
+            None => load,
+        };
+        if let Ok(v) = HeaderValue::from_str(&timing) {
+            headers.insert("server-timing", v);
+        }
+    }
     headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
     headers.insert(REQUEST_ID_HEADER, id);
     if body_read.is_some_and(|read| !read.0.load(Ordering::Relaxed)) {

@@ -147,7 +147,7 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Model(ModelError::InvalidInput { .. }) => ApiError::BadRequest(e.to_string()),
-            EngineError::Overloaded { .. } => ApiError::Overloaded(e.to_string()),
+            EngineError::Overloaded { .. } | EngineError::Unloaded => ApiError::Overloaded(e.to_string()),
             EngineError::DeadlineExceeded { .. } | EngineError::Stopped { .. } => {
                 ApiError::DeadlineExceeded(e.to_string())
             }

@@ -128,9 +128,14 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
         true => (None, None),
         false => {
             let (queue, loads) = std::sync::mpsc::sync_channel(LOADS_QUEUED);
-            let names = spec.on_demand.iter().map(|e| e.name.clone()).collect();
+            // A refusal holds until the model's file or its model.toml changes.
+            let files = |e: &inferd_config::model::ModelEntry| {
+                let folder = e.path.parent().unwrap_or(std::path::Path::new("."));
+                vec![e.path.clone(), folder.join(inferd_config::model::MODEL_CONFIG_FILE)]
+            };
+            let catalog = spec.on_demand.iter().map(|e| (e.name.clone(), files(e))).collect();
             let timeout = Duration::from_secs_f64(spec.load_timeout_secs);
-            (Some(OnDemand::new(names, queue, max_queue, timeout)), Some(loads))
+            (Some(OnDemand::new(catalog, queue, max_queue, timeout, spec.eviction)), Some(loads))
         }
     };
     let state = Arc::new(AppState {
@@ -150,12 +155,12 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());
-        let told =
-            move |model: &inferd_ipc::spec::ModelInfo| reporter.send(&WorkerMessage::Loaded { model: model.clone() });
         let span = tracing::Span::current();
+        let share = spec.memory_share;
         let started = std::thread::Builder::new().name("inferd-load".into()).spawn(move || {
             let _worker = span.enter();
-            crate::load::on_demand::run(runtime, catalog, lanes, state, loads, told)
+            let loader = crate::load::on_demand::Loader::new(runtime, catalog, lanes, state, share);
+            loader.run(loads, |message| reporter.send(&message))
         });
         if let Err(e) = started {
             error!("cannot start the loader thread: {e}");

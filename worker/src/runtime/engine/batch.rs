@@ -114,6 +114,11 @@ pub(super) struct Policy {
 }
 
 impl Policy {
+    /// The limits of a job whose model was unloaded while it waited: it runs alone, and its
+    /// lane answers that the model is gone.
+    pub(super) const GONE: Policy =
+        Policy { batchable: false, max_rows: 1, max_tokens: usize::MAX, delay: Duration::ZERO };
+
     pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
         let batchable = model.meta.batchable();

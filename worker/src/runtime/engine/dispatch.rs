@@ -7,7 +7,7 @@
 //! a lapsed reservation, a run past its timeout, a job past its deadline, the worker's beat and
 //! handing memory back.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -47,7 +47,8 @@ const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
 pub(super) struct Dispatcher {
     /// Jobs taken and not yet handed to a lane, oldest first.
     pending: VecDeque<Job>,
-    policies: Vec<Policy>,
+    /// Each model's limits, by model number.
+    policies: HashMap<usize, Policy>,
     /// Each lane's work channel and what it runs.
     lanes: Vec<(mpsc::Sender<Work>, LaneState)>,
     /// Whether lane 0 has wide sessions.
@@ -93,10 +94,14 @@ impl Shared {
         Shared { dispatcher: Mutex::new(dispatcher), timer: Condvar::new() }
     }
 
-    /// A model added while the engine runs ([`super::Engine::add`]): its limits, at the next
-    /// model number.
-    pub(super) fn add_policy(&self, policy: Policy) {
-        self.lock().policies.push(policy);
+    /// A model added while the engine runs ([`super::Engine::add`]): its limits.
+    pub(super) fn add_policy(&self, model: usize, policy: Policy) {
+        self.lock().policies.insert(model, policy);
+    }
+
+    /// A model removed ([`super::Engine::remove`]): a job for it still waiting runs alone.
+    pub(super) fn remove_policy(&self, model: usize) {
+        self.lock().policies.remove(&model);
     }
 
     /// A panic under the lock ends the process ([`Shared::handle`]): a poisoned lock is never
@@ -152,6 +157,11 @@ impl Shared {
 }
 
 impl Dispatcher {
+    /// Model `model`'s limits ([`Policy::GONE`] once it was removed).
+    fn policy(&self, model: usize) -> &Policy {
+        self.policies.get(&model).unwrap_or(&Policy::GONE)
+    }
+
     /// `lanes`: each lane's work channel, all idle; `has_wide`: whether lane 0 has wide
     /// sessions; `engine`: dropped with the last handle.
     pub(super) fn new(
@@ -164,7 +174,7 @@ impl Dispatcher {
     ) -> Dispatcher {
         Dispatcher {
             pending: VecDeque::new(),
-            policies,
+            policies: policies.into_iter().enumerate().collect(),
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             has_wide,
             wide_batches: false,
@@ -356,7 +366,7 @@ impl Dispatcher {
             && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
             && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
         self.pending.iter().enumerate().find_map(|(index, job)| {
-            let bulk = job.tokens() > self.policies[job.model].max_tokens;
+            let bulk = job.tokens() > self.policy(job.model).max_tokens;
             let lane = match (job.heavy(), self.background.is_some()) {
                 (false, _) => regular,
                 (true, false) => regular.filter(|_| !reserved),
@@ -390,7 +400,7 @@ impl Dispatcher {
     /// batch is full or that long after its arrival: until when, if it is to wait now.
     fn company_due(&self, index: usize) -> Option<Instant> {
         let anchor = &self.pending[index];
-        let policy = &self.policies[anchor.model];
+        let policy = self.policy(anchor.model);
         let rows = anchor.rows?;
         if policy.max_rows <= 1 || policy.delay.is_zero() {
             return None;
@@ -403,7 +413,7 @@ impl Dispatcher {
 
     /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`.
     fn gather(&mut self, anchor: Job, max_rows: usize) -> Vec<Job> {
-        let policy = &self.policies[anchor.model];
+        let policy = self.policy(anchor.model).clone();
         let max_rows = max_rows.min(policy.max_rows);
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);

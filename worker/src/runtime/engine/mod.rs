@@ -46,6 +46,7 @@
 //! stopped through ORT's run options (the dispatcher watches the [`RunClock`]) and every
 //! request in it is answered 504; the worker goes on serving.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -173,6 +174,8 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error("the model thread has stopped")]
     Gone,
+    #[error("the model was unloaded (for memory) while this request waited for it; retry")]
+    Unloaded,
     #[error("internal error: the server hit a bug running this request (logged); the worker is being replaced")]
     Bug,
     #[error(
@@ -213,12 +216,15 @@ pub struct Engine {
     /// Jobs allowed to wait; past it `infer` refuses at once (server.max_queue).
     max_queue: u64,
     /// Each model's limits, by which a request past them is cut into runs ([`batch::runs`]),
-    /// and its name; a model added while serving ([`Engine::add`]) comes last.
-    policies: Arc<std::sync::RwLock<Vec<(Policy, String)>>>,
-    /// Where each lane finds the sessions of models added while serving, and what a model's
-    /// [`Sessions`] must hold for them.
-    added: Arc<[Mutex<Added>]>,
+    /// and its name, by model number.
+    policies: Arc<std::sync::RwLock<HashMap<usize, (Policy, String)>>>,
+    /// Each lane's sessions ([`LaneSessions`]), and what a model's [`Sessions`] must hold for
+    /// them.
+    sessions: Arc<[Mutex<LaneSessions>]>,
     shape: (usize, bool, bool),
+    /// The number the next model added gets: numbers are never used twice, so a job for a
+    /// model removed meanwhile never runs on another.
+    next: Arc<std::sync::atomic::AtomicUsize>,
     /// How many models the engine started with ([`counter_row`]).
     started_with: usize,
     /// server.request_timeout_secs: bounds each run, and a request cut into runs as a whole.
@@ -290,20 +296,20 @@ impl Engine {
         let has_background = models.iter().all(|m| m.background.is_some()) && !models.is_empty();
         let policies: Vec<(Policy, String)> =
             models.iter().map(|m| (Policy::of(&m.narrow[0]), m.narrow[0].name().to_string())).collect();
+        let started_with = policies.len();
         let alive = Arc::new(());
         let all = lanes + usize::from(has_background);
         let clock = Arc::new(RunClock::new(all, stats.clone(), run_timeout, allocator).map_err(std::io::Error::other)?);
         // Regroup by lane: lane l gets the l-th narrow session of every model; the background
         // lane, when there is one, comes last.
-        let mut per_lane: Vec<Vec<ModelSession>> = (0..all).map(|_| Vec::new()).collect();
-        let mut wide = Vec::new();
-        for set in models {
+        let mut per_lane: Vec<LaneSessions> = (0..all).map(|_| LaneSessions::default()).collect();
+        for (number, set) in models.into_iter().enumerate() {
             for (lane, model) in set.narrow.into_iter().chain(set.background).enumerate() {
-                per_lane[lane].push(model);
+                per_lane[lane].narrow.insert(number, model);
             }
-            wide.extend(set.wide);
+            per_lane[0].wide.extend(set.wide.filter(|_| has_wide).map(|w| (number, w)));
         }
-        let mut wide = Some(wide).filter(|_| has_wide);
+        let sessions: Arc<[Mutex<LaneSessions>]> = per_lane.into_iter().map(Mutex::new).collect();
         let (senders, queues): (Vec<_>, Vec<_>) = (0..all).map(|_| mpsc::channel::<Work>()).unzip();
         let borrows = cores.as_ref().is_some_and(|c| c.borrow.is_some());
         let limits = policies.iter().map(|p| p.0.clone()).collect();
@@ -312,16 +318,13 @@ impl Engine {
         let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         let dispatcher = Arc::new(Shared::new(dispatcher));
-        let added: Arc<[Mutex<Added>]> = (0..all).map(|_| Mutex::new(Added::default())).collect();
-        let lanes_started_with = policies.len();
-        for ((index, narrow), queue) in per_lane.into_iter().enumerate().zip(queues) {
+        for (index, queue) in queues.into_iter().enumerate() {
             let background = index == lanes;
             let lane = Lane {
                 index,
-                narrow,
-                added: added.clone(),
-                started_with: lanes_started_with,
-                wide: if index == 0 { wide.take() } else { None },
+                sessions: sessions.clone(),
+                started_with,
+                has_wide: index == 0 && has_wide,
                 dispatcher: dispatcher.clone(),
                 counters: stats.clone(),
                 clock: clock.clone(),
@@ -339,10 +342,11 @@ impl Engine {
             dispatcher,
             stats,
             max_queue: max_queue as u64,
-            policies: Arc::new(std::sync::RwLock::new(policies)),
-            added,
+            policies: Arc::new(std::sync::RwLock::new(policies.into_iter().enumerate().collect())),
+            sessions,
             shape: (lanes, has_wide, has_background),
-            started_with: lanes_started_with,
+            next: Arc::new(started_with.into()),
+            started_with,
             run_timeout,
             _alive: alive,
         })
@@ -350,9 +354,8 @@ impl Engine {
 
     /// Adds a model loaded while the engine serves (on demand), its sessions shaped as those
     /// of the models it started with (a narrow session per lane, and the wide and background
-    /// ones where those are); returns its model number. Each lane takes its session before it
-    /// runs its next batch, and no job can name the model before this returns: a lane never
-    /// finds a job's session missing.
+    /// ones where those are); returns its model number, one no model had before. No job can
+    /// name the model before this returns.
     pub fn add(&self, sessions: Sessions) -> Result<usize, String> {
         let (lanes, has_wide, has_background) = self.shape;
         if sessions.narrow.len() != lanes
@@ -366,15 +369,38 @@ impl Engine {
                 sessions.background.is_some()
             ));
         }
-        let mut policies = self.policies.write().unwrap_or_else(|e| e.into_inner());
+        let number = self.next.fetch_add(1, Ordering::Relaxed);
         let policy = (Policy::of(&sessions.narrow[0]), sessions.narrow[0].name().to_string());
+        // Each lock waits at most for its lane's run in progress.
         for (lane, session) in sessions.narrow.into_iter().chain(sessions.background).enumerate() {
-            self.added[lane].lock().unwrap_or_else(|e| e.into_inner()).narrow.push(session);
+            self.lane(lane).narrow.insert(number, session);
         }
-        self.added[0].lock().unwrap_or_else(|e| e.into_inner()).wide.extend(sessions.wide);
-        self.dispatcher.add_policy(policy.0.clone());
-        policies.push(policy);
-        Ok(policies.len() - 1)
+        if let Some(wide) = sessions.wide {
+            self.lane(0).wide.insert(number, wide);
+        }
+        self.dispatcher.add_policy(number, policy.0.clone());
+        self.policies.write().unwrap_or_else(|e| e.into_inner()).insert(number, policy);
+        Ok(number)
+    }
+
+    /// Removes model number `model` and drops its sessions (their memory goes back before this
+    /// returns); a job for it that still waits is answered [`EngineError::Unloaded`]. Each lane
+    /// gives its session up once its run in progress, if any, is over.
+    pub fn remove(&self, model: usize) {
+        self.policies.write().unwrap_or_else(|e| e.into_inner()).remove(&model);
+        self.dispatcher.remove_policy(model);
+        let mut dropped = Vec::new();
+        for lane in 0..self.sessions.len() {
+            let mut sessions = self.lane(lane);
+            dropped.extend(sessions.narrow.remove(&model));
+            dropped.extend(sessions.wide.remove(&model));
+        }
+        // Outside the lanes' locks: a session's release takes a while.
+        drop(dropped);
+    }
+
+    fn lane(&self, lane: usize) -> std::sync::MutexGuard<'_, LaneSessions> {
+        self.sessions[lane].lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs model number `model` (its index in the worker's model list) on `inputs`, batched
@@ -396,7 +422,10 @@ impl Engine {
         if waiting >= self.max_queue {
             return Err(EngineError::Overloaded { waiting });
         }
-        let (policy, name) = self.policies.read().unwrap_or_else(|e| e.into_inner())[model].clone();
+        let known = self.policies.read().unwrap_or_else(|e| e.into_inner()).get(&model).cloned();
+        let Some((policy, name)) = known else {
+            return Err(EngineError::Unloaded);
+        };
         let Some((rows, runs)) = batch::runs(&inputs, join, &policy) else {
             return self.queue(model, inputs, join, deadline).await;
         };
@@ -559,25 +588,24 @@ fn counter_row(model: usize, started_with: usize) -> usize {
     }
 }
 
-/// Sessions of models added while serving, waiting for their lane to take them.
+/// One lane's sessions, by model number. Under a lock that the lane holds for each run: the
+/// engine adds and removes models ([`Engine::add`], [`Engine::remove`]) between runs.
 #[derive(Default)]
-struct Added {
-    narrow: Vec<ModelSession>,
+struct LaneSessions {
+    narrow: HashMap<usize, ModelSession>,
     /// Lane 0's: the wide ones.
-    wide: Vec<ModelSession>,
+    wide: HashMap<usize, ModelSession>,
 }
 
 /// A thread that runs batches on its own sessions.
 struct Lane {
     index: usize,
-    /// This lane's narrow session of every model.
-    narrow: Vec<ModelSession>,
-    /// Every lane's sessions of models added while serving ([`Engine::add`]).
-    added: Arc<[Mutex<Added>]>,
+    /// Every lane's sessions; this one's at `index`.
+    sessions: Arc<[Mutex<LaneSessions>]>,
     /// How many models the engine started with.
     started_with: usize,
-    /// Lane 0 only: the wide session of every model.
-    wide: Option<Vec<ModelSession>>,
+    /// Lane 0 with wide sessions.
+    has_wide: bool,
     /// Told when a run is over; hands the lane its next batch then.
     dispatcher: Arc<Shared>,
     counters: Arc<WorkerCounters>,
@@ -596,7 +624,6 @@ impl Lane {
         }
         let mut poll = Duration::ZERO;
         while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll) {
-            self.take_added();
             let mut answers = Vec::with_capacity(batch.len());
             if let Some(cores) = self.cores.as_deref().filter(|_| loaded) {
                 cores.claims.mark_busy(cores.home);
@@ -623,15 +650,6 @@ impl Lane {
 
     fn row(&self, model: usize) -> usize {
         counter_row(model, self.started_with)
-    }
-
-    /// Takes the sessions of the models added since the last batch.
-    fn take_added(&mut self) {
-        let mut added = self.added[self.index].lock().unwrap_or_else(|e| e.into_inner());
-        self.narrow.append(&mut added.narrow);
-        if let Some(wide) = &mut self.wide {
-            wide.append(&mut added.wide);
-        }
     }
 
     /// Runs a batch and adds each job's answer to `answers`.
@@ -717,11 +735,13 @@ impl Lane {
         let held = self.cores.as_deref().map(|cores| cores.hold(wide, &self.counters));
         // Lending: wide only on a borrowed core.
         let wide = wide && held.as_ref().is_none_or(|held| held.borrowed.is_some());
-        self.clock.set(self.index, true);
-        let session = match (&mut self.wide, wide) {
-            (Some(sessions), true) => &mut sessions[model],
-            _ => &mut self.narrow[model],
+        let mut sessions = self.sessions[self.index].lock().unwrap_or_else(|e| e.into_inner());
+        let LaneSessions { narrow, wide: wides } = &mut *sessions;
+        let session = match if self.has_wide && wide { wides } else { narrow }.get_mut(&model) {
+            Some(session) => session,
+            None => return Err(EngineError::Unloaded),
         };
+        self.clock.set(self.index, true);
         let result = session.run(inputs, Some(self.clock.options(self.index)));
         let stopped = self.clock.set(self.index, false);
         drop(held);

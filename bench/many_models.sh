@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Many models within one memory budget (docs/configuration.md, "Models on demand"): COUNT
+# generated models of 5 to 30 MiB (`inferd-bench models`, distinct weights, in
+# .cache/many-models), served on demand by the default plan's workers within BUDGET, under the
+# same Zipf-distributed trace (`inferd-bench trace`: CLIENTS keep-alive clients, exponent
+# ZIPF, every answer checked against its model's reference) for SECONDS, in one sitting:
+#
+#   - every model loaded (a budget that holds them all, each loaded once before the trace):
+#     the memory baseline, every request warm;
+#   - models.eviction = "lru";
+#   - models.eviction = "sieve".
+#
+# For each: the hit ratio (requests that did not wait for a load), loads and evictions (from
+# /metrics), p50/p99 of cold and warm requests, 503s and failures, and the pool's PSS
+# (sampled every 100 ms: mean and peak). The baseline runs first, so that every model's
+# shared weights are prepared before the runs compared.
+#
+#   bench/many_models.sh                # ~5 minutes on 2 cores
+#   SECONDS_PER=30 ZIPF=0.8 bench/many_models.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/lib.sh
+COUNT=${COUNT:-90}
+BUDGET=${BUDGET:-360MiB}
+SECONDS_PER=${SECONDS_PER:-60}
+CLIENTS=${CLIENTS:-8}
+ZIPF=${ZIPF:-1.0}
+PORT=${PORT:-18470}
+
+scripts/setup.sh >/dev/null
+cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
+repo=.cache/many-models
+if [[ ! -f $repo/m$(printf '%02d' $((COUNT - 1)))/model.onnx ]]; then
+    rm -rf "$repo" && mkdir -p "$repo"
+    target/release/inferd-bench models --out "$repo" --count "$COUNT"
+fi
+rm -rf "$repo/typed" && cp -r tests/models/typed "$repo/typed"
+work=$(mktemp -d /tmp/inferd-many.XXXXXX)
+trap 'pkill -f "inferd serve --config $work" 2>/dev/null || true; rm -rf "$work"' EXIT
+
+# run NAME BUDGET EVICTION WARM: one server, the trace against it, one row.
+run() {
+    local name=$1 budget=$2 eviction=$3 warm=$4 admin=$((PORT + 1))
+    cat >"$work/inferd.toml" <<TOML
+[server]
+listen = "127.0.0.1:$PORT"
+control_socket = "control.sock"
+[admin]
+listen = "127.0.0.1:$admin"
+[runtime]
+cache_dir = "$PWD/.cache/inferd"
+[models]
+repository = "$PWD/$repo"
+default = "typed"
+on_demand = true
+memory_budget = "$budget"
+eviction = "$eviction"
+TOML
+    target/release/inferd serve --config "$work/inferd.toml" >"$work/$name.log" 2>&1 &
+    local pid=$!
+    wait_pool "$work/control.sock"
+    if [[ $warm == 1 ]]; then
+        # Every worker loads every model: one request per model per worker, twice over.
+        for _ in 1 2 3 4; do
+            for k in $(seq 0 $((COUNT - 1))); do
+                curl -s -o /dev/null -X POST "127.0.0.1:$PORT/v2/models/m$(printf '%02d' "$k")/infer" \
+                    -d '{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0]}]}' &
+                (( k % 4 == 3 )) && wait
+            done
+            wait
+        done
+    fi
+    local before
+    before=$(curl -s "127.0.0.1:$admin/metrics")
+    local json
+    json=$(target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count "$COUNT" --concurrency "$CLIENTS" \
+        --seconds "$SECONDS_PER" --zipf "$ZIPF" --pool-pid "$pid" | tail -n 1)
+    local after
+    after=$(curl -s "127.0.0.1:$admin/metrics")
+    kill "$pid" && wait "$pid" 2>/dev/null || true
+    python3 - "$name" "$json" "$before" "$after" <<'PY'
+import json, sys
+name, summary, before, after = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+def total(text, metric, labels=""):
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith(metric + "{") and labels in l)
+loads = total(after, "inferd_model_loads_total", 'reason="on_demand"') - total(before, "inferd_model_loads_total", 'reason="on_demand"')
+evictions = total(after, "inferd_model_evictions_total") - total(before, "inferd_model_evictions_total")
+s = summary
+print("| %s | %d | %.3f | %d | %d | %.1f / %.1f | %.1f / %.1f | %d / %d | %.0f / %.0f |" % (
+    name, s["requests"], s["hit_ratio"], loads, evictions, s["warm_p50_ms"], s["warm_p99_ms"],
+    s["cold_p50_ms"], s["cold_p99_ms"], s["busy_503"], s["failed"], s["pss_mean_mib"], s["pss_peak_mib"]))
+PY
+}
+
+echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $COUNT models of 5-30 MiB" \
+    "($(du -sm "$repo" | cut -f1) MiB), budget $BUDGET; $CLIENTS clients, Zipf $ZIPF, $SECONDS_PER s each."
+echo
+echo "| run | requests | hit ratio | loads | evictions | warm p50 / p99 (ms) | cold p50 / p99 (ms) | 503 / failed | pool PSS mean / peak (MiB) |"
+echo "|---|---|---|---|---|---|---|---|---|"
+run "every model loaded" 64GiB sieve 1
+run "lru" "$BUDGET" lru 0
+run "sieve" "$BUDGET" sieve 0
