@@ -60,15 +60,11 @@ TOML
     local pid=$!
     wait_pool "$work/control.sock"
     if [[ $warm == 1 ]]; then
-        # Every worker loads every model: one request per model per worker, twice over.
-        for _ in 1 2 3 4; do
-            for k in $(seq 0 $((COUNT - 1))); do
-                curl -s -o /dev/null -X POST "127.0.0.1:$PORT/v2/models/m$(printf '%02d' "$k")/infer" \
-                    -d '{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0]}]}' &
-                (( k % 4 == 3 )) && wait
-            done
-            wait
-        done
+        # Every worker loads every model: each model asked for 8 times, 4 requests at a time
+        # (the port spreads them over the workers).
+        local body='{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0]}]}'
+        for _ in 1 2 3 4 5 6 7 8; do seq 0 $((COUNT - 1)); done | xargs -P 4 -I{} sh -c \
+            "curl -s -o /dev/null -X POST 127.0.0.1:$PORT/v2/models/m\$(printf '%02d' {})/infer -d '$body'"
     fi
     local before
     before=$(curl -s "127.0.0.1:$admin/metrics")
@@ -87,9 +83,12 @@ def total(text, metric, labels=""):
 loads = total(after, "inferd_model_loads_total", 'reason="on_demand"') - total(before, "inferd_model_loads_total", 'reason="on_demand"')
 evictions = total(after, "inferd_model_evictions_total") - total(before, "inferd_model_evictions_total")
 s = summary
-print("| %s | %d | %.3f | %d | %d | %.1f / %.1f | %.1f / %.1f | %d / %d | %.0f / %.0f |" % (
-    name, s["requests"], s["hit_ratio"], loads, evictions, s["warm_p50_ms"], s["warm_p99_ms"],
-    s["cold_p50_ms"], s["cold_p99_ms"], s["busy_503"], s["failed"], s["pss_mean_mib"], s["pss_peak_mib"]))
+ms = lambda v: "-" if v is None else "%.1f" % v
+print("| %s | %d | %.3f | %d | %d | %s / %s | %s / %s | %d / %d | %.0f / %.0f |" % (
+    name, s["requests"], s["hit_ratio"], loads, evictions, ms(s["warm_p50_ms"]), ms(s["warm_p99_ms"]),
+    ms(s["cold_p50_ms"]), ms(s["cold_p99_ms"]), s["busy_503"], s["failed"], s["pss_mean_mib"], s["pss_peak_mib"]))
+if s["first_failure"]:
+    print("  first failure: %s" % s["first_failure"])
 PY
 }
 

@@ -13,8 +13,8 @@
 //! across its load and warm-up (the worker's PSS before and after) and remembered for its
 //! next load; before its first, it is taken as [`FIRST_LOAD_FACTOR`] times its file. A model
 //! that alone does not fit the share beside the worker's own memory and its pinned models is
-//! refused, naming both sizes; one that does not fit now because the models in use hold the
-//! share waits for a retry (503). A worker's PSS also grows without a load of its own, when a
+//! refused, naming both sizes; one that does not fit now because models in use hold the share
+//! waits [`IN_USE_WAIT`] for them, then is answered 503. A worker's PSS also grows without a load of its own, when a
 //! sibling unmaps weights both mapped: the loader looks every [`CHECK_EVERY`] while idle, and
 //! evicts what no longer fits.
 
@@ -120,7 +120,7 @@ impl Loader {
                     }
                 }
                 Err(why) => {
-                    warn!(model = name, "cannot load on demand: {why:?}");
+                    warn!(model = name, "cannot load on demand: {why}");
                     self.state.models.failed_on_demand(&name, why, &done);
                 }
             }
@@ -142,10 +142,9 @@ impl Loader {
             };
             budget.fits(name, sure, how).map_err(LoadError::Failed)?;
             let need = known.map_or(FIRST_LOAD_FACTOR * file, |(_, peak)| peak);
-            // With nothing left to evict, an estimate past the share is only an estimate: the
-            // load goes on, and what it measures decides.
-            // Models in use are so for the milliseconds of their requests: they are waited for
-            // a while, as the request that asked for this load does.
+            // Models in use hold the room for the milliseconds of their requests: they are
+            // waited for a while. With none left to evict, a need past the share is an
+            // estimate's: the load goes on, and what it measures decides.
             let mut waited = Duration::ZERO;
             while !self.make_room(need, budget.share, None, told) && self.state.models.holds_on_demand() {
                 if waited >= IN_USE_WAIT {

@@ -62,9 +62,11 @@ pub const LOADS_QUEUED: usize = 4;
 
 /// Why a load gave no model: one that failed (500; not tried again until the model's files
 /// change), or one that cannot be done now (503 with Retry-After).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LoadError {
+    #[error("{0}")]
     Failed(String),
+    #[error("{0}")]
     Busy(String),
 }
 
@@ -89,19 +91,20 @@ pub struct Models {
 /// order they loaded (SIEVE's queue, oldest first).
 struct Registry {
     entries: Vec<Entry>,
-    /// SIEVE's hand: the place in `entries` it looks at next.
+    /// SIEVE's hand: the place it looks at next among the models loaded on demand (0: the
+    /// first after the pinned ones).
     hand: usize,
 }
 
 /// A model loaded now.
-pub struct Entry {
+struct Entry {
     /// The engine's number for it.
-    pub number: usize,
-    pub model: Arc<Model>,
+    number: usize,
+    model: Arc<Model>,
     /// Loaded at boot: never evicted.
-    pub pinned: bool,
+    pinned: bool,
     /// What it holds (zero for a pinned model: the worker's own memory counts it).
-    pub cost: ModelCost,
+    cost: ModelCost,
     /// Used since SIEVE's hand last passed it.
     visited: AtomicBool,
     /// When a request last looked it up (ms since the registry was made).
