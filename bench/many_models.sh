@@ -8,7 +8,10 @@
 #   - every model loaded (a budget that holds them all, each loaded once before the trace):
 #     the memory baseline, every request warm;
 #   - models.eviction = "lru";
-#   - models.eviction = "sieve".
+#   - models.eviction = "sieve";
+#   - a load storm: one client of a pinned model alone, then beside CLIENTS clients asking
+#     for models drawn uniformly (nearly every request a cold model): the pinned model's
+#     latency both times, and how the storm was answered (503s and how fast).
 #
 # For each: the hit ratio (requests that did not wait for a load), loads and evictions (from
 # /metrics), p50/p99 of cold and warm requests, 503s and failures, and the pool's PSS
@@ -92,6 +95,52 @@ if s["first_failure"]:
 PY
 }
 
+# storm: m00 pinned (models.load), one client on it alone, then the same client while
+# CLIENTS others each ask for a model drawn uniformly from all COUNT (a load storm: nearly
+# every request for a model not loaded); the warm client's latency both times, and how the
+# storm was answered.
+storm() {
+    local admin=$((PORT + 1))
+    cat >"$work/inferd.toml" <<TOML
+[server]
+listen = "127.0.0.1:$PORT"
+control_socket = "control.sock"
+[admin]
+listen = "127.0.0.1:$admin"
+[runtime]
+cache_dir = "$PWD/.cache/inferd"
+[models]
+repository = "$PWD/$repo"
+default = "typed"
+load = ["m00"]
+on_demand = true
+memory_budget = "$BUDGET"
+TOML
+    target/release/inferd serve --config "$work/inferd.toml" >"$work/storm.log" 2>&1 &
+    local pid=$!
+    wait_pool "$work/control.sock"
+    local alone during flood
+    alone=$(target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count 1 --concurrency 1 --seconds "$SECONDS_PER" | tail -n 1)
+    target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count "$COUNT" --concurrency "$CLIENTS" \
+        --seconds "$SECONDS_PER" --zipf 0 >"$work/flood.json" &
+    local flooding=$!
+    during=$(target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count 1 --concurrency 1 --seconds "$SECONDS_PER" | tail -n 1)
+    wait "$flooding"
+    flood=$(tail -n 1 "$work/flood.json")
+    kill "$pid" && wait "$pid" 2>/dev/null || true
+    python3 - "$alone" "$during" "$flood" <<'PY'
+import json, sys
+alone, during, flood = (json.loads(a) for a in sys.argv[1:])
+ms = lambda v: "-" if v is None else "%.1f" % v
+print("| the pinned model's client, alone | %d | %s / %s | %d / %d |" % (
+    alone["requests"], ms(alone["p50_ms"]), ms(alone["p99_ms"]), alone["busy_503"], alone["failed"]))
+print("| the same, during the storm | %d | %s / %s | %d / %d |" % (
+    during["requests"], ms(during["p50_ms"]), ms(during["p99_ms"]), during["busy_503"], during["failed"]))
+print("| the storm (uniform over all models) | %d | %s / %s (503s: p99 %s) | %d / %d |" % (
+    flood["requests"], ms(flood["p50_ms"]), ms(flood["p99_ms"]), ms(flood["busy_p99_ms"]), flood["busy_503"], flood["failed"]))
+PY
+}
+
 echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $COUNT models of 5-30 MiB" \
     "($(du -sm "$repo" | cut -f1) MiB), budget $BUDGET; $CLIENTS clients, Zipf $ZIPF, $SECONDS_PER s each."
 echo
@@ -100,3 +149,9 @@ echo "|---|---|---|---|---|---|---|---|---|"
 run "every model loaded" 64GiB sieve 1
 run "lru" "$BUDGET" lru 0
 run "sieve" "$BUDGET" sieve 0
+echo
+echo "A load storm within the same budget ($CLIENTS clients, every model equally likely), beside one client of a pinned model:"
+echo
+echo "| client | requests | answered p50 / p99 (ms) | 503 / failed |"
+echo "|---|---|---|---|"
+storm

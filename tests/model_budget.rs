@@ -74,10 +74,21 @@ fn ninety_models_four_times_the_budget_serve_zipf_traffic_with_their_own_answers
     let answered = sent.iter().filter(|s| s.outcome == Outcome::Answered).count();
     let busy = sent.iter().filter(|s| s.outcome == Outcome::Busy).count();
     let failures: Vec<&Outcome> = sent.iter().map(|s| &s.outcome).filter(|o| matches!(o, Outcome::Failed(_))).collect();
-    let metrics = server.metrics_text();
-    let log = server.log();
-    let logged = |what: &str| log.lines().filter(|l| l.contains(what)).count();
-    let (loads, evictions) = (logged("loaded on demand in"), logged("to make room for another model"));
+    // What the workers logged, once the supervisor has counted it too (their reports reach
+    // it a moment after).
+    let (mut metrics, mut log) = (String::new(), String::new());
+    let logged = |log: &str, what: &str| log.lines().filter(|l| l.contains(what)).count();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        (metrics, log) = (server.metrics_text(), server.log());
+        let counted = metric_sum(&metrics, "inferd_model_loads_total", "reason=\"on_demand\"")
+            + metric_sum(&metrics, "inferd_model_evictions_total", "");
+        if counted == (logged(&log, "loaded on demand in") + logged(&log, "to make room for another model")) as f64 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (loads, evictions) = (logged(&log, "loaded on demand in"), logged(&log, "to make room for another model"));
     eprintln!(
         "{answered} answered, {busy} 503, {} failed in {seconds} s; {loads} loads, {evictions} evictions; peak pool \
          PSS {} MiB for a budget of {} MiB",
@@ -167,16 +178,44 @@ fn a_repository_of_a_thousand_models_starts_lists_and_serves_any_of_them_and_ref
         assert_eq!(answered.status, 200, "{}", String::from_utf8_lossy(&answered.body));
         assert!(close(&answer(&answered.json()).unwrap(), &models[k].reference(&row(k))), "m{k}");
     }
+    // Each worker's reports reach the supervisor a moment after its answers.
+    let held = |status: &serde_json::Value| -> usize {
+        status["workers"].as_array().unwrap().iter().map(|w| w["models"].as_array().unwrap().len()).sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held(&server.status()) < test_workers() + 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let status = server.status();
-    let held: usize = status["workers"].as_array().unwrap().iter().map(|w| w["models"].as_array().unwrap().len()).sum();
     assert_eq!(
-        held,
+        held(&status),
         test_workers() + 3,
         "typed on each worker, and each of the three on the worker it was asked of: {status}"
     );
     let metrics = server.metrics_text();
     assert!(metrics.len() < 64 * 1024, "/metrics is {} bytes for 1000 models, 3 loaded", metrics.len());
     assert_eq!(metric_sum(&metrics, "inferd_model_loads_total", "reason=\"on_demand\""), 3.0, "{metrics}");
+    // The admin index: the three READY (loaded on demand), the rest loadable.
+    let index = |body: &str| {
+        inferd_bench::http::request(server.admin_addr(), "POST", "/v2/repository/index", &[], body.as_bytes()).unwrap()
+    };
+    let all = index("{}").json();
+    assert_eq!(all.as_array().unwrap().len(), 1001, "typed and the thousand");
+    let entry = |name: &str| all.as_array().unwrap().iter().find(|e| e["name"] == name).unwrap().clone();
+    assert_eq!(
+        (entry("m517")["state"].as_str(), entry("m517")["reason"].as_str()),
+        (Some("READY"), Some("loaded on demand"))
+    );
+    assert_eq!(entry("m518")["state"], "UNAVAILABLE");
+    assert!(entry("m518")["reason"].as_str().unwrap().contains("first request"), "{}", entry("m518"));
+    let ready: Vec<String> = index("{\"ready\": true}")
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ready, ["typed", "m00", "m517", "m999"]);
     // An unknown name: a 404 naming a few, not a thousand.
     let unknown = server.request("POST", "/v2/models/nope/infer", &request(&row(0)));
     assert_eq!(unknown.status, 404);

@@ -642,7 +642,8 @@ fn trace(
     let answered: Vec<_> = sent.iter().filter(|s| s.outcome == Outcome::Answered).collect();
     let cold: Vec<f64> = answered.iter().filter(|s| s.load.is_some()).map(|s| ms(&s.latency)).collect();
     let warm: Vec<f64> = answered.iter().filter(|s| s.load.is_none()).map(|s| ms(&s.latency)).collect();
-    let busy = sent.iter().filter(|s| s.outcome == Outcome::Busy).count();
+    let busy: Vec<f64> = sent.iter().filter(|s| s.outcome == Outcome::Busy).map(|s| ms(&s.latency)).collect();
+    let all: Vec<f64> = answered.iter().map(|s| ms(&s.latency)).collect();
     let failed: Vec<&String> = sent
         .iter()
         .filter_map(|s| match &s.outcome {
@@ -654,7 +655,10 @@ fn trace(
     let summary = serde_json::json!({
         "requests": sent.len(),
         "answered": answered.len(),
-        "busy_503": busy,
+        "busy_503": busy.len(),
+        "busy_p99_ms": percentile(busy, 0.99),
+        "p50_ms": percentile(all.clone(), 0.5),
+        "p99_ms": percentile(all, 0.99),
         "failed": failed.len(),
         "first_failure": failed.first(),
         "hit_ratio": warm.len() as f64 / answered.len().max(1) as f64,

@@ -384,8 +384,8 @@ async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control
 }
 
 /// Triton's repository index: every folder of the repository with a model (its model.toml, or
-/// an ONNX file to serve without one), and every
-/// model the pool serves from elsewhere (`load` with a path).
+/// an ONNX file to serve without one), and every model the pool serves from elsewhere (`load`
+/// with a path); with on_demand, a model a worker loaded on demand is READY.
 async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only: bool) -> Reply {
     let Some(m) = snapshot(events).await else { return stopping() };
     let mut entries: Vec<Value> = m
@@ -394,14 +394,24 @@ async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only:
         .zip(&m.versions)
         .map(|(name, version)| json!({"name": name, "version": version, "state": "READY", "reason": ""}))
         .collect();
-    if !ready_only {
-        for name in ModelEntry::folders(&admin.repository).into_iter().filter(|n| !m.models.contains(n)) {
-            let (version, reason) = match ModelEntry::load(&admin.repository, &name) {
-                Ok(entry) => (entry.version, "unloaded".to_string()),
-                Err(e) => (String::new(), e.to_string()),
-            };
-            entries.push(json!({"name": name, "version": version, "state": "UNAVAILABLE", "reason": reason}));
+    // With [models] on_demand (a budget is set then): a model some worker loaded is READY,
+    // the others load on their first request.
+    let on_demand = m.models_budget.is_some();
+    for name in ModelEntry::folders(&admin.repository).into_iter().filter(|n| !m.models.contains(n)) {
+        let loaded = m.model_bytes.contains_key(&name);
+        if ready_only && !loaded {
+            continue;
         }
+        let (version, reason) = match ModelEntry::load(&admin.repository, &name) {
+            Ok(entry) if loaded => (entry.version, "loaded on demand".to_string()),
+            Ok(entry) if on_demand => {
+                (entry.version, "not loaded: loaded on its first request (on_demand)".to_string())
+            }
+            Ok(entry) => (entry.version, "unloaded".to_string()),
+            Err(e) => (String::new(), e.to_string()),
+        };
+        let state = if loaded { "READY" } else { "UNAVAILABLE" };
+        entries.push(json!({"name": name, "version": version, "state": state, "reason": reason}));
     }
     json_reply(StatusCode::OK, &Value::Array(entries))
 }

@@ -112,8 +112,10 @@ impl Loader {
                         cost.private >> 20,
                         cost.mapped >> 20
                     );
-                    self.state.models.loaded_on_demand(model, number, cost, &done);
+                    // The supervisor first: status and /metrics then show the model by the time
+                    // its first answer is out.
                     told(WorkerMessage::Loaded { model: info, cost, seconds });
+                    self.state.models.loaded_on_demand(model, number, cost, &done);
                     // Measured above the estimate: others make room now, not at the next load.
                     if let Some(budget) = self.budget {
                         self.make_room(0, budget.share, Some(number), &told);
