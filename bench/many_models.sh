@@ -20,6 +20,7 @@
 #
 #   bench/many_models.sh                # ~5 minutes on 2 cores
 #   SECONDS_PER=30 ZIPF=0.8 bench/many_models.sh
+#   ONLY=storm bench/many_models.sh     # the load storm alone
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/lib.sh
@@ -29,6 +30,7 @@ SECONDS_PER=${SECONDS_PER:-60}
 CLIENTS=${CLIENTS:-8}
 ZIPF=${ZIPF:-1.0}
 PORT=${PORT:-18470}
+ONLY=${ONLY:-all}   # storm: the load storm alone
 
 scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
@@ -143,12 +145,14 @@ PY
 
 echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $COUNT models of 5-30 MiB" \
     "($(du -sm "$repo" | cut -f1) MiB), budget $BUDGET; $CLIENTS clients, Zipf $ZIPF, $SECONDS_PER s each."
-echo
-echo "| run | requests | hit ratio | loads | evictions | warm p50 / p99 (ms) | cold p50 / p99 (ms) | 503 / failed | pool PSS mean / peak (MiB) |"
-echo "|---|---|---|---|---|---|---|---|---|"
-run "every model loaded" 64GiB sieve 1
-run "lru" "$BUDGET" lru 0
-run "sieve" "$BUDGET" sieve 0
+if [[ $ONLY != storm ]]; then
+    echo
+    echo "| run | requests | hit ratio | loads | evictions | warm p50 / p99 (ms) | cold p50 / p99 (ms) | 503 / failed | pool PSS mean / peak (MiB) |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    run "every model loaded" 64GiB sieve 1
+    run "lru" "$BUDGET" lru 0
+    run "sieve" "$BUDGET" sieve 0
+fi
 echo
 echo "A load storm within the same budget ($CLIENTS clients, every model equally likely), beside one client of a pinned model:"
 echo
