@@ -9,12 +9,17 @@ use std::time::Duration;
 use crate::common::*;
 
 fn on_demand_server(tag: &str, workers: usize, load: &[&str]) -> Server {
-    on_demand_server_waiting(tag, workers, load, 60.0)
+    on_demand_server_with(tag, workers, load, 60.0, "")
 }
 
-/// As [`on_demand_server`], with `models.load_timeout_secs = wait`.
-fn on_demand_server_waiting(tag: &str, workers: usize, load: &[&str], wait: f64) -> Server {
+/// As [`on_demand_server`], with `models.load_timeout_secs = wait` and `admin` lines in
+/// `[admin]`.
+fn on_demand_server_with(tag: &str, workers: usize, load: &[&str], wait: f64, admin: &str) -> Server {
     let dir = temp_dir(tag);
+    // For `token_file = "admin-token"` in `admin`.
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, format!("{ADMIN_TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let repository = model_repository(dir.path(), &["typed", "classifier", "mlp"]);
     // A folder whose model.toml reads but whose file ONNX Runtime refuses.
     let broken = repository.join("broken");
@@ -30,13 +35,15 @@ fn on_demand_server_waiting(tag: &str, workers: usize, load: &[&str], wait: f64)
     let port = free_port();
     let config = write_config(dir.path(), port, workers, &repository, "typed", load, "");
     // [models] is the file's last section.
-    let mut text = std::fs::read_to_string(&config).unwrap();
+    let mut text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", &format!("[admin]\n{admin}"));
     text.push_str(&format!("on_demand = true\nload_timeout_secs = {wait}\n"));
     std::fs::write(&config, text).unwrap();
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     server
 }
+
+const ADMIN_TOKEN: &str = "admin-token-on-demand-8c41d2";
 
 fn body(response: &Response) -> String {
     String::from_utf8_lossy(&response.body).into_owned()
@@ -169,7 +176,7 @@ fn a_model_that_cannot_load_fails_its_requests_only_and_is_not_loaded_again_at_o
 fn a_request_that_waits_past_the_load_timeout_is_answered_503_and_the_load_goes_on() {
     // A load takes milliseconds at least (ONNX Runtime's session, the warm-up): longer than
     // this timeout on any machine.
-    let server = on_demand_server_waiting("on-demand-timeout", 1, &[], 0.000001);
+    let server = on_demand_server_with("on-demand-timeout", 1, &[], 0.000001, "");
     let response = server.request("POST", "/v2/models/classifier/infer", &text_request("late"));
     assert_eq!(response.status, 503, "{}", body(&response));
     assert!(response.header("retry-after").is_some(), "{:?}", response.headers);
@@ -209,4 +216,42 @@ fn a_folder_added_while_serving_is_servable_after_a_reload() {
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let response = server.request("POST", "/v2/models/late/infer", &raw);
     assert_eq!(response.status, 200, "{}", body(&response));
+}
+
+#[test]
+fn with_on_demand_the_admin_load_pins_a_model_and_unload_leaves_it_servable_on_demand() {
+    let workers = test_workers();
+    let admin = "model_control = true\ntoken_file = \"admin-token\"\n";
+    let server = on_demand_server_with("on-demand-pin", workers, &["classifier"], 60.0, admin);
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let admin = |path: &str| request(server.admin_addr(), "POST", path, &[("Authorization", &auth)], b"{}").unwrap();
+    let settled = |generation: u64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let status = server.status();
+            if status["generation"] == generation && status["reload"].is_null() {
+                return status;
+            }
+            assert!(std::time::Instant::now() < deadline, "no generation {generation}: {status}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    // Among the workers of the status's generation (those of the last one may still drain).
+    let holding = |status: &serde_json::Value, model: &str| {
+        let workers = status["workers"].as_array().unwrap().iter().filter(|w| w["generation"] == status["generation"]);
+        workers.filter(|w| w["models"].as_array().unwrap().iter().any(|m| m["name"] == model)).count()
+    };
+    // Unpinned: no worker holds it after the reload, and it is still served, on demand.
+    let unloaded = admin("/v2/repository/models/classifier/unload");
+    assert_eq!(unloaded.status, 200, "{}", body(&unloaded));
+    assert_eq!(holding(&settled(2), "classifier"), 0);
+    let metadata = server.request("GET", "/v2/models/classifier", b"").json();
+    assert_eq!(metadata["loaded"], false, "{metadata}");
+    assert_eq!(probabilities(&server.request("POST", "/v2/models/classifier/infer", &text_request("fine"))).len(), 3);
+    // Pinned: every worker loads it as it starts, and no request had to.
+    let loaded = admin("/v2/repository/models/mlp/load");
+    assert_eq!(loaded.status, 200, "{}", body(&loaded));
+    let status = settled(3);
+    assert_eq!(holding(&status, "mlp"), workers, "{status}");
+    assert_eq!(loads_logged(&server, "mlp", "loaded on demand"), 0, "{}", server.log());
 }

@@ -28,8 +28,9 @@ pub(super) struct MemoryWatch {
     limits: Option<WorkerLimits>,
     /// When the watch last ran.
     checked: Option<Instant>,
-    /// models.memory_budget, or what the memory plan gave it when the first worker started.
-    models_budget: Option<u64>,
+    /// models.memory_budget's default, from the memory there was when the first worker
+    /// started.
+    default_models_budget: Option<u64>,
 }
 
 impl MemoryWatch {
@@ -43,19 +44,28 @@ impl MemoryWatch {
         self.limits.as_ref()
     }
 
-    /// The memory the pool's models may hold ([models] on_demand): models.memory_budget, or
-    /// [`models_budget`] of the memory there was when the first worker started.
+    /// The memory the pool's models may hold ([models] on_demand): models.memory_budget as
+    /// the configuration says now (a reload may change it), or [`models_budget`]'s default of
+    /// the memory there was when the first worker started.
     pub(super) fn models_budget(&mut self, config: &inferd_config::file::Config) -> u64 {
-        *self.models_budget.get_or_insert_with(|| {
-            let (bytes, source) = models_budget(config.models.memory_budget.map(|b| b.0), &MemoryBudget::detect());
+        if let Some(budget) = config.models.memory_budget {
+            return budget.0;
+        }
+        *self.default_models_budget.get_or_insert_with(|| {
+            let (bytes, source) = models_budget(None, &MemoryBudget::detect());
             info!("models loaded on demand: a budget of {} MiB ({source})", bytes >> 20);
             bytes
         })
     }
 
-    /// [`MemoryWatch::models_budget`] once set.
-    pub(super) fn models_budget_now(&self) -> Option<u64> {
-        self.models_budget
+    /// [`MemoryWatch::models_budget`] without working it out: None before the first worker
+    /// started, or without on_demand.
+    pub(super) fn models_budget_now(&self, config: &inferd_config::file::Config) -> Option<u64> {
+        match config.models.memory_budget {
+            _ if !config.models.on_demand => None,
+            Some(budget) => Some(budget.0),
+            None => self.default_models_budget,
+        }
     }
 }
 

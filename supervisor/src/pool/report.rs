@@ -157,7 +157,7 @@ impl Supervisor {
                 "{}; worker memory limits (private): {}{}",
                 MemoryBudget::detect().describe(),
                 self.memory.limits().map_or("not set yet (worker 0 is warming up)".into(), |l| l.describe()),
-                match self.memory.models_budget_now().filter(|_| self.resolved.config.models.on_demand) {
+                match self.memory.models_budget_now(&self.resolved.config) {
                     Some(budget) => format!(
                         "; models on demand within {} MiB ({} MiB per worker)",
                         budget >> 20,
@@ -280,7 +280,7 @@ impl Supervisor {
                 total.mapped += cost.mapped;
                 sum
             }),
-            models_budget: self.resolved.config.models.on_demand.then(|| self.memory.models_budget_now()).flatten(),
+            models_budget: self.memory.models_budget_now(&self.resolved.config),
         }
     }
 }

@@ -51,19 +51,19 @@ const IN_USE_POLL: Duration = Duration::from_millis(10);
 /// The worker's share of models.memory_budget, and what it held when the loader started (the
 /// worker itself, warm, with its pinned models).
 #[derive(Debug, Clone, Copy)]
-pub struct Budget {
-    pub share: u64,
-    pub base: u64,
+struct Budget {
+    share: u64,
+    base: u64,
 }
 
 /// The loader's state: what may be loaded, where models go, the budget and what each model
 /// cost when it last loaded.
 pub struct Loader {
-    pub runtime: Runtime,
-    pub catalog: Vec<ModelEntry>,
-    pub lanes: Lanes,
-    pub state: Arc<AppState>,
-    pub budget: Option<Budget>,
+    runtime: Runtime,
+    catalog: Vec<ModelEntry>,
+    lanes: Lanes,
+    state: Arc<AppState>,
+    budget: Option<Budget>,
     /// By model, as its last load measured: what it holds once warm, and the room its load
     /// took at its peak.
     costs: HashMap<String, (ModelCost, u64)>,
