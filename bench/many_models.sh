@@ -43,27 +43,34 @@ rm -rf "$repo/typed" && cp -r tests/models/typed "$repo/typed"
 work=$(mktemp -d /tmp/inferd-many.XXXXXX)
 trap 'pkill -f "inferd serve --config $work" 2>/dev/null || true; rm -rf "$work"' EXIT
 
-# run NAME BUDGET EVICTION WARM: one server, the trace against it, one row.
-run() {
-    local name=$1 budget=$2 eviction=$3 warm=$4 admin=$((PORT + 1))
+# start NAME BUDGET EVICTION PINNED: a server of the models within BUDGET, PINNED (a TOML
+# list) in models.load, its log in $work/NAME.log; sets $pid, once it is ready.
+start() {
     cat >"$work/inferd.toml" <<TOML
 [server]
 listen = "127.0.0.1:$PORT"
 control_socket = "control.sock"
 [admin]
-listen = "127.0.0.1:$admin"
+listen = "127.0.0.1:$((PORT + 1))"
 [runtime]
 cache_dir = "$PWD/.cache/inferd"
 [models]
 repository = "$PWD/$repo"
 default = "typed"
+load = $4
 on_demand = true
-memory_budget = "$budget"
-eviction = "$eviction"
+memory_budget = "$2"
+eviction = "$3"
 TOML
-    target/release/inferd serve --config "$work/inferd.toml" >"$work/$name.log" 2>&1 &
-    local pid=$!
+    target/release/inferd serve --config "$work/inferd.toml" >"$work/$1.log" 2>&1 &
+    pid=$!
     wait_pool "$work/control.sock"
+}
+
+# run NAME BUDGET EVICTION WARM: one server, the trace against it, one row.
+run() {
+    local name=$1 warm=$4 admin=$((PORT + 1))
+    start "$name" "$2" "$3" "[]"
     if [[ $warm == 1 ]]; then
         # Every worker loads every model: each model asked for 8 times, 4 requests at a time
         # (the port spreads them over the workers).
@@ -102,25 +109,7 @@ PY
 # every request for a model not loaded); the warm client's latency both times, and how the
 # storm was answered.
 storm() {
-    local admin=$((PORT + 1))
-    cat >"$work/inferd.toml" <<TOML
-[server]
-listen = "127.0.0.1:$PORT"
-control_socket = "control.sock"
-[admin]
-listen = "127.0.0.1:$admin"
-[runtime]
-cache_dir = "$PWD/.cache/inferd"
-[models]
-repository = "$PWD/$repo"
-default = "typed"
-load = ["m00"]
-on_demand = true
-memory_budget = "$BUDGET"
-TOML
-    target/release/inferd serve --config "$work/inferd.toml" >"$work/storm.log" 2>&1 &
-    local pid=$!
-    wait_pool "$work/control.sock"
+    start storm "$BUDGET" lru '["m00"]'
     local alone during flood
     alone=$(target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count 1 --concurrency 1 --seconds "$SECONDS_PER" | tail -n 1)
     target/release/inferd-bench trace --addr "127.0.0.1:$PORT" --count "$COUNT" --concurrency "$CLIENTS" \

@@ -76,12 +76,8 @@ enum Command {
     Models {
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, default_value_t = 60)]
-        count: usize,
-        #[arg(long, default_value_t = 5)]
-        min_mib: usize,
-        #[arg(long, default_value_t = 30)]
-        max_mib: usize,
+        #[command(flatten)]
+        set: ModelSet,
     },
     /// Zipf-distributed traffic over generated models (as `models` wrote them, the same
     /// arguments), every answer checked against its model's reference; prints the hit ratio
@@ -90,12 +86,8 @@ enum Command {
     Trace {
         #[arg(long)]
         addr: String,
-        #[arg(long, default_value_t = 60)]
-        count: usize,
-        #[arg(long, default_value_t = 5)]
-        min_mib: usize,
-        #[arg(long, default_value_t = 30)]
-        max_mib: usize,
+        #[command(flatten)]
+        set: ModelSet,
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
         #[arg(long, default_value_t = 60.0)]
@@ -117,6 +109,17 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:18090")]
         listen: String,
     },
+}
+
+/// The generated models of `models` and `trace` ([`inferd_bench::models::set`]).
+#[derive(Args)]
+struct ModelSet {
+    #[arg(long, default_value_t = 60)]
+    count: usize,
+    #[arg(long, default_value_t = 5)]
+    min_mib: usize,
+    #[arg(long, default_value_t = 30)]
+    max_mib: usize,
 }
 
 /// The sessions of `ort` and `floor`: P threads, each with its own session of the model.
@@ -177,12 +180,12 @@ struct Clients {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Models { out, count, min_mib, max_mib } => {
-            inferd_bench::models::generate(&out, count, min_mib, max_mib)?;
+        Command::Models { out, set } => {
+            inferd_bench::models::generate(&out, set.count, set.min_mib, set.max_mib)?;
             Ok(())
         }
-        Command::Trace { addr, count, min_mib, max_mib, concurrency, seconds, zipf, pool_pid } => {
-            trace(&addr, count, (min_mib, max_mib), concurrency, seconds, zipf, pool_pid)
+        Command::Trace { addr, set, concurrency, seconds, zipf, pool_pid } => {
+            trace(&addr, &set, concurrency, seconds, zipf, pool_pid)
         }
         Command::Http { clients, path, short_below, rate } => {
             let texts = read_texts(&clients.texts)?;
@@ -608,17 +611,15 @@ fn report(label: &str, s: Summary, errors: usize, shares: Option<(f64, f64)>) {
 /// `trace`: see [`Command::Trace`].
 fn trace(
     addr: &str,
-    count: usize,
-    (min_mib, max_mib): (usize, usize),
+    set: &ModelSet,
     concurrency: usize,
     seconds: f64,
     zipf: f64,
     pool_pid: Option<u32>,
 ) -> anyhow::Result<()> {
-    use inferd_bench::models::{trace, tree_pss, Mlp, Outcome};
+    use inferd_bench::models::{trace, tree_pss, Outcome};
     let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)?.next().context("no address")?;
-    let span = max_mib.saturating_sub(min_mib) + 1;
-    let models: Vec<Mlp> = (0..count).map(|k| Mlp::of_size(k as u64, (min_mib + (k * 37) % span) << 20)).collect();
+    let models = inferd_bench::models::set(set.count, set.min_mib, set.max_mib);
     let running = Arc::new(AtomicBool::new(true));
     let sampler = pool_pid.map(|pid| {
         let running = running.clone();

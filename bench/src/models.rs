@@ -185,18 +185,20 @@ pub fn close(got: &[f64], want: &[f64]) -> bool {
     got.len() == want.len() && got.iter().zip(want).all(|(g, w)| (g - w).abs() <= 1e-3 * scale)
 }
 
-/// Writes `count` generated models `m00`.. into `repository`, the k-th of `min + (k * 37) %
-/// (max - min + 1)` MiB of weights (sizes spread over the trace's ranks: the most requested
-/// is not the smallest); returns them in order.
-pub fn generate(repository: &Path, count: usize, min_mib: usize, max_mib: usize) -> std::io::Result<Vec<Mlp>> {
+/// `count` generated models, the k-th of `min + (k * 37) % (max - min + 1)` MiB of weights
+/// (sizes spread over the trace's ranks: the most requested is not the smallest).
+pub fn set(count: usize, min_mib: usize, max_mib: usize) -> Vec<Mlp> {
     let span = max_mib.saturating_sub(min_mib) + 1;
-    (0..count)
-        .map(|k| {
-            let mlp = Mlp::of_size(k as u64, (min_mib + (k * 37) % span) << 20);
-            mlp.write(&repository.join(name(k)), &name(k))?;
-            Ok(mlp)
-        })
-        .collect()
+    (0..count).map(|k| Mlp::of_size(k as u64, (min_mib + (k * 37) % span) << 20)).collect()
+}
+
+/// Writes [`set`]'s models into `repository` as `m00`..; returns them in order.
+pub fn generate(repository: &Path, count: usize, min_mib: usize, max_mib: usize) -> std::io::Result<Vec<Mlp>> {
+    let models = set(count, min_mib, max_mib);
+    for (k, mlp) in models.iter().enumerate() {
+        mlp.write(&repository.join(name(k)), &name(k))?;
+    }
+    Ok(models)
 }
 
 /// The name of generated model `k`.

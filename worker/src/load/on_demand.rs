@@ -226,45 +226,41 @@ fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, 
 /// 8's 4.18) give the total only: the private part is then RssAnon + RssShmem from
 /// /proc/self/status (anonymous pages are the process's own: their PSS is their RSS).
 fn resident() -> ModelCost {
-    let kb = |text: &str, name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
     let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
-    let parts = (kb(&rollup, "Pss_Anon:"), kb(&rollup, "Pss_Shmem:"), kb(&rollup, "Pss_File:"));
-    if let (Some(anon), shmem, Some(file)) = parts {
+    let kb = |name: &str| kb_field(&rollup, name);
+    if let (Some(anon), shmem, Some(file)) = (kb("Pss_Anon:"), kb("Pss_Shmem:"), kb("Pss_File:")) {
         return ModelCost { private: anon + shmem.unwrap_or(0), mapped: file };
     }
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let private = kb(&status, "RssAnon:").unwrap_or(0) + kb(&status, "RssShmem:").unwrap_or(0);
-    let total = kb(&rollup, "Pss:").unwrap_or(private);
-    ModelCost { private, mapped: total.saturating_sub(private) }
+    let private = own_pages();
+    ModelCost { private, mapped: kb("Pss:").unwrap_or(private).saturating_sub(private) }
 }
 
-/// Runs `work`, sampling the worker's own pages (RssAnon + RssShmem, from /proc/self/status:
-/// microseconds a read) every [`PEAK_SAMPLE_EVERY`] on a thread of its own: returns its
-/// result and the most they grew above where they were when it started.
+/// The worker's own pages (RssAnon + RssShmem, from /proc/self/status: microseconds a read).
+fn own_pages() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    kb_field(&status, "RssAnon:").unwrap_or(0) + kb_field(&status, "RssShmem:").unwrap_or(0)
+}
+
+/// Field `name` (`"RssAnon:"`) of a /proc file that counts in kB, in bytes.
+fn kb_field(text: &str, name: &str) -> Option<u64> {
+    let kb: u64 = text.lines().find_map(|l| l.strip_prefix(name))?.split_whitespace().next()?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Runs `work`, sampling the worker's own pages ([`own_pages`]) every [`PEAK_SAMPLE_EVERY`]
+/// on a thread of its own: returns its result and the most they grew above where they were
+/// when it started.
 fn peak_growth<T>(work: impl FnOnce() -> T) -> (T, u64) {
-    let own = || {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let kb = |name: &str| {
-            status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok())
-        };
-        (kb("RssAnon:").unwrap_or(0u64) + kb("RssShmem:").unwrap_or(0)) * 1024
-    };
-    let start = own();
+    let start = own_pages();
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let sampler = scope.spawn(|| {
             let mut peak = start;
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(own());
+                peak = peak.max(own_pages());
                 std::thread::sleep(PEAK_SAMPLE_EVERY);
             }
-            peak.max(own())
+            peak.max(own_pages())
         });
         let result = work();
         done.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -43,12 +43,13 @@ const KNOWN_NAMED: usize = 20;
 /// Why `name` cannot name a model folder, if it cannot: a request for it is answered at once,
 /// nothing looked up.
 fn unlike_a_name(name: &str) -> Option<&'static str> {
-    let lower = name.to_ascii_lowercase();
+    // Every request passes here: percent escapes are matched in place, nothing allocated.
+    let escaped = |code: &[u8]| name.as_bytes().windows(code.len()).any(|w| w.eq_ignore_ascii_case(code));
     if name.len() > 255 {
         Some("a model's name is a folder's name, at most 255 bytes")
-    } else if name.contains(['/', '\\']) || lower.contains("%2f") || lower.contains("%5c") {
+    } else if name.contains(['/', '\\']) || escaped(b"%2f") || escaped(b"%5c") {
         Some("a model's name has no '/'")
-    } else if name == "." || name.contains("..") || lower.contains("%2e%2e") {
+    } else if name == "." || name.contains("..") || escaped(b"%2e%2e") {
         Some("a model's name is not '.' or '..'")
     } else if name.contains('\0') || name.contains("%00") {
         Some("a model's name has no NUL")
