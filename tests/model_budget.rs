@@ -234,3 +234,69 @@ fn a_repository_of_a_thousand_models_starts_lists_and_serves_any_of_them_and_ref
         assert!(refused.error().contains(why), "{name}: {}", refused.error());
     }
 }
+
+/// A keep-alive connection that worker `index` serves (the port places connections at
+/// random: connections are opened until one lands there).
+fn connection_to(addr: std::net::SocketAddr, index: usize) -> Connection {
+    for _ in 0..500 {
+        let mut connection = Connection::open(addr).unwrap();
+        let live = connection.send("GET", "/v2/health/live", &[], b"").unwrap();
+        if live.header("x-inferd-worker") == Some(&index.to_string()) {
+            return connection;
+        }
+    }
+    panic!("no connection reached worker {index} in 500 tries");
+}
+
+#[test]
+fn with_pool_placement_a_worker_without_room_sends_a_model_its_sibling_holds_there_and_loads_it_once_that_sibling_is_gone(
+) {
+    let dir = temp_dir("budget-placement");
+    let repository = model_repository(dir.path(), &["typed"]);
+    // Four models of 25 MiB. A share of 180 MiB holds a worker (20-30 MiB warm), one of them
+    // (about 50 MiB) and a first load's room (5 x 25 MiB) beside it only while it holds none.
+    let models = generate(&repository, 4, 25, 25).unwrap();
+    let port = free_port();
+    let config = write_config(dir.path(), port, 2, &repository, "typed", &[], "");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str("on_demand = true\nmemory_budget = \"360 MiB\"\nplacement = \"pool\"\n");
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let ask = |connection: &mut Connection, k: usize, worker: usize| {
+        let path = format!("/v2/models/{}/infer", inferd_bench::models::name(k));
+        let headers = [("Content-Type", "application/json"), ("X-Request-Id", "placed-7")];
+        let answered = connection.send("POST", &path, &headers, &request(&row(k))).unwrap();
+        assert_eq!(answered.status, 200, "m{k}: {}", String::from_utf8_lossy(&answered.body));
+        assert!(close(&answer(&answered.json()).unwrap(), &models[k].reference(&row(k))), "m{k}'s own answer");
+        assert_eq!(answered.header("x-inferd-worker"), Some(&*worker.to_string()), "m{k}: which worker answered");
+        assert_eq!(answered.header("x-request-id"), Some("placed-7"));
+    };
+    let (mut a, mut b) = (connection_to(server.addr, 0), connection_to(server.addr, 1));
+    ask(&mut a, 0, 0);
+    ask(&mut b, 1, 1);
+    // Worker 1 holds m01 and has no room for another first load: worker 0 answers for m00.
+    for _ in 0..3 {
+        ask(&mut b, 0, 0);
+    }
+    let metrics = server.metrics_text();
+    let loads = |metrics: &str, k: usize| {
+        metric_sum(metrics, "inferd_model_loads_total", &format!("model=\"m{k:02}\",reason=\"on_demand\""))
+    };
+    assert_eq!(loads(&metrics, 0), 1.0, "m00 loaded once, by worker 0:\n{metrics}");
+    assert_eq!(metric_value(&metrics, "inferd_model_forwards_total{outcome=\"forwarded\"}"), Some(3.0), "{metrics}");
+    // Worker 0 killed: worker 1 no longer finds m00 held (or cannot reach its holder), and
+    // loads it itself; nothing fails.
+    let status = server.status();
+    let first = status["workers"].as_array().unwrap().iter().find(|w| w["index"] == 0).expect("worker 0")["pid"]
+        .as_i64()
+        .unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), nix::sys::signal::Signal::SIGKILL).unwrap();
+    ask(&mut b, 0, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while loads(&server.metrics_text(), 0) < 2.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(loads(&server.metrics_text(), 0), 2.0, "m00 loaded again, by worker 1");
+    assert!(server.running(), "{}", server.log());
+}

@@ -277,6 +277,23 @@ pub struct ModelsConfig {
     pub memory_budget: Option<ByteSize>,
     /// Which idle model loaded on demand is evicted first.
     pub eviction: Eviction,
+    /// With on_demand and a budget: whether each worker loads every model its requests ask
+    /// for, or a worker whose share has no free room for a model a serving sibling holds
+    /// forwards the request to that sibling.
+    pub placement: Placement,
+}
+
+/// Where a model loaded on demand is served ([`ModelsConfig::placement`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// Each worker loads the models its requests ask for.
+    #[default]
+    Worker,
+    /// A worker loads a model only while its share has room for it beside what it holds, or
+    /// when no serving sibling holds it; otherwise it forwards the request to the sibling
+    /// that does, so the pool keeps more models warm within one budget.
+    Pool,
 }
 
 /// Which idle model goes first when a load needs room ([`ModelsConfig::eviction`]).
@@ -363,6 +380,7 @@ impl Default for ModelsConfig {
             load_timeout_secs: 120.0,
             memory_budget: None,
             eviction: Eviction::default(),
+            placement: Placement::default(),
         }
     }
 }

@@ -16,9 +16,18 @@
 //! connections are going anyway, and its siblings must not shed theirs towards it); the
 //! supervisor frees the entries of every worker it reaps ([`Balance::clear`]), so an entry is
 //! never taken by another worker while its own still counts into it.
+//!
+//! With `models.placement = "pool"` an entry also says where its worker can be reached by a
+//! sibling (the abstract Unix socket it forwards requests to, named from a random 64-bit
+//! address) and which models loaded on demand it holds ([`HOLDINGS`] keys, each a hash of the
+//! pool generation and the model's name; 0 is a free place). A sibling that cannot load a
+//! model without evicting others looks here for a serving worker that holds it
+//! ([`Entry::holder`]). What it reads may be a moment old: a worker that evicted the model
+//! since, or is gone, is found out when the forwarded request reaches it (it loads the model
+//! itself) or cannot (the sender serves the request).
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::region::Region;
 
@@ -29,8 +38,13 @@ pub const WORKER_BALANCE_FD: i32 = 10;
 const ENTRIES: usize = 1024;
 
 /// The entries, then how many of them were ever taken (a high-water mark: every answer reads
-/// the table, and a pool uses a handful of entries, not all of them).
-const LEN: usize = ENTRIES * 8 + 4;
+/// the table, and a pool uses a handful of entries, not all of them), then each entry's
+/// placement: its address and the models it holds. Pages nobody writes cost no memory.
+const COUNTS_LEN: usize = ENTRIES * 8 + 8;
+/// Models loaded on demand an entry can say it holds (more are held, but not offered).
+pub const HOLDINGS: usize = 63;
+const PLACE_WORDS: usize = HOLDINGS + 1;
+const LEN: usize = COUNTS_LEN + ENTRIES * PLACE_WORDS * 8;
 
 /// A worker with this many connections more than its least busy sibling sheds one.
 pub const EXCESS: u32 = 2;
@@ -63,6 +77,11 @@ impl Balance {
         self.region.at(entry * 8 + 4)
     }
 
+    /// Word `word` of `entry`'s placement: 0 its address, then the keys of the models it holds.
+    fn place(&self, entry: usize, word: usize) -> &AtomicU64 {
+        self.region.at(COUNTS_LEN + (entry * PLACE_WORDS + word) * 8)
+    }
+
     /// The entries taken so far: 0 up to this.
     fn used(&self) -> usize {
         (self.region.at::<AtomicU32>(ENTRIES * 8).load(Ordering::Acquire) as usize).min(ENTRIES)
@@ -76,6 +95,10 @@ impl Balance {
         // A sibling that reads the entry before this store sees its previous worker's count:
         // at worst one answer's decision is off by that.
         self.count(entry).store(open, Ordering::Relaxed);
+        // Nothing of the entry's previous worker offered (it is reaped).
+        for word in 0..PLACE_WORDS {
+            self.place(entry, word).store(0, Ordering::Relaxed);
+        }
         self.region.at::<AtomicU32>(ENTRIES * 8).fetch_max(entry as u32 + 1, Ordering::AcqRel);
         Some(Entry { balance: self, entry })
     }
@@ -127,9 +150,40 @@ impl Entry {
     }
 
     /// Takes the worker out of the comparison: it drains. Its connections still count into
-    /// its entry until the supervisor frees it.
+    /// its entry until the supervisor frees it. Its models are no longer offered either.
     pub fn drain(&self) {
         self.balance.pid(self.entry).fetch_or(DRAINING, Ordering::AcqRel);
+    }
+
+    /// Says where siblings reach this worker (a non-zero address).
+    pub fn offer_at(&self, address: u64) {
+        self.balance.place(self.entry, 0).store(address, Ordering::Release);
+    }
+
+    /// Says this worker holds the model of `key` (not 0); false when its places are full.
+    pub fn hold(&self, key: u64) -> bool {
+        (1..PLACE_WORDS).any(|w| {
+            self.balance.place(self.entry, w).compare_exchange(0, key, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        })
+    }
+
+    /// Says this worker no longer holds the model of `key`.
+    pub fn release(&self, key: u64) {
+        for word in 1..PLACE_WORDS {
+            let _ = self.balance.place(self.entry, word).compare_exchange(key, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+
+    /// The address of a serving sibling that holds the model of `key`, if one says so.
+    pub fn holder(&self, key: u64) -> Option<u64> {
+        let table = &self.balance;
+        (0..table.used())
+            .filter(|&e| {
+                e != self.entry && matches!(table.pid(e).load(Ordering::Acquire), p if p != 0 && p & DRAINING == 0)
+            })
+            .filter(|&e| (1..PLACE_WORDS).any(|w| table.place(e, w).load(Ordering::Acquire) == key))
+            .map(|e| table.place(e, 0).load(Ordering::Acquire))
+            .find(|&address| address != 0)
     }
 }
 
@@ -168,5 +222,33 @@ mod tests {
         let e = join(500, 0);
         assert_eq!(e.entry, 2, "the draining worker's, once reaped");
         assert!(a.over_share() && d.over_share() && !e.over_share(), "5, 2 and 0: both shed towards e");
+    }
+
+    #[test]
+    fn a_worker_finds_the_serving_sibling_that_holds_a_model_and_never_a_draining_or_reaped_one() {
+        let (supervisor, fd) = Balance::create().unwrap();
+        let join = |pid| Balance::map(&fd).unwrap().join(pid, 0).unwrap();
+        let (a, b) = (join(100), join(200));
+        a.offer_at(0xa);
+        b.offer_at(0xb);
+        assert_eq!(a.holder(7), None, "nobody holds it");
+        assert!(b.hold(7) && b.hold(8));
+        assert_eq!(a.holder(7), Some(0xb));
+        assert_eq!(b.holder(7), None, "a worker never finds itself");
+        b.release(7);
+        assert_eq!(a.holder(7), None);
+        assert_eq!(a.holder(8), Some(0xb));
+        // Its places fill up: a model past them is held but not offered.
+        for key in 100..100 + HOLDINGS as u64 - 1 {
+            assert!(b.hold(key), "{key}");
+        }
+        assert!(!b.hold(9));
+        b.drain();
+        assert_eq!(a.holder(8), None, "a draining worker offers nothing");
+        supervisor.clear(200);
+        let c = join(300);
+        assert_eq!(c.entry, b.entry, "b's entry, taken again");
+        assert_eq!(a.holder(8), None, "nothing of b's is offered by its successor");
+        assert_eq!(c.holder(8), None);
     }
 }

@@ -110,6 +110,10 @@ pub struct WorkerSpec {
     /// models.eviction.
     #[serde(default)]
     pub eviction: inferd_config::file::Eviction,
+    /// models.placement: with `pool` (and the connection table of [`crate::balance`]), the
+    /// worker says there which models it holds and where siblings reach it.
+    #[serde(default)]
+    pub placement: inferd_config::file::Placement,
 }
 
 /// How a worker of one pinned thread shares cores with its siblings (see [`crate::cores`]).

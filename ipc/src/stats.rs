@@ -115,8 +115,13 @@ const AUTH_REFUSED_AT: usize = FAULTS_AT + 1;
 const LENDING_AT: usize = AUTH_REFUSED_AT + Refusal::ALL.len();
 /// `inferd_core_lending_total{event}`.
 pub const LENDING_EVENTS: [&str; 2] = ["borrowed", "waited"];
+/// Requests for a model a sibling holds, with models.placement = "pool", by [`FORWARD_EVENTS`].
+const FORWARDS_AT: usize = LENDING_AT + LENDING_EVENTS.len();
+/// `inferd_model_forwards_total{outcome}`: answered by the sibling; served here because the
+/// sibling could not be reached (unreached), or went away before it answered (lost).
+pub const FORWARD_EVENTS: [&str; 3] = ["forwarded", "unreached", "lost"];
 /// Number of counters in a region.
-pub const LEN: usize = LENDING_AT + LENDING_EVENTS.len();
+pub const LEN: usize = FORWARDS_AT + FORWARD_EVENTS.len();
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -290,6 +295,11 @@ impl WorkerCounters {
         self.add(LENDING_AT + usize::from(waited), 1);
     }
 
+    /// A request for a model a sibling holds: its [`FORWARD_EVENTS`] outcome, by index.
+    pub fn forward(&self, outcome: usize) {
+        self.add(FORWARDS_AT + outcome.min(FORWARD_EVENTS.len() - 1), 1);
+    }
+
     /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
     /// when no run is in progress.
     pub fn busy_since(&self, started: Option<u64>) {
@@ -421,6 +431,11 @@ impl Snapshot {
     /// Runs that borrowed a core and runs that waited for theirs, per [`LENDING_EVENTS`].
     pub fn lending(&self) -> &[u64] {
         &self.0[LENDING_AT..LENDING_AT + LENDING_EVENTS.len()]
+    }
+
+    /// Requests for models siblings hold, per [`FORWARD_EVENTS`].
+    pub fn forwards(&self) -> &[u64] {
+        &self.0[FORWARDS_AT..FORWARDS_AT + FORWARD_EVENTS.len()]
     }
 
     pub fn requests(&self, model: usize, endpoint: Endpoint, code: u16) -> u64 {

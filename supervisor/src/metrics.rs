@@ -274,6 +274,17 @@ pub fn render(m: &PoolMetrics) -> String {
     for (event, n) in inferd_ipc::stats::LENDING_EVENTS.iter().zip(m.totals.lending()) {
         let _ = writeln!(out, "inferd_core_lending_total{{event=\"{event}\"}} {n}");
     }
+    header(
+        &mut out,
+        "inferd_model_forwards_total",
+        "counter",
+        "Requests for a model loaded on demand that a sibling worker held (models.placement = \"pool\"), \
+         by outcome: answered by it (forwarded), or served here because it could not be reached \
+         (unreached) or went away before it answered (lost).",
+    );
+    for (outcome, n) in inferd_ipc::stats::FORWARD_EVENTS.iter().zip(m.totals.forwards()) {
+        let _ = writeln!(out, "inferd_model_forwards_total{{outcome=\"{outcome}\"}} {n}");
+    }
     header(&mut out, "inferd_worker_restarts_total", "counter", "Workers replaced after dying, by reason.");
     for (reason, n) in &m.restarts {
         let _ = writeln!(out, "inferd_worker_restarts_total{{reason=\"{reason}\"}} {n}");

@@ -78,6 +78,7 @@ impl Supervisor {
             on_demand,
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,
+            placement: config.models.placement,
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {

@@ -2,6 +2,7 @@
 //! (handled in `tei` and `openai`), and each protocol's error bodies.
 
 pub mod body;
+pub mod forward;
 pub mod grpc;
 pub mod handoff;
 pub mod kserve;
@@ -61,6 +62,10 @@ pub async fn handle(
     let started = Instant::now();
     let id = state.request_ids.for_request(request.headers().get(REQUEST_ID_HEADER));
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    // A request this worker may forward carries its id to the sibling that serves it.
+    if state.models.placed() {
+        request.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
+    }
     // A body left unread (an error answered before it was read, or a failed read) means hyper
     // closes the connection after the answer: the answer must say so, or a keep-alive client
     // sends its next request into a closing socket.
@@ -76,7 +81,7 @@ pub async fn handle(
     // How long it waited for its model to load on demand, if it did (models.rs).
     let (routed, loading) = LOAD_WAIT
         .scope(Default::default(), async {
-            let routed = crate::panics::guarded_future(route(&state, request)).await;
+            let routed = crate::panics::guarded_future(route(&state, peer, request)).await;
             (routed, LOAD_WAIT.with(std::cell::Cell::get))
         })
         .await;
@@ -136,7 +141,10 @@ pub async fn handle(
             headers.insert("server-timing", v);
         }
     }
-    headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
+    // A forwarded request's answer names the sibling that served it.
+    if !headers.contains_key("x-inferd-worker") {
+        headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
+    }
     headers.insert(REQUEST_ID_HEADER, id);
     if body_read.is_some_and(|read| !read.0.load(Ordering::Relaxed)) {
         headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
@@ -248,7 +256,7 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
     })
 }
 
-async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, ApiError> {
+async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -> Result<Reply, ApiError> {
     let path = request.uri().path().to_string();
     let method = request.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
@@ -275,6 +283,23 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
     }
     let ready = state.ready.load(Ordering::Relaxed);
     let deadline = deadline(&request)?;
+    // models.placement = "pool": a request for a model a sibling holds (and this worker could
+    // only load by evicting others) is that sibling's.
+    let head = forward::Head::keep(state, &request, peer);
+    let named = match route {
+        Route::Infer(name, _)
+        | Route::Embed(Some(name))
+        | Route::Predict(Some(name))
+        | Route::Rerank(Some(name))
+        | Route::EmbedSparse(Some(name)) => Some(name),
+        _ => None,
+    };
+    if let (Some(name), Some(_)) = (named, &head) {
+        if let Some(sibling) = forward::sibling_for(state, &head, name).await {
+            let body = read_body(state, request).await?;
+            return forward::send(state, sibling, head.expect("kept"), body.bytes.clone()).await;
+        }
+    }
     match route {
         Route::Server => Ok(server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
@@ -308,6 +333,12 @@ async fn route(state: &AppState, request: Request<Incoming>) -> Result<Reply, Ap
             };
             let request = openai::parse(&body);
             let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
+            if let Some(sibling) = match wanted {
+                Some(name) => forward::sibling_for(state, &head, name).await,
+                None => None,
+            } {
+                return forward::send(state, sibling, head.expect("kept"), body.bytes.clone()).await;
+            }
             let found = match wanted {
                 Some(name) => state.models.find(name, None).await.ok(),
                 None => None,

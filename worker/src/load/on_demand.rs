@@ -38,7 +38,7 @@ use crate::runtime::model::Runtime;
 /// weights, their pre-packed form and the file it writes), and that is its peak: measured on
 /// generated MLPs of 24 MiB, the worker's PSS rose by 4.1 times the file during the load, and
 /// stayed 1.5 to 3 times the file above where it was once the model was warm.
-const FIRST_LOAD_FACTOR: u64 = 5;
+pub const FIRST_LOAD_FACTOR: u64 = 5;
 
 /// How often an idle loader checks that the worker is still within its share.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
@@ -172,6 +172,7 @@ impl Loader {
         // which the digest maps while it reads it.
         let peak = cost.total().max(growth + cost.mapped + file);
         self.costs.insert(name.to_string(), (cost, peak));
+        self.state.models.set_need(name, peak);
         if let Some(budget) = self.budget {
             if let Err(why) = budget.fits(name, cost.total(), "measured as it loaded") {
                 self.state.engine.remove(number);
@@ -186,7 +187,10 @@ impl Loader {
     /// memory and `need` fit `share`; false when what is left is in use.
     fn make_room(&self, need: u64, share: u64, spare: Option<usize>, told: &impl Fn(WorkerMessage)) -> bool {
         loop {
-            if resident().total() + need <= share {
+            let held = resident().total();
+            // What requests for models siblings hold weigh (models.placement = "pool").
+            self.state.models.set_room(share.saturating_sub(held));
+            if held + need <= share {
                 return true;
             }
             let Some(evicted) = self.state.models.evict_one(spare) else { return false };

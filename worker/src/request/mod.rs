@@ -9,5 +9,6 @@
 pub mod app;
 pub mod infer;
 pub mod models;
+pub mod placement;
 pub mod tasks;
 pub mod v2;

@@ -29,7 +29,9 @@ use inferd_config::file::Eviction;
 use inferd_ipc::spec::ModelCost;
 use tokio::sync::watch;
 
+use crate::load::on_demand::FIRST_LOAD_FACTOR;
 use crate::request::app::{ApiError, Model};
+use crate::request::placement::Placement;
 
 tokio::task_local! {
     /// Set for each HTTP request (`http::handle`): how long it waited for its model's load on
@@ -84,6 +86,8 @@ pub struct Load {
 pub struct Models {
     registry: RwLock<Registry>,
     on_demand: Option<OnDemand>,
+    /// models.placement = "pool": where siblings hold models (set once the worker serves).
+    placement: std::sync::OnceLock<Placement>,
     /// What `used` counts from.
     started: Instant,
 }
@@ -149,6 +153,10 @@ pub struct OnDemand {
     /// models.load_timeout_secs.
     timeout: Duration,
     eviction: Eviction,
+    /// What the worker's share of models.memory_budget had free when the loader last looked
+    /// (u64::MAX: no budget), and the room each model's load took when it last loaded.
+    room: AtomicU64,
+    needs: Mutex<HashMap<String, u64>>,
 }
 
 /// A file as a refusal saw it: its size and modification time (None: missing).
@@ -180,7 +188,19 @@ impl OnDemand {
             max_waiting,
             timeout,
             eviction,
+            room: AtomicU64::new(u64::MAX),
+            needs: Mutex::default(),
         }
+    }
+
+    /// The room `name`'s load takes: as its last load here measured, or before its first,
+    /// [`FIRST_LOAD_FACTOR`] times its file.
+    fn need(&self, name: &str) -> u64 {
+        if let Some(&need) = self.needs.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+            return need;
+        }
+        let file = self.catalog.iter().find(|(n, _)| n == name).and_then(|(_, files)| files.first());
+        file.and_then(|f| std::fs::metadata(f).ok()).map_or(0, |m| m.len()).saturating_mul(FIRST_LOAD_FACTOR)
     }
 
     fn lists(&self, name: &str) -> bool {
@@ -216,7 +236,61 @@ impl Models {
         Models {
             registry: RwLock::new(Registry { entries: entries.collect(), hand: 0 }),
             on_demand,
+            placement: std::sync::OnceLock::new(),
             started: Instant::now(),
+        }
+    }
+
+    /// With models.placement = "pool": from now on, the models this worker loads on demand are
+    /// offered to its siblings, and theirs found.
+    pub fn place(&self, placement: Placement) {
+        if self.on_demand.is_some() && self.placement.set(placement).is_ok() {
+            for entry in self.read().entries.iter().filter(|e| !e.pinned) {
+                self.placement.get().expect("set").held(&entry.model.info.name);
+            }
+        }
+    }
+
+    /// Whether requests may be sent to siblings (models.placement = "pool").
+    pub fn placed(&self) -> bool {
+        self.placement.get().is_some()
+    }
+
+    /// Where this worker takes its siblings' requests (models.placement = "pool").
+    pub fn address(&self) -> Option<u64> {
+        self.placement.get().map(|p| p.address)
+    }
+
+    /// Where to send a request for `name` instead of loading it here: a serving sibling that
+    /// holds it, when this worker does not, loads it in no flight, and has no free room for it
+    /// in its share (with room, it loads its own copy: the pool then serves the model on both
+    /// workers' cores).
+    pub fn elsewhere(&self, name: &str) -> Option<u64> {
+        let placement = self.placement.get()?;
+        let on_demand = self.on_demand.as_ref()?;
+        if self.get(name).is_some() || !on_demand.lists(name) {
+            return None;
+        }
+        if on_demand.flights.lock().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
+            return None;
+        }
+        if on_demand.room.load(Ordering::Relaxed) >= on_demand.need(name) {
+            return None;
+        }
+        placement.holder(name)
+    }
+
+    /// The loader's view of the worker's share: `room` free in it now.
+    pub fn set_room(&self, room: u64) {
+        if let Some(on_demand) = &self.on_demand {
+            on_demand.room.store(room, Ordering::Relaxed);
+        }
+    }
+
+    /// The room `name`'s load took, as the loader measured it.
+    pub fn set_need(&self, name: &str, need: u64) {
+        if let Some(on_demand) = &self.on_demand {
+            on_demand.needs.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), need);
         }
     }
 
@@ -370,6 +444,9 @@ impl Models {
         entry.used.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         let found = (number, entry.model.clone());
         self.write().entries.push(entry);
+        if let Some(placement) = self.placement.get() {
+            placement.held(&name);
+        }
         self.land(&name, done, Ok(found));
     }
 
@@ -410,6 +487,9 @@ impl Models {
             Eviction::Sieve => sieve(&entries[first..], hand, may_go).map(|i| first + i),
         }?;
         let entry = entries.remove(place);
+        if let Some(placement) = self.placement.get() {
+            placement.released(&entry.model.info.name);
+        }
         Some(Evicted { number: entry.number, name: entry.model.info.name.clone(), cost: entry.cost })
     }
 }

@@ -163,7 +163,7 @@ pub(super) struct Connections {
     pub(super) limit: u64,
     /// This worker's entry in the pool's connection table: a worker with more than its share
     /// of the port's connections announces `Connection: close` (see `inferd_ipc::balance`).
-    pub(super) balance: Option<Entry>,
+    pub(super) balance: Option<Arc<Entry>>,
     /// server.write_timeout_secs.
     pub(super) write_timeout: Duration,
     pub(super) drain: watch::Receiver<Drain>,
@@ -305,13 +305,13 @@ impl Connections {
 /// This worker's entry in the pool's connection table on [`WORKER_BALANCE_FD`], taken as it
 /// starts accepting (None, with a warning, when it cannot be had: the worker then only
 /// closes connections after `max_requests_per_connection`).
-pub(super) fn balance_entry() -> Option<Entry> {
+pub(super) fn balance_entry() -> Option<Arc<Entry>> {
     // SAFETY: the supervisor hands this descriptor when the spec says `balance`; mapped, then
     // closed.
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_BALANCE_FD) };
     let entry = Balance::map(fd).map(|table| table.join(std::process::id(), 0));
     match entry {
-        Ok(Some(entry)) => Some(entry),
+        Ok(Some(entry)) => Some(Arc::new(entry)),
         Ok(None) => {
             warn!("the pool's connection table is full: this worker does not balance its connections");
             None

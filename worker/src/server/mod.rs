@@ -24,13 +24,16 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
+use crate::http::forward;
 use crate::http::handoff::Handoff;
 use crate::request::app::{AppState, RequestIds};
 use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
+use crate::request::placement::Placement;
 use crate::runtime::engine::{Cores, Engine};
 use boot::{boot, read_spec, Booted};
-use connections::{accept_failed, balance_entry, Connections, Drain, Fresh};
+use connections::{accept_failed, balance_entry, draining, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
+use inferd_config::file::Placement as Placing;
 
 /// Writes [`WorkerMessage`] lines to the supervisor. Writes are small and the supervisor reads
 /// continuously; a 1 s write timeout keeps a stopped supervisor from blocking the worker.
@@ -237,6 +240,22 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
             header_timeout: Duration::from_secs_f64(spec.server.header_timeout_secs),
         };
         let context = Arc::new(context);
+        // models.placement = "pool": offered in the pool's table, and reachable by siblings.
+        if spec.placement == Placing::Pool && !spec.on_demand.is_empty() && spec.memory_share.is_some() {
+            match &context.balance {
+                Some(entry) => {
+                    let address = forward::new_address();
+                    let mut drain = context.drain.clone();
+                    let stop = async move { draining(&mut drain).await };
+                    let http = context.http.clone();
+                    match forward::serve_siblings(state.clone(), address, http, connections.clone(), stop) {
+                        Ok(()) => state.models.place(Placement::new(entry.clone(), spec.generation, address)),
+                        Err(e) => warn!("models.placement = \"pool\" is off in this worker: its siblings' socket: {e}"),
+                    }
+                }
+                None => warn!("models.placement = \"pool\" is off: it needs the pool's connection table (server.balance_connections)"),
+            }
+        }
         if let Some(grpc) = grpc {
             let limits = GrpcLimits {
                 max_header_bytes: spec.server.max_header_bytes,
