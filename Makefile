@@ -29,9 +29,11 @@ test:
 	CARGO=$(CARGO) scripts/test.sh
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
-# in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md).
+# in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
+# then many models within one memory budget (docs/benchmarks.md, "Many models").
 bench: setup
 	bench/compare.sh
+	RECORD=1 bench/many_models.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

@@ -9,6 +9,8 @@
 #     the memory baseline, every request warm;
 #   - models.eviction = "lru";
 #   - models.eviction = "sieve";
+#   - models.eviction = "lru" with models.placement = "pool": a worker without room for a
+#     model a sibling holds sends the request there instead of loading a second copy;
 #   - a load storm: one client of a pinned model alone, then beside CLIENTS clients asking
 #     for models drawn uniformly (nearly every request a cold model): the pinned model's
 #     latency both times, and how the storm was answered (503s and how fast).
@@ -21,6 +23,7 @@
 #   bench/many_models.sh                # ~5 minutes on 2 cores
 #   SECONDS_PER=30 ZIPF=0.8 bench/many_models.sh
 #   ONLY=storm bench/many_models.sh     # the load storm alone
+#   ONLY=placement bench/many_models.sh # every model loaded, lru, and lru with pool placement
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/lib.sh
@@ -30,7 +33,8 @@ SECONDS_PER=${SECONDS_PER:-60}
 CLIENTS=${CLIENTS:-8}
 ZIPF=${ZIPF:-1.0}
 PORT=${PORT:-18470}
-ONLY=${ONLY:-all}   # storm: the load storm alone
+ONLY=${ONLY:-all}   # storm: the load storm alone; placement: per-worker against pool placement alone
+RECORD=${RECORD:-0} # 1 (make bench): the tables replace the record in docs/benchmarks.md
 
 scripts/setup.sh >/dev/null
 cargo build --release --locked -p inferd -p inferd-bench 2>&1 | tail -n 1
@@ -43,8 +47,8 @@ rm -rf "$repo/typed" && cp -r tests/models/typed "$repo/typed"
 work=$(mktemp -d /tmp/inferd-many.XXXXXX)
 trap 'pkill -f "inferd serve --config $work" 2>/dev/null || true; rm -rf "$work"' EXIT
 
-# start NAME BUDGET EVICTION PINNED: a server of the models within BUDGET, PINNED (a TOML
-# list) in models.load, its log in $work/NAME.log; sets $pid, once it is ready.
+# start NAME BUDGET EVICTION PINNED [PLACEMENT]: a server of the models within BUDGET, PINNED
+# (a TOML list) in models.load, its log in $work/NAME.log; sets $pid, once it is ready.
 start() {
     cat >"$work/inferd.toml" <<TOML
 [server]
@@ -61,16 +65,17 @@ load = $4
 on_demand = true
 memory_budget = "$2"
 eviction = "$3"
+placement = "${5:-worker}"
 TOML
     target/release/inferd serve --config "$work/inferd.toml" >"$work/$1.log" 2>&1 &
     pid=$!
     wait_pool "$work/control.sock"
 }
 
-# run NAME BUDGET EVICTION WARM: one server, the trace against it, one row.
+# run NAME BUDGET EVICTION WARM [PLACEMENT]: one server, the trace against it, one row.
 run() {
     local name=$1 warm=$4 admin=$((PORT + 1))
-    start "$name" "$2" "$3" "[]"
+    start "$name" "$2" "$3" "[]" "${5:-worker}"
     if [[ $warm == 1 ]]; then
         # Every worker loads every model: each model asked for 8 times, 4 requests at a time
         # (the port spreads them over the workers).
@@ -94,10 +99,11 @@ def total(text, metric, labels=""):
                if l.startswith(metric + "{") and labels in l)
 loads = total(after, "inferd_model_loads_total", 'reason="on_demand"') - total(before, "inferd_model_loads_total", 'reason="on_demand"')
 evictions = total(after, "inferd_model_evictions_total") - total(before, "inferd_model_evictions_total")
+forwarded = total(after, "inferd_model_forwards_total", 'outcome="forwarded"') - total(before, "inferd_model_forwards_total", 'outcome="forwarded"')
 s = summary
 ms = lambda v: "-" if v is None else "%.1f" % v
-print("| %s | %d | %.3f | %d | %d | %s / %s | %s / %s | %d / %d | %.0f / %.0f |" % (
-    name, s["requests"], s["hit_ratio"], loads, evictions, ms(s["warm_p50_ms"]), ms(s["warm_p99_ms"]),
+print("| %s | %d | %.3f | %d | %d | %d | %s / %s | %s / %s | %d / %d | %.0f / %.0f |" % (
+    name, s["requests"], s["hit_ratio"], loads, evictions, forwarded, ms(s["warm_p50_ms"]), ms(s["warm_p99_ms"]),
     ms(s["cold_p50_ms"]), ms(s["cold_p99_ms"]), s["busy_503"], s["failed"], s["pss_mean_mib"], s["pss_peak_mib"]))
 if s["first_failure"]:
     print("  first failure: %s" % s["first_failure"])
@@ -132,19 +138,37 @@ print("| the storm (uniform over all models) | %d | %s / %s (503s: p99 %s) | %d 
 PY
 }
 
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $COUNT models of 5-30 MiB" \
-    "($(du -sm "$repo" | cut -f1) MiB), budget $BUDGET; $CLIENTS clients, Zipf $ZIPF, $SECONDS_PER s each."
-if [[ $ONLY != storm ]]; then
+# The tables, as docs/benchmarks.md records them.
+report() {
+    echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $COUNT models of 5-30 MiB" \
+        "($(du -sm "$repo" | cut -f1) MiB), budget $BUDGET; $CLIENTS clients, Zipf $ZIPF, $SECONDS_PER s each."
+    if [[ $ONLY != storm ]]; then
+        echo
+        echo "| run | requests | hit ratio | loads | evictions | forwarded | warm p50 / p99 (ms) | cold p50 / p99 (ms) | 503 / failed | pool PSS mean / peak (MiB) |"
+        echo "|---|---|---|---|---|---|---|---|---|---|"
+        run "every model loaded" 64GiB sieve 1
+        run "lru" "$BUDGET" lru 0
+        [[ $ONLY == placement ]] || run "sieve" "$BUDGET" sieve 0
+        run "lru, placement = pool" "$BUDGET" lru 0 pool
+    fi
+    [[ $ONLY == placement ]] && return 0
     echo
-    echo "| run | requests | hit ratio | loads | evictions | warm p50 / p99 (ms) | cold p50 / p99 (ms) | 503 / failed | pool PSS mean / peak (MiB) |"
-    echo "|---|---|---|---|---|---|---|---|---|"
-    run "every model loaded" 64GiB sieve 1
-    run "lru" "$BUDGET" lru 0
-    run "sieve" "$BUDGET" sieve 0
+    echo "A load storm within the same budget ($CLIENTS clients, every model equally likely), beside one client of a pinned model:"
+    echo
+    echo "| client | requests | answered p50 / p99 (ms) | 503 / failed |"
+    echo "|---|---|---|---|"
+    storm
+}
+report | tee "$work/record.md"
+
+if [[ $RECORD == 1 && $ONLY == all ]]; then
+    python3 - "$work/record.md" docs/benchmarks.md <<'PY'
+import sys
+record, path = open(sys.argv[1]).read().strip(), sys.argv[2]
+text = open(path).read()
+begin, end = "<!-- many-models:begin -->", "<!-- many-models:end -->"
+head, rest = text.split(begin, 1)
+open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
+PY
+    echo "docs/benchmarks.md: the many-models record rewritten"
 fi
-echo
-echo "A load storm within the same budget ($CLIENTS clients, every model equally likely), beside one client of a pinned model:"
-echo
-echo "| client | requests | answered p50 / p99 (ms) | 503 / failed |"
-echo "|---|---|---|---|"
-storm

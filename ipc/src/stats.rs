@@ -120,8 +120,11 @@ const FORWARDS_AT: usize = LENDING_AT + LENDING_EVENTS.len();
 /// `inferd_model_forwards_total{outcome}`: answered by the sibling; served here because the
 /// sibling could not be reached (unreached), or went away before it answered (lost).
 pub const FORWARD_EVENTS: [&str; 3] = ["forwarded", "unreached", "lost"];
+/// Nanoseconds the worker's lanes spent running models, summed over its lanes: its busy lanes,
+/// time-weighted, are this counter's rate.
+const LANE_BUSY_AT: usize = FORWARDS_AT + FORWARD_EVENTS.len();
 /// Number of counters in a region.
-pub const LEN: usize = FORWARDS_AT + FORWARD_EVENTS.len();
+pub const LEN: usize = LANE_BUSY_AT + 1;
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -300,6 +303,11 @@ impl WorkerCounters {
         self.add(FORWARDS_AT + outcome.min(FORWARD_EVENTS.len() - 1), 1);
     }
 
+    /// A lane ran a model for `nanos`.
+    pub fn lane_busy(&self, nanos: u64) {
+        self.add(LANE_BUSY_AT, nanos);
+    }
+
     /// The oldest model run in progress started at this [`monotonic_nanos`] instant; `None`
     /// when no run is in progress.
     pub fn busy_since(&self, started: Option<u64>) {
@@ -431,6 +439,11 @@ impl Snapshot {
     /// Runs that borrowed a core and runs that waited for theirs, per [`LENDING_EVENTS`].
     pub fn lending(&self) -> &[u64] {
         &self.0[LENDING_AT..LENDING_AT + LENDING_EVENTS.len()]
+    }
+
+    /// Seconds the lanes spent running models.
+    pub fn lane_busy_seconds(&self) -> f64 {
+        self.0[LANE_BUSY_AT] as f64 / 1e9
     }
 
     /// Requests for models siblings hold, per [`FORWARD_EVENTS`].

@@ -14,10 +14,12 @@
 //!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
 //!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), answers as hyper sends them
 //!   ([`http::reply`]), and connection plumbing: the hand-off of idle connections
-//!   ([`http::handoff`]) and write timeouts ([`http::write_timeout`]);
+//!   ([`http::handoff`]), requests sent to the sibling that holds their model
+//!   ([`http::forward`]) and write timeouts ([`http::write_timeout`]);
 //! - [`request`]: what every handler shares ([`request::app`]: the worker's state, the one
 //!   error type and its status codes, request counting; [`request::models`]: the models it
-//!   serves, loaded at boot or on demand, and their lookup), a v2 request once decoded
+//!   serves, loaded at boot or on demand, and their lookup; [`request::placement`]: which
+//!   models its siblings hold), a v2 request once decoded
 //!   ([`request::v2`]) and its run ([`request::infer`]), and pipelined requests through the
 //!   engine ([`request::tasks`]);
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;

@@ -29,16 +29,9 @@ use tracing::{info, warn};
 
 use super::Lanes;
 use crate::request::app::{AppState, Model};
-use crate::request::models::{Load, LoadError};
+use crate::request::models::{Load, LoadError, FIRST_LOAD_FACTOR};
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::Runtime;
-
-/// Before a model's first load, the room it is given: this many times its file. A first load
-/// may prepare the model's shared weights (an optimising session of its own, which holds the
-/// weights, their pre-packed form and the file it writes), and that is its peak: measured on
-/// generated MLPs of 24 MiB, the worker's PSS rose by 4.1 times the file during the load, and
-/// stayed 1.5 to 3 times the file above where it was once the model was warm.
-pub const FIRST_LOAD_FACTOR: u64 = 5;
 
 /// How often an idle loader checks that the worker is still within its share.
 const CHECK_EVERY: Duration = Duration::from_secs(1);

@@ -518,7 +518,11 @@ impl RunClock {
     /// A lane starts or ends a run. Returns, at the end of a run, whether it was stopped.
     fn set(&self, lane: usize, running: bool) -> bool {
         let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
-        starts[lane] = if running { inferd_ipc::stats::monotonic_nanos() } else { 0 };
+        let now = inferd_ipc::stats::monotonic_nanos();
+        if !running && starts[lane] != 0 {
+            self.counters.lane_busy(now.saturating_sub(starts[lane]));
+        }
+        starts[lane] = if running { now } else { 0 };
         self.counters.busy_since(starts.iter().copied().filter(|&t| t != 0).min());
         drop(starts);
         let stop = &self.stops[lane];
