@@ -1,7 +1,7 @@
 """Validates custom resources that kubernetes-validate has no schema for (it only warns about
-them and passes): ServiceMonitor, ServingRuntime, InferenceService, against the schemas
-vendored in deploy/k8s/schema/ and deploy/kserve/schema/ (their READMEs say where they come
-from). Kubernetes types inside them (Container, Volume, ObjectMeta, ...) are checked against
+them and passes): ServiceMonitor, ServingRuntime, InferenceService, ScaledObject, against
+the schemas vendored in deploy/k8s/schema/, deploy/kserve/schema/ and deploy/keda/schema/
+(their READMEs say where they come from). Kubernetes types inside them (Container, Volume, ObjectMeta, ...) are checked against
 kubernetes-validate's strict definitions of the given Kubernetes version.
 
   .venv/bin/python deploy/validate_custom_resources.py [-k 1.37] FILE.yaml...
@@ -26,6 +26,7 @@ SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "k8s/schema/servicemonitor-monitoring-v1.json",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "kserve/schema/servingruntime-serving-v1alpha1.json",
     ("serving.kserve.io/v1beta1", "InferenceService"): "kserve/schema/inferenceservice-serving-v1beta1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda/schema/scaledobject-keda-v1alpha1.json",
 }
 
 

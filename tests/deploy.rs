@@ -1,10 +1,10 @@
 //! deploy/ (docs/kubernetes.md) against the tools that judge it and the binary it runs: the
-//! Kubernetes manifests under `kubernetes-validate --strict`, the custom resources against
-//! their vendored CRD schemas, the manifests against each other and the container config, the
-//! Containerfile under hadolint (and, as root, built with buildah and `inferd check` run in
-//! it), the KServe launcher serving a model under KServe's name, the alert rules under
-//! promtool, and every metric the dashboard, rules and adapter use against a live inferd's
-//! /metrics and a real Prometheus. tests/cgroup_plan.rs runs the container config inside a
+//! Kubernetes manifests under `kubernetes-validate --strict`, the custom resources (KEDA's
+//! ScaledObject among them) against their vendored CRD schemas, the manifests against each
+//! other and the container config, the Containerfile under hadolint (and, as root, built with
+//! buildah and `inferd check` run in it), the KServe launcher serving a model under KServe's
+//! name, the alert rules under promtool, and every metric the dashboard, rules, adapter and
+//! KEDA trigger use against a live inferd's /metrics and a real Prometheus. tests/cgroup_plan.rs runs the container config inside a
 //! pod's CPU and memory limits. A missing tool fails the test with what installs it; only
 //! missing root skips the image build, saying so.
 
@@ -27,8 +27,12 @@ const CORE: [&str; 6] = [
     "k8s/networkpolicy.yaml",
 ];
 /// ... and custom resources, which it only warns about (deploy/validate_custom_resources.py).
-const CUSTOM: [&str; 3] =
-    ["k8s/monitoring/servicemonitor.yaml", "kserve/servingruntime.yaml", "kserve/inferenceservice.yaml"];
+const CUSTOM: [&str; 4] = [
+    "k8s/monitoring/servicemonitor.yaml",
+    "kserve/servingruntime.yaml",
+    "kserve/inferenceservice.yaml",
+    "keda/scaledobject.yaml",
+];
 /// The oldest Kubernetes the manifests are for (autoscaling/v2, policy/v1), and the newest known.
 const K8S_VERSIONS: [&str; 2] = ["1.28", "1.37"];
 
@@ -96,6 +100,7 @@ fn kubernetes_manifests_pass_strict_validation() {
     let mut found = Vec::new();
     yaml_files(&deploy("k8s"), &mut found);
     yaml_files(&deploy("kserve"), &mut found);
+    yaml_files(&deploy("keda"), &mut found);
     let listed: BTreeSet<PathBuf> = CORE.iter().chain(&CUSTOM).map(|f| deploy(f)).collect();
     for file in &found {
         assert!(listed.contains(file), "{} is in neither CORE nor CUSTOM of tests/deploy.rs", file.display());
@@ -462,6 +467,10 @@ fn deploy_queries() -> Vec<(String, String)> {
             .replace("<<.GroupBy>>", "instance");
         queries.push((format!("adapter seriesQuery {series}"), series.to_string()));
         queries.push((format!("adapter metricsQuery for {name}"), query));
+    }
+    for trigger in one("keda/scaledobject.yaml")["spec"]["triggers"].as_array().unwrap() {
+        let query = trigger["metadata"]["query"].as_str().unwrap().to_string();
+        queries.push((format!("KEDA trigger {}", trigger["type"]), query));
     }
     queries
 }

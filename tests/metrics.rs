@@ -124,3 +124,48 @@ fn every_route_family_is_counted_under_its_own_name() {
         .sum();
     assert_eq!(total, calls.len() as f64, "each call counted once:\n{metrics}");
 }
+
+/// `inferd_saturation` (docs/operations.md, "Saturation"): 0 on an idle pool, near 1 while 32
+/// closed-loop clients keep every lane held; the workers' busy lanes and the lanes' busy time
+/// move with them.
+#[test]
+fn saturation_reads_zero_idle_and_near_one_under_a_closed_loop_of_thirty_two() {
+    let server = serve(temp_dir("saturation"), 2, &test_models(), "typed", &[], "");
+    let metric = |text: &str, name: &str| metric_value(text, name).unwrap_or_else(|| panic!("no {name}:\n{text}"));
+    // A window (5 s) of idle samples.
+    std::thread::sleep(Duration::from_secs(6));
+    let idle = server.metrics_text();
+    assert!(metric(&idle, "inferd_saturation ") <= 0.05, "idle:\n{idle}");
+    assert_eq!(metric(&idle, "inferd_accept_queue_connections "), 0.0);
+    assert_eq!(idle.lines().filter(|l| l.starts_with("inferd_worker_lanes{")).count(), 2, "{idle}");
+    let busy_before = metric(&idle, "inferd_lane_busy_seconds_total ");
+
+    let load = TypedLoad::start(&server, 32, Duration::ZERO, |_, _| ());
+    // The window fills with loaded samples; a loaded machine may take a while to get there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut loaded = String::new();
+    std::thread::sleep(Duration::from_secs(6));
+    while Instant::now() < deadline {
+        loaded = server.metrics_text();
+        if metric(&loaded, "inferd_saturation ") >= 0.9 {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let (served, failed, _) = load.finish();
+    assert!(failed.is_empty(), "{} failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
+    assert!(served > 0);
+    let saturation = metric(&loaded, "inferd_saturation ");
+    eprintln!("saturation idle {:.3}, under 32 clients {saturation:.3}", metric(&idle, "inferd_saturation "));
+    assert!(saturation >= 0.9, "32 closed-loop clients on 2 lanes:\n{loaded}");
+    assert!(metric(&loaded, "inferd_lane_busy_seconds_total ") > busy_before, "{loaded}");
+    let busy: Vec<f64> = loaded
+        .lines()
+        .filter(|l| l.starts_with("inferd_worker_busy_lanes{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(busy.len(), 2, "{loaded}");
+    // One lane each (a run is counted as it ends: a window may take a little of the last).
+    assert!(busy.iter().all(|b| (0.0..=1.1).contains(b)), "one lane each: {busy:?}");
+    assert!(busy.iter().any(|&b| b > 0.0), "{busy:?}");
+}

@@ -257,6 +257,16 @@ impl WorkerCounters {
         }
     }
 
+    /// Requests the worker is handling now, from routing to answer.
+    pub fn in_flight_now(&self) -> u64 {
+        self.counter(IN_FLIGHT_AT).load(Ordering::Relaxed)
+    }
+
+    /// Seconds its lanes have spent running models since it started.
+    pub fn lane_busy_seconds_now(&self) -> f64 {
+        self.counter(LANE_BUSY_AT).load(Ordering::Relaxed) as f64 / 1e9
+    }
+
     /// Requests waiting for the model thread now.
     pub fn queued_now(&self) -> u64 {
         self.counter(QUEUED_AT).load(Ordering::Relaxed)

@@ -145,6 +145,12 @@ pub struct PoolMetrics {
     pub model_bytes: BTreeMap<String, ModelCost>,
     /// models.memory_budget, with on_demand.
     pub models_budget: Option<u64>,
+    /// The pool's saturation, 0 .. 1 (see pool/saturation.rs).
+    pub saturation: f64,
+    /// (slot, pid, lanes, busy lanes over the window) of every live worker.
+    pub lanes: Vec<(usize, u32, usize, Option<f64>)>,
+    /// Connections waiting in the port's accept queues now.
+    pub accept_queued: u64,
 }
 
 /// A model's loads and evictions since start (`inferd_model_loads_total`,
@@ -245,6 +251,44 @@ pub fn render(m: &PoolMetrics) -> String {
     let _ = writeln!(out, "inferd_requests_in_flight {}", m.totals.in_flight());
     header(&mut out, "inferd_requests_queued", "gauge", "Requests waiting for a model thread now.");
     let _ = writeln!(out, "inferd_requests_queued {}", m.totals.queued());
+    header(
+        &mut out,
+        "inferd_saturation",
+        "gauge",
+        "How much of the pool's capacity is taken, 0 (idle) to 1 (none free): requests held by the \
+         ready workers against their lanes, 1 while connections wait in the accept queues; the mean \
+         over the last 5 s (docs/operations.md, Saturation).",
+    );
+    let _ = writeln!(out, "inferd_saturation {:.4}", m.saturation);
+    header(
+        &mut out,
+        "inferd_accept_queue_connections",
+        "gauge",
+        "Connections waiting in the port's accept queues (every slot's HTTP and gRPC socket) now.",
+    );
+    let _ = writeln!(out, "inferd_accept_queue_connections {}", m.accept_queued);
+    header(
+        &mut out,
+        "inferd_lane_busy_seconds_total",
+        "counter",
+        "Seconds the workers' lanes spent running models (its rate: busy lanes, time-weighted).",
+    );
+    let _ = writeln!(out, "inferd_lane_busy_seconds_total {:.6}", m.totals.lane_busy_seconds());
+    header(&mut out, "inferd_worker_lanes", "gauge", "Lanes of each worker: model runs it can do at once.");
+    for (slot, pid, lanes, _) in &m.lanes {
+        let _ = writeln!(out, "inferd_worker_lanes{{worker=\"{slot}\",pid=\"{pid}\"}} {lanes}");
+    }
+    header(
+        &mut out,
+        "inferd_worker_busy_lanes",
+        "gauge",
+        "Lanes of each worker busy running models, time-weighted over the last 5 s.",
+    );
+    for (slot, pid, _, busy) in &m.lanes {
+        if let Some(busy) = busy {
+            let _ = writeln!(out, "inferd_worker_busy_lanes{{worker=\"{slot}\",pid=\"{pid}\"}} {busy:.4}");
+        }
+    }
     header(&mut out, "inferd_worker_rss_bytes", "gauge", "Resident memory of each worker process.");
     for (slot, pid, rss) in &m.workers {
         if let Some(rss) = rss {

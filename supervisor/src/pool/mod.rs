@@ -63,6 +63,7 @@ use crate::{admin, signals, tcp, Event};
 mod guards;
 mod reload;
 mod report;
+mod saturation;
 mod slot;
 mod spawn;
 
@@ -114,6 +115,8 @@ pub struct Supervisor {
     memory: MemoryWatch,
     /// What the pool has counted beyond its live workers' counters (report.rs).
     totals: Totals,
+    /// The saturation gauges' samples (see `saturation`).
+    saturation: saturation::Saturation,
     notifier: Notifier,
     /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
     /// hung loop stops the watchdog pings.
@@ -244,6 +247,7 @@ impl Supervisor {
             reload: ReloadState::default(),
             memory: MemoryWatch::default(),
             totals: Totals::new(),
+            saturation: Default::default(),
             notifier: Notifier::from_env(),
             hang_on_sigusr2: hang_on_sigusr2(),
         })
@@ -535,6 +539,7 @@ impl Supervisor {
     fn on_tick(&mut self) {
         let now = Instant::now();
         self.sample_latency(now);
+        self.sample_saturation(now);
         if self.life.stopping {
             if self.life.stop_deadline.is_some_and(|d| now >= d) && !self.life.killed_all {
                 warn!("grace timeout passed; killing the remaining workers");

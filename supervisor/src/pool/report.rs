@@ -281,6 +281,18 @@ impl Supervisor {
                 sum
             }),
             models_budget: self.memory.models_budget_now(&self.resolved.config),
+            saturation: self.saturation.pool(),
+            lanes: self
+                .pool
+                .slots
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| {
+                    let threads = s.placement.threads;
+                    s.workers.iter().map(move |w| (i, w.pid, threads, self.saturation.busy_lanes(w.pid)))
+                })
+                .collect(),
+            accept_queued: self.pool.slots.iter().map(|s| s.sockets.waiting()).sum(),
         }
     }
 }

@@ -303,6 +303,12 @@ pub(super) struct SlotSockets {
 }
 
 impl SlotSockets {
+    /// Connections waiting in this slot's accept queues (HTTP and gRPC) for its worker to take
+    /// them: TCP_INFO's `tcpi_unacked` of a listening socket.
+    pub(super) fn waiting(&self) -> u64 {
+        [&self.http, &self.grpc].into_iter().flatten().map(|fd| accept_queue(fd.as_raw_fd())).sum()
+    }
+
     pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, String> {
         let http = match activated {
             true => None,
@@ -365,5 +371,22 @@ pub(super) fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
         Err(std::io::Error::last_os_error())
     } else {
         Ok(unsafe { OwnedFd::from_raw_fd(new) })
+    }
+}
+
+/// The connections waiting in listening socket `fd`'s accept queue (0 when it cannot be read).
+fn accept_queue(fd: std::os::fd::RawFd) -> u64 {
+    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` and `len` are valid for the call; a bad fd is an error, not UB.
+    let read = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast(), &raw mut len) };
+    // On a listening socket (state TCP_LISTEN, 10 in the kernel's enum) the kernel reports
+    // its accept queue's length as tcpi_unacked.
+    const TCP_LISTEN: u8 = 10;
+    if read == 0 && info.tcpi_state == TCP_LISTEN {
+        u64::from(info.tcpi_unacked)
+    } else {
+        0
     }
 }
