@@ -41,5 +41,6 @@ mod shutdown;
 mod systemd;
 mod systemd_unit;
 mod tls;
+mod traces;
 mod tune;
 mod weights;

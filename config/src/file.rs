@@ -45,6 +45,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub log: LogConfig,
     pub auth: crate::auth::AuthConfig,
+    pub tracing: TracingConfig,
     /// Directory that relative paths are resolved against (the config file's directory).
     #[serde(skip)]
     pub base_dir: PathBuf,
@@ -310,6 +311,36 @@ pub enum Eviction {
     Sieve,
 }
 
+/// `[tracing]`: OpenTelemetry traces of every request, exported over OTLP (docs/operations.md,
+/// "Traces"). Each key overrides the standard variable named beside it; what it leaves unset
+/// comes from the environment (OTEL_EXPORTER_OTLP_HEADERS, _CERTIFICATE, OTEL_RESOURCE_ATTRIBUTES
+/// and the others the OpenTelemetry SDK reads).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// None: on when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is set
+    /// (and OTEL_SDK_DISABLED is not true); true: on (`endpoint` or the protocol's default
+    /// collector on localhost); false: off.
+    pub enabled: Option<bool>,
+    /// The collector: its base URL (http://), as OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/traces` is
+    /// added for HTTP).
+    pub endpoint: Option<String>,
+    /// `grpc` or `http/protobuf` (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL;
+    /// by default http/protobuf).
+    pub protocol: Option<String>,
+    /// The share of new traces (requests without a sampled parent) that are recorded; a request
+    /// whose parent was sampled always is (OTEL_TRACES_SAMPLER = parentbased_traceidratio with
+    /// OTEL_TRACES_SAMPLER_ARG; by default 1).
+    pub sample_ratio: Option<f64>,
+    /// `service.name` (OTEL_SERVICE_NAME; by default "inferd").
+    pub service_name: Option<String>,
+    /// How long one export may take (OTEL_EXPORTER_OTLP_TIMEOUT; by default 10 s).
+    pub timeout_secs: Option<f64>,
+    /// Spans a worker keeps for export at most; past it new spans are dropped and counted
+    /// (inferd_trace_spans_dropped_total). 0: 2048.
+    pub max_queued_spans: usize,
+}
+
 /// A number of bytes, written as an integer or as a string with a unit: `"2GiB"`,
 /// `"512 MiB"`, `"1.5GB"`, `"800000"` (B, kB/KB, KiB, MB, MiB, GB, GiB, TB, TiB).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -565,6 +596,23 @@ impl Config {
         }
         self.server_tls().validate("server")?;
         self.admin_tls().validate("admin")?;
+        let tracing = &self.tracing;
+        if let Some(protocol) = tracing.protocol.as_deref().filter(|p| !["grpc", "http/protobuf"].contains(p)) {
+            return invalid("tracing.protocol", format!("'{protocol}' is not one of grpc, http/protobuf"));
+        }
+        if let Some(ratio) = tracing.sample_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
+            return invalid("tracing.sample_ratio", format!("{ratio} is not between 0 and 1"));
+        }
+        if let Some(timeout) = tracing.timeout_secs.filter(|t| !(t.is_finite() && *t > 0.0)) {
+            return invalid("tracing.timeout_secs", format!("{timeout} is not a positive number of seconds"));
+        }
+        if tracing.max_queued_spans > 1 << 20 {
+            return invalid("tracing.max_queued_spans", format!("{} is more than 1048576", tracing.max_queued_spans));
+        }
+        if let Some(endpoint) = tracing.endpoint.as_deref().filter(|e| !e.starts_with("http://")) {
+            let why = "is not an http:// URL (the exporter has no TLS: send to a collector on the host, which forwards over TLS)";
+            return invalid("tracing.endpoint", format!("'{endpoint}' {why}"));
+        }
         if self.admin.protect_metrics && self.admin.token_file.is_none() {
             return invalid("admin.protect_metrics", "needs admin.token_file".into());
         }
@@ -929,5 +977,23 @@ mod tests {
         let mut config = parse("[models]\nrepository = \"m\"\n").unwrap();
         config.base_dir = PathBuf::from("/srv/inferd");
         assert_eq!(config.model_repository(), PathBuf::from("/srv/inferd/m"));
+    }
+
+    #[test]
+    fn a_tracing_section_is_checked_key_by_key() {
+        let good = "[tracing]\nendpoint = \"http://collector:4318\"\nprotocol = \"grpc\"\nsample_ratio = 0.1\n";
+        let tracing = parse(good).unwrap().tracing;
+        assert_eq!((tracing.protocol.as_deref(), tracing.sample_ratio), (Some("grpc"), Some(0.1)));
+        for (bad, key) in [
+            ("protocol = \"http/json\"", "tracing.protocol"),
+            ("sample_ratio = 1.5", "tracing.sample_ratio"),
+            ("timeout_secs = 0", "tracing.timeout_secs"),
+            ("max_queued_spans = 2000000", "tracing.max_queued_spans"),
+            ("endpoint = \"https://collector:4318\"", "tracing.endpoint"),
+            ("endpoint = \"collector:4318\"", "tracing.endpoint"),
+        ] {
+            let err = parse(&format!("[tracing]\n{bad}\n")).unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
+        }
     }
 }

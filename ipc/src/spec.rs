@@ -110,6 +110,10 @@ pub struct WorkerSpec {
     /// models.eviction.
     #[serde(default)]
     pub eviction: inferd_config::file::Eviction,
+    /// [tracing]: whether and where the worker exports its spans (the standard OTEL_* variables
+    /// it inherits fill in what this leaves unset).
+    #[serde(default)]
+    pub tracing: inferd_config::file::TracingConfig,
     /// models.placement: with `pool` (and the connection table of [`crate::balance`]), the
     /// worker says there which models it holds and where siblings reach it.
     #[serde(default)]

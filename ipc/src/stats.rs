@@ -123,8 +123,11 @@ pub const FORWARD_EVENTS: [&str; 3] = ["forwarded", "unreached", "lost"];
 /// Nanoseconds the worker's lanes spent running models, summed over its lanes: its busy lanes,
 /// time-weighted, are this counter's rate.
 const LANE_BUSY_AT: usize = FORWARDS_AT + FORWARD_EVENTS.len();
+/// Spans exported to the collector, and spans dropped (the export queue was full, or an export
+/// failed or timed out): `inferd_trace_spans_exported_total`, `inferd_trace_spans_dropped_total`.
+const SPANS_AT: usize = LANE_BUSY_AT + 1;
 /// Number of counters in a region.
-pub const LEN: usize = LANE_BUSY_AT + 1;
+pub const LEN: usize = SPANS_AT + 2;
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -313,6 +316,11 @@ impl WorkerCounters {
         self.add(FORWARDS_AT + outcome.min(FORWARD_EVENTS.len() - 1), 1);
     }
 
+    /// `n` spans exported (`dropped`: false) or dropped.
+    pub fn spans(&self, dropped: bool, n: u64) {
+        self.add(SPANS_AT + usize::from(dropped), n);
+    }
+
     /// A lane ran a model for `nanos`.
     pub fn lane_busy(&self, nanos: u64) {
         self.add(LANE_BUSY_AT, nanos);
@@ -449,6 +457,11 @@ impl Snapshot {
     /// Runs that borrowed a core and runs that waited for theirs, per [`LENDING_EVENTS`].
     pub fn lending(&self) -> &[u64] {
         &self.0[LENDING_AT..LENDING_AT + LENDING_EVENTS.len()]
+    }
+
+    /// Spans (exported, dropped).
+    pub fn spans(&self) -> (u64, u64) {
+        (self.0[SPANS_AT], self.0[SPANS_AT + 1])
     }
 
     /// Seconds the lanes spent running models.

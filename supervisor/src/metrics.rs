@@ -289,6 +289,21 @@ pub fn render(m: &PoolMetrics) -> String {
             let _ = writeln!(out, "inferd_worker_busy_lanes{{worker=\"{slot}\",pid=\"{pid}\"}} {busy:.4}");
         }
     }
+    let (exported, dropped) = m.totals.spans();
+    header(
+        &mut out,
+        "inferd_trace_spans_exported_total",
+        "counter",
+        "Spans the workers exported over OTLP ([tracing]).",
+    );
+    let _ = writeln!(out, "inferd_trace_spans_exported_total {exported}");
+    header(
+        &mut out,
+        "inferd_trace_spans_dropped_total",
+        "counter",
+        "Spans dropped: the export queue was full (tracing.max_queued_spans), or an export failed or timed out.",
+    );
+    let _ = writeln!(out, "inferd_trace_spans_dropped_total {dropped}");
     header(&mut out, "inferd_worker_rss_bytes", "gauge", "Resident memory of each worker process.");
     for (slot, pid, rss) in &m.workers {
         if let Some(rss) = rss {

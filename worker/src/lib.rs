@@ -30,7 +30,8 @@
 //! - [`onnx`]: read-only questions about a model file; [`protowire`]: the protobuf wire
 //!   format, read by the gRPC intake and [`onnx`] and written by the int8 rewrite; [`panics`]:
 //!   a panic costs its request (500, then the worker is replaced), for every layer's threads
-//!   and tasks.
+//!   and tasks; [`trace`]: OpenTelemetry spans of a request's stages, made where each stage is
+//!   timed, and their export.
 //!
 //! Threads of a worker with T intra-op threads: 2T+1 (measured with ORT 1.31.1: 3 for T=1,
 //! 5 for T=2): the main thread running all HTTP I/O (a current-thread tokio runtime), the
@@ -98,6 +99,7 @@ pub mod protowire;
 pub mod request;
 pub mod runtime;
 pub mod server;
+pub mod trace;
 
 pub use server::run;
 

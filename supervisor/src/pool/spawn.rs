@@ -79,6 +79,7 @@ impl Supervisor {
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,
             placement: config.models.placement,
+            tracing: config.tracing.clone(),
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {

@@ -123,6 +123,8 @@ pub async fn send(state: &AppState, sibling: Sibling, head: Head, body: Bytes) -
     if let Ok(peer) = HeaderValue::from_str(&head.peer.to_string()) {
         headers.insert(PEER_HEADER, peer);
     }
+    // Traced: the sibling's server span is this request's child.
+    crate::trace::inject(&mut headers);
     let request = || {
         let mut request = Request::new(Full::new(body.clone()));
         *request.method_mut() = head.method.clone();

@@ -22,6 +22,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode};
+use opentelemetry::KeyValue;
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
 
@@ -77,17 +78,32 @@ pub async fn handle(
             Some(flag)
         }
     };
+    // Its server span, when the worker traces: the client's trace continued.
+    let traced = match crate::trace::enabled() {
+        true => server_span(&request, &method, &path, peer, &id),
+        false => None,
+    };
     // A bug that panics in a handler costs this request (500), not the worker (panics.rs).
     // How long it waited for its model to load on demand, if it did (models.rs).
-    let (routed, loading) = LOAD_WAIT
-        .scope(Default::default(), async {
-            let routed = crate::panics::guarded_future(route(&state, peer, request)).await;
-            (routed, LOAD_WAIT.with(std::cell::Cell::get))
-        })
-        .await;
+    let work = LOAD_WAIT.scope(Default::default(), async {
+        let routed = crate::panics::guarded_future(route(&state, peer, request)).await;
+        (routed, LOAD_WAIT.with(std::cell::Cell::get))
+    });
+    let (routed, loading) = crate::trace::in_request(traced.clone(), work).await;
     let routed = routed.unwrap_or_else(|_| {
         Err(ApiError::Internal("internal error: the server hit a bug serving this request (logged)".into()))
     });
+    // A traced request's ids, in its log lines (recorded only when it is traced).
+    let (trace_id, span_id) = match &traced {
+        Some(cx) => {
+            use opentelemetry::trace::TraceContextExt;
+            let span = cx.span();
+            let ids = span.span_context();
+            (Some(ids.trace_id().to_string()), Some(ids.span_id().to_string()))
+        }
+        None => (None, None),
+    };
+    let (trace_id, span_id) = (trace_id.as_deref(), span_id.as_deref());
     let mut refused = "";
     let mut reply = match routed {
         Ok(reply) => reply,
@@ -97,9 +113,11 @@ pub async fn handle(
             }
             let request_id = id.to_str().unwrap_or_default();
             if e.status().is_server_error() {
-                warn!(request_id, method = %method, path, status = e.status().as_u16(), "request failed: {e}");
+                let status = e.status().as_u16();
+                warn!(request_id, trace_id, span_id, method = %method, path, status, "request failed: {e}");
             } else {
-                debug!(request_id, method = %method, path, status = e.status().as_u16(), "request refused: {e}");
+                let status = e.status().as_u16();
+                debug!(request_id, trace_id, span_id, method = %method, path, status, "request refused: {e}");
             }
             let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
             error_reply(&e, parse_route(&segments).map_or(ErrorStyle::V2, |r| r.error_style()))
@@ -124,6 +142,8 @@ pub async fn handle(
             model,
             worker = state.worker,
             request_id = id.to_str().unwrap_or_default(),
+            trace_id,
+            span_id,
             auth_refused = refused,
             "{method} {path} {}",
             reply.status().as_u16()
@@ -149,7 +169,66 @@ pub async fn handle(
     if body_read.is_some_and(|read| !read.0.load(Ordering::Relaxed)) {
         headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
     }
+    if let Some(cx) = &traced {
+        let status = reply.status();
+        let mut attributes = vec![
+            KeyValue::new("http.response.status_code", i64::from(status.as_u16())),
+            KeyValue::new(
+                "http.response.body.size",
+                hyper::body::Body::size_hint(reply.body()).exact().unwrap_or(0) as i64,
+            ),
+        ];
+        if let Some(version) = reply.headers().get("x-inferd-model-version").and_then(|v| v.to_str().ok()) {
+            attributes.push(KeyValue::new("inferd.model.version", version.to_string()));
+        }
+        let error = status.is_server_error().then(|| {
+            attributes.push(KeyValue::new("error.type", status.as_u16().to_string()));
+            status.to_string()
+        });
+        crate::trace::end_server_span(cx, attributes, error);
+    }
     Ok(reply)
+}
+
+/// A request's server span, named by HTTP's conventions (`POST /v2/models/{model}/infer`),
+/// with what is known before it is routed.
+fn server_span(
+    request: &Request<Incoming>,
+    method: &Method,
+    path: &str,
+    peer: SocketAddr,
+    id: &HeaderValue,
+) -> Option<opentelemetry::Context> {
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let parsed = parse_route(&segments);
+    let template = parsed.as_ref().map(Route::template);
+    let name = match template {
+        Some(route) => format!("{method} {route}"),
+        None => method.to_string(),
+    };
+    let header = |name| request.headers().get(name).and_then(|v: &HeaderValue| v.to_str().ok());
+    let mut attributes = vec![
+        KeyValue::new("http.request.method", method.to_string()),
+        KeyValue::new("url.path", path.to_string()),
+        KeyValue::new("url.scheme", "http"),
+        KeyValue::new("network.protocol.version", "1.1"),
+        KeyValue::new("client.address", peer.ip().to_string()),
+        KeyValue::new("client.port", i64::from(peer.port())),
+        KeyValue::new("inferd.request_id", id.to_str().unwrap_or_default().to_string()),
+    ];
+    if let Some(route) = template {
+        attributes.push(KeyValue::new("http.route", route));
+    }
+    if let Some(Some(model)) = parsed.as_ref().and_then(Route::model) {
+        attributes.push(KeyValue::new("inferd.model", model.to_string()));
+    }
+    if let Some(agent) = header(hyper::header::USER_AGENT) {
+        attributes.push(KeyValue::new("user_agent.original", agent.to_string()));
+    }
+    if let Some(size) = header(CONTENT_LENGTH).and_then(|v| v.parse::<i64>().ok()) {
+        attributes.push(KeyValue::new("http.request.body.size", size));
+    }
+    crate::trace::server_span(request.headers(), name, attributes)
 }
 
 /// Set once a request's body has been read whole (see [`handle`]).
@@ -203,6 +282,37 @@ impl<'a> Route<'a> {
             Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) => Some(m),
             Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
             _ => None,
+        }
+    }
+
+    /// The route as OpenTelemetry's `http.route` names it: the path's template.
+    fn template(&self) -> &'static str {
+        match self {
+            Route::Server => "/v2",
+            Route::Live => "/v2/health/live",
+            Route::Ready => "/v2/health/ready",
+            Route::Model(_, None) => "/v2/models/{model}",
+            Route::Model(_, Some(_)) => "/v2/models/{model}/versions/{version}",
+            Route::ModelReady(_, None) => "/v2/models/{model}/ready",
+            Route::ModelReady(_, Some(_)) => "/v2/models/{model}/versions/{version}/ready",
+            Route::Infer(_, None) => "/v2/models/{model}/infer",
+            Route::Infer(_, Some(_)) => "/v2/models/{model}/versions/{version}/infer",
+            Route::Embed(None) => "/embed",
+            Route::Embed(Some(_)) => "/v2/models/{model}/embed",
+            Route::Predict(None) => "/predict",
+            Route::Predict(Some(_)) => "/v2/models/{model}/predict",
+            Route::OpenAiEmbeddings => "/v1/embeddings",
+            Route::Info => "/info",
+            Route::Tokenize => "/tokenize",
+            Route::Decode => "/decode",
+            Route::Similarity => "/similarity",
+            Route::EmbedAll => "/embed_all",
+            Route::EmbedSparse(None) => "/embed_sparse",
+            Route::EmbedSparse(Some(_)) => "/v2/models/{model}/embed_sparse",
+            Route::Rerank(None) => "/rerank",
+            Route::Rerank(Some(_)) => "/v2/models/{model}/rerank",
+            Route::Invocations => "/invocations",
+            Route::Ping => "/ping",
         }
     }
 
@@ -509,6 +619,7 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
         ))
     })?;
     let read = request.extensions().get::<BodyRead>().cloned();
+    let mut stage = crate::trace::Stage::start("read body");
     let collect = Limited::new(request.into_body(), limit as usize).collect();
     let timeout = state.body_timeout;
     let bytes = tokio::time::timeout(timeout, collect)
@@ -527,6 +638,7 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
     if let Some(read) = read {
         read.0.store(true, Ordering::Relaxed);
     }
+    stage.set(KeyValue::new("http.request.body.size", bytes.len() as i64));
     Ok(Body { bytes, _budget: budget })
 }
 

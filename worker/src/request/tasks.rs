@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use opentelemetry::KeyValue;
+
 use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
 use crate::request::app::{ApiError, AppState, Model};
 use crate::runtime::engine::{Join, Timing};
@@ -122,6 +124,11 @@ pub async fn run_pipeline(
     within_limit(state, count)?;
     let model = &meta.info.name;
     let started = Instant::now();
+    let mut stage = crate::trace::Stage::start(match &input {
+        PipelineInput::Texts(_) => "tokenize",
+        PipelineInput::Images(_) => "decode images",
+    });
+    stage.set(KeyValue::new("inferd.inputs", count as i64));
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
             let texts = prompted(&p.head, texts, options.prompt_name.as_deref())?;
@@ -166,8 +173,13 @@ pub async fn run_pipeline(
         }
     };
     let prepare = started.elapsed();
+    if !lengths.is_empty() {
+        stage.set(KeyValue::new("inferd.tokens", lengths.iter().sum::<usize>() as i64));
+    }
+    drop(stage);
     let (outputs, engine) = state.engine.submit(index, tensors, join, options.deadline).await?;
     let model_time = started.elapsed() - prepare;
+    let _post = crate::trace::Stage::start("post-process");
     let head = meta.pipeline.head().expect("pipelines have a head");
     let output = &outputs[head.output()];
     let rows = match head {

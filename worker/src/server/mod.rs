@@ -85,7 +85,13 @@ pub fn run(fd: RawFd) -> i32 {
     };
     crate::panics::install(stats.clone());
     match boot(&spec, &reporter) {
-        Ok(booted) => serve(spec, booted, reporter, stats),
+        Ok(booted) => {
+            crate::trace::init(&spec.tracing, spec.index, stats.clone());
+            let code = serve(spec, booted, reporter, stats);
+            // What is queued goes to the collector, within a bound.
+            crate::trace::shutdown(Duration::from_secs(2));
+            code
+        }
         Err(f) => {
             error!("{}", f.error);
             reporter.send(&WorkerMessage::Failed { kind: f.kind, error: f.error });

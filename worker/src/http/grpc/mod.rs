@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
@@ -130,10 +131,55 @@ impl GrpcInferenceService for Grpc {
 
     async fn model_infer(
         &self,
+        request: Request<proto::ModelInferRequest>,
+    ) -> Result<Response<proto::ModelInferResponse>, Status> {
+        let started = Instant::now();
+        // Its server span, when the worker traces: `traceparent` in the call's metadata.
+        let traced = match crate::trace::enabled() {
+            true => {
+                let attributes = vec![
+                    KeyValue::new("rpc.system", "grpc"),
+                    KeyValue::new("rpc.service", "inference.GRPCInferenceService"),
+                    KeyValue::new("rpc.method", "ModelInfer"),
+                    KeyValue::new("inferd.model", request.get_ref().model_name.clone()),
+                ];
+                let headers = request.metadata().clone().into_headers();
+                let name = "inference.GRPCInferenceService/ModelInfer".to_string();
+                crate::trace::server_span(&headers, name, attributes)
+            }
+            false => None,
+        };
+        let answered = crate::trace::in_request(traced.clone(), self.infer(request, started)).await;
+        if let Some(cx) = &traced {
+            let code = match &answered {
+                Ok(_) => tonic::Code::Ok,
+                Err(status) => status.code(),
+            };
+            // RPC conventions: these codes are the server's errors.
+            let server_error = matches!(
+                code,
+                tonic::Code::Unknown
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Unimplemented
+                    | tonic::Code::Internal
+                    | tonic::Code::Unavailable
+                    | tonic::Code::DataLoss
+            );
+            let error = server_error.then(|| format!("{code:?}"));
+            crate::trace::end_server_span(cx, vec![KeyValue::new("rpc.grpc.status_code", code as i64)], error);
+        }
+        answered
+    }
+}
+
+impl Grpc {
+    /// ModelInfer itself.
+    async fn infer(
+        &self,
         mut request: Request<proto::ModelInferRequest>,
+        started: Instant,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
         let state = &*self.state;
-        let started = Instant::now();
         let deadline = deadline(request.metadata()).map_err(Status::invalid_argument)?;
         let refused = request.extensions_mut().remove::<intake::Intake>();
         // Held until the answer is sent: the request's bytes, as they arrived and decoded.

@@ -40,6 +40,8 @@ pub(super) struct Job {
     /// Past this the job is dropped before it reaches the model.
     pub(super) deadline: Option<Instant>,
     pub(super) reply: ReplyTo,
+    /// The span of its request, when that is traced and sampled: the run links to it.
+    pub(super) trace: Option<opentelemetry::trace::SpanContext>,
 }
 
 /// Whether two tensors can stand in one batch, row after row: the same name and element type,
@@ -74,7 +76,8 @@ fn rows_and_width(inputs: &[Tensor], join: Join) -> (Option<usize>, usize) {
 impl Job {
     pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: ReplyTo) -> Job {
         let (rows, width) = rows_and_width(&inputs, join);
-        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply }
+        let trace = crate::trace::current();
+        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace }
     }
 
     /// Whether `other` can run in one ORT call with `self`.

@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
 use inferd_ipc::stats::{Latency, WorkerCounters, MAX_MODELS};
+use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 use tracing::warn;
 
@@ -470,9 +471,15 @@ impl Engine {
     ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
+        let queued = std::time::SystemTime::now();
         // Dropped unanswered if the engine is going down: EngineGone below.
         self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, deadline, reply)));
-        answer.await.map_err(|_| EngineError::Gone)?
+        let answered = answer.await.map_err(|_| EngineError::Gone)?;
+        // Its wait for a lane, as a stage of its request (the run is a span of its own).
+        if let Ok((_, timing)) = &answered {
+            crate::trace::stage("queue wait", queued, queued + timing.queue, Vec::new());
+        }
+        answered
     }
 }
 
@@ -635,8 +642,24 @@ impl Lane {
             // `execute` guards each run itself (a bug costs only the request that hit it); this
             // is the last resort for one outside them: the replies still held are dropped, so
             // their requests are answered (500) at once, and the lane serves on.
+            // One span for the run, linked to each traced request it serves.
+            let traced: Vec<_> = batch.iter().filter_map(|job| job.trace.clone()).collect();
+            let run = (!traced.is_empty()).then(|| {
+                let rows: usize = batch.iter().map(|job| job.rows.unwrap_or(1)).sum();
+                let tokens: usize = batch.iter().map(Job::tokens).sum();
+                (crate::trace::Run::start(traced), batch.len(), rows, tokens)
+            });
             if crate::panics::guarded(|| self.execute(batch, wide, &mut answers)).is_err() {
                 self.clock.set(self.index, false);
+            }
+            if let Some((span, requests, rows, tokens)) = run {
+                span.end(vec![
+                    KeyValue::new("inferd.batch.requests", requests as i64),
+                    KeyValue::new("inferd.batch.rows", rows as i64),
+                    KeyValue::new("inferd.batch.padded_tokens", tokens as i64),
+                    KeyValue::new("inferd.lane", self.index as i64),
+                    KeyValue::new("inferd.wide", wide),
+                ]);
             }
             // Free before the answers go out: a request sent on receipt of one then never finds
             // this lane still busy (the dispatcher would take it for load, see `dispatch`). What
