@@ -5,9 +5,11 @@
 line to OUT: its trace and span ids, parent, name, kind, start and end (ns), attributes, links
 and its resource's attributes.
 
-    .venv/bin/python tests/clients/otlp_receiver.py OUT HTTP_PORT GRPC_PORT [--hang]
+    .venv/bin/python tests/clients/otlp_receiver.py OUT HTTP_PORT GRPC_PORT [--hang | --discard]
 
-With --hang it accepts every export and never answers (a collector that hangs). Prints
+With --hang it accepts every export and never answers (a collector that hangs); with
+--discard it answers every export without reading its spans (a collector whose work happens
+elsewhere: bench/traces.sh), counting only the exports in OUT's first line. Prints
 `listening` once both ports are open; runs until killed. Used by tests/traces.rs.
 """
 
@@ -23,7 +25,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 out_path, http_port, grpc_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hang = "--hang" in sys.argv[4:]
+discard = "--discard" in sys.argv[4:]
 lock = threading.Lock()
+exports = 0
 
 
 def value(v):
@@ -69,6 +73,16 @@ class Http(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if hang:
             time.sleep(3600)
+        if discard:
+            global exports
+            with lock:
+                exports += 1
+                with open(out_path, "w") as f:
+                    f.write(f"{exports} exports\n")
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path != "/v1/traces":
             self.send_response(404)
             self.send_header("Content-Length", "0")

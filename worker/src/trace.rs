@@ -9,18 +9,18 @@
 //!
 //! Export never stands in a request's way: an ended span goes into a bounded queue
 //! ([`Queue`], tracing.max_queued_spans) or, full, is dropped and counted; one thread
-//! (`inferd-otlp`, with a small runtime of its own for the exporter) sends the queue in
-//! batches of up to [`BATCH`] spans, at least every [`FLUSH_EVERY`], each export bounded by
-//! its timeout (a failed or timed-out export drops its spans, counted). A collector that is
+//! (`inferd-otlp`, with a small runtime of its own for the exporter) wakes every
+//! [`FLUSH_EVERY`] and sends what is queued in batches of up to [`BATCH`] spans, each export
+//! bounded by its timeout (a failed or timed-out export drops its spans, counted). A collector that is
 //! down, slow or hanging therefore costs no request and no memory growth. With tracing off no
 //! tracer exists, and each request pays for one empty task-local.
 //!
 //! The SDK's own sampler (parent-based: a sampled parent is always followed; roots by ratio),
 //! id generator and OTLP exporters (gRPC by tonic, HTTP/protobuf by hyper) do the protocol.
 
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use inferd_config::file::TracingConfig;
 use inferd_ipc::stats::WorkerCounters;
@@ -36,8 +36,8 @@ use tracing::{info, warn};
 
 /// Spans sent in one export at most.
 const BATCH: usize = 512;
-/// A span waits this long at most before it is exported.
-const FLUSH_EVERY: Duration = Duration::from_secs(1);
+/// How often the export thread sends what is queued.
+const FLUSH_EVERY: Duration = Duration::from_millis(200);
 /// tracing.max_queued_spans when 0 (the SDK's batch processor's default).
 const QUEUED: usize = 2048;
 
@@ -225,42 +225,60 @@ impl Export {
         // An export may retry within its timeout: twice that, and a second, bounds it.
         let limit = self.timeout() * 2 + Duration::from_secs(1);
         let mut failing = false;
-        while let Ok(first) = spans.recv() {
-            let mut batch = vec![first];
-            let due = Instant::now() + FLUSH_EVERY;
-            let mut closed = false;
-            while batch.len() < BATCH {
-                match spans.recv_timeout(due.saturating_duration_since(Instant::now())) {
+        let mut closed = false;
+        while !closed {
+            // The thread sleeps between exports rather than waking for each span: a wake per
+            // span would take the worker's own core from its requests (the thread shares it).
+            std::thread::sleep(FLUSH_EVERY);
+            let mut batch = Vec::new();
+            loop {
+                match spans.try_recv() {
                     Ok(span) => batch.push(span),
-                    Err(RecvTimeoutError::Timeout) => break,
-                    Err(RecvTimeoutError::Disconnected) => {
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
                         closed = true;
                         break;
                     }
                 }
-            }
-            let n = batch.len() as u64;
-            let sent = runtime.block_on(async { tokio::time::timeout(limit, exporter.export(batch)).await });
-            match sent {
-                Ok(Ok(())) => {
-                    counters.spans(false, n);
-                    if std::mem::take(&mut failing) {
-                        info!("tracing: the collector takes spans again");
-                    }
+                if batch.len() < BATCH {
+                    continue;
                 }
-                outcome => {
-                    counters.spans(true, n);
-                    if !std::mem::replace(&mut failing, true) {
-                        let why = match outcome {
-                            Ok(Err(e)) => e.to_string(),
-                            _ => format!("no answer within {limit:?}"),
-                        };
-                        warn!("tracing: spans dropped, the collector did not take them: {why}");
-                    }
+                self.send(&runtime, &exporter, std::mem::take(&mut batch), limit, counters, &mut failing);
+            }
+            if !batch.is_empty() {
+                self.send(&runtime, &exporter, batch, limit, counters, &mut failing);
+            }
+        }
+    }
+
+    /// One export, bounded by `limit`, its spans counted as exported or dropped.
+    fn send(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        exporter: &opentelemetry_otlp::SpanExporter,
+        batch: Vec<SpanData>,
+        limit: Duration,
+        counters: &WorkerCounters,
+        failing: &mut bool,
+    ) {
+        let n = batch.len() as u64;
+        let sent = runtime.block_on(async { tokio::time::timeout(limit, exporter.export(batch)).await });
+        match sent {
+            Ok(Ok(())) => {
+                counters.spans(false, n);
+                if std::mem::take(failing) {
+                    info!("tracing: the collector takes spans again");
                 }
             }
-            if closed {
-                break;
+            outcome => {
+                counters.spans(true, n);
+                if !std::mem::replace(failing, true) {
+                    let why = match outcome {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => format!("no answer within {limit:?}"),
+                    };
+                    warn!("tracing: spans dropped, the collector did not take them: {why}");
+                }
             }
         }
     }
@@ -405,11 +423,15 @@ pub struct Stage {
 
 impl Stage {
     pub fn start(name: &'static str) -> Stage {
-        Stage { name, started: SystemTime::now(), attributes: Vec::new() }
+        // Untraced, a stage reads no clock and keeps nothing.
+        let started = if enabled() { SystemTime::now() } else { SystemTime::UNIX_EPOCH };
+        Stage { name, started, attributes: Vec::new() }
     }
 
     pub fn set(&mut self, attribute: KeyValue) {
-        self.attributes.push(attribute);
+        if enabled() {
+            self.attributes.push(attribute);
+        }
     }
 }
 

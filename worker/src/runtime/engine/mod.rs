@@ -471,12 +471,12 @@ impl Engine {
     ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
-        let queued = std::time::SystemTime::now();
+        let queued = crate::trace::enabled().then(std::time::SystemTime::now);
         // Dropped unanswered if the engine is going down: EngineGone below.
         self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, deadline, reply)));
         let answered = answer.await.map_err(|_| EngineError::Gone)?;
         // Its wait for a lane, as a stage of its request (the run is a span of its own).
-        if let Ok((_, timing)) = &answered {
+        if let (Some(queued), Ok((_, timing))) = (queued, &answered) {
             crate::trace::stage("queue wait", queued, queued + timing.queue, Vec::new());
         }
         answered
