@@ -43,7 +43,8 @@
 //! borrows a sibling's idle core has one ORT pool thread more, pinned to that core (4
 //! threads), which computes only while the core is lent to it, and a worker of one thread has
 //! its background lane (`inferd-lane-bg`, 5 threads with lending), which runs long inputs on
-//! the worker's core at a lower priority.
+//! the worker's core at a lower priority. With [tracing], one more: `inferd-otlp`, asleep but
+//! for an export every 200 ms.
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

@@ -129,7 +129,7 @@ pub fn init(config: &TracingConfig, worker: usize, counters: Arc<WorkerCounters>
     let thread = std::thread::Builder::new().name("inferd-otlp".into()).spawn(move || {
         export.run(spans, &counted);
         if let Some(tell) = done.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _: Result<(), _> = SyncSender::send(&tell, ());
+            let _ = tell.send(());
         }
     });
     if let Err(e) = thread {

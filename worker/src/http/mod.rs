@@ -210,7 +210,6 @@ fn server_span(
     let mut attributes = vec![
         KeyValue::new("http.request.method", method.to_string()),
         KeyValue::new("url.path", path.to_string()),
-        KeyValue::new("url.scheme", "http"),
         KeyValue::new("network.protocol.version", "1.1"),
         KeyValue::new("client.address", peer.ip().to_string()),
         KeyValue::new("client.port", i64::from(peer.port())),
