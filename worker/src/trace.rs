@@ -124,7 +124,7 @@ pub fn init(config: &TracingConfig, worker: usize, counters: Arc<WorkerCounters>
     };
     let (queue, spans) = sync_channel(capacity);
     let export = Export { config: config.clone(), protocol: protocol.clone(), resource: resource.clone() };
-    let (counted, finished) = (counters.clone(), Arc::new(Mutex::new(None)));
+    let (counted, finished) = (counters.clone(), Arc::new(Mutex::new(None::<SyncSender<()>>)));
     let done = finished.clone();
     let thread = std::thread::Builder::new().name("inferd-otlp".into()).spawn(move || {
         export.run(spans, &counted);
