@@ -364,3 +364,35 @@ fn a_collector_that_hangs_or_is_down_costs_no_request_and_its_spans_are_dropped_
         assert_eq!(server.worker_pids(), pids, "{what}: no worker replaced");
     }
 }
+
+#[test]
+fn a_rolling_reload_is_one_trace_of_the_supervisor_with_a_span_per_slot() {
+    let receiver = Receiver::start(false);
+    let server =
+        traced_server("traces-reload", 2, &["typed"], &format!("endpoint = \"{}\"", receiver.http_endpoint()), &[]);
+    let out = Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap();
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let spans = receiver.spans_when("the reload's span and its slots'", |spans| {
+        spans.iter().any(|s| s["name"] == "rolling reload")
+            && spans.iter().filter(|s| s["name"].as_str().is_some_and(|n| n.starts_with("reload slot "))).count() >= 2
+    });
+    let reload = spans.iter().find(|s| s["name"] == "rolling reload").unwrap();
+    assert_eq!(reload["parent_span_id"], "", "a trace of its own");
+    assert_eq!(reload["attributes"]["inferd.outcome"], "complete");
+    assert_eq!(reload["attributes"]["inferd.generation"], 2);
+    assert_eq!(reload["resource"]["inferd.role"], "supervisor");
+    assert_eq!(reload["resource"]["process.pid"], server.process.pid() as i64);
+    let slots = children(&spans, reload);
+    let names: BTreeSet<&str> = slots.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, BTreeSet::from(["reload slot 0", "reload slot 1"]), "{slots:#?}");
+    for slot in &slots {
+        assert_eq!(slot["attributes"]["inferd.outcome"], "promoted", "{slot:#}");
+        assert!(within(slot, reload), "{slot:#}\n{reload:#}");
+        let pid = slot["attributes"]["process.pid"].as_i64().unwrap() as i32;
+        assert!(server.worker_pids().contains(&pid), "the promoted worker {pid} serves");
+    }
+    // One after the other: slot 1 starts once slot 0's worker is promoted.
+    let start = |name: &str| slots.iter().find(|s| s["name"] == name).unwrap()["start"].as_u64().unwrap();
+    let end = |name: &str| slots.iter().find(|s| s["name"] == name).unwrap()["end"].as_u64().unwrap();
+    assert!(end("reload slot 0") <= start("reload slot 1"));
+}

@@ -22,6 +22,7 @@ mod signals;
 pub mod status;
 mod systemd;
 mod tcp;
+mod trace;
 
 use std::process::ExitStatus;
 

@@ -151,6 +151,8 @@ pub struct PoolMetrics {
     pub lanes: Vec<(usize, u32, usize, Option<f64>)>,
     /// Connections waiting in the port's accept queues now.
     pub accept_queued: u64,
+    /// The supervisor's own spans (exported, dropped).
+    pub supervisor_spans: (u64, u64),
 }
 
 /// A model's loads and evictions since start (`inferd_model_loads_total`,
@@ -290,6 +292,7 @@ pub fn render(m: &PoolMetrics) -> String {
         }
     }
     let (exported, dropped) = m.totals.spans();
+    let (exported, dropped) = (exported + m.supervisor_spans.0, dropped + m.supervisor_spans.1);
     header(
         &mut out,
         "inferd_trace_spans_exported_total",

@@ -201,11 +201,13 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
+        crate::trace::init(&resolved.config.tracing);
         let result = match Supervisor::new(resolved, events, activated) {
             Ok(mut supervisor) => supervisor.run(&mut queue).await,
             Err(e) => Err(e),
         };
         let _ = std::fs::remove_file(&socket);
+        crate::trace::shutdown(Duration::from_secs(2));
         result
     })
 }

@@ -11,6 +11,7 @@ use inferd_config::auth::Access;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::Cause;
 use inferd_ipc::stats::MAX_MODELS;
+use opentelemetry::{Context, KeyValue};
 use tracing::{error, info};
 
 use super::slot::{read_on_demand, Role, Slot, Start};
@@ -20,6 +21,7 @@ use crate::control::{Replies, Response};
 use crate::metrics::Reloads;
 use crate::plan::cpu::{format_cpus, plan, Ask};
 use crate::status::WorkerState;
+use crate::trace;
 
 /// The reload's state: the rolling reload in progress, if any, and how the reloads so far
 /// ended.
@@ -49,6 +51,9 @@ struct Reload {
     /// Keep `replies` until the last slot is done (else only until validation).
     wait: bool,
     started: Instant,
+    /// Its trace ([tracing]): the reload's span, and the span of the slot being replaced.
+    trace: Option<Context>,
+    slot_trace: Option<Context>,
 }
 
 impl ReloadState {
@@ -86,8 +91,11 @@ impl ReloadState {
     /// The pool is stopping: the reload in progress ends here, and its client hears why.
     pub(super) fn abandon(&mut self) {
         if let Some(reload) = self.rolling.take() {
+            let why = "reload abandoned: the server is stopping";
+            trace::end(reload.slot_trace, vec![KeyValue::new("inferd.outcome", "abandoned")], Some(why.into()));
+            trace::end(reload.trace, vec![KeyValue::new("inferd.outcome", "abandoned")], Some(why.into()));
             if let Some(replies) = reload.replies {
-                let _ = replies.send(Response::error("reload abandoned: the server is stopping"));
+                let _ = replies.send(Response::error(why));
             }
         }
     }
@@ -99,6 +107,8 @@ impl Supervisor {
     /// on to the next slot.
     pub(super) fn reload_worker_ready(&mut self, index: usize, spawn: u64, pid: u32) {
         let Some(reload) = self.reload.rolling.as_mut().filter(|r| r.worker == Some(spawn)) else { return };
+        let promoted = vec![KeyValue::new("inferd.outcome", "promoted"), KeyValue::new("process.pid", i64::from(pid))];
+        trace::end(reload.slot_trace.take(), promoted, None);
         self.pool.slots[index].models = reload.models.clone();
         let total = self.pool.slots.len();
         let progress = format!("worker {} of {total} ready (pid {pid}, generation {})", index + 1, reload.generation);
@@ -218,6 +228,11 @@ impl Supervisor {
                 self.pool.slots.len()
             )));
         }
+        let attributes = vec![
+            KeyValue::new("inferd.generation", self.pool.generation as i64),
+            KeyValue::new("inferd.slots", self.pool.slots.len() as i64),
+            KeyValue::new("inferd.models", names.clone()),
+        ];
         self.reload.rolling = Some(Reload {
             models,
             on_demand,
@@ -228,6 +243,8 @@ impl Supervisor {
             replies,
             wait,
             started: Instant::now(),
+            trace: trace::start("rolling reload".into(), None, attributes),
+            slot_trace: None,
         });
         self.replace_slot(0);
         Ok(())
@@ -284,6 +301,8 @@ impl Supervisor {
         let Some(reload) = self.reload.rolling.as_mut() else { return };
         reload.slot = index;
         reload.worker = None;
+        let attributes = vec![KeyValue::new("inferd.slot", index as i64)];
+        reload.slot_trace = trace::start(format!("reload slot {index}"), reload.trace.as_ref(), attributes);
         let Some(w) = self.pool.slots[index].booting() else { return self.start_reload_worker() };
         let note = format!(
             "worker {} of {}: its worker started for {} (pid {}) is still booting on the previous models; \
@@ -315,7 +334,11 @@ impl Supervisor {
         let reload = self.reload.rolling.as_ref().expect("called during a reload");
         let (index, models, generation) = (reload.slot, reload.models.clone(), reload.generation);
         match self.spawn(index, Role::Incoming, Cause::Reload, models, generation) {
-            Some(spawn) => self.reload.rolling.as_mut().expect("checked").worker = Some(spawn),
+            Some(spawn) => {
+                let reload = self.reload.rolling.as_mut().expect("checked");
+                reload.worker = Some(spawn);
+                trace::event(&reload.slot_trace, "worker started", Vec::new());
+            }
             None => self.abort_reload(index, "the new worker could not be started"),
         }
     }
@@ -364,6 +387,7 @@ impl Supervisor {
             reload.generation,
             reload.started.elapsed().as_secs_f64()
         );
+        trace::end(reload.trace, vec![KeyValue::new("inferd.outcome", "complete")], None);
         info!("{message}");
         if let Some(replies) = reload.replies {
             let _ = replies.send(Response::message(message));
@@ -380,6 +404,8 @@ impl Supervisor {
         };
         let message = format!("reload failed at worker {} of {}: {error}; {kept}", index + 1, self.pool.slots.len());
         error!("{message}");
+        trace::end(reload.slot_trace, vec![KeyValue::new("inferd.outcome", "failed")], Some(error.to_string()));
+        trace::end(reload.trace, vec![KeyValue::new("inferd.outcome", "failed")], Some(message.clone()));
         if let Some(replies) = reload.replies {
             let _ = replies.send(Response::error(message));
         }

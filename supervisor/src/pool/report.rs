@@ -293,6 +293,7 @@ impl Supervisor {
                 })
                 .collect(),
             accept_queued: self.pool.slots.iter().map(|s| s.sockets.waiting()).sum(),
+            supervisor_spans: crate::trace::spans(),
         }
     }
 }

@@ -185,7 +185,7 @@ pub async fn handle(
             attributes.push(KeyValue::new("error.type", status.as_u16().to_string()));
             status.to_string()
         });
-        crate::trace::end_server_span(cx, attributes, error);
+        inferd_telemetry::end_span(cx, attributes, error);
     }
     Ok(reply)
 }

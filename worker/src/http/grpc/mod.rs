@@ -166,7 +166,7 @@ impl GrpcInferenceService for Grpc {
                     | tonic::Code::DataLoss
             );
             let error = server_error.then(|| format!("{code:?}"));
-            crate::trace::end_server_span(cx, vec![KeyValue::new("rpc.grpc.status_code", code as i64)], error);
+            inferd_telemetry::end_span(cx, vec![KeyValue::new("rpc.grpc.status_code", code as i64)], error);
         }
         answered
     }
