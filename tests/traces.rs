@@ -396,3 +396,36 @@ fn a_rolling_reload_is_one_trace_of_the_supervisor_with_a_span_per_slot() {
     let end = |name: &str| slots.iter().find(|s| s["name"] == name).unwrap()["end"].as_u64().unwrap();
     assert!(end("reload slot 0") <= start("reload slot 1"));
 }
+
+#[test]
+fn an_on_demand_load_is_a_span_of_the_request_that_asked_for_it() {
+    let receiver = Receiver::start(false);
+    let dir = temp_dir("traces-load");
+    let repository = model_repository(dir.path(), &["typed", "classifier"]);
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1, &repository, "typed", &[], "");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("on_demand = true\n\n[tracing]\nendpoint = \"{}\"\n", receiver.http_endpoint()));
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
+    let (trace, parent) = ids(9000);
+    post(
+        &server,
+        "/v2/models/classifier/predict",
+        br#"{"inputs":"a traced load"}"#,
+        Some(&traceparent(&trace, &parent, true)),
+    );
+    let spans = receiver.spans_when("the load's span", |spans| {
+        spans.iter().any(|s| s["trace_id"] == trace && s["name"] == "load model")
+    });
+    let request = server_spans(&spans, &trace)[0];
+    let load = spans.iter().find(|s| s["trace_id"] == trace && s["name"] == "load model").unwrap();
+    assert_eq!(load["parent_span_id"], request["span_id"], "the load is the request's child");
+    assert_eq!(load["attributes"]["inferd.model"], "classifier");
+    assert!(load["attributes"]["inferd.model.bytes"].as_i64().is_some(), "{load:#}");
+    assert!(within(load, request), "{load:#}\n{request:#}");
+    // Its log line carries the trace.
+    let log = server.log();
+    assert!(log.lines().any(|l| l.contains("loaded on demand") && l.contains(trace.as_str())), "{log}");
+}

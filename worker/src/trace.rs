@@ -128,6 +128,26 @@ pub fn stage(name: &'static str, started: SystemTime, ended: SystemTime, attribu
     opentelemetry::trace::Span::end_with_timestamp(&mut span, ended);
 }
 
+/// Work done for a traced request on another thread (an on-demand load): `name`, from
+/// `started` to now, the child of `parent`'s span (nothing when it is None).
+pub fn child_of(
+    parent: Option<&SpanContext>,
+    name: &'static str,
+    started: SystemTime,
+    attributes: Vec<KeyValue>,
+    error: Option<String>,
+) {
+    let (Some(tracing), Some(parent)) = (TRACER.get(), parent) else { return };
+    let parent = Context::new().with_remote_span_context(parent.clone());
+    let span = tracing
+        .tracer
+        .span_builder(name)
+        .with_kind(SpanKind::Internal)
+        .with_start_time(started)
+        .start_with_context(&tracing.tracer, &parent);
+    inferd_telemetry::end_span(&parent.with_span(span), attributes, error);
+}
+
 /// Times a stage of the request this task serves: the span goes out when it is dropped.
 pub struct Stage {
     name: &'static str,

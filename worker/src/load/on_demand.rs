@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{ModelCost, WorkerMessage};
+use opentelemetry::KeyValue;
 use tracing::{info, warn};
 
 use super::Lanes;
@@ -82,7 +83,7 @@ impl Loader {
     /// evicted (the worker reports it to the supervisor).
     pub fn run(mut self, queue: Receiver<Load>, told: impl Fn(WorkerMessage)) {
         loop {
-            let Load { name, done } = match queue.recv_timeout(CHECK_EVERY) {
+            let Load { name, done, trace } = match queue.recv_timeout(CHECK_EVERY) {
                 Ok(load) => load,
                 Err(RecvTimeoutError::Timeout) => {
                     if let Some(budget) = self.budget {
@@ -92,13 +93,23 @@ impl Loader {
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
             };
-            let started = Instant::now();
-            match self.load(&name, &told) {
+            let (started, since) = (Instant::now(), std::time::SystemTime::now());
+            let trace_id = trace.as_ref().map(|t| t.trace_id().to_string());
+            let loaded = self.load(&name, &told);
+            // The load is a span of the request that asked for it (ended before it is told).
+            let (outcome, error) = match &loaded {
+                Ok((_, _, cost)) => (vec![KeyValue::new("inferd.model.bytes", cost.total() as i64)], None),
+                Err(why) => (Vec::new(), Some(why.to_string())),
+            };
+            let attributes = [vec![KeyValue::new("inferd.model", name.clone())], outcome].concat();
+            crate::trace::child_of(trace.as_ref(), "load model", since, attributes, error);
+            match loaded {
                 Ok((model, number, cost)) => {
                     let seconds = started.elapsed().as_secs_f64();
                     let info = model.info.clone();
                     info!(
                         model = name,
+                        trace_id = trace_id.as_deref(),
                         "loaded on demand in {:.0} ms, {} MiB ({} MiB private, {} MiB mapped)",
                         seconds * 1e3,
                         cost.total() >> 20,
@@ -115,7 +126,7 @@ impl Loader {
                     }
                 }
                 Err(why) => {
-                    warn!(model = name, "cannot load on demand: {why}");
+                    warn!(model = name, trace_id = trace_id.as_deref(), "cannot load on demand: {why}");
                     self.state.models.failed_on_demand(&name, why, &done);
                 }
             }

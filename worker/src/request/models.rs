@@ -87,6 +87,8 @@ pub type Outcome = Option<Result<(usize, Arc<Model>), LoadError>>;
 pub struct Load {
     pub name: String,
     pub done: watch::Sender<Outcome>,
+    /// The span of the request that asked for it, when traced: the load is its child.
+    pub trace: Option<opentelemetry::trace::SpanContext>,
 }
 
 pub struct Models {
@@ -415,7 +417,7 @@ impl Models {
                     let (done, flight) = watch::channel(None);
                     on_demand
                         .queue
-                        .try_send(Load { name: name.to_string(), done })
+                        .try_send(Load { name: name.to_string(), done, trace: crate::trace::current() })
                         .map_err(|_| busy(format!("{LOADS_QUEUED} other models wait for this worker's loader")))?;
                     flights.insert(name.to_string(), flight.clone());
                     flight
@@ -572,7 +574,7 @@ mod tests {
             .collect();
         // Every request is waiting once the first load is queued; one load for all of them.
         let load = tokio::task::spawn_blocking(move || (loads.recv().unwrap(), loads)).await.unwrap();
-        let (Load { name, done }, loads) = load;
+        let (Load { name, done, .. }, loads) = load;
         assert_eq!(name, "b");
         tokio::time::sleep(Duration::from_millis(50)).await;
         models.loaded_on_demand(model("b"), 1, ModelCost::default(), &done);
@@ -594,7 +596,7 @@ mod tests {
             let models = models.clone();
             async move { models.find("c", None).await.map(|_| ()) }
         });
-        let Load { name, done } = tokio::task::spawn_blocking(move || loads.recv().unwrap()).await.unwrap();
+        let Load { name, done, .. } = tokio::task::spawn_blocking(move || loads.recv().unwrap()).await.unwrap();
         models.failed_on_demand(&name, LoadError::Failed("the file is not ONNX".into()), &done);
         let error = request.await.unwrap().unwrap_err();
         assert!(matches!(&error, ApiError::Internal(m) if m.contains("not ONNX")), "{error:?}");
