@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use inferd_config::file::TracingConfig;
 use inferd_telemetry::Pipeline;
-use opentelemetry::trace::{SpanKind, TraceContextExt, Tracer as _};
+use opentelemetry::trace::{SpanKind, TraceContextExt};
 use opentelemetry::{Context, KeyValue};
 
 static TRACER: OnceLock<Pipeline> = OnceLock::new();
@@ -44,13 +44,7 @@ pub fn shutdown(limit: Duration) {
 pub fn start(name: String, parent: Option<&Context>, attributes: Vec<KeyValue>) -> Option<Context> {
     let pipeline = TRACER.get()?;
     let parent = parent.cloned().unwrap_or_default();
-    let span = pipeline
-        .tracer
-        .span_builder(name)
-        .with_kind(SpanKind::Internal)
-        .with_attributes(attributes)
-        .start_with_context(&pipeline.tracer, &parent);
-    Some(parent.with_span(span))
+    Some(pipeline.start_span(name, SpanKind::Internal, &parent, None, attributes, Vec::new()))
 }
 
 /// Something that happened within `cx`'s span.

@@ -13,10 +13,10 @@
 
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use inferd_config::file::TracingConfig;
-use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _, Tracer as _, TracerProvider as _};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
@@ -104,6 +104,25 @@ impl Pipeline {
         let tracer = provider.tracer("inferd");
         info!(protocol, "tracing: spans exported over OTLP");
         Some(Pipeline { provider, tracer })
+    }
+
+    /// Starts a span of `kind` named `name`, the child of `parent`'s span (an empty context:
+    /// the root of a new trace), at `started` (None: now), linked to `links`; returned in a
+    /// context of its own (end it with [`end_span`]).
+    pub fn start_span(
+        &self,
+        name: impl Into<std::borrow::Cow<'static, str>>,
+        kind: SpanKind,
+        parent: &Context,
+        started: Option<SystemTime>,
+        attributes: Vec<KeyValue>,
+        links: Vec<Link>,
+    ) -> Context {
+        let mut builder = self.tracer.span_builder(name).with_kind(kind).with_attributes(attributes).with_links(links);
+        if let Some(started) = started {
+            builder = builder.with_start_time(started);
+        }
+        parent.with_span(builder.start_with_context(&self.tracer, parent))
     }
 
     /// Exports what is queued, within `limit` (before the process exits).

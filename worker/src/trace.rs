@@ -18,7 +18,7 @@ use inferd_config::file::TracingConfig;
 use inferd_ipc::stats::WorkerCounters;
 use inferd_telemetry::Pipeline;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
-use opentelemetry::trace::{Link, SpanContext, SpanKind, TraceContextExt, Tracer as _};
+use opentelemetry::trace::{Link, SpanContext, SpanKind, TraceContextExt};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 
@@ -87,15 +87,9 @@ pub fn inject(headers: &mut hyper::HeaderMap) {
 /// A request's server span, started when tracing is on: `name` (`POST /v2/models/{model}/infer`,
 /// or the gRPC method), its parent from the request's `traceparent` and `tracestate`.
 pub fn server_span(headers: &hyper::HeaderMap, name: String, attributes: Vec<KeyValue>) -> Option<Context> {
-    let tracing = TRACER.get()?;
+    let pipeline = TRACER.get()?;
     let parent = TraceContextPropagator::new().extract(&Headers(headers));
-    let span = tracing
-        .tracer
-        .span_builder(name)
-        .with_kind(SpanKind::Server)
-        .with_attributes(attributes)
-        .start_with_context(&tracing.tracer, &parent);
-    Some(parent.with_span(span))
+    Some(pipeline.start_span(name, SpanKind::Server, &parent, None, attributes, Vec::new()))
 }
 
 /// Runs `work` as the request of `cx` (None: not traced): [`stage`] and [`current`] find it.
@@ -117,15 +111,9 @@ pub fn current() -> Option<SpanContext> {
 /// A stage of the request this task serves, from `started` to `ended`, as a child of its
 /// server span (nothing when it is not traced).
 pub fn stage(name: &'static str, started: SystemTime, ended: SystemTime, attributes: Vec<KeyValue>) {
-    let (Some(tracing), Some(cx)) = (TRACER.get(), request()) else { return };
-    let mut span = tracing
-        .tracer
-        .span_builder(name)
-        .with_kind(SpanKind::Internal)
-        .with_start_time(started)
-        .with_attributes(attributes)
-        .start_with_context(&tracing.tracer, &cx);
-    opentelemetry::trace::Span::end_with_timestamp(&mut span, ended);
+    let (Some(pipeline), Some(cx)) = (TRACER.get(), request()) else { return };
+    let cx = pipeline.start_span(name, SpanKind::Internal, &cx, Some(started), attributes, Vec::new());
+    cx.span().end_with_timestamp(ended);
 }
 
 /// Work done for a traced request on another thread (an on-demand load): `name`, from
@@ -137,15 +125,10 @@ pub fn child_of(
     attributes: Vec<KeyValue>,
     error: Option<String>,
 ) {
-    let (Some(tracing), Some(parent)) = (TRACER.get(), parent) else { return };
+    let (Some(pipeline), Some(parent)) = (TRACER.get(), parent) else { return };
     let parent = Context::new().with_remote_span_context(parent.clone());
-    let span = tracing
-        .tracer
-        .span_builder(name)
-        .with_kind(SpanKind::Internal)
-        .with_start_time(started)
-        .start_with_context(&tracing.tracer, &parent);
-    inferd_telemetry::end_span(&parent.with_span(span), attributes, error);
+    let cx = pipeline.start_span(name, SpanKind::Internal, &parent, Some(started), Vec::new(), Vec::new());
+    inferd_telemetry::end_span(&cx, attributes, error);
 }
 
 /// Times a stage of the request this task serves: the span goes out when it is dropped.
@@ -180,30 +163,22 @@ impl Drop for Stage {
 /// A model run serving the jobs whose requests' span contexts are `traced`: the child of the
 /// first and linked to each (OpenTelemetry's guidance for batches). Ended by [`Run::end`].
 pub struct Run {
-    span: Option<opentelemetry_sdk::trace::Span>,
+    span: Option<Context>,
 }
 
 impl Run {
     pub fn start(traced: Vec<SpanContext>) -> Run {
-        let (Some(tracing), Some(first)) = (TRACER.get(), traced.first().cloned()) else {
+        let (Some(pipeline), Some(first)) = (TRACER.get(), traced.first().cloned()) else {
             return Run { span: None };
         };
         let parent = Context::new().with_remote_span_context(first);
         let links = traced.into_iter().map(Link::with_context).collect();
-        let span = tracing
-            .tracer
-            .span_builder("model run")
-            .with_kind(SpanKind::Internal)
-            .with_links(links)
-            .start_with_context(&tracing.tracer, &parent);
-        Run { span: Some(span) }
+        Run { span: Some(pipeline.start_span("model run", SpanKind::Internal, &parent, None, Vec::new(), links)) }
     }
 
     pub fn end(self, attributes: Vec<KeyValue>) {
-        if let Some(mut span) = self.span {
-            use opentelemetry::trace::Span as _;
-            span.set_attributes(attributes);
-            span.end();
+        if let Some(cx) = self.span {
+            inferd_telemetry::end_span(&cx, attributes, None);
         }
     }
 }
