@@ -60,19 +60,15 @@ pub struct Head {
 }
 
 impl Head {
-    /// `request`'s head, when it may be forwarded (placement is on, and it did not come from
-    /// a sibling).
-    pub fn keep<B>(state: &AppState, request: &Request<B>, peer: SocketAddr) -> Option<Head> {
-        if !state.models.placed() || request.extensions().get::<Forwarded>().is_some() {
-            return None;
-        }
-        Some(Head {
-            method: request.method().clone(),
-            uri: request.uri().clone(),
-            headers: request.headers().clone(),
-            peer,
-        })
+    /// `request`'s head, from `peer`.
+    pub fn of<B>(request: &Request<B>, peer: SocketAddr) -> Head {
+        Head { method: request.method().clone(), uri: request.uri().clone(), headers: request.headers().clone(), peer }
     }
+}
+
+/// Whether `request` may be sent to a sibling: placement is on, and it did not come from one.
+pub fn forwardable<B>(state: &AppState, request: &Request<B>) -> bool {
+    state.models.placed() && request.extensions().get::<Forwarded>().is_none()
 }
 
 /// A connection to a sibling, ready for one request.
@@ -97,9 +93,8 @@ pub async fn connect(address: u64) -> std::io::Result<Sibling> {
     Ok(Sibling(sender))
 }
 
-/// The sibling holding `name` connected, if the request may go to one and one holds it.
-pub async fn sibling_for(state: &AppState, head: &Option<Head>, name: &str) -> Option<Sibling> {
-    head.as_ref()?;
+/// The sibling holding `name` connected, if one holds it (and this worker has no room for it).
+pub async fn sibling_for(state: &AppState, name: &str) -> Option<Sibling> {
     let address = state.models.elsewhere(name)?;
     match connect(address).await {
         Ok(sibling) => Some(sibling),

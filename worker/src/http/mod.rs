@@ -393,8 +393,9 @@ async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -
     let ready = state.ready.load(Ordering::Relaxed);
     let deadline = deadline(&request)?;
     // models.placement = "pool": a request for a model a sibling holds (and this worker could
-    // only load by evicting others) is that sibling's.
-    let head = forward::Head::keep(state, &request, peer);
+    // only load by evicting others) is that sibling's. Its head is copied only when it goes
+    // (or, for OpenAI's route, whose body names the model, before that body is read).
+    let forwardable = forward::forwardable(state, &request);
     let named = match route {
         Route::Infer(name, _)
         | Route::Embed(Some(name))
@@ -403,10 +404,11 @@ async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -
         | Route::EmbedSparse(Some(name)) => Some(name),
         _ => None,
     };
-    if let (Some(name), Some(_)) = (named, &head) {
-        if let Some(sibling) = forward::sibling_for(state, &head, name).await {
+    if let (Some(name), true) = (named, forwardable) {
+        if let Some(sibling) = forward::sibling_for(state, name).await {
+            let head = forward::Head::of(&request, peer);
             let body = read_body(state, request).await?;
-            return forward::send(state, sibling, head.expect("kept"), body.bytes.clone()).await;
+            return forward::send(state, sibling, head, body.bytes.clone()).await;
         }
     }
     match route {
@@ -436,17 +438,17 @@ async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -
         Route::OpenAiEmbeddings => {
             // The model is named in the body; a name this server does not load (a client's
             // default) means the default model.
+            let head = forwardable.then(|| forward::Head::of(&request, peer));
             let body = match read_body(state, request).await {
                 Ok(body) => body,
                 Err(e) => return counted(state, 0, Endpoint::OpenAiEmbeddings, async { Err(e) }).await,
             };
             let request = openai::parse(&body);
             let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
-            if let Some(sibling) = match wanted {
-                Some(name) => forward::sibling_for(state, &head, name).await,
-                None => None,
-            } {
-                return forward::send(state, sibling, head.expect("kept"), body.bytes.clone()).await;
+            if let (Some(head), Some(name)) = (head, wanted) {
+                if let Some(sibling) = forward::sibling_for(state, name).await {
+                    return forward::send(state, sibling, head, body.bytes.clone()).await;
+                }
             }
             let found = match wanted {
                 Some(name) => state.models.find(name, None).await.ok(),
