@@ -19,12 +19,12 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 /// A certificate authority of one test.
-struct Ca {
+pub(crate) struct Ca {
     issuer: CertifiedIssuer<'static, KeyPair>,
 }
 
 impl Ca {
-    fn new(name: &str) -> Ca {
+    pub(crate) fn new(name: &str) -> Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(DnType::CommonName, name);
@@ -45,7 +45,7 @@ impl Ca {
     }
 
     /// Writes this CA's leaf as `<name>.pem` and `<name>.key` (mode 0600) in `dir`.
-    fn write_leaf(&self, dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    pub(crate) fn write_leaf(&self, dir: &Path, name: &str) -> (PathBuf, PathBuf) {
         let (cert, key) = self.leaf(name);
         let (cert_file, key_file) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
         std::fs::write(&cert_file, cert).unwrap();
@@ -53,7 +53,7 @@ impl Ca {
         (cert_file, key_file)
     }
 
-    fn write(&self, dir: &Path, name: &str) -> PathBuf {
+    pub(crate) fn write(&self, dir: &Path, name: &str) -> PathBuf {
         let path = dir.join(name);
         std::fs::write(&path, self.pem()).unwrap();
         path

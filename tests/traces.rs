@@ -34,7 +34,11 @@ impl Drop for Receiver {
 
 impl Receiver {
     fn start(hang: bool) -> Receiver {
-        let dir = temp_dir("otlp-receiver");
+        Receiver::start_with(temp_dir("otlp-receiver"), if hang { &["--hang"] } else { &[] })
+    }
+
+    /// A receiver started with `options` (otlp_receiver.py's), writing into `dir`.
+    fn start_with<S: AsRef<std::ffi::OsStr>>(dir: TempDir, options: &[S]) -> Receiver {
         let out = dir.path().join("spans.jsonl");
         let (http, grpc) = (free_port(), free_port());
         let mut command = Command::new(python());
@@ -42,10 +46,8 @@ impl Receiver {
             .arg(repo().join("tests/clients/otlp_receiver.py"))
             .arg(&out)
             .arg(http.to_string())
-            .arg(grpc.to_string());
-        if hang {
-            command.arg("--hang");
-        }
+            .arg(grpc.to_string())
+            .args(options);
         let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
@@ -428,4 +430,115 @@ fn an_on_demand_load_is_a_span_of_the_request_that_asked_for_it() {
     // Its log line carries the trace.
     let log = server.log();
     assert!(log.lines().any(|l| l.contains("loaded on demand") && l.contains(trace.as_str())), "{log}");
+}
+
+#[test]
+fn a_workers_replacement_is_a_trace_of_the_supervisor_with_its_cause() {
+    let receiver = Receiver::start(false);
+    let dir = temp_dir("traces-replace");
+    let repository = model_repository(dir.path(), &["typed"]);
+    let port = free_port();
+    // Recycled after exactly 30 requests (no jitter).
+    let config =
+        write_config(dir.path(), port, 2, &repository, "typed", &[], "max_requests = 30\nmax_requests_jitter = 0");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("\n[tracing]\nendpoint = \"{}\"\n", receiver.http_endpoint()));
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
+    let replacement = |spans: &[Value], pid: i32| -> Option<Value> {
+        spans
+            .iter()
+            .find(|s| {
+                s["name"].as_str().is_some_and(|n| n.starts_with("replace worker "))
+                    && s["attributes"]["inferd.replaced_pid"] == pid
+            })
+            .cloned()
+    };
+
+    // A crash: the worker is killed, the supervisor starts another in its slot.
+    let killed = server.worker_pids()[0];
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(killed), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let spans = receiver.spans_when("the crash's replacement", |spans| replacement(spans, killed).is_some());
+    let crash = replacement(&spans, killed).unwrap();
+    assert_eq!(crash["parent_span_id"], "", "a trace of its own: {crash:#}");
+    assert_eq!(crash["resource"]["inferd.role"], "supervisor");
+    assert_eq!(crash["attributes"]["inferd.cause"], "respawn", "{crash:#}");
+    assert_eq!(crash["attributes"]["inferd.reason"], "signal", "{crash:#}");
+    assert!(crash["attributes"]["inferd.detail"].as_str().unwrap().contains("SIGKILL"), "{crash:#}");
+    assert_eq!(crash["attributes"]["inferd.outcome"], "ready", "{crash:#}");
+    let new = crash["attributes"]["process.pid"].as_i64().unwrap() as i32;
+    assert_ne!(new, killed);
+    server.wait_ready(Duration::from_secs(120));
+    assert!(server.worker_pids().contains(&new), "the new worker {new} serves: {:?}", server.worker_pids());
+    // Its log lines carry the trace.
+    let trace = crash["trace_id"].as_str().unwrap();
+    let log = server.log();
+    assert!(log.lines().any(|l| l.contains("replacing it") && l.contains(trace)), "{log}");
+
+    // A recycle: past max_requests, replaced incoming first.
+    let before = server.worker_pids();
+    for _ in 0..120 {
+        let response = inferd_bench::http::request(
+            server.addr,
+            "POST",
+            "/v2/models/typed/infer",
+            &[("Content-Type", "application/json"), ("Connection", "close")],
+            &typed_request(),
+        )
+        .unwrap();
+        assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+    }
+    let spans = receiver.spans_when("a recycle's replacement", |spans| {
+        before.iter().any(|&pid| replacement(spans, pid).is_some_and(|s| s["attributes"]["inferd.cause"] == "recycle"))
+    });
+    let recycle = before.iter().find_map(|&pid| replacement(&spans, pid)).unwrap();
+    assert_eq!(recycle["attributes"]["inferd.reason"], "max_requests", "{recycle:#}");
+    assert_eq!(recycle["attributes"]["inferd.outcome"], "ready", "{recycle:#}");
+    assert!(recycle["end"].as_u64() > recycle["start"].as_u64());
+}
+
+#[test]
+fn spans_reach_a_collector_over_tls_with_a_client_certificate_by_grpc_and_http() {
+    let dir = temp_dir("otlp-tls");
+    let ca = crate::tls::Ca::new("collector CA");
+    let ca_file = ca.write(dir.path(), "ca.pem");
+    let (cert, key) = ca.write_leaf(dir.path(), "collector");
+    let (client_cert, client_key) = ca.write_leaf(dir.path(), "exporter");
+    let options = [cert.as_os_str(), key.as_os_str(), ca_file.as_os_str()];
+    let receiver =
+        Receiver::start_with(dir, &["--tls".as_ref(), options[0], options[1], "--client-ca".as_ref(), options[2]]);
+    for (n, (protocol, port)) in [("grpc", receiver.grpc), ("http/protobuf", receiver.http)].into_iter().enumerate() {
+        let settings = format!(
+            "endpoint = \"https://localhost:{port}\"\nprotocol = \"{protocol}\"\ncertificate = \"{}\"\n\
+             client_certificate = \"{}\"\nclient_key = \"{}\"",
+            ca_file.display(),
+            client_cert.display(),
+            client_key.display()
+        );
+        let server = traced_server("traces-tls", 1, &["typed"], &settings, &[]);
+        let (trace, parent) = ids(7000 + n as u64);
+        post(&server, "/v2/models/typed/infer", &typed_request(), Some(&traceparent(&trace, &parent, true)));
+        let spans = receiver.spans_when(&format!("{protocol}'s spans over TLS"), |spans| {
+            server_spans(spans, &trace).first().is_some_and(|s| s["protocol"] == protocol)
+        });
+        assert_eq!(server_spans(&spans, &trace)[0]["parent_span_id"], parent);
+        let metrics = server.metrics_text();
+        assert_eq!(metric_value(&metrics, "inferd_trace_spans_dropped_total "), Some(0.0), "{protocol}");
+    }
+
+    // Without the client certificate the collector refuses the exporter: its spans are dropped
+    // and counted, and requests are answered as ever.
+    let settings =
+        format!("endpoint = \"https://localhost:{}\"\ncertificate = \"{}\"", receiver.http, ca_file.display());
+    let server = traced_server("traces-tls-refused", 1, &["typed"], &settings, &[]);
+    for _ in 0..5 {
+        post(&server, "/v2/models/typed/infer", &typed_request(), None);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric_value(&server.metrics_text(), "inferd_trace_spans_dropped_total ").unwrap_or(0.0) == 0.0 {
+        assert!(Instant::now() < deadline, "no span counted as dropped: {}", server.metrics_text());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(metric_value(&server.metrics_text(), "inferd_trace_spans_exported_total "), Some(0.0));
 }

@@ -322,9 +322,17 @@ pub struct TracingConfig {
     /// (and OTEL_SDK_DISABLED is not true); true: on (`endpoint` or the protocol's default
     /// collector on localhost); false: off.
     pub enabled: Option<bool>,
-    /// The collector: its base URL (http://), as OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/traces` is
-    /// added for HTTP).
+    /// The collector: its base URL (http:// or https://), as OTEL_EXPORTER_OTLP_ENDPOINT
+    /// (`/v1/traces` is added for HTTP).
     pub endpoint: Option<String>,
+    /// PEM file of the CAs that sign an https:// collector's certificate
+    /// (OTEL_EXPORTER_OTLP_CERTIFICATE; by default the system's CA bundle).
+    pub certificate: Option<PathBuf>,
+    /// The exporter's own certificate chain and key, PEM, for a collector that asks for one
+    /// (mTLS; OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and _CLIENT_KEY). The key's file must be
+    /// readable by its owner only.
+    pub client_certificate: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
     /// `grpc` or `http/protobuf` (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL;
     /// by default http/protobuf).
     pub protocol: Option<String>,
@@ -596,7 +604,7 @@ impl Config {
         }
         self.server_tls().validate("server")?;
         self.admin_tls().validate("admin")?;
-        let tracing = &self.tracing;
+        let tracing = &self.tracing_config();
         if let Some(protocol) = tracing.protocol.as_deref().filter(|p| !["grpc", "http/protobuf"].contains(p)) {
             return invalid("tracing.protocol", format!("'{protocol}' is not one of grpc, http/protobuf"));
         }
@@ -609,9 +617,30 @@ impl Config {
         if tracing.max_queued_spans > 1 << 20 {
             return invalid("tracing.max_queued_spans", format!("{} is more than 1048576", tracing.max_queued_spans));
         }
-        if let Some(endpoint) = tracing.endpoint.as_deref().filter(|e| !e.starts_with("http://")) {
-            let why = "is not an http:// URL (the exporter has no TLS: send to a collector on the host, which forwards over TLS)";
-            return invalid("tracing.endpoint", format!("'{endpoint}' {why}"));
+        if let Some(endpoint) =
+            tracing.endpoint.as_deref().filter(|e| !(e.starts_with("http://") || e.starts_with("https://")))
+        {
+            return invalid("tracing.endpoint", format!("'{endpoint}' is not an http:// or https:// URL"));
+        }
+        let identity = match (&tracing.client_certificate, &tracing.client_key) {
+            (Some(chain), Some(key)) => Some((chain.as_path(), key.as_path())),
+            (None, None) => None,
+            (Some(_), None) => {
+                return invalid("tracing.client_key", "is needed with tracing.client_certificate".into())
+            }
+            (None, Some(_)) => {
+                return invalid("tracing.client_certificate", "is needed with tracing.client_key".into())
+            }
+        };
+        if let Some(roots) = &tracing.certificate {
+            if let Err(e) = crate::tls::ClientTls::load(Some(roots), None) {
+                return invalid("tracing.certificate", e);
+            }
+        }
+        if identity.is_some() {
+            if let Err(e) = crate::tls::ClientTls::load(tracing.certificate.as_deref(), identity) {
+                return invalid("tracing.client_certificate", e);
+            }
         }
         if self.admin.protect_metrics && self.admin.token_file.is_none() {
             return invalid("admin.protect_metrics", "needs admin.token_file".into());
@@ -766,6 +795,17 @@ impl Config {
     fn tls_paths(&self, [cert, key, client_ca]: [&Option<PathBuf>; 3]) -> crate::tls::TlsPaths {
         let resolve = |p: &Option<PathBuf>| p.as_deref().map(|p| self.resolve(p));
         crate::tls::TlsPaths { cert: resolve(cert), key: resolve(key), client_ca: resolve(client_ca) }
+    }
+
+    /// `[tracing]`, its files' paths resolved.
+    pub fn tracing_config(&self) -> TracingConfig {
+        let resolve = |p: &Option<PathBuf>| p.as_deref().map(|p| self.resolve(p));
+        TracingConfig {
+            certificate: resolve(&self.tracing.certificate),
+            client_certificate: resolve(&self.tracing.client_certificate),
+            client_key: resolve(&self.tracing.client_key),
+            ..self.tracing.clone()
+        }
     }
 
     /// Where a model may be loaded from by path (the admin listener's `load`, `inferd reload
@@ -989,7 +1029,9 @@ mod tests {
             ("sample_ratio = 1.5", "tracing.sample_ratio"),
             ("timeout_secs = 0", "tracing.timeout_secs"),
             ("max_queued_spans = 2000000", "tracing.max_queued_spans"),
-            ("endpoint = \"https://collector:4318\"", "tracing.endpoint"),
+            ("endpoint = \"ftp://collector:4318\"", "tracing.endpoint"),
+            ("certificate = \"/nonexistent/ca.pem\"", "tracing.certificate"),
+            ("client_certificate = \"/etc/hostname\"", "tracing.client_key"),
             ("endpoint = \"collector:4318\"", "tracing.endpoint"),
         ] {
             let err = parse(&format!("[tracing]\n{bad}\n")).unwrap_err().to_string();

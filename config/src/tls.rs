@@ -122,31 +122,107 @@ impl Tls {
     }
 
     fn certificates(&self) -> Result<Vec<CertificateDer<'static>>, String> {
-        let chain = CertificateDer::pem_slice_iter(self.cert_chain.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("not a PEM certificate chain: {e}"))?;
-        match chain.is_empty() {
-            true => Err("holds no CERTIFICATE block".into()),
-            false => Ok(chain),
-        }
+        certificates(&self.cert_chain)
     }
 
     fn private_key(&self) -> Result<PrivateKeyDer<'static>, String> {
-        PrivateKeyDer::from_pem_slice(self.key.as_bytes())
-            .map_err(|e| format!("holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
+        private_key(&self.key)
     }
 
     fn client_roots(&self) -> Result<rustls::RootCertStore, String> {
-        let pem = self.client_ca.as_deref().unwrap_or_default();
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            let cert = cert.map_err(|e| format!("not a PEM certificate: {e}"))?;
-            roots.add(cert).map_err(|e| format!("not a CA certificate: {e}"))?;
+        roots(self.client_ca.as_deref().unwrap_or_default())
+    }
+}
+
+/// Where the system keeps its CA bundle (Debian and Ubuntu, RHEL and CentOS, others).
+const SYSTEM_CA_BUNDLES: [&str; 3] =
+    ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem"];
+
+/// A TLS client's side (the trace exporter's, to an https:// collector): the CAs it trusts and,
+/// for mTLS, its own certificate chain and key; PEM text, checked when read.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientTls {
+    pub roots: String,
+    pub identity: Option<(String, String)>,
+}
+
+impl ClientTls {
+    /// Reads `roots` (None: the system's CA bundle) and `identity` (chain, key), and checks them
+    /// by building the rustls configuration they make.
+    pub fn load(roots: Option<&Path>, identity: Option<(&Path, &Path)>) -> Result<ClientTls, String> {
+        fn named(path: &Path) -> impl Fn(String) -> String + '_ {
+            move |e| format!("{}: {e}", path.display())
         }
-        match roots.is_empty() {
-            true => Err("holds no CERTIFICATE block".into()),
-            false => Ok(roots),
-        }
+        let roots = match roots {
+            Some(path) => read(path, false)?,
+            None => SYSTEM_CA_BUNDLES.iter().find_map(|p| read(Path::new(p), false).ok()).ok_or_else(|| {
+                format!("no certificate was given and no system CA bundle was found ({})", SYSTEM_CA_BUNDLES.join(", "))
+            })?,
+        };
+        let identity = match identity {
+            Some((chain, key)) => {
+                let pair = (read(chain, false)?, read(key, true)?);
+                certificates(&pair.0).map_err(named(chain))?;
+                private_key(&pair.1).map_err(named(key))?;
+                Some(pair)
+            }
+            None => None,
+        };
+        let tls = ClientTls { roots, identity };
+        tls.client_config()?;
+        Ok(tls)
+    }
+
+    /// The rustls configuration of a client that trusts `roots` and presents `identity`.
+    pub fn client_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots(&self.roots)?);
+        let config = match &self.identity {
+            Some((chain, key)) => builder
+                .with_client_auth_cert(certificates(chain)?, private_key(key)?)
+                .map_err(|e| format!("the client certificate and key cannot be used together: {e}"))?,
+            None => builder.with_no_client_auth(),
+        };
+        Ok(Arc::new(config))
+    }
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls").field("identity", &self.identity.is_some()).finish_non_exhaustive()
+    }
+}
+
+fn certificates(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let chain = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("not a PEM certificate chain: {e}"))?;
+    match chain.is_empty() {
+        true => Err("holds no CERTIFICATE block".into()),
+        false => Ok(chain),
+    }
+}
+
+fn private_key(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_slice(pem.as_bytes())
+        .map_err(|e| format!("holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
+}
+
+/// CA certificates to trust. A system bundle may hold a few that webpki cannot use as trust
+/// anchors: those are skipped, as long as one is usable.
+fn roots(pem: &str) -> Result<rustls::RootCertStore, String> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("not a PEM certificate: {e}"))?;
+    if certs.is_empty() {
+        return Err("holds no CERTIFICATE block".into());
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    match roots.add_parsable_certificates(certs) {
+        (0, _) => Err("holds no usable CA certificate".into()),
+        _ => Ok(roots),
     }
 }
 

@@ -164,6 +164,12 @@ impl Cause {
             Cause::Fault => "fault",
         }
     }
+
+    /// Whether a worker started for it replaces one that served (a respawn or a recycle for
+    /// age, requests, memory or a fault), not a first start or a reload.
+    pub fn replaces(self) -> bool {
+        matches!(self, Cause::Respawn | Cause::Recycle | Cause::Memory | Cause::Fault)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

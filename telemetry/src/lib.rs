@@ -24,6 +24,8 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanData, 
 use opentelemetry_sdk::Resource;
 use tracing::{info, warn};
 
+mod tls;
+
 /// Spans sent in one export at most.
 const BATCH: usize = 512;
 /// How often the export thread sends what is queued.
@@ -192,12 +194,30 @@ impl Export {
 
     /// The exporter (in the export thread's runtime: tonic's channel needs one).
     fn exporter(&self) -> Result<opentelemetry_otlp::SpanExporter, String> {
+        use opentelemetry_otlp::tonic_types::transport::{Certificate, ClientTlsConfig, Identity};
+        use opentelemetry_otlp::{WithHttpConfig as _, WithTonicConfig as _};
         let timeout = self.timeout();
+        let endpoint = self.config.endpoint.clone().or_else(|| {
+            ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
+                .iter()
+                .find_map(|v| std::env::var(v).ok().filter(|e| !e.trim().is_empty()))
+        });
+        let tls = match endpoint.as_deref().is_some_and(|e| e.trim().starts_with("https://")) {
+            true => Some(tls::client(&self.config).map_err(|e| format!("TLS to the collector: {e}"))?),
+            false => None,
+        };
         let built = match self.protocol.as_str() {
             "grpc" => {
                 let mut builder = opentelemetry_otlp::SpanExporter::builder().with_tonic().with_timeout(timeout);
                 if let Some(endpoint) = &self.config.endpoint {
                     builder = builder.with_endpoint(endpoint.clone());
+                }
+                if let Some(tls) = &tls {
+                    let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.roots));
+                    if let Some((chain, key)) = &tls.identity {
+                        config = config.identity(Identity::from_pem(chain, key));
+                    }
+                    builder = builder.with_tls_config(config);
                 }
                 builder.build()
             }
@@ -208,6 +228,11 @@ impl Export {
                     .with_timeout(timeout);
                 if let Some(endpoint) = &self.config.endpoint {
                     builder = builder.with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')));
+                }
+                if let Some(tls) = &tls {
+                    let connector = tls::Connector::new(tls)?;
+                    builder =
+                        builder.with_http_client(opentelemetry_http::hyper::HyperClient::new(connector, timeout, None));
                 }
                 builder.build()
             }

@@ -6,8 +6,11 @@ line to OUT: its trace and span ids, parent, name, kind, start and end (ns), att
 and its resource's attributes.
 
     .venv/bin/python tests/clients/otlp_receiver.py OUT HTTP_PORT GRPC_PORT [--hang | --discard]
+        [--tls CERT KEY [--client-ca CA]]
 
-With --hang it accepts every export and never answers (a collector that hangs); with
+With --tls both ports take TLS only, with that certificate and key (PEM), and with --client-ca
+they ask for a client certificate that CA signed (mTLS), refusing a client without one. With
+--hang it accepts every export and never answers (a collector that hangs); with
 --discard it answers every export without reading its spans (a collector whose work happens
 elsewhere: bench/traces.sh), counting only the exports in OUT's first line. Prints
 `listening` once both ports are open; runs until killed. Used by tests/traces.rs.
@@ -26,6 +29,18 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 out_path, http_port, grpc_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hang = "--hang" in sys.argv[4:]
 discard = "--discard" in sys.argv[4:]
+
+
+def option(name, n=1):
+    args = sys.argv[4:]
+    if name not in args:
+        return None
+    at = args.index(name)
+    return args[at + 1:at + 1 + n]
+
+
+tls = option("--tls", 2)
+client_ca = option("--client-ca")
 lock = threading.Lock()
 exports = 0
 
@@ -112,8 +127,29 @@ class Traces(trace_service_pb2_grpc.TraceServiceServicer):
 
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
 trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
-server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+if tls:
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    credentials = grpc.ssl_server_credentials(
+        [(read(tls[1]), read(tls[0]))],
+        root_certificates=read(client_ca[0]) if client_ca else None,
+        require_client_auth=bool(client_ca),
+    )
+    server.add_secure_port(f"127.0.0.1:{grpc_port}", credentials)
+else:
+    server.add_insecure_port(f"127.0.0.1:{grpc_port}")
 server.start()
 httpd = http.server.ThreadingHTTPServer(("127.0.0.1", http_port), Http)
+if tls:
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tls[0], tls[1])
+    if client_ca:
+        context.load_verify_locations(client_ca[0])
+        context.verify_mode = ssl.CERT_REQUIRED
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
 print("listening", flush=True)
 httpd.serve_forever()

@@ -153,8 +153,9 @@ impl Supervisor {
                 continue;
             }
             if soft.is_some_and(|s| rss > s) {
-                warn!("worker {index} (pid {}) private memory {mib} MiB is over the soft limit; replacing it", w.pid);
-                self.replace_for_memory(index, &budget);
+                let why = format!("private memory {mib} MiB is over the soft limit");
+                warn!("worker {index} (pid {}) {why}; replacing it", w.pid);
+                self.replace_for_memory(index, &budget, &why);
                 continue;
             }
             if biggest.is_none_or(|(b, _)| rss > b) {
@@ -162,8 +163,12 @@ impl Supervisor {
             }
         }
         if let (true, Some((rss, index))) = (pool_tight, biggest) {
-            warn!("the pool is above 92% of its cgroup memory limit; replacing worker {index} ({} MiB)", rss >> 20);
-            self.replace_for_memory(index, &budget);
+            let why = format!(
+                "the pool is above 92% of its cgroup memory limit; this worker is the biggest ({} MiB)",
+                rss >> 20
+            );
+            warn!("worker {index}: {why}; replacing it");
+            self.replace_for_memory(index, &budget, &why);
         }
     }
 
@@ -172,8 +177,10 @@ impl Supervisor {
     /// the reload tells its own workers by their spawn ids, and waits for this one to finish
     /// before it replaces the slot (retiring first would leave a 1-worker pool without a
     /// listener for a boot's length).
-    pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget) {
+    pub(super) fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget, why: &str) {
         self.totals.recycled(RecycleReason::Memory);
+        let pid = self.pool.slots[index].with_role(Role::Current).map_or(0, |w| w.pid);
+        self.begin_replacement(index, Cause::Memory, "memory", pid, why);
         let room_for_one = self.memory.worker_rss.is_some_and(|rss| budget.room() > rss + rss / 5);
         let slot = &mut self.pool.slots[index];
         if room_for_one {
@@ -257,18 +264,18 @@ impl Supervisor {
         let Some((_, index, reason)) = due else { return };
         let slot = &self.pool.slots[index];
         let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
-        let cause = match reason {
-            RecycleReason::Fault => {
-                warn!("worker {index} (pid {pid}) caught a panic serving a request (a bug, in its log); replacing it");
-                Cause::Fault
-            }
-            _ => {
-                info!("worker {index} (pid {pid}) reached server.{reason}; replacing it");
-                Cause::Recycle
-            }
+        let (cause, detail) = match reason {
+            RecycleReason::Fault => (Cause::Fault, "caught a panic serving a request (a bug, in its log)".to_string()),
+            _ => (Cause::Recycle, format!("reached server.{reason}")),
         };
-        self.totals.recycled(reason);
         let (models, generation) = (slot.models.clone(), slot.generation);
+        self.totals.recycled(reason);
+        let trace_id = self.begin_replacement(index, cause, reason.as_str(), pid, &detail);
+        let trace_id = trace_id.as_deref();
+        match cause {
+            Cause::Fault => warn!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+            _ => info!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+        }
         self.spawn(index, Role::Incoming, cause, models, generation);
     }
 }

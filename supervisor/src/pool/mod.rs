@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
+use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
@@ -58,7 +59,7 @@ use crate::metrics::RestartReason;
 use crate::plan::Resolved;
 use crate::status::{Phase, WorkerState};
 use crate::systemd::{self, Notifier};
-use crate::{admin, signals, tcp, Event};
+use crate::{admin, signals, tcp, trace, Event};
 
 mod guards;
 mod reload;
@@ -201,7 +202,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             };
             tokio::spawn(admin::serve(listener, events.clone(), routes));
         }
-        crate::trace::init(&resolved.config.tracing);
+        crate::trace::init(&resolved.config.tracing_config());
         let result = match Supervisor::new(resolved, events, activated) {
             Ok(mut supervisor) => supervisor.run(&mut queue).await,
             Err(e) => Err(e),
@@ -369,7 +370,12 @@ impl Supervisor {
                     self.totals.model_event(&model.name).boot += 1;
                 }
                 worker.models = models;
+                let replaces = worker.cause.replaces();
                 info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
+                if replaces {
+                    self.end_replacement(index, Ok(pid));
+                }
+                let Some(worker) = self.pool.slots[index].workers.iter().find(|w| w.pid == pid) else { return };
                 if worker.role == Role::Incoming {
                     self.promote(index, pid);
                 }
@@ -470,6 +476,9 @@ impl Supervisor {
             let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
             error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
             slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
+            if worker.cause.replaces() {
+                self.end_replacement(index, Err(error.clone()));
+            }
             if self.reload.owns(worker.spawn) {
                 self.abort_reload(index, &error);
             }
@@ -486,6 +495,12 @@ impl Supervisor {
             (None, None) => RestartReason::Exit,
         };
         self.totals.restarted(reason);
+        if worker.cause.replaces() && worker.ready_at.is_none() {
+            self.end_replacement(index, Err(format!("the new worker {how}")));
+        }
+        let trace_id = self.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
+        let trace_id = trace_id.as_deref();
+        let slot = &mut self.pool.slots[index];
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
             slot.failures = 0;
         }
@@ -499,23 +514,66 @@ impl Supervisor {
                     FailureKind::Boot => SupervisorError::Boot { slot: index, error },
                 });
             }
-            Some((_, error)) => error!("worker {index} (pid {pid}) {how}: {error}"),
+            Some((_, error)) => error!(trace_id, "worker {index} (pid {pid}) {how}: {error}"),
             None if !self.life.booted && failures >= MAX_BOOT_CRASHES => {
                 let error = format!("died {failures} times during start-up, last {how}");
                 error!("worker {index}: {error}");
                 return self.fail(SupervisorError::Boot { slot: index, error });
             }
             None => match &worker.stuck {
-                Some((why, _)) => warn!("worker {index} (pid {pid}) {how} after being stuck ({why}); replacing it"),
-                None => warn!("worker {index} (pid {pid}) {how}; replacing it"),
+                Some((why, _)) => {
+                    warn!(trace_id, "worker {index} (pid {pid}) {how} after being stuck ({why}); replacing it")
+                }
+                None => warn!(trace_id, "worker {index} (pid {pid}) {how}; replacing it"),
             },
         }
         let delay = backoff(failures);
         if !delay.is_zero() {
-            info!("worker {index}: next start in {delay:?} ({failures} failures in a row)");
+            info!(trace_id, "worker {index}: next start in {delay:?} ({failures} failures in a row)");
         }
         self.pool.slots[index].start = Start::At(Instant::now() + delay);
         self.pool.slots[index].cause = Cause::Respawn;
+    }
+
+    /// Opens the trace of slot `index`'s worker `pid` being replaced for `cause` (`reason`,
+    /// `detail`: what happened to it), one span until the new worker is ready or fails
+    /// (docs/operations.md, "Traces"). Returns its trace id for the log lines that follow.
+    pub(super) fn begin_replacement(
+        &mut self,
+        index: usize,
+        cause: Cause,
+        reason: &str,
+        pid: u32,
+        detail: &str,
+    ) -> Option<String> {
+        use opentelemetry::trace::TraceContextExt as _;
+        let attributes = vec![
+            KeyValue::new("inferd.slot", index as i64),
+            KeyValue::new("inferd.cause", cause.as_str()),
+            KeyValue::new("inferd.reason", reason.to_string()),
+            KeyValue::new("inferd.replaced_pid", i64::from(pid)),
+            KeyValue::new("inferd.detail", detail.to_string()),
+        ];
+        let span = trace::start(format!("replace worker {index}"), None, attributes);
+        let trace_id = span.as_ref().map(|cx| cx.span().span_context().trace_id().to_string());
+        let slot = &mut self.pool.slots[index];
+        if let Some(old) = std::mem::replace(&mut slot.replacement, span) {
+            trace::end(Some(old), vec![KeyValue::new("inferd.outcome", "superseded")], None);
+        }
+        trace_id
+    }
+
+    /// Ends slot `index`'s replacement trace: its new worker `pid` is ready, or it failed.
+    pub(super) fn end_replacement(&mut self, index: usize, outcome: Result<u32, String>) {
+        let span = self.pool.slots[index].replacement.take();
+        match outcome {
+            Ok(pid) => trace::end(
+                span,
+                vec![KeyValue::new("inferd.outcome", "ready"), KeyValue::new("process.pid", i64::from(pid))],
+                None,
+            ),
+            Err(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
+        }
     }
 
     /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
@@ -592,6 +650,9 @@ impl Supervisor {
             // it stops waiting.
             self.life.stop_deadline = Some(Instant::now() + grace + Duration::from_secs(2));
             self.reload.abandon();
+            for slot in &mut self.pool.slots {
+                trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
+            }
         }
         if fast {
             self.signal_all(Signal::SIGKILL);

@@ -135,6 +135,9 @@ pub(super) struct Slot {
     pub(super) recycle_pause: Option<Instant>,
     /// Its place on the port, shared by its successive workers (spawn.rs).
     pub(super) sockets: SlotSockets,
+    /// The trace of its worker's replacement in progress (respawn, recycle, memory, fault):
+    /// open from the decision to the new worker's readiness or failure (mod.rs).
+    pub(super) replacement: Option<opentelemetry::Context>,
 }
 
 /// When a slot starts its next current worker: the one place that says what may start one.
@@ -173,6 +176,7 @@ impl Slot {
             last_exit: None,
             recycle_pause: None,
             sockets,
+            replacement: None,
         }
     }
 

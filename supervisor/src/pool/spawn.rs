@@ -79,7 +79,7 @@ impl Supervisor {
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,
             placement: config.models.placement,
-            tracing: config.tracing.clone(),
+            tracing: config.tracing_config(),
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {
@@ -95,6 +95,10 @@ impl Supervisor {
                 );
                 self.launcher.spawns += 1;
                 let spawn = self.launcher.spawns;
+                if cause.replaces() {
+                    let started = vec![opentelemetry::KeyValue::new("process.pid", i64::from(pid))];
+                    crate::trace::event(&self.pool.slots[index].replacement, "worker started", started);
+                }
                 self.pool.slots[index].workers.push(Worker {
                     pid,
                     spawn,
