@@ -30,10 +30,12 @@ test:
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
-# then many models within one memory budget (docs/benchmarks.md, "Many models").
+# then many models within one memory budget (docs/benchmarks.md, "Many models"), and what
+# tracing costs ("Traces").
 bench: setup
 	bench/compare.sh
 	RECORD=1 bench/many_models.sh
+	RECORD=1 bench/traces.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

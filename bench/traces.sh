@@ -10,11 +10,14 @@
 #
 #   bench/traces.sh                     # ~4 minutes on 2 cores
 #   ROUNDS=5 SECONDS_PER=10 bench/traces.sh
+#   RECORD=1 bench/traces.sh            # (make bench) the table replaces the record in
+#                                       # docs/benchmarks.md ("Traces")
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/lib.sh
 ROUNDS=${ROUNDS:-3}
 SECONDS_PER=${SECONDS_PER:-8}
+RECORD=${RECORD:-0}
 PORT=${PORT:-18540}
 OTLP_PORT=${OTLP_PORT:-18544}
 # name | [tracing] settings
@@ -37,7 +40,8 @@ receiver=$!
 for _ in $(seq 1 100); do grep -q listening "$work/receiver.out" 2>/dev/null && break; sleep 0.1; done
 printf '%s\n' "$TEXT" >"$work/short.txt"
 
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); $ROUNDS rounds of $SECONDS_PER s"
+machine="$(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date +%F); medians of $ROUNDS rounds of $SECONDS_PER s"
+echo "Machine: $machine"
 for round in $(seq 1 "$ROUNDS"); do
     for choice in "${CHOICES[@]}"; do
         name=${choice%%|*}
@@ -55,11 +59,14 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 if [[ ${RECEIVER_DECODES:-0} == 1 ]]; then
-    echo "the receiver decoded $(wc -l <"$work/spans.jsonl") spans"
+    received="the receiver decoded $(wc -l <"$work/spans.jsonl") spans"
 else
-    echo "the receiver took $(head -n 1 "$work/spans.jsonl" 2>/dev/null || echo '0 exports')"
+    received="the receiver took $(head -n 1 "$work/spans.jsonl" 2>/dev/null || echo '0 exports')"
 fi
-python3 - "$work/results" <<'PY'
+echo "$received"
+{
+    echo "\`ROUNDS=$ROUNDS bench/traces.sh\` ($machine; $received):"
+    python3 - "$work/results" <<'PY'
 import statistics, sys
 runs = {}
 for line in open(sys.argv[1]):
@@ -74,3 +81,15 @@ for (name, c), rows in runs.items():
     p50, p99 = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
     print(f"| {name} | {c[2:]} | {rps:.0f} | {p50:.2f} / {p99:.2f} | {rps / off:.3f} |")
 PY
+} | tee "$work/record.md"
+if [[ $RECORD == 1 && ${RECEIVER_DECODES:-0} == 0 ]]; then
+    python3 - "$work/record.md" docs/benchmarks.md <<'PY'
+import sys
+record, path = open(sys.argv[1]).read().strip(), sys.argv[2]
+text = open(path).read()
+begin, end = "<!-- traces:begin -->", "<!-- traces:end -->"
+head, rest = text.split(begin, 1)
+open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
+PY
+    echo "docs/benchmarks.md: the traces record rewritten"
+fi

@@ -1,8 +1,9 @@
 //! The clients users already run work unchanged: OpenAI's `/v1/embeddings` (checked with the
 //! real `openai` package and huggingface_hub's InferenceClient, tests/clients/openai_check.py)
 //! and the rest of text-embeddings-inference's routes (`/info`, `/tokenize`, `/decode`,
-//! `/similarity`, `POST /`, SageMaker's `/invocations` and `/ping`), each mistake answered
-//! with a 4xx in the shape its protocol uses.
+//! `/similarity`, `POST /`, SageMaker's `/invocations` and `/ping`), Cohere's `/v1/rerank` and
+//! `/v2/rerank` (the `cohere` SDK and LangChain's CohereRerank, tests/clients/cohere_check.py),
+//! each mistake answered with a 4xx in the shape its protocol uses.
 
 use std::time::Duration;
 
@@ -218,4 +219,61 @@ fn rerank_orders_texts_as_onnxruntime_scores_them() {
     }
     let r = post(&server, "/rerank", json!({"query": "q", "texts": [long], "truncate": true}));
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+#[test]
+fn coheres_sdk_and_langchains_reranker_get_onnxruntimes_scores_long_documents_by_their_best_window() {
+    let server = server("cohere-client", "minilm");
+    client_check("cohere_check.py", &[&server.addr.to_string()], &server, "all checks passed");
+    // Counted under Cohere's route, for the cross-encoder that answered: v1 twice, v2 once,
+    // LangChain once, and the long documents once each by v1 and v2.
+    let line = "inferd_requests_total{model=\"reranker\",endpoint=\"cohere_rerank\",code=\"200\"}";
+    let metrics = server.metrics_text();
+    assert_eq!(metric_value(&metrics, line), Some(6.0), "{line} in:\n{metrics}");
+}
+
+#[test]
+fn cohere_rerank_names_each_mistake_in_coheres_shape() {
+    let server = server("cohere-errors", "minilm");
+    let docs = json!(["a", "b"]);
+    // 1000 sentences of 11 tokens: more windows of the 128-token model (~125 tokens each beside
+    // the query) than max_batch_inputs (64).
+    let huge = "The weather was lovely on the first day of spring. ".repeat(1000);
+    let cases = [
+        ("/v1/rerank", json!({"documents": docs}), 400, "missing 'query'"),
+        ("/v1/rerank", json!({"query": "", "documents": docs}), 400, "'query' is empty"),
+        ("/v1/rerank", json!({"query": "q", "documents": []}), 400, "'documents' is an empty list"),
+        ("/v1/rerank", json!({"query": "q", "documents": "a"}), 400, "'documents' must be a list"),
+        ("/v1/rerank", json!({"query": "q", "documents": [{"title": "a"}]}), 400, "documents[0] has no 'text'"),
+        ("/v1/rerank", json!({"query": "q", "documents": [3]}), 400, "documents[0] must be a text"),
+        ("/v2/rerank", json!({"query": "q", "documents": [{"text": "a"}]}), 400, "v2 rerank takes documents as texts"),
+        ("/v2/rerank", json!({"query": "q", "documents": docs, "rank_fields": ["text"]}), 400, "not part of v2"),
+        ("/v1/rerank", json!({"query": "q", "documents": docs, "top_n": 0}), 400, "'top_n' must be a whole number"),
+        ("/v1/rerank", json!({"query": "q", "documents": docs, "return_documents": "yes"}), 400, "'return_documents'"),
+        ("/v2/rerank", json!({"query": "q", "documents": docs, "priority": -1}), 400, "'priority'"),
+        ("/v2/rerank", json!({"query": "q", "documents": docs, "max_tokens_per_doc": 0}), 400, "'max_tokens_per_doc'"),
+        ("/v1/rerank", json!({"model": "classifier", "query": "q", "documents": docs}), 400, "one label"),
+        ("/v1/rerank", json!({"model": "minilm", "query": "q", "documents": docs}), 400, "not one"),
+        ("/v1/rerank", json!({"query": "word ".repeat(120), "documents": docs}), 413, "the query has 120 tokens"),
+        ("/v1/rerank", json!({"query": "q", "documents": [huge], "max_chunks_per_doc": 100}), 413, "max_batch_inputs"),
+        ("/v1/rerank", json!(["q"]), 400, "must be a JSON object"),
+    ];
+    for (path, body, status, message) in cases {
+        let r = post(&server, path, body.clone());
+        let text = String::from_utf8_lossy(&r.body).to_string();
+        let body = body.to_string();
+        let body = &body[..body.floor_char_boundary(300)];
+        assert_eq!(r.status, status, "{path} {body}: {text}");
+        let message_field = r.json()["message"].as_str().map(str::to_string);
+        assert!(message_field.as_deref().is_some_and(|m| m.contains(message)), "{path}: {text} lacks {message:?}");
+    }
+    // The same huge document within Cohere's default of 10 windows is answered.
+    let r = post(&server, "/v1/rerank", json!({"model": "reranker", "query": "q", "documents": [huge]}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let answer = r.json();
+    assert_eq!(answer["results"][0]["index"], 0, "{answer}");
+    assert_eq!(answer["model"], "reranker");
+    // Ten windows of at most 128 tokens were read.
+    let tokens = answer["usage"]["total_tokens"].as_u64().unwrap();
+    assert!(tokens > 9 * 100 && tokens <= 10 * 128, "{answer}");
 }

@@ -42,12 +42,14 @@ pub enum Endpoint {
     Predict,
     /// TEI `/rerank`.
     Rerank,
+    /// Cohere's `/v1/rerank` and `/v2/rerank`.
+    CohereRerank,
     /// SageMaker's `/invocations` and TEI's `POST /`: the default model's pipeline.
     Invocations,
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 9] = [
+    pub const ALL: [Endpoint; 10] = [
         Endpoint::Infer,
         Endpoint::Embed,
         Endpoint::EmbedAll,
@@ -56,6 +58,7 @@ impl Endpoint {
         Endpoint::OpenAiEmbeddings,
         Endpoint::Predict,
         Endpoint::Rerank,
+        Endpoint::CohereRerank,
         Endpoint::Invocations,
     ];
 
@@ -70,6 +73,7 @@ impl Endpoint {
             Endpoint::OpenAiEmbeddings => "openai_embeddings",
             Endpoint::Predict => "predict",
             Endpoint::Rerank => "rerank",
+            Endpoint::CohereRerank => "cohere_rerank",
             Endpoint::Invocations => "invocations",
         }
     }

@@ -2,6 +2,7 @@
 //! (handled in `tei` and `openai`), and each protocol's error bodies.
 
 pub mod body;
+pub mod cohere;
 pub mod forward;
 pub mod grpc;
 pub mod handoff;
@@ -40,6 +41,7 @@ fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
         ErrorStyle::V2 => json!({ "error": e.to_string() }),
         ErrorStyle::Tei => tei::error_body(e),
         ErrorStyle::OpenAi => openai::error_body(e),
+        ErrorStyle::Cohere => cohere::error_body(e),
     };
     let mut reply = json_reply(e.status(), serde_json::to_vec(&body).expect("json"));
     if matches!(e, ApiError::Overloaded(_)) {
@@ -86,7 +88,7 @@ pub async fn handle(
     // A bug that panics in a handler costs this request (500), not the worker (panics.rs).
     // How long it waited for its model to load on demand, if it did (models.rs).
     let work = LOAD_WAIT.scope(Default::default(), async {
-        let routed = crate::panics::guarded_future(route(&state, peer, request)).await;
+        let routed = crate::panics::guarded_future(route(&state, peer, request, &id)).await;
         (routed, LOAD_WAIT.with(std::cell::Cell::get))
     });
     let (routed, loading) = crate::trace::in_request(traced.clone(), work).await;
@@ -255,6 +257,8 @@ enum Route<'a> {
     EmbedAll,
     EmbedSparse(Option<&'a str>),
     Rerank(Option<&'a str>),
+    /// Cohere's `POST /v1/rerank` and `/v2/rerank`; the model is named in the body.
+    CohereRerank(cohere::Version),
     /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
     /// model's task.
     Invocations,
@@ -263,12 +267,13 @@ enum Route<'a> {
 }
 
 /// The shape of an error body: KServe v2's `{"error"}`, text-embeddings-inference's (with
-/// `error_type`) or OpenAI's.
+/// `error_type`), OpenAI's or Cohere's.
 #[derive(Clone, Copy)]
 enum ErrorStyle {
     V2,
     Tei,
     OpenAi,
+    Cohere,
 }
 
 impl<'a> Route<'a> {
@@ -310,6 +315,8 @@ impl<'a> Route<'a> {
             Route::EmbedSparse(Some(_)) => "/v2/models/{model}/embed_sparse",
             Route::Rerank(None) => "/rerank",
             Route::Rerank(Some(_)) => "/v2/models/{model}/rerank",
+            Route::CohereRerank(cohere::Version::V1) => "/v1/rerank",
+            Route::CohereRerank(cohere::Version::V2) => "/v2/rerank",
             Route::Invocations => "/invocations",
             Route::Ping => "/ping",
         }
@@ -318,6 +325,7 @@ impl<'a> Route<'a> {
     fn error_style(&self) -> ErrorStyle {
         match self {
             Route::OpenAiEmbeddings => ErrorStyle::OpenAi,
+            Route::CohereRerank(_) => ErrorStyle::Cohere,
             Route::Embed(_)
             | Route::Predict(_)
             | Route::Info
@@ -358,6 +366,8 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["embed_sparse"] => Route::EmbedSparse(None),
         ["v2", "models", name, "embed_sparse"] => Route::EmbedSparse(Some(name)),
         ["rerank"] => Route::Rerank(None),
+        ["v1", "rerank"] => Route::CohereRerank(cohere::Version::V1),
+        ["v2", "rerank"] => Route::CohereRerank(cohere::Version::V2),
         ["v2", "models", name, "rerank"] => Route::Rerank(Some(name)),
         ["invocations"] | [""] => Route::Invocations,
         ["ping"] => Route::Ping,
@@ -365,7 +375,12 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
     })
 }
 
-async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -> Result<Reply, ApiError> {
+async fn route(
+    state: &AppState,
+    peer: SocketAddr,
+    request: Request<Incoming>,
+    id: &HeaderValue,
+) -> Result<Reply, ApiError> {
     let path = request.uri().path().to_string();
     let method = request.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
@@ -384,6 +399,7 @@ async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -
         | Route::EmbedAll
         | Route::EmbedSparse(_)
         | Route::Rerank(_)
+        | Route::CohereRerank(_)
         | Route::Invocations => method == Method::POST,
         _ => method == Method::GET || method == Method::HEAD,
     };
@@ -466,6 +482,25 @@ async fn route(state: &AppState, peer: SocketAddr, request: Request<Incoming>) -
         Route::Decode => tei::decode(state, &state.models.default_model(), &read_body(state, request).await?),
         Route::Similarity => tei_route(state, None, request, deadline, Endpoint::Similarity, tei::similarity).await,
         Route::Rerank(name) => tei_route(state, name, request, deadline, Endpoint::Rerank, tei::rerank).await,
+        Route::CohereRerank(version) => {
+            // The model is named in the body: what fails before it is known counts under the
+            // default model, as OpenAI's route does.
+            let found = async {
+                let request = cohere::parse(&read_body(state, request).await?, version)?;
+                let found = cohere::model_for(state, request.model.as_deref()).await?;
+                Ok((request, found))
+            };
+            let (request, (index, meta)) = match found.await {
+                Ok(found) => found,
+                Err(e) => return counted(state, 0, Endpoint::CohereRerank, async { Err(e) }).await,
+            };
+            let work = async {
+                let id = id.to_str().unwrap_or_default();
+                let reply = cohere::rerank(state, (index, &meta), request, version, id, deadline).await?;
+                Ok(versioned(reply, &meta))
+            };
+            counted(state, state.engine.row(index), Endpoint::CohereRerank, work).await
+        }
         Route::EmbedAll => tei_route(state, None, request, deadline, Endpoint::EmbedAll, tei::embed_all).await,
         Route::EmbedSparse(name) => {
             tei_route(state, name, request, deadline, Endpoint::EmbedSparse, tei::embed_sparse).await

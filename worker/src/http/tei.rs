@@ -691,7 +691,10 @@ mod tests {
                     body.insert(key.clone(), value.clone());
                     let body = serde_json::to_vec(&body).unwrap();
                     let openai = crate::http::openai::parse(&body).err().map(|e| e.to_string());
-                    for error in parse_bodies(&body).into_iter().filter_map(Result::err).chain(openai) {
+                    let cohere = [crate::http::cohere::Version::V1, crate::http::cohere::Version::V2]
+                        .map(|v| crate::http::cohere::parse(&body, v).err().map(|e| e.to_string()));
+                    let others = cohere.into_iter().flatten().chain(openai);
+                    for error in parse_bodies(&body).into_iter().filter_map(Result::err).chain(others) {
                         checked += 1;
                         for word in INTERNAL {
                             assert!(

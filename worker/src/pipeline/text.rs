@@ -124,6 +124,59 @@ impl TextPipeline {
         }
     }
 
+    /// Tokens the model's special tokens add to a pair (BERT's `[CLS] a [SEP] b [SEP]`: 3).
+    pub fn pair_overhead(&self) -> usize {
+        use tokenizers::PostProcessor as _;
+        self.plain.get_post_processor().map_or(0, |p| p.added_tokens(true))
+    }
+
+    /// Tokens of `text` alone, without special tokens; refused past the model's bound on bytes.
+    pub fn count_tokens(&self, index: usize, text: &str) -> Result<usize, PipelineError> {
+        let text = self.bounded(index, text, false)?;
+        let encoding = self
+            .plain
+            .encode_fast(text, false)
+            .map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
+        Ok(encoding.len())
+    }
+
+    /// The first `max_tokens` tokens of `text` (no special tokens) in windows of at most
+    /// `size` tokens, each starting `size - overlap` tokens after the one before, at most
+    /// `limit` of them: each window's text, cut at its tokens' byte offsets. Only what the
+    /// windows can cover is tokenized (at most [`BYTES_PER_TOKEN`] bytes for each of their
+    /// tokens); the rest of the text is left out.
+    pub fn windows(
+        &self,
+        index: usize,
+        text: &str,
+        size: usize,
+        overlap: usize,
+        (limit, max_tokens): (usize, usize),
+    ) -> Result<Vec<String>, PipelineError> {
+        let step = size.saturating_sub(overlap).max(1);
+        let covered = step.saturating_mul(limit.saturating_sub(1)).saturating_add(size).min(max_tokens);
+        let text = &text[..text.floor_char_boundary(covered.saturating_mul(BYTES_PER_TOKEN))];
+        // `encode`, not `encode_fast`: the windows are cut at the tokens' byte offsets.
+        let encoding =
+            self.plain.encode(text, false).map_err(|e| PipelineError::Tokenizer { index, message: e.to_string() })?;
+        let offsets = &encoding.get_offsets()[..encoding.len().min(covered)];
+        let mut windows = Vec::new();
+        let mut start = 0;
+        while start < offsets.len() && windows.len() < limit {
+            let end = start.saturating_add(size).min(offsets.len());
+            let (from, to) = (offsets[start].0, offsets[end.saturating_sub(1)].1);
+            windows.push(text.get(from..to).unwrap_or_default().to_string());
+            if end == offsets.len() {
+                break;
+            }
+            start = start.saturating_add(step);
+        }
+        match windows.is_empty() {
+            true => Err(PipelineError::Empty { index }),
+            false => Ok(windows),
+        }
+    }
+
     /// Tokenises a batch and pads it to its longest row (never to a fixed length).
     pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
         let mut encodings = Vec::with_capacity(texts.len());
