@@ -30,12 +30,13 @@ test:
 
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
-# then many models within one memory budget (docs/benchmarks.md, "Many models"), and what
-# tracing costs ("Traces").
+# then many models within one memory budget (docs/benchmarks.md, "Many models"), what
+# tracing costs ("Traces") and what the cache of answers gains ("The cache of answers").
 bench: setup
 	bench/compare.sh
 	RECORD=1 bench/many_models.sh
 	RECORD=1 bench/traces.sh
+	RECORD=1 bench/cache.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

@@ -10,6 +10,7 @@ mod common;
 
 mod auth;
 mod batching;
+mod cache;
 mod cgroup_plan;
 mod chaos;
 mod compat;
@@ -22,7 +23,9 @@ mod grpc;
 mod guards;
 mod hostile;
 mod keepalive;
+
 mod logging;
+mod long_texts;
 mod memory;
 mod metrics;
 mod model_budget;

@@ -46,6 +46,7 @@ pub struct Config {
     pub log: LogConfig,
     pub auth: crate::auth::AuthConfig,
     pub tracing: TracingConfig,
+    pub cache: CacheConfig,
     /// Directory that relative paths are resolved against (the config file's directory).
     #[serde(skip)]
     pub base_dir: PathBuf,
@@ -347,6 +348,22 @@ pub struct TracingConfig {
     /// Spans a worker keeps for export at most; past it new spans are dropped and counted
     /// (inferd_trace_spans_dropped_total). 0: 2048.
     pub max_queued_spans: usize,
+}
+
+/// `[cache]`: the cache of answers (docs/configuration.md, "The cache of answers").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// What the pool's workers may hold in answers, in all (each worker a 1/workers share);
+    /// a size as `models.memory_budget` takes it. None or 0: no cache (the default).
+    pub max_bytes: Option<ByteSize>,
+}
+
+impl CacheConfig {
+    /// Bytes of answers each of `workers` workers may hold (0: no cache).
+    pub fn per_worker(&self, workers: usize) -> u64 {
+        self.max_bytes.map_or(0, |b| b.0 / workers.max(1) as u64)
+    }
 }
 
 /// A number of bytes, written as an integer or as a string with a unit: `"2GiB"`,

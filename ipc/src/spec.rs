@@ -114,6 +114,9 @@ pub struct WorkerSpec {
     /// it inherits fill in what this leaves unset).
     #[serde(default)]
     pub tracing: inferd_config::file::TracingConfig,
+    /// Bytes of answers the worker may cache (its share of cache.max_bytes; 0: no cache).
+    #[serde(default)]
+    pub cache_bytes: u64,
     /// models.placement: with `pool` (and the connection table of [`crate::balance`]), the
     /// worker says there which models it holds and where siblings reach it.
     #[serde(default)]

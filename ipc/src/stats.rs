@@ -130,8 +130,12 @@ const LANE_BUSY_AT: usize = FORWARDS_AT + FORWARD_EVENTS.len();
 /// Spans exported to the collector, and spans dropped (the export queue was full, or an export
 /// failed or timed out): `inferd_trace_spans_exported_total`, `inferd_trace_spans_dropped_total`.
 const SPANS_AT: usize = LANE_BUSY_AT + 1;
+/// Per model row ([`MODEL_ROWS`]), the cache of answers ([cache]): rows answered from it,
+/// rows computed, entries evicted, and bytes held now (a gauge).
+const CACHE_AT: usize = SPANS_AT + 2;
+const CACHE_SLOTS: usize = 4;
 /// Number of counters in a region.
-pub const LEN: usize = SPANS_AT + 2;
+pub const LEN: usize = CACHE_AT + MODEL_ROWS * CACHE_SLOTS;
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine.
 pub fn monotonic_nanos() -> u64 {
@@ -325,6 +329,28 @@ impl WorkerCounters {
         self.add(SPANS_AT + usize::from(dropped), n);
     }
 
+    /// Rows of `model` (its counter row) looked up in the cache: found, and not.
+    pub fn cache_lookups(&self, model: usize, hits: u64, misses: u64) {
+        let base = CACHE_AT + model.min(MAX_MODELS) * CACHE_SLOTS;
+        self.add(base, hits);
+        self.add(base + 1, misses);
+    }
+
+    /// An entry of `model` evicted from the cache.
+    pub fn cache_evicted(&self, model: usize) {
+        self.add(CACHE_AT + model.min(MAX_MODELS) * CACHE_SLOTS + 2, 1);
+    }
+
+    /// The cache holds `delta` more bytes (fewer when negative) of `model`.
+    pub fn cache_bytes(&self, model: usize, delta: i64) {
+        let at = CACHE_AT + model.min(MAX_MODELS) * CACHE_SLOTS + 3;
+        if delta >= 0 {
+            self.add(at, delta as u64)
+        } else {
+            self.sub(at, delta.unsigned_abs())
+        }
+    }
+
     /// A lane ran a model for `nanos`.
     pub fn lane_busy(&self, nanos: u64) {
         self.add(LANE_BUSY_AT, nanos);
@@ -375,13 +401,14 @@ impl Default for Snapshot {
 }
 
 /// Where each model's counters lie in a region: (start of row 0, counters per row, rows).
-const MODEL_SECTIONS: [(usize, usize, usize); 6] = [
+const MODEL_SECTIONS: [(usize, usize, usize); 7] = [
     (REQUESTS_AT, Endpoint::ALL.len() * CODES.len(), MODEL_ROWS),
     (QUEUE_AT, LATENCY_SLOTS, MAX_MODELS),
     (COMPUTE_AT, LATENCY_SLOTS, MAX_MODELS),
     (REQUEST_LATENCY_AT, LATENCY_SLOTS, MAX_MODELS),
     (BATCH_AT, BATCH_SLOTS, MAX_MODELS),
     (ANSWERS_AT, ANSWER_SLOTS, MAX_MODELS),
+    (CACHE_AT, CACHE_SLOTS, MODEL_ROWS),
 ];
 
 /// The counter holding a time of the last answer: combined by maximum, not sum.
@@ -450,6 +477,9 @@ impl Snapshot {
         for at in [IN_FLIGHT_AT, QUEUED_AT, BUSY_SINCE_AT, BEAT_AT, IO_BEAT_AT, FAULTS_AT] {
             self.0[at] = 0;
         }
+        for row in 0..MODEL_ROWS {
+            self.0[CACHE_AT + row * CACHE_SLOTS + 3] = 0;
+        }
         self
     }
 
@@ -471,6 +501,12 @@ impl Snapshot {
     /// Seconds the lanes spent running models.
     pub fn lane_busy_seconds(&self) -> f64 {
         self.0[LANE_BUSY_AT] as f64 / 1e9
+    }
+
+    /// A model row's cache: (hits, misses, evictions, bytes held).
+    pub fn cache(&self, model: usize) -> [u64; 4] {
+        let base = CACHE_AT + model.min(MAX_MODELS) * CACHE_SLOTS;
+        [self.0[base], self.0[base + 1], self.0[base + 2], self.0[base + 3]]
     }
 
     /// Requests for models siblings hold, per [`FORWARD_EVENTS`].

@@ -249,6 +249,23 @@ pub fn render(m: &PoolMetrics) -> String {
     for (row, model) in &models {
         histogram(&mut out, "inferd_batch_size", &format!("model=\"{model}\""), &m.totals.batch(*row), &batch_bounds);
     }
+    // The cache of answers ([cache]), per model (those loaded on demand count as "other").
+    for (name, kind, slot, help) in [
+        ("inferd_cache_hits_total", "counter", 0, "Rows answered from the cache of answers, by model."),
+        ("inferd_cache_misses_total", "counter", 1, "Rows computed with the cache on (not found in it), by model."),
+        (
+            "inferd_cache_evictions_total",
+            "counter",
+            2,
+            "Cache entries evicted to stay within cache.max_bytes, by model.",
+        ),
+        ("inferd_cache_bytes", "gauge", 3, "Bytes of answers the workers' caches hold now, by model."),
+    ] {
+        header(&mut out, name, kind, help);
+        for (row, model) in models.iter().map(|(i, n)| (*i, n.as_str())).chain([(MAX_MODELS, "other")]) {
+            let _ = writeln!(out, "{name}{{model=\"{model}\"}} {}", m.totals.cache(row)[slot]);
+        }
+    }
     header(&mut out, "inferd_requests_in_flight", "gauge", "Requests being handled by the workers now.");
     let _ = writeln!(out, "inferd_requests_in_flight {}", m.totals.in_flight());
     header(&mut out, "inferd_requests_queued", "gauge", "Requests waiting for a model thread now.");

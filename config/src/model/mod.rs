@@ -53,9 +53,9 @@ mod schema;
 
 pub use repository::ModelEntry;
 pub use schema::{
-    Activation, Batching, ChannelOrder, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig, Layout,
-    ModelOverride, Pooling, Precision, Quantization, Resample, Resize, Task, TokenizerConfig, Warmup,
-    MAX_QUEUE_DELAY_MS,
+    Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig,
+    Layout, LongTexts, ModelOverride, Pooling, Precision, Quantization, Resample, Resize, Task, TokenizerConfig,
+    Warmup, MAX_QUEUE_DELAY_MS,
 };
 
 pub const MODEL_CONFIG_FILE: &str = "model.toml";

@@ -312,6 +312,41 @@ pub struct EmbeddingConfig {
     /// The prompt of requests that name none; absent: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_prompt: Option<String>,
+    /// A text longer than `tokenizer.max_length` in a request that does not ask to truncate:
+    /// refused (the default), truncated, or embedded whole in windows ([`LongTexts`]).
+    pub long_texts: LongTexts,
+    /// With `long_texts = "chunk"`: tokens each window shares with the one before.
+    pub chunk_overlap: usize,
+    /// With `long_texts = "chunk"`: how the windows' embeddings become the text's.
+    pub chunk_pooling: ChunkPooling,
+    /// With `long_texts = "chunk"`: tokens one request may have embedded in all (413 beyond).
+    pub max_chunked_tokens: usize,
+}
+
+/// What becomes of a text longer than the model takes ([`EmbeddingConfig::long_texts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LongTexts {
+    /// Refused with 413, unless the request sends `"truncate": true` (TEI's behaviour).
+    #[default]
+    Refuse,
+    /// Cut at the model's length, whatever the request says (TEI's `--auto-truncate`).
+    Truncate,
+    /// Unless the request asks to truncate: cut into windows of the model's length, embedded
+    /// in one batch and pooled into one embedding (normalized after pooling when the model
+    /// normalizes), as vLLM's pooling server does.
+    Chunk,
+}
+
+/// How the windows of a chunked text are pooled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChunkPooling {
+    /// The mean of the windows' embeddings, each weighted by its tokens (vLLM's).
+    #[default]
+    Mean,
+    /// The largest value of each dimension over the windows.
+    Max,
 }
 
 impl Default for EmbeddingConfig {
@@ -323,6 +358,10 @@ impl Default for EmbeddingConfig {
             matryoshka: false,
             prompts: BTreeMap::new(),
             default_prompt: None,
+            long_texts: LongTexts::Refuse,
+            chunk_overlap: 0,
+            chunk_pooling: ChunkPooling::Mean,
+            max_chunked_tokens: 8192,
         }
     }
 }
@@ -522,6 +561,22 @@ pub(super) fn check_pipeline(
             }
             if image.is_some() || classification.is_some() {
                 return Err("task = \"embedding\" takes no [image] or [classification] section".into());
+            }
+            if let (Some(e), Some(t)) = (embedding, tokenizer) {
+                if e.long_texts == LongTexts::Chunk {
+                    if e.chunk_overlap.saturating_mul(2) >= t.max_length {
+                        return Err(format!(
+                            "embedding.chunk_overlap = {} must be under half of tokenizer.max_length = {}",
+                            e.chunk_overlap, t.max_length
+                        ));
+                    }
+                    if e.max_chunked_tokens < t.max_length {
+                        return Err(format!(
+                            "embedding.max_chunked_tokens = {} is less than tokenizer.max_length = {}",
+                            e.max_chunked_tokens, t.max_length
+                        ));
+                    }
+                }
             }
         }
         Task::Classification => {

@@ -80,6 +80,7 @@ impl Supervisor {
             eviction: config.models.eviction,
             placement: config.models.placement,
             tracing: config.tracing_config(),
+            cache_bytes: config.cache.per_worker(self.pool.slots.len()),
         };
         match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
             Ok((pid, stats)) => {

@@ -138,12 +138,14 @@ fn document(
     let text = match (value, rank_fields) {
         (Value::String(text), _) => return Ok((text.clone(), json!({ "text": text }))),
         (Value::Object(_), _) if version == Version::V2 => {
-            return Err(bad(format!("documents[{i}]: v2 rerank takes documents as texts")))
+            return Err(bad(format!("'documents[{i}]' must be a text: v2 rerank takes documents as texts")))
         }
         (Value::Object(fields), None) => match fields.get("text") {
             Some(Value::String(text)) => text.clone(),
             _ => {
-                return Err(bad(format!("documents[{i}] has no 'text' (or name the fields to read in 'rank_fields')")))
+                return Err(bad(format!(
+                    "'documents[{i}]' has no 'text' (or name the fields to read in 'rank_fields')"
+                )))
             }
         },
         (Value::Object(fields), Some(names)) => {
@@ -157,7 +159,7 @@ fn document(
             }
             lines.join("\n")
         }
-        _ => return Err(bad(format!("documents[{i}] must be a text or an object with a 'text'"))),
+        _ => return Err(bad(format!("'documents[{i}]' must be a text or an object with a 'text'"))),
     };
     Ok((text, value.clone()))
 }
@@ -214,7 +216,7 @@ pub async fn rerank(
 ) -> Result<Reply, ApiError> {
     let pipeline = cross_encoder(meta)?;
     let query_tokens = pipeline.count_tokens(0, &request.query)?;
-    let window = pipeline.max_length.saturating_sub(query_tokens).saturating_sub(pipeline.pair_overhead());
+    let window = pipeline.max_length.saturating_sub(query_tokens).saturating_sub(pipeline.special_tokens(true));
     if window < MIN_WINDOW {
         return Err(ApiError::TooLarge(format!(
             "the query has {query_tokens} tokens, leaving {window} of the model's {} to each document (at least {MIN_WINDOW} are needed)",
@@ -228,7 +230,9 @@ pub async fn rerank(
         let limit = request.max_windows.unwrap_or_else(|| request.max_tokens.div_ceil(window));
         let windows = match text.is_empty() {
             true => vec![String::new()],
-            false => pipeline.windows(i, text, window, 0, (limit, request.max_tokens))?,
+            false => {
+                pipeline.windows(i, text, window, 0, (limit, request.max_tokens))?.into_iter().map(|(w, _)| w).collect()
+            }
         };
         tasks::within_limit(state, pairs.len().saturating_add(windows.len())).map_err(|_| {
             ApiError::TooLarge(format!(

@@ -87,8 +87,11 @@ pub async fn handle(
     };
     // A bug that panics in a handler costs this request (500), not the worker (panics.rs).
     // How long it waited for its model to load on demand, if it did (models.rs).
+    // `Cache-Control: no-cache`: answered without the cache of answers ([cache]).
+    let bypass = crate::request::cache::no_cache(request.headers().get(hyper::header::CACHE_CONTROL));
     let work = LOAD_WAIT.scope(Default::default(), async {
-        let routed = crate::panics::guarded_future(route(&state, peer, request, &id)).await;
+        let routed = crate::panics::guarded_future(route(&state, peer, request, &id));
+        let routed = crate::request::cache::BYPASS.scope(bypass, routed).await;
         (routed, LOAD_WAIT.with(std::cell::Cell::get))
     });
     let (routed, loading) = crate::trace::in_request(traced.clone(), work).await;

@@ -85,6 +85,17 @@ pub fn annotate<B>(reply: &mut Response<B>, outcome: &Outcome) {
             headers.insert("x-inferd-truncated", v);
         }
     }
+    // [cache]: how many rows came from it (only when it was consulted).
+    if let Some((hits, rows)) = outcome.cached {
+        let said = match hits {
+            0 => "miss".to_string(),
+            n if n == rows => "hit".to_string(),
+            n => format!("partial; hits={n}; rows={rows}"),
+        };
+        if let Ok(v) = HeaderValue::from_str(&said) {
+            headers.insert("x-inferd-cache", v);
+        }
+    }
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let timing = format!(
         "prepare;dur={:.3}, model;dur={:.3}, queue;dur={:.3}, compute;dur={:.3}",

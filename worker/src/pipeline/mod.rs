@@ -63,7 +63,7 @@ pub enum Pipeline {
     /// Tensors in, tensors out.
     Raw,
     Text(Box<TextPipeline>),
-    Image(ImagePipeline),
+    Image(Box<ImagePipeline>),
 }
 
 impl Pipeline {
@@ -83,7 +83,7 @@ impl Pipeline {
             return Ok(Pipeline::Text(Box::new(TextPipeline::build(t, inputs, head)?)));
         }
         let config = entry.image.clone().ok_or("a classification model needs [tokenizer] or [image]")?;
-        Ok(Pipeline::Image(ImagePipeline::build(config, inputs, head)?))
+        Ok(Pipeline::Image(Box::new(ImagePipeline::build(config, inputs, head)?)))
     }
 
     pub fn head(&self) -> Option<&Head> {

@@ -124,10 +124,11 @@ impl TextPipeline {
         }
     }
 
-    /// Tokens the model's special tokens add to a pair (BERT's `[CLS] a [SEP] b [SEP]`: 3).
-    pub fn pair_overhead(&self) -> usize {
+    /// Tokens the model's special tokens add to a text (BERT's `[CLS] a [SEP]`: 2), or to a
+    /// pair (`[CLS] a [SEP] b [SEP]`: 3).
+    pub fn special_tokens(&self, pair: bool) -> usize {
         use tokenizers::PostProcessor as _;
-        self.plain.get_post_processor().map_or(0, |p| p.added_tokens(true))
+        self.plain.get_post_processor().map_or(0, |p| p.added_tokens(pair))
     }
 
     /// Tokens of `text` alone, without special tokens; refused past the model's bound on bytes.
@@ -142,7 +143,8 @@ impl TextPipeline {
 
     /// The first `max_tokens` tokens of `text` (no special tokens) in windows of at most
     /// `size` tokens, each starting `size - overlap` tokens after the one before, at most
-    /// `limit` of them: each window's text, cut at its tokens' byte offsets. Only what the
+    /// `limit` of them: each window's text, cut at its tokens' byte offsets, and its number of
+    /// tokens. Only what the
     /// windows can cover is tokenized (at most [`BYTES_PER_TOKEN`] bytes for each of their
     /// tokens); the rest of the text is left out.
     pub fn windows(
@@ -152,7 +154,7 @@ impl TextPipeline {
         size: usize,
         overlap: usize,
         (limit, max_tokens): (usize, usize),
-    ) -> Result<Vec<String>, PipelineError> {
+    ) -> Result<Vec<(String, usize)>, PipelineError> {
         let step = size.saturating_sub(overlap).max(1);
         let covered = step.saturating_mul(limit.saturating_sub(1)).saturating_add(size).min(max_tokens);
         let text = &text[..text.floor_char_boundary(covered.saturating_mul(BYTES_PER_TOKEN))];
@@ -165,7 +167,7 @@ impl TextPipeline {
         while start < offsets.len() && windows.len() < limit {
             let end = start.saturating_add(size).min(offsets.len());
             let (from, to) = (offsets[start].0, offsets[end.saturating_sub(1)].1);
-            windows.push(text.get(from..to).unwrap_or_default().to_string());
+            windows.push((text.get(from..to).unwrap_or_default().to_string(), end.saturating_sub(start)));
             if end == offsets.len() {
                 break;
             }

@@ -57,6 +57,8 @@ pub struct AppState {
     /// The keys requests must carry ([auth]); None: every request is served.
     pub api_keys: Option<ApiKeys>,
     pub request_ids: RequestIds,
+    /// Answers already computed ([cache]); None: off.
+    pub cache: Option<crate::request::cache::Cache>,
 }
 
 impl AppState {

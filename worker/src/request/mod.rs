@@ -4,9 +4,10 @@
 //! lookup; [`v2`]: a KServe v2 request once decoded (REST or gRPC) and its output selection;
 //! [`infer`]: such a request run through the model's pipeline or its tensors; [`tasks`]: texts
 //! and images through the pipeline and the engine, and the answers' shapes shared by TEI,
-//! OpenAI and v2.
+//! OpenAI and v2; [`cache`]: the answers already computed.
 
 pub mod app;
+pub mod cache;
 pub mod infer;
 pub mod models;
 pub mod placement;

@@ -7,9 +7,15 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 
-use crate::pipeline::{embeddings, scores, token_embeddings, Head, Pipeline, PipelineError, Text};
+use crate::pipeline::{
+    embeddings, l2_normalize, scores, token_embeddings, Head, Pipeline, PipelineError, Text, TextPipeline,
+    BYTES_PER_TOKEN,
+};
 use crate::request::app::{ApiError, AppState, Model};
+use crate::request::cache;
 use crate::runtime::engine::{Join, Timing};
+use crate::runtime::tensor::Tensor;
+use inferd_config::model::{ChunkPooling, EmbeddingConfig, LongTexts};
 
 /// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
 const INLINE_TEXT_BYTES: usize = 4096;
@@ -59,6 +65,9 @@ pub struct Outcome {
     pub model: Duration,
     /// Of `model`: waiting for a lane, and the run.
     pub engine: Timing,
+    /// Rows answered from the cache ([cache]) of the rows looked up in it (a chunked text's
+    /// windows are rows of their own); None when it was not consulted.
+    pub cached: Option<(usize, usize)>,
 }
 
 impl From<PipelineError> for ApiError {
@@ -114,6 +123,148 @@ pub async fn run_pipeline(
     input: PipelineInput,
     options: Options,
 ) -> Result<Outcome, ApiError> {
+    // model.toml's `long_texts = "chunk"`: a text past the model's length, in a request that
+    // does not ask to truncate, is embedded whole in windows.
+    if let (Pipeline::Text(p), PipelineInput::Texts(texts)) = (&*meta.pipeline, &input) {
+        if let Head::Embedding { settings, .. } = &p.head {
+            if settings.long_texts == LongTexts::Chunk && !options.truncate && !options.tokens {
+                if let Some(chunks) = chunks(state, p, settings, texts, options.prompt_name.as_deref())? {
+                    return run_chunked(state, index, meta, settings, chunks, options).await;
+                }
+            }
+        }
+    }
+    run_rows(state, index, meta, input, options).await
+}
+
+/// A request's texts in windows: every window as its own text, which text each is of, and its
+/// tokens (the text's own, without the prompt or special tokens).
+struct Chunks {
+    windows: Vec<Text>,
+    owners: Vec<usize>,
+    tokens: Vec<usize>,
+    texts: usize,
+}
+
+/// `texts` cut into windows where one is longer than the model takes beside its prompt and
+/// special tokens; None when none is (the request runs as it is). Bounded before the work:
+/// a text of more than embedding.max_chunked_tokens x BYTES_PER_TOKEN bytes is refused before
+/// it is tokenized, and the windows' tokens in all, and their number, before any runs.
+fn chunks(
+    state: &AppState,
+    p: &TextPipeline,
+    settings: &EmbeddingConfig,
+    texts: &[Text],
+    prompt_name: Option<&str>,
+) -> Result<Option<Chunks>, ApiError> {
+    let most = settings.max_chunked_tokens;
+    let prompt = settings.prompt(prompt_name).map_err(ApiError::BadRequest)?.unwrap_or_default();
+    let prompt_tokens = if prompt.is_empty() { 0 } else { p.count_tokens(0, prompt)? };
+    let size = p.max_length.saturating_sub(p.special_tokens(false)).saturating_sub(prompt_tokens);
+    if size <= settings.chunk_overlap.max(1) {
+        return Err(ApiError::BadRequest(format!(
+            "the prompt takes {prompt_tokens} of the model's {} tokens: no room is left for the windows of a long text",
+            p.max_length
+        )));
+    }
+    let mut chunks = Chunks { windows: Vec::new(), owners: Vec::new(), tokens: Vec::new(), texts: texts.len() };
+    let mut cut = false;
+    for (i, text) in texts.iter().enumerate() {
+        let long = match text {
+            Text::Single(s) if s.len() > most.saturating_mul(BYTES_PER_TOKEN) => {
+                return Err(ApiError::TooLarge(format!(
+                    "input {i} is {} bytes; a text is embedded in windows up to {most} tokens (embedding.max_chunked_tokens), \
+                     at most {} bytes",
+                    s.len(),
+                    most.saturating_mul(BYTES_PER_TOKEN)
+                )))
+            }
+            // Counted within the model's bound on bytes (a longer one would not fit anyway).
+            Text::Single(s) if s.len() > p.max_text_bytes() || p.count_tokens(i, s)? > size => Some(s),
+            _ => None,
+        };
+        match long {
+            Some(s) => {
+                cut = true;
+                for (window, tokens) in p.windows(i, s, size, settings.chunk_overlap, (usize::MAX, usize::MAX))? {
+                    chunks.windows.push(Text::Single(window));
+                    chunks.owners.push(i);
+                    chunks.tokens.push(tokens);
+                }
+            }
+            None => {
+                chunks.windows.push(text.clone());
+                chunks.owners.push(i);
+                chunks.tokens.push(1);
+            }
+        }
+        let total: usize = chunks.tokens.iter().sum();
+        if total > most {
+            return Err(ApiError::TooLarge(format!(
+                "the texts make more than {most} tokens in windows (embedding.max_chunked_tokens)"
+            )));
+        }
+        if chunks.windows.len() > state.max_batch_inputs {
+            return Err(ApiError::TooLarge(format!(
+                "the texts make more than {} windows of {size} tokens; the limit is server.max_batch_inputs",
+                state.max_batch_inputs
+            )));
+        }
+    }
+    Ok(cut.then_some(chunks))
+}
+
+/// Every window embedded in one batch (not normalized, truncated where a window's text
+/// tokenizes a token longer on its own), then each text's windows pooled into its embedding,
+/// normalized after pooling when the model (or the request) normalizes.
+async fn run_chunked(
+    state: &AppState,
+    index: usize,
+    meta: &Model,
+    settings: &EmbeddingConfig,
+    chunks: Chunks,
+    options: Options,
+) -> Result<Outcome, ApiError> {
+    let normalize = options.normalize.unwrap_or(settings.normalize);
+    let inner = Options { truncate: true, normalize: Some(false), ..options };
+    let mut outcome = run_rows(state, index, meta, PipelineInput::Texts(chunks.windows), inner).await?;
+    let Rows::Embeddings(windows) = &outcome.rows else { unreachable!("embedding models answer embeddings") };
+    let dims = windows.first().map_or(0, Vec::len);
+    let mut pooled = vec![(vec![0f32; dims], 0f32); chunks.texts];
+    for ((window, &text), &tokens) in windows.iter().zip(&chunks.owners).zip(&chunks.tokens) {
+        let (sum, weight) = &mut pooled[text];
+        match settings.chunk_pooling {
+            ChunkPooling::Mean => sum.iter_mut().zip(window).for_each(|(s, v)| *s += v * tokens as f32),
+            ChunkPooling::Max if *weight == 0.0 => sum.copy_from_slice(window),
+            ChunkPooling::Max => sum.iter_mut().zip(window).for_each(|(s, v)| *s = s.max(*v)),
+        }
+        *weight += tokens as f32;
+    }
+    let rows = pooled
+        .into_iter()
+        .map(|(mut row, weight)| {
+            if settings.chunk_pooling == ChunkPooling::Mean {
+                row.iter_mut().for_each(|x| *x /= weight.max(f32::MIN_POSITIVE));
+            }
+            if normalize {
+                l2_normalize(&mut row);
+            }
+            row
+        })
+        .collect();
+    outcome.rows = Rows::Embeddings(rows);
+    outcome.truncated.clear();
+    Ok(outcome)
+}
+
+/// Texts or images through the pipeline, one row each.
+async fn run_rows(
+    state: &AppState,
+    index: usize,
+    meta: &Model,
+    input: PipelineInput,
+    options: Options,
+) -> Result<Outcome, ApiError> {
     let count = match &input {
         PipelineInput::Texts(t) => t.len(),
         PipelineInput::Images(i) => i.len(),
@@ -132,7 +283,8 @@ pub async fn run_pipeline(
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
             let texts = prompted(&p.head, texts, options.prompt_name.as_deref())?;
-            let truncate = options.truncate;
+            let truncate = options.truncate
+                || matches!(&p.head, Head::Embedding { settings, .. } if settings.long_texts == LongTexts::Truncate);
             // A short request is tokenised on the I/O thread (well under a millisecond); a long
             // one (up to max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each)
             // goes to the runtime's one blocking thread, so that the other connections of the
@@ -173,29 +325,88 @@ pub async fn run_pipeline(
         }
     };
     let prepare = started.elapsed();
+    let tokens = lengths.iter().sum();
     if !lengths.is_empty() {
-        stage.set(KeyValue::new("inferd.tokens", lengths.iter().sum::<usize>() as i64));
+        stage.set(KeyValue::new("inferd.tokens", tokens as i64));
     }
     drop(stage);
-    let (outputs, engine) = state.engine.submit(index, tensors, join, options.deadline).await?;
-    let model_time = started.elapsed() - prepare;
-    let _post = crate::trace::Stage::start("post-process");
     let head = meta.pipeline.head().expect("pipelines have a head");
-    let output = &outputs[head.output()];
-    let rows = match head {
-        Head::Embedding { .. } if options.tokens => Rows::Tokens(token_embeddings(output, &lengths)?),
-        Head::Embedding { settings, .. } => Rows::Embeddings(embeddings(
-            output,
-            &lengths,
-            settings.pooling,
-            options.normalize.unwrap_or(settings.normalize),
-        )?),
-        Head::Classification { labels, activation, .. } => Rows::Scores {
-            labels: labels.clone(),
-            scores: scores(output, labels.len(), *activation, options.raw_scores)?,
-        },
+    // [cache]: rows answered before are not run again (every token's vector, /embed_all, is
+    // never cached: it is as large as its input).
+    let cache = state.cache.as_ref().filter(|_| !options.tokens && !cache::bypassed());
+    let keys = cache.map(|_| cache::keys(meta, &options, &tensors, &lengths, count)).unwrap_or_default();
+    let mut found = match cache {
+        Some(cache) => cache.get(&keys),
+        None => vec![None; count],
     };
-    Ok(Outcome { rows, truncated, tokens: lengths.iter().sum(), prepare, model: model_time, engine })
+    let misses: Vec<usize> = (0..count).filter(|&r| found[r].is_none()).collect();
+    let counter_row = state.engine.row(index);
+    if cache.is_some() {
+        state.stats.cache_lookups(counter_row, (count - misses.len()) as u64, misses.len() as u64);
+    }
+    let mut engine = Timing::default();
+    let mut model_time = Duration::ZERO;
+    if !misses.is_empty() {
+        let (tensors, lengths) = match misses.len() == count {
+            true => (tensors, lengths),
+            false => only_rows(tensors, &lengths, &misses, count),
+        };
+        let (outputs, timing) = state.engine.submit(index, tensors, join, options.deadline).await?;
+        (engine, model_time) = (timing, started.elapsed() - prepare);
+        let _post = crate::trace::Stage::start("post-process");
+        let output = &outputs[head.output()];
+        let computed = match head {
+            Head::Embedding { .. } if options.tokens => {
+                let rows = Rows::Tokens(token_embeddings(output, &lengths)?);
+                return Ok(Outcome { rows, truncated, tokens, prepare, model: model_time, engine, cached: None });
+            }
+            Head::Embedding { settings, .. } => {
+                embeddings(output, &lengths, settings.pooling, options.normalize.unwrap_or(settings.normalize))?
+            }
+            Head::Classification { labels, activation, .. } => {
+                scores(output, labels.len(), *activation, options.raw_scores)?
+            }
+        };
+        if let Some(cache) = cache {
+            let fresh = misses.iter().zip(&computed).map(|(&r, row)| (keys[r], row.clone()));
+            cache.put(counter_row, fresh, &state.stats);
+        }
+        for (&r, row) in misses.iter().zip(computed) {
+            found[r] = Some(row);
+        }
+    }
+    let answered: Vec<Vec<f32>> = found.into_iter().map(|row| row.unwrap_or_default()).collect();
+    let rows = match head {
+        Head::Embedding { .. } => Rows::Embeddings(answered),
+        Head::Classification { labels, .. } => Rows::Scores { labels: labels.clone(), scores: answered },
+    };
+    let cached = cache.map(|_| (count - misses.len(), count));
+    Ok(Outcome { rows, truncated, tokens, prepare, model: model_time, engine, cached })
+}
+
+/// The batch of `tensors` (each of `count` rows) with only rows `keep`, at the same width, and
+/// those rows' lengths.
+fn only_rows(tensors: Vec<Tensor>, lengths: &[usize], keep: &[usize], count: usize) -> (Vec<Tensor>, Vec<usize>) {
+    let tensors = tensors
+        .into_iter()
+        .map(|t| {
+            let width = t.data.len() / count.max(1);
+            let mut data = t.data.dtype().zeros(0);
+            for &r in keep {
+                data.extend_rows(&t.data.slice(r * width..(r + 1) * width), 1, width, width);
+            }
+            let mut shape = t.shape;
+            if let Some(rows) = shape.first_mut() {
+                *rows = keep.len() as i64;
+            }
+            Tensor { name: t.name, shape, data }
+        })
+        .collect();
+    let lengths = match lengths.is_empty() {
+        true => Vec::new(),
+        false => keep.iter().map(|&r| lengths[r]).collect(),
+    };
+    (tensors, lengths)
 }
 
 /// `texts` with the model's prompt before each (the one `name`d, else the model's default);

@@ -161,6 +161,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
         access_log: spec.log.access_log,
         api_keys: spec.access.api_keys.clone(),
         request_ids: RequestIds::default(),
+        cache: crate::request::cache::Cache::new(spec.cache_bytes),
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());
