@@ -31,12 +31,14 @@ test:
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
 # then many models within one memory budget (docs/benchmarks.md, "Many models"), what
-# tracing costs ("Traces") and what the cache of answers gains ("The cache of answers").
+# tracing costs ("Traces"), what the cache of answers gains ("The cache of answers") and what
+# priorities do for an interactive client beside a bulk one ("Priorities").
 bench: setup
 	bench/compare.sh
 	RECORD=1 bench/many_models.sh
 	RECORD=1 bench/traces.sh
 	RECORD=1 bench/cache.sh
+	RECORD=1 bench/priority.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

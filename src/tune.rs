@@ -318,6 +318,7 @@ fn measure(
                 seconds: args.seconds,
                 warmup: Duration::from_millis(500),
                 rate: None,
+                priority: None,
             };
             let outcome = load::run(&load)?;
             measured.errors += outcome.errors;

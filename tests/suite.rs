@@ -33,6 +33,7 @@ mod on_demand;
 mod parsers;
 mod pipelines;
 mod pool;
+mod priority;
 mod protocol;
 mod published;
 mod quantize;

@@ -28,6 +28,8 @@ pub struct Load {
     /// time on the schedule, so a client still waiting for an earlier answer counts its lateness
     /// against the server (as oha's `--latency-correction`). None: a closed loop.
     pub rate: Option<f64>,
+    /// Sent as `x-inferd-priority` with every request (None: no header).
+    pub priority: Option<u8>,
 }
 
 /// One answered request: its latency, the server's times from Server-Timing (`prepare`:
@@ -104,7 +106,7 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
     let clients = Clients::start(load.concurrency, |c| {
         let (addr, path, bodies, measuring) = (load.addr.clone(), load.path.clone(), bodies.clone(), measuring.clone());
         let samples = samples[c].clone();
-        let rate = load.rate.filter(|r| *r > 0.0);
+        let (rate, priority) = (load.rate.filter(|r| *r > 0.0), load.priority);
         let (mut conn, mut i, mut sent) = (None, c, 0u64);
         move || {
             let body = i % bodies.len();
@@ -123,7 +125,14 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
                 Some(c) => Ok(c),
                 None => Connection::open(addr.as_str()),
             }
-            .and_then(|mut c| c.post(&path, &bodies[body]).map(|a| (c, a)));
+            .and_then(|mut c| {
+                let priority = priority.map(|p| p.to_string());
+                let mut headers = vec![("Content-Type", "application/json")];
+                if let Some(p) = &priority {
+                    headers.push(("x-inferd-priority", p.as_str()));
+                }
+                c.send("POST", &path, &headers, &bodies[body]).map(|a| (c, a))
+            });
             match answer {
                 Ok((c, answer)) if answer.status == 200 => {
                     if counted {

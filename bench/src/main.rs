@@ -49,6 +49,9 @@ enum Command {
         /// `--latency-correction`); without it, a closed loop.
         #[arg(long)]
         rate: Option<f64>,
+        /// Every request's priority (`x-inferd-priority`: 0 the highest).
+        #[arg(long)]
+        priority: Option<u8>,
     },
     /// Load an inferd gRPC port (server.grpc_listen) with ModelInfer of one text each.
     Grpc {
@@ -187,9 +190,9 @@ fn main() -> anyhow::Result<()> {
         Command::Trace { addr, set, concurrency, seconds, zipf, pool_pid } => {
             trace(&addr, &set, concurrency, seconds, zipf, pool_pid)
         }
-        Command::Http { clients, path, short_below, rate } => {
+        Command::Http { clients, path, short_below, rate, priority } => {
             let texts = read_texts(&clients.texts)?;
-            http(&clients, &path, short_below, rate, &texts)
+            http(&clients, &path, short_below, (rate, priority), &texts)
         }
         Command::Grpc { clients, model } => {
             let texts = read_texts(&clients.texts)?;
@@ -215,7 +218,7 @@ fn http(
     load: &Clients,
     path: &str,
     short_below: Option<usize>,
-    rate: Option<f64>,
+    (rate, priority): (Option<f64>, Option<u8>),
     texts: &[String],
 ) -> anyhow::Result<()> {
     let bodies =
@@ -228,6 +231,7 @@ fn http(
         seconds: load.seconds,
         warmup: Duration::from_secs_f64(load.warmup),
         rate,
+        priority,
     })?;
     let samples = &outcome.samples;
     // Where a request's time goes, from Server-Timing: tokenising, the model (queue and run),

@@ -16,8 +16,8 @@
 //!   `max_chunks_per_doc` windows (v1, default 10), or the first `max_tokens_per_doc` tokens
 //!   (v2, default 4096). Every window is one input of the batch, so the windows of a request
 //!   count against server.max_batch_inputs (413 past it).
-//! - `priority` (v2) is read and checked (a whole number, 0 the highest); it does not yet
-//!   order the work.
+//! - `priority` (v2): a whole number, 0 the highest, as `x-inferd-priority` (which it
+//!   overrides): the worker's lanes take higher-priority work first (runtime/engine).
 //! - The answer: `{"id", "results": [{"index", "relevance_score", "document"?}], "meta":
 //!   {"api_version", "billed_units"}}`, best first, with Jina's `model` and `usage` beside.
 //!
@@ -63,6 +63,8 @@ pub struct Request {
     max_windows: Option<usize>,
     /// Tokens of a document read at most.
     max_tokens: usize,
+    /// v2's `priority` (0 the highest; above 255 counts as 255).
+    pub priority: Option<u8>,
 }
 
 pub fn parse(body: &[u8], version: Version) -> Result<Request, ApiError> {
@@ -117,14 +119,19 @@ pub fn parse(body: &[u8], version: Version) -> Result<Request, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("'return_documents' must be true or false".into())),
     };
-    if let Some(v) = given("priority").filter(|v| v.as_u64().is_none()) {
-        return Err(bad(format!("'priority' must be a whole number, 0 the highest, not {v}")));
-    }
+    let priority = match given("priority") {
+        None => None,
+        Some(v) => match v.as_u64() {
+            Some(p) => Some(u8::try_from(p).unwrap_or(u8::MAX)),
+            None => return Err(bad(format!("'priority' must be a whole number, 0 the highest, not {v}"))),
+        },
+    };
     let (max_windows, max_tokens) = match version {
         Version::V1 => (Some(count("max_chunks_per_doc", 1)?.unwrap_or(MAX_CHUNKS_PER_DOC)), usize::MAX),
         Version::V2 => (None, count("max_tokens_per_doc", 1)?.unwrap_or(MAX_TOKENS_PER_DOC)),
     };
-    Ok(Request { model, query, documents, top_n: count("top_n", 1)?, return_documents, max_windows, max_tokens })
+    let top_n = count("top_n", 1)?;
+    Ok(Request { model, query, documents, top_n, return_documents, max_windows, max_tokens, priority })
 }
 
 /// Document `i`: its text to score, and its `document` in the answer.

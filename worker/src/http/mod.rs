@@ -34,6 +34,7 @@ use crate::http::reply::{annotate, json_reply, Reply};
 use crate::request::app::{counted, found_index, ApiError, AppState, Model};
 use crate::request::infer::{pipeline_io, run_v2};
 use crate::request::models::LOAD_WAIT;
+use crate::runtime::engine::PRIORITY;
 use crate::runtime::tensor::Tensor;
 
 fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
@@ -378,7 +379,26 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
     })
 }
 
+/// Header with the request's priority: 0 (the default) the highest, up to 255 ([`PRIORITY`]).
+pub const PRIORITY_HEADER: &str = "x-inferd-priority";
+
+/// The request, served at its priority ([`PRIORITY_HEADER`]).
 async fn route(
+    state: &AppState,
+    peer: SocketAddr,
+    request: Request<Incoming>,
+    id: &HeaderValue,
+) -> Result<Reply, ApiError> {
+    let priority = match request.headers().get(PRIORITY_HEADER) {
+        None => 0,
+        Some(v) => v.to_str().ok().and_then(|v| v.trim().parse::<u8>().ok()).ok_or_else(|| {
+            ApiError::BadRequest(format!("{PRIORITY_HEADER} must be a whole number from 0 (the highest) to 255"))
+        })?,
+    };
+    PRIORITY.scope(priority, routed(state, peer, request, id)).await
+}
+
+async fn routed(
     state: &AppState,
     peer: SocketAddr,
     request: Request<Incoming>,
@@ -497,11 +517,13 @@ async fn route(
                 Ok(found) => found,
                 Err(e) => return counted(state, 0, Endpoint::CohereRerank, async { Err(e) }).await,
             };
-            let work = async {
+            // v2's `priority`, over the header's.
+            let priority = request.priority.unwrap_or_else(|| PRIORITY.with(|p| *p));
+            let work = PRIORITY.scope(priority, async {
                 let id = id.to_str().unwrap_or_default();
                 let reply = cohere::rerank(state, (index, &meta), request, version, id, deadline).await?;
                 Ok(versioned(reply, &meta))
-            };
+            });
             counted(state, state.engine.row(index), Endpoint::CohereRerank, work).await
         }
         Route::EmbedAll => tei_route(state, None, request, deadline, Endpoint::EmbedAll, tei::embed_all).await,

@@ -42,6 +42,8 @@ pub(super) struct Job {
     pub(super) reply: ReplyTo,
     /// The span of its request, when that is traced and sampled: the run links to it.
     pub(super) trace: Option<opentelemetry::trace::SpanContext>,
+    /// Its request's priority, 0 the highest ([`super::PRIORITY`]).
+    pub(super) priority: u8,
 }
 
 /// Whether two tensors can stand in one batch, row after row: the same name and element type,
@@ -77,7 +79,15 @@ impl Job {
     pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: ReplyTo) -> Job {
         let (rows, width) = rows_and_width(&inputs, join);
         let trace = crate::trace::current();
-        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace }
+        let priority = super::PRIORITY.try_with(|p| *p).unwrap_or(0);
+        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace, priority }
+    }
+
+    /// Its priority now: one level higher for every [`super::AGING`] it has waited, so that
+    /// low-priority work is never starved by a stream of higher.
+    pub(super) fn standing(&self, now: Instant) -> u8 {
+        let waited = now.saturating_duration_since(self.queued_at).as_millis() / super::AGING.as_millis();
+        self.priority.saturating_sub(u8::try_from(waited).unwrap_or(u8::MAX))
     }
 
     /// Whether `other` can run in one ORT call with `self`.

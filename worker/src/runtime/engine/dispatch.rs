@@ -365,7 +365,11 @@ impl Dispatcher {
             && self.pending.len() == 1
             && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
             && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
-        self.pending.iter().enumerate().find_map(|(index, job)| {
+        // The highest priority first (with aging), the oldest first among equals.
+        let now = Instant::now();
+        let mut order: Vec<usize> = (0..self.pending.len()).collect();
+        order.sort_by_key(|&i| self.pending[i].standing(now));
+        order.into_iter().map(|i| (i, &self.pending[i])).find_map(|(index, job)| {
             let bulk = job.tokens() > self.policy(job.model).max_tokens;
             let lane = match (job.heavy(), self.background.is_some()) {
                 (false, _) => regular,
@@ -418,8 +422,10 @@ impl Dispatcher {
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);
         let mut candidates: Vec<usize> = (0..self.pending.len()).filter(|&i| anchor.fits(&self.pending[i])).collect();
-        // Closest in length first (a stable sort: oldest first among equals).
-        candidates.sort_by_key(|&i| self.pending[i].width.abs_diff(anchor.width));
+        // The highest priority first, then the closest in length (a stable sort: oldest first
+        // among equals).
+        let now = Instant::now();
+        candidates.sort_by_key(|&i| (self.pending[i].standing(now), self.pending[i].width.abs_diff(anchor.width)));
         let mut chosen = Vec::new();
         for i in candidates {
             let job = &self.pending[i];
@@ -451,6 +457,7 @@ impl Dispatcher {
 mod tests {
     use super::*;
     use crate::runtime::engine::batch::tests::text_job;
+    use crate::runtime::engine::AGING;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
         let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO }];
@@ -486,6 +493,37 @@ mod tests {
         let job = Job { reply, ..text_job(1, 17, 0) };
         // In a worker the panic hook ends the process here (unguarded); in a test it unwinds.
         Shared::new(d).handle(Event::Job(job));
+    }
+
+    #[test]
+    fn a_lane_takes_the_highest_priority_first_and_a_long_wait_raises_a_low_one() {
+        let job = |priority: u8, waited_ms: u64, id: i64| {
+            let mut job = Job { priority, ..text_job(1, 17, id) };
+            job.queued_at -= Duration::from_millis(waited_ms);
+            job
+        };
+        // Bulk (priority 9) arrived first; an interactive request (0) after: it goes first.
+        let pending = vec![job(9, 50, 0), job(9, 40, 100), job(9, 30, 200), job(0, 0, 300)];
+        let mut d = dispatcher(1, 8192, pending);
+        let _lanes = with_lanes(&mut d, 1);
+        let first = take_anchor(&mut d).unwrap();
+        assert_eq!(first.priority, 0, "the interactive request first");
+        // Among equals, the oldest.
+        assert_eq!(take_anchor(&mut d).unwrap().inputs[0].data, text_job(1, 17, 0).inputs[0].data);
+        // A bulk job that has waited 9 x AGING stands level with a priority-0 job that came
+        // after it, and being older it goes first: low-priority work is never starved. One
+        // that has waited less still goes after.
+        let aged = AGING.as_millis() as u64 * 9 + 50;
+        let mut d = dispatcher(1, 8192, vec![job(9, aged, 100), job(0, 0, 0)]);
+        let _lanes = with_lanes(&mut d, 1);
+        assert_eq!(take_anchor(&mut d).unwrap().priority, 9);
+        let mut d = dispatcher(1, 8192, vec![job(9, aged / 2, 100), job(0, 0, 0)]);
+        let _lanes = with_lanes(&mut d, 1);
+        assert_eq!(take_anchor(&mut d).unwrap().priority, 0);
+        // A batch gathers the highest-priority company first.
+        let mut d = dispatcher(2, 8192, vec![job(9, 10, 0), job(0, 0, 100)]);
+        let batch = d.gather(job(0, 0, 200), 64);
+        assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [0, 0]);
     }
 
     #[test]
