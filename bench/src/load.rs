@@ -4,7 +4,7 @@
 //! Shared by `inferd-bench http` and `inferd tune`; built on the tests' clients
 //! ([`crate::clients`], [`crate::http`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,14 +103,17 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
     let measuring = Arc::new(AtomicBool::new(false));
     let samples: Vec<_> = (0..load.concurrency).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
     let (schedule, senders) = (Instant::now(), load.concurrency as f64);
+    // The bodies are one stream the clients take from in turn: each request sends the next
+    // body of it, whichever client sends it (a stream of repeats, as bench/cache.sh sends, is
+    // then seen once, in its order).
+    let next = Arc::new(AtomicUsize::new(0));
     let clients = Clients::start(load.concurrency, |c| {
         let (addr, path, bodies, measuring) = (load.addr.clone(), load.path.clone(), bodies.clone(), measuring.clone());
         let samples = samples[c].clone();
-        let (rate, priority) = (load.rate.filter(|r| *r > 0.0), load.priority);
-        let (mut conn, mut i, mut sent) = (None, c, 0u64);
+        let (rate, priority, next) = (load.rate.filter(|r| *r > 0.0), load.priority, next.clone());
+        let (mut conn, mut sent) = (None, 0u64);
         move || {
-            let body = i % bodies.len();
-            i += 1;
+            let body = next.fetch_add(1, Ordering::Relaxed) % bodies.len();
             let started = match rate {
                 Some(rate) => {
                     let due = schedule + Duration::from_secs_f64((sent as f64 * senders + c as f64) / rate);

@@ -421,10 +421,15 @@ impl Dispatcher {
         let max_rows = max_rows.min(policy.max_rows);
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);
-        let mut candidates: Vec<usize> = (0..self.pending.len()).filter(|&i| anchor.fits(&self.pending[i])).collect();
+        // Company of a lower priority (standing) than the anchor's would make its run longer:
+        // it waits for its own.
+        let now = Instant::now();
+        let standing = anchor.standing(now);
+        let mut candidates: Vec<usize> = (0..self.pending.len())
+            .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].standing(now) <= standing)
+            .collect();
         // The highest priority first, then the closest in length (a stable sort: oldest first
         // among equals).
-        let now = Instant::now();
         candidates.sort_by_key(|&i| (self.pending[i].standing(now), self.pending[i].width.abs_diff(anchor.width)));
         let mut chosen = Vec::new();
         for i in candidates {
@@ -520,10 +525,14 @@ mod tests {
         let mut d = dispatcher(1, 8192, vec![job(9, aged / 2, 100), job(0, 0, 0)]);
         let _lanes = with_lanes(&mut d, 1);
         assert_eq!(take_anchor(&mut d).unwrap().priority, 0);
-        // A batch gathers the highest-priority company first.
-        let mut d = dispatcher(2, 8192, vec![job(9, 10, 0), job(0, 0, 100)]);
+        // A batch gathers the highest-priority company first, and none of a lower priority
+        // than its anchor's (it would make the anchor's run longer).
+        let mut d = dispatcher(3, 8192, vec![job(9, 10, 0), job(0, 0, 100), job(5, 0, 300)]);
         let batch = d.gather(job(0, 0, 200), 64);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [0, 0]);
+        let mut d = dispatcher(3, 8192, vec![job(9, 10, 0), job(0, 0, 100)]);
+        let batch = d.gather(job(5, 0, 200), 64);
+        assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [5, 0], "a bulk anchor takes anyone");
     }
 
     #[test]
