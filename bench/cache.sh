@@ -117,13 +117,5 @@ print(f"Simulated on the first {sent} texts of the stream: one LRU of the whole 
 PY
 } | tee "$work/record.md"
 if [[ $RECORD == 1 ]]; then
-    python3 - "$work/record.md" docs/benchmarks.md <<'PY'
-import sys
-record, path = open(sys.argv[1]).read().strip(), sys.argv[2]
-text = open(path).read()
-begin, end = "<!-- cache:begin -->", "<!-- cache:end -->"
-head, rest = text.split(begin, 1)
-open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
-PY
-    echo "docs/benchmarks.md: the cache record rewritten"
+    record_block cache "$work/record.md"
 fi

@@ -67,3 +67,17 @@ cache_dir = "$3"
 ${4:+allocator = \"$4\"}
 TOML
 }
+
+# record_block NAME FILE: replaces what lies between `<!-- NAME:begin -->` and
+# `<!-- NAME:end -->` in docs/benchmarks.md with FILE (a benchmark's record, RECORD=1).
+record_block() {
+    python3 - "$1" "$2" docs/benchmarks.md <<'PY'
+import sys
+name, record, path = sys.argv[1], open(sys.argv[2]).read().strip(), sys.argv[3]
+text = open(path).read()
+begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+head, rest = text.split(begin, 1)
+open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
+PY
+    echo "docs/benchmarks.md: the $1 record rewritten"
+}

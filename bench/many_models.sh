@@ -162,13 +162,5 @@ report() {
 report | tee "$work/record.md"
 
 if [[ $RECORD == 1 && $ONLY == all ]]; then
-    python3 - "$work/record.md" docs/benchmarks.md <<'PY'
-import sys
-record, path = open(sys.argv[1]).read().strip(), sys.argv[2]
-text = open(path).read()
-begin, end = "<!-- many-models:begin -->", "<!-- many-models:end -->"
-head, rest = text.split(begin, 1)
-open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
-PY
-    echo "docs/benchmarks.md: the many-models record rewritten"
+    record_block many-models "$work/record.md"
 fi

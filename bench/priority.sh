@@ -76,13 +76,5 @@ for name, rows in runs.items():
 PY
 } | tee "$work/record.md"
 if [[ $RECORD == 1 ]]; then
-    python3 - "$work/record.md" docs/benchmarks.md <<'PY'
-import sys
-record, path = open(sys.argv[1]).read().strip(), sys.argv[2]
-text = open(path).read()
-begin, end = "<!-- priority:begin -->", "<!-- priority:end -->"
-head, rest = text.split(begin, 1)
-open(path, "w").write(head + begin + "\n" + record + "\n" + end + rest.split(end, 1)[1])
-PY
-    echo "docs/benchmarks.md: the priority record rewritten"
+    record_block priority "$work/record.md"
 fi

@@ -108,20 +108,6 @@ impl Cache {
             }
         }
     }
-
-    /// Bytes held now.
-    pub fn bytes(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).bytes
-    }
-
-    /// Entries held now.
-    pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// The key of each of a batch's `rows`: `tensors` are its inputs, each row padded to the

@@ -179,8 +179,15 @@ fn chunks(
                     most.saturating_mul(BYTES_PER_TOKEN)
                 )))
             }
-            // Counted within the model's bound on bytes (a longer one would not fit anyway).
-            Text::Single(s) if s.len() > p.max_text_bytes() || p.count_tokens(i, s)? > size => Some(s),
+            // A token covers a byte at least: a text of fewer bytes than a window fits. Others
+            // are counted, within the model's bound on bytes (a longer one would not fit anyway).
+            Text::Single(s) if s.len() > size && (s.len() > p.max_text_bytes() || p.count_tokens(i, s)? > size) => {
+                Some(s)
+            }
+            // Token ids are the client's own: never cut (the run below truncates windows).
+            Text::Ids(ids) if ids.len() > p.max_length => {
+                return Err(PipelineError::TooLong { index: i, tokens: ids.len(), max: p.max_length }.into())
+            }
             _ => None,
         };
         match long {
