@@ -1,7 +1,9 @@
-//! Priorities (`x-inferd-priority`, Cohere v2's `priority`; docs/configuration.md, "Priorities"):
-//! with a bulk client saturating a worker at a low priority, an interactive client's requests
-//! are taken by the worker's lanes ahead of the waiting bulk work, so they wait for a lane far
-//! less than the bulk requests do; every request of both is answered.
+//! Priorities (`x-inferd-priority`, Cohere v2's `priority`, an API key's `priority=`;
+//! docs/configuration.md, "Priorities"): with a bulk client saturating a worker at a low
+//! priority, an interactive client's requests are taken by the worker's lanes ahead of the
+//! waiting bulk work, so they wait for a lane far less than the bulk requests do; every request
+//! of both is answered. The bulk client's key caps its priority (it asks for the highest and
+//! gets its key's), and the access log names each request's key.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,7 +44,17 @@ fn an_interactive_client_is_served_ahead_of_a_bulk_client_at_a_lower_priority() 
         minilm.join("tokenizer.json").display()
     );
     std::fs::write(folder.join("model.toml"), toml).unwrap();
-    let server = serve(dir, 1, &repository, "solo", &[], "");
+    // Two keys: the bulk client's, whose requests run at priority 9 at best, and a user's.
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "bulk-key-0123456789 name=reindex priority=9\nuser-key-0123456789 name=web\n").unwrap();
+    std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1, &repository, "solo", &[], "");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("\n[auth]\napi_keys_file = \"{}\"\n[log]\naccess_log = true\n", keys.display()));
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
     let bulk_text = "a passage of a re-indexing run, one of very many, ".repeat(8);
     let bulk_body = serde_json::to_vec(&json!({ "inputs": bulk_text })).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
@@ -53,7 +65,12 @@ fn an_interactive_client_is_served_ahead_of_a_bulk_client_at_a_lower_priority() 
             let (stop, waits, failures, body, addr) =
                 (stop.clone(), bulk_waits.clone(), failures.clone(), bulk_body.clone(), server.addr);
             std::thread::spawn(move || {
-                let headers = [("Content-Type", "application/json"), ("x-inferd-priority", "9")];
+                // It asks for the highest priority; its key says 9.
+                let headers = [
+                    ("Content-Type", "application/json"),
+                    ("x-inferd-priority", "0"),
+                    ("Authorization", "Bearer bulk-key-0123456789"),
+                ];
                 while !stop.load(Ordering::Relaxed) {
                     match inferd_bench::http::request(addr, "POST", "/embed", &headers, &body) {
                         Ok(r) if r.status == 200 => waits.lock().unwrap().push(queue_ms(&r)),
@@ -69,7 +86,7 @@ fn an_interactive_client_is_served_ahead_of_a_bulk_client_at_a_lower_priority() 
     let interactive_body = serde_json::to_vec(&json!({ "inputs": "where is my order?" })).unwrap();
     let mut interactive = Vec::new();
     for _ in 0..40 {
-        let headers = [("Content-Type", "application/json"), ("x-inferd-priority", "0")];
+        let headers = [("Content-Type", "application/json"), ("Authorization", "Bearer user-key-0123456789")];
         let r = inferd_bench::http::request(server.addr, "POST", "/embed", &headers, &interactive_body).unwrap();
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         interactive.push(queue_ms(&r));
@@ -97,10 +114,19 @@ fn an_interactive_client_is_served_ahead_of_a_bulk_client_at_a_lower_priority() 
         server.addr,
         "POST",
         "/embed",
-        &[("Content-Type", "application/json"), ("x-inferd-priority", "high")],
+        &[
+            ("Content-Type", "application/json"),
+            ("x-inferd-priority", "high"),
+            ("Authorization", "Bearer user-key-0123456789"),
+        ],
         &interactive_body,
     )
     .unwrap();
     assert_eq!(r.status, 400);
     assert!(String::from_utf8_lossy(&r.body).contains("x-inferd-priority"));
+    // Each access line names the request's key, never the key itself.
+    let log = server.log();
+    assert!(log.lines().any(|l| l.contains("POST /embed 200") && l.contains("key=\"reindex\"")), "{log}");
+    assert!(log.lines().any(|l| l.contains("POST /embed 200") && l.contains("key=\"web\"")), "{log}");
+    assert!(!log.contains("key-0123456789"), "a key in the log");
 }

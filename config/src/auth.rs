@@ -7,6 +7,9 @@
 //! once, so a new key can be added before an old one is retired. The supervisor reads them at
 //! start and at every reload; workers get their SHA-256 digests only, and compare the digest
 //! of a presented key with each in constant time.
+//!
+//! A line of the file may follow its key with settings ([`KeySettings`]): `KEY name=bulk
+//! priority=9`. A plain line is a key with the defaults.
 
 use std::path::{Path, PathBuf};
 
@@ -32,11 +35,50 @@ pub struct AuthConfig {
     pub protect_health: bool,
 }
 
-/// The keys a worker checks requests against: digests, never the keys themselves.
+/// The keys a worker checks requests against: digests, never the keys themselves, each with
+/// its settings.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiKeys {
-    pub digests: Vec<[u8; 32]>,
+    pub keys: Vec<([u8; 32], KeySettings)>,
     pub protect_health: bool,
+}
+
+/// A key's settings: the words after it on its line, `name=NAME` and `priority=N`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeySettings {
+    /// What the access log and traces call the key (never the key itself); by default `key-`
+    /// and the first 8 hex digits of its SHA-256.
+    pub name: String,
+    /// The highest priority its requests get (0, the default, the highest): a request that
+    /// asks for a higher one (`x-inferd-priority`) is served at this one.
+    pub priority: u8,
+}
+
+impl KeySettings {
+    /// The settings of `words` (a line's after its key), for the key of `digest`.
+    fn parse(words: &[&str], digest: &[u8; 32]) -> Result<KeySettings, String> {
+        let hex: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+        let mut settings = KeySettings { name: format!("key-{hex}"), priority: 0 };
+        for word in words {
+            match word.split_once('=') {
+                Some(("name", name)) if !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic()) => {
+                    settings.name = name.to_string()
+                }
+                Some(("priority", n)) => {
+                    settings.priority = n.parse().map_err(|_| {
+                        format!("key {}: priority={n} is not a whole number from 0 (the highest) to 255", settings.name)
+                    })?
+                }
+                _ => {
+                    return Err(format!(
+                        "key {}: '{word}' is not a setting (a key's line is `KEY [name=NAME] [priority=N]`)",
+                        settings.name
+                    ))
+                }
+            }
+        }
+        Ok(settings)
+    }
 }
 
 /// What the supervisor reads for the public port at start and at every reload, and every
@@ -105,8 +147,11 @@ impl ApiKeys {
         ApiKeys::of(&read_file(path)?, protect_health)
     }
 
-    /// `keys`, checked (long enough, visible ASCII), as their digests.
-    fn of(keys: &[String], protect_health: bool) -> Result<ApiKeys, String> {
+    /// `lines` (a key, then its settings), checked (long enough, visible ASCII), as their
+    /// digests and settings.
+    fn of(lines: &[String], protect_health: bool) -> Result<ApiKeys, String> {
+        let split: Vec<Vec<&str>> = lines.iter().map(|l| l.split_whitespace().collect()).collect();
+        let keys: Vec<&str> = split.iter().filter_map(|words| words.first().copied()).collect();
         if let Some(short) = keys.iter().find(|k| k.len() < MIN_KEY_LEN) {
             return Err(format!(
                 "a key of {} characters; keys must have at least {MIN_KEY_LEN} (e.g. `openssl rand -hex 32`)",
@@ -116,28 +161,34 @@ impl ApiKeys {
         if let Some(bad) = keys.iter().find(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
             return Err(format!("a key of {} characters has a character that is not visible ASCII", bad.len()));
         }
-        let mut digests: Vec<[u8; 32]> = keys.iter().map(|k| digest(k.as_bytes())).collect();
-        digests.sort();
-        digests.dedup();
-        Ok(ApiKeys { digests, protect_health })
+        let mut entries = Vec::with_capacity(keys.len());
+        for words in split.iter().filter(|w| !w.is_empty()) {
+            let d = digest(words[0].as_bytes());
+            entries.push((d, KeySettings::parse(&words[1..], &d)?));
+        }
+        entries.sort_by_key(|e| e.0);
+        entries.dedup_by(|a, b| a.0 == b.0);
+        Ok(ApiKeys { keys: entries, protect_health })
     }
 
-    /// Whether `presented` is one of the keys: its digest compared with every one, each in
-    /// constant time, so neither the match nor how much of it matched shows in the time.
-    pub fn check(&self, presented: Option<&[u8]>) -> Result<(), Refusal> {
+    /// The settings of `presented` if it is one of the keys: its digest compared with every
+    /// one, each in constant time, so neither the match nor how much of it matched shows in
+    /// the time.
+    pub fn check(&self, presented: Option<&[u8]>) -> Result<&KeySettings, Refusal> {
         let presented = presented.ok_or(Refusal::Missing)?;
         let d = digest(presented);
-        let found = self.digests.iter().fold(0u8, |found, k| found | equal(k, &d) as u8);
-        if found == 1 {
-            Ok(())
-        } else {
-            Err(Refusal::Invalid)
+        let mut found = None;
+        for (k, settings) in &self.keys {
+            if equal(k, &d) {
+                found = Some(settings);
+            }
         }
+        found.ok_or(Refusal::Invalid)
     }
 
     /// How many keys, for logs and `inferd check`.
     pub fn describe(&self) -> String {
-        let n = self.digests.len();
+        let n = self.keys.len();
         format!(
             "{n} API key{}, health routes {}",
             if n == 1 { "" } else { "s" },
@@ -208,11 +259,25 @@ mod tests {
         assert!(e.contains("mode 640") && e.contains("chmod 600"), "{e}");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
         let keys = ApiKeys::load(Some(&file), false).unwrap().unwrap();
-        assert_eq!(keys.digests.len(), 2);
-        assert_eq!(keys.check(Some(b"first-key-0123456789")), Ok(()));
-        assert_eq!(keys.check(Some(b"second-key-0123456789")), Ok(()));
+        assert_eq!(keys.keys.len(), 2);
+        assert_eq!(keys.check(Some(b"first-key-0123456789")).unwrap().priority, 0);
+        assert!(keys.check(Some(b"second-key-0123456789")).unwrap().name.starts_with("key-"));
         assert_eq!(keys.check(Some(b"first-key-012345678")), Err(Refusal::Invalid));
         assert_eq!(keys.check(None), Err(Refusal::Missing));
+        // A line may carry the key's settings.
+        std::fs::write(&file, "first-key-0123456789 name=bulk priority=9\nsecond-key-0123456789\n").unwrap();
+        let keys = ApiKeys::load(Some(&file), false).unwrap().unwrap();
+        let bulk = keys.check(Some(b"first-key-0123456789")).unwrap();
+        assert_eq!((bulk.name.as_str(), bulk.priority), ("bulk", 9));
+        for (line, says) in [
+            ("first-key-0123456789 rate=5", "'rate=5' is not a setting"),
+            ("first-key-0123456789 priority=300", "priority=300"),
+        ] {
+            std::fs::write(&file, format!("{line}\n")).unwrap();
+            let e = ApiKeys::load(Some(&file), false).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+            assert!(!e.contains("first-key-0123456789"), "the key itself is never said: {e}");
+        }
         std::fs::write(&file, "short\n").unwrap();
         let e = ApiKeys::load(Some(&file), false).unwrap_err().to_string();
         assert!(e.contains("at least 16"), "{e}");

@@ -151,7 +151,8 @@ impl Admin {
             let mut reply = error(StatusCode::UNAUTHORIZED, message.into());
             reply.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             reply
-        })
+        })?;
+        Ok(())
     }
 }
 

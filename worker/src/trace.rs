@@ -102,6 +102,13 @@ fn request() -> Option<Context> {
     REQUEST.try_with(|cx| cx.clone()).ok().flatten().filter(|cx| cx.span().span_context().is_sampled())
 }
 
+/// Sets `attribute` on the server span of the request this task serves (when traced).
+pub fn attribute(attribute: KeyValue) {
+    if let Some(cx) = request() {
+        cx.span().set_attribute(attribute);
+    }
+}
+
 /// The span context of the request this task serves, when it is traced and sampled (for a
 /// model run to link to).
 pub fn current() -> Option<SpanContext> {

@@ -90,12 +90,16 @@ pub async fn handle(
     // How long it waited for its model to load on demand, if it did (models.rs).
     // `Cache-Control: no-cache`: answered without the cache of answers ([cache]).
     let bypass = crate::request::cache::no_cache(request.headers().get(hyper::header::CACHE_CONTROL));
+    // The name of the API key it came with, for its access line (route sets it).
     let work = LOAD_WAIT.scope(Default::default(), async {
         let routed = crate::panics::guarded_future(route(&state, peer, request, &id));
-        let routed = crate::request::cache::BYPASS.scope(bypass, routed).await;
-        (routed, LOAD_WAIT.with(std::cell::Cell::get))
+        let routed = KEY_NAME.scope(Default::default(), async {
+            (crate::request::cache::BYPASS.scope(bypass, routed).await, KEY_NAME.with(std::cell::RefCell::take))
+        });
+        let (routed, key) = routed.await;
+        (routed, LOAD_WAIT.with(std::cell::Cell::get), key)
     });
-    let (routed, loading) = crate::trace::in_request(traced.clone(), work).await;
+    let (routed, loading, key) = crate::trace::in_request(traced.clone(), work).await;
     let routed = routed.unwrap_or_else(|_| {
         Err(ApiError::Internal("internal error: the server hit a bug serving this request (logged)".into()))
     });
@@ -150,6 +154,7 @@ pub async fn handle(
             request_id = id.to_str().unwrap_or_default(),
             trace_id,
             span_id,
+            key = key.as_deref().unwrap_or_default(),
             auth_refused = refused,
             "{method} {path} {}",
             reply.status().as_u16()
@@ -382,20 +387,38 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
 /// Header with the request's priority: 0 (the default) the highest, up to 255 ([`PRIORITY`]).
 pub const PRIORITY_HEADER: &str = "x-inferd-priority";
 
-/// The request, served at its priority ([`PRIORITY_HEADER`]).
+tokio::task_local! {
+    /// The name of the API key the request came with ([auth]; its access line says it).
+    static KEY_NAME: std::cell::RefCell<Option<String>>;
+    /// The highest priority the request's key allows (0 without keys).
+    static KEY_FLOOR: u8;
+}
+
+/// The request, its API key checked, served at its priority ([`PRIORITY_HEADER`], no higher
+/// than its key's).
 async fn route(
     state: &AppState,
     peer: SocketAddr,
     request: Request<Incoming>,
     id: &HeaderValue,
 ) -> Result<Reply, ApiError> {
-    let priority = match request.headers().get(PRIORITY_HEADER) {
+    let segments: Vec<&str> = request.uri().path().trim_matches('/').split('/').collect();
+    let health =
+        matches!(parse_route(&segments), Some(Route::Live | Route::Ready | Route::ModelReady(..) | Route::Ping));
+    let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
+    let key = state.authorize(authorization, health)?;
+    if let Some(key) = key {
+        let _ = KEY_NAME.try_with(|k| *k.borrow_mut() = Some(key.name.clone()));
+        crate::trace::attribute(KeyValue::new("inferd.api_key.name", key.name.clone()));
+    }
+    let asked = match request.headers().get(PRIORITY_HEADER) {
         None => 0,
         Some(v) => v.to_str().ok().and_then(|v| v.trim().parse::<u8>().ok()).ok_or_else(|| {
             ApiError::BadRequest(format!("{PRIORITY_HEADER} must be a whole number from 0 (the highest) to 255"))
         })?,
     };
-    PRIORITY.scope(priority, routed(state, peer, request, id)).await
+    let floor = key.map_or(0, |k| k.priority);
+    KEY_FLOOR.scope(floor, PRIORITY.scope(asked.max(floor), routed(state, peer, request, id))).await
 }
 
 async fn routed(
@@ -408,9 +431,6 @@ async fn routed(
     let method = request.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = parse_route(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
-    let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-    state
-        .authorize(authorization, matches!(route, Route::Live | Route::Ready | Route::ModelReady(..) | Route::Ping))?;
     let allowed = match route {
         Route::Infer(..)
         | Route::Embed(_)
@@ -517,8 +537,11 @@ async fn routed(
                 Ok(found) => found,
                 Err(e) => return counted(state, 0, Endpoint::CohereRerank, async { Err(e) }).await,
             };
-            // v2's `priority`, over the header's.
-            let priority = request.priority.unwrap_or_else(|| PRIORITY.with(|p| *p));
+            // v2's `priority`, over the header's (no higher than the key's either).
+            let priority = match request.priority {
+                Some(p) => p.max(KEY_FLOOR.try_with(|f| *f).unwrap_or(0)),
+                None => PRIORITY.try_with(|p| *p).unwrap_or(0),
+            };
             let work = PRIORITY.scope(priority, async {
                 let id = id.to_str().unwrap_or_default();
                 let reply = cohere::rerank(state, (index, &meta), request, version, id, deadline).await?;

@@ -10,7 +10,7 @@ use std::time::Instant;
 use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 
-use inferd_config::auth::{bearer, ApiKeys, Refusal};
+use inferd_config::auth::{bearer, ApiKeys, KeySettings, Refusal};
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
 use crate::pipeline::Pipeline;
@@ -65,12 +65,13 @@ impl AppState {
     /// Whether a request whose `Authorization` header (or gRPC metadata) is `authorization`
     /// may be served ([auth]); `health`: a health or readiness route. A refusal is counted by
     /// its reason; the key itself is never logged.
-    pub fn authorize(&self, authorization: Option<&[u8]>, health: bool) -> Result<(), ApiError> {
-        let Some(keys) = &self.api_keys else { return Ok(()) };
+    /// The key's settings when keys are on and the route needs one.
+    pub fn authorize(&self, authorization: Option<&[u8]>, health: bool) -> Result<Option<&KeySettings>, ApiError> {
+        let Some(keys) = &self.api_keys else { return Ok(None) };
         if health && !keys.protect_health {
-            return Ok(());
+            return Ok(None);
         }
-        keys.check(authorization.and_then(bearer)).map_err(|refusal| {
+        keys.check(authorization.and_then(bearer)).map(Some).map_err(|refusal| {
             self.stats.count_auth_refusal(refusal);
             ApiError::Unauthorized(refusal)
         })

@@ -113,17 +113,21 @@ pub(super) async fn serve_grpc(
             async move {
                 // The key is checked on the call's headers, before its message is read.
                 let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-                if let Err(e) = state.authorize(authorization, crate::http::grpc::is_health_call(request.uri().path()))
-                {
-                    drop(call);
-                    return Ok(crate::http::grpc::status(e).into_http());
-                }
+                let priority =
+                    match state.authorize(authorization, crate::http::grpc::is_health_call(request.uri().path())) {
+                        // A key's calls run at its priority at best.
+                        Ok(key) => key.map_or(0, |k| k.priority),
+                        Err(e) => {
+                            drop(call);
+                            return Ok(crate::http::grpc::status(e).into_http());
+                        }
+                    };
                 // A bug that panics in a call costs that call (INTERNAL), not the worker, as
                 // on the HTTP routes (panics.rs).
-                let served = crate::panics::guarded_future(async {
+                let served = crate::panics::guarded_future(crate::runtime::engine::PRIORITY.scope(priority, async {
                     let request = crate::http::grpc::intake::read(&state, request).await;
                     service.call(request).await
-                })
+                }))
                 .await;
                 drop(call);
                 served.unwrap_or_else(|_| {
