@@ -23,6 +23,7 @@ mod grpc;
 mod guards;
 mod hostile;
 mod keepalive;
+mod key_limits;
 
 mod logging;
 mod long_texts;

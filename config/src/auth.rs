@@ -9,7 +9,7 @@
 //! of a presented key with each in constant time.
 //!
 //! A line of the file may follow its key with settings ([`KeySettings`]): `KEY name=bulk
-//! priority=9`. A plain line is a key with the defaults.
+//! priority=9 rate=50/s burst=100 concurrency=4`. A plain line is a key with the defaults.
 
 use std::path::{Path, PathBuf};
 
@@ -43,41 +43,155 @@ pub struct ApiKeys {
     pub protect_health: bool,
 }
 
-/// A key's settings: the words after it on its line, `name=NAME` and `priority=N`.
+/// A key's settings: the words after it on its line, `name=NAME`, `priority=N`, `rate=N/s`
+/// (or `/min`, `/h`), `burst=N` and `concurrency=N`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeySettings {
-    /// What the access log and traces call the key (never the key itself); by default `key-`
-    /// and the first 8 hex digits of its SHA-256.
+    /// What the access log, metrics and traces call the key (never the key itself); by
+    /// default `key-` and the first 8 hex digits of its SHA-256. Keys of one name share their
+    /// limits.
     pub name: String,
     /// The highest priority its requests get (0, the default, the highest): a request that
     /// asks for a higher one (`x-inferd-priority`) is served at this one.
     pub priority: u8,
+    /// Requests it may send, pool-wide: a sustained rate with a burst (429 beyond).
+    #[serde(default)]
+    pub rate: Option<KeyRate>,
+    /// Requests it may have in flight at once, pool-wide (429 beyond).
+    #[serde(default)]
+    pub concurrency: Option<u32>,
 }
+
+/// A key's rate: `count` requests per `per`, and `burst` at once (by default one second's
+/// worth, at least 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRate {
+    pub count: u32,
+    pub per: RatePeriod,
+    pub burst: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RatePeriod {
+    Second,
+    Minute,
+    Hour,
+}
+
+impl RatePeriod {
+    pub fn seconds(self) -> u64 {
+        match self {
+            RatePeriod::Second => 1,
+            RatePeriod::Minute => 60,
+            RatePeriod::Hour => 3600,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RatePeriod::Second => "s",
+            RatePeriod::Minute => "min",
+            RatePeriod::Hour => "h",
+        }
+    }
+}
+
+impl KeyRate {
+    /// Most requests a rate may allow per second.
+    pub const MAX_PER_SECOND: u64 = 1_000_000;
+
+    /// Nanoseconds between two requests at the sustained rate.
+    pub fn interval_ns(&self) -> u64 {
+        self.per.seconds() * 1_000_000_000 / self.count.max(1) as u64
+    }
+}
+
+impl std::fmt::Display for KeyRate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} (burst {})", self.count, self.per.as_str(), self.burst)
+    }
+}
+
+/// Longest key name (the pool's limits table keeps this many bytes of it).
+pub const MAX_NAME_BYTES: usize = 64;
 
 impl KeySettings {
     /// The settings of `words` (a line's after its key), for the key of `digest`.
     fn parse(words: &[&str], digest: &[u8; 32]) -> Result<KeySettings, String> {
         let hex: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
-        let mut settings = KeySettings { name: format!("key-{hex}"), priority: 0 };
+        let mut settings = KeySettings { name: format!("key-{hex}"), ..Default::default() };
+        let mut burst = None;
         for word in words {
+            let whole = |n: &str, what: &str| -> Result<u32, String> {
+                n.parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| format!("key {}: {what}={n} is not a whole number above 0", settings.name))
+            };
             match word.split_once('=') {
-                Some(("name", name)) if !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic()) => {
+                Some(("name", name))
+                    if !name.is_empty()
+                        && name.len() <= MAX_NAME_BYTES
+                        && name.bytes().all(|b| b.is_ascii_graphic()) =>
+                {
                     settings.name = name.to_string()
+                }
+                Some(("name", name)) => {
+                    return Err(format!("key name '{name}' must be 1 to {MAX_NAME_BYTES} visible ASCII characters"))
                 }
                 Some(("priority", n)) => {
                     settings.priority = n.parse().map_err(|_| {
                         format!("key {}: priority={n} is not a whole number from 0 (the highest) to 255", settings.name)
                     })?
                 }
+                Some(("rate", rate)) => {
+                    let (count, per) = rate.split_once('/').unwrap_or((rate, ""));
+                    let per = match per {
+                        "s" | "sec" | "second" => RatePeriod::Second,
+                        "m" | "min" | "minute" => RatePeriod::Minute,
+                        "h" | "hour" => RatePeriod::Hour,
+                        _ => {
+                            return Err(format!(
+                                "key {}: rate={rate} is not requests per period (e.g. rate=100/s, rate=600/min, rate=1000/h)",
+                                settings.name
+                            ))
+                        }
+                    };
+                    let count = whole(count, "rate")?;
+                    if count as u64 > KeyRate::MAX_PER_SECOND * per.seconds() {
+                        return Err(format!(
+                            "key {}: rate={rate} is more than {} per second",
+                            settings.name,
+                            KeyRate::MAX_PER_SECOND
+                        ));
+                    }
+                    settings.rate = Some(KeyRate { count, per, burst: 0 });
+                }
+                Some(("burst", n)) => burst = Some(whole(n, "burst")?),
+                Some(("concurrency", n)) => settings.concurrency = Some(whole(n, "concurrency")?),
                 _ => {
                     return Err(format!(
-                        "key {}: '{word}' is not a setting (a key's line is `KEY [name=NAME] [priority=N]`)",
+                        "key {}: '{word}' is not a setting (a key's line is `KEY [name=NAME] [priority=N] \
+                         [rate=N/s|min|h] [burst=N] [concurrency=N]`)",
                         settings.name
                     ))
                 }
             }
         }
+        match (&mut settings.rate, burst) {
+            (Some(rate), burst) => {
+                let second = (rate.count as u64).div_ceil(rate.per.seconds()).max(1) as u32;
+                rate.burst = burst.unwrap_or(second);
+            }
+            (None, Some(_)) => return Err(format!("key {}: burst= needs a rate= beside it", settings.name)),
+            (None, None) => {}
+        }
         Ok(settings)
+    }
+
+    /// Whether requests of the key are limited (rate or concurrency).
+    pub fn limited(&self) -> bool {
+        self.rate.is_some() || self.concurrency.is_some()
     }
 }
 
@@ -265,12 +379,33 @@ mod tests {
         assert_eq!(keys.check(Some(b"first-key-012345678")), Err(Refusal::Invalid));
         assert_eq!(keys.check(None), Err(Refusal::Missing));
         // A line may carry the key's settings.
-        std::fs::write(&file, "first-key-0123456789 name=bulk priority=9\nsecond-key-0123456789\n").unwrap();
+        std::fs::write(
+            &file,
+            "first-key-0123456789 name=bulk priority=9 rate=600/min concurrency=2\nsecond-key-0123456789 rate=5/s burst=20\n",
+        )
+        .unwrap();
         let keys = ApiKeys::load(Some(&file), false).unwrap().unwrap();
         let bulk = keys.check(Some(b"first-key-0123456789")).unwrap();
-        assert_eq!((bulk.name.as_str(), bulk.priority), ("bulk", 9));
+        assert_eq!((bulk.name.as_str(), bulk.priority, bulk.concurrency), ("bulk", 9, Some(2)));
+        // 600/min: 100 ms apart, and a burst of one second's worth.
+        let rate = bulk.rate.unwrap();
+        assert_eq!(
+            (rate.interval_ns(), rate.burst, rate.to_string().as_str()),
+            (100_000_000, 10, "600/min (burst 10)")
+        );
+        let other = keys.check(Some(b"second-key-0123456789")).unwrap();
+        assert_eq!(
+            (other.rate.unwrap().interval_ns(), other.rate.unwrap().burst, other.concurrency),
+            (200_000_000, 20, None)
+        );
         for (line, says) in [
-            ("first-key-0123456789 rate=5", "'rate=5' is not a setting"),
+            ("first-key-0123456789 rate=5", "rate=5 is not requests per period"),
+            ("first-key-0123456789 rate=0/s", "rate=0 is not a whole number above 0"),
+            ("first-key-0123456789 rate=2000000/s", "more than 1000000 per second"),
+            ("first-key-0123456789 burst=5", "burst= needs a rate="),
+            ("first-key-0123456789 concurrency=-1", "concurrency=-1"),
+            (&format!("first-key-0123456789 name={}", "n".repeat(65)), "must be 1 to 64 visible ASCII characters"),
+            ("first-key-0123456789 speed=5", "'speed=5' is not a setting"),
             ("first-key-0123456789 priority=300", "priority=300"),
         ] {
             std::fs::write(&file, format!("{line}\n")).unwrap();

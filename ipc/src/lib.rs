@@ -8,12 +8,15 @@
 //! - [`cores`]: which process runs on which CPU, shared by the whole pool, so that workers
 //!   lend idle cores to each other;
 //! - [`balance`]: each worker's open connections, shared by the whole pool, so that a worker
-//!   with more than its share sheds some.
+//!   with more than its share sheds some;
+//! - [`limits`]: each API key's rate and concurrency, and its requests by priority, shared by
+//!   the whole pool, so that a key's limits hold pool-wide.
 //!
 //! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
 
 pub mod balance;
 pub mod cores;
+pub mod limits;
 mod region;
 pub mod spec;
 pub mod stats;

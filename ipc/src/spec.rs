@@ -96,6 +96,10 @@ pub struct WorkerSpec {
     /// [`crate::balance::WORKER_BALANCE_FD`] and sheds its excess (see [`crate::balance`]).
     #[serde(default)]
     pub balance: bool,
+    /// The worker applies its API keys' rates and concurrency, and counts their requests, in
+    /// the pool's table at [`crate::limits::WORKER_LIMITS_FD`].
+    #[serde(default)]
+    pub limits: bool,
     /// `[models] on_demand`: the repository's other models, each resolved as `models` are,
     /// which the worker loads on the first request for one; empty when off.
     #[serde(default)]

@@ -153,6 +153,8 @@ pub struct PoolMetrics {
     pub accept_queued: u64,
     /// The supervisor's own spans (exported, dropped).
     pub supervisor_spans: (u64, u64),
+    /// Each API key's requests by priority, refusals and requests in flight, pool-wide.
+    pub keys: Vec<inferd_ipc::limits::KeyReport>,
 }
 
 /// A model's loads and evictions since start (`inferd_model_loads_total`,
@@ -342,6 +344,38 @@ pub fn render(m: &PoolMetrics) -> String {
     );
     for (reason, n) in Refusal::ALL.iter().zip(m.totals.auth_refused()) {
         let _ = writeln!(out, "inferd_auth_refused_total{{reason=\"{reason}\"}} {n}");
+    }
+    if !m.keys.is_empty() {
+        header(
+            &mut out,
+            "inferd_key_requests_total",
+            "counter",
+            "Requests admitted, by API key name (empty without keys) and priority (0 the highest).",
+        );
+        for k in &m.keys {
+            for (priority, n) in &k.served {
+                let _ = writeln!(
+                    out,
+                    "inferd_key_requests_total{{key=\"{}\",priority=\"{priority}\"}} {n}",
+                    label(&k.name)
+                );
+            }
+        }
+        header(
+            &mut out,
+            "inferd_key_limited_total",
+            "counter",
+            "Requests refused with 429 for their API key's limit, by key name and limit (rate, concurrency).",
+        );
+        for k in &m.keys {
+            for (limit, n) in [("rate", k.refused_rate), ("concurrency", k.refused_concurrency)] {
+                let _ = writeln!(out, "inferd_key_limited_total{{key=\"{}\",limit=\"{limit}\"}} {n}", label(&k.name));
+            }
+        }
+        header(&mut out, "inferd_key_in_flight", "gauge", "Requests in flight, by API key name, pool-wide.");
+        for k in &m.keys {
+            let _ = writeln!(out, "inferd_key_in_flight{{key=\"{}\"}} {}", label(&k.name), k.in_flight);
+        }
     }
     header(
         &mut out,

@@ -15,6 +15,7 @@ use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::balance::{Balance, WORKER_BALANCE_FD};
 use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
+use inferd_ipc::limits::{Limits, WORKER_LIMITS_FD};
 use inferd_ipc::spec::{
     Cause, Lending, WorkerSpec, WORKER_CONTROL_FD, WORKER_GRPC_LISTENER_FD, WORKER_HANDOFF_RECV_FD,
     WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
@@ -71,6 +72,7 @@ impl Supervisor {
                 _ => None,
             },
             balance: self.launcher.balance.is_some() && config.server.balance_connections,
+            limits: self.launcher.limits.is_some(),
             memory_share: config
                 .models
                 .on_demand
@@ -151,6 +153,9 @@ pub(super) struct Launcher {
     /// Each serving worker's open connections (see `inferd_ipc::balance`), mapped here to free
     /// the entries of workers that exit, and its descriptor for the workers.
     balance: Option<(Balance, OwnedFd)>,
+    /// Each API key's rate, concurrency and counts (see `inferd_ipc::limits`), mapped here to
+    /// report them and to clear the requests of workers that exit, and its descriptor.
+    pub(super) limits: Option<(Limits, OwnedFd)>,
 }
 
 impl Launcher {
@@ -167,7 +172,7 @@ impl Launcher {
                     warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
                 })
                 .ok(),
-            // Above fd 10, as every descriptor a worker gets (see `start_process`).
+            // Above fd 11, as every descriptor a worker gets (see `start_process`).
             cores: CoreClaims::create()
                 .and_then(|(claims, fd)| Ok((claims, dup_high(fd.as_raw_fd())?)))
                 .map_err(|e| warn!("no core claims ({e}): workers do not lend idle cores to each other"))
@@ -175,6 +180,10 @@ impl Launcher {
             balance: Balance::create()
                 .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
                 .map_err(|e| warn!("no connection table ({e}): workers do not shed connections to balance"))
+                .ok(),
+            limits: Limits::create()
+                .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
+                .map_err(|e| error!("no table of API key limits ({e}): keys' rate and concurrency are not enforced"))
                 .ok(),
         })
     }
@@ -193,6 +202,9 @@ impl Launcher {
         if let Some((table, _)) = &self.balance {
             table.clear(pid);
         }
+        if let Some((table, _)) = &self.limits {
+            table.clear(pid);
+        }
     }
 
     /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
@@ -200,7 +212,7 @@ impl Launcher {
     fn start_process(&self, spec: &WorkerSpec, sockets: &SlotSockets) -> std::io::Result<(u32, WorkerCounters)> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let (stats, stats_fd) = WorkerCounters::create(&format!("inferd-worker-{}", spec.index))?;
-        // Both descriptors go to fds 3 and 4 in the child: first move them above 10 so that
+        // Both descriptors go to fds 3 and 4 in the child: first move them above 11 so that
         // neither dup2 can overwrite the other.
         let (control, counters) = (dup_high(theirs.as_raw_fd())?, dup_high(stats_fd.as_raw_fd())?);
         drop((theirs, stats_fd));
@@ -212,6 +224,7 @@ impl Launcher {
         let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
         let cores_fd = self.cores.as_ref().filter(|_| spec.lending.is_some()).map(|(_, fd)| fd.as_raw_fd());
         let balance_fd = self.balance.as_ref().filter(|_| spec.balance).map(|(_, fd)| fd.as_raw_fd());
+        let limits_fd = self.limits.as_ref().filter(|_| spec.limits).map(|(_, fd)| fd.as_raw_fd());
         let supervisor = std::process::id() as libc::pid_t;
         let threads = spec.threads.to_string();
         let mut command = tokio::process::Command::new(&self.exe);
@@ -249,7 +262,8 @@ impl Launcher {
                 let moves = [(control_fd, WORKER_CONTROL_FD), (counters_fd, WORKER_STATS_FD)];
                 let cores = cores_fd.map(|fd| (fd, WORKER_CORES_FD));
                 let balance = balance_fd.map(|fd| (fd, WORKER_BALANCE_FD));
-                let listeners = listeners.into_iter().flatten().chain(cores).chain(balance);
+                let limits = limits_fd.map(|fd| (fd, WORKER_LIMITS_FD));
+                let listeners = listeners.into_iter().flatten().chain(cores).chain(balance).chain(limits);
                 for (from, to) in moves.into_iter().chain(listeners).chain(handoff) {
                     if libc::dup2(from, to) < 0 {
                         return Err(std::io::Error::last_os_error());
@@ -351,7 +365,7 @@ impl SlotSockets {
 }
 
 /// A socket bound to `addr` in the port's SO_REUSEPORT group, not listening yet, numbered
-/// above 10 (see `start_process`).
+/// above 11 (see `start_process`).
 fn bind_reuseport(addr: std::net::SocketAddr) -> std::io::Result<OwnedFd> {
     use socket2::{Domain, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
@@ -361,7 +375,7 @@ fn bind_reuseport(addr: std::net::SocketAddr) -> std::io::Result<OwnedFd> {
     dup_high(socket.as_raw_fd())
 }
 
-/// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 10.
+/// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 11.
 pub(super) fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
     use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
     let (send, recv) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -369,10 +383,10 @@ pub(super) fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok((dup_high(send.as_raw_fd())?, dup_high(recv.as_raw_fd())?))
 }
 
-/// A copy of `fd` numbered above 10 (a worker's descriptors are 3 to 10), close-on-exec.
+/// A copy of `fd` numbered above 11 (a worker's descriptors are 3 to 11), close-on-exec.
 pub(super) fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 11) };
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 12) };
     if new < 0 {
         Err(std::io::Error::last_os_error())
     } else {

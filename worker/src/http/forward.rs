@@ -8,8 +8,9 @@
 //! it read it from. The request is therefore sent whole, over one Unix connection per
 //! request, to the sibling's abstract socket `inferd-place-<address>` (its address is random,
 //! offered in the pool's table), and the sibling's answer relayed. The sibling serves it as
-//! any request (its API keys, limits and counters), except that it never forwards it again:
-//! without the model, it loads it itself. A sibling that cannot be reached, or goes away
+//! any request (its API keys and counters), except that it never forwards it again (without
+//! the model, it loads it itself) and does not apply its key's limits again (this worker
+//! admitted it, and holds its place in the key's concurrency until the answer is relayed). A sibling that cannot be reached, or goes away
 //! before it answers, leaves the request to this worker. Only a process of this user may
 //! connect.
 

@@ -51,6 +51,9 @@ fn error_reply(e: &ApiError, style: ErrorStyle) -> Reply {
     if matches!(e, ApiError::Unauthorized(_)) {
         reply.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
+    if let ApiError::TooManyRequests(_, headers) = e {
+        headers.apply(reply.headers_mut());
+    }
     reply
 }
 
@@ -418,7 +421,18 @@ async fn route(
         })?,
     };
     let floor = key.map_or(0, |k| k.priority);
-    KEY_FLOOR.scope(floor, PRIORITY.scope(asked.max(floor), routed(state, peer, request, id))).await
+    let priority = asked.max(floor);
+    // Probes are neither limited nor counted by key, nor is a request a sibling forwarded
+    // (it admitted the request, and holds its place until the answer is relayed).
+    let admission = match health || request.extensions().get::<forward::Forwarded>().is_some() {
+        true => None,
+        false => Some(state.admit(key, priority)?),
+    };
+    let mut reply = KEY_FLOOR.scope(floor, PRIORITY.scope(priority, routed(state, peer, request, id))).await?;
+    if let Some(headers) = admission.and_then(|a| a.headers) {
+        headers.apply(reply.headers_mut());
+    }
+    Ok(reply)
 }
 
 async fn routed(

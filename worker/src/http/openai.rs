@@ -164,6 +164,10 @@ pub async fn embeddings(
 /// An error in OpenAI's shape.
 pub fn error_body(e: &ApiError) -> Value {
     let kind = if e.status().is_server_error() { "server_error" } else { "invalid_request_error" };
-    let code = matches!(e, ApiError::Unauthorized(_)).then_some("invalid_api_key");
+    let code = match e {
+        ApiError::Unauthorized(_) => Some("invalid_api_key"),
+        ApiError::TooManyRequests(..) => Some("rate_limit_exceeded"),
+        _ => None,
+    };
     json!({"error": {"message": e.to_string(), "type": kind, "param": null, "code": code}})
 }

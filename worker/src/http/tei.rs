@@ -387,7 +387,7 @@ pub async fn rerank(
 /// text-embeddings-inference's error body: the message and its `error_type`.
 pub fn error_body(e: &ApiError) -> serde_json::Value {
     let kind = match e {
-        ApiError::Overloaded(_) => "Overloaded",
+        ApiError::Overloaded(_) | ApiError::TooManyRequests(..) => "Overloaded",
         ApiError::Unauthorized(_) => "Unauthorized",
         ApiError::Internal(_) | ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => "Backend",
         ApiError::Empty(_) => "Empty",

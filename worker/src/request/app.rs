@@ -11,6 +11,7 @@ use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 
 use inferd_config::auth::{bearer, ApiKeys, KeySettings, Refusal};
+use inferd_ipc::limits::{now_ns, KeyLimits, Over, Pass, Seat};
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
 use crate::pipeline::Pipeline;
@@ -59,6 +60,9 @@ pub struct AppState {
     pub request_ids: RequestIds,
     /// Answers already computed ([cache]); None: off.
     pub cache: Option<crate::request::cache::Cache>,
+    /// This worker's row in the pool's table of API key limits and counts
+    /// (`inferd_ipc::limits`); None: requests are neither limited nor counted by key.
+    pub limits: Option<Seat>,
 }
 
 impl AppState {
@@ -75,6 +79,101 @@ impl AppState {
             self.stats.count_auth_refusal(refusal);
             ApiError::Unauthorized(refusal)
         })
+    }
+
+    /// Admits a request of `key` (None: no keys on this route) at `priority` within the key's
+    /// rate and concurrency, pool-wide, and counts it by key name and priority. The answer
+    /// holds the request's place in the key's concurrency until dropped, and the `RateLimit`
+    /// header to send with it.
+    pub fn admit(&self, key: Option<&KeySettings>, priority: u8) -> Result<Admission<'_>, ApiError> {
+        let Some(seat) = &self.limits else { return Ok(Admission::default()) };
+        let (name, limits) = match key {
+            Some(k) => (
+                k.name.as_str(),
+                KeyLimits { rate: k.rate.map(|r| (r.interval_ns(), r.burst)), concurrency: k.concurrency },
+            ),
+            None => ("", KeyLimits { rate: None, concurrency: None }),
+        };
+        let policy = key.and_then(|k| k.rate).map(|rate| {
+            let window = (rate.interval_ns() as u128 * rate.burst as u128).div_ceil(1_000_000_000);
+            format!("\"key\";q={};w={window}", rate.burst)
+        });
+        match seat.admit(name, priority, limits, now_ns()) {
+            Ok(admitted) => {
+                static WARNED: AtomicBool = AtomicBool::new(false);
+                if admitted.untracked && !WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        key = name,
+                        "the pool's table of API key limits is full: this key is served without its limits (restart \
+                         the supervisor to empty it)"
+                    );
+                }
+                Ok(Admission {
+                _pass: admitted.pass,
+                headers: admitted.standing.zip(policy).map(|(standing, policy)| RateHeaders {
+                    policy,
+                    state: format!("\"key\";r={};t={}", standing.remaining, seconds(standing.reset_ns)),
+                    retry_after: None,
+                }),
+            })
+            }
+            Err(Over::Rate { retry_ns }) => {
+                let rate = key.and_then(|k| k.rate).expect("a key over its rate has one");
+                Err(ApiError::TooManyRequests(
+                    format!(
+                        "API key {name:?} is over its rate of {rate}: the next request is admitted in {:.3} s",
+                        retry_ns as f64 / 1e9
+                    ),
+                    RateHeaders {
+                        policy: policy.unwrap_or_default(),
+                        state: format!("\"key\";r=0;t={}", seconds(retry_ns)),
+                        retry_after: Some(seconds(retry_ns)),
+                    },
+                ))
+            }
+            Err(Over::Concurrency { limit }) => Err(ApiError::TooManyRequests(
+                format!("API key {name:?} has {limit} requests in flight, its concurrency limit: retry when one is answered"),
+                RateHeaders { policy: String::new(), state: String::new(), retry_after: Some(1) },
+            )),
+        }
+    }
+}
+
+/// Whole seconds, rounded up, at least 1 (Retry-After and `RateLimit`'s `t`).
+fn seconds(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000_000).max(1)
+}
+
+/// A request admitted by [`AppState::admit`].
+#[derive(Default)]
+pub struct Admission<'a> {
+    /// Its place in its key's concurrency, given back when dropped.
+    _pass: Option<Pass<'a>>,
+    /// Its key's standing against its rate, when the key has one.
+    pub headers: Option<RateHeaders>,
+}
+
+/// The headers of an answer to a key with a rate (draft-ietf-httpapi-ratelimit-headers):
+/// `RateLimit-Policy` (the burst, and the seconds it takes to come back whole) and `RateLimit`
+/// (what is left of it, and the seconds until it is whole again); and Retry-After on a 429.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RateHeaders {
+    pub policy: String,
+    pub state: String,
+    pub retry_after: Option<u64>,
+}
+
+impl RateHeaders {
+    pub fn apply(&self, headers: &mut hyper::HeaderMap) {
+        for (name, value) in [("ratelimit-policy", &self.policy), ("ratelimit", &self.state)] {
+            match HeaderValue::from_str(value) {
+                Ok(value) if !value.is_empty() => drop(headers.insert(name, value)),
+                _ => {}
+            }
+        }
+        if let Some(seconds) = self.retry_after {
+            headers.insert(hyper::header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
     }
 }
 
@@ -127,6 +226,9 @@ pub enum ApiError {
         Refusal::Invalid => "the API key is not valid",
     })]
     Unauthorized(Refusal),
+    /// Over its API key's rate or concurrency: 429, with Retry-After and `RateLimit` headers.
+    #[error("{0}")]
+    TooManyRequests(String, RateHeaders),
 }
 
 impl ApiError {
@@ -142,6 +244,7 @@ impl ApiError {
             ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::TooManyRequests(..) => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 }

@@ -12,11 +12,12 @@ use hyper::header::{HeaderValue, CONNECTION};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use inferd_ipc::balance::{Balance, Entry, WORKER_BALANCE_FD};
+use inferd_ipc::limits::{Limits, Seat, WORKER_LIMITS_FD};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::boot::BACKLOG;
 use crate::http::handle;
@@ -368,5 +369,23 @@ mod tests {
             let _ = done.send(());
         });
         finished.recv_timeout(Duration::from_secs(30)).expect("the I/O thread is stuck (or the test panicked)");
+    }
+}
+
+/// This worker's row in the pool's table of API key limits (see `inferd_ipc::limits`).
+pub(super) fn limits_seat() -> Option<Seat> {
+    // SAFETY: the supervisor hands this descriptor when the spec says `limits`; mapped, then
+    // closed.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_LIMITS_FD) };
+    match Limits::map(fd).map(|table| table.join(std::process::id())) {
+        Ok(Some(seat)) => Some(seat),
+        Ok(None) => {
+            error!("the pool's table of API key limits is full: this worker neither limits nor counts keys");
+            None
+        }
+        Err(e) => {
+            error!("cannot map the pool's table of API key limits on fd {WORKER_LIMITS_FD}: {e}");
+            None
+        }
     }
 }

@@ -113,15 +113,21 @@ pub(super) async fn serve_grpc(
             async move {
                 // The key is checked on the call's headers, before its message is read.
                 let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-                let priority =
-                    match state.authorize(authorization, crate::http::grpc::is_health_call(request.uri().path())) {
-                        // A key's calls run at its priority at best.
-                        Ok(key) => key.map_or(0, |k| k.priority),
-                        Err(e) => {
-                            drop(call);
-                            return Ok(crate::http::grpc::status(e).into_http());
-                        }
-                    };
+                let health = crate::http::grpc::is_health_call(request.uri().path());
+                // A key's calls run at its priority at best, within its limits (probes are
+                // neither limited nor counted by key).
+                let admitted = state.authorize(authorization, health).and_then(|key| {
+                    let priority = key.map_or(0, |k| k.priority);
+                    let admission = (!health).then(|| state.admit(key, priority)).transpose()?;
+                    Ok((priority, admission))
+                });
+                let (priority, _admission) = match admitted {
+                    Ok(admitted) => admitted,
+                    Err(e) => {
+                        drop(call);
+                        return Ok(crate::http::grpc::status(e).into_http());
+                    }
+                };
                 // A bug that panics in a call costs that call (INTERNAL), not the worker, as
                 // on the HTTP routes (panics.rs).
                 let served = crate::panics::guarded_future(crate::runtime::engine::PRIORITY.scope(priority, async {

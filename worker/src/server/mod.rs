@@ -31,7 +31,7 @@ use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
 use crate::request::placement::Placement;
 use crate::runtime::engine::{Cores, Engine};
 use boot::{boot, read_spec, Booted};
-use connections::{accept_failed, balance_entry, draining, Connections, Drain, Fresh};
+use connections::{accept_failed, balance_entry, draining, limits_seat, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
 use inferd_config::file::Placement as Placing;
 
@@ -162,6 +162,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
         api_keys: spec.access.api_keys.clone(),
         request_ids: RequestIds::default(),
         cache: crate::request::cache::Cache::new(spec.cache_bytes),
+        limits: spec.limits.then(limits_seat).flatten(),
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());

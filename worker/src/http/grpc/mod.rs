@@ -62,7 +62,9 @@ pub fn status(e: ApiError) -> Status {
             Status::invalid_argument(message)
         }
         // As grpc-core and grpc-java answer a message larger than the receiver's limit.
-        ApiError::TooLarge(_) | ApiError::Overloaded(_) => Status::resource_exhausted(message),
+        ApiError::TooLarge(_) | ApiError::Overloaded(_) | ApiError::TooManyRequests(..) => {
+            Status::resource_exhausted(message)
+        }
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
         ApiError::Internal(_) => Status::internal(message),
         ApiError::Unauthorized(_) => Status::unauthenticated(message),
