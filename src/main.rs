@@ -22,7 +22,7 @@ use inferd_worker::runtime::model::{Runtime, Threads};
 
 /// A production server for ONNX models: one supervisor, K pinned worker processes, one port.
 #[derive(Parser)]
-#[command(name = "inferd", version, propagate_version = true)]
+#[command(name = "inferd", version = inferd_ipc::version(), propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -41,6 +41,10 @@ enum Command {
     Reload(ReloadArgs),
     /// Add (+1, the same as SIGTTIN) or drain (-1, SIGTTOU) one worker.
     Scale(ScaleArgs),
+    /// Upgrade inferd itself with no failed request (the same as SIGUSR2): start the new binary
+    /// as a new supervisor on the running one's sockets, and hand over once its workers are
+    /// ready. Exits non-zero, the old one serving as before, when the new one cannot.
+    Upgrade(UpgradeArgs),
     /// Measure this host's plans for a model (workers x threads x batching) under a short load
     /// at 1, 4 and 16 connections, print the table and the best plan for --goal; --write puts
     /// it into the configuration and the model's model.toml, keeping their comments.
@@ -209,6 +213,16 @@ struct InitArgs {
 }
 
 #[derive(Args)]
+struct UpgradeArgs {
+    #[command(flatten)]
+    socket: SocketArgs,
+    /// The new binary (default: the path the running supervisor was started from, where a
+    /// package upgrade puts the new one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+}
+
+#[derive(Args)]
 struct ScaleArgs {
     #[command(flatten)]
     socket: SocketArgs,
@@ -233,6 +247,7 @@ fn main() -> ExitCode {
         Command::Status(args) => status(args),
         Command::Reload(args) => reload(args),
         Command::Scale(args) => scale(args),
+        Command::Upgrade(args) => upgrade(args),
         Command::Tune(args) => tune::run(tune::Tune {
             config: args.config.config,
             model: args.model,
@@ -460,6 +475,13 @@ fn reload(args: ReloadArgs) -> Result<ExitCode, Failure> {
     let path = args.path.map(|p| std::path::absolute(&p).unwrap_or(p));
     let request = Request::Reload { model: args.model, path, wait: args.wait };
     let response = control::query(&args.socket.path()?, &request, |p| println!("{p}"))?;
+    println!("{}", response.message.unwrap_or_default());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn upgrade(args: UpgradeArgs) -> Result<ExitCode, Failure> {
+    let binary = args.binary.map(|p| std::path::absolute(&p).unwrap_or(p));
+    let response = control::query(&args.socket.path()?, &Request::Upgrade { binary }, |p| println!("{p}"))?;
     println!("{}", response.message.unwrap_or_default());
     Ok(ExitCode::SUCCESS)
 }

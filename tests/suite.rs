@@ -48,4 +48,5 @@ mod systemd_unit;
 mod tls;
 mod traces;
 mod tune;
+mod upgrade;
 mod weights;

@@ -20,3 +20,18 @@ pub mod limits;
 mod region;
 pub mod spec;
 pub mod stats;
+
+/// The version this build reports (`inferd --version`, `inferd status`, the `x-inferd-version`
+/// header, the server metadata routes): `INFERD_VERSION` when the build set it (a release's
+/// own string), else the package's. With the `test-switches` feature, `INFERD_TEST_VERSION`
+/// at run time stands for a second build (tests of `inferd upgrade`).
+pub fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        #[cfg(feature = "test-switches")]
+        if let Some(v) = std::env::var("INFERD_TEST_VERSION").ok().filter(|v| !v.is_empty()) {
+            return v;
+        }
+        option_env!("INFERD_VERSION").unwrap_or(env!("CARGO_PKG_VERSION")).to_string()
+    })
+}

@@ -9,6 +9,8 @@
 //! - `{"command":"load","model":"reranker","path":"/models/reranker"}` (path optional) and
 //!   `{"command":"unload","model":"reranker"}`: Triton's repository extension (see `admin`);
 //!   both answer once every worker runs the new model list.
+//! - `{"command":"upgrade","binary":"/usr/bin/inferd"}` (binary optional): answers once the
+//!   new supervisor serves, or with why it could not.
 //!
 //! Responses: zero or more progress lines `{"ok":true,"progress":"worker 1 of 2 ready ..."}`,
 //! then one final line: `{"ok":true,"status":{...}}`, `{"ok":true,"message":"..."}` or
@@ -59,6 +61,12 @@ pub enum Request {
     /// Stop serving `model` (not the default one): a rolling reload without it.
     Unload {
         model: String,
+    },
+    /// Upgrade inferd itself: start `binary` (by default the one this supervisor was started
+    /// from) as the new supervisor on this one's sockets, and hand over once it is ready.
+    Upgrade {
+        #[serde(default)]
+        binary: Option<PathBuf>,
     },
 }
 

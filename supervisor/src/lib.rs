@@ -49,4 +49,6 @@ pub enum Event {
     /// The admin listener wants the pool's counters and models (a Prometheus scrape, Triton's
     /// statistics or repository index).
     Scrape(tokio::sync::oneshot::Sender<metrics::PoolMetrics>),
+    /// The other supervisor of an upgrade said something, or is gone.
+    Upgrade(pool::UpgradeEvent),
 }

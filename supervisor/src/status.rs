@@ -98,6 +98,9 @@ pub struct PoolStatus {
     pub generation: u64,
     /// What a reload in progress is doing.
     pub reload: Option<String>,
+    /// An upgrade of inferd itself in progress (`inferd upgrade`): the other supervisor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upgrade: Option<String>,
     pub listen: String,
     /// server.grpc_listen, when gRPC is on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -141,6 +144,9 @@ impl PoolStatus {
             self.workers.len(),
             self.requests_total
         );
+        if let Some(upgrade) = &self.upgrade {
+            let _ = writeln!(out, "upgrade: {upgrade}");
+        }
         let _ = writeln!(
             out,
             "cpu: {} usable cores ({}); {} intra-op thread(s) per worker",
@@ -309,6 +315,7 @@ mod tests {
             phase: Phase::Ready,
             generation: 1,
             reload: None,
+            upgrade: None,
             reloads_succeeded: 0,
             batches: vec![BatchSizes {
                 model: "m".into(),

@@ -60,6 +60,19 @@ impl Notifier {
         }
     }
 
+    /// An upgrade handed the service to `pid`: systemd watches it from now on (`MAINPID=`,
+    /// accepted from the main process), and this one says nothing more.
+    pub fn hand_over(&mut self, pid: u32) {
+        if self.enabled {
+            let status = format!("handed over to pid {pid}");
+            if let Err(e) = sd_notify::notify(false, &[NotifyState::MainPid(pid), NotifyState::Status(&status)]) {
+                warn!("cannot tell systemd the new main pid {pid}: {e}");
+            }
+        }
+        self.enabled = false;
+        self.watchdog = None;
+    }
+
     pub fn watchdog(&self) -> Option<Duration> {
         self.watchdog
     }

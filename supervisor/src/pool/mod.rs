@@ -67,12 +67,15 @@ mod report;
 mod saturation;
 mod slot;
 mod spawn;
+mod upgrade;
 
 use guards::MemoryWatch;
 use reload::ReloadState;
 use report::Totals;
 use slot::{backoff, Pool, Role, Slot, Start};
 use spawn::{dup_high, Launcher, SlotSockets};
+use upgrade::Upgrade;
+pub use upgrade::UpgradeEvent;
 
 /// A worker that served at least this long, and longer than its own boot took, was not
 /// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
@@ -122,6 +125,13 @@ pub struct Supervisor {
     /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
     /// hung loop stops the watchdog pings.
     hang_on_sigusr2: bool,
+    /// The control socket and the admin listener.
+    services: Services,
+    events: mpsc::UnboundedSender<Event>,
+    /// An upgrade of inferd itself, on either side (upgrade.rs).
+    upgrade: Upgrade,
+    /// Slots' sockets inherited beyond this pool's slots (upgrade.rs).
+    extra_sockets: Vec<SlotSockets>,
 }
 
 /// The pool's life: its start, its boot, its stop.
@@ -151,66 +161,139 @@ fn hang_on_sigusr2() -> bool {
 
 /// Runs the supervisor until the pool has stopped. Blocks the calling thread.
 pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
-    // Before any thread exists: taking the socket clears LISTEN_* from the environment.
-    let activated = match systemd::listener() {
-        Ok(Some(socket)) => {
+    // Before any thread exists: both clear the variables that name inherited descriptors.
+    let mut inherited = upgrade::Inherited::take().map_err(std::io::Error::other)?;
+    let activated = match inherited.as_mut() {
+        Some(from) => from.activated.take().map(std::net::TcpListener::from),
+        None => systemd::listener().map_err(|e| std::io::Error::new(e.kind(), format!("socket activation: {e}")))?,
+    };
+    let activated = match activated {
+        Some(socket) => {
             let addr = socket.local_addr()?;
             info!(
                 "serving on the socket systemd passed ({addr}); server.listen ({}) is not used",
                 resolved.config.server.listen
             );
             resolved.config.server.listen = addr.to_string();
-            // Above the fds a worker's are moved to (3-5), so that moving them cannot clobber it.
+            // Above the fds a worker's are moved to, so that moving them cannot clobber it.
             Some(dup_high(socket.as_raw_fd())?)
         }
-        Ok(None) => None,
-        Err(e) => return Err(std::io::Error::new(e.kind(), format!("socket activation: {e}")).into()),
+        None => None,
     };
     // A single-threaded runtime: the supervisor's work is tiny, and its only extra thread is
     // signal-hook's forwarder.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
-        let listener = control::bind(&socket)?;
+        let (events, mut queue) = mpsc::unbounded_channel();
+        let services = Services::open(&resolved, inherited.as_mut()).await?;
         if activated.is_none() {
             // A slot left without a worker takes its socket out of the group (systemd's shared
             // socket never leaves, so needs no migration).
             tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
         }
-        let (events, mut queue) = mpsc::unbounded_channel();
         signals::forward(events.clone())?;
-        tokio::spawn(control::serve(listener, events.clone()));
-        let admin = &resolved.config.admin.listen;
-        if !admin.is_empty() {
-            let listener = tokio::net::TcpListener::bind(admin)
-                .await
-                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin}: {e}")))?;
-            let scheme = if resolved.config.admin.tls_cert.is_some() { "https" } else { "http" };
-            info!("metrics on {scheme}://{admin}/metrics");
-            let config = &resolved.config;
-            // Refused at start, not at the first request, when it cannot be used.
-            config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
-            let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
-            let routes = admin::Admin {
-                repository: config.model_repository(),
-                model_control: config.admin.model_control,
-                token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
-                protect_metrics: config.admin.protect_metrics,
-                loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
-                allowed: config.allowed_model_paths(),
-                tls,
-            };
-            tokio::spawn(admin::serve(listener, events.clone(), routes));
-        }
         crate::trace::init(&resolved.config.tracing_config());
-        let result = match Supervisor::new(resolved, events, activated) {
-            Ok(mut supervisor) => supervisor.run(&mut queue).await,
-            Err(e) => Err(e),
-        };
-        let _ = std::fs::remove_file(&socket);
+        let mut supervisor = Supervisor::new(resolved, events, activated, services, inherited)?;
+        let result = supervisor.run(&mut queue).await;
+        if let Err(e) = &result {
+            supervisor.tell_old(upgrade::Say::Failed { error: e.to_string() });
+        }
+        // The file stays for the supervisor this one hands over to (or that started it).
+        if !supervisor.upgrade.socket_is_not_ours() {
+            let _ = std::fs::remove_file(&socket);
+        }
         crate::trace::shutdown(Duration::from_secs(2));
         result
     })
+}
+
+/// The supervisor's own listeners: the control socket and the admin listener. Served from
+/// start, or (a new supervisor started by an upgrade) once the old one hands over; their
+/// descriptors are kept to hand to the next upgrade.
+struct Services {
+    control: Option<OwnedFd>,
+    admin: Option<OwnedFd>,
+    /// Not served yet.
+    pending: Option<(tokio::net::UnixListener, Option<(tokio::net::TcpListener, admin::Admin)>)>,
+    /// The tasks that serve them.
+    serving: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Services {
+    /// Binds the control socket and the admin listener, or takes the inherited ones.
+    async fn open(
+        resolved: &Resolved,
+        inherited: Option<&mut upgrade::Inherited>,
+    ) -> Result<Services, SupervisorError> {
+        let config = &resolved.config;
+        let (control, admin) = match inherited {
+            Some(from) => {
+                let control = std::os::unix::net::UnixListener::from(from.control.try_clone()?);
+                control.set_nonblocking(true)?;
+                (tokio::net::UnixListener::from_std(control)?, from.admin.take())
+            }
+            None => (control::bind(&config.control_socket())?, None),
+        };
+        let admin_addr = &config.admin.listen;
+        let admin = match (admin, admin_addr.is_empty()) {
+            (_, true) => None,
+            (Some(fd), false) => {
+                let listener = std::net::TcpListener::from(fd);
+                listener.set_nonblocking(true)?;
+                Some(tokio::net::TcpListener::from_std(listener)?)
+            }
+            (None, false) => Some(tokio::net::TcpListener::bind(admin_addr).await.map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin_addr}: {e}"))
+            })?),
+        };
+        let admin = match admin {
+            None => None,
+            Some(listener) => {
+                let scheme = if config.admin.tls_cert.is_some() { "https" } else { "http" };
+                info!("metrics on {scheme}://{admin_addr}/metrics");
+                // Refused at start, not at the first request, when it cannot be used.
+                config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
+                let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
+                let routes = admin::Admin {
+                    repository: config.model_repository(),
+                    model_control: config.admin.model_control,
+                    token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
+                    protect_metrics: config.admin.protect_metrics,
+                    loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
+                    allowed: config.allowed_model_paths(),
+                    tls,
+                };
+                Some((listener, routes))
+            }
+        };
+        Ok(Services {
+            control: Some(dup_high(control.as_raw_fd())?),
+            admin: admin.as_ref().map(|(l, _)| dup_high(l.as_raw_fd())).transpose()?,
+            pending: Some((control, admin)),
+            serving: Vec::new(),
+        })
+    }
+
+    /// Serves the control socket and the admin listener.
+    fn start(&mut self, events: &mpsc::UnboundedSender<Event>) {
+        if let Some((control, admin)) = self.pending.take() {
+            self.serving.push(tokio::spawn(control::serve(control, events.clone())));
+            if let Some((listener, routes)) = admin {
+                self.serving.push(tokio::spawn(admin::serve(listener, events.clone(), routes)));
+            }
+        }
+    }
+
+    /// Stops serving them (handed over to a new supervisor, which serves them now).
+    fn stop(&mut self) {
+        for task in self.serving.drain(..) {
+            task.abort();
+        }
+        self.pending = None;
+        self.control = None;
+        self.admin = None;
+    }
 }
 
 impl Supervisor {
@@ -218,19 +301,34 @@ impl Supervisor {
         resolved: Resolved,
         events: mpsc::UnboundedSender<Event>,
         listener: Option<OwnedFd>,
+        services: Services,
+        inherited: Option<upgrade::Inherited>,
     ) -> Result<Supervisor, SupervisorError> {
+        let (mut slot_sockets, launcher, candidate) = match inherited {
+            Some(from) => {
+                let launcher = Launcher::new(events.clone(), listener, from.handoff, from.limits)?;
+                let sockets = from.slots.into_iter().map(|(http, grpc)| SlotSockets::inherited(http, grpc)).collect();
+                (sockets, launcher, Some((from.channel, from.old_pid)))
+            }
+            None => (Vec::new(), Launcher::new(events.clone(), listener, None, None)?, None),
+        };
+        slot_sockets.reverse();
         let mut slots = Vec::new();
         for placement in &resolved.plan.workers {
-            let sockets =
-                SlotSockets::bind(&resolved.config.server, listener.is_some()).map_err(SupervisorError::Port)?;
+            let sockets = match slot_sockets.pop() {
+                Some(inherited) => inherited,
+                None => {
+                    SlotSockets::bind(&resolved.config.server, launcher.activated()).map_err(SupervisorError::Port)?
+                }
+            };
             slots.push(Slot::new(placement.clone(), resolved.models.clone(), 1, Cause::Boot, sockets));
         }
         // The first worker starts alone: its RSS after warm-up decides whether the others fit.
         for slot in slots.iter_mut().skip(1) {
             slot.start = Start::Held;
         }
-        Ok(Supervisor {
-            launcher: Launcher::new(events, listener)?,
+        let mut supervisor = Supervisor {
+            launcher,
             pool: Pool {
                 slots,
                 generation: 1,
@@ -251,16 +349,49 @@ impl Supervisor {
             memory: MemoryWatch::default(),
             totals: Totals::new(),
             saturation: Default::default(),
-            notifier: Notifier::from_env(),
+            notifier: Notifier::default(),
             hang_on_sigusr2: hang_on_sigusr2(),
-        })
+            services,
+            events,
+            upgrade: Upgrade::None,
+            extra_sockets: slot_sockets,
+        };
+        match candidate {
+            Some((channel, old_pid)) => supervisor.candidate(channel, old_pid)?,
+            None => {
+                supervisor.services.start(&supervisor.events);
+                supervisor.notifier = Notifier::from_env();
+            }
+        }
+        Ok(supervisor)
+    }
+
+    /// Retires every worker (SIGUSR1: each finishes its requests and hands its idle
+    /// connections to the new supervisor's workers) and stops once they are gone.
+    fn retire_all(&mut self) {
+        self.begin_stop_with(None);
+        for slot in &mut self.pool.slots {
+            slot.start = Start::No;
+            for worker in slot.workers.iter_mut() {
+                worker.retire();
+            }
+        }
+    }
+
+    /// Slots' sockets inherited from an old supervisor with more slots: taken out of the
+    /// port's group once it has handed over (what waits in them moves to the rest), then
+    /// closed.
+    fn leave_extra_sockets(&mut self) {
+        for sockets in self.extra_sockets.drain(..) {
+            sockets.leave();
+        }
     }
 
     async fn run(&mut self, queue: &mut mpsc::UnboundedReceiver<Event>) -> Result<(), SupervisorError> {
         let plan = &self.resolved.plan;
         info!(
             "inferd {} (pid {}) starting {} workers x {} intra-op threads on {}; {} usable cores ({}); ONNX Runtime {} ({}); models: {}",
-            env!("CARGO_PKG_VERSION"),
+            inferd_ipc::version(),
             std::process::id(),
             plan.workers.len(),
             plan.threads_per_worker,
@@ -318,6 +449,8 @@ impl Supervisor {
                         std::thread::sleep(Duration::from_secs(3600));
                     }
                 }
+                // As nginx and gunicorn: upgrade to the binary this one was started from.
+                libc::SIGUSR2 => self.act(Request::Upgrade { binary: None }, None),
                 _ => {}
             },
             Event::Message { slot, pid, message } => self.on_message(slot, pid, message),
@@ -326,11 +459,21 @@ impl Supervisor {
             Event::Scrape(reply) => {
                 let _ = reply.send(self.metrics());
             }
+            Event::Upgrade(event) => self.on_upgrade(event),
         }
     }
 
     /// Every action, whether it came from a signal (`replies` = None) or the control socket.
     fn act(&mut self, request: Request, replies: Option<Replies>) {
+        let changes = !matches!(request, Request::Status);
+        if let (true, Upgrade::Starting { pid, .. }) = (changes, &self.upgrade) {
+            let error = format!("an upgrade is in progress (to pid {pid}): nothing else changes until it ends");
+            warn!("{error}");
+            if let Some(replies) = replies {
+                let _ = replies.send(Response::refused(error));
+            }
+            return;
+        }
         let answer = match request {
             Request::Status => Ok(Response { ok: true, status: Some(self.status()), ..Response::default() }),
             Request::Reload { model, path, wait } => match self.start_reload(model, path, wait, replies.clone()) {
@@ -344,6 +487,10 @@ impl Supervisor {
                 Err(e) => Err(e),
             },
             Request::Unload { model } => match self.start_unload(model, replies.clone()) {
+                Ok(()) => return,
+                Err(e) => Err(e),
+            },
+            Request::Upgrade { binary } => match self.start_upgrade(binary, replies.clone()) {
                 Ok(()) => return,
                 Err(e) => Err(e),
             },
@@ -589,6 +736,10 @@ impl Supervisor {
     /// it is warm, before its `Ready` arrives here, and taking its socket out just then would
     /// make it join again (a slot left earlier has left already).
     fn settle_port(&self) {
+        // During an upgrade the other supervisor's workers accept on the same sockets.
+        if self.upgrade.shares_sockets() {
+            return;
+        }
         if self.life.stopping || self.pool.slots.iter().any(Slot::ready) {
             for slot in self.pool.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
                 slot.sockets.leave();
@@ -609,6 +760,7 @@ impl Supervisor {
             return;
         }
         self.kill_stuck_workers();
+        self.watch_upgrade();
         // Before the guards: a slot the reload was waiting for gets the reload's worker now,
         // and no guard starts another replacement beside it.
         self.resume_reload();
@@ -643,6 +795,12 @@ impl Supervisor {
     }
 
     fn begin_stop(&mut self, fast: bool) {
+        self.abandon_upgrade();
+        self.begin_stop_with(Some(if fast { Signal::SIGKILL } else { Signal::SIGTERM }));
+    }
+
+    /// The pool stops: nothing starts any more; `signal`, if any, goes to every worker.
+    fn begin_stop_with(&mut self, signal: Option<Signal>) {
         if !self.life.stopping {
             self.life.stopping = true;
             let grace = Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs);
@@ -654,11 +812,13 @@ impl Supervisor {
                 trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
             }
         }
-        if fast {
-            self.signal_all(Signal::SIGKILL);
-            self.life.killed_all = true;
-        } else {
-            self.signal_all(Signal::SIGTERM);
+        match signal {
+            Some(Signal::SIGKILL) => {
+                self.signal_all(Signal::SIGKILL);
+                self.life.killed_all = true;
+            }
+            Some(signal) => self.signal_all(signal),
+            None => {}
         }
     }
 
@@ -692,6 +852,10 @@ impl Supervisor {
                 self.resolved.config.server.listen,
                 self.life.started.elapsed().as_secs_f64()
             );
+        }
+        if self.life.booted && !self.life.stopping && self.pool.all_ready() {
+            let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
+            self.tell_old(upgrade::Say::Ready { pid, version });
         }
         let phase = self.phase();
         if phase != before && self.life.booted {

@@ -140,11 +140,12 @@ impl Supervisor {
             workers.extend(slot.workers.iter().map(|w| row(Some(w))));
         }
         PoolStatus {
-            version: env!("CARGO_PKG_VERSION").into(),
+            version: inferd_ipc::version().into(),
             pid: std::process::id(),
             phase: self.phase(),
             generation: self.pool.generation,
             reload: self.reload.progress(self.pool.slots.len()),
+            upgrade: self.upgrade.describe(),
             listen: self.resolved.config.server.listen.clone(),
             grpc_listen: Some(self.resolved.config.server.grpc_listen.clone()).filter(|g| !g.is_empty()),
             uptime_secs: self.life.started.elapsed().as_secs_f64(),

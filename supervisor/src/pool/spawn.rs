@@ -161,17 +161,32 @@ pub(super) struct Launcher {
 impl Launcher {
     /// `listener`: systemd's socket, under socket activation. Without a hand-off socket, core
     /// claims or a connection table, the pool runs without what each gives (and says so).
-    pub(super) fn new(events: mpsc::UnboundedSender<Event>, listener: Option<OwnedFd>) -> std::io::Result<Launcher> {
+    /// `handoff` and `limits`: the pool's hand-off socket and table of key limits, inherited
+    /// from the supervisor this one upgrades (created here when None).
+    pub(super) fn new(
+        events: mpsc::UnboundedSender<Event>,
+        listener: Option<OwnedFd>,
+        handoff: Option<(OwnedFd, OwnedFd)>,
+        limits: Option<OwnedFd>,
+    ) -> std::io::Result<Launcher> {
+        let handoff = match handoff {
+            Some(pair) => Some(pair),
+            None => handoff_socket()
+                .map_err(|e| {
+                    warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
+                })
+                .ok(),
+        };
+        let limits = match limits {
+            Some(fd) => Limits::map(&fd).map(|table| (table, fd)),
+            None => Limits::create().and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?))),
+        };
         Ok(Launcher {
             exe: std::env::current_exe()?,
             events,
             spawns: 0,
             listener,
-            handoff: handoff_socket()
-                .map_err(|e| {
-                    warn!("no hand-off socket ({e}): idle keep-alive connections of a retiring worker are closed")
-                })
-                .ok(),
+            handoff,
             // Above fd 11, as every descriptor a worker gets (see `start_process`).
             cores: CoreClaims::create()
                 .and_then(|(claims, fd)| Ok((claims, dup_high(fd.as_raw_fd())?)))
@@ -181,11 +196,30 @@ impl Launcher {
                 .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
                 .map_err(|e| warn!("no connection table ({e}): workers do not shed connections to balance"))
                 .ok(),
-            limits: Limits::create()
-                .and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?)))
+            limits: limits
                 .map_err(|e| error!("no table of API key limits ({e}): keys' rate and concurrency are not enforced"))
                 .ok(),
         })
+    }
+
+    /// The binary workers are started from (and an upgrade, by default): this one's path as
+    /// it was at start.
+    pub(super) fn exe(&self) -> &std::path::Path {
+        &self.exe
+    }
+
+    /// Descriptors an upgrade hands to the new supervisor: systemd's socket, the hand-off
+    /// socket, the table of key limits.
+    pub(super) fn listener_fd(&self) -> Option<i32> {
+        self.listener.as_ref().map(|fd| fd.as_raw_fd())
+    }
+
+    pub(super) fn handoff_fds(&self) -> Option<(i32, i32)> {
+        self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()))
+    }
+
+    pub(super) fn limits_fd(&self) -> Option<i32> {
+        self.limits.as_ref().map(|(_, fd)| fd.as_raw_fd())
     }
 
     /// Whether the workers share systemd's socket (socket activation) rather than their
@@ -327,6 +361,17 @@ impl SlotSockets {
     /// them: TCP_INFO's `tcpi_unacked` of a listening socket.
     pub(super) fn waiting(&self) -> u64 {
         [&self.http, &self.grpc].into_iter().flatten().map(|fd| accept_queue(fd.as_raw_fd())).sum()
+    }
+
+    /// Sockets inherited from the supervisor this one upgrades (bound, listening, shared with
+    /// its workers).
+    pub(super) fn inherited(http: Option<OwnedFd>, grpc: Option<OwnedFd>) -> SlotSockets {
+        SlotSockets { http, grpc }
+    }
+
+    /// Their descriptors, to hand to a new supervisor.
+    pub(super) fn fds(&self) -> (Option<i32>, Option<i32>) {
+        (self.http.as_ref().map(|fd| fd.as_raw_fd()), self.grpc.as_ref().map(|fd| fd.as_raw_fd()))
     }
 
     pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, String> {

@@ -178,6 +178,10 @@ pub async fn handle(
     // A forwarded request's answer names the sibling that served it.
     if !headers.contains_key("x-inferd-worker") {
         headers.insert("x-inferd-worker", HeaderValue::from(state.worker));
+        // And the inferd version that served it (an upgrade's progress shows in the answers).
+        if let Ok(version) = HeaderValue::from_str(inferd_ipc::version()) {
+            headers.insert("x-inferd-version", version);
+        }
     }
     headers.insert(REQUEST_ID_HEADER, id);
     if body_read.is_some_and(|read| !read.0.load(Ordering::Relaxed)) {
@@ -650,7 +654,7 @@ fn readiness(ready: bool) -> Reply {
 fn server_metadata(state: &AppState) -> Reply {
     let body = json!({
         "name": "inferd",
-        "version": env!("CARGO_PKG_VERSION"),
+        "version": inferd_ipc::version(),
         "extensions": ["binary_tensor_data"],
         "models": state.models.loaded().iter().map(|m| m.info.name.clone()).collect::<Vec<_>>(),
         "loadable": state.models.loadable(),

@@ -435,7 +435,7 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
         "max_client_batch_size": state.max_batch_inputs,
         "auto_truncate": false,
         "tokenization_workers": 1,
-        "version": env!("CARGO_PKG_VERSION"),
+        "version": inferd_ipc::version(),
     });
     json_reply(hyper::StatusCode::OK, serde_json::to_vec(&body).expect("json"))
 }

@@ -116,7 +116,7 @@ impl GrpcInferenceService for Grpc {
     ) -> Result<Response<proto::ServerMetadataResponse>, Status> {
         Ok(Response::new(proto::ServerMetadataResponse {
             name: "inferd".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
+            version: inferd_ipc::version().into(),
             extensions: Vec::new(),
         }))
     }

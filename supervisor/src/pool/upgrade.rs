@@ -1,0 +1,390 @@
+//! Upgrading inferd itself with no failed request (`inferd upgrade [--binary PATH]`, or
+//! SIGUSR2): the running supervisor (the old) starts the new binary as a new supervisor (the
+//! new) with the same command line, handing it by descriptor every socket the pool serves on
+//! (each slot's HTTP and gRPC sockets, systemd's socket, the control socket, the admin
+//! listener), the pool's hand-off socket and its table of API key limits. The sockets never
+//! close, so no connection is refused or reset on the way.
+//!
+//! 1. The new checks its configuration and starts its workers on the inherited sockets, as at
+//!    any start, but serves nothing of its own yet (no control socket, no admin listener, no
+//!    word to systemd) and never takes a socket out of the port's group: the old's workers
+//!    accept on them. Its workers join each slot's socket as they warm up, beside the old's.
+//! 2. When its pool is ready it says so on the channel (a socketpair, one JSON line each way:
+//!    [`Say`]). The old then tells systemd the new main PID (`MAINPID=`, which a unit with
+//!    `NotifyAccess=main` accepts from its main process), answers `inferd upgrade`, stops
+//!    serving its control socket and admin listener, and retires its workers as a reload
+//!    does (SIGUSR1: each finishes its requests and hands its idle keep-alive connections
+//!    through the shared hand-off socket to the new workers); it exits once they are gone,
+//!    leaving the sockets and the control socket's file to the new.
+//! 3. The new, told (or finding the channel closed: the old is gone), serves the control
+//!    socket and the admin listener, and notifies systemd (READY=1, the watchdog) as the
+//!    service's main process.
+//!
+//! Rollback is the default: a new supervisor that exits (a binary that does not start, a
+//! configuration it refuses, a model it cannot load) or is not ready within twice
+//! server.boot_timeout_secs (then killed; its workers follow by PR_SET_PDEATHSIG) leaves the
+//! old serving as before, its workers untouched, and `inferd upgrade` fails with the reason.
+//! While an upgrade runs, reloads, scaling and another upgrade are refused.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use super::{dup_high, Supervisor};
+use crate::control::{Replies, Response};
+use crate::{systemd, Event};
+
+/// The variable that tells a new supervisor which descriptors it inherits.
+pub const UPGRADE_ENV: &str = "INFERD_UPGRADE";
+
+/// What the old supervisor hands the new one, by descriptor number ([`UPGRADE_ENV`], JSON).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Handed {
+    old_pid: u32,
+    channel: RawFd,
+    control: RawFd,
+    admin: Option<RawFd>,
+    activated: Option<RawFd>,
+    handoff: Option<(RawFd, RawFd)>,
+    limits: Option<RawFd>,
+    /// Each slot's (HTTP, gRPC) sockets.
+    slots: Vec<(Option<RawFd>, Option<RawFd>)>,
+}
+
+/// The descriptors a new supervisor inherited, owned.
+pub struct Inherited {
+    pub old_pid: u32,
+    pub channel: OwnedFd,
+    pub control: OwnedFd,
+    pub admin: Option<OwnedFd>,
+    pub activated: Option<OwnedFd>,
+    pub handoff: Option<(OwnedFd, OwnedFd)>,
+    pub limits: Option<OwnedFd>,
+    pub slots: Vec<(Option<OwnedFd>, Option<OwnedFd>)>,
+}
+
+/// One line on the channel between the two supervisors.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Say {
+    /// New to old: every worker is ready.
+    Ready { pid: u32, version: String },
+    /// New to old: it cannot serve, and exits.
+    Failed { error: String },
+    /// Old to new: the service is yours.
+    Handover,
+}
+
+/// What the channel brings the loop.
+#[derive(Debug)]
+pub enum UpgradeEvent {
+    /// Old side: the new said this.
+    Said(Say),
+    /// Old side: the new supervisor exited.
+    Exited(Option<ExitStatus>),
+    /// New side: the old handed over, or is gone.
+    HandedOver,
+}
+
+impl Inherited {
+    /// The descriptors named by [`UPGRADE_ENV`], if this process was started by an upgrade
+    /// (the variable is cleared: call before any thread starts).
+    pub fn take() -> Result<Option<Inherited>, String> {
+        let Some(text) = std::env::var_os(UPGRADE_ENV) else { return Ok(None) };
+        std::env::remove_var(UPGRADE_ENV);
+        let handed: Handed = serde_json::from_str(&text.to_string_lossy())
+            .map_err(|e| format!("{UPGRADE_ENV} is not what an upgrading inferd passes: {e}"))?;
+        let own = |fd: RawFd| -> Result<OwnedFd, String> {
+            // Open, and close-on-exec again: workers get theirs by dup2.
+            // SAFETY: fcntl on a descriptor number; F_GETFD fails on one that is not open.
+            if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+                return Err(format!("{UPGRADE_ENV} names descriptor {fd}, which is not open"));
+            }
+            // SAFETY: the old supervisor handed this descriptor to this process alone.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        };
+        let maybe = |fd: Option<RawFd>| fd.map(own).transpose();
+        Ok(Some(Inherited {
+            old_pid: handed.old_pid,
+            channel: own(handed.channel)?,
+            control: own(handed.control)?,
+            admin: maybe(handed.admin)?,
+            activated: maybe(handed.activated)?,
+            handoff: handed.handoff.map(|(s, r)| Ok::<_, String>((own(s)?, own(r)?))).transpose()?,
+            limits: maybe(handed.limits)?,
+            slots: handed.slots.into_iter().map(|(h, g)| Ok((maybe(h)?, maybe(g)?))).collect::<Result<_, String>>()?,
+        }))
+    }
+}
+
+/// Where an upgrade stands, on either side.
+#[derive(Default)]
+pub enum Upgrade {
+    #[default]
+    None,
+    /// New side, until the old hands over: the channel, and the pid of the old.
+    Candidate { channel: std::os::unix::net::UnixStream, old_pid: u32, told_ready: bool },
+    /// Old side: the new supervisor is starting.
+    Starting {
+        pid: u32,
+        binary: PathBuf,
+        since: Instant,
+        channel: std::os::unix::net::UnixStream,
+        replies: Option<Replies>,
+        /// What the new said before it exited, or why it was killed.
+        failure: Option<String>,
+    },
+    /// Old side: handed over to `pid`; the old workers drain, then the old exits.
+    HandedOver { pid: u32 },
+}
+
+impl Upgrade {
+    /// Whether another supervisor's workers share the slots' sockets now: then none is taken
+    /// out of the port's group.
+    pub fn shares_sockets(&self) -> bool {
+        !matches!(self, Upgrade::None)
+    }
+
+    /// Whether the control socket's file belongs to another supervisor (one this one hands
+    /// over to, or the one it has not taken over from yet).
+    pub fn socket_is_not_ours(&self) -> bool {
+        matches!(self, Upgrade::Candidate { .. } | Upgrade::HandedOver { .. })
+    }
+
+    /// For `inferd status`.
+    pub fn describe(&self) -> Option<String> {
+        match self {
+            Upgrade::None => None,
+            Upgrade::Candidate { old_pid, .. } => Some(format!("taking over from pid {old_pid}")),
+            Upgrade::Starting { pid, binary, since, .. } => Some(format!(
+                "to pid {pid} ({}): starting for {:.0} s",
+                binary.display(),
+                since.elapsed().as_secs_f64()
+            )),
+            Upgrade::HandedOver { pid } => Some(format!("handed over to pid {pid}; the old workers drain")),
+        }
+    }
+}
+
+/// Writes one line to the other supervisor (it may be gone: then nothing is said).
+fn say(channel: &mut std::os::unix::net::UnixStream, what: &Say) {
+    let mut line = serde_json::to_vec(what).expect("messages serialise");
+    line.push(b'\n');
+    if let Err(e) = channel.write_all(&line) {
+        warn!("cannot tell the other supervisor {what:?}: {e}");
+    }
+}
+
+/// Reads the other supervisor's lines into the loop; `then` runs at end-of-file.
+fn listen(
+    channel: std::os::unix::net::UnixStream,
+    events: mpsc::UnboundedSender<Event>,
+    then: impl std::future::Future<Output = UpgradeEvent> + Send + 'static,
+) -> std::io::Result<()> {
+    channel.set_nonblocking(true)?;
+    let stream = tokio::net::UnixStream::from_std(channel)?;
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stream).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<Say>(&line) {
+                Ok(Say::Handover) => {
+                    let _ = events.send(Event::Upgrade(UpgradeEvent::HandedOver));
+                }
+                Ok(said) => {
+                    let _ = events.send(Event::Upgrade(UpgradeEvent::Said(said)));
+                }
+                Err(e) => warn!("the other supervisor said something unreadable ({e}): {line}"),
+            }
+        }
+        let _ = events.send(Event::Upgrade(then.await));
+    });
+    Ok(())
+}
+
+impl Supervisor {
+    /// New side, at start: listens to the old supervisor.
+    pub(super) fn candidate(&mut self, channel: OwnedFd, old_pid: u32) -> std::io::Result<()> {
+        let channel = std::os::unix::net::UnixStream::from(channel);
+        listen(channel.try_clone()?, self.events.clone(), async { UpgradeEvent::HandedOver })?;
+        info!("started by an upgrade from pid {old_pid}: serving nothing of its own until its workers are ready");
+        self.upgrade = Upgrade::Candidate { channel, old_pid, told_ready: false };
+        Ok(())
+    }
+
+    /// New side: its pool became ready (tells the old), or it fails (tells the old why).
+    pub(super) fn tell_old(&mut self, what: Say) {
+        if let Upgrade::Candidate { channel, told_ready, .. } = &mut self.upgrade {
+            if matches!(what, Say::Ready { .. }) {
+                if *told_ready {
+                    return;
+                }
+                *told_ready = true;
+                info!("every worker is ready: asking the old supervisor to hand over");
+            }
+            say(channel, &what);
+        }
+    }
+
+    /// Old side: `inferd upgrade` or SIGUSR2. Starts the new supervisor, or refuses whole.
+    pub(super) fn start_upgrade(&mut self, binary: Option<PathBuf>, replies: Option<Replies>) -> Result<(), String> {
+        if self.life.stopping {
+            return Err("the pool is stopping".into());
+        }
+        match &self.upgrade {
+            Upgrade::None => {}
+            Upgrade::Starting { pid, .. } => return Err(format!("an upgrade is in progress (to pid {pid})")),
+            _ => return Err("this supervisor is handing over or taking over: upgrade the new one".into()),
+        }
+        if self.reload.in_progress() {
+            return Err("a reload is in progress: upgrade when it is done".into());
+        }
+        if !self.life.booted {
+            return Err("the pool has not been ready yet".into());
+        }
+        let binary = binary.unwrap_or_else(|| self.launcher.exe().to_path_buf());
+        match std::fs::metadata(&binary) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => return Err(format!("{} is not a file", binary.display())),
+            Err(e) => return Err(format!("{}: {e}", binary.display())),
+        }
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
+        let theirs = dup_high(theirs.as_raw_fd()).map_err(|e| e.to_string())?;
+        let handed = Handed {
+            old_pid: std::process::id(),
+            channel: theirs.as_raw_fd(),
+            control: self.services.control.as_ref().map(|fd| fd.as_raw_fd()).unwrap_or(-1),
+            admin: self.services.admin.as_ref().map(|fd| fd.as_raw_fd()),
+            activated: self.launcher.listener_fd(),
+            handoff: self.launcher.handoff_fds(),
+            limits: self.launcher.limits_fd(),
+            slots: self.pool.slots.iter().filter(|s| !s.removing()).map(|s| s.sockets.fds()).collect(),
+        };
+        if handed.control < 0 {
+            return Err("the control socket is not this supervisor's to hand over".into());
+        }
+        let fds: Vec<RawFd> =
+            [Some(handed.channel), Some(handed.control), handed.admin, handed.activated, handed.limits]
+                .into_iter()
+                .flatten()
+                .chain(handed.handoff.into_iter().flat_map(|(s, r)| [s, r]))
+                .chain(handed.slots.iter().flat_map(|(h, g)| [*h, *g]).flatten())
+                .collect();
+        let mut command = tokio::process::Command::new(&binary);
+        command
+            .args(std::env::args_os().skip(1))
+            .env(UPGRADE_ENV, serde_json::to_string(&handed).expect("serialises"))
+            // The new one becomes the watchdog's process once it is the main one; the socket
+            // systemd passed comes as `activated`.
+            .env_remove("WATCHDOG_PID")
+            .env_remove("LISTEN_FDS")
+            .env_remove("LISTEN_PID")
+            .env_remove("LISTEN_FDNAMES")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(false);
+        // SAFETY: only fcntl (async-signal-safe) between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                for &fd in &fds {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        drop(theirs);
+        let pid = child.id().unwrap_or_default();
+        listen(ours.try_clone().map_err(|e| e.to_string())?, self.events.clone(), async move {
+            UpgradeEvent::Exited(child.wait().await.ok())
+        })
+        .map_err(|e| e.to_string())?;
+        let message = format!(
+            "upgrade: started {} as the new supervisor (pid {pid}); the old serves until its workers are ready",
+            binary.display()
+        );
+        info!("{message}");
+        if let Some(replies) = &replies {
+            let _ = replies.send(Response::progress(message));
+        }
+        self.upgrade = Upgrade::Starting { pid, binary, since: Instant::now(), channel: ours, replies, failure: None };
+        Ok(())
+    }
+
+    pub(super) fn on_upgrade(&mut self, event: UpgradeEvent) {
+        match (event, &mut self.upgrade) {
+            (UpgradeEvent::Said(Say::Ready { pid: said, version }), Upgrade::Starting { pid, channel, .. })
+                if said == *pid =>
+            {
+                let pid = *pid;
+                say(channel, &Say::Handover);
+                self.notifier.hand_over(pid);
+                self.services.stop();
+                let message = format!(
+                    "upgraded: pid {pid} (inferd {version}) serves now; the old workers (inferd {}) drain",
+                    inferd_ipc::version()
+                );
+                info!("{message}");
+                if let Upgrade::Starting { replies: Some(replies), .. } = &self.upgrade {
+                    let _ = replies.send(Response::message(message));
+                }
+                self.upgrade = Upgrade::HandedOver { pid };
+                self.retire_all();
+            }
+            (UpgradeEvent::Said(Say::Failed { error }), Upgrade::Starting { failure, .. }) => {
+                *failure = Some(format!("failed: {error}"));
+            }
+            (UpgradeEvent::Exited(status), Upgrade::Starting { pid, failure, replies, .. }) => {
+                let why = failure.take().unwrap_or_else(|| super::describe_exit(status));
+                let error = format!("upgrade failed: the new supervisor (pid {pid}) {why}; this one serves as before");
+                error!("{error}");
+                if let Some(replies) = replies.take() {
+                    let _ = replies.send(Response::error(error));
+                }
+                self.upgrade = Upgrade::None;
+            }
+            (UpgradeEvent::HandedOver, Upgrade::Candidate { old_pid, .. }) => {
+                info!("pid {old_pid} handed over: this supervisor serves the control socket and tells systemd now");
+                self.upgrade = Upgrade::None;
+                self.services.start(&self.events);
+                self.notifier = systemd::Notifier::from_env();
+                self.leave_extra_sockets();
+            }
+            // The other end closing after a hand-over, or a line out of turn.
+            (UpgradeEvent::Said(said), _) => warn!("upgrade: the other supervisor said {said:?} out of turn; ignored"),
+            (UpgradeEvent::Exited(_) | UpgradeEvent::HandedOver, _) => {}
+        }
+    }
+
+    /// Old side, on every tick: a new supervisor not ready in time is killed (its workers
+    /// follow it), and the exit that follows fails the upgrade.
+    pub(super) fn watch_upgrade(&mut self) {
+        let limit = Duration::from_secs_f64(2.0 * self.resolved.config.server.boot_timeout_secs);
+        if let Upgrade::Starting { pid, since, failure, .. } = &mut self.upgrade {
+            if failure.is_none() && since.elapsed() > limit {
+                let why = format!("was not ready within {} s (2 x server.boot_timeout_secs): killed", limit.as_secs());
+                warn!("upgrade: the new supervisor (pid {pid}) {why}");
+                *failure = Some(why);
+                let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+            }
+        }
+    }
+
+    /// Old side, stopping during an upgrade: the new supervisor goes first.
+    pub(super) fn abandon_upgrade(&mut self) {
+        if let Upgrade::Starting { pid, failure, .. } = &mut self.upgrade {
+            warn!("stopping during an upgrade: killing the new supervisor (pid {pid})");
+            *failure = Some("was stopped: the old supervisor is stopping".into());
+            let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+        }
+    }
+}
