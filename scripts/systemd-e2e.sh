@@ -302,6 +302,43 @@ check "systemctl reload on the passed socket: exit ${rc:-?}, zero failed request
     test "${rc:-x}" = 0 -a "${total:-0}" -gt 0 -a "${bad:-1}" = 0
 run_ct 'systemctl stop inferd.socket inferd' >/dev/null 2>&1
 
+step "7. inferd upgrade under load: MainPID moves to the new supervisor, the watchdog holds, stop is clean"
+out=$(run_ct '
+    mkdir -p /etc/systemd/system/inferd.service.d
+    printf "[Service]\nWatchdogSec=5\n" >/etc/systemd/system/inferd.service.d/e2e-watchdog.conf
+    systemctl daemon-reload && systemctl start inferd
+    pid=$(mainpid); n=$(prop NRestarts inferd); since=$(date "+%F %T")
+    load /run/e2e-upgrade '"$CLIENTS"'; sleep 2
+    for i in 1 2; do
+        inferd upgrade --control-socket $CTL 2>&1 | tail -1 | sed "s/^/upgrade $i: /"; echo "upgrade $i exit ${PIPESTATUS[0]}"
+        for j in $(seq 1 100); do [ "$(inferd status --control-socket $CTL | sed -n "s/^inferd [^ ]* (pid \([0-9]*\)).*/\1/p")" = "$(mainpid)" ] && break; sleep 0.1; done
+    done
+    # Two watchdog periods after the last upgrade: the new supervisor pings.
+    sleep 10
+    load_stop /run/e2e-upgrade
+    status_pid=$(inferd status --control-socket $CTL | sed -n "s/^inferd [^ ]* (pid \([0-9]*\)).*/\1/p")
+    echo "MainPID $pid -> $(mainpid); inferd status pid $status_pid; NRestarts $n -> $(prop NRestarts inferd); ActiveState $(prop ActiveState inferd)"
+    echo "requests: $(load_report /run/e2e-upgrade)"
+    journalctl -u inferd --since "$since" --no-pager -o cat | grep -E "Watchdog timeout|upgraded:|handed over|Supervising process|reception only permitted" | head -8
+    pool_ready && echo POOL_READY
+    stopped=$(date "+%F %T"); t=$(date +%s%3N); systemctl stop inferd; rc=$?; t=$(( $(date +%s%3N) - t ))
+    echo "stop exit $rc after $t ms; ActiveState $(prop ActiveState inferd); Result $(prop Result inferd); inferd processes left: $(pgrep -c -x inferd)"
+    journalctl -u inferd --since "$stopped" --no-pager -o cat | tail -12
+    rm -f /etc/systemd/system/inferd.service.d/e2e-watchdog.conf; systemctl daemon-reload')
+echo "$out" | show
+read -r pid_before pid_after status_pid n_before n_after state < <(sed -n \
+    's/^MainPID \([0-9]*\) -> \([0-9]*\); inferd status pid \([0-9]*\); NRestarts \([0-9]*\) -> \([0-9]*\); ActiveState \([a-z]*\)$/\1 \2 \3 \4 \5 \6/p' <<<"$out")
+read -r total ok bad < <(sed -n 's/^requests: //p' <<<"$out" | head -1)
+check "inferd upgrade exits 0, twice" bash -c 'grep -q "^upgrade 1 exit 0$" <<<"$1" && grep -q "^upgrade 2 exit 0$" <<<"$1"' _ "$out"
+check "MainPID is the new supervisor ($pid_before -> $pid_after, inferd status says $status_pid)" \
+    test -n "${pid_after:-}" -a "${pid_before:-}" != "${pid_after:-}" -a "${pid_after:-}" = "${status_pid:-x}"
+check "no restart, still active (NRestarts $n_before -> $n_after, $state)" test -n "${n_before:-}" -a "${n_before:-}" = "${n_after:-x}" -a "${state:-}" = active
+check "the watchdog did not fire (WatchdogSec=5, 10 s after the upgrades)" bash -c '! grep -q "Watchdog timeout" <<<"$1"' _ "$out"
+check "zero failed requests across the upgrades ($ok of $total answered 200, $CLIENTS clients)" test "${total:-0}" -gt 0 -a "${bad:-1}" = 0
+check "pool ready after the upgrades" grep -q '^POOL_READY$' <<<"$out"
+check "systemctl stop: exit 0, inactive, Result=success, no inferd process left" \
+    grep -Eq '^stop exit 0 after [0-9]+ ms; ActiveState inactive; Result success; inferd processes left: 0$' <<<"$out"
+
 echo
 if [ "$FAILED" = 0 ]; then
     echo "systemd e2e: all checks passed in $((SECONDS - T0)) s"

@@ -194,7 +194,8 @@ fn an_upgrade_that_cannot_start_or_load_its_model_leaves_the_old_serving_and_say
     let load = Load::start(&server, MODEL_PATH, typed_request());
     // A binary that exits at once.
     let (ok, said) = upgrade(&server, &broken);
-    assert!(!ok && said.contains("exited with code 3") && said.contains("serves as before"), "{said}");
+    assert!(!ok && said.contains("exited before it was ready") && said.contains("serves as before"), "{said}");
+    assert!(server.log().contains("this build cannot start"));
     // A model the new supervisor cannot load (the file replaced since the old loaded it).
     let typed = repository.join("typed");
     std::fs::remove_file(&typed).unwrap();

@@ -155,6 +155,9 @@ pub struct PoolMetrics {
     pub supervisor_spans: (u64, u64),
     /// Each API key's requests by priority, refusals and requests in flight, pool-wide.
     pub keys: Vec<inferd_ipc::limits::KeyReport>,
+    /// When this supervisor started, in seconds since the Unix epoch: its counters count from
+    /// then (an upgrade starts a new supervisor, whose counters start again from zero).
+    pub start_time: f64,
 }
 
 /// A model's loads and evictions since start (`inferd_model_loads_total`,
@@ -334,6 +337,15 @@ pub fn render(m: &PoolMetrics) -> String {
     }
     header(&mut out, "inferd_workers_ready", "gauge", "Workers ready and serving.");
     let _ = writeln!(out, "inferd_workers_ready {}", m.ready);
+    header(
+        &mut out,
+        "process_start_time_seconds",
+        "gauge",
+        "When the supervisor started (its counters count from then).",
+    );
+    let _ = writeln!(out, "process_start_time_seconds {}", m.start_time);
+    header(&mut out, "inferd_build_info", "gauge", "The inferd version the supervisor runs.");
+    let _ = writeln!(out, "inferd_build_info{{version=\"{}\"}} 1", label(inferd_ipc::version()));
     header(&mut out, "inferd_workers_desired", "gauge", "Workers the pool is meant to have.");
     let _ = writeln!(out, "inferd_workers_desired {}", m.desired);
     header(

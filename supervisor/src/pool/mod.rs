@@ -137,6 +137,8 @@ pub struct Supervisor {
 /// The pool's life: its start, its boot, its stop.
 struct Life {
     started: Instant,
+    /// The same, in seconds since the Unix epoch (`process_start_time_seconds`).
+    started_unix: f64,
     /// True once every slot has been ready at the same time.
     booted: bool,
     /// SIGTERM, SIGINT, SIGQUIT or a fatal error: the pool is going down (the phase, derived
@@ -339,6 +341,9 @@ impl Supervisor {
             resolved,
             life: Life {
                 started: Instant::now(),
+                started_unix: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64()),
                 booted: false,
                 stopping: false,
                 stop_deadline: None,

@@ -296,6 +296,7 @@ impl Supervisor {
             accept_queued: self.pool.slots.iter().map(|s| s.sockets.waiting()).sum(),
             supervisor_spans: crate::trace::spans(),
             keys: self.launcher.limits.as_ref().map(|(table, _)| table.report()).unwrap_or_default(),
+            start_time: self.life.started_unix,
         }
     }
 }

@@ -29,7 +29,6 @@
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -76,6 +75,8 @@ pub struct Inherited {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Say {
+    /// New to old: it runs, and checks its configuration and starts its workers.
+    Starting { version: String },
     /// New to old: every worker is ready.
     Ready { pid: u32, version: String },
     /// New to old: it cannot serve, and exits.
@@ -89,10 +90,12 @@ pub enum Say {
 pub enum UpgradeEvent {
     /// Old side: the new said this.
     Said(Say),
-    /// Old side: the new supervisor exited.
-    Exited(Option<ExitStatus>),
-    /// New side: the old handed over, or is gone.
+    /// Old side: the new supervisor is gone (its end of the channel closed).
+    Exited,
+    /// New side: the old handed over.
     HandedOver,
+    /// New side: the old is gone (its end of the channel closed).
+    OldGone,
 }
 
 impl Inherited {
@@ -101,6 +104,10 @@ impl Inherited {
     pub fn take() -> Result<Option<Inherited>, String> {
         let Some(text) = std::env::var_os(UPGRADE_ENV) else { return Ok(None) };
         std::env::remove_var(UPGRADE_ENV);
+        // systemd's watchdog names its process; once this one is the main process, it is.
+        if std::env::var_os("WATCHDOG_USEC").is_some() {
+            std::env::set_var("WATCHDOG_PID", std::process::id().to_string());
+        }
         let handed: Handed = serde_json::from_str(&text.to_string_lossy())
             .map_err(|e| format!("{UPGRADE_ENV} is not what an upgrading inferd passes: {e}"))?;
         let own = |fd: RawFd| -> Result<OwnedFd, String> {
@@ -133,10 +140,14 @@ pub enum Upgrade {
     None,
     /// New side, until the old hands over: the channel, and the pid of the old.
     Candidate { channel: std::os::unix::net::UnixStream, old_pid: u32, told_ready: bool },
+    /// New side, once the old has handed over, until it exits: its workers drain.
+    TookOver { old_pid: u32 },
     /// Old side: the new supervisor is starting.
     Starting {
         pid: u32,
         binary: PathBuf,
+        /// The version it runs, once it said.
+        version: Option<String>,
         since: Instant,
         channel: std::os::unix::net::UnixStream,
         replies: Option<Replies>,
@@ -165,8 +176,10 @@ impl Upgrade {
         match self {
             Upgrade::None => None,
             Upgrade::Candidate { old_pid, .. } => Some(format!("taking over from pid {old_pid}")),
-            Upgrade::Starting { pid, binary, since, .. } => Some(format!(
-                "to pid {pid} ({}): starting for {:.0} s",
+            Upgrade::TookOver { old_pid } => Some(format!("took over from pid {old_pid}, whose workers drain")),
+            Upgrade::Starting { pid, binary, version, since, .. } => Some(format!(
+                "to pid {pid} (inferd {}, {}): its workers start; {:.0} s so far",
+                version.as_deref().unwrap_or("?"),
                 binary.display(),
                 since.elapsed().as_secs_f64()
             )),
@@ -214,9 +227,10 @@ impl Supervisor {
     /// New side, at start: listens to the old supervisor.
     pub(super) fn candidate(&mut self, channel: OwnedFd, old_pid: u32) -> std::io::Result<()> {
         let channel = std::os::unix::net::UnixStream::from(channel);
-        listen(channel.try_clone()?, self.events.clone(), async { UpgradeEvent::HandedOver })?;
+        listen(channel.try_clone()?, self.events.clone(), async { UpgradeEvent::OldGone })?;
         info!("started by an upgrade from pid {old_pid}: serving nothing of its own until its workers are ready");
         self.upgrade = Upgrade::Candidate { channel, old_pid, told_ready: false };
+        self.tell_old(Say::Starting { version: inferd_ipc::version().to_string() });
         Ok(())
     }
 
@@ -240,9 +254,13 @@ impl Supervisor {
             return Err("the pool is stopping".into());
         }
         match &self.upgrade {
-            Upgrade::None => {}
+            // After a hand-over, the previous old supervisor's workers may still drain.
+            Upgrade::None | Upgrade::TookOver { .. } => {}
             Upgrade::Starting { pid, .. } => return Err(format!("an upgrade is in progress (to pid {pid})")),
-            _ => return Err("this supervisor is handing over or taking over: upgrade the new one".into()),
+            Upgrade::Candidate { .. } => {
+                return Err("this supervisor is taking over from another: wait until it has".into())
+            }
+            Upgrade::HandedOver { pid } => return Err(format!("this supervisor has handed over to pid {pid}")),
         }
         if self.reload.in_progress() {
             return Err("a reload is in progress: upgrade when it is done".into());
@@ -290,7 +308,16 @@ impl Supervisor {
             .env_remove("LISTEN_FDNAMES")
             .stdin(std::process::Stdio::null())
             .kill_on_drop(false);
-        // SAFETY: only fcntl (async-signal-safe) between fork and exec.
+        // The new supervisor's pid comes back through this pipe, from the process in between.
+        let mut ends = [0; 2];
+        // SAFETY: pipe2 fills the two descriptors, which are owned here from then on.
+        if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(format!("cannot make a pipe: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: just made, owned by nothing else.
+        let (pid_read, pid_write) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
+        let pid_write_fd = pid_write.as_raw_fd();
+        // SAFETY: only fcntl, fork, write and _exit (async-signal-safe) between fork and exec.
         unsafe {
             command.pre_exec(move || {
                 for &fd in &fds {
@@ -298,16 +325,32 @@ impl Supervisor {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                Ok(())
+                // Once more, and the process in between exits: the new supervisor is adopted
+                // by the service manager (systemd, as PID 1 or the user's subreaper), which
+                // therefore supervises it fully once it is told the new MAINPID (a main
+                // process that is not its child it would kill at once on stop).
+                match libc::fork() {
+                    -1 => Err(std::io::Error::last_os_error()),
+                    0 => Ok(()),
+                    pid => {
+                        let bytes = pid.to_ne_bytes();
+                        libc::write(pid_write_fd, bytes.as_ptr().cast(), bytes.len());
+                        libc::_exit(0)
+                    }
+                }
             });
         }
-        let mut child = command.spawn().map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
-        drop(theirs);
-        let pid = child.id().unwrap_or_default();
-        listen(ours.try_clone().map_err(|e| e.to_string())?, self.events.clone(), async move {
-            UpgradeEvent::Exited(child.wait().await.ok())
-        })
-        .map_err(|e| e.to_string())?;
+        let mut between = command.spawn().map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        drop((theirs, pid_write));
+        tokio::spawn(async move {
+            let _ = between.wait().await;
+        });
+        let mut bytes = [0u8; 4];
+        std::io::Read::read_exact(&mut std::fs::File::from(pid_read), &mut bytes)
+            .map_err(|e| format!("cannot start {}: its pid never came ({e})", binary.display()))?;
+        let pid = i32::from_ne_bytes(bytes) as u32;
+        listen(ours.try_clone().map_err(|e| e.to_string())?, self.events.clone(), async { UpgradeEvent::Exited })
+            .map_err(|e| e.to_string())?;
         let message = format!(
             "upgrade: started {} as the new supervisor (pid {pid}); the old serves until its workers are ready",
             binary.display()
@@ -316,7 +359,15 @@ impl Supervisor {
         if let Some(replies) = &replies {
             let _ = replies.send(Response::progress(message));
         }
-        self.upgrade = Upgrade::Starting { pid, binary, since: Instant::now(), channel: ours, replies, failure: None };
+        self.upgrade = Upgrade::Starting {
+            pid,
+            binary,
+            version: None,
+            since: Instant::now(),
+            channel: ours,
+            replies,
+            failure: None,
+        };
         Ok(())
     }
 
@@ -340,11 +391,14 @@ impl Supervisor {
                 self.upgrade = Upgrade::HandedOver { pid };
                 self.retire_all();
             }
+            (UpgradeEvent::Said(Say::Starting { version: said }), Upgrade::Starting { version, .. }) => {
+                *version = Some(said);
+            }
             (UpgradeEvent::Said(Say::Failed { error }), Upgrade::Starting { failure, .. }) => {
                 *failure = Some(format!("failed: {error}"));
             }
-            (UpgradeEvent::Exited(status), Upgrade::Starting { pid, failure, replies, .. }) => {
-                let why = failure.take().unwrap_or_else(|| super::describe_exit(status));
+            (UpgradeEvent::Exited, Upgrade::Starting { pid, failure, replies, .. }) => {
+                let why = failure.take().unwrap_or_else(|| "exited before it was ready (its log says why)".into());
                 let error = format!("upgrade failed: the new supervisor (pid {pid}) {why}; this one serves as before");
                 error!("{error}");
                 if let Some(replies) = replies.take() {
@@ -352,16 +406,29 @@ impl Supervisor {
                 }
                 self.upgrade = Upgrade::None;
             }
-            (UpgradeEvent::HandedOver, Upgrade::Candidate { old_pid, .. }) => {
-                info!("pid {old_pid} handed over: this supervisor serves the control socket and tells systemd now");
-                self.upgrade = Upgrade::None;
+            // Handed over, or the old is gone before it could (then nothing waits any more).
+            (event @ (UpgradeEvent::HandedOver | UpgradeEvent::OldGone), Upgrade::Candidate { old_pid, .. }) => {
+                let old_pid = *old_pid;
+                match event {
+                    UpgradeEvent::HandedOver => info!(
+                        "pid {old_pid} handed over: this supervisor serves the control socket and tells systemd now"
+                    ),
+                    _ => warn!("pid {old_pid} went away before it handed over: this supervisor serves on its own"),
+                }
+                self.upgrade = match event {
+                    UpgradeEvent::HandedOver => Upgrade::TookOver { old_pid },
+                    _ => Upgrade::None,
+                };
                 self.services.start(&self.events);
                 self.notifier = systemd::Notifier::from_env();
                 self.leave_extra_sockets();
             }
-            // The other end closing after a hand-over, or a line out of turn.
+            (UpgradeEvent::OldGone, Upgrade::TookOver { old_pid }) => {
+                info!("pid {old_pid} exited: the upgrade is complete");
+                self.upgrade = Upgrade::None;
+            }
             (UpgradeEvent::Said(said), _) => warn!("upgrade: the other supervisor said {said:?} out of turn; ignored"),
-            (UpgradeEvent::Exited(_) | UpgradeEvent::HandedOver, _) => {}
+            (UpgradeEvent::Exited | UpgradeEvent::HandedOver | UpgradeEvent::OldGone, _) => {}
         }
     }
 
