@@ -15,5 +15,17 @@ if [ -d /run/systemd/system ]; then
     # Apply 99-inferd.conf now rather than at the next boot; a key the kernel lacks
     # (tcp_migrate_req on RHEL 8's 4.18) is reported and skipped by systemd-sysctl.
     /usr/lib/systemd/systemd-sysctl 99-inferd.conf >/dev/null 2>&1 || :
+    # An upgrade of a running service: the new binary and library go into service by
+    # `inferd upgrade` (docs/operations.md, "Upgrading inferd": no failed request, no cold
+    # start), and the marker tells %postun not to restart it. If the upgrade fails, the old
+    # supervisor serves as before and %postun restarts the service as it always did.
+    # /etc/inferd/restart-on-upgrade opts out: a plain restart, as before this package.
+    if [ "$1" -ge 2 ] && [ ! -e /etc/inferd/restart-on-upgrade ] && systemctl is-active --quiet inferd.service; then
+        if /usr/bin/inferd upgrade --control-socket /run/inferd/control.sock; then
+            touch /run/inferd-upgraded-in-place
+        else
+            echo "inferd: the upgrade in place failed (above); the service is restarted instead" >&2
+        fi
+    fi
 fi
 exit 0

@@ -12,11 +12,16 @@ fi
 
 # What %systemd_postun_with_restart does: forget the removed units, and on an upgrade restart
 # a running inferd so it runs the new binary and library (try-restart leaves a stopped service
-# stopped; with inferd.socket active, no connection is refused meanwhile).
+# stopped; with inferd.socket active, no connection is refused meanwhile), unless the new
+# package's %post put it into service in place already (`inferd upgrade`).
 if [ -d /run/systemd/system ]; then
     systemctl daemon-reload >/dev/null 2>&1 || :
     if [ "$1" -ge 1 ]; then
-        systemctl try-restart inferd.service >/dev/null 2>&1 || :
+        if [ -e /run/inferd-upgraded-in-place ]; then
+            rm -f /run/inferd-upgraded-in-place
+        else
+            systemctl try-restart inferd.service >/dev/null 2>&1 || :
+        fi
     fi
 fi
 exit 0
