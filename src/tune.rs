@@ -319,6 +319,7 @@ fn measure(
                 warmup: Duration::from_millis(500),
                 rate: None,
                 priority: None,
+                new_connection: false,
             };
             let outcome = load::run(&load)?;
             measured.errors += outcome.errors;

@@ -30,12 +30,16 @@ pub struct Load {
     pub rate: Option<f64>,
     /// Sent as `x-inferd-priority` with every request (None: no header).
     pub priority: Option<u8>,
+    /// Every request on a new connection (`Connection: close`) rather than keep-alive.
+    pub new_connection: bool,
 }
 
 /// One answered request: its latency, the server's times from Server-Timing (`prepare`:
 /// tokenising; `model`: waiting for the model, running it and handing the answer back; of it,
 /// `queue` and `compute`), and which body it sent.
 pub struct Sample {
+    /// When it was sent (or due, in an open loop).
+    pub sent: Instant,
     pub latency: Duration,
     pub prepare_ms: Option<f64>,
     pub model_ms: Option<f64>,
@@ -111,6 +115,7 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
         let (addr, path, bodies, measuring) = (load.addr.clone(), load.path.clone(), bodies.clone(), measuring.clone());
         let samples = samples[c].clone();
         let (rate, priority, next) = (load.rate.filter(|r| *r > 0.0), load.priority, next.clone());
+        let new_connection = load.new_connection;
         let (mut conn, mut sent) = (None, 0u64);
         move || {
             let body = next.fetch_add(1, Ordering::Relaxed) % bodies.len();
@@ -134,6 +139,9 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
                 if let Some(p) = &priority {
                     headers.push(("x-inferd-priority", p.as_str()));
                 }
+                if new_connection {
+                    headers.push(("Connection", "close"));
+                }
                 c.send("POST", &path, &headers, &bodies[body]).map(|a| (c, a))
             });
             match answer {
@@ -142,6 +150,7 @@ pub fn run(load: &Load) -> anyhow::Result<Outcome> {
                         let latency = started.elapsed();
                         let timing = |metric| answer.server_timing(metric);
                         samples.lock().unwrap().push(Sample {
+                            sent: started,
                             latency,
                             prepare_ms: timing("prepare"),
                             model_ms: timing("model"),

@@ -52,6 +52,13 @@ enum Command {
         /// Every request's priority (`x-inferd-priority`: 0 the highest).
         #[arg(long)]
         priority: Option<u8>,
+        /// Every request on a new connection (`Connection: close`), not keep-alive.
+        #[arg(long)]
+        new_connection: bool,
+        /// Write every answered request to this file: when it was sent (Unix time, ms) and
+        /// its latency (ms), one per line (bench/upgrade.sh cuts the run into periods).
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// Load an inferd gRPC port (server.grpc_listen) with ModelInfer of one text each.
     Grpc {
@@ -190,9 +197,9 @@ fn main() -> anyhow::Result<()> {
         Command::Trace { addr, set, concurrency, seconds, zipf, pool_pid } => {
             trace(&addr, &set, concurrency, seconds, zipf, pool_pid)
         }
-        Command::Http { clients, path, short_below, rate, priority } => {
+        Command::Http { clients, path, short_below, rate, priority, new_connection, timeline } => {
             let texts = read_texts(&clients.texts)?;
-            http(&clients, &path, short_below, (rate, priority), &texts)
+            http(&clients, &path, short_below, (rate, priority, new_connection), &texts, timeline.as_deref())
         }
         Command::Grpc { clients, model } => {
             let texts = read_texts(&clients.texts)?;
@@ -218,8 +225,9 @@ fn http(
     load: &Clients,
     path: &str,
     short_below: Option<usize>,
-    (rate, priority): (Option<f64>, Option<u8>),
+    (rate, priority, new_connection): (Option<f64>, Option<u8>, bool),
     texts: &[String],
+    timeline: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let bodies =
         texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t }))).collect::<Result<_, _>>()?;
@@ -232,8 +240,19 @@ fn http(
         warmup: Duration::from_secs_f64(load.warmup),
         rate,
         priority,
+        new_connection,
     })?;
     let samples = &outcome.samples;
+    if let Some(file) = timeline {
+        let (now, wall) = (std::time::Instant::now(), std::time::SystemTime::now());
+        let mut lines = String::new();
+        for s in samples {
+            let sent = wall - now.duration_since(s.sent);
+            let ms = sent.duration_since(std::time::UNIX_EPOCH)?.as_secs_f64() * 1e3;
+            lines.push_str(&format!("{ms:.1} {:.3}\n", s.latency.as_secs_f64() * 1e3));
+        }
+        std::fs::write(file, lines).with_context(|| format!("write {}", file.display()))?;
+    }
     // Where a request's time goes, from Server-Timing: tokenising, the model (queue and run),
     // and the rest (HTTP, JSON, the client), as shares of the mean latency.
     let mean = |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);

@@ -96,6 +96,12 @@ pub struct WorkerSpec {
     /// [`crate::balance::WORKER_BALANCE_FD`] and sheds its excess (see [`crate::balance`]).
     #[serde(default)]
     pub balance: bool,
+    /// The nice value the worker loads and warms up at (0: its own), its threads put back by
+    /// as much before it listens: a replacement booting beside serving workers takes the cores
+    /// they leave idle, not their requests' time (set only where the supervisor found that a
+    /// thread may be put back).
+    #[serde(default)]
+    pub boot_nice: i32,
     /// The worker applies its API keys' rates and concurrency, and counts their requests, in
     /// the pool's table at [`crate::limits::WORKER_LIMITS_FD`].
     #[serde(default)]

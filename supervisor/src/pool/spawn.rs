@@ -73,6 +73,12 @@ impl Supervisor {
             },
             balance: self.launcher.balance.is_some() && config.server.balance_connections,
             limits: self.launcher.limits.is_some(),
+            // Whenever other workers serve while this one boots: a replacement, or the first
+            // workers of an upgrade's new supervisor.
+            boot_nice: match cause != Cause::Boot || self.upgrade.shares_sockets() {
+                true if self.launcher.renice => BOOT_NICE,
+                _ => 0,
+            },
             memory_share: config
                 .models
                 .on_demand
@@ -156,6 +162,27 @@ pub(super) struct Launcher {
     /// Each API key's rate, concurrency and counts (see `inferd_ipc::limits`), mapped here to
     /// report them and to clear the requests of workers that exit, and its descriptor.
     pub(super) limits: Option<(Limits, OwnedFd)>,
+    /// Whether a thread of this user may be put back to nice 0 once niced (root with
+    /// CAP_SYS_NICE, or RLIMIT_NICE: systemd's `LimitNICE=+0`): workers then boot niced.
+    renice: bool,
+}
+
+/// The nice value a worker boots at beside serving ones ([`WorkerSpec::boot_nice`]): at +9 a
+/// thread gets about an eighth of a core a nice-0 thread wants, and the background lane's +10
+/// on top of it (19) comes back exactly to +10.
+const BOOT_NICE: i32 = 9;
+
+/// Whether a thread may be niced and put back (the worker's boot does that to all of its).
+fn can_renice() -> bool {
+    std::thread::spawn(|| {
+        let tid = nix::unistd::gettid().as_raw() as libc::id_t;
+        // SAFETY: plain system calls on this thread's own id.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, tid, 1) == 0 && libc::setpriority(libc::PRIO_PROCESS, tid, 0) == 0
+        }
+    })
+    .join()
+    .unwrap_or(false)
 }
 
 impl Launcher {
@@ -181,7 +208,12 @@ impl Launcher {
             Some(fd) => Limits::map(&fd).map(|table| (table, fd)),
             None => Limits::create().and_then(|(table, fd)| Ok((table, dup_high(fd.as_raw_fd())?))),
         };
+        let renice = can_renice();
+        if !renice {
+            info!("workers boot at their own priority: a thread may not be put back to nice 0 here (LimitNICE=+0 allows it)");
+        }
         Ok(Launcher {
+            renice,
             exe: std::env::current_exe()?,
             events,
             spawns: 0,

@@ -57,6 +57,11 @@ pub(super) struct Booted {
 }
 
 pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Failure> {
+    if spec.boot_nice > 0 {
+        // This thread, and every thread started from now on, boots niced (see `renice`).
+        // SAFETY: a plain system call on the calling thread.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, spec.boot_nice) };
+    }
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
         let mut set = nix::sched::CpuSet::new();
@@ -99,6 +104,9 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Fai
     // Loading and warming left freed buffers in the allocator: give them back before serving.
     crate::runtime::allocator::trim();
     hold_for_test(spec.cause);
+    if spec.boot_nice > 0 {
+        renice(-spec.boot_nice);
+    }
     let http = take_port(WORKER_LISTENER_FD, !spec.shared_listener)
         .map_err(|e| failure(FailureKind::Boot)(format!("cannot listen on {}: {e}", spec.server.listen)))?;
     let grpc =
@@ -138,6 +146,28 @@ fn hold_for_test(cause: Cause) {
     tracing::warn!("held before listening while {} exists (INFERD_TEST_HOLD_DIR)", hold.display());
     while hold.exists() {
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Moves every thread of the process `by` in nice value (never below 0): the boot's nice
+/// taken back before the worker listens, each thread keeping its own offset (the background
+/// lane's). A thread that cannot be moved stays as it is, and says so.
+fn renice(by: i32) {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+    for tid in tasks.filter_map(|t| t.ok()?.file_name().to_str()?.parse::<libc::id_t>().ok()) {
+        nix::errno::Errno::clear();
+        // SAFETY: plain system calls on a thread of this process.
+        let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+        if nix::errno::Errno::last_raw() != 0 {
+            continue;
+        }
+        // SAFETY: as above.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).max(0)) } != 0 {
+            tracing::warn!(
+                "cannot put thread {tid} back from its boot's nice value: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
