@@ -32,13 +32,15 @@ test:
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
 # then many models within one memory budget (docs/benchmarks.md, "Many models"), what
 # tracing costs ("Traces"), what the cache of answers gains ("The cache of answers") and what
-# priorities do for an interactive client beside a bulk one ("Priorities").
+# priorities do for an interactive client beside a bulk one ("Priorities") and what an upgrade
+# of inferd under load costs ("Upgrade").
 bench: setup
 	bench/compare.sh
 	RECORD=1 bench/many_models.sh
 	RECORD=1 bench/traces.sh
 	RECORD=1 bench/cache.sh
 	RECORD=1 bench/priority.sh
+	RECORD=1 bench/upgrade.sh
 
 # Regenerates the committed test models and the default model's reference output.
 fixtures: setup

@@ -64,7 +64,7 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 {
     echo "\`bench/upgrade.sh\` ($machine; $ROUNDS rounds of $SECONDS_PER s, \`inferd upgrade\` at ${AT} s; open loops:"
-    echo "keep-alive clients at $KEEP_RATE req/s on 4 connections, and $NEW_RATE req/s each on a new connection; latency"
+    echo "keep-alive clients at $KEEP_RATE req/s on 4 connections, and $NEW_RATE req/s, each request on a new connection; latency"
     echo "counted from each request's time on the schedule; medians over the rounds):"
     python3 - "$work" <<'PY'
 import json, statistics, sys
