@@ -9,7 +9,7 @@
 #                                        (scripts/systemd-container.sh exec bash -l; ... down)
 #
 # The units are used unchanged, with systemd/hardening.conf (the newer sandboxing options);
-# the only other drop-in is step 3's WatchdogSec=5 (removed after it).
+# the only other drop-in is WatchdogSec=5 in steps 3 and 7 (removed after each).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -284,7 +284,10 @@ out=$(run_ct '
     pool_ready && echo POOL_READY
     load /run/e2e-sreload '"$CLIENTS"'; sleep 1
     systemctl reload inferd; rc=$?; sleep 1; load_stop /run/e2e-sreload
-    echo "socket-activated reload exit $rc; requests: $(load_report /run/e2e-sreload | head -1)"')
+    echo "socket-activated reload exit $rc; requests: $(load_report /run/e2e-sreload | head -1)"
+    pid=$(mainpid); load /run/e2e-supgrade '"$CLIENTS"'; sleep 1
+    inferd upgrade --control-socket $CTL >/dev/null; rc=$?; sleep 1; load_stop /run/e2e-supgrade
+    echo "socket-activated upgrade exit $rc; MainPID $pid -> $(mainpid); requests: $(load_report /run/e2e-supgrade | head -1)"')
 echo "$out" | show
 check "inferd.socket active while inferd.service is not" grep -q '^inferd.socket active, inferd.service inactive$' <<<"$out"
 check "the first request started the service and answered 200" grep -q '^first request: 200 0 ' <<<"$out"
@@ -300,6 +303,10 @@ read -r rc rest < <(sed -n 's/^socket-activated reload exit \([0-9]*\); requests
 read -r total ok bad <<<"${rest:-}"
 check "systemctl reload on the passed socket: exit ${rc:-?}, zero failed requests ($ok of $total answered 200)" \
     test "${rc:-x}" = 0 -a "${total:-0}" -gt 0 -a "${bad:-1}" = 0
+read -r rc pid_before pid_after rest < <(sed -n 's/^socket-activated upgrade exit \([0-9]*\); MainPID \([0-9]*\) -> \([0-9]*\); requests: \(.*\)$/\1 \2 \3 \4/p' <<<"$out")
+read -r total ok bad <<<"${rest:-}"
+check "inferd upgrade on the passed socket: exit ${rc:-?}, MainPID $pid_before -> $pid_after, zero failed requests ($ok of $total answered 200)" \
+    test "${rc:-x}" = 0 -a -n "${pid_after:-}" -a "${pid_before:-}" != "${pid_after:-}" -a "${total:-0}" -gt 0 -a "${bad:-1}" = 0
 run_ct 'systemctl stop inferd.socket inferd' >/dev/null 2>&1
 
 step "7. inferd upgrade under load: MainPID moves to the new supervisor, the watchdog holds, stop is clean"
@@ -338,6 +345,24 @@ check "zero failed requests across the upgrades ($ok of $total answered 200, $CL
 check "pool ready after the upgrades" grep -q '^POOL_READY$' <<<"$out"
 check "systemctl stop: exit 0, inactive, Result=success, no inferd process left" \
     grep -Eq '^stop exit 0 after [0-9]+ ms; ActiveState inactive; Result success; inferd processes left: 0$' <<<"$out"
+
+step "7b. systemctl stop while an upgrade starts: both supervisors and their workers go, cleanly"
+out=$(run_ct '
+    printf "#!/bin/sh\nsleep 5\nexec /usr/bin/inferd \"\$@\"\n" >/run/e2e-slow-inferd && chmod 755 /run/e2e-slow-inferd
+    systemctl start inferd
+    inferd upgrade --control-socket $CTL --binary /run/e2e-slow-inferd >/run/e2e-upgrade.out 2>&1 &
+    for i in $(seq 1 50); do inferd status --control-socket $CTL | grep -q "^upgrade: " && break; sleep 0.1; done
+    inferd status --control-socket $CTL | grep "^upgrade: "
+    t=$(date +%s%3N); systemctl stop inferd; rc=$?; t=$(( $(date +%s%3N) - t )); wait
+    sleep 1
+    echo "stop exit $rc after $t ms; ActiveState $(prop ActiveState inferd); Result $(prop Result inferd); inferd processes left: $(pgrep -c -x inferd)"
+    echo "upgrade said: $(tail -1 /run/e2e-upgrade.out)"
+    rm -f /run/e2e-slow-inferd /run/e2e-upgrade.out')
+echo "$out" | show
+check "an upgrade was starting when stop was issued" grep -q '^upgrade: to pid' <<<"$out"
+check "systemctl stop: exit 0, inactive, Result=success, no inferd process of either supervisor left" \
+    grep -Eq '^stop exit 0 after [0-9]+ ms; ActiveState inactive; Result success; inferd processes left: 0$' <<<"$out"
+check "inferd upgrade said it did not happen" grep -q '^upgrade said: .*upgrade failed: the supervisor is stopping' <<<"$out"
 
 echo
 if [ "$FAILED" = 0 ]; then

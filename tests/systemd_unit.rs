@@ -2,7 +2,8 @@
 //! in a systemd-nspawn container (rootfs built once into .cache/), installs this build as
 //! docs/systemd.md says, and checks start (returns once every worker is ready), reload under
 //! load (zero failed requests), the watchdog restarting a hung supervisor, stop (drains), the
-//! journal, and socket activation across a restart (zero refused connections).
+//! journal, socket activation across a restart (zero refused connections), and `inferd upgrade`
+//! under load (MainPID the new supervisor, the watchdog quiet, stop clean after and during one).
 //! Needs root; a host that cannot run the container (exit 77) is reported as a skip.
 
 use std::process::Command;

@@ -3,8 +3,8 @@
 //! the new workers are ready. Under load, with clients that connect for each request and
 //! keep-alive clients, no request fails, and every answer after it comes from the new version
 //! (`x-inferd-version`, `inferd status`). A new binary that exits at start, or whose model
-//! cannot load, leaves the old serving, and `inferd upgrade` fails naming why; a second upgrade
-//! is refused while one runs. Repeated upgrades leave neither processes nor descriptors behind.
+//! cannot load, or that is not ready in time (killed), leaves the old serving, and `inferd
+//! upgrade` fails naming why; a second upgrade is refused while one runs. Repeated upgrades leave neither processes nor descriptors behind.
 //!
 //! The second build is the same binary under a wrapper that sets INFERD_TEST_VERSION (a
 //! `test-switches` build reports it as its version): what the tests check is the hand-over, not
@@ -272,4 +272,32 @@ fn repeated_upgrades_under_load_leave_no_process_or_descriptor_behind() {
     eprintln!("{} answers over 4 upgrades; supervisor descriptors after each: {fds:?}", answers.len());
     // The supervisor holds the same descriptors after every upgrade: none leaks.
     assert!(fds.windows(2).all(|w| w[0] == w[1]), "{fds:?}");
+}
+
+#[test]
+fn a_new_supervisor_not_ready_in_time_is_killed_and_the_old_serves_on() {
+    let dir = temp_dir("upgrade-late");
+    let repository = model_repository(dir.path(), &["typed"]);
+    let port = free_port();
+    let config = write_config(dir.path(), port, 2, &repository, "typed", &[], "");
+    // A short boot timeout: the new supervisor has 2 x 2 s to be ready.
+    let text = std::fs::read_to_string(&config).unwrap().replace("boot_timeout_secs = 60", "boot_timeout_secs = 2");
+    std::fs::write(&config, text).unwrap();
+    // A "binary" that hangs at start, never saying a word.
+    let hangs = dir.path().join("inferd-hangs");
+    std::fs::write(&hangs, "#!/bin/sh\nexec sleep 60\n").unwrap();
+    std::fs::set_permissions(&hangs, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    let before = server.wait_ready(Duration::from_secs(60));
+    let load = Load::start(&server, MODEL_PATH, typed_request());
+    let started = Instant::now();
+    let (ok, said) = upgrade(&server, &hangs);
+    assert!(!ok && said.contains("was not ready within 4 s") && said.contains("serves as before"), "{said}");
+    assert!(started.elapsed() >= Duration::from_secs(4), "answered after {:?}", started.elapsed());
+    let (answers, failures) = load.finish();
+    assert!(failures.is_empty() && !answers.is_empty(), "{failures:?}");
+    let status = server.status();
+    assert_eq!((status["pid"].clone(), status["phase"].clone()), (before["pid"].clone(), "ready".into()));
+    // The hung one is gone: the supervisor and its two workers are left.
+    wait_until("the hung supervisor's end", &mut server, |s| group(s).len() == 3);
 }

@@ -446,12 +446,18 @@ impl Supervisor {
         }
     }
 
-    /// Old side, stopping during an upgrade: the new supervisor goes first.
+    /// Old side, stopping during an upgrade: the new supervisor goes first (its workers follow
+    /// it), and `inferd upgrade` is answered now: this one may be gone before the new one's
+    /// end is seen.
     pub(super) fn abandon_upgrade(&mut self) {
-        if let Upgrade::Starting { pid, failure, .. } = &mut self.upgrade {
-            warn!("stopping during an upgrade: killing the new supervisor (pid {pid})");
-            *failure = Some("was stopped: the old supervisor is stopping".into());
+        if let Upgrade::Starting { pid, replies, .. } = &mut self.upgrade {
+            let error = format!("upgrade failed: the supervisor is stopping; the new one (pid {pid}) was killed");
+            warn!("{error}");
             let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+            if let Some(replies) = replies.take() {
+                let _ = replies.send(Response::error(error));
+            }
+            self.upgrade = Upgrade::None;
         }
     }
 }
