@@ -187,16 +187,29 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
+        // The control socket's file is another supervisor's while this one takes over.
+        let candidate = inherited.is_some();
         let (events, mut queue) = mpsc::unbounded_channel();
-        let services = Services::open(&resolved, inherited.as_mut()).await?;
-        if activated.is_none() {
-            // A slot left without a worker takes its socket out of the group (systemd's shared
-            // socket never leaves, so needs no migration).
-            tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
-        }
-        signals::forward(events.clone())?;
-        crate::trace::init(&resolved.config.tracing_config());
-        let mut supervisor = Supervisor::new(resolved, events, activated, services, inherited)?;
+        let started = async {
+            let services = Services::open(&resolved, inherited.as_mut()).await?;
+            if activated.is_none() {
+                // A slot left without a worker takes its socket out of the group (systemd's
+                // shared socket never leaves, so needs no migration).
+                tcp::ensure_migrate_req(resolved.config.server.set_tcp_migrate_req);
+            }
+            signals::forward(events.clone())?;
+            crate::trace::init(&resolved.config.tracing_config());
+            Supervisor::new(resolved, events, activated, services, inherited)
+        };
+        let mut supervisor = match started.await {
+            Ok(supervisor) => supervisor,
+            Err(e) => {
+                if !candidate {
+                    let _ = std::fs::remove_file(&socket);
+                }
+                return Err(e);
+            }
+        };
         let result = supervisor.run(&mut queue).await;
         if let Err(e) = &result {
             supervisor.tell_old(upgrade::Say::Failed { error: e.to_string() });

@@ -377,8 +377,9 @@ impl Supervisor {
                 if said == *pid =>
             {
                 let pid = *pid;
-                say(channel, &Say::Handover);
+                // systemd first: the new one's READY=1 must come from the main process.
                 self.notifier.hand_over(pid);
+                say(channel, &Say::Handover);
                 self.services.stop();
                 let message = format!(
                     "upgraded: pid {pid} (inferd {version}) serves now; the old workers (inferd {}) drain",

@@ -98,44 +98,38 @@ impl AppState {
             let window = (rate.interval_ns() as u128 * rate.burst as u128).div_ceil(1_000_000_000);
             format!("\"key\";q={};w={window}", rate.burst)
         });
-        match seat.admit(name, priority, limits, now_ns()) {
-            Ok(admitted) => {
-                static WARNED: AtomicBool = AtomicBool::new(false);
-                if admitted.untracked && !WARNED.swap(true, Ordering::Relaxed) {
-                    tracing::error!(
-                        key = name,
-                        "the pool's table of API key limits is full: this key is served without its limits (restart \
-                         the supervisor to empty it)"
-                    );
-                }
-                Ok(Admission {
-                _pass: admitted.pass,
-                headers: admitted.standing.zip(policy).map(|(standing, policy)| RateHeaders {
-                    policy,
-                    state: format!("\"key\";r={};t={}", standing.remaining, seconds(standing.reset_ns)),
-                    retry_after: None,
-                }),
-            })
-            }
-            Err(Over::Rate { retry_ns }) => {
-                let rate = key.and_then(|k| k.rate).expect("a key over its rate has one");
-                Err(ApiError::TooManyRequests(
-                    format!(
-                        "API key {name:?} is over its rate of {rate}: the next request is admitted in {:.3} s",
-                        retry_ns as f64 / 1e9
-                    ),
-                    RateHeaders {
-                        policy: policy.unwrap_or_default(),
-                        state: format!("\"key\";r=0;t={}", seconds(retry_ns)),
-                        retry_after: Some(seconds(retry_ns)),
-                    },
-                ))
-            }
-            Err(Over::Concurrency { limit }) => Err(ApiError::TooManyRequests(
+        let admitted = seat.admit(name, priority, limits, now_ns()).map_err(|over| match over {
+            Over::Rate { retry_ns } => ApiError::TooManyRequests(
+                format!(
+                    "API key {name:?} is over its rate of {}: the next request is admitted in {:.3} s",
+                    key.and_then(|k| k.rate).map_or(String::new(), |r| r.to_string()),
+                    retry_ns as f64 / 1e9
+                ),
+                RateHeaders {
+                    policy: policy.clone().unwrap_or_default(),
+                    state: format!("\"key\";r=0;t={}", seconds(retry_ns)),
+                    retry_after: Some(seconds(retry_ns)),
+                },
+            ),
+            Over::Concurrency { limit } => ApiError::TooManyRequests(
                 format!("API key {name:?} has {limit} requests in flight, its concurrency limit: retry when one is answered"),
                 RateHeaders { policy: String::new(), state: String::new(), retry_after: Some(1) },
-            )),
+            ),
+        })?;
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if admitted.untracked && !WARNED.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                key = name,
+                "the pool's table of API key limits is full: keys it has no room for are served without their \
+                 limits (a restart of the supervisor empties it)"
+            );
         }
+        let headers = admitted.standing.zip(policy).map(|(standing, policy)| RateHeaders {
+            policy,
+            state: format!("\"key\";r={};t={}", standing.remaining, seconds(standing.reset_ns)),
+            retry_after: None,
+        });
+        Ok(Admission { _pass: admitted.pass, headers })
     }
 }
 
