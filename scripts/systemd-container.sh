@@ -168,8 +168,10 @@ inside() {
 }
 
 boot() {
+    # CAP_SYS_RESOURCE, which nspawn drops by default: the container's systemd then applies the
+    # unit's Limit*= (LimitNICE=, LimitNOFILE=) above the host's limits, as on a real host.
     local args=(-D "$ROOT" --boot --register=no --keep-unit -M "$MACHINE" --console=read-only
-        --bind-ro="$REPO:/src")
+        --bind-ro="$REPO:/src" --capability=CAP_SYS_RESOURCE)
     [ "$NETWORK" = host ] || args+=(--private-network)
     log "booting: systemd-nspawn ${args[*]}"
     local start=$SECONDS
