@@ -13,6 +13,7 @@ use tracing::info;
 use super::{failure, Failure, Reporter};
 use crate::load::Lanes;
 use crate::request::app::Model;
+use crate::runtime::engine::shift_nice;
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, Runtime, Threads};
 
@@ -59,8 +60,7 @@ pub(super) struct Booted {
 pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Failure> {
     if spec.boot_nice > 0 {
         // This thread, and every thread started from now on, boots niced (see `renice`).
-        // SAFETY: a plain system call on the calling thread.
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, spec.boot_nice) };
+        let _ = shift_nice(nix::unistd::gettid().as_raw() as libc::id_t, spec.boot_nice);
     }
     if !spec.cpus.is_empty() {
         // Before any thread exists, so every thread ORT creates inherits the mask.
@@ -149,24 +149,16 @@ fn hold_for_test(cause: Cause) {
     }
 }
 
-/// Moves every thread of the process `by` in nice value (never below 0): the boot's nice
-/// taken back before the worker listens, each thread keeping its own offset (the background
-/// lane's). A thread that cannot be moved stays as it is, and says so.
+/// Moves every thread of the process `by` in nice value: the boot's nice taken back before
+/// the worker listens, each thread keeping its own offset (the background lane's). A thread
+/// that cannot be moved stays as it is, and says so.
 fn renice(by: i32) {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
     for tid in tasks.filter_map(|t| t.ok()?.file_name().to_str()?.parse::<libc::id_t>().ok()) {
-        nix::errno::Errno::clear();
-        // SAFETY: plain system calls on a thread of this process.
-        let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
-        if nix::errno::Errno::last_raw() != 0 {
-            continue;
-        }
-        // SAFETY: as above.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).max(0)) } != 0 {
-            tracing::warn!(
-                "cannot put thread {tid} back from its boot's nice value: {}",
-                std::io::Error::last_os_error()
-            );
+        match shift_nice(tid, by) {
+            // A thread that ended meanwhile.
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => tracing::warn!("cannot put thread {tid} back from its boot's nice value: {e}"),
         }
     }
 }

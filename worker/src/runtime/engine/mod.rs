@@ -576,22 +576,28 @@ impl RunClock {
     }
 }
 
-/// Makes the calling thread `by` nicer than it is (Linux: a thread's own nice value). Raising
-/// it needs no privilege; failing, the lane runs at the worker's priority, which costs short
-/// requests latency, not correctness.
+/// Makes the calling thread `by` nicer than it is. Raising it needs no privilege; failing,
+/// the lane runs at the worker's priority, which costs short requests latency, not
+/// correctness.
 fn lower_priority(by: i32) {
+    if let Err(e) = shift_nice(nix::unistd::gettid().as_raw() as libc::id_t, by) {
+        warn!("cannot lower the background lane's priority: {e}");
+    }
+}
+
+/// Moves thread `tid`'s nice value (Linux: each thread has its own) by `by`, within -20..=19:
+/// up needs no privilege, down needs RLIMIT_NICE or CAP_SYS_NICE. Shared by the background
+/// lane and the worker's niced boot (server/boot.rs), so that each undoes exactly what the
+/// other did.
+pub(crate) fn shift_nice(tid: libc::id_t, by: i32) -> Result<(), nix::errno::Errno> {
     use nix::errno::Errno;
-    let tid = nix::unistd::gettid().as_raw() as libc::id_t;
     // getpriority returns the nice value, and -1 both for nice -1 and for an error: errno tells.
     Errno::clear();
-    // SAFETY: plain system calls on the calling thread's id; no memory is passed.
+    // SAFETY: plain system calls on a thread id; no memory is passed.
     let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
-    let result = match Errno::last_raw() {
-        0 => Errno::result(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).min(19)) }).map(drop),
+    match Errno::last_raw() {
+        0 => Errno::result(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, (now + by).clamp(-20, 19)) }).map(drop),
         _ => Err(Errno::last()),
-    };
-    if let Err(e) = result {
-        warn!("cannot lower the background lane's priority: {e}");
     }
 }
 
