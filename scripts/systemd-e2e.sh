@@ -40,6 +40,12 @@ CTL=$CTL
 EOF
 read -r -d '' LIB2 <<'EOF'
 mainpid() { systemctl show -p MainPID --value inferd; }
+# watchdog_5s on|off: the drop-in WatchdogSec=5 of steps 3 and 7, put in or taken out.
+watchdog_5s() {
+    local f=/etc/systemd/system/inferd.service.d/e2e-watchdog.conf
+    if [ "$1" = on ]; then mkdir -p "${f%/*}" && printf "[Service]\nWatchdogSec=5\n" >"$f"; else rm -f "$f"; fi
+    systemctl daemon-reload
+}
 prop() { systemctl show -p "$1" --value "$2"; }
 embed() { # embed [curl args...]: prints "HTTP_CODE CURL_EXIT SECONDS"
     local out rc
@@ -186,9 +192,7 @@ check "systemctl start fails, the unit is failed with exit status 3 and was not 
 
 step "3. the watchdog restarts a hung supervisor (drop-in WatchdogSec=5)"
 out=$(run_ct '
-    mkdir -p /etc/systemd/system/inferd.service.d
-    printf "[Service]\nWatchdogSec=5\n" >/etc/systemd/system/inferd.service.d/e2e-watchdog.conf
-    systemctl daemon-reload && systemctl restart inferd
+    watchdog_5s on && systemctl restart inferd
     pid=$(mainpid); n=$(prop NRestarts inferd); since=$(date "+%F %T")
     echo "WatchdogUSec=$(prop WatchdogUSec inferd); MainPID $pid; NRestarts $n; kill -STOP $pid"
     kill -STOP "$pid"; t=$(date +%s%3N)
@@ -200,7 +204,7 @@ out=$(run_ct '
     echo "after $(( $(date +%s%3N) - t )) ms: MainPID $pid -> $(mainpid); NRestarts $n -> $(prop NRestarts inferd); ActiveState $(prop ActiveState inferd)"
     journalctl -u inferd --since "$since" --no-pager -o cat | grep -E "Watchdog timeout|Killing process|Main process exited|Scheduled restart|Started inferd" | head -8
     pool_ready && echo POOL_READY; echo "embed: $(embed)"
-    rm -f /etc/systemd/system/inferd.service.d/e2e-watchdog.conf; systemctl daemon-reload')
+    watchdog_5s off')
 echo "$out" | show
 read -r pid_before pid_after n_before n_after state < <(sed -n \
     's/^after [0-9]* ms: MainPID \([0-9]*\) -> \([0-9]*\); NRestarts \([0-9]*\) -> \([0-9]*\); ActiveState \(.*\)/\1 \2 \3 \4 \5/p' <<<"$out")
@@ -311,9 +315,7 @@ run_ct 'systemctl stop inferd.socket inferd' >/dev/null 2>&1
 
 step "7. inferd upgrade under load: MainPID moves to the new supervisor, the watchdog holds, stop is clean"
 out=$(run_ct '
-    mkdir -p /etc/systemd/system/inferd.service.d
-    printf "[Service]\nWatchdogSec=5\n" >/etc/systemd/system/inferd.service.d/e2e-watchdog.conf
-    systemctl daemon-reload && systemctl start inferd
+    watchdog_5s on && systemctl start inferd
     pid=$(mainpid); n=$(prop NRestarts inferd); since=$(date "+%F %T")
     load /run/e2e-upgrade '"$CLIENTS"'; sleep 2
     for i in 1 2; do
@@ -331,7 +333,7 @@ out=$(run_ct '
     stopped=$(date "+%F %T"); t=$(date +%s%3N); systemctl stop inferd; rc=$?; t=$(( $(date +%s%3N) - t ))
     echo "stop exit $rc after $t ms; ActiveState $(prop ActiveState inferd); Result $(prop Result inferd); inferd processes left: $(pgrep -c -x inferd)"
     journalctl -u inferd --since "$stopped" --no-pager -o cat | tail -12
-    rm -f /etc/systemd/system/inferd.service.d/e2e-watchdog.conf; systemctl daemon-reload')
+    watchdog_5s off')
 echo "$out" | show
 read -r pid_before pid_after status_pid n_before n_after state < <(sed -n \
     's/^MainPID \([0-9]*\) -> \([0-9]*\); inferd status pid \([0-9]*\); NRestarts \([0-9]*\) -> \([0-9]*\); ActiveState \([a-z]*\)$/\1 \2 \3 \4 \5 \6/p' <<<"$out")

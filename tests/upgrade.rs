@@ -18,13 +18,17 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 
-/// A wrapper "build" of inferd reporting `version`, optionally after `delay` seconds.
-fn build(dir: &Path, name: &str, version: &str, delay: u32) -> PathBuf {
+/// An executable shell script `name` in `dir`: a "binary" to upgrade to.
+fn script(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);
-    let script = format!("#!/bin/sh\nsleep {delay}\nINFERD_TEST_VERSION={version} exec {BIN} \"$@\"\n");
-    std::fs::write(&path, script).unwrap();
+    std::fs::write(&path, format!("#!/bin/sh\n{text}\n")).unwrap();
     std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     path
+}
+
+/// A wrapper "build" of inferd reporting `version`, optionally after `delay` seconds.
+fn build(dir: &Path, name: &str, version: &str, delay: u32) -> PathBuf {
+    script(dir, name, &format!("sleep {delay}\nINFERD_TEST_VERSION={version} exec {BIN} \"$@\""))
 }
 
 /// `inferd upgrade --binary BINARY` against `server`: (exit success, stdout and stderr).
@@ -203,9 +207,7 @@ fn an_upgrade_that_cannot_start_or_load_its_model_leaves_the_old_serving_and_say
     let repository = model_repository(dir.path(), &["typed"]);
     let port = free_port();
     write_config(dir.path(), port, 2, &repository, "typed", &[], "");
-    let broken = dir.path().join("inferd-broken");
-    std::fs::write(&broken, "#!/bin/sh\necho 'this build cannot start' >&2\nexit 3\n").unwrap();
-    std::fs::set_permissions(&broken, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let broken = script(dir.path(), "inferd-broken", "echo 'this build cannot start' >&2\nexit 3");
     let slow = build(dir.path(), "inferd-slow", "0.1.0-slow", 3);
     let mut server = Server::start(dir, port, &[]);
     let before = server.wait_ready(Duration::from_secs(60));
@@ -307,9 +309,7 @@ fn a_new_supervisor_not_ready_in_time_is_killed_and_the_old_serves_on() {
     let text = std::fs::read_to_string(&config).unwrap().replace("boot_timeout_secs = 60", "boot_timeout_secs = 2");
     std::fs::write(&config, text).unwrap();
     // A "binary" that hangs at start, never saying a word.
-    let hangs = dir.path().join("inferd-hangs");
-    std::fs::write(&hangs, "#!/bin/sh\nexec sleep 60\n").unwrap();
-    std::fs::set_permissions(&hangs, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let hangs = script(dir.path(), "inferd-hangs", "exec sleep 60");
     let mut server = Server::start(dir, port, &[]);
     let before = server.wait_ready(Duration::from_secs(60));
     let load = Load::start(&server, MODEL_PATH, typed_request());
