@@ -83,13 +83,6 @@ impl Job {
         Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace, priority }
     }
 
-    /// Its priority now: one level higher for every [`super::AGING`] it has waited, so that
-    /// low-priority work is never starved by a stream of higher.
-    pub(super) fn standing(&self, now: Instant) -> u8 {
-        let waited = now.saturating_duration_since(self.queued_at).as_millis() / super::AGING.as_millis();
-        self.priority.saturating_sub(u8::try_from(waited).unwrap_or(u8::MAX))
-    }
-
     /// Whether `other` can run in one ORT call with `self`.
     pub(super) fn fits(&self, other: &Job) -> bool {
         self.model == other.model

@@ -43,10 +43,30 @@ const WATCH_EVERY: Duration = Duration::from_millis(50);
 /// work; with only heavy work coming, every lane runs it.
 const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
 
+/// After this many runs in a row that went ahead of older work of a lower priority, the next
+/// run goes to the oldest waiting job ([`Dispatcher::next_anchor`]): lower-priority work gets
+/// at least one run in `OVERTAKES + 1` while higher-priority work never stops, and it is
+/// never starved. A rule in runs, not in time: however long the line has waited, priorities
+/// keep ordering it (levelling them by the time waited, as a job of priority 9 once stood
+/// level with 0 after 0.9 s, ordered nothing exactly when the line was long).
+pub(super) const OVERTAKES: u32 = 4;
+
+/// The next job to start, from [`Dispatcher::next_anchor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pick {
+    /// Its index in `pending`.
+    index: usize,
+    lane: usize,
+    /// It goes ahead of an older job of a lower priority that a lane could take now.
+    overtakes: bool,
+}
+
 /// Takes jobs, forms batches and hands them to free lanes.
 pub(super) struct Dispatcher {
     /// Jobs taken and not yet handed to a lane, oldest first.
     pending: VecDeque<Job>,
+    /// Runs in a row that went ahead of older work of a lower priority ([`OVERTAKES`]).
+    overtaken: u32,
     /// Each model's limits, by model number.
     policies: HashMap<usize, Policy>,
     /// Each lane's work channel and what it runs.
@@ -174,6 +194,7 @@ impl Dispatcher {
     ) -> Dispatcher {
         Dispatcher {
             pending: VecDeque::new(),
+            overtaken: 0,
             policies: policies.into_iter().enumerate().collect(),
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             has_wide,
@@ -264,14 +285,14 @@ impl Dispatcher {
     /// Hands batches to free lanes while there is work that may start now.
     fn dispatch(&mut self) -> Result<(), mpsc::SendError<Work>> {
         self.company_until = None;
-        while let Some((index, lane)) = self.next_anchor() {
-            if let Some(until) = self.company_due(index) {
+        while let Some(pick) = self.next_anchor() {
+            if let Some(until) = self.company_due(pick.index) {
                 // Nothing starts before it: the timer dispatches it when its wait ends, and a
                 // job that fills its batch sooner does.
                 self.company_until = Some(until);
                 break;
             }
-            let anchor = self.pending.remove(index).expect("next_anchor gives an index into pending");
+            let (anchor, lane) = (self.take_anchor(pick), pick.lane);
             let heavy = anchor.heavy();
             // Lanes share what waits: a lane takes its share of it, not all of it, so the others
             // (free now or soon) get work too and no request waits behind one oversized batch.
@@ -345,15 +366,16 @@ impl Dispatcher {
         self.last_light.map(|t| t + LIGHT_RESERVATION).filter(|&until| until > Instant::now())
     }
 
-    /// The next job to start and its lane: the oldest job that a free lane may take. Light work
-    /// goes to a regular lane, and so does heavy work unless the last free regular lane is
-    /// reserved for light work ([`Dispatcher::reserved_until`]). Where there is a background
-    /// lane, heavy work goes there instead while light work comes (and a job of more than the
-    /// model's token budget, a bulk request, always), unless it has the worker to itself: then
-    /// lane 0 may run it wide. With no light work about, long texts run on lane 0 as in any
-    /// worker, batched, one run at a time. Nothing starts while a wide run holds every lane.
-    /// Returns the job's index in `pending`.
-    fn next_anchor(&self) -> Option<(usize, usize)> {
+    /// The next job to start and its lane: of the jobs a free lane may take, the one of the
+    /// highest priority, the oldest among equals; after [`OVERTAKES`] runs in a row that went
+    /// ahead of older lower-priority work, the oldest. Light work goes to a regular lane, and
+    /// so does heavy work unless the last free regular lane is reserved for light work
+    /// ([`Dispatcher::reserved_until`]). Where there is a background lane, heavy work goes
+    /// there instead while light work comes (and a job of more than the model's token budget,
+    /// a bulk request, always), unless it has the worker to itself: then lane 0 may run it
+    /// wide. With no light work about, long texts run on lane 0 as in any worker, batched, one
+    /// run at a time. Nothing starts while a wide run holds every lane.
+    fn next_anchor(&self) -> Option<Pick> {
         if self.wide_running {
             return None;
         }
@@ -365,20 +387,32 @@ impl Dispatcher {
             && self.pending.len() == 1
             && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
             && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
-        // The highest priority first (with aging), the oldest first among equals.
-        let now = Instant::now();
-        let mut order: Vec<usize> = (0..self.pending.len()).collect();
-        order.sort_by_key(|&i| self.pending[i].standing(now));
-        order.into_iter().map(|i| (i, &self.pending[i])).find_map(|(index, job)| {
+        let lane_for = |job: &Job| {
             let bulk = job.tokens() > self.policy(job.model).max_tokens;
-            let lane = match (job.heavy(), self.background.is_some()) {
+            match (job.heavy(), self.background.is_some()) {
                 (false, _) => regular,
                 (true, false) => regular.filter(|_| !reserved),
                 (true, true) if !bulk && (quiet || !reserved) => regular,
                 (true, true) => background,
-            };
-            lane.map(|lane| (index, lane))
-        })
+            }
+        };
+        // The jobs a lane may take now, oldest first (`pending` is in order of arrival).
+        let mut startable = self.pending.iter().enumerate().filter_map(|(i, job)| Some((i, lane_for(job)?))).peekable();
+        let (oldest, oldest_lane) = *startable.peek()?;
+        // The highest priority, the oldest among equals (min_by_key keeps the first minimum).
+        let (index, lane) = if self.overtaken < OVERTAKES {
+            startable.min_by_key(|&(i, _)| self.pending[i].priority)?
+        } else {
+            (oldest, oldest_lane)
+        };
+        let overtakes = self.pending[index].priority < self.pending[oldest].priority;
+        Some(Pick { index, lane, overtakes })
+    }
+
+    /// Takes the job `pick` names out of `pending`, counting the runs in a row that overtook.
+    fn take_anchor(&mut self, pick: Pick) -> Job {
+        self.overtaken = if pick.overtakes { self.overtaken + 1 } else { 0 };
+        self.pending.remove(pick.index).expect("next_anchor gives an index into pending")
     }
 
     /// Removes jobs whose client went away (skipping the work) and answers those past their
@@ -421,16 +455,14 @@ impl Dispatcher {
         let max_rows = max_rows.min(policy.max_rows);
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);
-        // Company of a lower priority (standing) than the anchor's would make its run longer:
-        // it waits for its own.
-        let now = Instant::now();
-        let standing = anchor.standing(now);
+        // Company of a lower priority than the anchor's would make its run longer: it waits for
+        // its own.
         let mut candidates: Vec<usize> = (0..self.pending.len())
-            .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].standing(now) <= standing)
+            .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].priority <= anchor.priority)
             .collect();
         // The highest priority first, then the closest in length (a stable sort: oldest first
         // among equals).
-        candidates.sort_by_key(|&i| (self.pending[i].standing(now), self.pending[i].width.abs_diff(anchor.width)));
+        candidates.sort_by_key(|&i| (self.pending[i].priority, self.pending[i].width.abs_diff(anchor.width)));
         let mut chosen = Vec::new();
         for i in candidates {
             let job = &self.pending[i];
@@ -462,7 +494,6 @@ impl Dispatcher {
 mod tests {
     use super::*;
     use crate::runtime::engine::batch::tests::text_job;
-    use crate::runtime::engine::AGING;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
         let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO }];
@@ -475,9 +506,9 @@ mod tests {
     }
 
     /// The next anchor, taken from the waiting jobs as `dispatch` takes it.
-    fn take_anchor(d: &mut Dispatcher) -> Option<Job> {
-        let (index, _) = d.next_anchor()?;
-        d.pending.remove(index)
+    fn next_job(d: &mut Dispatcher) -> Option<Job> {
+        let pick = d.next_anchor()?;
+        Some(d.take_anchor(pick))
     }
 
     /// Gives `d` `n` idle lanes and wide sessions; returns what each lane is handed.
@@ -500,39 +531,78 @@ mod tests {
         Shared::new(d).handle(Event::Job(job));
     }
 
+    /// A text job of `priority` that has waited `waited` (its clock set back by that much).
+    fn waiting(priority: u8, waited: Duration, id: i64) -> Job {
+        let mut job = Job { priority, ..text_job(1, 17, id) };
+        job.queued_at -= waited;
+        job
+    }
+
     #[test]
-    fn a_lane_takes_the_highest_priority_first_and_a_long_wait_raises_a_low_one() {
-        let job = |priority: u8, waited_ms: u64, id: i64| {
-            let mut job = Job { priority, ..text_job(1, 17, id) };
-            job.queued_at -= Duration::from_millis(waited_ms);
-            job
-        };
+    fn a_lane_takes_the_highest_priority_first_however_long_the_line_has_waited() {
+        let ms = Duration::from_millis;
         // Bulk (priority 9) arrived first; an interactive request (0) after: it goes first.
-        let pending = vec![job(9, 50, 0), job(9, 40, 100), job(9, 30, 200), job(0, 0, 300)];
+        let pending =
+            vec![waiting(9, ms(50), 0), waiting(9, ms(40), 100), waiting(9, ms(30), 200), waiting(0, ms(0), 300)];
         let mut d = dispatcher(1, 8192, pending);
         let _lanes = with_lanes(&mut d, 1);
-        let first = take_anchor(&mut d).unwrap();
-        assert_eq!(first.priority, 0, "the interactive request first");
+        assert_eq!(next_job(&mut d).unwrap().priority, 0, "the interactive request first");
         // Among equals, the oldest.
-        assert_eq!(take_anchor(&mut d).unwrap().inputs[0].data, text_job(1, 17, 0).inputs[0].data);
-        // A bulk job that has waited 9 x AGING stands level with a priority-0 job that came
-        // after it, and being older it goes first: low-priority work is never starved. One
-        // that has waited less still goes after.
-        let aged = AGING.as_millis() as u64 * 9 + 50;
-        let mut d = dispatcher(1, 8192, vec![job(9, aged, 100), job(0, 0, 0)]);
+        assert_eq!(next_job(&mut d).unwrap().inputs[0].data, text_job(1, 17, 0).inputs[0].data);
+
+        // A line of 40 bulk jobs that have waited 5 to 9 s: a priority-0 request that arrives
+        // now is still taken first. Time waited raises nothing: priorities order a long line
+        // as they order a short one.
+        let mut pending: Vec<Job> = (0..40).map(|i| waiting(9, ms(9000 - 100 * i), i as i64)).collect();
+        pending.push(waiting(0, ms(0), 1000));
+        let mut d = dispatcher(1, 8192, pending);
         let _lanes = with_lanes(&mut d, 1);
-        assert_eq!(take_anchor(&mut d).unwrap().priority, 9);
-        let mut d = dispatcher(1, 8192, vec![job(9, aged / 2, 100), job(0, 0, 0)]);
-        let _lanes = with_lanes(&mut d, 1);
-        assert_eq!(take_anchor(&mut d).unwrap().priority, 0);
+        assert_eq!(next_job(&mut d).unwrap().priority, 0);
+        // And so is the next one that arrives while the line waits, run after run.
+        for i in 0..10 {
+            d.pending.push_back(waiting(0, ms(0), 2000 + i));
+            assert_eq!(next_job(&mut d).unwrap().priority, 0, "interactive request {i}");
+            assert_eq!(next_job(&mut d).unwrap().priority, 9, "the bulk line's turn between them");
+        }
+
         // A batch gathers the highest-priority company first, and none of a lower priority
         // than its anchor's (it would make the anchor's run longer).
-        let mut d = dispatcher(3, 8192, vec![job(9, 10, 0), job(0, 0, 100), job(5, 0, 300)]);
-        let batch = d.gather(job(0, 0, 200), 64);
+        let mut d = dispatcher(3, 8192, vec![waiting(9, ms(10), 0), waiting(0, ms(0), 100), waiting(5, ms(0), 300)]);
+        let batch = d.gather(waiting(0, ms(0), 200), 64);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [0, 0]);
-        let mut d = dispatcher(3, 8192, vec![job(9, 10, 0), job(0, 0, 100)]);
-        let batch = d.gather(job(5, 0, 200), 64);
+        let mut d = dispatcher(3, 8192, vec![waiting(9, ms(10), 0), waiting(0, ms(0), 100)]);
+        let batch = d.gather(waiting(5, ms(0), 200), 64);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [5, 0], "a bulk anchor takes anyone");
+    }
+
+    #[test]
+    fn lower_priority_work_gets_one_run_in_overtakes_plus_one_while_higher_never_stops() {
+        // 10 bulk jobs (priority 9) waiting, and priority-0 work that never stops: a new one
+        // arrives with every run, so one always waits.
+        let bulk = 10;
+        let mut d = dispatcher(1, 8192, (0..bulk).map(|i| waiting(9, Duration::from_secs(5), i)).collect());
+        let _lanes = with_lanes(&mut d, 1);
+        let per_round = OVERTAKES as usize + 1;
+        let mut taken = Vec::new();
+        for run in 0..bulk as usize * per_round + 3 {
+            d.pending.push_back(waiting(0, Duration::ZERO, 1000 + run as i64));
+            taken.push(next_job(&mut d).unwrap());
+        }
+        let bulk_runs: Vec<usize> = (0..taken.len()).filter(|&i| taken[i].priority == 9).collect();
+        // Every bulk job served, oldest first, one run in OVERTAKES + 1: the k-th within
+        // (k + 1) x (OVERTAKES + 1) runs, whatever priority-0 work keeps coming.
+        assert_eq!(bulk_runs.len(), bulk as usize, "runs: {:?}", taken.iter().map(|j| j.priority).collect::<Vec<_>>());
+        for (k, &run) in bulk_runs.iter().enumerate() {
+            assert_eq!(run, (k + 1) * per_round - 1, "bulk job {k}");
+            assert_eq!(taken[run].inputs[0].data, text_job(1, 17, k as i64).inputs[0].data, "oldest first");
+        }
+        // The priority-0 work took the other runs: OVERTAKES in each round, oldest first.
+        let interactive: Vec<&Job> = taken.iter().filter(|j| j.priority == 0).collect();
+        assert_eq!(interactive.len(), taken.len() - bulk as usize);
+        assert!(interactive.windows(2).all(|w| w[0].queued_at <= w[1].queued_at));
+        // With the bulk line served, priority 0 has every run: nothing older is overtaken.
+        assert!(taken[bulk as usize * per_round..].iter().all(|j| j.priority == 0));
+        assert_eq!(d.overtaken, 0);
     }
 
     #[test]
@@ -675,16 +745,16 @@ mod tests {
         let mut d = dispatcher(32, 512, vec![text_job(1, 256, 0), text_job(1, 17, 0), text_job(1, 256, 1)]);
         d.lanes = lanes();
         // Both lanes free: the oldest job goes first, heavy or not.
-        assert_eq!(take_anchor(&mut d).unwrap().width, 256);
+        assert_eq!(next_job(&mut d).unwrap().width, 256);
         // One lane runs heavy work and light work ran lately: the other lane takes light work,
         // and a heavy job waits rather than take it.
         d.lanes[0].1 = LaneState::Heavy;
         d.last_light = Some(Instant::now());
-        assert_eq!(take_anchor(&mut d).unwrap().width, 17);
-        assert!(take_anchor(&mut d).is_none() && d.pending.len() == 1);
+        assert_eq!(next_job(&mut d).unwrap().width, 17);
+        assert!(next_job(&mut d).is_none() && d.pending.len() == 1);
         assert!(d.reserved_until().is_some());
         // No light work for a while: heavy work may use every lane.
         d.last_light = Some(Instant::now() - LIGHT_RESERVATION);
-        assert_eq!(take_anchor(&mut d).unwrap().width, 256);
+        assert_eq!(next_job(&mut d).unwrap().width, 256);
     }
 }

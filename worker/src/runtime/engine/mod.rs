@@ -65,14 +65,11 @@ mod dispatch;
 
 tokio::task_local! {
     /// The priority of the request being served (0, the default, the highest): a lane takes
-    /// the waiting job of the highest priority first, and among equals the oldest. Set from
+    /// the waiting job of the highest priority first, and among equals the oldest, and older
+    /// lower-priority work at least one run in [`dispatch::OVERTAKES`] + 1. Set from
     /// `x-inferd-priority` or a body's `priority` (http/mod.rs).
     pub static PRIORITY: u8;
 }
-
-/// A waiting job rises one priority level for every this long it waits ([`Job::standing`]):
-/// a job of priority 9 waits at most ~0.9 s behind a stream of priority 0.
-pub const AGING: Duration = Duration::from_millis(100);
 
 pub use batch::Join;
 use batch::{merge, split, Job, Policy};
