@@ -404,11 +404,18 @@ fn max_requests_recycles_workers_without_a_failed_request() {
     let before = server.wait_ready(Duration::from_secs(60));
     let first: Vec<i32> = server.worker_pids();
     let load = typed_load(&server, 4);
-    std::thread::sleep(Duration::from_secs(3));
+    // Until 4 recycles are done (counted, not timed: a slow CPU serves fewer requests a second,
+    // and a replacement boots at a low priority beside the serving workers).
+    let recycles = |server: &Server| {
+        metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}").unwrap_or(0.0)
+    };
+    let started = std::time::Instant::now();
+    while recycles(&server) < 4.0 && started.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (ok, failed, _) = load.finish();
-    let after = server.wait_ready(Duration::from_secs(10));
-    let recycled =
-        metric_value(&server.metrics_text(), "inferd_worker_recycles_total{reason=\"max_requests\"}").unwrap_or(0.0);
+    let after = server.wait_ready(Duration::from_secs(30));
+    let recycled = recycles(&server);
     eprintln!("{ok} requests, {} failed, {recycled} recycles", failed.len());
     assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
     // A worker past its limit keeps serving until its replacement is ready, one replacement at

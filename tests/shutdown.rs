@@ -11,7 +11,15 @@ use nix::sys::signal::Signal;
 
 #[test]
 fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
-    let mut server = serve(temp_dir("sigterm"), test_workers(), &test_models(), "slow", &[], "");
+    // The drain may take as long as its requests: 6 runs of ~0.4 s on a fast CPU may land on one
+    // worker, one after another, on a CPU twice as slow and shared with another test.
+    let dir = temp_dir("sigterm");
+    let port = free_port();
+    let config = write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("graceful_timeout_secs = 20", "graceful_timeout_secs = 120");
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
     let workers = server.worker_pids();
     let addr = server.addr;
 
@@ -44,11 +52,20 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     });
 
     // Slow requests (~0.4 s of compute each, 3 per worker) still running or queued when SIGTERM
-    // arrives 0.3 s later.
+    // arrives, once the workers hold all of them (and at most the background client's one).
     let slow: Vec<_> = (0..6)
         .map(|_| std::thread::spawn(move || request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(100_000))))
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    loop {
+        let status = server.status();
+        let in_flight: u64 = status["workers"].as_array().unwrap().iter().map(|w| w["in_flight"].as_u64().unwrap()).sum();
+        if in_flight >= 7 || (in_flight >= 6 && started.elapsed() > Duration::from_millis(300)) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the slow requests were not taken: {status:#}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let term_at = Instant::now();
     server.signal(Signal::SIGTERM);
     for (i, handle) in slow.into_iter().enumerate() {
@@ -93,9 +110,10 @@ fn a_worker_that_drains_loses_no_request() {
     let victim = before["workers"][0]["pid"].as_i64().unwrap() as i32;
     let addr = server.addr;
 
-    // Closed-loop clients, a new connection per request, each request ~10 ms of compute.
+    // Closed-loop clients, a new connection per request, each request ~10 ms of compute; the
+    // load is measured in requests served, not seconds, on a CPU of any speed.
     let load = Clients::start(4, |_| move || post_step(addr, "/v2/models/slow/infer", &slow_body(2_000)));
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(load.wait_served(25, Duration::from_secs(60)), "the load did not start");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), Signal::SIGTERM).unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -107,7 +125,9 @@ fn a_worker_that_drains_loses_no_request() {
         assert!(Instant::now() < deadline, "no replacement: {status:#}\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // And goes on through the replacement: 25 more after it.
+    let replaced = load.served();
+    assert!(load.wait_served(replaced + 25, Duration::from_secs(60)), "the load stalled after the replacement");
     let tally = load.stop();
     eprintln!(
         "{} requests answered while worker 0 drained and was replaced; {} failed",

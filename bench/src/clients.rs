@@ -2,7 +2,7 @@
 //! the load behind the tests (requests through a reload, a restart, a fault) and the
 //! benchmarks' closed loop ([`crate::load`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -54,6 +54,8 @@ impl Tally {
 /// Running client threads; [`Clients::stop`] ends them and returns their tally.
 pub struct Clients {
     stop: Arc<AtomicBool>,
+    /// Steps served so far, by every client ([`Clients::served`]).
+    served: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<Tally>>,
 }
 
@@ -64,15 +66,19 @@ impl Clients {
         S: FnMut() -> Step + Send + 'static,
     {
         let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicUsize::new(0));
         let threads = (0..n)
             .map(|i| {
-                let (stop, mut step) = (stop.clone(), client(i));
+                let (stop, served, mut step) = (stop.clone(), served.clone(), client(i));
                 std::thread::spawn(move || {
                     let mut tally = Tally::default();
                     // Relaxed: a step more or less after the stop does not matter.
                     while !stop.load(Ordering::Relaxed) {
                         match step() {
-                            Step::Served => tally.served += 1,
+                            Step::Served => {
+                                tally.served += 1;
+                                served.fetch_add(1, Ordering::Relaxed);
+                            }
                             Step::Failed(why) => tally.failed.push(why),
                             Step::Skipped => {}
                         }
@@ -81,7 +87,26 @@ impl Clients {
                 })
             })
             .collect();
-        Clients { stop, threads }
+        Clients { stop, served, threads }
+    }
+
+    /// Waits until the clients have served `n` steps in all since they started, `within` at
+    /// most; whether they did. A load measured in requests, not seconds: a slow CPU takes
+    /// longer to serve them.
+    pub fn wait_served(&self, n: usize, within: std::time::Duration) -> bool {
+        let started = std::time::Instant::now();
+        while self.served.load(Ordering::Relaxed) < n {
+            if started.elapsed() >= within {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Steps served so far.
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::Relaxed)
     }
 
     /// Stops every client after its current step and adds up what they did.

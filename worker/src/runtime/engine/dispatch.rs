@@ -51,6 +51,13 @@ const LIGHT_RESERVATION: Duration = Duration::from_millis(200);
 /// level with 0 after 0.9 s, ordered nothing exactly when the line was long).
 pub(super) const OVERTAKES: u32 = 4;
 
+/// For this long after a job of some priority arrived, work of a lower priority runs without
+/// company of its own priority ([`Dispatcher::gather`]): a run is not preemptible, and a
+/// higher-priority request that arrives during one waits for its end, so while such requests
+/// come, lower-priority runs are kept to one request each (a bulk batch of 5 passages of 100
+/// tokens holds the lane ~5 times as long as one).
+const PRIORITY_SEEN_FOR: Duration = Duration::from_secs(1);
+
 /// The next job to start, from [`Dispatcher::next_anchor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Pick {
@@ -67,6 +74,9 @@ pub(super) struct Dispatcher {
     pending: VecDeque<Job>,
     /// Runs in a row that went ahead of older work of a lower priority ([`OVERTAKES`]).
     overtaken: u32,
+    /// The highest priority (the lowest number) among the jobs that arrived within
+    /// [`PRIORITY_SEEN_FOR`], and when the last of that priority did.
+    priority_seen: Option<(u8, Instant)>,
     /// Each model's limits, by model number.
     policies: HashMap<usize, Policy>,
     /// Each lane's work channel and what it runs.
@@ -195,6 +205,7 @@ impl Dispatcher {
         Dispatcher {
             pending: VecDeque::new(),
             overtaken: 0,
+            priority_seen: None,
             policies: policies.into_iter().enumerate().collect(),
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             has_wide,
@@ -335,6 +346,10 @@ impl Dispatcher {
                 if !self.pending.is_empty() || self.lanes.iter().any(|(_, s)| *s != LaneState::Idle) {
                     self.last_load = Some(Instant::now());
                 }
+                let now = Instant::now();
+                if self.priority_seen.is_none_or(|(p, t)| job.priority <= p || now - t >= PRIORITY_SEEN_FOR) {
+                    self.priority_seen = Some((job.priority, now));
+                }
                 self.pending.push_back(job);
             }
             Event::Done { lane } => {
@@ -456,9 +471,15 @@ impl Dispatcher {
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
         let (mut width, mut narrowest) = (anchor.width, anchor.width);
         // Company of a lower priority than the anchor's would make its run longer: it waits for
-        // its own.
+        // its own. And while work of a higher priority than the anchor's comes, company of the
+        // anchor's own priority would make a run such work waits for longer: the anchor takes
+        // only company of a higher priority.
+        let higher_comes = self
+            .priority_seen
+            .is_some_and(|(p, t)| p < anchor.priority && t.elapsed() < PRIORITY_SEEN_FOR);
+        let lowest = if higher_comes { anchor.priority.saturating_sub(1) } else { anchor.priority };
         let mut candidates: Vec<usize> = (0..self.pending.len())
-            .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].priority <= anchor.priority)
+            .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].priority <= lowest)
             .collect();
         // The highest priority first, then the closest in length (a stable sort: oldest first
         // among equals).
@@ -573,6 +594,18 @@ mod tests {
         let mut d = dispatcher(3, 8192, vec![waiting(9, ms(10), 0), waiting(0, ms(0), 100)]);
         let batch = d.gather(waiting(5, ms(0), 200), 64);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [5, 0], "a bulk anchor takes anyone");
+
+        // While work of a higher priority comes, a bulk anchor runs without company of its
+        // own priority (an interactive request would wait for a longer run), and takes the
+        // higher-priority work waiting; once none came for PRIORITY_SEEN_FOR, it takes its own.
+        let bulk_batch = |seen: Duration| {
+            let mut d = dispatcher(8, 8192, vec![waiting(9, ms(10), 0), waiting(9, ms(5), 100)]);
+            d.take(Event::Job(waiting(0, ms(0), 300)));
+            d.priority_seen = d.priority_seen.map(|(p, t)| (p, t - seen));
+            d.gather(waiting(9, ms(20), 200), 64).iter().map(|j| j.priority).collect::<Vec<_>>()
+        };
+        assert_eq!(bulk_batch(Duration::ZERO), [9, 0]);
+        assert_eq!(bulk_batch(PRIORITY_SEEN_FOR), [9, 0, 9, 9]);
     }
 
     #[test]
