@@ -1049,6 +1049,41 @@ def strings_model():
     return model
 
 
+def cumsum_model():
+    """A running sum over a vector of any length: its first dimension ("n") is no batch, and
+    a request cut in pieces would restart the sum at every piece."""
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])]
+    nodes = [helper.make_node("CumSum", ["x", "axis"], ["y"], name="cumsum")]
+    graph = helper.make_graph(nodes, "cumsum", inputs, outputs, initializer=[const("axis", 0, np.int64)])
+    return make_model(graph)
+
+
+def centered_model():
+    """Rows less the mean of every row of the request: a graph that names its first dimension
+    "batch" although each answer depends on every row (model.toml must say
+    max_batch_size = 0)."""
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])]
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["mean"], name="mean", axes=[0], keepdims=1),
+        helper.make_node("Sub", ["x", "mean"], ["y"], name="centre"),
+    ]
+    return make_model(helper.make_graph(nodes, "centered", inputs, outputs))
+
+
+def check_order_dependent(cumsum, centered):
+    x = np.arange(1, 41, dtype=np.float32)
+    (y,) = session(cumsum).run(None, {"x": x})
+    assert np.array_equal(y, np.cumsum(x)), y
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (y,) = session(centered).run(None, {"x": rows})
+    assert np.allclose(y, rows - rows.mean(axis=0)), y
+
+
+ORDER_DEPENDENT = {"cumsum": cumsum_model, "centered": centered_model}
+
+
 def check_strings(path):
     import onnxruntime as ort
     import onnxruntime_extensions
@@ -1093,6 +1128,17 @@ def main():
     if not args.no_check:
         check_strings(strings)
         print(f"{strings.relative_to(REPO)}: onnxruntime check passed (onnxruntime-extensions)")
+
+    # Graphs whose rows are not a batch (tests/batching.rs): fixtures, not repository models.
+    paths = []
+    for name, build in ORDER_DEPENDENT.items():
+        path = REPO / "tests" / "fixtures" / f"{name}.onnx"
+        changed = write_if_changed(path, build().SerializeToString())
+        print(f"{path.relative_to(REPO)}: {'written' if changed else 'unchanged'}")
+        paths.append(path)
+    if not args.no_check:
+        check_order_dependent(*paths)
+        print("tests/fixtures/cumsum.onnx, centered.onnx: onnxruntime check passed")
 
     for folder, files in write_published():
         if not args.no_check:

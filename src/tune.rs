@@ -175,7 +175,8 @@ pub fn run(args: Tune) -> anyhow::Result<ExitCode> {
     let usable = resolved.plan.budget.usable;
     // int8 is tried where its guard can run, with the model's own [quantization] bounds; one the
     // guard refuses is a failed candidate with the figures.
-    let grid = candidates(usable, entry.batching.max_batch_size, entry.tokenizer.is_some());
+    let max_batch_size = entry.batching.max_batch_size.unwrap_or(inferd_config::model::DEFAULT_MAX_BATCH_SIZE);
+    let grid = candidates(usable, max_batch_size, entry.tokenizer.is_some());
     let per_candidate = 1.5 + CONCURRENCIES.len() as f64 * (args.seconds + 0.5);
     eprintln!("tuning '{name}' on {usable} usable cores: {} candidates x ~{per_candidate:.0} s", grid.len());
     let work = std::env::temp_dir().join(format!("inferd-tune-{}", std::process::id()));

@@ -237,3 +237,74 @@ fn a_bulk_request_past_the_timeout_is_answered_504_and_the_worker_serves_on() {
     assert_eq!(embed(&server, "still here").len(), 384);
     assert_eq!(server.worker_pids(), pids, "the worker was replaced");
 }
+
+/// Graphs whose first dimension is no batch (tests/fixtures, scripts/gen_test_models.py):
+/// `cumsum`, a running sum over a vector whose dimension the graph names `n`, and `centered`,
+/// rows less the mean of all the request's rows, whose graph names its rows `batch` although
+/// each answer depends on every row, so its model.toml says `max_batch_size = 0`. Cut into
+/// pieces, a request to either is answered wrong; run with another request's rows, so is
+/// `centered`. Each is answered whole and alone: every answer equals the graph's on that
+/// request (the sum restarted at 33 when pieces of 32 rows were the rule).
+#[test]
+fn a_model_without_a_batch_dimension_answers_every_request_whole_and_alone() {
+    let dir = temp_dir("no-batch");
+    let repository = dir.path().join("models");
+    for (name, batching) in [("cumsum", ""), ("centered", "[batching]\nmax_batch_size = 0\nmax_queue_delay_ms = 50\n")]
+    {
+        let file = repo().join(format!("tests/fixtures/{name}.onnx"));
+        std::fs::create_dir_all(repository.join(name)).unwrap();
+        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n{batching}", file.display());
+        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+    }
+    let server = serve(dir, 1, &repository, "cumsum", &["centered"], "");
+    let infer = |model: &str, shape: &[usize], data: &[f32]| -> Vec<f64> {
+        let body = infer_body(json!([{ "name": "x", "shape": shape, "datatype": "FP32", "data": data }]));
+        let r = server.request("POST", &format!("/v2/models/{model}/infer"), &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()["outputs"][0]["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+    };
+
+    // 100 ones: 1, 2, ..., 100, past the 32 rows a batch model's run takes.
+    let sums = infer("cumsum", &[100], &[1.0; 100]);
+    assert_eq!(sums, (1..=100).map(f64::from).collect::<Vec<_>>());
+
+    // Clients at once, each request of 1 to 40 rows of its own values: each answer is its rows
+    // less their own mean, whatever waited beside it (50 ms of max_queue_delay_ms would have
+    // gathered company for a batch model).
+    let requests: Vec<Vec<f32>> =
+        (0..24).map(|k| (0..4 * (1 + (k * 7) % 40)).map(|i| (k * 100 + i) as f32).collect()).collect();
+    std::thread::scope(|scope| {
+        for chunk in requests.chunks(3) {
+            let infer = &infer;
+            scope.spawn(move || {
+                for rows in chunk {
+                    let n = rows.len() / 4;
+                    let got = infer("centered", &[n, 4], rows);
+                    for (i, value) in got.iter().enumerate() {
+                        let column = (0..n).map(|r| f64::from(rows[r * 4 + i % 4])).sum::<f64>() / n as f64;
+                        let want = f64::from(rows[i]) - column;
+                        assert!(
+                            (value - want).abs() < 1e-3,
+                            "a request of {n} rows, value {i}: {value} against {want}"
+                        );
+                    }
+                }
+            });
+        }
+    });
+    // One run a request: none was cut into pieces or ran with another.
+    let status = server.status();
+    let batches = status["batches"].as_array().unwrap();
+    let runs_of = |model: &str| {
+        let b = batches.iter().find(|b| b["model"] == model).unwrap_or_else(|| panic!("{status:#}"));
+        (b["runs"].as_u64().unwrap(), b["rows"].as_u64().unwrap())
+    };
+    let rows: usize = requests.iter().map(|r| r.len() / 4).sum();
+    // The warm-up's runs are not counted: the requests' runs and rows alone.
+    assert_eq!(runs_of("centered"), (requests.len() as u64, rows as u64), "{status:#}");
+    assert_eq!(runs_of("cumsum"), (1, 100), "{status:#}");
+    // The log says why each runs whole.
+    let log = server.log();
+    assert!(log.contains("no batch dimension") && log.contains("('n')"), "{log}");
+    assert!(log.contains("max_batch_size = 0"), "{log}");
+}

@@ -16,7 +16,8 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     let dir = temp_dir("sigterm");
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &test_models(), "slow", &[], "");
-    let text = std::fs::read_to_string(&config).unwrap().replace("graceful_timeout_secs = 20", "graceful_timeout_secs = 120");
+    let text =
+        std::fs::read_to_string(&config).unwrap().replace("graceful_timeout_secs = 20", "graceful_timeout_secs = 120");
     std::fs::write(&config, text).unwrap();
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
@@ -59,7 +60,8 @@ fn sigterm_finishes_accepted_requests_exits_0_and_leaves_no_worker() {
     let started = Instant::now();
     loop {
         let status = server.status();
-        let in_flight: u64 = status["workers"].as_array().unwrap().iter().map(|w| w["in_flight"].as_u64().unwrap()).sum();
+        let in_flight: u64 =
+            status["workers"].as_array().unwrap().iter().map(|w| w["in_flight"].as_u64().unwrap()).sum();
         if in_flight >= 7 || (in_flight >= 6 && started.elapsed() > Duration::from_millis(300)) {
             break;
         }

@@ -34,7 +34,8 @@
 //! library = "libortextensions.so"
 //! preload = []
 //! [batching]             # see [`Batching`]; defaults shown
-//! max_batch_size = 32    # rows in one ORT run; 1 switches batching off
+//! max_batch_size = 32    # rows in one ORT run; 1 switches batching off; 0: no batch dimension
+//!                        # (unset: 32 where the first dimension is a batch, see [`Batching`])
 //! max_batch_tokens = 512 # text: rows x padded length in one run
 //! max_queue_delay_ms = 0 # how long a request may wait for company; 0 = only what already waits
 //! ```
@@ -55,7 +56,7 @@ pub use repository::ModelEntry;
 pub use schema::{
     Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig,
     Layout, LongTexts, ModelOverride, Pooling, Precision, Quantization, Resample, Resize, Task, TokenizerConfig,
-    Warmup, MAX_QUEUE_DELAY_MS,
+    Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
 };
 
 pub const MODEL_CONFIG_FILE: &str = "model.toml";

@@ -257,7 +257,7 @@ mod tests {
                 "image.shortest_edge = 7 must be between the crop's larger side (8)",
             ),
             ("task = \"sorting\"\n", "unknown variant"),
-            ("[batching]\nmax_batch_size = 0\n", "must be at least 1"),
+            ("[batching]\nmax_batch_tokens = 0\n", "must be at least 1"),
             ("[batching]\nmax_queue_delay_ms = 5000\n", "milliseconds"),
         ];
         for (i, (extra, message)) in cases.iter().enumerate() {

@@ -133,13 +133,21 @@ impl Default for Warmup {
 }
 
 /// Dynamic batching in the worker's model thread: requests for the same model that wait in the
-/// queue run as one ONNX Runtime call. Only models whose inputs and outputs all have a dynamic
-/// first (batch) dimension are batched.
+/// queue run as one ONNX Runtime call, and a request past the limits runs in pieces of fewer
+/// rows. Both need the first dimension to be a batch (each row answered on its own): only a
+/// model whose inputs and outputs all have a dynamic first dimension of one name may have one,
+/// and it does where model.toml says so (`max_batch_size` >= 1), or says nothing and inferd
+/// builds the rows itself (a tokenizer or an image pipeline), or the graph names the dimension
+/// as a batch (see the worker's `ModelMeta::batch_rows`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Batching {
-    /// Most rows in one run; 1 = every request runs alone.
-    pub max_batch_size: usize,
+    /// Most rows in one run; 1 = every request runs alone (and a request of many rows in pieces
+    /// of one); 0 = the model has no batch dimension (Triton's `max_batch_size: 0`): a request
+    /// always runs whole and alone. Unset: [`DEFAULT_MAX_BATCH_SIZE`] where the first dimension
+    /// is a batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_size: Option<usize>,
     /// Text models: most rows x padded sequence length in one run, so one long text does not
     /// inflate a batch of short ones.
     pub max_batch_tokens: usize,
@@ -151,9 +159,12 @@ pub struct Batching {
 /// The longest `max_queue_delay_ms` accepted: batching is for milliseconds, not seconds.
 pub const MAX_QUEUE_DELAY_MS: u64 = 1000;
 
+/// A batch model's `max_batch_size` when model.toml does not say.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 32;
+
 impl Default for Batching {
     fn default() -> Self {
-        Batching { max_batch_size: 32, max_batch_tokens: 512, max_queue_delay_ms: 0 }
+        Batching { max_batch_size: None, max_batch_tokens: 512, max_queue_delay_ms: 0 }
     }
 }
 
@@ -178,7 +189,7 @@ impl ModelOverride {
     pub fn apply(&self, mut entry: ModelEntry) -> Result<ModelEntry, ConfigError> {
         let err = |message: String| ConfigError::Model { model: entry.name.clone(), message };
         let b = &mut entry.batching;
-        b.max_batch_size = self.max_batch_size.unwrap_or(b.max_batch_size);
+        b.max_batch_size = self.max_batch_size.or(b.max_batch_size);
         b.max_queue_delay_ms = self.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
         b.check().map_err(err)?;
         entry.precision = self.precision.unwrap_or(entry.precision);
@@ -218,8 +229,8 @@ impl std::str::FromStr for Precision {
 
 impl Batching {
     pub(super) fn check(&self) -> Result<(), String> {
-        if self.max_batch_size == 0 || self.max_batch_tokens == 0 {
-            return Err("batching.max_batch_size and batching.max_batch_tokens must be at least 1".into());
+        if self.max_batch_tokens == 0 {
+            return Err("batching.max_batch_tokens must be at least 1".into());
         }
         if self.max_queue_delay_ms > MAX_QUEUE_DELAY_MS {
             return Err(format!(

@@ -431,7 +431,7 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
         "model_type": model_type,
         "max_input_length": max_input_length,
         "max_batch_tokens": meta.batching.max_batch_tokens,
-        "max_batch_requests": meta.batching.max_batch_size,
+        "max_batch_requests": meta.batch_rows().ok(),
         "max_client_batch_size": state.max_batch_inputs,
         "auto_truncate": false,
         "tokenization_workers": 1,

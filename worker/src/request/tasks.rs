@@ -339,8 +339,9 @@ async fn run_rows(
     drop(stage);
     let head = meta.pipeline.head().expect("pipelines have a head");
     // [cache]: rows answered before are not run again (every token's vector, /embed_all, is
-    // never cached: it is as large as its input).
-    let cache = state.cache.as_ref().filter(|_| !options.tokens && !cache::bypassed());
+    // never cached: it is as large as its input; nor is a model whose rows are no batch, said
+    // by `max_batch_size = 0`: the rows missed would run without the others).
+    let cache = state.cache.as_ref().filter(|_| !options.tokens && !cache::bypassed() && meta.batch_rows().is_ok());
     let keys = cache.map(|_| cache::keys(meta, &options, &tensors, &lengths, count)).unwrap_or_default();
     let mut found = match cache {
         Some(cache) => cache.get(&keys),

@@ -56,16 +56,51 @@ pub struct ModelMeta {
     pub batching: inferd_config::model::Batching,
 }
 
+/// Why a model's first dimension is not taken as a batch ([`ModelMeta::batch_rows`]): its
+/// requests then run whole, each alone.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoBatch {
+    #[error("its model.toml says [batching] max_batch_size = 0")]
+    Declared,
+    #[error("not every input and output has a dynamic first dimension of one name")]
+    Shape,
+    #[error(
+        "its tensors come from the client, and the graph does not name their first dimension as a batch \
+         ({}); [batching] max_batch_size >= 1 in its model.toml says it is one",
+        if .0.is_empty() { "unnamed".to_string() } else { format!("'{}'", .0) }
+    )]
+    Unnamed(String),
+}
+
 impl ModelMeta {
-    /// Whether requests can be batched: every input and output has a dynamic first dimension,
-    /// and those the graph names have one name. An output whose first dimension is named
-    /// otherwise (`num_detections` beside `batch`) has as many rows as the model finds, not one
-    /// per input row: a batch could not be split back by rows.
-    pub fn batchable(&self) -> bool {
+    /// The most rows a run of this model takes, when its first dimension is a batch (each row
+    /// answered on its own, so requests may be run together and a request cut into runs of
+    /// fewer rows); why not otherwise. It can be one only where every input and output has a
+    /// dynamic first dimension, and those the graph names have one name (an output named
+    /// otherwise, `num_detections` beside `batch`, has as many rows as the model finds: a batch
+    /// could not be split back by rows). Then it is one where model.toml's `max_batch_size` is
+    /// at least 1; where model.toml does not say, when inferd builds the rows itself (a
+    /// tokenizer or an image pipeline), or the graph names the dimension as a batch (`batch`,
+    /// `batch_size`, ...). A dynamic first dimension alone proves nothing: a CumSum over a
+    /// vector, or a sum over rows, answers otherwise cut in pieces.
+    pub fn batch_rows(&self) -> Result<usize, NoBatch> {
+        let declared = self.batching.max_batch_size;
+        if declared == Some(0) {
+            return Err(NoBatch::Declared);
+        }
         let specs = || self.inputs.iter().chain(&self.outputs);
         let mut names = specs().map(|t| t.first_dim.as_str()).filter(|n| !n.is_empty());
-        let one_name = names.next().is_none_or(|first| names.all(|n| n == first));
-        one_name && specs().all(|t| t.shape.first().is_some_and(|&d| d < 0))
+        let name = names.next().unwrap_or_default();
+        if !(names.all(|n| n == name) && specs().all(|t| t.shape.first().is_some_and(|&d| d < 0))) {
+            return Err(NoBatch::Shape);
+        }
+        match declared {
+            Some(rows) => Ok(rows),
+            None if self.task != Task::Raw || name.to_ascii_lowercase().contains("batch") => {
+                Ok(inferd_config::model::DEFAULT_MAX_BATCH_SIZE)
+            }
+            None => Err(NoBatch::Unnamed(name.to_string())),
+        }
     }
 }
 
@@ -400,22 +435,38 @@ mod tests {
     }
 
     #[test]
-    fn only_models_with_a_dynamic_first_dimension_everywhere_are_batched() {
-        assert!(meta(&[&[-1, 16], &[-1, -1]], &[&[-1, 384]]).batchable());
-        assert!(!meta(&[&[1, 16]], &[&[-1, 384]]).batchable(), "a fixed batch of 1");
-        assert!(!meta(&[&[-1, 16]], &[&[384]]).batchable(), "an output without rows");
-        assert!(!meta(&[&[]], &[&[-1]]).batchable(), "a scalar input");
-        // Named first dimensions: one name, or none, is a batch; two are not.
-        let named = |inputs: &[&str], outputs: &[&str]| {
-            let rows: [&[i64]; 2] = [&[-1, 4], &[-1, 4]];
-            let mut m = meta(&rows[..inputs.len()], &rows[..outputs.len()]);
-            for (spec, name) in m.inputs.iter_mut().chain(&mut m.outputs).zip(inputs.iter().chain(outputs)) {
+    fn only_models_with_a_dynamic_first_dimension_everywhere_may_be_batched() {
+        // Named first dimensions: the graph's word for the rows (with no model.toml setting).
+        let named = |names: &[&str], task: Task, max_batch_size: Option<usize>| {
+            let rows: [&[i64]; 3] = [&[-1, 4], &[-1, 4], &[-1, 4]];
+            let mut m = meta(&rows[..names.len() - 1], &rows[..1]);
+            m.task = task;
+            m.batching.max_batch_size = max_batch_size;
+            for (spec, name) in m.inputs.iter_mut().chain(&mut m.outputs).zip(names) {
                 spec.first_dim = name.to_string();
             }
-            m.batchable()
+            m.batch_rows()
         };
-        assert!(named(&["batch", "batch"], &["batch"]));
-        assert!(named(&["batch", ""], &[""]), "unnamed dimensions are taken as the batch");
-        assert!(!named(&["batch"], &["batch", "num_detections"]), "an output with rows of its own");
+        let default = inferd_config::model::DEFAULT_MAX_BATCH_SIZE;
+        assert_eq!(named(&["batch", "batch"], Task::Raw, None), Ok(default));
+        assert_eq!(named(&["batch_size", ""], Task::Raw, None), Ok(default), "unnamed ones go with the named");
+        assert_eq!(named(&["N", "N"], Task::Raw, None), Err(NoBatch::Unnamed("N".into())));
+        assert_eq!(named(&["", ""], Task::Raw, None), Err(NoBatch::Unnamed(String::new())));
+        // Rows inferd builds itself (text, images) are a batch; so are rows model.toml says are.
+        assert_eq!(named(&["", ""], Task::Embedding, None), Ok(default));
+        assert_eq!(named(&["N", "N"], Task::Raw, Some(8)), Ok(8));
+        // 0: no batch dimension, whatever the graph says.
+        assert_eq!(named(&["batch", "batch"], Task::Embedding, Some(0)), Err(NoBatch::Declared));
+        // Shapes that cannot be a batch, whatever model.toml says.
+        assert_eq!(named(&["batch", "num_detections"], Task::Raw, Some(8)), Err(NoBatch::Shape));
+        let shaped = |inputs: &[&[i64]], outputs: &[&[i64]]| {
+            let mut m = meta(inputs, outputs);
+            m.batching.max_batch_size = Some(8);
+            m.batch_rows()
+        };
+        assert_eq!(shaped(&[&[-1, 16], &[-1, -1]], &[&[-1, 384]]), Ok(8));
+        assert_eq!(shaped(&[&[1, 16]], &[&[-1, 384]]), Err(NoBatch::Shape), "a fixed batch of 1");
+        assert_eq!(shaped(&[&[-1, 16]], &[&[384]]), Err(NoBatch::Shape), "an output without rows");
+        assert_eq!(shaped(&[&[]], &[&[-1]]), Err(NoBatch::Shape), "a scalar input");
     }
 }

@@ -99,7 +99,11 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Fai
     for set in &mut models {
         let started = Instant::now();
         set.warm_up().map_err(load_error)?;
-        info!(model = set.narrow[0].name(), "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+        let name = set.narrow[0].name();
+        info!(model = name, "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+        if let Err(why) = set.narrow[0].meta.batch_rows() {
+            info!(model = name, "no batch dimension: each request runs whole, alone ({why})");
+        }
     }
     // Loading and warming left freed buffers in the allocator: give them back before serving.
     crate::runtime::allocator::trim();

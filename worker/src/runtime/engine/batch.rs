@@ -110,7 +110,7 @@ impl Job {
 /// A model's batching limits, from its model.toml `[batching]`.
 #[derive(Debug, Clone)]
 pub(super) struct Policy {
-    /// Whether every input and output has a dynamic first dimension: requests may then be
+    /// Whether its first dimension is a batch ([`ModelMeta::batch_rows`]): requests may then be
     /// batched together, and cut into runs of fewer rows.
     pub(super) batchable: bool,
     /// 1 when the model is not batchable.
@@ -127,11 +127,10 @@ impl Policy {
 
     pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
-        let batchable = model.meta.batchable();
-        let max_rows = if batchable { b.max_batch_size } else { 1 };
+        let rows = model.meta.batch_rows();
         Policy {
-            batchable,
-            max_rows,
+            batchable: rows.is_ok(),
+            max_rows: rows.unwrap_or(1),
             max_tokens: b.max_batch_tokens,
             delay: Duration::from_millis(b.max_queue_delay_ms),
         }

@@ -474,9 +474,8 @@ impl Dispatcher {
         // its own. And while work of a higher priority than the anchor's comes, company of the
         // anchor's own priority would make a run such work waits for longer: the anchor takes
         // only company of a higher priority.
-        let higher_comes = self
-            .priority_seen
-            .is_some_and(|(p, t)| p < anchor.priority && t.elapsed() < PRIORITY_SEEN_FOR);
+        let higher_comes =
+            self.priority_seen.is_some_and(|(p, t)| p < anchor.priority && t.elapsed() < PRIORITY_SEEN_FOR);
         let lowest = if higher_comes { anchor.priority.saturating_sub(1) } else { anchor.priority };
         let mut candidates: Vec<usize> = (0..self.pending.len())
             .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].priority <= lowest)
