@@ -1084,6 +1084,21 @@ def check_order_dependent(cumsum, centered):
 ORDER_DEPENDENT = {"cumsum": cumsum_model, "centered": centered_model}
 
 
+def bytes_identity_model():
+    """BYTES in, the same BYTES out (Triton's `simple_identity` in ONNX): any byte, NUL
+    included, must come back as it went in."""
+    inputs = [helper.make_tensor_value_info("INPUT0", TensorProto.STRING, ["batch"])]
+    outputs = [helper.make_tensor_value_info("OUTPUT0", TensorProto.STRING, ["batch"])]
+    nodes = [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"], name="identity")]
+    return make_model(helper.make_graph(nodes, "bytes_identity", inputs, outputs))
+
+
+def check_bytes_identity(path):
+    items = np.array(["he\x00llo", "Wörld", ""], dtype=object)
+    (out,) = session(path).run(None, {"INPUT0": items})
+    assert list(out) == list(items), out
+
+
 def check_strings(path):
     import onnxruntime as ort
     import onnxruntime_extensions
@@ -1139,6 +1154,12 @@ def main():
     if not args.no_check:
         check_order_dependent(*paths)
         print("tests/fixtures/cumsum.onnx, centered.onnx: onnxruntime check passed")
+    identity = REPO / "tests" / "fixtures" / "bytes_identity.onnx"
+    changed = write_if_changed(identity, bytes_identity_model().SerializeToString())
+    print(f"{identity.relative_to(REPO)}: {'written' if changed else 'unchanged'}")
+    if not args.no_check:
+        check_bytes_identity(identity)
+        print(f"{identity.relative_to(REPO)}: onnxruntime check passed")
 
     for folder, files in write_published():
         if not args.no_check:

@@ -246,3 +246,49 @@ fn tritonclient_speaks_to_inferd_with_json_tensors() {
 fn tritonclient_speaks_to_inferd_with_binary_tensors() {
     tritonclient_check(&["--binary"]);
 }
+
+/// BYTES are byte strings, as in Triton: any byte, NUL included, goes in and comes back out
+/// unchanged (an identity over BYTES, tests/fixtures/bytes_identity.onnx): in JSON (a string
+/// with `\u0000`) and through the binary extension (bytes that are not UTF-8 at all), in a
+/// batch with other requests' elements too.
+#[test]
+fn bytes_with_any_byte_value_round_trip_through_the_model() {
+    let dir = temp_dir("bytes");
+    let repository = dir.path().join("models");
+    std::fs::create_dir_all(repository.join("identity")).unwrap();
+    let file = repo().join("tests/fixtures/bytes_identity.onnx");
+    let toml = format!("name = \"identity\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
+    std::fs::write(repository.join("identity/model.toml"), toml).unwrap();
+    let server = serve(dir, 1, &repository, "identity", &[], "");
+
+    // JSON: a NUL inside a string, an empty string, text beyond ASCII.
+    let texts = ["he\u{0}llo", "", "Wörld\u{0}"];
+    let body = infer_body(json!([{"name": "INPUT0", "shape": [3], "datatype": "BYTES", "data": texts}]));
+    let r = server.request("POST", "/v2/models/identity/infer", &body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(output(&r.json(), "OUTPUT0")["data"], json!(texts));
+
+    // Binary in and out: each element a 4-byte little-endian length and its bytes.
+    let items: [&[u8]; 4] = [b"\xff\x00\xfe", b"", b"\x00", b"plain"];
+    let mut data = Vec::new();
+    for item in items {
+        data.extend_from_slice(&(item.len() as u32).to_le_bytes());
+        data.extend_from_slice(item);
+    }
+    let inputs = json!([{"name": "INPUT0", "shape": [4], "datatype": "BYTES",
+                         "parameters": {"binary_data_size": data.len()}}]);
+    let mut head = serde_json::to_vec(&json!({
+        "inputs": inputs,
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": true}}]
+    }))
+    .unwrap();
+    let length = head.len().to_string();
+    head.extend_from_slice(&data);
+    let headers = [("Inference-Header-Content-Length", length.as_str())];
+    let r = request(server.addr, "POST", "/v2/models/identity/infer", &headers, &head).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let json_len: usize = r.header("inference-header-content-length").expect("a binary answer").parse().unwrap();
+    let answer: Value = serde_json::from_slice(&r.body[..json_len]).unwrap();
+    assert_eq!(answer["outputs"][0]["parameters"]["binary_data_size"], json!(data.len()), "{answer}");
+    assert_eq!(&r.body[json_len..], &data[..], "the bytes came back changed");
+}

@@ -204,17 +204,12 @@ macro_rules! define_types {
                 out
             }
 
-            /// Hands the data to ONNX Runtime (numbers without copying; strings must be UTF-8).
+            /// Hands the data to ONNX Runtime (numbers without copying; byte strings as they
+            /// are, any byte included).
             pub fn into_ort(self, shape: Vec<i64>) -> ort::Result<DynValue> {
                 match self {
                     $(TensorData::$variant(v) => Ok(ort::value::Tensor::from_array((shape, v))?.into_dyn()),)*
-                    TensorData::Bytes(v) => {
-                        let strings = v
-                            .into_iter()
-                            .map(|b| String::from_utf8(b).map_err(|_| ort::Error::new("a BYTES element is not UTF-8 text")))
-                            .collect::<ort::Result<Vec<String>>>()?;
-                        Ok(ort::value::Tensor::from_string_array((shape, strings.as_slice()))?.into_dyn())
-                    }
+                    TensorData::Bytes(v) => super::strings::to_ort(shape, &v),
                 }
             }
 
@@ -230,8 +225,9 @@ macro_rules! define_types {
                         Ok(Some((shape.to_vec(), TensorData::$variant(data.to_vec()))))
                     })*
                     TensorElementType::String => {
-                        let (shape, data) = value.try_extract_strings()?;
-                        Ok(Some((shape.to_vec(), TensorData::Bytes(data.into_iter().map(String::into_bytes).collect()))))
+                        let ValueType::Tensor { shape, .. } = value.dtype() else { return Ok(None) };
+                        let items = super::strings::from_ort(value, shape.num_elements())?;
+                        Ok(Some((shape.to_vec(), TensorData::Bytes(items))))
                     }
                     _ => Ok(None),
                 }
