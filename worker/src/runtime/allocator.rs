@@ -181,7 +181,8 @@ fn trim_heap() {
 }
 
 /// Returns free memory to the system when more than `limit` of it is held. Reading the
-/// totals costs microseconds.
+/// totals walks glibc's free chunks: microseconds, or milliseconds once many small blocks were
+/// freed (callers look now and then, not after every run).
 pub fn trim_if_over(limit: usize) {
     // mallinfo, not mallinfo2: the release binary runs on glibc 2.28 (its int fields wrap past
     // 2 GiB, read as "over the limit" then, which is right).

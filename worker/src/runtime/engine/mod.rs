@@ -94,6 +94,10 @@ const BACKGROUND_NICE: i32 = 10;
 /// this much CPU per request.
 const IDLE_POLL: Duration = Duration::from_micros(300);
 
+/// How often at most a lane looks whether more than [`crate::runtime::allocator::FREE_LIMIT`]
+/// lies free after its runs.
+const TRIM_CHECK_EVERY: Duration = Duration::from_millis(100);
+
 /// Waits for a message, checking for one for `poll` (yielding the CPU between checks) before
 /// blocking: a thread that blocks takes a wake-up to start again.
 fn recv_polling<T>(rx: &mpsc::Receiver<T>, poll: Duration) -> Result<T, mpsc::RecvError> {
@@ -648,6 +652,7 @@ impl Lane {
             lower_priority(BACKGROUND_NICE);
         }
         let mut poll = Duration::ZERO;
+        let mut trim_checked = Instant::now();
         while let Ok(Work { batch, wide, loaded }) = recv_polling(&work, poll) {
             let mut answers = Vec::with_capacity(batch.len());
             if let Some(cores) = self.cores.as_deref().filter(|_| loaded) {
@@ -684,8 +689,14 @@ impl Lane {
             }
             // A lone request ran: the next one may come as soon as its client has the answer.
             poll = if wide { self.poll_when_idle } else { Duration::ZERO };
-            // The answers are out: past its limit, what the batch freed goes back now.
-            crate::runtime::allocator::trim_if_over(crate::runtime::allocator::FREE_LIMIT);
+            // The answers are out: past its limit, what the batches freed goes back now, looked
+            // at no more often than TRIM_CHECK_EVERY: reading glibc's totals walks its free
+            // chunks, and a request of many small elements (BYTES) in pieces of one row left
+            // one per element, so a look after every piece made the request cost N squared.
+            if trim_checked.elapsed() >= TRIM_CHECK_EVERY {
+                crate::runtime::allocator::trim_if_over(crate::runtime::allocator::FREE_LIMIT);
+                trim_checked = Instant::now();
+            }
         }
     }
 
