@@ -1093,6 +1093,26 @@ def bytes_identity_model():
     return make_model(helper.make_graph(nodes, "bytes_identity", inputs, outputs))
 
 
+def digits_model():
+    """Strings of digits cast to numbers (as Triton's `simple_string`): an empty string, the
+    default warm-up's input, makes the run fail; `[warmup.inputs]` gives it digits."""
+    inputs = [helper.make_tensor_value_info("INPUT0", TensorProto.STRING, ["batch", 16])]
+    outputs = [helper.make_tensor_value_info("OUTPUT0", TensorProto.INT32, ["batch", 16])]
+    nodes = [helper.make_node("Cast", ["INPUT0"], ["OUTPUT0"], name="to_int", to=TensorProto.INT32)]
+    return make_model(helper.make_graph(nodes, "digits", inputs, outputs))
+
+
+def check_digits(path):
+    sess = session(path)
+    (out,) = sess.run(None, {"INPUT0": np.array([[str(i) for i in range(16)]], dtype=object)})
+    assert out.tolist() == [list(range(16))], out
+    try:
+        sess.run(None, {"INPUT0": np.array([[""] * 16], dtype=object)})
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own types
+        return
+    raise AssertionError("an empty string was cast")
+
+
 def check_bytes_identity(path):
     items = np.array(["he\x00llo", "Wörld", ""], dtype=object)
     (out,) = session(path).run(None, {"INPUT0": items})
@@ -1154,12 +1174,16 @@ def main():
     if not args.no_check:
         check_order_dependent(*paths)
         print("tests/fixtures/cumsum.onnx, centered.onnx: onnxruntime check passed")
-    identity = REPO / "tests" / "fixtures" / "bytes_identity.onnx"
-    changed = write_if_changed(identity, bytes_identity_model().SerializeToString())
-    print(f"{identity.relative_to(REPO)}: {'written' if changed else 'unchanged'}")
-    if not args.no_check:
-        check_bytes_identity(identity)
-        print(f"{identity.relative_to(REPO)}: onnxruntime check passed")
+    for name, build, check in [
+        ("bytes_identity", bytes_identity_model, check_bytes_identity),
+        ("digits", digits_model, check_digits),
+    ]:
+        path = REPO / "tests" / "fixtures" / f"{name}.onnx"
+        changed = write_if_changed(path, build().SerializeToString())
+        print(f"{path.relative_to(REPO)}: {'written' if changed else 'unchanged'}")
+        if not args.no_check:
+            check(path)
+            print(f"{path.relative_to(REPO)}: onnxruntime check passed")
 
     for folder, files in write_published():
         if not args.no_check:

@@ -242,3 +242,62 @@ fn a_worker_memory_limit_below_a_fresh_worker_is_refused() {
         stderr(&out)
     );
 }
+
+/// A graph that cannot take the default warm-up's zeros (tests/fixtures/digits.onnx casts
+/// strings of digits to numbers, as Triton's `simple_string`; an empty string fails) stops
+/// `serve` naming the warm-up's inputs and what to set; `[warmup.inputs]` gives it values it
+/// takes, `[warmup] enabled = false` serves without a warm-up, and a warm-up input the model
+/// does not have is refused by name.
+#[test]
+fn warm_up_takes_sample_inputs_or_can_be_turned_off_and_says_which_input_failed() {
+    // A folder serving the model with `warmup` in its model.toml, and its port.
+    let setup = |warmup: &str| {
+        let dir = temp_dir("warmup");
+        let models = dir.path().join("models");
+        std::fs::create_dir_all(models.join("digits")).unwrap();
+        let file = repo().join("tests/fixtures/digits.onnx");
+        let toml = format!("name = \"digits\"\nfile = \"{}\"\n{warmup}", file.display());
+        std::fs::write(models.join("digits/model.toml"), toml).unwrap();
+        let port = free_port();
+        write_config(dir.path(), port, 1, &models, "digits", &[], "");
+        (dir, port)
+    };
+
+    let (dir, _) = setup("");
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("model 'digits' failed its warm-up run"), "{err}");
+    assert!(err.contains("INPUT0 BYTES [1, 16] of \"\"") && err.contains("[warmup.inputs]"), "{err}");
+
+    let (dir, _) = setup("[warmup.inputs]\nINPUT1 = \"7\"\n");
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("[warmup.inputs] names 'INPUT1', which is not an input of the model (its inputs: INPUT0)"),
+        "{err}"
+    );
+
+    let (dir, _) = setup("[warmup.inputs]\nINPUT0 = 7\n");
+    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(stderr(&out).contains("[warmup.inputs] INPUT0 = 7: not a BYTES value"), "{}", stderr(&out));
+
+    // Digits to warm up on, or no warm-up: it serves.
+    let digits: Vec<String> = (0..16).map(|i| i.to_string()).collect();
+    let body =
+        infer_body(serde_json::json!([{"name": "INPUT0", "shape": [1, 16], "datatype": "BYTES", "data": digits}]));
+    for (warmup, said) in [
+        ("[warmup.inputs]\nINPUT0 = \"7\"\n", "warmed up in"),
+        ("[warmup]\nenabled = false\n", "no warm-up ([warmup] enabled = false)"),
+    ] {
+        let (dir, port) = setup(warmup);
+        let mut server = Server::start(dir, port, &[]);
+        server.wait_ready(Duration::from_secs(60));
+        let r = server.request("POST", "/v2/models/digits/infer", &body);
+        assert_eq!(r.status, 200, "{warmup}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["outputs"][0]["data"], serde_json::json!((0..16).collect::<Vec<i32>>()));
+        assert!(server.log().contains(said), "{warmup}: {}", server.log());
+    }
+}

@@ -119,16 +119,27 @@ fn default_file() -> PathBuf {
     PathBuf::from("model.onnx")
 }
 
+/// The runs a worker makes before it takes traffic, so that no request pays for ONNX
+/// Runtime's first-run work.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Warmup {
+    /// false: no warm-up run (the first requests pay for what it would have done).
+    pub enabled: bool,
+    /// One run per size: the first dimension of every input.
     pub batch_sizes: Vec<usize>,
+    /// Every other dynamic dimension.
     pub dynamic_dim: usize,
+    /// A value for every element of an input, by the input's name, instead of zeros (empty
+    /// strings, false): a graph that cannot take zeros (strings of digits cast to numbers,
+    /// indices into a table) warms up on values it can. Triton's `model_warmup` input data.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub inputs: BTreeMap<String, serde_json::Value>,
 }
 
 impl Default for Warmup {
     fn default() -> Self {
-        Warmup { batch_sizes: vec![1, 4], dynamic_dim: 16 }
+        Warmup { enabled: true, batch_sizes: vec![1, 4], dynamic_dim: 16, inputs: BTreeMap::new() }
     }
 }
 

@@ -363,26 +363,50 @@ impl ModelSession {
     /// does not pay for lazy initialisation (allocations, kernel selection, pre-packing).
     pub fn warm_up(&mut self) -> Result<(), ModelError> {
         let warmup = self.entry.warmup.clone();
+        let model = self.entry.name.clone();
+        let fail = |message: String| ModelError::Warmup { model: model.clone(), message };
+        if let Some(name) = warmup.inputs.keys().find(|name| !self.meta.inputs.iter().any(|i| &i.name == *name)) {
+            let inputs: Vec<&str> = self.meta.inputs.iter().map(|i| i.name.as_str()).collect();
+            return Err(fail(format!(
+                "[warmup.inputs] names '{name}', which is not an input of the model (its inputs: {})",
+                inputs.join(", ")
+            )));
+        }
+        if !warmup.enabled {
+            return Ok(());
+        }
         let mut seen = Vec::new();
         for &batch in &warmup.batch_sizes {
-            let inputs: Vec<Tensor> = self
-                .meta
-                .inputs
-                .iter()
-                .map(|spec| {
-                    let shape = spec.filled(batch, warmup.dynamic_dim);
-                    let len = element_count(&shape).unwrap_or(0);
-                    let dtype = spec.dtype.expect("checked in load");
-                    Tensor { name: spec.name.clone(), shape, data: dtype.zeros(len) }
-                })
-                .collect();
+            let mut inputs = Vec::with_capacity(self.meta.inputs.len());
+            let mut described = Vec::with_capacity(self.meta.inputs.len());
+            for spec in &self.meta.inputs {
+                let shape = spec.filled(batch, warmup.dynamic_dim);
+                let len = element_count(&shape).unwrap_or(0);
+                let dtype = spec.dtype.expect("checked in load");
+                let (data, value) = match warmup.inputs.get(&spec.name) {
+                    Some(value) => {
+                        let data = dtype.parse_json(&vec![value; len]).map_err(|(_, what)| {
+                            fail(format!("[warmup.inputs] {} = {what}: not a {} value", spec.name, spec.datatype))
+                        })?;
+                        (data, value.to_string())
+                    }
+                    None => (dtype.zeros(len), if dtype == DataType::Bytes { "\"\"" } else { "0" }.to_string()),
+                };
+                described.push(format!("{} {} {shape:?} of {value}", spec.name, spec.datatype));
+                inputs.push(Tensor { name: spec.name.clone(), shape, data });
+            }
             let shapes: Vec<Vec<i64>> = inputs.iter().map(|t| t.shape.clone()).collect();
             if seen.contains(&shapes) {
                 continue; // fixed-shape model: one run is enough
             }
             seen.push(shapes);
-            self.run(inputs, None)
-                .map_err(|e| ModelError::Warmup { model: self.entry.name.clone(), message: e.to_string() })?;
+            self.run(inputs, None).map_err(|e| {
+                fail(format!(
+                    "{e} (the warm-up's inputs: {}; give values the graph takes in [warmup.inputs], as \
+                     INPUT = \"1\", or set [warmup] enabled = false)",
+                    described.join(", ")
+                ))
+            })?;
         }
         Ok(())
     }

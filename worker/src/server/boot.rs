@@ -100,7 +100,10 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Fai
         let started = Instant::now();
         set.warm_up().map_err(load_error)?;
         let name = set.narrow[0].name();
-        info!(model = name, "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+        match set.narrow[0].entry().warmup.enabled {
+            true => info!(model = name, "warmed up in {:.0} ms", started.elapsed().as_secs_f64() * 1e3),
+            false => info!(model = name, "no warm-up ([warmup] enabled = false): the first requests pay for it"),
+        }
         if let Err(why) = set.narrow[0].meta.batch_rows() {
             info!(model = name, "no batch dimension: each request runs whole, alone ({why})");
         }
