@@ -86,6 +86,52 @@ fn text_embeddings_inference_routes_answer_like_it() {
     assert_eq!(info["model_id"], "minilm");
     assert_eq!(info["max_input_length"], 256);
     assert_eq!(info["model_type"]["embedding"]["pooling"], "mean");
+    // Every field TEI's OpenAPI marks required in Info.
+    for field in [
+        "model_id",
+        "model_dtype",
+        "served_model_name",
+        "model_type",
+        "max_concurrent_requests",
+        "max_input_length",
+        "max_batch_tokens",
+        "max_client_batch_size",
+        "auto_truncate",
+        "tokenization_workers",
+        "version",
+    ] {
+        assert!(!info[field].is_null(), "/info lacks {field}: {info}");
+    }
+    assert_eq!(
+        (info["served_model_name"].as_str(), info["max_concurrent_requests"].as_u64()),
+        (Some("minilm"), Some(128))
+    );
+
+    // `dimensions` on /embed, as TEI's router test asks it (test_http_embed.rs,
+    // test_mrl_embeddings): the first 128 values, normalised after the cut; a batch's
+    // vectors equal the single one.
+    let full = post(&server, "/embed", json!({"inputs": "test"})).json()[0].clone();
+    let one = post(&server, "/embed", json!({"inputs": "test", "dimensions": 128}));
+    assert_eq!(one.status, 200, "{}", String::from_utf8_lossy(&one.body));
+    let one: Vec<f64> = one.json()[0].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(one.len(), 128);
+    let prefix: Vec<f64> = full.as_array().unwrap()[..128].iter().map(|v| v.as_f64().unwrap()).collect();
+    let norm = prefix.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!(one.iter().zip(&prefix).all(|(a, b)| (a - b / norm).abs() < 1e-6), "not the normalised prefix");
+    assert!((one.iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-5);
+    let batch = post(&server, "/embed", json!({"inputs": ["test", "test", "test"], "dimensions": 128})).json();
+    for row in batch.as_array().unwrap() {
+        let row: Vec<f64> = row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert!(row.iter().zip(&one).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
+    let raw = post(&server, "/embed", json!({"inputs": "test", "dimensions": 8, "normalize": false})).json();
+    let raw_full = post(&server, "/embed", json!({"inputs": "test", "normalize": false})).json();
+    assert_eq!(raw[0], json!(raw_full[0].as_array().unwrap()[..8]), "not normalised: the plain prefix");
+    for (dimensions, words) in [(0, "`dimensions` should be positive"), (1000, "maximum embedding dimension (384")] {
+        let r = post(&server, "/embed", json!({"inputs": "test", "dimensions": dimensions}));
+        assert_eq!(r.status, 400, "{dimensions}");
+        assert!(r.error().contains(words), "{dimensions}: {}", r.error());
+    }
 
     // /tokenize: one list per input, special tokens marked, offsets into the text.
     let tokens = post(&server, "/tokenize", json!({"inputs": "Hello world"})).json();

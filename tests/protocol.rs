@@ -105,7 +105,20 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
     };
     // (case, method, path, body, status, words of the error)
     type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, u16, &'a str);
+    let twice = serde_json::to_vec(&json!({
+        "inputs": typed_inputs(),
+        "outputs": [{"name": "f32_out"}, {"name": "f64_out"}, {"name": "f32_out"}]
+    }))
+    .unwrap();
     let cases: Vec<Case> = vec![
+        (
+            "an output asked for twice (Triton: 400)",
+            "POST",
+            "/v2/models/typed/infer",
+            twice,
+            400,
+            "output 'f32_out' is requested twice",
+        ),
         (
             "wrong dtype",
             "POST",

@@ -24,7 +24,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 use crate::http::reply::{annotate, json_reply, Reply};
-use crate::pipeline::{l2_normalize, Head, Text};
+use crate::pipeline::{cut_dimensions, Head, Text};
 use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 
@@ -129,12 +129,7 @@ pub async fn embeddings(
                 meta.info.name
             )));
         }
-        for row in rows.iter_mut() {
-            row.truncate(wanted);
-            if normalize {
-                l2_normalize(row);
-            }
-        }
+        cut_dimensions(rows, wanted, normalize);
     }
     let data: Vec<Value> = rows
         .iter()

@@ -35,7 +35,7 @@ use serde_json::Value;
 
 use crate::http::body::{self, OneOrMany, Shape};
 use crate::http::reply::{annotate, json_reply, large_json, Reply};
-use crate::pipeline::{ranked, sparse, Head, Pipeline, Text, TextPipeline};
+use crate::pipeline::{cut_dimensions, ranked, sparse, Head, Pipeline, Text, TextPipeline};
 use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 use inferd_config::model::{Pooling, Task};
@@ -51,6 +51,10 @@ struct EmbedRequest {
     normalize: Option<bool>,
     #[serde(default)]
     truncate: bool,
+    /// `/embed`: the first this many values of each embedding (TEI's Matryoshka), normalised
+    /// after the cut when the embeddings are.
+    #[serde(default)]
+    dimensions: Option<usize>,
 }
 
 /// A text, or a pair of texts (`["query", "passage"]`).
@@ -148,6 +152,13 @@ pub async fn embed(
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed")?;
     let request: EmbedRequest = parse(body)?;
+    if request.dimensions == Some(0) {
+        return Err(ApiError::BadRequest("`dimensions` should be positive".into()));
+    }
+    let normalize = match meta.pipeline.head() {
+        Some(Head::Embedding { settings, .. }) => request.normalize.unwrap_or(settings.normalize),
+        _ => false,
+    };
     let (texts, _) = request.inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options {
@@ -157,8 +168,21 @@ pub async fn embed(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
-    let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
+    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
+    // As TEI (since its Matryoshka support): any model's vector may be cut, not only one
+    // trained for it (OpenAI's route asks `[embedding] matryoshka`).
+    if let Some(wanted) = request.dimensions {
+        let full = rows.first().map_or(0, Vec::len);
+        if wanted > full {
+            return Err(ApiError::BadRequest(format!(
+                "`dimensions` should be smaller than the maximum embedding dimension ({full} for model '{}'); {wanted} \
+                 was asked",
+                meta.info.name
+            )));
+        }
+        cut_dimensions(rows, wanted, normalize);
+    }
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
     annotate(&mut reply, &outcome);
     Ok(reply)
@@ -427,12 +451,16 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
         "model_id": meta.info.name,
         "model_sha": meta.info.sha256,
         "model_version": meta.info.version,
-        "model_dtype": "float32",
+        "model_dtype": if meta.info.precision == "int8" { "int8" } else { "float32" },
+        "served_model_name": meta.info.name,
         "model_type": model_type,
         "max_input_length": max_input_length,
         "max_batch_tokens": meta.batching.max_batch_tokens,
         "max_batch_requests": meta.batch_rows().ok(),
         "max_client_batch_size": state.max_batch_inputs,
+        // Requests that may wait for this worker's model before more are refused at once
+        // (server.max_queue), as TEI's limit refuses rather than queue.
+        "max_concurrent_requests": state.engine.max_queue(),
         "auto_truncate": false,
         "tokenization_workers": 1,
         "version": inferd_ipc::version(),

@@ -104,6 +104,18 @@ impl Head {
     }
 }
 
+/// Cuts each embedding to its first `wanted` values (Matryoshka), normalised again when the
+/// request's embeddings are: a unit vector's prefix, scaled to unit length, is the prefix of
+/// the raw vector scaled to unit length. `wanted` at most each row's length.
+pub fn cut_dimensions(rows: &mut [Vec<f32>], wanted: usize, normalize: bool) {
+    for row in rows {
+        row.truncate(wanted);
+        if normalize {
+            l2_normalize(row);
+        }
+    }
+}
+
 /// Scales `row` to unit length (a zero vector stays zero).
 pub fn l2_normalize(row: &mut [f32]) {
     let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);

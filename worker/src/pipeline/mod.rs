@@ -18,7 +18,7 @@ pub mod text;
 use inferd_config::model::{ModelEntry, Task};
 
 use crate::runtime::tensor::TensorSpec;
-pub use head::{embeddings, l2_normalize, ranked, scores, sparse, token_embeddings, Head, Producer};
+pub use head::{cut_dimensions, embeddings, l2_normalize, ranked, scores, sparse, token_embeddings, Head, Producer};
 pub use image::{decode_image, ImagePipeline};
 pub use text::{Encoded, Piece, Text, TextPipeline, BYTES_PER_TOKEN};
 

@@ -47,9 +47,11 @@ pub fn select_outputs(parsed: &Parsed, available: &[&str], model: &str) -> Resul
                 available.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
             ));
         };
-        if !selection.iter().any(|(j, _)| *j == i) {
-            selection.push((i, out.binary.unwrap_or(parsed.binary_output)));
+        // As Triton: an output asked for twice is a mistake in the request, not a wish.
+        if selection.iter().any(|(j, _)| *j == i) {
+            return Err(format!("output '{}' is requested twice", out.name));
         }
+        selection.push((i, out.binary.unwrap_or(parsed.binary_output)));
     }
     Ok(selection)
 }

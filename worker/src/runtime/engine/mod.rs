@@ -280,6 +280,12 @@ struct Work {
 }
 
 impl Engine {
+    /// Jobs allowed to wait for a lane (server.max_queue); past it a request is refused at
+    /// once.
+    pub fn max_queue(&self) -> u64 {
+        self.max_queue
+    }
+
     /// Starts the dispatcher's timer thread (`inferd-batch`) and one thread per lane
     /// (`inferd-lane-N`), each owning the narrow session of every model for its lane; lane 0
     /// also owns the wide sessions. `models[m].narrow.len()` is the number of lanes, the same for every model.
