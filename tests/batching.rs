@@ -303,6 +303,10 @@ fn a_model_without_a_batch_dimension_answers_every_request_whole_and_alone() {
     // The warm-up's runs are not counted: the requests' runs and rows alone.
     assert_eq!(runs_of("centered"), (requests.len() as u64, rows as u64), "{status:#}");
     assert_eq!(runs_of("cumsum"), (1, 100), "{status:#}");
+    // Triton's model configuration says so: no batch dimension, the whole shape in `dims`.
+    let config = server.request("GET", "/v2/models/cumsum/config", b"").json();
+    assert_eq!((config["max_batch_size"].as_u64(), &config["input"][0]["dims"]), (Some(0), &json!([-1])), "{config}");
+    assert!(config.get("dynamic_batching").is_none(), "{config}");
     // The log says why each runs whole.
     let log = server.log();
     assert!(log.contains("no batch dimension") && log.contains("('n')"), "{log}");

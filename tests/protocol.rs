@@ -305,3 +305,39 @@ fn bytes_with_any_byte_value_round_trip_through_the_model() {
     assert_eq!(answer["outputs"][0]["parameters"]["binary_data_size"], json!(data.len()), "{answer}");
     assert_eq!(&r.body[json_len..], &data[..], "the bytes came back changed");
 }
+
+/// Triton's model configuration extension (`GET /v2/models/{name}/config`), read by the real
+/// `tritonclient.http` as its image_client does: a raw model's tensors without the batch
+/// dimension and its rows a run; a pipelined model's one BYTES input per row.
+#[test]
+fn model_configuration_in_tritons_shape() {
+    let server = typed_server("config");
+    let config = server.request("GET", "/v2/models/typed/config", b"");
+    assert_eq!(config.status, 200, "{}", String::from_utf8_lossy(&config.body));
+    let config = config.json();
+    assert_eq!((config["name"].as_str(), config["max_batch_size"].as_u64()), (Some("typed"), Some(32)), "{config}");
+    assert_eq!(config["platform"], "onnxruntime_onnx");
+    assert_eq!(
+        config["input"][0],
+        json!({"name": "f32_in", "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [4]})
+    );
+    assert_eq!(config["output"][6], json!({"name": "f32_sum", "data_type": "TYPE_FP32", "dims": []}));
+    assert_eq!(config["dynamic_batching"]["max_queue_delay_microseconds"], 0);
+    let classifier = server.request("GET", "/v2/models/classifier/versions/1/config", b"").json();
+    assert_eq!(classifier["input"][0]["data_type"], "TYPE_STRING", "{classifier}");
+    assert_eq!(
+        (&classifier["input"][0]["dims"], &classifier["input"][0]["reshape"]),
+        (&json!([1]), &json!({"shape": []}))
+    );
+    assert_eq!(classifier["output"][2], json!({"name": "probabilities", "data_type": "TYPE_FP32", "dims": [3]}));
+    assert_eq!(server.request("GET", "/v2/models/nope/config", b"").status, 404);
+
+    // The real client reads it.
+    let script = format!(
+        "import tritonclient.http as h\nc = h.InferenceServerClient('{}')\nm = c.get_model_config('typed')\n\
+         assert m['max_batch_size'] == 32 and m['input'][0]['dims'] == [4], m\nprint('config ok')\n",
+        server.addr
+    );
+    let out = std::process::Command::new(python()).args(["-c", &script]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("config ok"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -7,6 +7,7 @@ pub mod forward;
 pub mod grpc;
 pub mod handoff;
 pub mod kserve;
+pub mod model_config;
 pub mod openai;
 pub mod reply;
 pub mod tei;
@@ -260,6 +261,8 @@ enum Route<'a> {
     Ready,
     Model(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
+    /// Triton's model configuration extension ([`model_config`]).
+    ModelConfig(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
     Embed(Option<&'a str>),
     Predict(Option<&'a str>),
@@ -298,7 +301,9 @@ impl<'a> Route<'a> {
     /// (OpenAI's names its model in the body).
     fn model(&self) -> Option<Option<&'a str>> {
         match *self {
-            Route::Model(m, _) | Route::ModelReady(m, _) | Route::Infer(m, _) => Some(Some(m)),
+            Route::Model(m, _) | Route::ModelReady(m, _) | Route::ModelConfig(m, _) | Route::Infer(m, _) => {
+                Some(Some(m))
+            }
             Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) => Some(m),
             Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
             _ => None,
@@ -315,6 +320,8 @@ impl<'a> Route<'a> {
             Route::Model(_, Some(_)) => "/v2/models/{model}/versions/{version}",
             Route::ModelReady(_, None) => "/v2/models/{model}/ready",
             Route::ModelReady(_, Some(_)) => "/v2/models/{model}/versions/{version}/ready",
+            Route::ModelConfig(_, None) => "/v2/models/{model}/config",
+            Route::ModelConfig(_, Some(_)) => "/v2/models/{model}/versions/{version}/config",
             Route::Infer(_, None) => "/v2/models/{model}/infer",
             Route::Infer(_, Some(_)) => "/v2/models/{model}/versions/{version}/infer",
             Route::Embed(None) => "/embed",
@@ -367,6 +374,8 @@ fn parse_route<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "versions", v] => Route::Model(name, Some(v)),
         ["v2", "models", name, "ready"] => Route::ModelReady(name, None),
         ["v2", "models", name, "versions", v, "ready"] => Route::ModelReady(name, Some(v)),
+        ["v2", "models", name, "config"] => Route::ModelConfig(name, None),
+        ["v2", "models", name, "versions", v, "config"] => Route::ModelConfig(name, Some(v)),
         ["v2", "models", name, "infer"] => Route::Infer(name, None),
         ["v2", "models", name, "versions", v, "infer"] => Route::Infer(name, Some(v)),
         ["embed"] => Route::Embed(None),
@@ -495,12 +504,17 @@ async fn routed(
         // A model loaded on demand is not loaded by being asked about.
         Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(not_loaded(name, None)),
         Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(not_loaded(name, Some(ready))),
+        Route::ModelConfig(name, None) if state.models.loads_on_demand(name) => Ok(not_loaded(name, None)),
         Route::Model(name, version) => {
             state.models.find(name, version).await.map(|(_, m)| versioned(model_metadata(&m), &m))
         }
         Route::ModelReady(name, version) => {
             state.models.find(name, version).await.map(|(_, m)| versioned(readiness(ready), &m))
         }
+        Route::ModelConfig(name, version) => state.models.find(name, version).await.map(|(_, m)| {
+            let config = model_config::of(&m, state.max_batch_inputs);
+            versioned(json_reply(StatusCode::OK, serde_json::to_vec(&config).expect("json")), &m)
+        }),
         Route::Infer(name, version) => {
             let found = state.models.find(name, version).await;
             let row = found_index(state, &found);
