@@ -110,7 +110,13 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
         "outputs": [{"name": "f32_out"}, {"name": "f64_out"}, {"name": "f32_out"}]
     }))
     .unwrap();
+    let sequence = serde_json::to_vec(&json!({
+        "inputs": typed_inputs(),
+        "parameters": {"sequence_id": 7, "sequence_start": true, "sequence_end": false}
+    }))
+    .unwrap();
     let cases: Vec<Case> = vec![
+        ("a request of a sequence", "POST", "/v2/models/typed/infer", sequence, 400, "inferd has no sequence batcher"),
         (
             "an output asked for twice (Triton: 400)",
             "POST",

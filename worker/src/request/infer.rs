@@ -33,6 +33,15 @@ pub async fn run_v2(
     deadline: Option<Instant>,
 ) -> Result<Inferred, ApiError> {
     let model = &meta.info.name;
+    // Triton's sequence batcher sends a sequence's requests to one stateful instance; inferd's
+    // models keep no state between runs, so a request of a sequence would be answered as if
+    // alone: refused instead (tritonclient sends the parameters only for a sequence_id not 0).
+    let sequence = parsed.parameters.get("sequence_id").filter(|id| !matches!(id.as_u64(), Some(0)) && id != &"");
+    if let Some(id) = sequence {
+        return Err(ApiError::BadRequest(format!(
+            "parameter 'sequence_id' ({id}): inferd has no sequence batcher; its models keep no state between requests"
+        )));
+    }
     if let Some((input_name, outputs)) = pipeline_io(meta) {
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
             let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
