@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::http::Connection;
-use inferd_worker::protowire::{put_bytes, put_number};
+use inferd_worker::protowire::{float_value_info, put_bytes, put_number, Dim};
 
 pub const INPUTS: usize = 16;
 pub const OUTPUTS: usize = 4;
@@ -117,22 +117,7 @@ fn initializer(name: &str, dims: &[usize], values: &[f32]) -> Vec<u8> {
 
 /// A float input or output `name` of shape `[batch, width]`.
 fn value_info(name: &str, width: usize) -> Vec<u8> {
-    let mut shape = Vec::new();
-    let mut batch = Vec::new();
-    put_bytes(&mut batch, 2, b"batch");
-    put_bytes(&mut shape, 1, &batch);
-    let mut fixed = Vec::new();
-    put_number(&mut fixed, 1, width as u64);
-    put_bytes(&mut shape, 1, &fixed);
-    let mut tensor = Vec::new();
-    put_number(&mut tensor, 1, 1);
-    put_bytes(&mut tensor, 2, &shape);
-    let mut kind = Vec::new();
-    put_bytes(&mut kind, 1, &tensor);
-    let mut info = Vec::new();
-    put_bytes(&mut info, 1, name.as_bytes());
-    put_bytes(&mut info, 2, &kind);
-    info
+    float_value_info(name, &[Dim::Named("batch"), Dim::Fixed(width as u64)])
 }
 
 /// Draws model numbers 0..n with probability proportional to 1 / (rank + 1)^s, from a

@@ -88,3 +88,34 @@ pub fn put_number(out: &mut Vec<u8>, number: u64, value: u64) {
     put_varint(out, number << 3);
     put_varint(out, value);
 }
+
+/// A dimension of an ONNX tensor's shape: named (dynamic) or fixed.
+pub enum Dim<'a> {
+    Named(&'a str),
+    Fixed(u64),
+}
+
+/// An ONNX `ValueInfoProto`: a float tensor `name` of `dims`, a graph's input or output.
+/// Fields of onnx.proto: ValueInfoProto name = 1, type = 2; TypeProto tensor_type = 1, whose
+/// elem_type = 1 (FLOAT = 1) and shape = 2; TensorShapeProto dim = 1, its dim_value = 1 or
+/// dim_param = 2.
+pub fn float_value_info(name: &str, dims: &[Dim]) -> Vec<u8> {
+    let mut shape = Vec::new();
+    for d in dims {
+        let mut dim = Vec::new();
+        match d {
+            Dim::Named(param) => put_bytes(&mut dim, 2, param.as_bytes()),
+            Dim::Fixed(value) => put_number(&mut dim, 1, *value),
+        }
+        put_bytes(&mut shape, 1, &dim);
+    }
+    let mut tensor = Vec::new();
+    put_number(&mut tensor, 1, 1);
+    put_bytes(&mut tensor, 2, &shape);
+    let mut kind = Vec::new();
+    put_bytes(&mut kind, 1, &tensor);
+    let mut info = Vec::new();
+    put_bytes(&mut info, 1, name.as_bytes());
+    put_bytes(&mut info, 2, &kind);
+    info
+}

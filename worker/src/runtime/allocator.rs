@@ -20,7 +20,7 @@
 
 use inferd_config::file::Allocator;
 
-use crate::protowire::{put_bytes, put_number};
+use crate::protowire::{float_value_info, put_bytes, put_number, Dim};
 
 /// Free memory the allocator may keep after a run: more than batches of short texts reuse,
 /// less than batches of long texts leave behind (a mixed stream ~120 MiB, a soak of long
@@ -118,25 +118,10 @@ impl Shrinker {
 /// A model of one operator, `y = x + x` on a float tensor of one element (opset 13): run by
 /// [`Shrinker`]. Fields of onnx.proto: ModelProto ir_version = 1, graph = 7, opset_import = 8;
 /// GraphProto node = 1, name = 2, input = 11, output = 12; NodeProto input = 1, output = 2,
-/// op_type = 4; ValueInfoProto name = 1, type = 2; TypeProto tensor_type = 1, whose
-/// elem_type = 1 (FLOAT = 1) and shape = 2; TensorShapeProto dim = 1, its dim_value = 1;
-/// OperatorSetIdProto version = 2.
+/// op_type = 4; OperatorSetIdProto version = 2; the inputs and outputs
+/// ([`float_value_info`]) of one element.
 fn doubling_model() -> Vec<u8> {
-    let value = |name: &str| {
-        let mut dim = Vec::new();
-        put_number(&mut dim, 1, 1);
-        let mut shape = Vec::new();
-        put_bytes(&mut shape, 1, &dim);
-        let mut tensor = Vec::new();
-        put_number(&mut tensor, 1, 1); // FLOAT
-        put_bytes(&mut tensor, 2, &shape);
-        let mut kind = Vec::new();
-        put_bytes(&mut kind, 1, &tensor);
-        let mut info = Vec::new();
-        put_bytes(&mut info, 1, name.as_bytes());
-        put_bytes(&mut info, 2, &kind);
-        info
-    };
+    let value = |name: &str| float_value_info(name, &[Dim::Fixed(1)]);
     let mut node = Vec::new();
     put_bytes(&mut node, 1, b"x");
     put_bytes(&mut node, 1, b"x");
