@@ -32,10 +32,9 @@ use std::time::Instant;
 use serde_json::{json, Map, Value};
 
 use crate::http::reply::{annotate, json_reply, Reply};
-use crate::pipeline::{Head, Pipeline, Text, TextPipeline};
+use crate::pipeline::Text;
 use crate::request::app::{ApiError, AppState, Model};
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
-use inferd_config::model::Task;
 
 /// Cohere's defaults: windows per document (v1), tokens per document (v2).
 const MAX_CHUNKS_PER_DOC: usize = 10;
@@ -176,7 +175,7 @@ fn document(
 pub async fn model_for(state: &AppState, name: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
     if let Some(name) = name {
         if let Ok(found) = state.models.find(name, None).await {
-            cross_encoder(&found.1)?;
+            found.1.cross_encoder("rerank")?;
             return Ok(found);
         }
     }
@@ -184,7 +183,7 @@ pub async fn model_for(state: &AppState, name: Option<&str>) -> Result<(usize, A
         .models
         .loaded()
         .into_iter()
-        .find(|m| cross_encoder(m).is_ok())
+        .find(|m| m.cross_encoder("rerank").is_ok())
         .and_then(|m| state.models.get(&m.info.name))
         .ok_or_else(|| {
             let asked = name.map(|n| format!("no model '{n}' is served, and ")).unwrap_or_default();
@@ -192,23 +191,6 @@ pub async fn model_for(state: &AppState, name: Option<&str>) -> Result<(usize, A
                 "{asked}no cross-encoder (a classification model with one label) is loaded to rerank with"
             ))
         })
-}
-
-fn cross_encoder(meta: &Model) -> Result<&TextPipeline, ApiError> {
-    let name = &meta.info.name;
-    match (&*meta.pipeline, meta.task) {
-        (Pipeline::Text(p), Task::Classification) => match &p.head {
-            Head::Classification { labels, .. } if labels.len() == 1 => Ok(p),
-            Head::Classification { labels, .. } => Err(ApiError::BadRequest(format!(
-                "rerank needs a cross-encoder (a classification model with one label), but '{name}' has {} labels",
-                labels.len()
-            ))),
-            _ => Err(ApiError::BadRequest(format!("'{name}' is not a cross-encoder"))),
-        },
-        _ => Err(ApiError::BadRequest(format!(
-            "rerank needs a cross-encoder (a text classification model with one label); '{name}' is not one"
-        ))),
-    }
 }
 
 /// Scores every document against the query (in windows where it is long) and answers the
@@ -221,7 +203,7 @@ pub async fn rerank(
     id: &str,
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
-    let pipeline = cross_encoder(meta)?;
+    let pipeline = meta.cross_encoder("rerank")?;
     let query_tokens = pipeline.count_tokens(0, &request.query)?;
     let window = pipeline.max_length.saturating_sub(query_tokens).saturating_sub(pipeline.special_tokens(true));
     if window < MIN_WINDOW {

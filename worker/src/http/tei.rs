@@ -373,15 +373,7 @@ pub async fn rerank(
     deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Classification, "/rerank")?;
-    if let Some(Head::Classification { labels, .. }) = meta.pipeline.head() {
-        if labels.len() != 1 {
-            return Err(ApiError::BadRequest(format!(
-                "/rerank needs a cross-encoder (a classification model with one label), but '{}' has {} labels",
-                meta.info.name,
-                labels.len()
-            )));
-        }
-    }
+    meta.cross_encoder("/rerank")?;
     let request: RerankRequest = parse(body)?;
     if request.texts.is_empty() {
         return Err(ApiError::BadRequest("'texts' is an empty list".into()));

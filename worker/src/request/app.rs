@@ -11,10 +11,11 @@ use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 
 use inferd_config::auth::{bearer, ApiKeys, KeySettings, Refusal};
+use inferd_config::model::Task;
 use inferd_ipc::limits::{now_ns, KeyLimits, Over, Pass, Seat};
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Head, Pipeline, TextPipeline};
 use crate::request::models::Models;
 use crate::runtime::engine::{Engine, EngineError};
 use crate::runtime::model::{ModelError, ModelMeta};
@@ -26,6 +27,29 @@ pub struct Model {
     pub meta: ModelMeta,
     /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
     pub pipeline: Arc<Pipeline>,
+}
+
+impl Model {
+    /// Its text pipeline where it is a cross-encoder (a text classification model with one
+    /// label), what reranking needs (TEI's `/rerank`, Cohere's); `endpoint` names the route
+    /// in the refusal otherwise.
+    pub fn cross_encoder(&self, endpoint: &str) -> Result<&TextPipeline, ApiError> {
+        let name = &self.info.name;
+        match (&*self.pipeline, self.task) {
+            (Pipeline::Text(p), Task::Classification) => match &p.head {
+                Head::Classification { labels, .. } if labels.len() == 1 => Ok(p),
+                Head::Classification { labels, .. } => Err(ApiError::BadRequest(format!(
+                    "{endpoint} needs a cross-encoder (a classification model with one label), but '{name}' has {} \
+                     labels",
+                    labels.len()
+                ))),
+                Head::Embedding { .. } => Err(ApiError::BadRequest(format!("'{name}' is not a cross-encoder"))),
+            },
+            _ => Err(ApiError::BadRequest(format!(
+                "{endpoint} needs a cross-encoder (a text classification model with one label); '{name}' is not one"
+            ))),
+        }
+    }
 }
 
 impl std::ops::Deref for Model {
