@@ -126,6 +126,20 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     body::json(body).map_err(|e| format!("request body: {e}"))
 }
 
+/// Runs texts, each on its own, through the model's pipeline with `options`: what `/embed`,
+/// `/embed_all` and `/embed_sparse` do once they have read and checked their request.
+async fn run_texts(
+    state: &AppState,
+    index: usize,
+    meta: &Model,
+    inputs: OneOrMany<String>,
+    options: Options,
+) -> Result<tasks::Outcome, ApiError> {
+    let (texts, _) = inputs.into_vec();
+    let texts = texts.into_iter().map(Text::Single).collect();
+    tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await
+}
+
 fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
     if meta.task == task {
         return Ok(());
@@ -159,8 +173,6 @@ pub async fn embed(
         Some(Head::Embedding { settings, .. }) => request.normalize.unwrap_or(settings.normalize),
         _ => false,
     };
-    let (texts, _) = request.inputs.into_vec();
-    let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options {
         truncate: request.truncate,
         normalize: request.normalize,
@@ -168,7 +180,7 @@ pub async fn embed(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let mut outcome = run_texts(state, index, meta, request.inputs, options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     // As TEI (since its Matryoshka support): any model's vector may be cut, not only one
     // trained for it (OpenAI's route asks `[embedding] matryoshka`).
@@ -199,8 +211,6 @@ pub async fn embed_all(
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed_all")?;
     let request: EmbedRequest = parse(body)?;
-    let (texts, _) = request.inputs.into_vec();
-    let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options {
         truncate: request.truncate,
         tokens: true,
@@ -208,7 +218,7 @@ pub async fn embed_all(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let mut outcome = run_texts(state, index, meta, request.inputs, options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };
@@ -263,8 +273,6 @@ pub async fn embed_sparse(
     if !threshold.is_finite() || threshold < 0.0 {
         return Err(ApiError::BadRequest(format!("'threshold' is {threshold}; it must be 0 or more")));
     }
-    let (texts, _) = request.inputs.into_vec();
-    let texts = texts.into_iter().map(Text::Single).collect();
     let options = Options {
         truncate: request.truncate,
         normalize: Some(false),
@@ -272,7 +280,7 @@ pub async fn embed_sparse(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let outcome = run_texts(state, index, meta, request.inputs, options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let rows: Vec<Vec<SparseValue>> = rows
         .iter()
