@@ -347,3 +347,53 @@ fn model_configuration_in_tritons_shape() {
     let out = std::process::Command::new(python()).args(["-c", &script]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("config ok"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// Compressed request bodies, as `tritonclient.http` sends them (`request_compression_algorithm`
+/// gzip and deflate): inflated within `server.max_body_bytes` (64 KiB here), so a gzip of 64 MiB
+/// of zeros (64 KiB on the wire) is refused with 413 having inflated at most the limit, and an
+/// encoding inferd does not speak is refused naming it.
+#[test]
+fn compressed_request_bodies_inflate_within_the_body_limit() {
+    let server = typed_server("compressed");
+    let script = format!(
+        r#"
+import gzip, json, urllib.request, urllib.error
+import numpy as np
+import tritonclient.http as h
+c = h.InferenceServerClient('{addr}')
+x = h.InferInput('f32_in', [2, 4], 'FP32')
+x.set_data_from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4))
+inputs = [x]
+for name, dtype in [('f64_in', np.float64), ('i32_in', np.int32), ('i64_in', np.int64), ('bool_in', np.bool_), ('f16_in', np.float16)]:
+    t = h.InferInput(name, [2, 4], {{np.float64: 'FP64', np.int32: 'INT32', np.int64: 'INT64', np.bool_: 'BOOL', np.float16: 'FP16'}}[dtype])
+    t.set_data_from_numpy(np.ones((2, 4), dtype=dtype))
+    inputs.append(t)
+for algorithm in ['gzip', 'deflate']:
+    r = c.infer('typed', inputs, request_compression_algorithm=algorithm)
+    assert r.as_numpy('f32_sum').tolist() == [6.0, 22.0], r.as_numpy('f32_sum')
+def post(body, encoding):
+    req = urllib.request.Request('http://{addr}/v2/models/typed/infer', data=body, headers={{'Content-Encoding': encoding}})
+    try:
+        urllib.request.urlopen(req)
+        return 200, ''
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+bomb = gzip.compress(b'0' * (64 << 20))
+assert len(bomb) < 1 << 20, len(bomb)
+status, text = post(bomb, 'gzip')
+assert status == 413 and 'inflates to more than the limit of 65536 bytes' in text, (status, text)
+status, text = post(b'{{}}', 'br')
+assert status == 400 and "Content-Encoding 'br' is not supported" in text, (status, text)
+status, text = post(b'not gzip', 'gzip')
+assert status == 400 and 'not valid gzip' in text, (status, text)
+print('compression ok')
+"#,
+        addr = server.addr
+    );
+    let out = std::process::Command::new(python()).args(["-c", &script]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("compression ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

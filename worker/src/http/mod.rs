@@ -3,6 +3,7 @@
 
 pub mod body;
 pub mod cohere;
+pub mod encoding;
 pub mod forward;
 pub mod grpc;
 pub mod handoff;
@@ -725,9 +726,14 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
     if declared.is_some_and(|len| len > limit) {
         return Err(too_large());
     }
+    let content_encoding = request.headers().get(hyper::header::CONTENT_ENCODING).map(|v| v.to_str().unwrap_or("?"));
+    let encoding =
+        encoding::Encoding::from_header(content_encoding).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     // Bodies being read or held by this worker may not add up past its budget: many large
-    // requests at once get a fast 503 instead of exhausting memory.
-    let claim = declared.unwrap_or(limit).max(1).min(u32::MAX as u64) as u32;
+    // requests at once get a fast 503 instead of exhausting memory. A compressed body is
+    // charged for what it may inflate to: the limit.
+    let size = if encoding == encoding::Encoding::Identity { declared.unwrap_or(limit) } else { limit };
+    let claim = size.max(1).min(u32::MAX as u64) as u32;
     let budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
         ApiError::Overloaded(format!(
             "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
@@ -755,6 +761,18 @@ async fn read_body(state: &AppState, request: Request<Incoming>) -> Result<Body,
         read.0.store(true, Ordering::Relaxed);
     }
     stage.set(KeyValue::new("http.request.body.size", bytes.len() as i64));
+    let bytes = match encoding {
+        encoding::Encoding::Identity => bytes,
+        // Inflating megabytes takes milliseconds: off the I/O thread.
+        _ => tokio::task::spawn_blocking(move || encoding.decode(&bytes, limit))
+            .await
+            .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?
+            .map(Bytes::from)
+            .map_err(|e| match e {
+                encoding::DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
+                _ => ApiError::BadRequest(e.to_string()),
+            })?,
+    };
     Ok(Body { bytes, _budget: budget })
 }
 
