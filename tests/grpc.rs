@@ -48,6 +48,23 @@ fn tritonclient_grpc_gets_what_rest_and_the_references_give() {
     let status = server.status();
     assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
     assert_eq!(status["grpc_listen"], grpc.as_str(), "{status}");
+    // Triton's ModelConfig RPC, read by the real client: what GET .../config says over HTTP.
+    let script = format!(
+        "import json, urllib.request\nimport tritonclient.grpc as g\nimport tritonclient.grpc.model_config_pb2 as mc\n\
+         c = g.InferenceServerClient('{grpc}')\nfor name in ['typed', 'classifier']:\n\
+         \x20   m = c.get_model_config(name, as_json=True)['config']\n\
+         \x20   h = json.load(urllib.request.urlopen('http://{}/v2/models/' + name + '/config'))\n\
+         \x20   for k in ['name', 'platform', 'backend']: assert m[k] == h[k], (k, m, h)\n\
+         \x20   assert int(m['max_batch_size']) == h['max_batch_size'], (m, h)\n\
+         \x20   for a, b in zip(m['input'] + m['output'], h['input'] + h['output']):\n\
+         \x20       assert (a['name'], a['data_type'], [int(d) for d in a.get('dims', [])]) == (b['name'], b['data_type'], b['dims']), (a, b)\n\
+         p = c.get_model_config('classifier').config\n\
+         assert p.input[0].data_type == mc.TYPE_STRING and list(p.input[0].reshape.shape) == [] and p.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU, p\n\
+         print('grpc config ok')\n",
+        server.addr
+    );
+    let out = Command::new(python()).args(["-c", &script]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("grpc config ok"), "{}", text(&out));
     let table = Command::new(BIN).args(["status", "--control-socket"]).arg(&server.socket).output().unwrap();
     let first = String::from_utf8_lossy(&table.stdout).lines().next().unwrap_or_default().to_string();
     assert!(first.contains(&format!("on {} (gRPC on {grpc})", server.addr)), "{first}");

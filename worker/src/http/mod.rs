@@ -513,7 +513,7 @@ async fn routed(
             state.models.find(name, version).await.map(|(_, m)| versioned(readiness(ready), &m))
         }
         Route::ModelConfig(name, version) => state.models.find(name, version).await.map(|(_, m)| {
-            let config = model_config::of(&m, state.max_batch_inputs);
+            let config = model_config::Config::of(&m, state.max_batch_inputs).to_json();
             versioned(json_reply(StatusCode::OK, serde_json::to_vec(&config).expect("json")), &m)
         }),
         Route::Infer(name, version) => {

@@ -1,9 +1,9 @@
-//! Triton's model configuration extension: `GET /v2/models/{name}/config` answers the
-//! configuration inferd resolved for a model in the JSON form of Triton's `ModelConfig`, so
-//! clients that size their requests from it (tritonclient's image_client, Triton's aio tests)
-//! work unchanged against inferd.
+//! Triton's model configuration extension: `GET /v2/models/{name}/config` and gRPC's
+//! `ModelConfig` answer the configuration inferd resolved for a model in the shape of Triton's
+//! `ModelConfig` (its JSON form over HTTP, its message over gRPC), so clients that size their
+//! requests from it (tritonclient's image_client, Triton's aio tests) work unchanged.
 //!
-//! What it says, from what inferd serves:
+//! What it says, from what inferd serves ([`Config::of`]):
 //! - `max_batch_size`: 0 for a model without a batch dimension (`ModelMeta::batch_rows`), its
 //!   rows a run otherwise; for a pipelined model (text, images), the inputs a request may
 //!   carry (`server.max_batch_inputs`);
@@ -18,12 +18,24 @@ use serde_json::{json, Value};
 use crate::request::app::Model;
 use crate::request::infer::pipeline_io;
 
-/// Triton's `DataType` for a KServe v2 datatype (`BYTES` is `TYPE_STRING`).
-fn triton_type(datatype: &str) -> String {
-    match datatype {
-        "BYTES" => "TYPE_STRING".into(),
-        other => format!("TYPE_{other}"),
-    }
+/// A tensor as the configuration lists it.
+pub struct TensorConfig {
+    pub name: String,
+    /// KServe v2's datatype (`FP32`, `BYTES`, ...).
+    pub datatype: String,
+    pub dims: Vec<i64>,
+    /// The shape the model sees where it differs from `dims` (a pipeline's scalar per row).
+    pub reshape: Option<Vec<i64>>,
+}
+
+/// The configuration of one model, whatever carries it.
+pub struct Config {
+    pub name: String,
+    pub max_batch_size: usize,
+    pub inputs: Vec<TensorConfig>,
+    pub outputs: Vec<TensorConfig>,
+    /// `max_queue_delay_ms` in microseconds, where the model batches.
+    pub batching_delay_us: Option<u64>,
 }
 
 /// `dims` of a tensor whose first dimension is the batch where `batched`.
@@ -32,57 +44,77 @@ fn dims(shape: &[i64], batched: bool) -> Vec<i64> {
     shape[skip..].to_vec()
 }
 
-/// The model's configuration in Triton's JSON form; `max_batch_inputs` is
-/// `server.max_batch_inputs` (a pipelined model's batch).
-pub fn of(meta: &Model, max_batch_inputs: usize) -> Value {
-    let batch = meta.batch_rows().ok();
-    let (max_batch_size, input, output) = match pipeline_io(meta) {
-        Some((name, outputs)) => {
-            let input = vec![json!({
-                "name": name, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1],
-                "reshape": {"shape": []},
-            })];
-            let output: Vec<Value> = outputs
-                .iter()
-                .map(|(name, datatype, shape)| json!({"name": name, "data_type": triton_type(datatype), "dims": dims(shape, true)}))
-                .collect();
-            (max_batch_inputs, input, output)
+impl Config {
+    /// `meta`'s configuration; `max_batch_inputs` is `server.max_batch_inputs` (a pipelined
+    /// model's batch).
+    pub fn of(meta: &Model, max_batch_inputs: usize) -> Config {
+        let batch = meta.batch_rows().ok();
+        let tensor = |name: &str, datatype: &str, shape: &[i64], batched: bool| TensorConfig {
+            name: name.to_string(),
+            datatype: datatype.to_string(),
+            dims: dims(shape, batched),
+            reshape: None,
+        };
+        let (max_batch_size, inputs, outputs) = match pipeline_io(meta) {
+            Some((name, outputs)) => {
+                let input = TensorConfig {
+                    name: name.to_string(),
+                    datatype: "BYTES".into(),
+                    dims: vec![1],
+                    reshape: Some(Vec::new()),
+                };
+                let outputs =
+                    outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape, true)).collect();
+                (max_batch_inputs, vec![input], outputs)
+            }
+            None => {
+                let batched = batch.is_some();
+                let of = |specs: &[crate::runtime::tensor::TensorSpec]| {
+                    specs.iter().map(|t| tensor(&t.name, &t.datatype, &t.shape, batched)).collect()
+                };
+                (batch.unwrap_or(0), of(&meta.inputs), of(&meta.outputs))
+            }
+        };
+        Config {
+            name: meta.info.name.clone(),
+            max_batch_size,
+            inputs,
+            outputs,
+            batching_delay_us: batch.map(|_| meta.batching.max_queue_delay_ms.saturating_mul(1000)),
         }
-        None => {
-            let batched = batch.is_some();
-            let input: Vec<Value> = meta
-                .inputs
-                .iter()
-                .map(|t| {
-                    json!({"name": t.name, "data_type": triton_type(&t.datatype), "format": "FORMAT_NONE",
-                           "dims": dims(&t.shape, batched)})
-                })
-                .collect();
-            let output: Vec<Value> = meta
-                .outputs
-                .iter()
-                .map(
-                    |t| json!({"name": t.name, "data_type": triton_type(&t.datatype), "dims": dims(&t.shape, batched)}),
-                )
-                .collect();
-            (batch.unwrap_or(0), input, output)
-        }
-    };
-    let mut config = json!({
-        "name": meta.info.name,
-        "platform": "onnxruntime_onnx",
-        "backend": "onnxruntime",
-        "version_policy": {"latest": {"num_versions": 1}},
-        "max_batch_size": max_batch_size,
-        "input": input,
-        "output": output,
-        "instance_group": [{"name": meta.info.name, "kind": "KIND_CPU", "count": 1}],
-        "default_model_filename": "model.onnx",
-        "parameters": {},
-    });
-    if batch.is_some() {
-        let delay_us = meta.batching.max_queue_delay_ms.saturating_mul(1000);
-        config["dynamic_batching"] = json!({"max_queue_delay_microseconds": delay_us});
     }
-    config
+
+    /// Triton's JSON form (`GET /v2/models/{name}/config`).
+    pub fn to_json(&self) -> Value {
+        let triton_type = |datatype: &str| match datatype {
+            "BYTES" => "TYPE_STRING".to_string(),
+            other => format!("TYPE_{other}"),
+        };
+        let tensor = |t: &TensorConfig, input: bool| {
+            let mut v = json!({"name": t.name, "data_type": triton_type(&t.datatype), "dims": t.dims});
+            if input {
+                v["format"] = json!("FORMAT_NONE");
+            }
+            if let Some(shape) = &t.reshape {
+                v["reshape"] = json!({"shape": shape});
+            }
+            v
+        };
+        let mut config = json!({
+            "name": self.name,
+            "platform": "onnxruntime_onnx",
+            "backend": "onnxruntime",
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": self.max_batch_size,
+            "input": self.inputs.iter().map(|t| tensor(t, true)).collect::<Vec<_>>(),
+            "output": self.outputs.iter().map(|t| tensor(t, false)).collect::<Vec<_>>(),
+            "instance_group": [{"name": self.name, "kind": "KIND_CPU", "count": 1}],
+            "default_model_filename": "model.onnx",
+            "parameters": {},
+        });
+        if let Some(delay) = self.batching_delay_us {
+            config["dynamic_batching"] = json!({"max_queue_delay_microseconds": delay});
+        }
+        config
+    }
 }

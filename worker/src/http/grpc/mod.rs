@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
 use crate::http::kserve;
+use crate::http::model_config::{Config, TensorConfig};
 use crate::request::app::{self, ApiError, AppState, CountedAs, Model};
 use crate::request::infer::{self, Inferred};
 use crate::request::v2::{InputTensor, Parsed, WantedOutput};
@@ -129,6 +130,16 @@ impl GrpcInferenceService for Grpc {
         // What a model loaded on demand takes and gives is known once it is loaded: this loads it.
         let (_, meta) = find(&self.state, &request.name, &request.version).await.map_err(status)?;
         Ok(Response::new(metadata(&meta)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<proto::ModelConfigRequest>,
+    ) -> Result<Response<proto::ModelConfigResponse>, Status> {
+        let request = request.into_inner();
+        let (_, meta) = find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        let config = Config::of(&meta, self.state.max_batch_inputs);
+        Ok(Response::new(proto::ModelConfigResponse { config: Some(config_message(&config)) }))
     }
 
     async fn model_infer(
@@ -252,6 +263,54 @@ fn metadata(meta: &Model) -> proto::ModelMetadataResponse {
         platform: "onnxruntime_onnx".into(),
         inputs,
         outputs,
+    }
+}
+
+/// A model's configuration as Triton's `ModelConfig` message ([`Config`]).
+fn config_message(config: &Config) -> proto::ModelConfig {
+    let data_type = |datatype: &str| {
+        let name = if datatype == "BYTES" { "TYPE_STRING".to_string() } else { format!("TYPE_{datatype}") };
+        proto::DataType::from_str_name(&name).unwrap_or(proto::DataType::TypeInvalid) as i32
+    };
+    let reshape = |t: &TensorConfig| t.reshape.clone().map(|shape| proto::ModelTensorReshape { shape });
+    proto::ModelConfig {
+        name: config.name.clone(),
+        platform: "onnxruntime_onnx".into(),
+        backend: "onnxruntime".into(),
+        version_policy: Some(proto::ModelVersionPolicy {
+            latest: Some(proto::model_version_policy::Latest { num_versions: 1 }),
+        }),
+        max_batch_size: i32::try_from(config.max_batch_size).unwrap_or(i32::MAX),
+        input: config
+            .inputs
+            .iter()
+            .map(|t| proto::ModelInput {
+                name: t.name.clone(),
+                data_type: data_type(&t.datatype),
+                format: proto::model_input::Format::None as i32,
+                dims: t.dims.clone(),
+                reshape: reshape(t),
+            })
+            .collect(),
+        output: config
+            .outputs
+            .iter()
+            .map(|t| proto::ModelOutput {
+                name: t.name.clone(),
+                data_type: data_type(&t.datatype),
+                dims: t.dims.clone(),
+                reshape: reshape(t),
+            })
+            .collect(),
+        instance_group: vec![proto::ModelInstanceGroup {
+            name: config.name.clone(),
+            count: 1,
+            kind: proto::model_instance_group::Kind::Cpu as i32,
+        }],
+        default_model_filename: "model.onnx".into(),
+        dynamic_batching: config
+            .batching_delay_us
+            .map(|delay| proto::ModelDynamicBatching { max_queue_delay_microseconds: delay }),
     }
 }
 
