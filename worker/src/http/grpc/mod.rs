@@ -208,10 +208,9 @@ impl Grpc {
             let (index, meta) = found?;
             let rows = request.inputs.first().and_then(|i| usize::try_from(*i.shape.first()?).ok());
             crate::panics::test_switch("grpc", rows);
-            let raw = !request.raw_input_contents.is_empty();
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
             let inferred = infer::run_v2(state, index, &meta, parsed, deadline).await?;
-            Ok(Infer(encode(&meta, inferred, raw)))
+            Ok(Infer(encode(&meta, inferred)))
         };
         let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;
         if state.access_log {
@@ -435,12 +434,12 @@ fn typed(name: &str, dtype: DataType, count: usize, c: InferTensorContents) -> R
     Ok(data)
 }
 
-/// The answer, raw when the request was raw or an output has no typed field (FP16), else typed.
-fn encode(meta: &Model, inferred: Inferred, raw: bool) -> proto::ModelInferResponse {
+/// The answer: every output in `raw_output_contents`, whatever the request used, as Triton
+/// answers (its clients, the explicit-content examples included, read the outputs there).
+fn encode(meta: &Model, inferred: Inferred) -> proto::ModelInferResponse {
     let Inferred { id, outputs, selection, .. } = inferred;
     let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
     let chosen: Vec<Tensor> = selection.iter().filter_map(|&(i, _)| taken.get_mut(i).and_then(Option::take)).collect();
-    let raw = raw || chosen.iter().any(|t| t.data.dtype() == DataType::F16);
     let mut response = proto::ModelInferResponse {
         model_name: meta.info.name.clone(),
         model_version: meta.info.version.clone(),
@@ -448,40 +447,15 @@ fn encode(meta: &Model, inferred: Inferred, raw: bool) -> proto::ModelInferRespo
         ..Default::default()
     };
     for t in chosen {
-        let mut output = InferOutputTensor {
+        response.raw_output_contents.push(t.data.to_binary());
+        response.outputs.push(InferOutputTensor {
             name: t.name,
             datatype: t.data.dtype().name().into(),
             shape: t.shape,
             ..Default::default()
-        };
-        if raw {
-            response.raw_output_contents.push(t.data.to_binary());
-        } else {
-            output.contents = Some(contents(t.data));
-        }
-        response.outputs.push(output);
+        });
     }
     response
-}
-
-fn contents(data: TensorData) -> InferTensorContents {
-    let mut c = InferTensorContents::default();
-    match data {
-        TensorData::Bool(v) => c.bool_contents = v,
-        TensorData::I8(v) => c.int_contents = v.into_iter().map(i32::from).collect(),
-        TensorData::I16(v) => c.int_contents = v.into_iter().map(i32::from).collect(),
-        TensorData::I32(v) => c.int_contents = v,
-        TensorData::I64(v) => c.int64_contents = v,
-        TensorData::U8(v) => c.uint_contents = v.into_iter().map(u32::from).collect(),
-        TensorData::U16(v) => c.uint_contents = v.into_iter().map(u32::from).collect(),
-        TensorData::U32(v) => c.uint_contents = v,
-        TensorData::U64(v) => c.uint64_contents = v,
-        TensorData::F32(v) => c.fp32_contents = v,
-        TensorData::F64(v) => c.fp64_contents = v,
-        TensorData::Bytes(v) => c.bytes_contents = v,
-        TensorData::F16(_) => unreachable!("FP16 outputs are sent raw (see encode)"),
-    }
-    c
 }
 
 #[cfg(test)]
@@ -574,7 +548,7 @@ mod tests {
     }
 
     #[test]
-    fn fp16_outputs_go_raw() {
+    fn every_output_goes_raw_as_triton_answers() {
         let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
         let meta = crate::runtime::model::ModelMeta {
             info: inferd_ipc::spec::ModelInfo {
@@ -591,16 +565,15 @@ mod tests {
         };
         let meta = Model { meta, pipeline: Arc::new(crate::pipeline::Pipeline::Raw) };
         let inferred = |outputs| Inferred { id: None, outputs, selection: vec![(0, false), (1, false)], outcome: None };
-        let typed =
-            encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", TensorData::I64(vec![2]))]), false);
-        assert!(typed.raw_output_contents.is_empty());
-        assert_eq!(typed.outputs[1].contents.as_ref().unwrap().int64_contents, vec![2]);
+        // Every output raw, as Triton answers, FP16 (which has no typed field) too.
         let half = TensorData::F16(vec![half::f16::from_f32(0.5)]);
-        let raw = encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", half)]), false);
+        let raw = encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", half)]));
         assert_eq!(
             raw.raw_output_contents,
             vec![1f32.to_le_bytes().to_vec(), half::f16::from_f32(0.5).to_le_bytes().to_vec()]
         );
         assert!(raw.outputs.iter().all(|o| o.contents.is_none()));
+        let ints = encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", TensorData::I64(vec![2]))]));
+        assert_eq!(ints.raw_output_contents[1], 2i64.to_le_bytes().to_vec());
     }
 }
