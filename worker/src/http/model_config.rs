@@ -28,6 +28,16 @@ pub struct TensorConfig {
     pub reshape: Option<Vec<i64>>,
 }
 
+impl TensorConfig {
+    /// Triton's `DataType` name for its datatype (`BYTES` is `TYPE_STRING`).
+    pub fn triton_type(&self) -> String {
+        match self.datatype.as_str() {
+            "BYTES" => "TYPE_STRING".to_string(),
+            other => format!("TYPE_{other}"),
+        }
+    }
+}
+
 /// The configuration of one model, whatever carries it.
 pub struct Config {
     pub name: String,
@@ -86,12 +96,8 @@ impl Config {
 
     /// Triton's JSON form (`GET /v2/models/{name}/config`).
     pub fn to_json(&self) -> Value {
-        let triton_type = |datatype: &str| match datatype {
-            "BYTES" => "TYPE_STRING".to_string(),
-            other => format!("TYPE_{other}"),
-        };
         let tensor = |t: &TensorConfig, input: bool| {
-            let mut v = json!({"name": t.name, "data_type": triton_type(&t.datatype), "dims": t.dims});
+            let mut v = json!({"name": t.name, "data_type": t.triton_type(), "dims": t.dims});
             if input {
                 v["format"] = json!("FORMAT_NONE");
             }

@@ -267,9 +267,8 @@ fn metadata(meta: &Model) -> proto::ModelMetadataResponse {
 
 /// A model's configuration as Triton's `ModelConfig` message ([`Config`]).
 fn config_message(config: &Config) -> proto::ModelConfig {
-    let data_type = |datatype: &str| {
-        let name = if datatype == "BYTES" { "TYPE_STRING".to_string() } else { format!("TYPE_{datatype}") };
-        proto::DataType::from_str_name(&name).unwrap_or(proto::DataType::TypeInvalid) as i32
+    let data_type = |t: &TensorConfig| {
+        proto::DataType::from_str_name(&t.triton_type()).unwrap_or(proto::DataType::TypeInvalid) as i32
     };
     let reshape = |t: &TensorConfig| t.reshape.clone().map(|shape| proto::ModelTensorReshape { shape });
     proto::ModelConfig {
@@ -285,7 +284,7 @@ fn config_message(config: &Config) -> proto::ModelConfig {
             .iter()
             .map(|t| proto::ModelInput {
                 name: t.name.clone(),
-                data_type: data_type(&t.datatype),
+                data_type: data_type(t),
                 format: proto::model_input::Format::None as i32,
                 dims: t.dims.clone(),
                 reshape: reshape(t),
@@ -296,7 +295,7 @@ fn config_message(config: &Config) -> proto::ModelConfig {
             .iter()
             .map(|t| proto::ModelOutput {
                 name: t.name.clone(),
-                data_type: data_type(&t.datatype),
+                data_type: data_type(t),
                 dims: t.dims.clone(),
                 reshape: reshape(t),
             })
