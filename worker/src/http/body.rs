@@ -1,4 +1,5 @@
-//! JSON request bodies read into a route's request type, with errors in the client's terms:
+//! Request bodies: received whole within the worker's limits ([`receive`]), and JSON bodies read
+//! into a route's request type, with errors in the client's terms:
 //! the field (its path in the body), what it must be, and what came. Never a Rust type's
 //! name: serde says `expected usize` or `data did not match any variant of untagged enum
 //! OneOrMany`, which tells a client nothing.
@@ -7,8 +8,106 @@
 //! through a `serde_json::Value` (bounded by the body, which is bounded before it is read) and
 //! matched against each shape, instead of serde's `untagged`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::header::CONTENT_LENGTH;
+use hyper::Request;
+use opentelemetry::KeyValue;
 use serde::de::{Deserialize, DeserializeOwned, Error as _};
 use serde_json::Value;
+
+use crate::http::encoding::{DecodeError, Encoding};
+use crate::request::app::AppState;
+use crate::request::error::ApiError;
+
+/// Set once a request's body has been read whole: a request whose body was left unread is
+/// answered with `Connection: close` (see `http::handle`).
+#[derive(Clone, Default)]
+pub struct Read(pub Arc<AtomicBool>);
+
+impl Read {
+    pub fn done(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A request's whole body, refusing more than `server.max_body_bytes` (early when
+/// Content-Length says so), inflated when it came compressed; and its share of the worker's
+/// body-bytes budget, held until the request is done.
+pub struct Body {
+    pub bytes: Bytes,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// `request`'s body ([`Body`]).
+pub async fn receive(state: &AppState, request: Request<Incoming>) -> Result<Body, ApiError> {
+    let limit = state.max_body_bytes;
+    let too_large = || {
+        ApiError::TooLarge(format!("request body is larger than the limit of {limit} bytes (server.max_body_bytes)"))
+    };
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Err(too_large());
+    }
+    let content_encoding = request.headers().get(hyper::header::CONTENT_ENCODING).map(|v| v.to_str().unwrap_or("?"));
+    let encoding = Encoding::from_header(content_encoding).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    // Bodies being read or held by this worker may not add up past its budget: many large
+    // requests at once get a fast 503 instead of exhausting memory. A compressed body is
+    // charged for what it may inflate to: the limit.
+    let size = if encoding == Encoding::Identity { declared.unwrap_or(limit) } else { limit };
+    let claim = size.max(1).min(u32::MAX as u64) as u32;
+    let budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
+        ApiError::Overloaded(format!(
+            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
+            state.body_budget_total
+        ))
+    })?;
+    let read = request.extensions().get::<Read>().cloned();
+    let mut stage = crate::trace::Stage::start("read body");
+    let collect = Limited::new(request.into_body(), limit as usize).collect();
+    let timeout = state.body_timeout;
+    let bytes = tokio::time::timeout(timeout, collect)
+        .await
+        .map_err(|_| {
+            ApiError::Timeout(format!("the request body did not arrive within {timeout:?} (server.body_timeout_secs)"))
+        })?
+        .map_err(|e| {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                too_large()
+            } else {
+                ApiError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    if let Some(read) = read {
+        read.0.store(true, Ordering::Relaxed);
+    }
+    stage.set(KeyValue::new("http.request.body.size", bytes.len() as i64));
+    let bytes = match encoding {
+        Encoding::Identity => bytes,
+        // Inflating megabytes takes milliseconds: off the I/O thread.
+        _ => tokio::task::spawn_blocking(move || encoding.decode(&bytes, limit))
+            .await
+            .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?
+            .map(Bytes::from)
+            .map_err(|e| match e {
+                DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
+                _ => ApiError::BadRequest(e.to_string()),
+            })?,
+    };
+    Ok(Body { bytes, _budget: budget })
+}
 
 /// Reads `body` as a `T`. The error starts with the field's path when there is one:
 /// "`inputs`: must be a string or a list of strings, got the number 5 at line 1 column 13".

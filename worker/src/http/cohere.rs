@@ -27,13 +27,15 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use serde_json::{json, Map, Value};
 
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::pipeline::Text;
-use crate::request::app::{ApiError, AppState, Model};
+use crate::request::app::AppState;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 
 /// Cohere's defaults: windows per document (v1), tokens per document (v2).
@@ -172,9 +174,9 @@ fn document(
 
 /// The model a request names when it serves it as a cross-encoder, else the first
 /// cross-encoder it serves.
-pub async fn model_for(state: &AppState, name: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
+pub async fn model_for(state: &AppState, call: &Call, name: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
     if let Some(name) = name {
-        if let Ok(found) = state.models.find(name, None).await {
+        if let Ok(found) = state.models.find(name, None, call).await {
             found.1.cross_encoder("rerank")?;
             return Ok(found);
         }
@@ -197,11 +199,10 @@ pub async fn model_for(state: &AppState, name: Option<&str>) -> Result<(usize, A
 /// best `top_n`.
 pub async fn rerank(
     state: &AppState,
+    call: &Call,
     (index, meta): (usize, &Model),
     request: Request,
     version: Version,
-    id: &str,
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     let pipeline = meta.cross_encoder("rerank")?;
     let query_tokens = pipeline.count_tokens(0, &request.query)?;
@@ -236,8 +237,8 @@ pub async fn rerank(
     }
     let windows = pairs.len();
     // Truncation on: a window cut at token offsets may tokenize a token longer on its own.
-    let options = Options { truncate: true, raw_scores: true, deadline, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(pairs), options).await?;
+    let options = Options { truncate: true, raw_scores: true, ..Options::default() };
+    let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut best = vec![f32::NEG_INFINITY; request.documents.len()];
     for (row, &doc) in scores.iter().zip(&owner) {
@@ -261,7 +262,7 @@ pub async fn rerank(
         })
         .collect();
     let body = json!({
-        "id": id,
+        "id": call.id,
         "results": results,
         "meta": {
             "api_version": {"version": match version { Version::V1 => "1", Version::V2 => "2" }},

@@ -16,33 +16,30 @@
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::SocketAddr as UnixAddr;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-use hyper::service::service_fn;
 use hyper::{HeaderMap, Method, Request, Uri};
 use hyper_util::rt::TokioIo;
-use tokio::sync::Semaphore;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::http::reply::Reply;
-use crate::request::app::{ApiError, AppState};
+use crate::request::app::AppState;
+use crate::request::error::ApiError;
 
 /// Set on a request that reached this worker from a sibling: never forwarded again.
 #[derive(Clone, Copy)]
 pub struct Forwarded;
 
 /// The client's address, for the sibling's access log (read from a sibling's request only).
-const PEER_HEADER: &str = "x-inferd-forwarded-for";
+pub const PEER_HEADER: &str = "x-inferd-forwarded-for";
 
 /// Headers of one hop that are not relayed.
 const HOP: [HeaderName; 3] = [CONNECTION, TRANSFER_ENCODING, HeaderName::from_static("keep-alive")];
 
 /// The abstract socket name of the worker at `address`.
-fn name(address: u64) -> String {
+pub fn socket_name(address: u64) -> String {
     format!("inferd-place-{address:016x}")
 }
 
@@ -82,7 +79,7 @@ pub async fn connect(address: u64) -> std::io::Result<Sibling> {
     // never waited for on the I/O thread.
     let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
     let fd = socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
-    connect(fd.as_raw_fd(), &Address::new_abstract(name(address).as_bytes())?)?;
+    connect(fd.as_raw_fd(), &Address::new_abstract(socket_name(address).as_bytes())?)?;
     let stream = tokio::net::UnixStream::from_std(std::os::unix::net::UnixStream::from(fd))?;
     let (sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
@@ -161,63 +158,4 @@ async fn relay(sibling: Sibling, request: Request<Full<Bytes>>) -> Result<Reply,
         parts.headers.remove(name);
     }
     Ok(Reply::from_parts(parts, Full::new(body)))
-}
-
-/// Takes the siblings' requests on this worker's socket at `address` until it drains; each
-/// connection holds one of `permits` (server.max_connections, which draining waits for);
-/// `drain` ends once the worker drains.
-pub fn serve_siblings(
-    state: Arc<AppState>,
-    address: u64,
-    http: hyper::server::conn::http1::Builder,
-    permits: Arc<Semaphore>,
-    drain: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use std::os::linux::net::SocketAddrExt;
-    let listener = std::os::unix::net::UnixListener::bind_addr(&UnixAddr::from_abstract_name(name(address))?)?;
-    listener.set_nonblocking(true)?;
-    let listener = tokio::net::UnixListener::from_std(listener)?;
-    let uid = nix::unistd::geteuid().as_raw();
-    tokio::spawn(async move {
-        tokio::pin!(drain);
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                _ = &mut drain => return,
-            };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    warn!("accepting a sibling's request failed: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            if stream.peer_cred().map_or(true, |c| c.uid() != uid) {
-                debug!("refused a connection to the siblings' socket from another user");
-                continue;
-            }
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                debug!("a sibling's request refused: server.max_connections are open");
-                continue;
-            };
-            let (state, http) = (state.clone(), http.clone());
-            tokio::spawn(async move {
-                let service = service_fn(move |mut request: Request<hyper::body::Incoming>| {
-                    let peer = request
-                        .headers_mut()
-                        .remove(PEER_HEADER)
-                        .and_then(|v| v.to_str().ok()?.parse().ok())
-                        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-                    request.extensions_mut().insert(Forwarded);
-                    super::handle(state.clone(), peer, request)
-                });
-                if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
-                    debug!("a sibling's connection ended: {e}");
-                }
-                drop(permit);
-            });
-        }
-    });
-    Ok(())
 }

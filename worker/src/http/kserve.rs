@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::request::app::Model;
+use crate::request::model::Model;
 use crate::request::v2::{InputTensor, Parsed, WantedOutput};
 use crate::runtime::tensor::{element_count, shape_text, DataType, Tensor, TensorData, TensorSpec};
 

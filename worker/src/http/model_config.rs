@@ -15,8 +15,8 @@
 
 use serde_json::{json, Value};
 
-use crate::request::app::Model;
 use crate::request::infer::pipeline_io;
+use crate::request::model::Model;
 
 /// A tensor as the configuration lists it.
 pub struct TensorConfig {

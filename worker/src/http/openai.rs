@@ -18,14 +18,15 @@
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
 
-use std::time::Instant;
-
 use base64::Engine as _;
 use serde_json::{json, Value};
 
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::pipeline::{cut_dimensions, Head, Text};
-use crate::request::app::{ApiError, AppState, Model};
+use crate::request::app::AppState;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 
 /// The request, checked field by field so that each mistake names its field.
@@ -100,9 +101,9 @@ fn inputs(input: &Value) -> Result<Vec<Text>, ApiError> {
 /// `POST /v1/embeddings`.
 pub async fn embeddings(
     state: &AppState,
+    call: &Call,
     (index, meta): (usize, &Model),
     request: Request,
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     let Some(Head::Embedding { settings, .. }) = meta.pipeline.head() else {
         return Err(ApiError::BadRequest(format!(
@@ -111,8 +112,9 @@ pub async fn embeddings(
         )));
     };
     let (normalize, matryoshka) = (settings.normalize, settings.matryoshka);
-    let options = Options { truncate: request.truncate, normalize: Some(normalize), deadline, ..Options::default() };
-    let mut outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(request.texts), options).await?;
+    let options = Options { truncate: request.truncate, normalize: Some(normalize), ..Options::default() };
+    let mut outcome =
+        tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(request.texts), options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     if let Some(wanted) = request.dimensions {
         let full = rows.first().map_or(0, Vec::len);

@@ -8,7 +8,8 @@ use http_body_util::Full;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Response, StatusCode};
 
-use crate::request::app::{ApiError, AppState, CountedAs};
+use crate::request::app::{AppState, CountedAs};
+use crate::request::error::ApiError;
 use crate::request::tasks::{off_io_thread, Outcome};
 
 pub type Reply = Response<Full<Bytes>>;

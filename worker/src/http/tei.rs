@@ -27,8 +27,6 @@
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
 
-use std::time::Instant;
-
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -36,7 +34,10 @@ use serde_json::Value;
 use crate::http::body::{self, OneOrMany, Shape};
 use crate::http::reply::{annotate, json_reply, large_json, Reply};
 use crate::pipeline::{cut_dimensions, ranked, sparse, Head, Pipeline, Text, TextPipeline};
-use crate::request::app::{ApiError, AppState, Model};
+use crate::request::app::AppState;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 use inferd_config::model::{Pooling, Task};
 
@@ -130,6 +131,7 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
 /// `/embed_all` and `/embed_sparse` do once they have read and checked their request.
 async fn run_texts(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     inputs: OneOrMany<String>,
@@ -137,7 +139,7 @@ async fn run_texts(
 ) -> Result<tasks::Outcome, ApiError> {
     let (texts, _) = inputs.into_vec();
     let texts = texts.into_iter().map(Text::Single).collect();
-    tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await
+    tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(texts), options).await
 }
 
 fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
@@ -157,13 +159,7 @@ fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
     Err(ApiError::BadRequest(format!("{endpoint} needs {wanted} model, but '{}' is {other}", meta.info.name)))
 }
 
-pub async fn embed(
-    state: &AppState,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-    deadline: Option<Instant>,
-) -> Result<Reply, ApiError> {
+pub async fn embed(state: &AppState, call: &Call, index: usize, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed")?;
     let request: EmbedRequest = parse(body)?;
     if request.dimensions == Some(0) {
@@ -176,11 +172,10 @@ pub async fn embed(
     let options = Options {
         truncate: request.truncate,
         normalize: request.normalize,
-        deadline,
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome = run_texts(state, index, meta, request.inputs, options).await?;
+    let mut outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     // As TEI (since its Matryoshka support): any model's vector may be cut, not only one
     // trained for it (OpenAI's route asks `[embedding] matryoshka`).
@@ -204,21 +199,16 @@ pub async fn embed(
 /// its tokens (special tokens included, padding left out), not pooled or normalised.
 pub async fn embed_all(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     body: &[u8],
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed_all")?;
     let request: EmbedRequest = parse(body)?;
-    let options = Options {
-        truncate: request.truncate,
-        tokens: true,
-        deadline,
-        prompt_name: request.prompt_name,
-        ..Options::default()
-    };
-    let mut outcome = run_texts(state, index, meta, request.inputs, options).await?;
+    let options =
+        Options { truncate: request.truncate, tokens: true, prompt_name: request.prompt_name, ..Options::default() };
+    let mut outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };
@@ -256,10 +246,10 @@ struct SparseValue {
 /// `POST /embed_sparse`: SPLADE vectors as their non-zero entries.
 pub async fn embed_sparse(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     body: &[u8],
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/embed_sparse")?;
     if !matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Splade) {
@@ -276,11 +266,10 @@ pub async fn embed_sparse(
     let options = Options {
         truncate: request.truncate,
         normalize: Some(false),
-        deadline,
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = run_texts(state, index, meta, request.inputs, options).await?;
+    let outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let rows: Vec<Vec<SparseValue>> = rows
         .iter()
@@ -303,10 +292,10 @@ pub async fn embed_sparse(
 
 pub async fn predict(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     body: &[u8],
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Classification, "/predict")?;
     let request: PredictRequest = parse(body)?;
@@ -332,9 +321,8 @@ pub async fn predict(
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("send either 'inputs' or 'image_b64', not both".into())),
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
-    let options =
-        Options { truncate: request.truncate, raw_scores: request.raw_scores, deadline, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, index, meta, input, options).await?;
+    let options = Options { truncate: request.truncate, raw_scores: request.raw_scores, ..Options::default() };
+    let outcome = tasks::run_pipeline(state, call, index, meta, input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
         .iter()
@@ -373,13 +361,7 @@ struct Rank {
 /// false, "truncate": false}` -> `[{"index", "score"[, "text"]}, ...]`, best first. The model
 /// is a cross-encoder: a classification model with one label, run on each (query, text) pair;
 /// the score is the sigmoid of its logit (the logit with `raw_scores`).
-pub async fn rerank(
-    state: &AppState,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-    deadline: Option<Instant>,
-) -> Result<Reply, ApiError> {
+pub async fn rerank(state: &AppState, call: &Call, index: usize, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
     require(meta, Task::Classification, "/rerank")?;
     meta.cross_encoder("/rerank")?;
     let request: RerankRequest = parse(body)?;
@@ -387,8 +369,8 @@ pub async fn rerank(
         return Err(ApiError::BadRequest("'texts' is an empty list".into()));
     }
     let pairs = request.texts.iter().map(|t| Text::Pair(request.query.clone(), t.clone())).collect();
-    let options = Options { truncate: request.truncate, raw_scores: true, deadline, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(pairs), options).await?;
+    let options = Options { truncate: request.truncate, raw_scores: true, ..Options::default() };
+    let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut ranks: Vec<Rank> = scores
         .iter()
@@ -619,10 +601,10 @@ struct SimilarityInputs {
 /// `source_sentence` to each of `sentences`, in their order.
 pub async fn similarity(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     body: &[u8],
-    deadline: Option<Instant>,
 ) -> Result<Reply, ApiError> {
     require(meta, Task::Embedding, "/similarity")?;
     let request: SimilarityRequest = parse(body)?;
@@ -631,8 +613,8 @@ pub async fn similarity(
     }
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, normalize: Some(true), deadline, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, index, meta, PipelineInput::Texts(texts), options).await?;
+    let options = Options { truncate: request.truncate, normalize: Some(true), ..Options::default() };
+    let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
     let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&scores).expect("floats serialise"));

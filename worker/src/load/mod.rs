@@ -18,7 +18,7 @@ use inferd_config::model::{ModelEntry, Precision};
 use sha2::{Digest, Sha256};
 
 use crate::pipeline::Pipeline;
-use crate::request::app::Model;
+use crate::request::model::Model;
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, ModelMeta, ModelSession, Runtime, Threads};
 

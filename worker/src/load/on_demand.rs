@@ -29,7 +29,8 @@ use opentelemetry::KeyValue;
 use tracing::{info, warn};
 
 use super::Lanes;
-use crate::request::app::{AppState, Model};
+use crate::request::app::AppState;
+use crate::request::model::Model;
 use crate::request::models::{Load, LoadError, FIRST_LOAD_FACTOR};
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::Runtime;

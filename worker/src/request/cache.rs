@@ -11,36 +11,25 @@
 //! old one's entries; a request that changes nothing the model sees shares them.
 //!
 //! A request with `Cache-Control: no-cache` (or `no-store`) neither reads nor fills it
-//! ([`BYPASS`]).
+//! ([`crate::request::call::Call::fresh`]).
 
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
-use crate::request::app::Model;
-use crate::request::tasks::Options;
+use crate::request::model::Model;
 use crate::runtime::tensor::Tensor;
 use inferd_ipc::stats::WorkerCounters;
 
 /// What an entry costs beside its floats: the key, the list's links and the allocation.
 const ENTRY_OVERHEAD: usize = 96;
 
-tokio::task_local! {
-    /// Set for a request that asked not to be answered from the cache (`Cache-Control:
-    /// no-cache`): its rows are computed, and not stored.
-    pub static BYPASS: bool;
-}
-
-/// Whether the request being served asked to bypass the cache.
-pub fn bypassed() -> bool {
-    BYPASS.try_with(|b| *b).unwrap_or(false)
-}
-
-/// Whether `Cache-Control` asks for a fresh answer.
-pub fn no_cache(value: Option<&hyper::header::HeaderValue>) -> bool {
-    value.and_then(|v| v.to_str().ok()).is_some_and(|v| {
-        v.split(',').map(str::trim).any(|d| d.eq_ignore_ascii_case("no-cache") || d.eq_ignore_ascii_case("no-store"))
-    })
+/// The options of a request that change its rows beside the model and the input.
+#[derive(Debug, Clone, Copy)]
+pub struct RowOptions {
+    pub normalize: Option<bool>,
+    pub raw_scores: bool,
+    pub tokens: bool,
 }
 
 /// A row's key.
@@ -112,7 +101,7 @@ impl Cache {
 
 /// The key of each of a batch's `rows`: `tensors` are its inputs, each row padded to the
 /// batch's width; `lengths` the rows' own lengths (text), empty when every row is whole.
-pub fn keys(meta: &Model, options: &Options, tensors: &[Tensor], lengths: &[usize], rows: usize) -> Vec<Key> {
+pub fn keys(meta: &Model, options: &RowOptions, tensors: &[Tensor], lengths: &[usize], rows: usize) -> Vec<Key> {
     let mut base = Sha256::new();
     base.update(meta.info.sha256.as_bytes());
     base.update([0]);

@@ -1,13 +1,14 @@
 //! A KServe v2 inference request once parsed, REST or gRPC alike: the pipeline (text or image)
 //! for a pipelined model's BYTES input, the model's own tensors otherwise.
 
-use std::time::Instant;
-
 use base64::Engine as _;
 use serde_json::Value;
 
 use crate::pipeline::{Head, Pipeline, Text};
-use crate::request::app::{ApiError, AppState, Model};
+use crate::request::app::AppState;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
 use crate::request::v2::{select_outputs, Parsed};
 use crate::runtime::engine::Join;
@@ -27,10 +28,10 @@ pub struct Inferred {
 /// through the model's pipeline (text or image), anything else to the model's own tensors.
 pub async fn run_v2(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     parsed: Parsed,
-    deadline: Option<Instant>,
 ) -> Result<Inferred, ApiError> {
     let model = &meta.info.name;
     // Triton's sequence batcher sends a sequence's requests to one stateful instance; inferd's
@@ -49,9 +50,8 @@ pub async fn run_v2(
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
-            let outcome =
-                tasks::run_pipeline(state, index, meta, input, Options { truncate, deadline, ..Options::default() })
-                    .await?;
+            let options = Options { truncate, ..Options::default() };
+            let outcome = tasks::run_pipeline(state, call, index, meta, input, options).await?;
             let outputs = pipeline_tensors(&outcome.rows);
             return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
         }
@@ -61,7 +61,7 @@ pub async fn run_v2(
     let id = parsed.id.clone();
     let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
     let inputs = validate_inputs(given, &meta.inputs, model).map_err(ApiError::BadRequest)?;
-    let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, deadline).await?;
+    let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, call.terms).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
 }
 

@@ -29,14 +29,10 @@ use inferd_config::file::Eviction;
 use inferd_ipc::spec::ModelCost;
 use tokio::sync::watch;
 
-use crate::request::app::{ApiError, Model};
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::request::placement::Placement;
-
-tokio::task_local! {
-    /// Set for each HTTP request (`http::handle`): how long it waited for its model's load on
-    /// demand, which its answer's Server-Timing says.
-    pub static LOAD_WAIT: std::cell::Cell<Option<Duration>>;
-}
 
 /// How many of its models a 404 for an unknown model names.
 const KNOWN_NAMED: usize = 20;
@@ -353,8 +349,8 @@ impl Models {
     }
 
     /// Finds a model by name (and version, when the path names one), loading it first when it
-    /// is one the worker loads on demand.
-    pub async fn find(&self, name: &str, version: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
+    /// is one the worker loads on demand (how long `call` waited for that, it records).
+    pub async fn find(&self, name: &str, version: Option<&str>, call: &Call) -> Result<(usize, Arc<Model>), ApiError> {
         if let Some(problem) = unlike_a_name(name) {
             let shown = name.chars().take(64).collect::<String>().escape_debug().to_string();
             return Err(ApiError::NotFound(format!("no model is named '{shown}': {problem}")));
@@ -362,7 +358,7 @@ impl Models {
         let (number, model) = match self.use_loaded(name) {
             Some(found) => found,
             None => match self.on_demand.as_ref().filter(|d| d.lists(name)) {
-                Some(on_demand) => self.load(on_demand, name).await?,
+                Some(on_demand) => self.load(on_demand, name, call).await?,
                 None => {
                     let mut known: Vec<String> =
                         self.read().entries.iter().map(|e| e.model.info.name.clone()).collect();
@@ -380,6 +376,7 @@ impl Models {
                 }
             },
         };
+        call.found(name);
         match version {
             Some(v) if v != model.info.version => Err(ApiError::NotFound(format!(
                 "model '{name}' has no version '{v}'; it serves version '{}'",
@@ -390,7 +387,7 @@ impl Models {
     }
 
     /// Waits for `name`'s load, queuing it when none is in flight.
-    async fn load(&self, on_demand: &OnDemand, name: &str) -> Result<(usize, Arc<Model>), ApiError> {
+    async fn load(&self, on_demand: &OnDemand, name: &str, call: &Call) -> Result<(usize, Arc<Model>), ApiError> {
         let busy =
             |why: String| ApiError::Overloaded(format!("model '{name}' is not loaded yet: {why}; retry shortly"));
         let failed = |why: String| ApiError::Internal(format!("model '{name}' could not be loaded: {why}"));
@@ -434,7 +431,7 @@ impl Models {
                 return Err(busy(why));
             }
         };
-        let _ = LOAD_WAIT.try_with(|w| w.set(Some(waited.elapsed())));
+        call.waited_for_load(waited.elapsed());
         match landed.expect("waited for it") {
             Ok(found) => Ok(found),
             Err(LoadError::Busy(why)) => Err(busy(why)),
@@ -569,7 +566,9 @@ mod tests {
         let waiting: Vec<_> = (0..10)
             .map(|_| {
                 let models = models.clone();
-                tokio::spawn(async move { models.find("b", None).await.map(|(i, m)| (i, m.info.name.clone())) })
+                tokio::spawn(async move {
+                    models.find("b", None, &Call::default()).await.map(|(i, m)| (i, m.info.name.clone()))
+                })
             })
             .collect();
         // Every request is waiting once the first load is queued; one load for all of them.
@@ -584,8 +583,8 @@ mod tests {
         assert!(loads.try_recv().is_err(), "a second load of the same model");
         assert_eq!(models.loadable(), ["c"]);
         // Loaded: found at once; an unknown model names what there is.
-        assert_eq!(models.find("b", None).await.unwrap().0, 1);
-        let unknown = models.find("z", None).await.unwrap_err().to_string();
+        assert_eq!(models.find("b", None, &Call::default()).await.unwrap().0, 1);
+        let unknown = models.find("z", None, &Call::default()).await.unwrap_err().to_string();
         assert!(unknown.contains("unknown model 'z'") && unknown.contains("a, b, c"), "{unknown}");
     }
 
@@ -594,14 +593,14 @@ mod tests {
         let (models, loads) = models(Duration::from_secs(30));
         let request = tokio::spawn({
             let models = models.clone();
-            async move { models.find("c", None).await.map(|_| ()) }
+            async move { models.find("c", None, &Call::default()).await.map(|_| ()) }
         });
         let Load { name, done, .. } = tokio::task::spawn_blocking(move || loads.recv().unwrap()).await.unwrap();
         models.failed_on_demand(&name, LoadError::Failed("the file is not ONNX".into()), &done);
         let error = request.await.unwrap().unwrap_err();
         assert!(matches!(&error, ApiError::Internal(m) if m.contains("not ONNX")), "{error:?}");
         // Its files unchanged: the same answer, without a load (none could be received here).
-        let again = models.find("c", None).await.unwrap_err();
+        let again = models.find("c", None, &Call::default()).await.unwrap_err();
         assert!(matches!(&again, ApiError::Internal(m) if m.contains("not ONNX")), "{again:?}");
     }
 
@@ -609,13 +608,13 @@ mod tests {
     async fn past_its_bounds_a_request_is_refused_at_once_or_after_the_load_timeout() {
         let (models, loads) = models(Duration::from_millis(50));
         // Nobody serves the loads: the request waits out the timeout, 503.
-        let late = models.find("b", None).await.unwrap_err();
+        let late = models.find("b", None, &Call::default()).await.unwrap_err();
         assert!(matches!(&late, ApiError::Overloaded(m) if m.contains("load_timeout_secs")), "{late:?}");
         // The loader's queue full: refused without waiting.
         let (queue, _full) = std::sync::mpsc::sync_channel(0);
         let full =
             Models::new(vec![model("a")], Some(on_demand(&["b"], queue, Duration::from_secs(30), Eviction::Sieve)));
-        let refused = full.find("b", None).await.unwrap_err();
+        let refused = full.find("b", None, &Call::default()).await.unwrap_err();
         assert!(
             matches!(&refused, ApiError::Overloaded(m) if m.contains("wait for this worker's loader")),
             "{refused:?}"
@@ -654,11 +653,11 @@ mod tests {
                 .store(false, Ordering::Relaxed);
         }
         // c used: the hand passes over it once; b, the oldest, goes first.
-        models.find("c", None).await.unwrap();
+        models.find("c", None, &Call::default()).await.unwrap();
         let first = models.evict_one(None).unwrap();
         assert_eq!((first.name.as_str(), first.number, first.cost.total()), ("b", 10, 3));
         // A model held by a request is never evicted; the pinned one never.
-        let (_, held) = models.find("d", None).await.unwrap();
+        let (_, held) = models.find("d", None, &Call::default()).await.unwrap();
         assert_eq!(evictions(&models), ["e", "c"]);
         assert_eq!(models.get("d").map(|(n, _)| n), Some(12));
         drop(held);
@@ -672,7 +671,7 @@ mod tests {
     async fn lru_evicts_the_model_used_longest_ago() {
         let models = loaded(Eviction::Lru, &["b", "c", "d"]);
         for name in ["d", "b", "c"] {
-            models.find(name, None).await.unwrap();
+            models.find(name, None, &Call::default()).await.unwrap();
             tokio::time::sleep(Duration::from_millis(3)).await;
         }
         assert_eq!(models.evict_one(Some(12)).map(|e| e.name).as_deref(), Some("b"), "d spared");

@@ -11,8 +11,11 @@ use crate::pipeline::{
     embeddings, l2_normalize, scores, token_embeddings, Head, Pipeline, PipelineError, Text, TextPipeline,
     BYTES_PER_TOKEN,
 };
-use crate::request::app::{ApiError, AppState, Model};
+use crate::request::app::AppState;
 use crate::request::cache;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::model::Model;
 use crate::runtime::engine::{Join, Timing};
 use crate::runtime::tensor::Tensor;
 use inferd_config::model::{ChunkPooling, EmbeddingConfig, LongTexts};
@@ -36,8 +39,6 @@ pub struct Options {
     pub raw_scores: bool,
     /// Embedding models: every token's vector instead of the pooled one (`/embed_all`).
     pub tokens: bool,
-    /// Drop the request if it is still waiting for the model at this instant.
-    pub deadline: Option<Instant>,
     /// Embedding models: the prompt put before each text (`[embedding.prompts]`); `None` =
     /// the model's default prompt, if it has one.
     pub prompt_name: Option<String>,
@@ -118,6 +119,7 @@ pub fn within_limit(state: &AppState, count: usize) -> Result<(), ApiError> {
 
 pub async fn run_pipeline(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     input: PipelineInput,
@@ -129,12 +131,12 @@ pub async fn run_pipeline(
         if let Head::Embedding { settings, .. } = &p.head {
             if settings.long_texts == LongTexts::Chunk && !options.truncate && !options.tokens {
                 if let Some(chunks) = chunks(state, p, settings, texts, options.prompt_name.as_deref())? {
-                    return run_chunked(state, index, meta, settings, chunks, options).await;
+                    return run_chunked(state, call, index, meta, settings, chunks, options).await;
                 }
             }
         }
     }
-    run_rows(state, index, meta, input, options).await
+    run_rows(state, call, index, meta, input, options).await
 }
 
 /// A request's texts in windows: every window as its own text, which text each is of, and its
@@ -226,6 +228,7 @@ fn chunks(
 /// normalized after pooling when the model (or the request) normalizes.
 async fn run_chunked(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     settings: &EmbeddingConfig,
@@ -234,7 +237,7 @@ async fn run_chunked(
 ) -> Result<Outcome, ApiError> {
     let normalize = options.normalize.unwrap_or(settings.normalize);
     let inner = Options { truncate: true, normalize: Some(false), ..options };
-    let mut outcome = run_rows(state, index, meta, PipelineInput::Texts(chunks.windows), inner).await?;
+    let mut outcome = run_rows(state, call, index, meta, PipelineInput::Texts(chunks.windows), inner).await?;
     let Rows::Embeddings(windows) = &outcome.rows else { unreachable!("embedding models answer embeddings") };
     let dims = windows.first().map_or(0, Vec::len);
     let mut pooled = vec![(vec![0f32; dims], 0f32); chunks.texts];
@@ -267,6 +270,7 @@ async fn run_chunked(
 /// Texts or images through the pipeline, one row each.
 async fn run_rows(
     state: &AppState,
+    call: &Call,
     index: usize,
     meta: &Model,
     input: PipelineInput,
@@ -341,8 +345,10 @@ async fn run_rows(
     // [cache]: rows answered before are not run again (every token's vector, /embed_all, is
     // never cached: it is as large as its input; nor is a model whose rows are no batch, said
     // by `max_batch_size = 0`: the rows missed would run without the others).
-    let cache = state.cache.as_ref().filter(|_| !options.tokens && !cache::bypassed() && meta.batch_rows().is_ok());
-    let keys = cache.map(|_| cache::keys(meta, &options, &tensors, &lengths, count)).unwrap_or_default();
+    let cache = state.cache.as_ref().filter(|_| !options.tokens && !call.fresh && meta.batch_rows().is_ok());
+    let row_options =
+        cache::RowOptions { normalize: options.normalize, raw_scores: options.raw_scores, tokens: options.tokens };
+    let keys = cache.map(|_| cache::keys(meta, &row_options, &tensors, &lengths, count)).unwrap_or_default();
     let mut found = match cache {
         Some(cache) => cache.get(&keys),
         None => vec![None; count],
@@ -359,7 +365,7 @@ async fn run_rows(
             true => (tensors, lengths),
             false => only_rows(tensors, &lengths, &misses, count),
         };
-        let (outputs, timing) = state.engine.submit(index, tensors, join, options.deadline).await?;
+        let (outputs, timing) = state.engine.submit(index, tensors, join, call.terms).await?;
         (engine, model_time) = (timing, started.elapsed() - prepare);
         let _post = crate::trace::Stage::start("post-process");
         let output = &outputs[head.output()];

@@ -12,7 +12,7 @@ use tracing::info;
 
 use super::{failure, Failure, Reporter};
 use crate::load::Lanes;
-use crate::request::app::Model;
+use crate::request::model::Model;
 use crate::runtime::engine::shift_nice;
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, Runtime, Threads};

@@ -40,7 +40,7 @@ struct Calls {
 }
 
 /// One open call: counted from its arrival until its handler answered.
-struct Call(Arc<Calls>);
+pub(crate) struct Call(Arc<Calls>);
 
 impl Call {
     fn new(calls: &Arc<Calls>) -> Call {
@@ -108,38 +108,11 @@ pub(super) async fn serve_grpc(
         let calls = Arc::new(Calls { open: 0.into(), since: Instant::now().into() });
         let (service, state, counted) = (service.clone(), state.clone(), calls.clone());
         let call = service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-            use tonic::codegen::Service;
-            let (mut service, state, call) = (service.clone(), state.clone(), Call::new(&counted));
+            let (service, state, call) = (service.clone(), state.clone(), Call::new(&counted));
             async move {
-                // The key is checked on the call's headers, before its message is read.
-                let authorization = request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
-                let health = crate::http::grpc::is_health_call(request.uri().path());
-                // A key's calls run at its priority at best, within its limits (probes are
-                // neither limited nor counted by key).
-                let admitted = state.authorize(authorization, health).and_then(|key| {
-                    let priority = key.map_or(0, |k| k.priority);
-                    let admission = (!health).then(|| state.admit(key, priority)).transpose()?;
-                    Ok((priority, admission))
-                });
-                let (priority, _admission) = match admitted {
-                    Ok(admitted) => admitted,
-                    Err(e) => {
-                        drop(call);
-                        return Ok(crate::http::grpc::status(e).into_http());
-                    }
-                };
-                // A bug that panics in a call costs that call (INTERNAL), not the worker, as
-                // on the HTTP routes (panics.rs).
-                let served = crate::panics::guarded_future(crate::runtime::engine::PRIORITY.scope(priority, async {
-                    let request = crate::http::grpc::intake::read(&state, request).await;
-                    service.call(request).await
-                }))
-                .await;
+                let answer = crate::http::grpc::serve(&state, peer, service, request).await;
                 drop(call);
-                served.unwrap_or_else(|_| {
-                    let bug = "internal error: the server hit a bug serving this call (logged)";
-                    Ok(crate::http::grpc::status(crate::request::app::ApiError::Internal(bug.into())).into_http())
-                })
+                answer
             }
         });
         let (mut drain, http2, tls) = (drain.clone(), http2.clone(), tls.clone());

@@ -7,6 +7,7 @@
 mod boot;
 mod connections;
 mod grpc;
+mod siblings;
 
 use std::io::Write;
 use std::os::fd::{FromRawFd, RawFd};
@@ -26,7 +27,8 @@ use tracing::{debug, error, info, warn};
 
 use crate::http::forward;
 use crate::http::handoff::Handoff;
-use crate::request::app::{AppState, RequestIds};
+use crate::request::app::AppState;
+use crate::request::call::RequestIds;
 use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
 use crate::request::placement::Placement;
 use crate::runtime::engine::{Cores, Engine};
@@ -256,7 +258,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
                     let mut drain = context.drain.clone();
                     let stop = async move { draining(&mut drain).await };
                     let http = context.http.clone();
-                    match forward::serve_siblings(state.clone(), address, http, connections.clone(), stop) {
+                    match siblings::serve(state.clone(), address, http, connections.clone(), stop) {
                         Ok(()) => state.models.place(Placement::new(entry.clone(), spec.generation, address)),
                         Err(e) => warn!("models.placement = \"pool\" is off in this worker: its siblings' socket: {e}"),
                     }

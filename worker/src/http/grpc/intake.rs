@@ -21,7 +21,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use super::proto::{InferParameter, InferTensorContents};
 use crate::protowire as wire;
-use crate::request::app::{ApiError, AppState};
+use crate::request::app::AppState;
+use crate::request::error::ApiError;
 
 /// The gRPC path whose message is bounded by its decoded size.
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";

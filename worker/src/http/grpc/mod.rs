@@ -13,7 +13,6 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
@@ -21,8 +20,12 @@ use tonic::{Request, Response, Status};
 
 use crate::http::kserve;
 use crate::http::model_config::{Config, TensorConfig};
-use crate::request::app::{self, ApiError, AppState, CountedAs, Model};
+use crate::request::app::{self, AppState, CountedAs};
+use crate::request::call::Call;
+use crate::request::door::{self, Answered, Arrival, Visit};
+use crate::request::error::ApiError;
 use crate::request::infer::{self, Inferred};
+use crate::request::model::Model;
 use crate::request::v2::{InputTensor, Parsed, WantedOutput};
 use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
@@ -79,8 +82,113 @@ pub fn is_health_call(path: &str) -> bool {
 }
 
 /// A model by name; an empty version means the one served.
-async fn find(state: &AppState, name: &str, version: &str) -> Result<(usize, std::sync::Arc<Model>), ApiError> {
-    state.models.find(name, Some(version).filter(|v| !v.is_empty())).await
+async fn find<T>(
+    state: &AppState,
+    request: &Request<T>,
+    name: &str,
+    version: &str,
+) -> Result<(usize, Arc<Model>), ApiError> {
+    state.models.find(name, Some(version).filter(|v| !v.is_empty()), &called(request)?).await
+}
+
+/// What the door learned of a call ([`serve`] puts it in the call's extensions).
+fn called<T>(request: &Request<T>) -> Result<Call, ApiError> {
+    let call = request.extensions().get::<Call>().cloned();
+    call.ok_or_else(|| ApiError::Internal("internal error: a call reached its handler without passing the door".into()))
+}
+
+/// Every gRPC call: let in by the door ([`crate::request::door`]) on its headers, before its
+/// message is read; read and charged ([`intake`]); served by `service`, a bug that panics
+/// costing that call (INTERNAL), not the worker; its failure logged, its access line written
+/// and its span ended, as the HTTP routes' are.
+pub async fn serve(
+    state: &AppState,
+    peer: std::net::SocketAddr,
+    mut service: GrpcInferenceServiceServer<Grpc>,
+    mut request: hyper::Request<hyper::body::Incoming>,
+) -> Result<hyper::Response<tonic::body::Body>, std::convert::Infallible> {
+    use tonic::codegen::Service;
+    let path = request.uri().path().to_string();
+    let rpc = path.trim_start_matches('/');
+    let visit = Visit::open(state, request.headers(), |id| {
+        let (service, method) = rpc.split_once('/').unwrap_or(("", rpc));
+        let attributes = vec![
+            KeyValue::new("rpc.system", "grpc"),
+            KeyValue::new("rpc.service", service.to_string()),
+            KeyValue::new("rpc.method", method.to_string()),
+            KeyValue::new("inferd.request_id", id.to_str().unwrap_or_default().to_string()),
+        ];
+        (rpc.to_string(), attributes)
+    });
+    let arrival = Arrival { headers: request.headers(), probe: is_health_call(&path), forwarded: false };
+    let (answer, call) = match door::enter(state, &visit, &arrival) {
+        Err(e) => (Err(e), None),
+        Ok(entered) => {
+            request.extensions_mut().insert(entered.call.clone());
+            let served = visit.serve(async {
+                let request = intake::read(state, request).await;
+                Ok(service.call(request).await.unwrap_or_else(|never| match never {}))
+            });
+            (served.await, Some(entered.call))
+        }
+    };
+    let mut refused = "";
+    let answer = answer.unwrap_or_else(|e| {
+        if let ApiError::Unauthorized(refusal) = &e {
+            refused = refusal.as_str();
+        }
+        visit.failed("POST", rpc, &e);
+        status(e).into_http()
+    });
+    // A call's own failure is in the headers of its trailers-only answer.
+    let code = answer
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok()?.parse::<i32>().ok())
+        .map_or(tonic::Code::Ok, tonic::Code::from);
+    let answered = Answered {
+        peer: Some(peer),
+        method: "grpc",
+        path: rpc,
+        model: call.as_ref().and_then(Call::model).unwrap_or_default(),
+        status: http_status(code),
+        bytes: 0,
+        key: call.as_ref().and_then(|c| c.key.as_deref()),
+        refused,
+    };
+    // RPC conventions: these codes are the server's errors.
+    let server_error = matches!(
+        code,
+        tonic::Code::Unknown
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Unimplemented
+            | tonic::Code::Internal
+            | tonic::Code::Unavailable
+            | tonic::Code::DataLoss
+    );
+    let error = server_error.then(|| format!("{code:?}"));
+    visit.close(state, answered, vec![KeyValue::new("rpc.grpc.status_code", code as i64)], error);
+    Ok(answer)
+}
+
+/// The HTTP status a gRPC code stands for in the access line (as the HTTP routes would have
+/// answered the same error).
+fn http_status(code: tonic::Code) -> u16 {
+    use tonic::Code::*;
+    match code {
+        Ok => 200,
+        InvalidArgument | FailedPrecondition | OutOfRange => 400,
+        Unauthenticated => 401,
+        PermissionDenied => 403,
+        NotFound => 404,
+        AlreadyExists | Aborted => 409,
+        ResourceExhausted => 429,
+        Cancelled => 499,
+        Unimplemented => 501,
+        Unavailable => 503,
+        DeadlineExceeded => 504,
+        Unknown | Internal | DataLoss => 500,
+    }
 }
 
 #[tonic::async_trait]
@@ -103,10 +211,10 @@ impl GrpcInferenceService for Grpc {
         &self,
         request: Request<proto::ModelReadyRequest>,
     ) -> Result<Response<proto::ModelReadyResponse>, Status> {
-        let request = request.into_inner();
+        let message = request.get_ref();
         // A model loaded on demand is ready before its first request: that request loads it.
-        if !(request.version.is_empty() && self.state.models.loads_on_demand(&request.name)) {
-            find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        if !(message.version.is_empty() && self.state.models.loads_on_demand(&message.name)) {
+            find(&self.state, &request, &message.name, &message.version).await.map_err(status)?;
         }
         Ok(Response::new(proto::ModelReadyResponse { ready: self.state.ready.load(Ordering::Relaxed) }))
     }
@@ -126,9 +234,9 @@ impl GrpcInferenceService for Grpc {
         &self,
         request: Request<proto::ModelMetadataRequest>,
     ) -> Result<Response<proto::ModelMetadataResponse>, Status> {
-        let request = request.into_inner();
+        let message = request.get_ref();
         // What a model loaded on demand takes and gives is known once it is loaded: this loads it.
-        let (_, meta) = find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        let (_, meta) = find(&self.state, &request, &message.name, &message.version).await.map_err(status)?;
         Ok(Response::new(metadata(&meta)))
     }
 
@@ -136,8 +244,8 @@ impl GrpcInferenceService for Grpc {
         &self,
         request: Request<proto::ModelConfigRequest>,
     ) -> Result<Response<proto::ModelConfigResponse>, Status> {
-        let request = request.into_inner();
-        let (_, meta) = find(&self.state, &request.name, &request.version).await.map_err(status)?;
+        let message = request.get_ref();
+        let (_, meta) = find(&self.state, &request, &message.name, &message.version).await.map_err(status)?;
         let config = Config::of(&meta, self.state.max_batch_inputs);
         Ok(Response::new(proto::ModelConfigResponse { config: Some(config_message(&config)) }))
     }
@@ -146,42 +254,8 @@ impl GrpcInferenceService for Grpc {
         &self,
         request: Request<proto::ModelInferRequest>,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
-        let started = Instant::now();
-        // Its server span, when the worker traces: `traceparent` in the call's metadata.
-        let traced = match crate::trace::enabled() {
-            true => {
-                let attributes = vec![
-                    KeyValue::new("rpc.system", "grpc"),
-                    KeyValue::new("rpc.service", "inference.GRPCInferenceService"),
-                    KeyValue::new("rpc.method", "ModelInfer"),
-                    KeyValue::new("inferd.model", request.get_ref().model_name.clone()),
-                ];
-                let headers = request.metadata().clone().into_headers();
-                let name = "inference.GRPCInferenceService/ModelInfer".to_string();
-                crate::trace::server_span(&headers, name, attributes)
-            }
-            false => None,
-        };
-        let answered = crate::trace::in_request(traced.clone(), self.infer(request, started)).await;
-        if let Some(cx) = &traced {
-            let code = match &answered {
-                Ok(_) => tonic::Code::Ok,
-                Err(status) => status.code(),
-            };
-            // RPC conventions: these codes are the server's errors.
-            let server_error = matches!(
-                code,
-                tonic::Code::Unknown
-                    | tonic::Code::DeadlineExceeded
-                    | tonic::Code::Unimplemented
-                    | tonic::Code::Internal
-                    | tonic::Code::Unavailable
-                    | tonic::Code::DataLoss
-            );
-            let error = server_error.then(|| format!("{code:?}"));
-            inferd_telemetry::end_span(cx, vec![KeyValue::new("rpc.grpc.status_code", code as i64)], error);
-        }
-        answered
+        crate::trace::attribute(KeyValue::new("inferd.model", request.get_ref().model_name.clone()));
+        self.infer(request).await
     }
 }
 
@@ -190,16 +264,15 @@ impl Grpc {
     async fn infer(
         &self,
         mut request: Request<proto::ModelInferRequest>,
-        started: Instant,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
         let state = &*self.state;
-        let deadline = deadline(request.metadata()).map_err(Status::invalid_argument)?;
+        let call = called(&request).map_err(status)?;
         let refused = request.extensions_mut().remove::<intake::Intake>();
         // Held until the answer is sent: the request's bytes, as they arrived and decoded.
         let _budget = request.extensions_mut().remove::<intake::Claim>();
         let request = request.into_inner();
         let (model, version) = (request.model_name.clone(), request.model_version.clone());
-        let found = find(state, &model, &version).await;
+        let found = state.models.find(&model, Some(version.as_str()).filter(|v| !v.is_empty()), &call).await;
         let row = app::found_index(state, &found);
         let work = async {
             if let Some(intake::Intake::Refused(e)) = refused {
@@ -209,23 +282,10 @@ impl Grpc {
             let rows = request.inputs.first().and_then(|i| usize::try_from(*i.shape.first()?).ok());
             crate::panics::test_switch("grpc", rows);
             let parsed = parse(request).map_err(ApiError::BadRequest)?;
-            let inferred = infer::run_v2(state, index, &meta, parsed, deadline).await?;
+            let inferred = infer::run_v2(state, &call, index, &meta, parsed).await?;
             Ok(Infer(encode(&meta, inferred)))
         };
         let result = app::counted(state, row, inferd_ipc::stats::Endpoint::Infer, work).await;
-        if state.access_log {
-            let code = result.as_ref().map_or_else(|e| e.status().as_u16(), CountedAs::code);
-            tracing::info!(
-                target: "inferd::access",
-                method = "grpc",
-                path = "inference.GRPCInferenceService/ModelInfer",
-                status = code,
-                duration_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0,
-                model,
-                worker = state.worker,
-                "gRPC ModelInfer {model} {code}"
-            );
-        }
         result.map(|Infer(response)| Response::new(response)).map_err(status)
     }
 }
@@ -310,29 +370,6 @@ fn config_message(config: &Config) -> proto::ModelConfig {
             .batching_delay_us
             .map(|delay| proto::ModelDynamicBatching { max_queue_delay_microseconds: delay }),
     }
-}
-
-/// The client's `grpc-timeout` (an integer of at most 8 digits and a unit: H M S m u n) as a
-/// deadline from now.
-fn deadline(metadata: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, String> {
-    let Some(value) = metadata.get("grpc-timeout") else { return Ok(None) };
-    let bad = || format!("grpc-timeout {value:?} is not 1-8 digits and a unit (H, M, S, m, u, n)");
-    let text = value.to_str().map_err(|_| bad())?;
-    let (digits, unit) = text.split_at(text.len().saturating_sub(1));
-    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    let timeout = match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return Err(bad()),
-    };
-    Instant::now().checked_add(timeout).map(Some).ok_or_else(bad)
 }
 
 /// A ModelInfer message's bytes, decoded and parsed as [`parse`] does (the fuzz target's
@@ -460,24 +497,6 @@ fn encode(meta: &Model, inferred: Inferred) -> proto::ModelInferResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn metadata_with(timeout: &str) -> tonic::metadata::MetadataMap {
-        let mut m = tonic::metadata::MetadataMap::new();
-        m.insert("grpc-timeout", timeout.parse().unwrap());
-        m
-    }
-
-    #[test]
-    fn grpc_timeouts_become_deadlines() {
-        let now = Instant::now();
-        let at = deadline(&metadata_with("1500m")).unwrap().unwrap();
-        assert!(at >= now + Duration::from_millis(1500) && at < now + Duration::from_secs(60));
-        assert!(deadline(&metadata_with("2H")).unwrap().unwrap() >= now + Duration::from_secs(7200));
-        assert_eq!(deadline(&tonic::metadata::MetadataMap::new()).unwrap(), None);
-        for bad in ["", "m", "123456789m", "10x", "-5S", "1.5S"] {
-            assert!(deadline(&metadata_with(bad)).is_err(), "{bad}");
-        }
-    }
 
     fn input(
         name: &str,

@@ -42,7 +42,7 @@ pub(super) struct Job {
     pub(super) reply: ReplyTo,
     /// The span of its request, when that is traced and sampled: the run links to it.
     pub(super) trace: Option<opentelemetry::trace::SpanContext>,
-    /// Its request's priority, 0 the highest ([`super::PRIORITY`]).
+    /// Its request's priority, 0 the highest ([`super::Terms`]).
     pub(super) priority: u8,
 }
 
@@ -76,10 +76,10 @@ fn rows_and_width(inputs: &[Tensor], join: Join) -> (Option<usize>, usize) {
 }
 
 impl Job {
-    pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, deadline: Option<Instant>, reply: ReplyTo) -> Job {
+    pub(super) fn new(model: usize, inputs: Vec<Tensor>, join: Join, terms: super::Terms, reply: ReplyTo) -> Job {
         let (rows, width) = rows_and_width(&inputs, join);
         let trace = crate::trace::current();
-        let priority = super::PRIORITY.try_with(|p| *p).unwrap_or(0);
+        let super::Terms { priority, deadline } = terms;
         Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace, priority }
     }
 
@@ -264,7 +264,7 @@ pub(super) mod tests {
             Tensor { name: "input_ids".into(), shape: shape.clone(), data: TensorData::I64(ids) },
             Tensor { name: "attention_mask".into(), shape, data: TensorData::I64(vec![1; rows * width]) },
         ];
-        Job::new(0, inputs, Join::PadSequence, None, oneshot::channel().0)
+        Job::new(0, inputs, Join::PadSequence, super::super::Terms::default(), oneshot::channel().0)
     }
 
     #[test]
@@ -322,7 +322,13 @@ pub(super) mod tests {
         let job = |shape: Vec<i64>, dtype_f32: bool| {
             let n = element_count(&shape).unwrap();
             let data = if dtype_f32 { TensorData::F32(vec![0.; n]) } else { TensorData::I32(vec![0; n]) };
-            Job::new(0, vec![Tensor { name: "x".into(), shape, data }], Join::Exact, None, oneshot::channel().0)
+            Job::new(
+                0,
+                vec![Tensor { name: "x".into(), shape, data }],
+                Join::Exact,
+                super::super::Terms::default(),
+                oneshot::channel().0,
+            )
         };
         assert!(job(vec![1, 4], true).fits(&job(vec![3, 4], true)));
         assert!(!job(vec![1, 4], true).fits(&job(vec![1, 5], true)));

@@ -63,12 +63,16 @@ use crate::runtime::tensor::Tensor;
 mod batch;
 mod dispatch;
 
-tokio::task_local! {
-    /// The priority of the request being served (0, the default, the highest): a lane takes
-    /// the waiting job of the highest priority first, and among equals the oldest, and older
-    /// lower-priority work at least one run in [`dispatch::OVERTAKES`] + 1. Set from
-    /// `x-inferd-priority` or a body's `priority` (http/mod.rs).
-    pub static PRIORITY: u8;
+/// What a request asks of the engine beside its inputs, given with each job by the request
+/// layer (which learned it at the request's door).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Terms {
+    /// 0, the default, the highest: a lane takes the waiting job of the highest priority
+    /// first, and among equals the oldest, and older lower-priority work at least one run in
+    /// [`dispatch::OVERTAKES`] + 1.
+    pub priority: u8,
+    /// Past this instant a job still waiting is dropped before it reaches the model (504).
+    pub deadline: Option<Instant>,
 }
 
 pub use batch::Join;
@@ -433,7 +437,7 @@ impl Engine {
         model: usize,
         inputs: Vec<Tensor>,
         join: Join,
-        deadline: Option<Instant>,
+        terms: Terms,
     ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         // Backpressure: a full queue answers at once instead of growing its latency. A request
         // cut into runs is admitted once, not refused half done.
@@ -446,7 +450,7 @@ impl Engine {
             return Err(EngineError::Unloaded);
         };
         let Some((rows, runs)) = batch::runs(&inputs, join, &policy) else {
-            return self.queue(model, inputs, join, deadline).await;
+            return self.queue(model, inputs, join, terms).await;
         };
         let stop_at = Instant::now() + self.run_timeout;
         let mut parts = Vec::with_capacity(runs.len());
@@ -457,12 +461,12 @@ impl Engine {
                 return Err(EngineError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
             }
             let n = range.len();
-            let (part, spent) = self.queue(model, batch::take_rows(&inputs, range, rows), join, deadline).await?;
+            let (part, spent) = self.queue(model, batch::take_rows(&inputs, range, rows), join, terms).await?;
             timing += spent;
             // An output without the piece's rows (a model whose output has no batch dimension
             // after all) cannot be joined: the request runs whole, as it would have.
             if part.iter().any(|t| t.shape.first() != Some(&(n as i64))) {
-                return self.queue(model, inputs, join, deadline).await;
+                return self.queue(model, inputs, join, terms).await;
             }
             sizes.push(n);
             parts.push(part);
@@ -470,7 +474,7 @@ impl Engine {
         match batch::concat(parts, &sizes, join) {
             Some(outputs) => Ok((outputs, timing)),
             // Pieces whose outputs disagree beyond their rows: likewise.
-            None => self.queue(model, inputs, join, deadline).await,
+            None => self.queue(model, inputs, join, terms).await,
         }
     }
 
@@ -485,13 +489,13 @@ impl Engine {
         model: usize,
         inputs: Vec<Tensor>,
         join: Join,
-        deadline: Option<Instant>,
+        terms: Terms,
     ) -> Result<(Vec<Tensor>, Timing), EngineError> {
         let (reply, answer) = oneshot::channel();
         self.stats.queued(1);
         let queued = crate::trace::enabled().then(std::time::SystemTime::now);
         // Dropped unanswered if the engine is going down: EngineGone below.
-        self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, deadline, reply)));
+        self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, terms, reply)));
         let answered = answer.await.map_err(|_| EngineError::Gone)?;
         // Its wait for a lane, as a stage of its request (the run is a span of its own).
         if let (Some(queued), Ok((_, timing))) = (queued, &answered) {

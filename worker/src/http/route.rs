@@ -1,0 +1,166 @@
+//! The HTTP routes: each path's endpoint, and what each endpoint is (its template, the model
+//! its path names, its error bodies' style, its method, whether it is a probe).
+
+use crate::http::cohere;
+
+/// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it, and a missing
+/// model name means the default model.
+pub enum Route<'a> {
+    Server,
+    Live,
+    Ready,
+    Model(&'a str, Option<&'a str>),
+    ModelReady(&'a str, Option<&'a str>),
+    /// Triton's model configuration extension ([`model_config`]).
+    ModelConfig(&'a str, Option<&'a str>),
+    Infer(&'a str, Option<&'a str>),
+    Embed(Option<&'a str>),
+    Predict(Option<&'a str>),
+    /// OpenAI's `POST /v1/embeddings`; the model is named in the body.
+    OpenAiEmbeddings,
+    /// text-embeddings-inference's routes for the default model.
+    Info,
+    Tokenize,
+    Decode,
+    Similarity,
+    EmbedAll,
+    EmbedSparse(Option<&'a str>),
+    Rerank(Option<&'a str>),
+    /// Cohere's `POST /v1/rerank` and `/v2/rerank`; the model is named in the body.
+    CohereRerank(cohere::Version),
+    /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
+    /// model's task.
+    Invocations,
+    /// SageMaker's health check.
+    Ping,
+}
+
+/// The shape of an error body: KServe v2's `{"error"}`, text-embeddings-inference's (with
+/// `error_type`), OpenAI's or Cohere's.
+#[derive(Clone, Copy)]
+pub enum ErrorStyle {
+    V2,
+    Tei,
+    OpenAi,
+    Cohere,
+}
+
+impl<'a> Route<'a> {
+    /// The model the route is for: `Some(Some(name))` named in the path, `Some(None)` the
+    /// default model unless the path names one (TEI's routes), None for the other routes
+    /// (OpenAI's names its model in the body).
+    pub fn model(&self) -> Option<Option<&'a str>> {
+        match *self {
+            Route::Model(m, _) | Route::ModelReady(m, _) | Route::ModelConfig(m, _) | Route::Infer(m, _) => {
+                Some(Some(m))
+            }
+            Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) => Some(m),
+            Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
+            _ => None,
+        }
+    }
+
+    /// The route as OpenTelemetry's `http.route` names it: the path's template.
+    pub fn template(&self) -> &'static str {
+        match self {
+            Route::Server => "/v2",
+            Route::Live => "/v2/health/live",
+            Route::Ready => "/v2/health/ready",
+            Route::Model(_, None) => "/v2/models/{model}",
+            Route::Model(_, Some(_)) => "/v2/models/{model}/versions/{version}",
+            Route::ModelReady(_, None) => "/v2/models/{model}/ready",
+            Route::ModelReady(_, Some(_)) => "/v2/models/{model}/versions/{version}/ready",
+            Route::ModelConfig(_, None) => "/v2/models/{model}/config",
+            Route::ModelConfig(_, Some(_)) => "/v2/models/{model}/versions/{version}/config",
+            Route::Infer(_, None) => "/v2/models/{model}/infer",
+            Route::Infer(_, Some(_)) => "/v2/models/{model}/versions/{version}/infer",
+            Route::Embed(None) => "/embed",
+            Route::Embed(Some(_)) => "/v2/models/{model}/embed",
+            Route::Predict(None) => "/predict",
+            Route::Predict(Some(_)) => "/v2/models/{model}/predict",
+            Route::OpenAiEmbeddings => "/v1/embeddings",
+            Route::Info => "/info",
+            Route::Tokenize => "/tokenize",
+            Route::Decode => "/decode",
+            Route::Similarity => "/similarity",
+            Route::EmbedAll => "/embed_all",
+            Route::EmbedSparse(None) => "/embed_sparse",
+            Route::EmbedSparse(Some(_)) => "/v2/models/{model}/embed_sparse",
+            Route::Rerank(None) => "/rerank",
+            Route::Rerank(Some(_)) => "/v2/models/{model}/rerank",
+            Route::CohereRerank(cohere::Version::V1) => "/v1/rerank",
+            Route::CohereRerank(cohere::Version::V2) => "/v2/rerank",
+            Route::Invocations => "/invocations",
+            Route::Ping => "/ping",
+        }
+    }
+
+    /// What the route is, beside its path: one row each.
+    pub fn kind(&self) -> Kind {
+        use ErrorStyle::*;
+        let (style, post, probe) = match self {
+            Route::Server | Route::Model(..) | Route::ModelConfig(..) => (V2, false, false),
+            Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
+            Route::Infer(..) => (V2, true, false),
+            Route::OpenAiEmbeddings => (OpenAi, true, false),
+            Route::CohereRerank(_) => (Cohere, true, false),
+            Route::Embed(_)
+            | Route::Predict(_)
+            | Route::Tokenize
+            | Route::Decode
+            | Route::Similarity
+            | Route::EmbedAll
+            | Route::EmbedSparse(_)
+            | Route::Rerank(_)
+            | Route::Invocations => (Tei, true, false),
+            Route::Info => (Tei, false, false),
+            Route::Ping => (Tei, false, true),
+        };
+        Kind { style, post, probe }
+    }
+}
+
+pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
+    Some(match *segments {
+        ["v2"] => Route::Server,
+        ["v2", "health", "live"] | ["health"] => Route::Live,
+        ["v2", "health", "ready"] => Route::Ready,
+        ["v2", "models", name] => Route::Model(name, None),
+        ["v2", "models", name, "versions", v] => Route::Model(name, Some(v)),
+        ["v2", "models", name, "ready"] => Route::ModelReady(name, None),
+        ["v2", "models", name, "versions", v, "ready"] => Route::ModelReady(name, Some(v)),
+        ["v2", "models", name, "config"] => Route::ModelConfig(name, None),
+        ["v2", "models", name, "versions", v, "config"] => Route::ModelConfig(name, Some(v)),
+        ["v2", "models", name, "infer"] => Route::Infer(name, None),
+        ["v2", "models", name, "versions", v, "infer"] => Route::Infer(name, Some(v)),
+        ["embed"] => Route::Embed(None),
+        ["v2", "models", name, "embed"] => Route::Embed(Some(name)),
+        ["predict"] => Route::Predict(None),
+        ["v2", "models", name, "predict"] => Route::Predict(Some(name)),
+        ["v1", "embeddings"] | ["embeddings"] => Route::OpenAiEmbeddings,
+        ["info"] => Route::Info,
+        ["tokenize"] => Route::Tokenize,
+        ["decode"] => Route::Decode,
+        ["similarity"] => Route::Similarity,
+        ["embed_all"] => Route::EmbedAll,
+        ["embed_sparse"] => Route::EmbedSparse(None),
+        ["v2", "models", name, "embed_sparse"] => Route::EmbedSparse(Some(name)),
+        ["rerank"] => Route::Rerank(None),
+        ["v1", "rerank"] => Route::CohereRerank(cohere::Version::V1),
+        ["v2", "rerank"] => Route::CohereRerank(cohere::Version::V2),
+        ["v2", "models", name, "rerank"] => Route::Rerank(Some(name)),
+        ["invocations"] | [""] => Route::Invocations,
+        ["ping"] => Route::Ping,
+        _ => return None,
+    })
+}
+
+/// What a route is ([`Route::kind`]).
+#[derive(Clone, Copy)]
+pub struct Kind {
+    pub style: ErrorStyle,
+    /// Served to POST (an inference, or TEI's tokenizer); the others to GET and HEAD.
+    pub post: bool,
+    /// A health or readiness probe ([`crate::request::door::Arrival::probe`]).
+    pub probe: bool,
+}

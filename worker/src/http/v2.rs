@@ -1,0 +1,92 @@
+//! KServe v2's REST handlers: server and model metadata, and inference over JSON (and binary
+//! tensors); its codec is [`crate::http::kserve`].
+
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Request, StatusCode};
+use serde_json::{json, Value};
+
+use crate::http::reply::{annotate, json_reply, Reply};
+use crate::http::{body, kserve};
+use crate::request::app::AppState;
+use crate::request::call::Call;
+use crate::request::error::ApiError;
+use crate::request::infer::{pipeline_io, run_v2};
+use crate::request::model::Model;
+use crate::runtime::tensor::Tensor;
+
+pub fn server_metadata(state: &AppState) -> Reply {
+    let body = json!({
+        "name": "inferd",
+        "version": inferd_ipc::version(),
+        "extensions": ["binary_tensor_data"],
+        "models": state.models.loaded().iter().map(|m| m.info.name.clone()).collect::<Vec<_>>(),
+        "loadable": state.models.loadable(),
+    });
+    json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
+}
+
+/// A model this worker loads on the first request for it, not loaded yet: its metadata says
+/// so (what it takes and gives is known once it is loaded), and `/ready` with `ready` says
+/// whether a request for it would be served (after its load).
+pub fn not_loaded(name: &str, ready: Option<bool>) -> Reply {
+    let body = match ready {
+        None => json!({"name": name, "versions": [], "platform": "onnxruntime_onnx", "loaded": false}),
+        Some(ready) => json!({"ready": ready, "loaded": false}),
+    };
+    json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
+}
+
+pub fn model_metadata(meta: &Model) -> Reply {
+    let pipeline = pipeline_io(meta).map(|(input, outputs)| {
+        let outputs: Vec<Value> = outputs
+            .iter()
+            .map(|(name, datatype, shape)| json!({"name": name, "datatype": datatype, "shape": shape}))
+            .collect();
+        json!({
+            "task": meta.task,
+            "inputs": [{"name": input, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": outputs,
+        })
+    });
+    json_reply(StatusCode::OK, serde_json::to_vec(&kserve::ModelMetadata::of(meta, pipeline)).expect("json"))
+}
+
+/// `POST /v2/models/{model}/infer`: JSON, or JSON and binary tensors
+/// (`Inference-Header-Content-Length`).
+pub async fn infer(
+    state: &AppState,
+    call: &Call,
+    index: usize,
+    meta: &Model,
+    request: Request<Incoming>,
+) -> Result<Reply, ApiError> {
+    let header_length = match request.headers().get(kserve::HEADER_LENGTH) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .ok_or_else(|| ApiError::BadRequest("Inference-Header-Content-Length must be a byte count".into()))?,
+        ),
+    };
+    let body = body::receive(state, request).await?;
+    let parsed = kserve::parse(&body, header_length).map_err(ApiError::BadRequest)?;
+    let inferred = run_v2(state, call, index, meta, parsed).await?;
+    let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
+    if let Some(outcome) = &inferred.outcome {
+        annotate(&mut reply, outcome);
+    }
+    Ok(reply)
+}
+
+fn infer_reply(meta: &Model, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
+    let (body, header_length) = kserve::infer_response(meta, id, outputs, selection);
+    let mut reply = json_reply(StatusCode::OK, body);
+    if let Some(n) = header_length {
+        let headers = reply.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+        headers.insert(kserve::HEADER_LENGTH, HeaderValue::from(n));
+    }
+    reply
+}
