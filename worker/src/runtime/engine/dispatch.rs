@@ -13,15 +13,31 @@ use std::time::{Duration, Instant};
 
 use inferd_ipc::stats::WorkerCounters;
 
-use super::batch::{Job, Join, Policy};
-use super::{EngineError, Event, RunClock, Work};
+use crate::runtime::engine::batch::{Job, Join, Policy};
+use crate::runtime::engine::clock::RunClock;
+use crate::runtime::engine::terms::EngineError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneState {
     Idle,
     Light,
-    /// A batch anchored by a heavy job ([`super::HEAVY_TOKENS`]).
+    /// A batch anchored by a heavy job ([`crate::runtime::engine::batch::HEAVY_TOKENS`]).
     Heavy,
+}
+
+/// What the dispatcher is told: a new job from the I/O thread, or a lane that finished.
+pub enum Event {
+    Job(Job),
+    Done { lane: usize },
+}
+
+/// A batch for a lane, to run on its narrow sessions or (lane 0 only) the wide ones.
+pub struct Work {
+    pub batch: Vec<Job>,
+    pub wide: bool,
+    /// Other work waited or ran beside it: with lent cores, the worker marks its core busy so
+    /// that siblings do not borrow it now.
+    pub loaded: bool,
 }
 
 /// Requests that overlapped this recently mean load: a lone one then runs narrow.
