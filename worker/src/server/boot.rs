@@ -10,7 +10,7 @@ use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, WorkerSpec, WORKER_GRP
 use tokio_rustls::TlsAcceptor;
 use tracing::info;
 
-use super::{failure, Failure, Reporter};
+use super::report::{failure, Failure, Reporter};
 use crate::load::Lanes;
 use crate::request::model::Model;
 use crate::runtime::engine::shift_nice;

@@ -7,9 +7,9 @@
 mod boot;
 mod connections;
 mod grpc;
+mod report;
 mod siblings;
 
-use std::io::Write;
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
@@ -36,30 +36,7 @@ use boot::{boot, read_spec, Booted};
 use connections::{accept_failed, balance_entry, draining, limits_seat, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
 use inferd_config::file::Placement as Placing;
-
-/// Writes [`WorkerMessage`] lines to the supervisor. Writes are small and the supervisor reads
-/// continuously; a 1 s write timeout keeps a stopped supervisor from blocking the worker.
-struct Reporter(Mutex<UnixStream>);
-
-impl Reporter {
-    fn send(&self, message: &WorkerMessage) {
-        let mut line = serde_json::to_vec(message).expect("messages serialise");
-        line.push(b'\n');
-        let mut stream = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = stream.write_all(&line) {
-            warn!("cannot report to the supervisor: {e}");
-        }
-    }
-}
-
-struct Failure {
-    kind: FailureKind,
-    error: String,
-}
-
-fn failure(kind: FailureKind) -> impl FnOnce(String) -> Failure {
-    move |error| Failure { kind, error }
-}
+use report::Reporter;
 
 /// Entry point of `inferd worker`: `fd` is the worker's end of the supervisor's socketpair.
 /// Returns the process exit code.

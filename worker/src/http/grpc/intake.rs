@@ -18,8 +18,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
-use super::proto::{InferParameter, InferTensorContents};
+use crate::http::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+use crate::http::grpc::proto::{InferParameter, InferTensorContents};
 use crate::protowire as wire;
 use crate::request::app::AppState;
 use crate::request::error::ApiError;

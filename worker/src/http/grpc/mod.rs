@@ -30,12 +30,8 @@ use crate::request::v2::{InputTensor, Parsed, WantedOutput};
 use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
 pub mod intake;
+pub mod proto;
 pub mod shutdown;
-
-/// The code generated from worker/proto/grpc_predict_v2.proto.
-pub mod proto {
-    tonic::include_proto!("inference");
-}
 
 use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use proto::model_infer_response::InferOutputTensor;
