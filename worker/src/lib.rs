@@ -5,24 +5,28 @@
 //!
 //! Layout, by layer, from the socket down (each folder uses only those below it; `layers`,
 //! a test in `make test`, reads this list and fails on a `crate::` path that goes up it):
-//! - [`server`]: boot sequence, listeners, accept loops, graceful drain, reports to the
-//!   supervisor;
+//! - [`server`]: boot sequence, listeners, accept loops (HTTP, gRPC, the siblings' socket),
+//!   graceful drain, reports to the supervisor;
 //! - [`load`]: a model loaded above the runtime: digest, the int8 preparation and its
 //!   accuracy guard ([`load::int8`]), sessions, pipeline; at boot, and on demand by the
 //!   loader thread ([`load::on_demand`]);
-//! - [`http`]: the protocol surface: REST routing and error bodies ([`http`] itself), KServe
-//!   v2's JSON codec ([`http::kserve`]), TEI's and OpenAI's handlers ([`http::tei`],
-//!   [`http::openai`]), KServe v2 over gRPC ([`http::grpc`]), answers as hyper sends them
-//!   ([`http::reply`]), and connection plumbing: the hand-off of idle connections
-//!   ([`http::handoff`]), requests sent to the sibling that holds their model
-//!   ([`http::forward`]) and write timeouts ([`http::write_timeout`]);
-//! - [`request`]: what every handler shares ([`request::app`]: the worker's state, the one
-//!   error type and its status codes, request counting; [`request::models`]: the models it
-//!   serves, loaded at boot or on demand, and their lookup; [`request::placement`]: which
-//!   models its siblings hold), a v2 request once decoded
-//!   ([`request::v2`]) and its run ([`request::infer`]), and pipelined requests through the
-//!   engine ([`request::tasks`]);
+//! - [`http`]: the protocol surface: each HTTP request's side of the door ([`http`] itself),
+//!   its route ([`http::route`]) and dispatch ([`http::dispatch`]), KServe v2's REST handlers
+//!   ([`http::v2`]), TEI's, OpenAI's and Cohere's ([`http::tei`], [`http::openai`],
+//!   [`http::cohere`]), KServe v2 over gRPC ([`http::grpc`]), bodies received and read
+//!   ([`http::body`]), answers as hyper sends them ([`http::reply`]), and connection plumbing:
+//!   the hand-off of idle connections ([`http::handoff`]), requests sent to the sibling that
+//!   holds their model ([`http::forward`]) and write timeouts ([`http::write_timeout`]);
+//! - [`request`]: what every protocol shares: the door every request enters by
+//!   ([`request::door`]: key, limits, priority, deadline, id, access line) and what it learns
+//!   ([`request::call`]), the worker's state and request counting ([`request::app`]), the one
+//!   error type ([`request::error`]), the models it serves, loaded at boot or on demand, and
+//!   their lookup ([`request::models`]; which models its siblings hold:
+//!   [`request::placement`]), a v2 request's run ([`request::infer`]), and pipelined requests
+//!   through the cache and the engine ([`request::tasks`], [`request::cache`]);
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
+//!   [`kserve`]: KServe v2's inference request decoded, and its JSON codec; [`jsonbody`]: JSON
+//!   bodies read with errors in the client's terms;
 //! - [`runtime`]: everything that calls ONNX Runtime: sessions ([`runtime::model`]), the
 //!   dynamic batcher and the lanes that run them ([`runtime::engine`]), where runs' buffers
 //!   come from ([`runtime::allocator`]), prepared weights ([`runtime::weights`]), datatypes
@@ -92,6 +96,8 @@ macro_rules! write_through_inner {
 }
 
 pub mod http;
+pub mod jsonbody;
+pub mod kserve;
 pub mod load;
 pub mod onnx;
 pub mod panics;

@@ -10,7 +10,6 @@ pub mod encoding;
 pub mod forward;
 pub mod grpc;
 pub mod handoff;
-pub mod kserve;
 pub mod model_config;
 pub mod openai;
 pub mod reply;

@@ -31,8 +31,8 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::http::body::{self, OneOrMany, Shape};
 use crate::http::reply::{annotate, json_reply, large_json, Reply};
+use crate::jsonbody::{self, OneOrMany, Shape};
 use crate::pipeline::{cut_dimensions, ranked, sparse, Head, Pipeline, Text, TextPipeline};
 use crate::request::app::AppState;
 use crate::request::call::Call;
@@ -124,7 +124,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
-    body::json(body).map_err(|e| format!("request body: {e}"))
+    jsonbody::parse(body).map_err(|e| format!("request body: {e}"))
 }
 
 /// Runs texts, each on its own, through the model's pipeline with `options`: what `/embed`,
@@ -453,7 +453,7 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object")]
 struct TokenizeRequest {
-    #[serde(deserialize_with = "body::read")]
+    #[serde(deserialize_with = "jsonbody::read")]
     inputs: TokenizeInputs,
     #[serde(default = "yes")]
     add_special_tokens: bool,

@@ -1,13 +1,14 @@
 //! KServe v2's REST handlers: server and model metadata, and inference over JSON (and binary
-//! tensors); its codec is [`crate::http::kserve`].
+//! tensors); its codec is [`crate::kserve::json`].
 
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, StatusCode};
 use serde_json::{json, Value};
 
+use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
-use crate::http::{body, kserve};
+use crate::kserve::json as kserve;
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;

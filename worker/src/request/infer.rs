@@ -4,13 +4,13 @@
 use base64::Engine as _;
 use serde_json::Value;
 
+use crate::kserve::{select_outputs, Parsed};
 use crate::pipeline::{Head, Pipeline, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
 use crate::request::model::Model;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
-use crate::request::v2::{select_outputs, Parsed};
 use crate::runtime::engine::Join;
 use crate::runtime::tensor::{shape_text, validate_inputs, Tensor, TensorData};
 

@@ -18,15 +18,15 @@ use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
-use crate::http::kserve;
 use crate::http::model_config::{Config, TensorConfig};
+use crate::kserve::json as kserve;
+use crate::kserve::{InputTensor, Parsed, WantedOutput};
 use crate::request::app::{self, AppState, CountedAs};
 use crate::request::call::Call;
 use crate::request::door::{self, Answered, Arrival, Visit};
 use crate::request::error::ApiError;
 use crate::request::infer::{self, Inferred};
 use crate::request::model::Model;
-use crate::request::v2::{InputTensor, Parsed, WantedOutput};
 use crate::runtime::tensor::{DataType, Tensor, TensorData};
 
 pub mod intake;

@@ -79,7 +79,7 @@ pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipel
             };
             for (n, line) in lines().enumerate() {
                 let parsed =
-                    crate::http::kserve::parse(line.as_bytes(), None).map_err(|e| format!("{}: {e}", place(n + 1)))?;
+                    crate::kserve::json::parse(line.as_bytes(), None).map_err(|e| format!("{}: {e}", place(n + 1)))?;
                 let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
                 let tensors = validate_inputs(given, &meta.inputs, &meta.info.name)
                     .map_err(|e| format!("{}: {e}", place(n + 1)))?;

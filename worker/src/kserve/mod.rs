@@ -1,10 +1,12 @@
-//! A KServe v2 inference request once decoded, whatever carried it (JSON and binary data over
-//! REST in [`crate::http::kserve`], protobuf over gRPC in [`crate::http::grpc`]): its tensors,
-//! the outputs it asks for and how each goes back.
+//! KServe v2's inference request once decoded, whatever carried it (JSON and binary data over
+//! REST, [`json`]; protobuf over gRPC in `http::grpc`): its tensors, the outputs it asks for
+//! and how each goes back.
 
 use serde_json::{Map, Value};
 
 use crate::runtime::tensor::Tensor;
+
+pub mod json;
 
 /// A request tensor, typed and checked against its own shape, not yet against the model.
 #[derive(Debug)]

@@ -1,7 +1,8 @@
 //! KServe v2 / Open Inference Protocol over REST: a request body (JSON tensors and the binary
 //! tensor data extension) into a [`Parsed`] request, and the response bodies. What a parsed
 //! request means (its inputs checked against the model's, its outputs chosen) is the request
-//! layer's ([`crate::request::v2`]), shared with gRPC.
+//! layer's ([`crate::request::infer`]), shared with gRPC. Below the protocol surface: the
+//! int8 guard's calibration file holds such requests too.
 //!
 //! Every error names the input and says what was expected, e.g. `input 'a': shape [1,2]
 //! needs 2 values, got 1`.
@@ -12,8 +13,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::request::model::Model;
-use crate::request::v2::{InputTensor, Parsed, WantedOutput};
+use crate::kserve::{InputTensor, Parsed, WantedOutput};
+use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::{element_count, shape_text, DataType, Tensor, TensorData, TensorSpec};
 
 /// Header of the binary tensor data extension: the length of the JSON part of the body.
@@ -63,7 +64,7 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
         }
     };
     let request: InferRequest =
-        crate::http::body::json(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
+        crate::jsonbody::parse(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
     let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
         let name = input.name;
@@ -184,7 +185,7 @@ struct ResponseOutput {
 /// The response body, and the JSON part's length when binary data follows it (the value of
 /// the `Inference-Header-Content-Length` response header).
 pub fn infer_response(
-    meta: &Model,
+    meta: &ModelMeta,
     id: Option<String>,
     outputs: Vec<Tensor>,
     selection: &[(usize, bool)],
@@ -238,7 +239,7 @@ pub struct ModelMetadata<'a> {
 }
 
 impl<'a> ModelMetadata<'a> {
-    pub fn of(meta: &'a Model, pipeline: Option<Value>) -> Self {
+    pub fn of(meta: &'a ModelMeta, pipeline: Option<Value>) -> Self {
         ModelMetadata {
             name: &meta.info.name,
             versions: [&meta.info.version],
@@ -254,12 +255,11 @@ impl<'a> ModelMetadata<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::v2::select_outputs;
-    use crate::runtime::model::ModelMeta;
+    use crate::kserve::select_outputs;
     use crate::runtime::tensor::validate_inputs;
     use inferd_ipc::spec::ModelInfo;
 
-    fn meta() -> Model {
+    fn meta() -> ModelMeta {
         use inferd_config::model::Task;
         let spec = |name: &str, dt: DataType, shape: Vec<i64>| TensorSpec {
             name: name.into(),
@@ -281,7 +281,7 @@ mod tests {
             outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
             batching: Default::default(),
         };
-        Model { meta, pipeline: std::sync::Arc::new(crate::pipeline::Pipeline::Raw) }
+        meta
     }
 
     /// (id, inputs, output selection).
