@@ -116,26 +116,32 @@ pub async fn handle(
     if body_read.is_some_and(|read| !read.done()) {
         headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
     }
-    let default = state.models.default_model();
+    let default;
     let model = match (call.as_ref().and_then(|c| c.model()), route.as_ref().and_then(Route::model)) {
         (Some(found), _) => found,
         (None, Some(Some(name))) => name,
-        (None, Some(None)) => &default.info.name,
+        (None, Some(None)) => {
+            default = state.models.default_model();
+            &default.info.name
+        }
         (None, None) => "",
     };
     let status = reply.status();
     let bytes = hyper::body::Body::size_hint(reply.body()).exact().unwrap_or(0);
-    let mut attributes = vec![
-        KeyValue::new("http.response.status_code", i64::from(status.as_u16())),
-        KeyValue::new("http.response.body.size", bytes as i64),
-    ];
-    if let Some(version) = reply.headers().get("x-inferd-model-version").and_then(|v| v.to_str().ok()) {
-        attributes.push(KeyValue::new("inferd.model.version", version.to_string()));
+    // The span's closing attributes, only where there is a span.
+    let mut attributes = Vec::new();
+    let mut error = None;
+    if visit.span.is_some() {
+        attributes.push(KeyValue::new("http.response.status_code", i64::from(status.as_u16())));
+        attributes.push(KeyValue::new("http.response.body.size", bytes as i64));
+        if let Some(version) = reply.headers().get("x-inferd-model-version").and_then(|v| v.to_str().ok()) {
+            attributes.push(KeyValue::new("inferd.model.version", version.to_string()));
+        }
+        if status.is_server_error() {
+            attributes.push(KeyValue::new("error.type", status.as_u16().to_string()));
+            error = Some(status.to_string());
+        }
     }
-    let error = status.is_server_error().then(|| {
-        attributes.push(KeyValue::new("error.type", status.as_u16().to_string()));
-        status.to_string()
-    });
     let answered = Answered {
         peer: Some(peer),
         method: method.as_str(),
