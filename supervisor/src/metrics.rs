@@ -515,8 +515,8 @@ mod tests {
                 name: "m\"0".into(),
                 version: "v\"1\\\n".into(),
                 sha256: "ab".into(),
-                weights: "shared".into(),
-                precision: "fp32".into(),
+                weights: inferd_ipc::spec::Weights::Shared,
+                precision: inferd_ipc::spec::Precision::FP32,
             }],
             ..Default::default()
         });
