@@ -42,6 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::either::Either;
 use tracing::{debug, info, warn};
 
+use crate::confine::{confined, PathFrom};
 use crate::control;
 use crate::metrics::{self, PoolMetrics};
 use crate::Event;
@@ -285,74 +286,11 @@ fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Resul
             _ => {}
         }
     }
-    let path = path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
+    let path = path
+        .map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad))
+        .transpose()
+        .map_err(|e| e.to_string())?;
     Ok(control::Request::Load { model, path })
-}
-
-/// Who gave a path to load a model from: the admin listener's `load` (a model folder) or
-/// `inferd reload --path` (a folder, or a model file replacing the entry's own).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PathFrom {
-    AdminLoad,
-    ReloadPath,
-}
-
-impl PathFrom {
-    /// How the caller named the path, for the errors.
-    fn name(self) -> &'static str {
-        match self {
-            PathFrom::AdminLoad => "parameters.path",
-            PathFrom::ReloadPath => "--path",
-        }
-    }
-}
-
-/// `path`, symlinks resolved, when it is a model folder inside one of `allowed` and every file
-/// the model's settings name is too (a model.toml naming `/etc/shadow` as its tokenizer, or a
-/// link out of the folder, would let a caller read or load what the service can), or, from
-/// `inferd reload --path`, a model file inside them.
-pub(crate) fn confined(
-    path: &std::path::Path,
-    model: &str,
-    allowed: &[PathBuf],
-    from: PathFrom,
-) -> Result<PathBuf, String> {
-    let what = from.name();
-    let roots: Vec<PathBuf> = allowed.iter().filter_map(|r| std::fs::canonicalize(r).ok()).collect();
-    let inside = |p: &std::path::Path| {
-        std::fs::canonicalize(p).ok().filter(|real| roots.iter().any(|root| real.starts_with(root)))
-    };
-    let allowed_list = || allowed.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
-    let dir = inside(path).ok_or_else(|| {
-        format!(
-            "{what} {} is not inside the model repository or admin.allowed_paths ({})",
-            path.display(),
-            allowed_list()
-        )
-    })?;
-    if dir.is_file() && from == PathFrom::ReloadPath {
-        // A model file replacing the entry's own: its settings stay those already checked.
-        return Ok(dir);
-    }
-    if !dir.is_dir() {
-        return Err(format!("{what} {} is not a model folder", path.display()));
-    }
-    let entry = ModelEntry::load_dir(&dir, model).map_err(|e| e.to_string())?;
-    let mut files = vec![entry.path.clone()];
-    files.extend(entry.tokenizer.iter().map(|t| t.path.clone()));
-    files.extend(entry.quantization.calibration.iter().cloned());
-    if let Some(ops) = &entry.custom_ops {
-        files.push(ops.library.clone());
-        files.extend(ops.preload.iter().cloned());
-    }
-    match files.iter().find(|f| inside(f).is_none()) {
-        Some(outside) => Err(format!(
-            "model '{model}' in {} names {}, which is not inside the model repository or admin.allowed_paths",
-            path.display(),
-            outside.display()
-        )),
-        None => Ok(dir),
-    }
 }
 
 /// Sends a control request to the loop and answers with its final response.

@@ -1,5 +1,5 @@
 //! Prometheus text exposition of the pool, served by the supervisor on `admin.listen`
-//! (`GET /metrics`, see [`crate::admin`]).
+//! (`GET /metrics`; admin.rs serves it).
 //!
 //! Request counts and latency histograms come from the counters each worker shares with the
 //! supervisor (see `inferd_ipc::stats`): those of live workers plus the final counts of

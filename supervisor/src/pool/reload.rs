@@ -17,6 +17,7 @@ use tracing::{error, info};
 use super::slot::{read_on_demand, Role, Slot, Start};
 use super::spawn::SlotSockets;
 use super::Supervisor;
+use crate::confine::{confined, PathFrom};
 use crate::control::{Replies, Response};
 use crate::metrics::Reloads;
 use crate::plan::cpu::{format_cpus, plan, Ask};
@@ -281,8 +282,8 @@ impl Supervisor {
         // control socket is the service's own uid's, which its workers share: a worker an
         // attacker took over must not get a file it wrote loaded by the others.
         let allowed = self.resolved.config.allowed_model_paths();
-        let path = crate::admin::confined(&path, &name, &allowed, crate::admin::PathFrom::ReloadPath)
-            .map_err(|e| format!("reload refused: {e}"))?;
+        let path =
+            confined(&path, &name, &allowed, PathFrom::ReloadPath).map_err(|e| format!("reload refused: {e}"))?;
         let mut models = self.pool.models.clone();
         models[at] = models[at]
             .replaced_by(&path)
