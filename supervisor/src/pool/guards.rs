@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use inferd_config::file::ServerConfig;
 use inferd_ipc::spec::Cause;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -278,15 +277,4 @@ impl Supervisor {
         }
         self.spawn(index, Role::Incoming, cause, models, generation);
     }
-}
-
-/// server.max_requests plus a per-worker draw from 0..=server.max_requests_jitter.
-pub(super) fn recycle_threshold(server: &ServerConfig) -> Option<u64> {
-    use std::hash::{BuildHasher, Hasher};
-    if server.max_requests == 0 {
-        return None;
-    }
-    // RandomState is seeded randomly per instance: enough randomness for spreading recycles.
-    let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
-    Some(server.max_requests + draw % (server.max_requests_jitter + 1))
 }

@@ -30,10 +30,13 @@
 //! The files, one concept each:
 //! - this one: the loop (events and ticks in, decisions out, from [`run`]) and the pool's
 //!   life (boot, phase, stop);
+//! - life.rs: the pool's start, boot and stop ([`Life`]); restart.rs: how a dead worker's
+//!   exit is told, and the backoff of a slot whose workers keep dying;
 //! - slot.rs: the pool's slots and workers and their states ([`Pool`], [`Slot`], [`Role`],
-//!   [`Start`]), and the backoff of a slot whose workers keep dying;
+//!   [`Start`]);
 //! - spawn.rs: starting a worker process (its spec, its descriptors, the ones every worker
-//!   shares: [`Launcher`]) and the slots' sockets on the port;
+//!   shares: [`Launcher`]); sockets.rs: the slots' sockets on the port ([`SlotSockets`]);
+//! - services.rs: the control socket and the admin listener ([`Services`]);
 //! - guards.rs: the memory plan and watch ([`MemoryWatch`]), stuck workers, recycling;
 //! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`], and scaling;
 //! - report.rs: `inferd status`, the pool's counters ([`Totals`]) and its metrics.
@@ -54,38 +57,38 @@ use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::control::{self, ControlError, Replies, Request, Response};
+use crate::control::{ControlError, Replies, Request, Response};
 use crate::metrics::RestartReason;
 use crate::plan::Resolved;
 use crate::status::{Phase, WorkerState};
 use crate::systemd::{self, Notifier};
-use crate::{admin, signals, tcp, trace, Event};
+use crate::{signals, tcp, trace, Event};
 
 mod guards;
+mod life;
 mod reload;
 mod report;
+mod restart;
 mod saturation;
+mod services;
 mod slot;
+mod sockets;
 mod spawn;
 mod upgrade;
 
 use guards::MemoryWatch;
+use life::Life;
 use reload::ReloadState;
 use report::Totals;
-use slot::{backoff, Pool, Role, Slot, Start};
-use spawn::{dup_high, Launcher, SlotSockets};
+use restart::{backoff, describe_exit, signal_name, MAX_BOOT_CRASHES, RECYCLE_PAUSE, STABLE_AFTER};
+use services::Services;
+use slot::{Pool, Role, Slot, Start};
+use sockets::{dup_high, SlotSockets};
+use spawn::Launcher;
 use upgrade::Upgrade;
 pub use upgrade::UpgradeEvent;
 
-/// A worker that served at least this long, and longer than its own boot took, was not
-/// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
-/// seconds are replaced at once; a worker dying right after each boot is backed off.)
-const STABLE_AFTER: Duration = Duration::from_secs(1);
-/// Consecutive deaths of one slot during start-up after which the server gives up.
-const MAX_BOOT_CRASHES: u32 = 5;
 const TICK: Duration = Duration::from_millis(200);
-/// After a failed recycling replacement, the slot is not recycled again for this long.
-const RECYCLE_PAUSE: Duration = Duration::from_secs(30);
 
 /// How the pool ends with an error; `inferd serve` exits with the code src/exit.rs maps it to.
 #[derive(Debug, thiserror::Error)]
@@ -132,21 +135,6 @@ pub struct Supervisor {
     upgrade: Upgrade,
     /// Slots' sockets inherited beyond this pool's slots (upgrade.rs).
     extra_sockets: Vec<SlotSockets>,
-}
-
-/// The pool's life: its start, its boot, its stop.
-struct Life {
-    started: Instant,
-    /// The same, in seconds since the Unix epoch (`process_start_time_seconds`).
-    started_unix: f64,
-    /// True once every slot has been ready at the same time.
-    booted: bool,
-    /// SIGTERM, SIGINT, SIGQUIT or a fatal error: the pool is going down (the phase, derived
-    /// in [`Supervisor::phase`], says Stopping from then on).
-    stopping: bool,
-    stop_deadline: Option<Instant>,
-    killed_all: bool,
-    fatal: Option<SupervisorError>,
 }
 
 /// The test switch INFERD_TEST_HANG_ON_SIGUSR2=1, only in builds with the `test-switches`
@@ -223,94 +211,6 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
     })
 }
 
-/// The supervisor's own listeners: the control socket and the admin listener. Served from
-/// start, or (a new supervisor started by an upgrade) once the old one hands over; their
-/// descriptors are kept to hand to the next upgrade.
-struct Services {
-    control: Option<OwnedFd>,
-    admin: Option<OwnedFd>,
-    /// Not served yet.
-    pending: Option<(tokio::net::UnixListener, Option<(tokio::net::TcpListener, admin::Admin)>)>,
-    /// The tasks that serve them.
-    serving: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Services {
-    /// Binds the control socket and the admin listener, or takes the inherited ones.
-    async fn open(
-        resolved: &Resolved,
-        inherited: Option<&mut upgrade::Inherited>,
-    ) -> Result<Services, SupervisorError> {
-        let config = &resolved.config;
-        let (control, admin) = match inherited {
-            Some(from) => {
-                let control = std::os::unix::net::UnixListener::from(from.control.try_clone()?);
-                control.set_nonblocking(true)?;
-                (tokio::net::UnixListener::from_std(control)?, from.admin.take())
-            }
-            None => (control::bind(&config.control_socket())?, None),
-        };
-        let admin_addr = &config.admin.listen;
-        let admin = match (admin, admin_addr.is_empty()) {
-            (_, true) => None,
-            (Some(fd), false) => {
-                let listener = std::net::TcpListener::from(fd);
-                listener.set_nonblocking(true)?;
-                Some(tokio::net::TcpListener::from_std(listener)?)
-            }
-            (None, false) => Some(tokio::net::TcpListener::bind(admin_addr).await.map_err(|e| {
-                std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin_addr}: {e}"))
-            })?),
-        };
-        let admin = match admin {
-            None => None,
-            Some(listener) => {
-                let scheme = if config.admin.tls_cert.is_some() { "https" } else { "http" };
-                info!("metrics on {scheme}://{admin_addr}/metrics");
-                // Refused at start, not at the first request, when it cannot be used.
-                config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
-                let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
-                let routes = admin::Admin {
-                    repository: config.model_repository(),
-                    model_control: config.admin.model_control,
-                    token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
-                    protect_metrics: config.admin.protect_metrics,
-                    loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
-                    allowed: config.allowed_model_paths(),
-                    tls,
-                };
-                Some((listener, routes))
-            }
-        };
-        Ok(Services {
-            control: Some(dup_high(control.as_raw_fd())?),
-            admin: admin.as_ref().map(|(l, _)| dup_high(l.as_raw_fd())).transpose()?,
-            pending: Some((control, admin)),
-            serving: Vec::new(),
-        })
-    }
-
-    /// Serves the control socket and the admin listener.
-    fn start(&mut self, events: &mpsc::UnboundedSender<Event>) {
-        if let Some((control, admin)) = self.pending.take() {
-            self.serving.push(tokio::spawn(control::serve(control, events.clone())));
-            if let Some((listener, routes)) = admin {
-                self.serving.push(tokio::spawn(admin::serve(listener, events.clone(), routes)));
-            }
-        }
-    }
-
-    /// Stops serving them (handed over to a new supervisor, which serves them now).
-    fn stop(&mut self) {
-        for task in self.serving.drain(..) {
-            task.abort();
-        }
-        self.pending = None;
-        self.control = None;
-        self.admin = None;
-    }
-}
-
 impl Supervisor {
     fn new(
         resolved: Resolved,
@@ -352,17 +252,7 @@ impl Supervisor {
                 access: resolved.access.clone(),
             },
             resolved,
-            life: Life {
-                started: Instant::now(),
-                started_unix: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64()),
-                booted: false,
-                stopping: false,
-                stop_deadline: None,
-                killed_all: false,
-                fatal: None,
-            },
+            life: Life::new(),
             reload: ReloadState::default(),
             memory: MemoryWatch::default(),
             totals: Totals::new(),
@@ -883,31 +773,9 @@ impl Supervisor {
     }
 }
 
-fn signal_name(signal: i32) -> &'static str {
-    Signal::try_from(signal).map(|s| s.as_str()).unwrap_or("signal")
-}
-
-fn describe_exit(status: Option<ExitStatus>) -> String {
-    match status {
-        None => "exited (status unknown)".into(),
-        Some(s) => match (s.code(), s.signal()) {
-            (Some(code), _) => format!("exited with code {code}"),
-            (None, Some(sig)) => format!("was killed by {}", signal_name(sig)),
-            _ => format!("exited ({s})"),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::plan::memory::proc_status;
-
-    #[test]
-    fn exits_are_described() {
-        assert_eq!(describe_exit(Some(ExitStatus::from_raw(3 << 8))), "exited with code 3");
-        assert_eq!(describe_exit(Some(ExitStatus::from_raw(9))), "was killed by SIGKILL");
-    }
 
     #[test]
     fn own_status_is_readable() {

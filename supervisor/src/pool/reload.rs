@@ -15,7 +15,7 @@ use opentelemetry::{Context, KeyValue};
 use tracing::{error, info};
 
 use super::slot::{read_on_demand, Role, Slot, Start};
-use super::spawn::SlotSockets;
+use super::sockets::SlotSockets;
 use super::Supervisor;
 use crate::confine::{confined, PathFrom};
 use crate::control::{Replies, Response};

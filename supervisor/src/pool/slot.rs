@@ -1,10 +1,11 @@
 //! The pool's parts: its slots, each with a fixed CPU set and the workers it runs, and what
 //! workers started now run. A worker's [`Role`] in its slot, a slot's [`Start`] (the only thing
-//! that starts a current worker), and the backoff of a slot whose workers keep dying young.
+//! that starts a current worker).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use inferd_config::auth::Access;
+use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
 use inferd_config::Config;
 use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
@@ -13,7 +14,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tracing::warn;
 
-use super::spawn::SlotSockets;
+use super::sockets::SlotSockets;
 use crate::plan::cpu::Placement;
 use crate::status::WorkerState;
 
@@ -125,7 +126,7 @@ pub(super) struct Slot {
     pub(super) generation: u64,
     pub(super) workers: Vec<Worker>,
     pub(super) restarts: u32,
-    /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`](super::STABLE_AFTER).
+    /// Deaths since the slot last had a worker ready for [`STABLE_AFTER`](super::restart::STABLE_AFTER).
     pub(super) failures: u32,
     /// When it starts its next current worker (see [`Start`]), and why.
     pub(super) start: Start,
@@ -211,24 +212,21 @@ impl Slot {
     }
 }
 
-/// 0 for the first failure, then 0.5 s doubling up to 30 s.
-pub(super) fn backoff(failures: u32) -> Duration {
-    match failures {
-        0 | 1 => Duration::ZERO,
-        n => Duration::from_millis(500u64.saturating_mul(1 << (n - 2).min(6))).min(Duration::from_secs(30)),
+/// server.max_requests plus a per-worker draw from 0..=server.max_requests_jitter.
+pub(super) fn recycle_threshold(server: &ServerConfig) -> Option<u64> {
+    use std::hash::{BuildHasher, Hasher};
+    if server.max_requests == 0 {
+        return None;
     }
+    // RandomState is seeded randomly per instance: enough randomness for spreading recycles.
+    let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    Some(server.max_requests + draw % (server.max_requests_jitter + 1))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inferd_config::file::ServerConfig;
-
-    #[test]
-    fn backoff_grows_and_is_capped() {
-        let delays: Vec<u64> = (1..=10).map(|n| backoff(n).as_millis() as u64).collect();
-        assert_eq!(delays, vec![0, 500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
-    }
+    use std::time::Duration;
 
     fn worker(role: Role) -> Worker {
         Worker {

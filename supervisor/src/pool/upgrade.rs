@@ -38,7 +38,8 @@ use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use super::{dup_high, Supervisor};
+use super::sockets::dup_high;
+use super::Supervisor;
 use crate::control::{Replies, Response};
 use crate::{systemd, Event};
 
