@@ -34,3 +34,10 @@ impl Life {
         }
     }
 }
+
+impl Life {
+    /// Booted and not stopping: operator actions may change the pool.
+    pub(super) fn settled(&self) -> bool {
+        self.booted && !self.stopping
+    }
+}

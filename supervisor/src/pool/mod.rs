@@ -46,24 +46,22 @@
 //! the rest of the pool goes through their methods.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::process::ExitStatusExt;
-use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
+use inferd_ipc::spec::{Cause, FailureKind};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
-use crate::control::{ControlError, Replies, Request, Response};
-use crate::metrics::RestartReason;
+use crate::control::{ControlError, Request};
 use crate::plan::Resolved;
 use crate::status::{Phase, WorkerState};
 use crate::systemd::{self, Notifier};
 use crate::{signals, tcp, trace, Event};
 
+mod events;
 mod guards;
 mod life;
 mod reload;
@@ -80,7 +78,7 @@ use guards::MemoryWatch;
 use life::Life;
 use reload::ReloadState;
 use report::Totals;
-use restart::{backoff, describe_exit, signal_name, MAX_BOOT_CRASHES, RECYCLE_PAUSE, STABLE_AFTER};
+use restart::signal_name;
 use services::Services;
 use slot::{Pool, Role, Slot, Start};
 use sockets::{dup_high, SlotSockets};
@@ -106,6 +104,12 @@ pub enum SupervisorError {
     Control(#[from] ControlError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+/// How a slot's worker replacement ended: its new worker is ready (its pid), or it failed.
+pub(super) enum Replaced {
+    Ready(u32),
+    Failed(String),
 }
 
 /// The supervisor's state, in one part per concept (see the files above).
@@ -200,7 +204,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         };
         let result = supervisor.run(&mut queue).await;
         if let Err(e) = &result {
-            supervisor.tell_old(upgrade::Say::Failed { error: e.to_string() });
+            supervisor.upgrade.tell_old(upgrade::Say::Failed { error: e.to_string() });
         }
         // The file stays for the supervisor this one hands over to (or that started it).
         if !supervisor.upgrade.socket_is_not_ours() {
@@ -232,9 +236,8 @@ impl Supervisor {
         for placement in &resolved.plan.workers {
             let sockets = match slot_sockets.pop() {
                 Some(inherited) => inherited,
-                None => {
-                    SlotSockets::bind(&resolved.config.server, launcher.activated()).map_err(SupervisorError::Port)?
-                }
+                None => SlotSockets::bind(&resolved.config.server, launcher.activated())
+                    .map_err(|e| SupervisorError::Port(e.to_string()))?,
             };
             slots.push(Slot::new(placement.clone(), resolved.models.clone(), 1, Cause::Boot, sockets));
         }
@@ -265,7 +268,9 @@ impl Supervisor {
             extra_sockets: slot_sockets,
         };
         match candidate {
-            Some((channel, old_pid)) => supervisor.candidate(channel, old_pid)?,
+            Some((channel, old_pid)) => {
+                supervisor.upgrade = Upgrade::candidate(channel, old_pid, supervisor.events.clone())?
+            }
             None => {
                 supervisor.services.start(&supervisor.events);
                 supervisor.notifier = Notifier::from_env();
@@ -371,225 +376,6 @@ impl Supervisor {
         }
     }
 
-    /// Every action, whether it came from a signal (`replies` = None) or the control socket.
-    fn act(&mut self, request: Request, replies: Option<Replies>) {
-        let changes = !matches!(request, Request::Status);
-        if let (true, Upgrade::Starting { pid, .. }) = (changes, &self.upgrade) {
-            let error = format!("an upgrade is in progress (to pid {pid}): nothing else changes until it ends");
-            warn!("{error}");
-            if let Some(replies) = replies {
-                let _ = replies.send(Response::refused(error));
-            }
-            return;
-        }
-        let answer = match request {
-            Request::Status => Ok(Response { ok: true, status: Some(self.status()), ..Response::default() }),
-            Request::Reload { model, path, wait } => match self.start_reload(model, path, wait, replies.clone()) {
-                // The reload answers on its own as it goes.
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Scale { delta } => self.scale(delta).map(Response::message),
-            Request::Load { model, path } => match self.start_load(model, path, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Unload { model } => match self.start_unload(model, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Upgrade { binary } => match self.start_upgrade(binary, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-        };
-        match &answer {
-            Ok(r) => r.message.iter().for_each(|m| info!("{m}")),
-            Err(e) => warn!("{e}"),
-        }
-        if let Some(replies) = replies {
-            // Each action either starts or is refused as a whole.
-            let _ = replies.send(answer.unwrap_or_else(Response::refused));
-        }
-    }
-
-    fn on_message(&mut self, index: usize, pid: u32, message: WorkerMessage) {
-        let Some(slot) = self.pool.slots.get_mut(index) else { return };
-        let Some(worker) = slot.workers.iter_mut().find(|w| w.pid == pid) else { return };
-        match message {
-            WorkerMessage::Warming => worker.state = WorkerState::Warming,
-            WorkerMessage::Ready { models } => {
-                worker.state = WorkerState::Ready;
-                worker.ready_at = Some(Instant::now());
-                for model in &models {
-                    self.totals.model_event(&model.name).boot += 1;
-                }
-                worker.models = models;
-                let replaces = worker.cause.replaces();
-                info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
-                if replaces {
-                    self.end_replacement(index, Ok(pid));
-                }
-                let Some(worker) = self.pool.slots[index].workers.iter().find(|w| w.pid == pid) else { return };
-                if worker.role == Role::Incoming {
-                    self.promote(index, pid);
-                }
-                self.settle_port();
-                if !self.memory.measured() {
-                    if let Err(e) = self.memory_plan(pid) {
-                        error!("{e}");
-                        self.fail(e);
-                    }
-                }
-            }
-            WorkerMessage::Draining => {
-                worker.state = WorkerState::Draining;
-                self.settle_port();
-                self.finish_reload();
-            }
-            WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
-            // A model of its catalog, loaded on demand: status and the model_info metric show
-            // it on this worker from now on (its counts go to the shared "other" row).
-            WorkerMessage::Loaded { model, cost, seconds } if worker.state == WorkerState::Ready => {
-                info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
-                self.totals.model_event(&model.name).on_demand += 1;
-                self.totals.load_seconds.observe(seconds);
-                worker.costs.insert(model.name.clone(), cost);
-                worker.models.push(model);
-            }
-            WorkerMessage::Loaded { .. } => {}
-            WorkerMessage::Evicted { model } => {
-                self.totals.model_event(&model).evictions += 1;
-                worker.costs.remove(&model);
-                worker.models.retain(|m| m.name != model);
-            }
-        }
-    }
-
-    /// An incoming worker is ready: it becomes the slot's current worker, and the one it
-    /// replaces drains and leaves. The reload advances only if this is the worker it started.
-    fn promote(&mut self, index: usize, pid: u32) {
-        let slot = &mut self.pool.slots[index];
-        let mut spawn = None;
-        for w in slot.workers.iter_mut() {
-            if w.pid == pid {
-                w.role = Role::Current;
-                slot.generation = w.generation;
-                spawn = Some(w.spawn);
-            } else if w.role == Role::Current {
-                info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
-                w.retire();
-            }
-        }
-        if let Some(spawn) = spawn {
-            self.reload_worker_ready(index, spawn, pid);
-        }
-    }
-
-    fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
-        let Some(slot) = self.pool.slots.get_mut(index) else { return };
-        let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
-        let worker = slot.workers.remove(at);
-        self.launcher.forget(pid);
-        if worker.state != WorkerState::Draining {
-            self.settle_port();
-        }
-        self.keep_counts(&worker);
-        let slot = &mut self.pool.slots[index];
-        let how = describe_exit(status);
-        if worker.role == Role::Retiring || slot.removing() {
-            info!("worker {index} (pid {pid}) retired: {how}");
-            // Events name slots by index: only trailing slots may go, so no index shifts.
-            let before = self.pool.slots.len();
-            while self.pool.slots.last().is_some_and(|s| s.removing() && s.workers.is_empty()) {
-                self.pool.slots.pop();
-            }
-            if self.pool.slots.len() < before {
-                info!("scaled down to {} workers", self.pool.slots.len());
-            }
-            return;
-        }
-        let stuck = match (&worker.stuck, worker.memory_killed) {
-            (Some((why, _)), _) => format!(" (stuck: {why})"),
-            (None, true) => " (over the hard memory limit)".to_string(),
-            (None, false) => String::new(),
-        };
-        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
-        if self.life.stopping {
-            info!("worker {index} (pid {pid}) {how}");
-            return;
-        }
-        let code = status.and_then(|s| s.code());
-        let failure = worker.failure.clone().or_else(|| match code {
-            Some(EXIT_MODEL_LOAD) => Some((FailureKind::ModelLoad, format!("worker {how}"))),
-            Some(EXIT_BOOT) => Some((FailureKind::Boot, format!("worker {how}"))),
-            _ => None,
-        });
-        if worker.role == Role::Incoming {
-            // A replacement that never became ready: the current worker keeps serving. Only
-            // the reload's own worker fails the reload.
-            let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
-            error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
-            slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
-            if worker.cause.replaces() {
-                self.end_replacement(index, Err(error.clone()));
-            }
-            if self.reload.owns(worker.spawn) {
-                self.abort_reload(index, &error);
-            }
-            return;
-        }
-        slot.restarts += 1;
-        let reason = match (&failure, status.and_then(|s| s.signal())) {
-            _ if worker.stuck.is_some() => RestartReason::Stuck,
-            _ if worker.memory_killed => RestartReason::MemoryHard,
-            (Some((FailureKind::ModelLoad, _)), _) => RestartReason::ModelLoad,
-            (Some((FailureKind::Boot, _)), _) => RestartReason::Boot,
-            _ if code == Some(EXIT_PANIC) => RestartReason::Panic,
-            (None, Some(_)) => RestartReason::Signal,
-            (None, None) => RestartReason::Exit,
-        };
-        self.totals.restarted(reason);
-        if worker.cause.replaces() && worker.ready_at.is_none() {
-            self.end_replacement(index, Err(format!("the new worker {how}")));
-        }
-        let trace_id = self.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
-        let trace_id = trace_id.as_deref();
-        let slot = &mut self.pool.slots[index];
-        if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
-            slot.failures = 0;
-        }
-        slot.failures += 1;
-        let failures = slot.failures;
-        match failure {
-            Some((kind, error)) if !self.life.booted => {
-                error!("worker {index} (pid {pid}) {how}: {error}");
-                return self.fail(match kind {
-                    FailureKind::ModelLoad => SupervisorError::ModelLoad { slot: index, error },
-                    FailureKind::Boot => SupervisorError::Boot { slot: index, error },
-                });
-            }
-            Some((_, error)) => error!(trace_id, "worker {index} (pid {pid}) {how}: {error}"),
-            None if !self.life.booted && failures >= MAX_BOOT_CRASHES => {
-                let error = format!("died {failures} times during start-up, last {how}");
-                error!("worker {index}: {error}");
-                return self.fail(SupervisorError::Boot { slot: index, error });
-            }
-            None => match &worker.stuck {
-                Some((why, _)) => {
-                    warn!(trace_id, "worker {index} (pid {pid}) {how} after being stuck ({why}); replacing it")
-                }
-                None => warn!(trace_id, "worker {index} (pid {pid}) {how}; replacing it"),
-            },
-        }
-        let delay = backoff(failures);
-        if !delay.is_zero() {
-            info!(trace_id, "worker {index}: next start in {delay:?} ({failures} failures in a row)");
-        }
-        self.pool.slots[index].start = Start::At(Instant::now() + delay);
-        self.pool.slots[index].cause = Cause::Respawn;
-    }
-
     /// Opens the trace of slot `index`'s worker `pid` being replaced for `cause` (`reason`,
     /// `detail`: what happened to it), one span until the new worker is ready or fails
     /// (docs/operations.md, "Traces"). Returns its trace id for the log lines that follow.
@@ -619,15 +405,15 @@ impl Supervisor {
     }
 
     /// Ends slot `index`'s replacement trace: its new worker `pid` is ready, or it failed.
-    pub(super) fn end_replacement(&mut self, index: usize, outcome: Result<u32, String>) {
+    pub(super) fn end_replacement(&mut self, index: usize, outcome: Replaced) {
         let span = self.pool.slots[index].replacement.take();
         match outcome {
-            Ok(pid) => trace::end(
+            Replaced::Ready(pid) => trace::end(
                 span,
                 vec![KeyValue::new("inferd.outcome", "ready"), KeyValue::new("process.pid", i64::from(pid))],
                 None,
             ),
-            Err(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
+            Replaced::Failed(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
         }
     }
 
@@ -668,7 +454,7 @@ impl Supervisor {
             return;
         }
         self.kill_stuck_workers();
-        self.watch_upgrade();
+        self.upgrade.watch(self.resolved.config.server.boot_timeout_secs);
         // Before the guards: a slot the reload was waiting for gets the reload's worker now,
         // and no guard starts another replacement beside it.
         self.resume_reload();
@@ -703,7 +489,7 @@ impl Supervisor {
     }
 
     fn begin_stop(&mut self, fast: bool) {
-        self.abandon_upgrade();
+        self.upgrade.abandon();
         self.begin_stop_with(Some(if fast { Signal::SIGKILL } else { Signal::SIGTERM }));
     }
 
@@ -763,7 +549,7 @@ impl Supervisor {
         }
         if self.life.booted && !self.life.stopping && self.pool.all_ready() {
             let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
-            self.tell_old(upgrade::Say::Ready { pid, version });
+            self.upgrade.tell_old(upgrade::Say::Ready { pid, version });
         }
         let phase = self.phase();
         if phase != before && self.life.booted {

@@ -14,8 +14,11 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tracing::warn;
 
+use super::reload::Installed;
 use super::sockets::SlotSockets;
-use crate::plan::cpu::Placement;
+use crate::control::ActionError;
+use crate::plan::cpu::{format_cpus, plan, Ask, Placement};
+use crate::plan::Resolved;
 use crate::status::WorkerState;
 
 /// The pool: its slots, and what the workers started now run.
@@ -53,6 +56,59 @@ impl Pool {
     /// The first slot that `scale -1` is still draining.
     pub(super) fn removing(&self) -> Option<usize> {
         self.slots.iter().position(Slot::removing)
+    }
+
+    /// A reload begins: the generation its workers are started for.
+    pub(super) fn next_generation(&mut self) -> u64 {
+        self.generation += 1;
+        self.generation
+    }
+
+    /// A reload is complete: workers started from now on run what it installed.
+    pub(super) fn install(&mut self, installed: Installed) {
+        self.models = installed.models;
+        self.on_demand = installed.on_demand;
+        self.access = installed.access;
+    }
+
+    /// `scale +1` adds a slot when the CPU budget has room for it (`activated`: the workers
+    /// share systemd's socket); `scale -1` drains the last.
+    pub(super) fn scale(&mut self, delta: i32, resolved: &Resolved, activated: bool) -> Result<String, ActionError> {
+        // One step at a time: slots are named by index, so a draining one must be gone before
+        // the pool changes size again.
+        if let Some(i) = self.removing() {
+            return Err(ActionError::ScaleDraining(i));
+        }
+        let count = self.slots.len();
+        match delta {
+            1 => {
+                let threads = resolved.plan.threads_per_worker;
+                let ask = Ask { workers: count + 1, threads, ..Ask::of(&resolved.config.server) };
+                let plan = plan(&resolved.plan.budget, ask)?;
+                let placement = plan.workers[count].clone();
+                let cpus = format_cpus(&placement.cpus);
+                let sockets = SlotSockets::bind(&resolved.config.server, activated)?;
+                let slot = Slot::new(placement, self.models.clone(), self.generation, Cause::Scale, sockets);
+                self.slots.push(slot);
+                Ok(format!("scaling up to {} workers: the new one is pinned to cpus {cpus}", self.slots.len()))
+            }
+            -1 => {
+                if count <= 1 {
+                    return Err(ActionError::LastWorker);
+                }
+                let index = count - 1;
+                let slot = &mut self.slots[index];
+                slot.start = Start::Removing;
+                for w in slot.workers.iter_mut() {
+                    w.retire();
+                }
+                if slot.workers.is_empty() {
+                    self.slots.pop(); // the last slot: no removing slot follows it (checked above)
+                }
+                Ok(format!("scaling down to {} workers: draining worker {index}", count - 1))
+            }
+            other => Err(ActionError::Step(other)),
+        }
     }
 }
 

@@ -5,6 +5,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use inferd_config::file::ServerConfig;
 
+use crate::tcp::PortError;
+
 /// A slot's sockets on the port (HTTP, and gRPC when server.grpc_listen is set): bound with
 /// SO_REUSEPORT when the slot is made, handed to each of its workers in turn, each of which
 /// puts them into listening once warm, and closed only when the slot goes. A listener that
@@ -40,18 +42,20 @@ impl SlotSockets {
         (self.http.as_ref().map(|fd| fd.as_raw_fd()), self.grpc.as_ref().map(|fd| fd.as_raw_fd()))
     }
 
-    pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, String> {
+    pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, PortError> {
         let http = match activated {
             true => None,
-            false => Some(
-                bind_reuseport(server.listen_addr()).map_err(|e| format!("cannot listen on {}: {e}", server.listen))?,
-            ),
+            false => Some(bind_reuseport(server.listen_addr()).map_err(|error| PortError {
+                listen: server.listen.clone(),
+                grpc: false,
+                error,
+            })?),
         };
-        let grpc = server
-            .grpc_addr()
-            .map(bind_reuseport)
-            .transpose()
-            .map_err(|e| format!("cannot listen on {} (gRPC): {e}", server.grpc_listen))?;
+        let grpc = server.grpc_addr().map(bind_reuseport).transpose().map_err(|error| PortError {
+            listen: server.grpc_listen.clone(),
+            grpc: true,
+            error,
+        })?;
         Ok(SlotSockets { http, grpc })
     }
 
