@@ -56,14 +56,16 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::control::{ControlError, Request};
+use crate::metrics::RecycleReason;
+use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use crate::status::{Phase, WorkerState};
 use crate::systemd::{self, Notifier};
 use crate::{signals, tcp, trace, Event};
 
 mod events;
-mod guards;
 mod life;
+mod memory;
 mod reload;
 mod report;
 mod restart;
@@ -74,8 +76,8 @@ mod sockets;
 mod spawn;
 mod upgrade;
 
-use guards::MemoryWatch;
 use life::Life;
+use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
 use report::Totals;
 use restart::signal_name;
@@ -444,7 +446,7 @@ impl Supervisor {
     fn on_tick(&mut self) {
         let now = Instant::now();
         self.sample_latency(now);
-        self.sample_saturation(now);
+        self.saturation.sample(now, &self.pool);
         if self.life.stopping {
             if self.life.stop_deadline.is_some_and(|d| now >= d) && !self.life.killed_all {
                 warn!("grace timeout passed; killing the remaining workers");
@@ -453,7 +455,7 @@ impl Supervisor {
             }
             return;
         }
-        self.kill_stuck_workers();
+        self.pool.kill_stuck(self.resolved.config.server.request_timeout_secs);
         self.upgrade.watch(self.resolved.config.server.boot_timeout_secs);
         // Before the guards: a slot the reload was waiting for gets the reload's worker now,
         // and no guard starts another replacement beside it.
@@ -479,6 +481,80 @@ impl Supervisor {
                 self.spawn(index, Role::Current, cause, models, generation);
             }
         }
+    }
+
+    /// The memory watch's decisions (see `MemoryWatch::check`), carried out.
+    fn watch_memory(&mut self, now: Instant) {
+        let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
+        let Some((budget, verdicts)) = self.memory.check(now, every, &self.pool) else { return };
+        for verdict in verdicts {
+            match verdict {
+                Verdict::Kill(index) => {
+                    let slot = &mut self.pool.slots[index];
+                    for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
+                        w.memory_killed = true;
+                        let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                    }
+                }
+                Verdict::Replace(index, why) => self.replace_for_memory(index, &budget, &why),
+            }
+        }
+    }
+
+    /// The first worker is ready: the memory plan (see `MemoryWatch::plan`); the pool keeps the
+    /// slots that fit and starts those held until now.
+    fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
+        let keep = self.memory.plan(pid, &self.resolved.config.server, self.pool.slots.len())?;
+        self.pool.slots.truncate(keep);
+        for slot in self.pool.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
+            slot.start = Start::At(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Gracefully replaces a slot's worker for memory: the new one first when there is room for
+    /// it, else the old one drains and exits before the new one starts. During a reload too:
+    /// the reload tells its own workers by their spawn ids, and waits for this one to finish
+    /// before it replaces the slot (retiring first would leave a 1-worker pool without a
+    /// listener for a boot's length).
+    fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget, why: &str) {
+        self.totals.recycled(RecycleReason::Memory);
+        let pid = self.pool.slots[index].with_role(Role::Current).map_or(0, |w| w.pid);
+        self.begin_replacement(index, Cause::Memory, "memory", pid, why);
+        let room_for_one = self.memory.room_for_one(budget);
+        let slot = &mut self.pool.slots[index];
+        if room_for_one {
+            let (models, generation) = (slot.models.clone(), slot.generation);
+            self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
+            return;
+        }
+        for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
+            w.retire();
+        }
+        slot.start = Start::WhenEmpty;
+        slot.cause = Cause::Memory;
+    }
+
+    /// A worker due for recycling or with a fault is replaced, incoming first (see
+    /// `Pool::recycle_due`).
+    fn maybe_recycle(&mut self, now: Instant) {
+        let max_age = self.resolved.config.server.max_worker_age_secs;
+        let Some((index, reason)) = self.pool.recycle_due(now, max_age, self.reload.in_progress()) else { return };
+        let slot = &self.pool.slots[index];
+        let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
+        let (cause, detail) = match reason {
+            RecycleReason::Fault => (Cause::Fault, "caught a panic serving a request (a bug, in its log)".to_string()),
+            _ => (Cause::Recycle, format!("reached server.{reason}")),
+        };
+        let (models, generation) = (slot.models.clone(), slot.generation);
+        self.totals.recycled(reason);
+        let trace_id = self.begin_replacement(index, cause, reason.as_str(), pid, &detail);
+        let trace_id = trace_id.as_deref();
+        match cause {
+            Cause::Fault => warn!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+            _ => info!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+        }
+        self.spawn(index, Role::Incoming, cause, models, generation);
     }
 
     fn fail(&mut self, error: SupervisorError) {

@@ -2,7 +2,7 @@
 //! workers started now run. A worker's [`Role`] in its slot, a slot's [`Start`] (the only thing
 //! that starts a current worker).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inferd_config::auth::Access;
 use inferd_config::file::ServerConfig;
@@ -12,14 +12,20 @@ use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
 use inferd_ipc::stats::WorkerCounters;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use tracing::warn;
+use tracing::{error, warn};
 
 use super::reload::Installed;
 use super::sockets::SlotSockets;
+use super::TICK;
 use crate::control::ActionError;
+use crate::metrics::RecycleReason;
 use crate::plan::cpu::{format_cpus, plan, Ask, Placement};
 use crate::plan::Resolved;
 use crate::status::WorkerState;
+
+/// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
+/// supervisor aborts the worker only if the run is still going this long after.
+const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// The pool: its slots, and what the workers started now run.
 pub(super) struct Pool {
@@ -56,6 +62,73 @@ impl Pool {
     /// The first slot that `scale -1` is still draining.
     pub(super) fn removing(&self) -> Option<usize> {
         self.slots.iter().position(Slot::removing)
+    }
+
+    /// A worker whose model run has lasted longer than server.request_timeout_secs (plus
+    /// [`STOP_GRACE`] for the worker to stop it itself), or whose
+    /// model thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
+    /// there (gunicorn's escalation); it is then replaced like any dead worker.
+    pub(super) fn kill_stuck(&mut self, timeout: f64) {
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            for w in slot.workers.iter_mut().filter(|w| w.ready_at.is_some()) {
+                if let Some((why, since)) = &w.stuck {
+                    if since.elapsed() >= TICK {
+                        warn!("worker {index} (pid {}) still there after SIGABRT ({why}); SIGKILL", w.pid);
+                        let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                    }
+                    continue;
+                }
+                let (busy, beat) = w.stats.model_thread();
+                let io = w.stats.io_thread();
+                let why = match (busy, beat) {
+                    // The worker stops such a run itself at the timeout; one still going this
+                    // much later does not stop (a kernel that never returns).
+                    (Some(b), _) if b > timeout + STOP_GRACE.as_secs_f64() => format!(
+                        "a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout} and did not stop"
+                    ),
+                    (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
+                    // Nothing the I/O loop does for one request takes seconds: one that has
+                    // not turned for this long serves nobody on this worker.
+                    _ if io.is_some_and(|b| b > timeout.max(5.0)) => {
+                        format!("the I/O loop has not turned for {:.1} s", io.unwrap_or_default())
+                    }
+                    _ => continue,
+                };
+                error!("worker {index} (pid {}) is stuck: {why}; SIGABRT", w.pid);
+                let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGABRT);
+                w.stuck = Some((why, Instant::now()));
+            }
+        }
+    }
+
+    /// Recycling (server.max_requests, server.max_worker_age_secs, older than `max_age`
+    /// seconds when not 0) and faults (a panic caught serving a request, which comes first):
+    /// the slot whose worker is replaced now, like in a reload, incoming first, and why. One
+    /// replacement at a time across the pool, the worker furthest past its limit first, and
+    /// none during a reload (`reloading`: it replaces everyone anyway).
+    pub(super) fn recycle_due(&self, now: Instant, max_age: f64, reloading: bool) -> Option<(usize, RecycleReason)> {
+        if reloading || self.slots.iter().any(|s| s.with_role(Role::Incoming).is_some()) {
+            return None;
+        }
+        // (how far past the limit, as a share of it; slot; reason)
+        let mut due: Option<(f64, usize, RecycleReason)> = None;
+        for (index, slot) in self.slots.iter().enumerate() {
+            if slot.removing() || slot.recycle_pause.is_some_and(|t| now < t) {
+                continue;
+            }
+            let Some(w) = slot.with_role(Role::Current).filter(|w| w.state == WorkerState::Ready) else { continue };
+            let by_requests = w
+                .recycle_after
+                .map(|n| (w.stats.snapshot().requests_total() as f64 / n as f64, RecycleReason::MaxRequests));
+            let by_age = (max_age > 0.0).then(|| (w.started.elapsed().as_secs_f64() / max_age, RecycleReason::MaxAge));
+            let by_fault = (w.stats.faults() > 0).then_some((f64::INFINITY, RecycleReason::Fault));
+            for (over, reason) in [by_requests, by_age, by_fault].into_iter().flatten() {
+                if over >= 1.0 && due.is_none_or(|(o, _, _)| over > o) {
+                    due = Some((over, index, reason));
+                }
+            }
+        }
+        due.map(|(_, index, reason)| (index, reason))
     }
 
     /// A reload begins: the generation its workers are started for.
