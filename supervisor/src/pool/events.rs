@@ -332,7 +332,7 @@ impl Supervisor {
         self.totals.remap(&rows);
         let served = installed.models.iter().chain(&installed.on_demand).map(|m| m.name.as_str());
         self.totals.keep_model_events(&served.collect::<Vec<_>>());
-        self.pool.install(installed);
+        self.pool.install(installed.models, installed.on_demand, installed.access);
     }
 
     /// `scale +1` adds a slot when the CPU budget has room for it; `scale -1` drains the last.

@@ -14,7 +14,6 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tracing::{error, warn};
 
-use super::reload::Installed;
 use super::sockets::SlotSockets;
 use super::TICK;
 use crate::control::ActionError;
@@ -137,11 +136,11 @@ impl Pool {
         self.generation
     }
 
-    /// A reload is complete: workers started from now on run what it installed.
-    pub(super) fn install(&mut self, installed: Installed) {
-        self.models = installed.models;
-        self.on_demand = installed.on_demand;
-        self.access = installed.access;
+    /// A reload is complete: workers started from now on run its models, catalog and access.
+    pub(super) fn install(&mut self, models: Vec<ModelEntry>, on_demand: Vec<ModelEntry>, access: Access) {
+        self.models = models;
+        self.on_demand = on_demand;
+        self.access = access;
     }
 
     /// `scale +1` adds a slot when the CPU budget has room for it (`activated`: the workers
