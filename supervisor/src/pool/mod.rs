@@ -48,12 +48,13 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::control::{ControlError, Request};
 use crate::metrics::RecycleReason;
@@ -80,11 +81,11 @@ use life::Life;
 use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
 use report::Totals;
-use restart::signal_name;
+use restart::{backoff, signal_name};
 use services::Services;
 use slot::{Pool, Role, Slot, Start};
 use sockets::{dup_high, SlotSockets};
-use spawn::Launcher;
+use spawn::{Launcher, Order};
 use upgrade::Upgrade;
 pub use upgrade::UpgradeEvent;
 
@@ -555,6 +556,57 @@ impl Supervisor {
             _ => info!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
         }
         self.spawn(index, Role::Incoming, cause, models, generation);
+    }
+
+    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
+    /// started (a current worker is then retried after a backoff).
+    fn spawn(
+        &mut self,
+        index: usize,
+        role: Role,
+        cause: Cause,
+        models: Vec<ModelEntry>,
+        generation: u64,
+    ) -> Option<u64> {
+        let config = &self.resolved.config;
+        let slots = self.pool.slots.len();
+        let memory_share = config.models.on_demand.then(|| self.memory.models_budget(config) / slots.max(1) as u64);
+        let slot = &self.pool.slots[index];
+        let order = Order {
+            index,
+            cause,
+            models,
+            generation,
+            role,
+            placement: &slot.placement,
+            resolved: &self.resolved,
+            catalog: self.reload.on_demand(generation).unwrap_or(&self.pool.on_demand),
+            access: self.reload.access(cause).unwrap_or(&self.pool.access),
+            memory_share,
+            slots,
+            beside_others: cause != Cause::Boot || self.upgrade.shares_sockets(),
+        };
+        match self.launcher.start(order, &slot.sockets) {
+            Ok(worker) => {
+                let spawn = worker.spawn;
+                if cause.replaces() {
+                    let started = vec![KeyValue::new("process.pid", i64::from(worker.pid))];
+                    trace::event(&self.pool.slots[index].replacement, "worker started", started);
+                }
+                self.pool.slots[index].workers.push(worker);
+                Some(spawn)
+            }
+            Err(e) => {
+                let slot = &mut self.pool.slots[index];
+                slot.failures += 1;
+                let delay = backoff(slot.failures).max(Duration::from_millis(500));
+                error!("cannot start worker {index}: {e}; retrying in {delay:?}");
+                if role == Role::Current {
+                    slot.start = Start::At(Instant::now() + delay);
+                }
+                None
+            }
+        }
     }
 
     fn fail(&mut self, error: SupervisorError) {

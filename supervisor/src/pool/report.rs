@@ -295,7 +295,7 @@ impl Supervisor {
                 .collect(),
             accept_queued: self.pool.slots.iter().map(|s| s.sockets.waiting()).sum(),
             supervisor_spans: crate::trace::spans(),
-            keys: self.launcher.limits.as_ref().map(|(table, _)| table.report()).unwrap_or_default(),
+            keys: self.launcher.keys(),
             start_time: self.life.started_unix,
         }
     }

@@ -9,8 +9,9 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use inferd_config::auth::Access;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::balance::{Balance, WORKER_BALANCE_FD};
 use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
@@ -24,31 +25,43 @@ use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use super::restart::backoff;
-use super::slot::{on_demand_besides, recycle_threshold, Role, Start, Worker};
+use super::slot::{on_demand_besides, recycle_threshold, Role, Worker};
 use super::sockets::{dup_high, handoff_socket, SlotSockets};
-use super::Supervisor;
-use crate::plan::cpu::format_cpus;
+use crate::plan::cpu::{format_cpus, Placement};
+use crate::plan::Resolved;
 use crate::status::WorkerState;
 use crate::{systemd, Event};
 
-impl Supervisor {
-    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
-    /// started (a current worker is then retried after a backoff).
-    pub(super) fn spawn(
-        &mut self,
-        index: usize,
-        role: Role,
-        cause: Cause,
-        models: Vec<ModelEntry>,
-        generation: u64,
-    ) -> Option<u64> {
-        let placement = &self.pool.slots[index].placement;
-        let config = &self.resolved.config;
-        // [models] on_demand: what the worker may load besides `models`, from the catalog the
-        // reload in progress read when this is one of its workers, else the pool's (read at
-        // start or by the latest successful reload; slot.rs). Nothing read here.
-        let catalog = self.reload.on_demand(generation).unwrap_or(&self.pool.on_demand);
+/// A worker to start: for which slot, role and cause, running what, and what the pool's other
+/// parts say of it.
+pub(super) struct Order<'a> {
+    pub(super) index: usize,
+    pub(super) cause: Cause,
+    pub(super) models: Vec<ModelEntry>,
+    pub(super) generation: u64,
+    pub(super) role: Role,
+    pub(super) placement: &'a Placement,
+    pub(super) resolved: &'a Resolved,
+    /// [models] on_demand: the catalog its worker may load from besides `models`: the reload's
+    /// when this is one of its workers, else the pool's (read at start or by the latest
+    /// successful reload; slot.rs). Nothing read here.
+    pub(super) catalog: &'a [ModelEntry],
+    /// The API keys and certificate: the reload's for its workers, else the pool's.
+    pub(super) access: &'a Access,
+    /// Its share of the memory for models loaded on demand.
+    pub(super) memory_share: Option<u64>,
+    /// How many slots the pool has.
+    pub(super) slots: usize,
+    /// Whether other workers serve while this one boots: a replacement, or the first
+    /// workers of an upgrade's new supervisor.
+    pub(super) beside_others: bool,
+}
+
+impl Launcher {
+    /// Starts the worker `order` asks for on its slot's `sockets`.
+    pub(super) fn start(&mut self, order: Order<'_>, sockets: &SlotSockets) -> std::io::Result<Worker> {
+        let Order { index, cause, models, generation, role, placement, resolved, catalog, access, .. } = order;
+        let config = &resolved.config;
         let on_demand = on_demand_besides(catalog, &models);
         let spec = WorkerSpec {
             index,
@@ -56,88 +69,69 @@ impl Supervisor {
             cause,
             threads: placement.threads,
             cpus: placement.cpus.clone(),
-            ort_library: self.resolved.ort.path.clone(),
+            ort_library: resolved.ort.path.clone(),
             models,
             server: config.server.clone(),
-            shared_listener: self.launcher.activated(),
-            handoff: self.launcher.handoff.is_some(),
+            shared_listener: self.activated(),
+            handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
             allocator: config.runtime.allocator,
-            access: self.reload.access(cause).unwrap_or(&self.pool.access).clone(),
-            lending: match (&self.launcher.cores, placement.cpus.as_slice()) {
+            access: access.clone(),
+            lending: match (&self.cores, placement.cpus.as_slice()) {
                 (Some(_), &[home]) if placement.threads == 1 && config.server.lend_idle_cores => {
                     Some(Lending { home, borrow: placement.borrow })
                 }
                 _ => None,
             },
-            balance: self.launcher.balance.is_some() && config.server.balance_connections,
-            limits: self.launcher.limits.is_some(),
-            // Whenever other workers serve while this one boots: a replacement, or the first
-            // workers of an upgrade's new supervisor.
-            boot_nice: match cause != Cause::Boot || self.upgrade.shares_sockets() {
-                true if self.launcher.renice => BOOT_NICE,
+            balance: self.balance.is_some() && config.server.balance_connections,
+            limits: self.limits.is_some(),
+            boot_nice: match order.beside_others {
+                true if self.renice => BOOT_NICE,
                 _ => 0,
             },
-            memory_share: config
-                .models
-                .on_demand
-                .then(|| self.memory.models_budget(config) / self.pool.slots.len().max(1) as u64),
+            memory_share: order.memory_share,
             on_demand,
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,
             placement: config.models.placement,
             tracing: config.tracing_config(),
-            cache_bytes: config.cache.per_worker(self.pool.slots.len()),
+            cache_bytes: config.cache.per_worker(order.slots),
         };
-        match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
-            Ok((pid, stats)) => {
-                let borrows = match spec.lending.and_then(|l| l.borrow) {
-                    Some(cpu) => format!(" (and cpu {cpu} while idle)"),
-                    None => String::new(),
-                };
-                info!(
-                    "worker {index} started for {}: pid {pid}, cpus {}{borrows}, {} threads, generation {generation}",
-                    cause.as_str(),
-                    format_cpus(&spec.cpus),
-                    spec.threads
-                );
-                self.launcher.spawns += 1;
-                let spawn = self.launcher.spawns;
-                if cause.replaces() {
-                    let started = vec![opentelemetry::KeyValue::new("process.pid", i64::from(pid))];
-                    crate::trace::event(&self.pool.slots[index].replacement, "worker started", started);
-                }
-                self.pool.slots[index].workers.push(Worker {
-                    pid,
-                    spawn,
-                    cause,
-                    generation,
-                    role,
-                    state: WorkerState::Starting,
-                    started: Instant::now(),
-                    ready_at: None,
-                    models: Vec::new(),
-                    failure: None,
-                    stats,
-                    recycle_after: recycle_threshold(&config.server),
-                    stuck: None,
-                    memory_killed: false,
-                    costs: Default::default(),
-                });
-                Some(spawn)
-            }
-            Err(e) => {
-                let slot = &mut self.pool.slots[index];
-                slot.failures += 1;
-                let delay = backoff(slot.failures).max(Duration::from_millis(500));
-                error!("cannot start worker {index}: {e}; retrying in {delay:?}");
-                if role == Role::Current {
-                    slot.start = Start::At(Instant::now() + delay);
-                }
-                None
-            }
-        }
+        let (pid, stats) = self.start_process(&spec, sockets)?;
+        let borrows = match spec.lending.and_then(|l| l.borrow) {
+            Some(cpu) => format!(" (and cpu {cpu} while idle)"),
+            None => String::new(),
+        };
+        info!(
+            "worker {index} started for {}: pid {pid}, cpus {}{borrows}, {} threads, generation {generation}",
+            cause.as_str(),
+            format_cpus(&spec.cpus),
+            spec.threads
+        );
+        self.spawns += 1;
+        Ok(Worker {
+            pid,
+            spawn: self.spawns,
+            cause,
+            generation,
+            role,
+            state: WorkerState::Starting,
+            started: Instant::now(),
+            ready_at: None,
+            models: Vec::new(),
+            failure: None,
+            stats,
+            recycle_after: recycle_threshold(&config.server),
+            stuck: None,
+            memory_killed: false,
+            costs: Default::default(),
+        })
+    }
+
+    /// Each API key's rate, concurrency and counts now (for the metrics).
+    pub(super) fn keys(&self) -> Vec<inferd_ipc::limits::KeyReport> {
+        self.limits.as_ref().map(|(table, _)| table.report()).unwrap_or_default()
     }
 }
 
@@ -161,7 +155,7 @@ pub(super) struct Launcher {
     balance: Option<(Balance, OwnedFd)>,
     /// Each API key's rate, concurrency and counts (see `inferd_ipc::limits`), mapped here to
     /// report them and to clear the requests of workers that exit, and its descriptor.
-    pub(super) limits: Option<(Limits, OwnedFd)>,
+    limits: Option<(Limits, OwnedFd)>,
     /// Whether a thread of this user may be put back to nice 0 once niced (root with
     /// CAP_SYS_NICE, or RLIMIT_NICE: systemd's `LimitNICE=+0`): workers then boot niced.
     renice: bool,
