@@ -35,7 +35,7 @@ impl Supervisor {
             return;
         }
         let answer = match request {
-            Request::Status => Ok(Response { ok: true, status: Some(self.status()), ..Response::default() }),
+            Request::Status => Ok(Response { ok: true, status: Some(self.report().status()), ..Response::default() }),
             Request::Reload { model, path, wait } => match self.start_reload(model, path, wait, replies.clone()) {
                 // The reload answers on its own as it goes.
                 Ok(()) => return,
@@ -146,7 +146,7 @@ impl Supervisor {
         if worker.state != WorkerState::Draining {
             self.settle_port();
         }
-        self.keep_counts(&worker);
+        self.totals.keep(&worker, &self.pool.models);
         let slot = &mut self.pool.slots[index];
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing() {

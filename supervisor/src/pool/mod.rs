@@ -75,17 +75,19 @@ mod services;
 mod slot;
 mod sockets;
 mod spawn;
+mod totals;
 mod upgrade;
 
 use life::Life;
 use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
-use report::Totals;
+use report::Report;
 use restart::{backoff, signal_name};
 use services::Services;
 use slot::{Pool, Role, Slot, Start};
 use sockets::{dup_high, SlotSockets};
 use spawn::{Launcher, Order};
+use totals::Totals;
 use upgrade::Upgrade;
 pub use upgrade::UpgradeEvent;
 
@@ -330,7 +332,7 @@ impl Supervisor {
             }
             let phase = self.settle(before);
             let mut notifier = std::mem::take(&mut self.notifier);
-            notifier.update(phase, || self.summary());
+            notifier.update(phase, || self.report().summary());
             self.notifier = notifier;
             if phase == Phase::Stopping && self.pool.slots.iter().all(|s| s.workers.is_empty()) {
                 return match self.life.fatal.take() {
@@ -373,7 +375,7 @@ impl Supervisor {
             Event::Exited { slot, pid, status } => self.on_exit(slot, pid, status),
             Event::Control(request, replies) => self.act(request, Some(replies)),
             Event::Scrape(reply) => {
-                let _ = reply.send(self.metrics());
+                let _ = reply.send(self.report().metrics());
             }
             Event::Upgrade(event) => self.on_upgrade(event),
         }
@@ -446,7 +448,7 @@ impl Supervisor {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        self.sample_latency(now);
+        self.totals.sample_latency(now, &self.pool);
         self.saturation.sample(now, &self.pool);
         if self.life.stopping {
             if self.life.stop_deadline.is_some_and(|d| now >= d) && !self.life.killed_all {
@@ -647,6 +649,22 @@ impl Supervisor {
     fn signal_all(&self, signal: Signal) {
         for worker in self.pool.workers() {
             let _ = nix::sys::signal::kill(Pid::from_raw(worker.pid as i32), signal);
+        }
+    }
+
+    /// The pool's parts, read, for a report.
+    fn report(&self) -> Report<'_> {
+        Report {
+            resolved: &self.resolved,
+            pool: &self.pool,
+            life: &self.life,
+            phase: self.phase(),
+            reload: &self.reload,
+            upgrade: &self.upgrade,
+            memory: &self.memory,
+            totals: &self.totals,
+            saturation: &self.saturation,
+            launcher: &self.launcher,
         }
     }
 
