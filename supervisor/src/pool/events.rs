@@ -14,9 +14,9 @@ use tracing::{error, info, warn};
 
 use super::reload;
 use super::restart::{backoff, describe_exit, MAX_BOOT_CRASHES, RECYCLE_PAUSE, STABLE_AFTER};
-use super::slot::{Role, Start};
+use super::slot::{Replaced, Role, Start};
 use super::upgrade::{Handing, Step, Upgrade, UpgradeEvent};
-use super::{Replaced, Supervisor, SupervisorError};
+use super::{Supervisor, SupervisorError};
 use crate::control::{ActionError, Replies, Request, Response, Roll};
 use crate::metrics::RestartReason;
 use crate::status::WorkerState;
@@ -80,7 +80,7 @@ impl Supervisor {
                 let replaces = worker.cause.replaces();
                 info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
                 if replaces {
-                    self.end_replacement(index, Replaced::Ready(pid));
+                    self.pool.end_replacement(index, Replaced::Ready(pid));
                 }
                 let Some(worker) = self.pool.slots[index].workers.iter().find(|w| w.pid == pid) else { return };
                 if worker.role == Role::Incoming {
@@ -184,7 +184,7 @@ impl Supervisor {
             error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
             slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
             if worker.cause.replaces() {
-                self.end_replacement(index, Replaced::Failed(error.clone()));
+                self.pool.end_replacement(index, Replaced::Failed(error.clone()));
             }
             if self.reload.owns(worker.spawn) {
                 self.reload.abort(index, &error, self.pool.slots.len());
@@ -203,9 +203,9 @@ impl Supervisor {
         };
         self.totals.restarted(reason);
         if worker.cause.replaces() && worker.ready_at.is_none() {
-            self.end_replacement(index, Replaced::Failed(format!("the new worker {how}")));
+            self.pool.end_replacement(index, Replaced::Failed(format!("the new worker {how}")));
         }
-        let trace_id = self.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
+        let trace_id = self.pool.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
         let trace_id = trace_id.as_deref();
         let slot = &mut self.pool.slots[index];
         if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {

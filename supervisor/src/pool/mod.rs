@@ -27,23 +27,29 @@
 //! requests and scrapes only enqueue an [`Event`]; the loop handles one at a time, and every
 //! operator action checks the state it finds and is refused whole when it cannot apply.
 //!
-//! The files, one concept each:
-//! - this one: the loop (events and ticks in, decisions out, from [`run`]) and the pool's
-//!   life (boot, phase, stop);
+//! The files, one concept each; the loop's are the two that write `impl Supervisor`:
+//! - this one: the loop (events and ticks in, decisions out, from [`run`]), starting a
+//!   worker, and carrying out the guards' decisions; events.rs: what the loop does with each
+//!   event (an operator's action, a worker's message or exit);
 //! - life.rs: the pool's start, boot and stop ([`Life`]); restart.rs: how a dead worker's
 //!   exit is told, and the backoff of a slot whose workers keep dying;
 //! - slot.rs: the pool's slots and workers and their states ([`Pool`], [`Slot`], [`Role`],
-//!   [`Start`]);
+//!   [`Start`]), scaling, stuck workers, which worker is due for recycling;
 //! - spawn.rs: starting a worker process (its spec, its descriptors, the ones every worker
 //!   shares: [`Launcher`]); sockets.rs: the slots' sockets on the port ([`SlotSockets`]);
 //! - services.rs: the control socket and the admin listener ([`Services`]);
-//! - guards.rs: the memory plan and watch ([`MemoryWatch`]), stuck workers, recycling;
-//! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`], and scaling;
-//! - report.rs: `inferd status`, the pool's counters ([`Totals`]) and its metrics.
+//! - memory.rs: the memory plan and watch ([`MemoryWatch`]); saturation.rs: the saturation
+//!   gauges;
+//! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`];
+//! - upgrade.rs: upgrading inferd itself, on either side ([`Upgrade`]);
+//! - totals.rs: the pool's counters ([`Totals`]); report.rs: `inferd status`, systemd's
+//!   status line and the metrics, from a read-only view of the parts ([`Report`]).
 //!
-//! The [`Supervisor`] holds its state in those parts. The launcher's, the memory guard's, the
-//! reload's and the counters' fields are private to their files, which alone change them;
-//! the rest of the pool goes through their methods.
+//! The [`Supervisor`] holds its state in those parts, each a type whose methods are in its
+//! own file. The launcher's, the memory guard's, the reload's, the upgrade's, the counters'
+//! and the gauges' fields are private to their files, which alone change them: the loop asks
+//! them what to do and tells them what became of it. The pool's slots and workers are the
+//! loop's own matter: the loop's two files change them, beside slot.rs.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -109,12 +115,6 @@ pub enum SupervisorError {
     Control(#[from] ControlError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
-}
-
-/// How a slot's worker replacement ended: its new worker is ready (its pid), or it failed.
-pub(super) enum Replaced {
-    Ready(u32),
-    Failed(String),
 }
 
 /// The supervisor's state, in one part per concept (see the files above).
@@ -381,47 +381,6 @@ impl Supervisor {
         }
     }
 
-    /// Opens the trace of slot `index`'s worker `pid` being replaced for `cause` (`reason`,
-    /// `detail`: what happened to it), one span until the new worker is ready or fails
-    /// (docs/operations.md, "Traces"). Returns its trace id for the log lines that follow.
-    pub(super) fn begin_replacement(
-        &mut self,
-        index: usize,
-        cause: Cause,
-        reason: &str,
-        pid: u32,
-        detail: &str,
-    ) -> Option<String> {
-        use opentelemetry::trace::TraceContextExt as _;
-        let attributes = vec![
-            KeyValue::new("inferd.slot", index as i64),
-            KeyValue::new("inferd.cause", cause.as_str()),
-            KeyValue::new("inferd.reason", reason.to_string()),
-            KeyValue::new("inferd.replaced_pid", i64::from(pid)),
-            KeyValue::new("inferd.detail", detail.to_string()),
-        ];
-        let span = trace::start(format!("replace worker {index}"), None, attributes);
-        let trace_id = span.as_ref().map(|cx| cx.span().span_context().trace_id().to_string());
-        let slot = &mut self.pool.slots[index];
-        if let Some(old) = std::mem::replace(&mut slot.replacement, span) {
-            trace::end(Some(old), vec![KeyValue::new("inferd.outcome", "superseded")], None);
-        }
-        trace_id
-    }
-
-    /// Ends slot `index`'s replacement trace: its new worker `pid` is ready, or it failed.
-    pub(super) fn end_replacement(&mut self, index: usize, outcome: Replaced) {
-        let span = self.pool.slots[index].replacement.take();
-        match outcome {
-            Replaced::Ready(pid) => trace::end(
-                span,
-                vec![KeyValue::new("inferd.outcome", "ready"), KeyValue::new("process.pid", i64::from(pid))],
-                None,
-            ),
-            Replaced::Failed(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
-        }
-    }
-
     /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
     /// workers accepts (its worker died, drains, or is not warm yet) leaves the group, so that
     /// connections waiting in its queue move to a sibling (net.ipv4.tcp_migrate_req) and new
@@ -523,7 +482,7 @@ impl Supervisor {
     fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget, why: &str) {
         self.totals.recycled(RecycleReason::Memory);
         let pid = self.pool.slots[index].with_role(Role::Current).map_or(0, |w| w.pid);
-        self.begin_replacement(index, Cause::Memory, "memory", pid, why);
+        self.pool.begin_replacement(index, Cause::Memory, "memory", pid, why);
         let room_for_one = self.memory.room_for_one(budget);
         let slot = &mut self.pool.slots[index];
         if room_for_one {
@@ -551,7 +510,7 @@ impl Supervisor {
         };
         let (models, generation) = (slot.models.clone(), slot.generation);
         self.totals.recycled(reason);
-        let trace_id = self.begin_replacement(index, cause, reason.as_str(), pid, &detail);
+        let trace_id = self.pool.begin_replacement(index, cause, reason.as_str(), pid, &detail);
         let trace_id = trace_id.as_deref();
         match cause {
             Cause::Fault => warn!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),

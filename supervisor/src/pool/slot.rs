@@ -12,6 +12,7 @@ use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
 use inferd_ipc::stats::WorkerCounters;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
+use opentelemetry::KeyValue;
 use tracing::{error, warn};
 
 use super::sockets::SlotSockets;
@@ -21,6 +22,13 @@ use crate::metrics::RecycleReason;
 use crate::plan::cpu::{format_cpus, plan, Ask, Placement};
 use crate::plan::Resolved;
 use crate::status::WorkerState;
+use crate::trace;
+
+/// How a slot's worker replacement ended: its new worker is ready (its pid), or it failed.
+pub(super) enum Replaced {
+    Ready(u32),
+    Failed(String),
+}
 
 /// A worker stops a run past server.request_timeout_secs itself (ORT run termination); the
 /// supervisor aborts the worker only if the run is still going this long after.
@@ -128,6 +136,47 @@ impl Pool {
             }
         }
         due.map(|(_, index, reason)| (index, reason))
+    }
+
+    /// Opens the trace of slot `index`'s worker `pid` being replaced for `cause` (`reason`,
+    /// `detail`: what happened to it), one span until the new worker is ready or fails
+    /// (docs/operations.md, "Traces"). Returns its trace id for the log lines that follow.
+    pub(super) fn begin_replacement(
+        &mut self,
+        index: usize,
+        cause: Cause,
+        reason: &str,
+        pid: u32,
+        detail: &str,
+    ) -> Option<String> {
+        use opentelemetry::trace::TraceContextExt as _;
+        let attributes = vec![
+            KeyValue::new("inferd.slot", index as i64),
+            KeyValue::new("inferd.cause", cause.as_str()),
+            KeyValue::new("inferd.reason", reason.to_string()),
+            KeyValue::new("inferd.replaced_pid", i64::from(pid)),
+            KeyValue::new("inferd.detail", detail.to_string()),
+        ];
+        let span = trace::start(format!("replace worker {index}"), None, attributes);
+        let trace_id = span.as_ref().map(|cx| cx.span().span_context().trace_id().to_string());
+        let slot = &mut self.slots[index];
+        if let Some(old) = std::mem::replace(&mut slot.replacement, span) {
+            trace::end(Some(old), vec![KeyValue::new("inferd.outcome", "superseded")], None);
+        }
+        trace_id
+    }
+
+    /// Ends slot `index`'s replacement trace: its new worker `pid` is ready, or it failed.
+    pub(super) fn end_replacement(&mut self, index: usize, outcome: Replaced) {
+        let span = self.slots[index].replacement.take();
+        match outcome {
+            Replaced::Ready(pid) => trace::end(
+                span,
+                vec![KeyValue::new("inferd.outcome", "ready"), KeyValue::new("process.pid", i64::from(pid))],
+                None,
+            ),
+            Replaced::Failed(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
+        }
     }
 
     /// A reload begins: the generation its workers are started for.
