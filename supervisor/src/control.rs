@@ -139,8 +139,8 @@ impl std::fmt::Display for Roll {
 
 /// Why the supervisor said no to an action (reload, load, unload, scale, upgrade), refused
 /// whole before anything changed, or to a control connection. Its text is the answer's
-/// `error`; [`ActionError::exit_code`] is what `inferd reload`, `scale` and `upgrade` exit
-/// with for it, [`ActionError::http_status`] what the admin listener answers.
+/// `error`, sent with `refused` (the admin listener answers it with 400); [`ActionError::exit_code`]
+/// is what `inferd reload`, `scale` and `upgrade` exit with for it.
 #[derive(Debug, thiserror::Error)]
 pub enum ActionError {
     #[error("{0} refused: the pool is starting or stopping")]
@@ -227,11 +227,6 @@ impl ActionError {
     /// [`EXIT_ANSWERED_NO`].
     pub fn exit_code(&self) -> i32 {
         EXIT_ANSWERED_NO
-    }
-
-    /// The admin listener's status for it: the request cannot be carried out as asked.
-    pub fn http_status(&self) -> u16 {
-        400
     }
 }
 
@@ -378,6 +373,29 @@ pub fn query(path: &Path, request: &Request, mut progress: impl FnMut(&str)) -> 
             (Some(p), true, _) => progress(p),
             (_, false, Some(error)) => return Err(ControlError::Refused(error.clone())),
             _ => return Ok(response),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_action_refused_is_answered_in_its_words_and_exits_with_2() {
+        let refused = [
+            (ActionError::Rolling(Roll::Load), "load refused: a reload is already in progress"),
+            (ActionError::NoSuchModel("m".into()), "reload refused: this server has no model 'm'"),
+            (ActionError::LastWorker, "scale -1 refused: the pool cannot go below 1 worker"),
+            (ActionError::Step(3), "scale refused: the step is +1 or -1, not 3"),
+            (ActionError::Upgrading(7), "an upgrade is in progress (to pid 7)"),
+            (ActionError::DuringUpgrade(7), "an upgrade is in progress (to pid 7): nothing else changes until it ends"),
+        ];
+        for (error, text) in refused {
+            assert_eq!(error.exit_code(), 2);
+            let response = Response::from(error);
+            assert_eq!((response.ok, response.refused, response.error.as_deref()), (false, true, Some(text)));
+            assert_eq!(ControlError::Refused(text.into()).exit_code(), EXIT_ANSWERED_NO);
         }
     }
 }

@@ -98,23 +98,31 @@ pub enum UpgradeEvent {
     OldGone,
 }
 
+/// Why the descriptors [`UPGRADE_ENV`] names cannot be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum InheritError {
+    #[error("{UPGRADE_ENV} is not what an upgrading inferd passes: {0}")]
+    NotHanded(serde_json::Error),
+    #[error("{UPGRADE_ENV} names descriptor {0}, which is not open")]
+    NotOpen(RawFd),
+}
+
 impl Inherited {
     /// The descriptors named by [`UPGRADE_ENV`], if this process was started by an upgrade
     /// (the variable is cleared: call before any thread starts).
-    pub fn take() -> Result<Option<Inherited>, String> {
+    pub fn take() -> Result<Option<Inherited>, InheritError> {
         let Some(text) = std::env::var_os(UPGRADE_ENV) else { return Ok(None) };
         std::env::remove_var(UPGRADE_ENV);
         // systemd's watchdog names its process; once this one is the main process, it is.
         if std::env::var_os("WATCHDOG_USEC").is_some() {
             std::env::set_var("WATCHDOG_PID", std::process::id().to_string());
         }
-        let handed: Handed = serde_json::from_str(&text.to_string_lossy())
-            .map_err(|e| format!("{UPGRADE_ENV} is not what an upgrading inferd passes: {e}"))?;
-        let own = |fd: RawFd| -> Result<OwnedFd, String> {
+        let handed: Handed = serde_json::from_str(&text.to_string_lossy()).map_err(InheritError::NotHanded)?;
+        let own = |fd: RawFd| -> Result<OwnedFd, InheritError> {
             // Open, and close-on-exec again: workers get theirs by dup2.
             // SAFETY: fcntl on a descriptor number; F_GETFD fails on one that is not open.
             if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
-                return Err(format!("{UPGRADE_ENV} names descriptor {fd}, which is not open"));
+                return Err(InheritError::NotOpen(fd));
             }
             // SAFETY: the old supervisor handed this descriptor to this process alone.
             Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -126,9 +134,13 @@ impl Inherited {
             control: own(handed.control)?,
             admin: maybe(handed.admin)?,
             activated: maybe(handed.activated)?,
-            handoff: handed.handoff.map(|(s, r)| Ok::<_, String>((own(s)?, own(r)?))).transpose()?,
+            handoff: handed.handoff.map(|(s, r)| Ok::<_, InheritError>((own(s)?, own(r)?))).transpose()?,
             limits: maybe(handed.limits)?,
-            slots: handed.slots.into_iter().map(|(h, g)| Ok((maybe(h)?, maybe(g)?))).collect::<Result<_, String>>()?,
+            slots: handed
+                .slots
+                .into_iter()
+                .map(|(h, g)| Ok((maybe(h)?, maybe(g)?)))
+                .collect::<Result<_, InheritError>>()?,
         }))
     }
 }
