@@ -118,7 +118,7 @@ impl MemoryWatch {
             return None;
         }
         self.checked = Some(now);
-        let Some(WorkerLimits { soft, hard, .. }) = self.limits.clone() else { return None };
+        let WorkerLimits { soft, hard, .. } = self.limits.clone()?;
         let budget = MemoryBudget::detect();
         // The pool itself close to its cgroup's limit: the biggest worker goes first.
         let pool_tight = budget.cgroup.as_ref().is_some_and(|c| c.usage > c.limit / 100 * 92);
