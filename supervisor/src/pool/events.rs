@@ -104,8 +104,7 @@ impl Supervisor {
             // it on this worker from now on (its counts go to the shared "other" row).
             WorkerMessage::Loaded { model, cost, seconds } if worker.state == WorkerState::Ready => {
                 info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
-                self.totals.model_event(&model.name).on_demand += 1;
-                self.totals.load_seconds.observe(seconds);
+                self.totals.loaded(&model.name, seconds);
                 worker.costs.insert(model.name.clone(), cost);
                 worker.models.push(model);
             }
@@ -167,7 +166,7 @@ impl Supervisor {
             (None, false) => String::new(),
         };
         slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
-        if self.life.stopping {
+        if self.life.stopping() {
             info!("worker {index} (pid {pid}) {how}");
             return;
         }
@@ -214,7 +213,7 @@ impl Supervisor {
         slot.failures += 1;
         let failures = slot.failures;
         match failure {
-            Some((kind, error)) if !self.life.booted => {
+            Some((kind, error)) if !self.life.booted() => {
                 error!("worker {index} (pid {pid}) {how}: {error}");
                 return self.fail(match kind {
                     FailureKind::ModelLoad => SupervisorError::ModelLoad { slot: index, error },
@@ -222,7 +221,7 @@ impl Supervisor {
                 });
             }
             Some((_, error)) => error!(trace_id, "worker {index} (pid {pid}) {how}: {error}"),
-            None if !self.life.booted && failures >= MAX_BOOT_CRASHES => {
+            None if !self.life.booted() && failures >= MAX_BOOT_CRASHES => {
                 let error = format!("died {failures} times during start-up, last {how}");
                 error!("worker {index}: {error}");
                 return self.fail(SupervisorError::Boot { slot: index, error });
@@ -345,14 +344,14 @@ impl Supervisor {
 
     /// Old side: `inferd upgrade` or SIGUSR2. Starts the new supervisor, or refuses whole.
     fn start_upgrade(&mut self, binary: Option<PathBuf>, replies: Option<Replies>) -> Result<(), ActionError> {
-        if self.life.stopping {
+        if self.life.stopping() {
             return Err(ActionError::Stopping);
         }
         self.upgrade.can_start()?;
         if self.reload.in_progress() {
             return Err(ActionError::ReloadFirst);
         }
-        if !self.life.booted {
+        if !self.life.booted() {
             return Err(ActionError::NotReadyYet);
         }
         let binary = binary.unwrap_or_else(|| self.launcher.exe().to_path_buf());

@@ -335,7 +335,7 @@ impl Supervisor {
             notifier.update(phase, || self.report().summary());
             self.notifier = notifier;
             if phase == Phase::Stopping && self.pool.slots.iter().all(|s| s.workers.is_empty()) {
-                return match self.life.fatal.take() {
+                return match self.life.take_fatal() {
                     Some(e) => Err(e),
                     None => {
                         info!("all workers stopped; exiting");
@@ -398,7 +398,7 @@ impl Supervisor {
         if self.upgrade.shares_sockets() {
             return;
         }
-        if self.life.stopping || self.pool.slots.iter().any(Slot::ready) {
+        if self.life.stopping() || self.pool.slots.iter().any(Slot::ready) {
             for slot in self.pool.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
                 slot.sockets.leave();
             }
@@ -409,11 +409,10 @@ impl Supervisor {
         let now = Instant::now();
         self.totals.sample_latency(now, &self.pool);
         self.saturation.sample(now, &self.pool);
-        if self.life.stopping {
-            if self.life.stop_deadline.is_some_and(|d| now >= d) && !self.life.killed_all {
+        if self.life.stopping() {
+            if self.life.kill_now(now) {
                 warn!("grace timeout passed; killing the remaining workers");
                 self.signal_all(Signal::SIGKILL);
-                self.life.killed_all = true;
             }
             return;
         }
@@ -571,9 +570,7 @@ impl Supervisor {
     }
 
     fn fail(&mut self, error: SupervisorError) {
-        if self.life.fatal.is_none() {
-            self.life.fatal = Some(error);
-        }
+        self.life.fail(error);
         self.begin_stop(true);
     }
 
@@ -584,12 +581,9 @@ impl Supervisor {
 
     /// The pool stops: nothing starts any more; `signal`, if any, goes to every worker.
     fn begin_stop_with(&mut self, signal: Option<Signal>) {
-        if !self.life.stopping {
-            self.life.stopping = true;
-            let grace = Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs);
-            // A worker enforces the grace period itself; the supervisor adds a margin before
-            // it stops waiting.
-            self.life.stop_deadline = Some(Instant::now() + grace + Duration::from_secs(2));
+        // A worker enforces the grace period itself; the supervisor adds a margin before it
+        // stops waiting.
+        if self.life.stop(Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs)) {
             self.reload.abandon();
             for slot in &mut self.pool.slots {
                 trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
@@ -598,7 +592,7 @@ impl Supervisor {
         match signal {
             Some(Signal::SIGKILL) => {
                 self.signal_all(Signal::SIGKILL);
-                self.life.killed_all = true;
+                self.life.killed_all();
             }
             Some(signal) => self.signal_all(signal),
             None => {}
@@ -629,10 +623,10 @@ impl Supervisor {
 
     /// The pool's phase, from the slots and the reload in progress: never stored.
     fn phase(&self) -> Phase {
-        if self.life.stopping {
+        if self.life.stopping() {
             return Phase::Stopping;
         }
-        match (self.life.booted, self.reload.in_progress(), self.pool.all_ready()) {
+        match (self.life.booted(), self.reload.in_progress(), self.pool.all_ready()) {
             (false, _, _) => Phase::Starting,
             (true, true, _) => Phase::Reloading,
             (true, false, true) => Phase::Ready,
@@ -643,21 +637,20 @@ impl Supervisor {
     /// After each event or tick: the pool has booted once every slot has been ready at the same
     /// time; a change of phase is logged. Returns the phase now.
     fn settle(&mut self, before: Phase) -> Phase {
-        if !self.life.booted && !self.life.stopping && self.pool.all_ready() {
-            self.life.booted = true;
+        if self.pool.all_ready() && self.life.all_ready() {
             info!(
                 "pool ready: {} workers serving on {} after {:.2} s",
                 self.pool.slots.len(),
                 self.resolved.config.server.listen,
-                self.life.started.elapsed().as_secs_f64()
+                self.life.started().elapsed().as_secs_f64()
             );
         }
-        if self.life.booted && !self.life.stopping && self.pool.all_ready() {
+        if self.life.settled() && self.pool.all_ready() {
             let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
             self.upgrade.tell_old(upgrade::Say::Ready { pid, version });
         }
         let phase = self.phase();
-        if phase != before && self.life.booted {
+        if phase != before && self.life.booted() {
             info!("pool {before:?} -> {phase:?}");
         }
         phase

@@ -82,7 +82,7 @@ impl Report<'_> {
             upgrade: self.upgrade.describe(),
             listen: self.resolved.config.server.listen.clone(),
             grpc_listen: Some(self.resolved.config.server.grpc_listen.clone()).filter(|g| !g.is_empty()),
-            uptime_secs: self.life.started.elapsed().as_secs_f64(),
+            uptime_secs: self.life.started().elapsed().as_secs_f64(),
             usable_cores: plan.budget.usable,
             cpu_budget: plan.budget.describe(),
             threads_per_worker: plan.threads_per_worker,
@@ -171,7 +171,7 @@ impl Report<'_> {
             generation: self.pool.generation,
             model_info,
             model_events: self.totals.model_events().clone(),
-            load_seconds: self.totals.load_seconds.clone(),
+            load_seconds: self.totals.load_seconds().clone(),
             model_bytes: self.pool.workers().flat_map(|w| &w.costs).fold(BTreeMap::new(), |mut sum, (model, cost)| {
                 let total: &mut ModelCost = sum.entry(model.clone()).or_default();
                 total.private += cost.private;
@@ -193,7 +193,7 @@ impl Report<'_> {
             accept_queued: self.pool.slots.iter().map(|s| s.sockets.waiting()).sum(),
             supervisor_spans: crate::trace::spans(),
             keys: self.launcher.keys(),
-            start_time: self.life.started_unix,
+            start_time: self.life.started_unix(),
         }
     }
 }

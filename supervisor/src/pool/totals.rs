@@ -32,7 +32,7 @@ pub(super) struct Totals {
     /// Models loaded and evicted, by model.
     model_events: BTreeMap<String, ModelEvents>,
     /// How long loads on demand took.
-    pub(super) load_seconds: LoadSeconds,
+    load_seconds: LoadSeconds,
 }
 
 impl Totals {
@@ -136,6 +136,17 @@ impl Totals {
     /// Workers replaced gap-free on purpose, by reason.
     pub(super) fn recycles(&self) -> &BTreeMap<RecycleReason, u64> {
         &self.recycles
+    }
+
+    /// A model was loaded on demand, in `seconds`.
+    pub(super) fn loaded(&mut self, model: &str, seconds: f64) {
+        self.model_event(model).on_demand += 1;
+        self.load_seconds.observe(seconds);
+    }
+
+    /// How long loads on demand took.
+    pub(super) fn load_seconds(&self) -> &LoadSeconds {
+        &self.load_seconds
     }
 
     /// Models loaded and evicted, by model.
