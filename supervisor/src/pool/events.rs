@@ -6,15 +6,14 @@ use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::time::Instant;
 
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
 use tracing::{error, info, warn};
 
 use super::reload;
-use super::restart::{backoff, describe_exit, MAX_BOOT_CRASHES, RECYCLE_PAUSE, STABLE_AFTER};
-use super::slot::{Replaced, Role, Start};
+use super::restart::{backoff, describe_exit, MAX_BOOT_CRASHES, STABLE_AFTER};
+use super::slot::{Replaced, Role};
 use super::upgrade::{Handing, Step, Upgrade, UpgradeEvent};
 use super::{Supervisor, SupervisorError};
 use crate::control::{ActionError, Replies, Request, Response, Roll};
@@ -69,14 +68,12 @@ impl Supervisor {
         let Some(slot) = self.pool.slots.get_mut(index) else { return };
         let Some(worker) = slot.workers.iter_mut().find(|w| w.pid == pid) else { return };
         match message {
-            WorkerMessage::Warming => worker.state = WorkerState::Warming,
+            WorkerMessage::Warming => worker.warming(),
             WorkerMessage::Ready { models } => {
-                worker.state = WorkerState::Ready;
-                worker.ready_at = Some(Instant::now());
                 for model in &models {
                     self.totals.model_event(&model.name).boot += 1;
                 }
-                worker.models = models;
+                worker.ready(models);
                 let replaces = worker.cause.replaces();
                 info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
                 if replaces {
@@ -95,24 +92,22 @@ impl Supervisor {
                 }
             }
             WorkerMessage::Draining => {
-                worker.state = WorkerState::Draining;
+                worker.draining();
                 self.settle_port();
                 self.finish_reload();
             }
-            WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
+            WorkerMessage::Failed { kind, error } => worker.failed(kind, error),
             // A model of its catalog, loaded on demand: status and the model_info metric show
             // it on this worker from now on (its counts go to the shared "other" row).
             WorkerMessage::Loaded { model, cost, seconds } if worker.state == WorkerState::Ready => {
                 info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
                 self.totals.loaded(&model.name, seconds);
-                worker.costs.insert(model.name.clone(), cost);
-                worker.models.push(model);
+                worker.loaded(model, cost);
             }
             WorkerMessage::Loaded { .. } => {}
             WorkerMessage::Evicted { model } => {
                 self.totals.model_event(&model).evictions += 1;
-                worker.costs.remove(&model);
-                worker.models.retain(|m| m.name != model);
+                worker.evicted(&model);
             }
         }
     }
@@ -120,27 +115,13 @@ impl Supervisor {
     /// An incoming worker is ready: it becomes the slot's current worker, and the one it
     /// replaces drains and leaves. The reload advances only if this is the worker it started.
     fn promote(&mut self, index: usize, pid: u32) {
-        let slot = &mut self.pool.slots[index];
-        let mut spawn = None;
-        for w in slot.workers.iter_mut() {
-            if w.pid == pid {
-                w.role = Role::Current;
-                slot.generation = w.generation;
-                spawn = Some(w.spawn);
-            } else if w.role == Role::Current {
-                info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
-                w.retire();
-            }
-        }
-        if let Some(spawn) = spawn {
+        if let Some(spawn) = self.pool.promote(index, pid) {
             self.reload_worker_ready(index, spawn, pid);
         }
     }
 
     pub(super) fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
-        let Some(slot) = self.pool.slots.get_mut(index) else { return };
-        let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
-        let worker = slot.workers.remove(at);
+        let Some(worker) = self.pool.remove_worker(index, pid) else { return };
         self.launcher.forget(pid);
         if worker.state != WorkerState::Draining {
             self.settle_port();
@@ -150,12 +131,7 @@ impl Supervisor {
         let how = describe_exit(status);
         if worker.role == Role::Retiring || slot.removing() {
             info!("worker {index} (pid {pid}) retired: {how}");
-            // Events name slots by index: only trailing slots may go, so no index shifts.
-            let before = self.pool.slots.len();
-            while self.pool.slots.last().is_some_and(|s| s.removing() && s.workers.is_empty()) {
-                self.pool.slots.pop();
-            }
-            if self.pool.slots.len() < before {
+            if self.pool.drop_removed() {
                 info!("scaled down to {} workers", self.pool.slots.len());
             }
             return;
@@ -165,7 +141,7 @@ impl Supervisor {
             (None, true) => " (over the hard memory limit)".to_string(),
             (None, false) => String::new(),
         };
-        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
+        slot.exited(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
         if self.life.stopping() {
             info!("worker {index} (pid {pid}) {how}");
             return;
@@ -181,7 +157,7 @@ impl Supervisor {
             // the reload's own worker fails the reload.
             let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
             error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
-            slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
+            slot.replacement_failed();
             if worker.cause.replaces() {
                 self.pool.end_replacement(index, Replaced::Failed(error.clone()));
             }
@@ -190,7 +166,6 @@ impl Supervisor {
             }
             return;
         }
-        slot.restarts += 1;
         let reason = match (&failure, status.and_then(|s| s.signal())) {
             _ if worker.stuck.is_some() => RestartReason::Stuck,
             _ if worker.memory_killed => RestartReason::MemoryHard,
@@ -206,12 +181,8 @@ impl Supervisor {
         }
         let trace_id = self.pool.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
         let trace_id = trace_id.as_deref();
-        let slot = &mut self.pool.slots[index];
-        if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
-            slot.failures = 0;
-        }
-        slot.failures += 1;
-        let failures = slot.failures;
+        let stable = worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started));
+        let failures = self.pool.slots[index].died(stable);
         match failure {
             Some((kind, error)) if !self.life.booted() => {
                 error!("worker {index} (pid {pid}) {how}: {error}");
@@ -237,8 +208,7 @@ impl Supervisor {
         if !delay.is_zero() {
             info!(trace_id, "worker {index}: next start in {delay:?} ({failures} failures in a row)");
         }
-        self.pool.slots[index].start = Start::At(Instant::now() + delay);
-        self.pool.slots[index].cause = Cause::Respawn;
+        self.pool.slots[index].respawn_in(delay);
     }
 
     /// Starts a rolling reload: the named model (or all of them, read again) in a new
@@ -314,7 +284,7 @@ impl Supervisor {
     /// it, the slot now runs the reload's models and the reload moves on.
     fn reload_worker_ready(&mut self, index: usize, spawn: u64, pid: u32) {
         let Some(models) = self.reload.worker_ready(index, spawn, pid, self.pool.slots.len()) else { return };
-        self.pool.slots[index].models = models;
+        self.pool.slot_runs(index, models);
         match self.reload.advance(self.pool.slots.len()) {
             Some(next) => self.replace_slot(next),
             None => self.finish_reload(),

@@ -55,9 +55,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use inferd_config::model::ModelEntry;
-use inferd_ipc::spec::{Cause, FailureKind};
+use inferd_ipc::spec::Cause;
 use nix::sys::signal::Signal;
-use nix::unistd::Pid;
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
@@ -66,7 +65,7 @@ use crate::control::{ControlError, Request};
 use crate::metrics::RecycleReason;
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
-use crate::status::{Phase, WorkerState};
+use crate::status::Phase;
 use crate::systemd::{self, Notifier};
 use crate::{signals, tcp, trace, Event};
 
@@ -88,7 +87,7 @@ use life::Life;
 use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
 use report::Report;
-use restart::{backoff, signal_name};
+use restart::signal_name;
 use services::Services;
 use slot::{Pool, Role, Slot, Start};
 use sockets::{dup_high, SlotSockets};
@@ -288,12 +287,7 @@ impl Supervisor {
     /// connections to the new supervisor's workers) and stops once they are gone.
     fn retire_all(&mut self) {
         self.begin_stop_with(None);
-        for slot in &mut self.pool.slots {
-            slot.start = Start::No;
-            for worker in slot.workers.iter_mut() {
-                worker.retire();
-            }
-        }
+        self.pool.retire_all();
     }
 
     /// Slots' sockets inherited from an old supervisor with more slots: taken out of the
@@ -381,27 +375,11 @@ impl Supervisor {
         }
     }
 
-    /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
-    /// workers accepts (its worker died, drains, or is not warm yet) leaves the group, so that
-    /// connections waiting in its queue move to a sibling (net.ipv4.tcp_migrate_req) and new
-    /// ones go there, but only while a sibling accepts: when every worker is down at once, the
-    /// sockets that still listen stay, and clients wait in their queues for the first worker
-    /// back instead of being refused. That worker's readiness settles the port again, and the
-    /// slots still without a worker leave then. A stopping pool respawns nothing: its slots
-    /// leave as their workers stop accepting.
-    ///
-    /// A slot whose next worker is booting is left as it is: that worker listens as soon as
-    /// it is warm, before its `Ready` arrives here, and taking its socket out just then would
-    /// make it join again (a slot left earlier has left already).
+    /// Which slots' sockets stay in the port's group (`Pool::settle_port`). During an upgrade
+    /// the other supervisor's workers accept on the same sockets: then none leaves.
     fn settle_port(&self) {
-        // During an upgrade the other supervisor's workers accept on the same sockets.
-        if self.upgrade.shares_sockets() {
-            return;
-        }
-        if self.life.stopping() || self.pool.slots.iter().any(Slot::ready) {
-            for slot in self.pool.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
-                slot.sockets.leave();
-            }
+        if !self.upgrade.shares_sockets() {
+            self.pool.settle_port(self.life.stopping());
         }
     }
 
@@ -412,7 +390,7 @@ impl Supervisor {
         if self.life.stopping() {
             if self.life.kill_now(now) {
                 warn!("grace timeout passed; killing the remaining workers");
-                self.signal_all(Signal::SIGKILL);
+                self.pool.signal_all(Signal::SIGKILL);
             }
             return;
         }
@@ -424,23 +402,9 @@ impl Supervisor {
         self.finish_reload();
         self.watch_memory(now);
         self.maybe_recycle(now);
-        let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
-        for index in 0..self.pool.slots.len() {
-            let slot = &mut self.pool.slots[index];
-            for w in slot.workers.iter_mut() {
-                let booting = matches!(w.state, WorkerState::Starting | WorkerState::Warming);
-                if booting && w.failure.is_none() && w.started.elapsed() > boot_timeout {
-                    let error = format!("not ready within server.boot_timeout_secs = {}", boot_timeout.as_secs_f64());
-                    warn!("worker {index} (pid {}) {error}; killing it", w.pid);
-                    w.failure = Some((FailureKind::Boot, error));
-                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
-                }
-            }
-            if slot.due(now) {
-                slot.start = Start::No;
-                let (models, generation, cause) = (slot.models.clone(), slot.generation, slot.cause);
-                self.spawn(index, Role::Current, cause, models, generation);
-            }
+        self.pool.kill_unready(Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs));
+        for (index, cause, models, generation) in self.pool.take_due(now) {
+            self.spawn(index, Role::Current, cause, models, generation);
         }
     }
 
@@ -450,13 +414,7 @@ impl Supervisor {
         let Some((budget, verdicts)) = self.memory.check(now, every, &self.pool) else { return };
         for verdict in verdicts {
             match verdict {
-                Verdict::Kill(index) => {
-                    let slot = &mut self.pool.slots[index];
-                    for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
-                        w.memory_killed = true;
-                        let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
-                    }
-                }
+                Verdict::Kill(index) => self.pool.kill_for_memory(index),
                 Verdict::Replace(index, why) => self.replace_for_memory(index, &budget, &why),
             }
         }
@@ -466,10 +424,7 @@ impl Supervisor {
     /// slots that fit and starts those held until now.
     fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
         let keep = self.memory.plan(pid, &self.resolved.config.server, self.pool.slots.len())?;
-        self.pool.slots.truncate(keep);
-        for slot in self.pool.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
-            slot.start = Start::At(Instant::now());
-        }
+        self.pool.fit(keep);
         Ok(())
     }
 
@@ -482,18 +437,13 @@ impl Supervisor {
         self.totals.recycled(RecycleReason::Memory);
         let pid = self.pool.slots[index].with_role(Role::Current).map_or(0, |w| w.pid);
         self.pool.begin_replacement(index, Cause::Memory, "memory", pid, why);
-        let room_for_one = self.memory.room_for_one(budget);
-        let slot = &mut self.pool.slots[index];
-        if room_for_one {
+        if self.memory.room_for_one(budget) {
+            let slot = &self.pool.slots[index];
             let (models, generation) = (slot.models.clone(), slot.generation);
             self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
             return;
         }
-        for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
-            w.retire();
-        }
-        slot.start = Start::WhenEmpty;
-        slot.cause = Cause::Memory;
+        self.pool.retire_first(index, Cause::Memory);
     }
 
     /// A worker due for recycling or with a fault is replaced, incoming first (see
@@ -553,17 +503,12 @@ impl Supervisor {
                     let started = vec![KeyValue::new("process.pid", i64::from(worker.pid))];
                     trace::event(&self.pool.slots[index].replacement, "worker started", started);
                 }
-                self.pool.slots[index].workers.push(worker);
+                self.pool.add_worker(index, worker);
                 Some(spawn)
             }
             Err(e) => {
-                let slot = &mut self.pool.slots[index];
-                slot.failures += 1;
-                let delay = backoff(slot.failures).max(Duration::from_millis(500));
+                let delay = self.pool.start_failed(index, role);
                 error!("cannot start worker {index}: {e}; retrying in {delay:?}");
-                if role == Role::Current {
-                    slot.start = Start::At(Instant::now() + delay);
-                }
                 None
             }
         }
@@ -585,23 +530,15 @@ impl Supervisor {
         // stops waiting.
         if self.life.stop(Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs)) {
             self.reload.abandon();
-            for slot in &mut self.pool.slots {
-                trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
-            }
+            self.pool.stopped();
         }
         match signal {
             Some(Signal::SIGKILL) => {
-                self.signal_all(Signal::SIGKILL);
+                self.pool.signal_all(Signal::SIGKILL);
                 self.life.killed_all();
             }
-            Some(signal) => self.signal_all(signal),
+            Some(signal) => self.pool.signal_all(signal),
             None => {}
-        }
-    }
-
-    fn signal_all(&self, signal: Signal) {
-        for worker in self.pool.workers() {
-            let _ = nix::sys::signal::kill(Pid::from_raw(worker.pid as i32), signal);
         }
     }
 

@@ -8,13 +8,14 @@ use inferd_config::auth::Access;
 use inferd_config::file::ServerConfig;
 use inferd_config::model::ModelEntry;
 use inferd_config::Config;
-use inferd_ipc::spec::{Cause, FailureKind, ModelInfo};
+use inferd_ipc::spec::{Cause, FailureKind, ModelCost, ModelInfo};
 use inferd_ipc::stats::WorkerCounters;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use opentelemetry::KeyValue;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
+use super::restart::{backoff, RECYCLE_PAUSE};
 use super::sockets::SlotSockets;
 use super::TICK;
 use crate::control::ActionError;
@@ -179,6 +180,164 @@ impl Pool {
         }
     }
 
+    /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
+    /// workers accepts (its worker died, drains, or is not warm yet) leaves the group, so that
+    /// connections waiting in its queue move to a sibling (net.ipv4.tcp_migrate_req) and new
+    /// ones go there, but only while a sibling accepts: when every worker is down at once, the
+    /// sockets that still listen stay, and clients wait in their queues for the first worker
+    /// back instead of being refused. That worker's readiness settles the port again, and the
+    /// slots still without a worker leave then. A `stopping` pool respawns nothing: its slots
+    /// leave as their workers stop accepting.
+    ///
+    /// A slot whose next worker is booting is left as it is: that worker listens as soon as
+    /// it is warm, before its `Ready` arrives here, and taking its socket out just then would
+    /// make it join again (a slot left earlier has left already).
+    pub(super) fn settle_port(&self, stopping: bool) {
+        if stopping || self.slots.iter().any(Slot::ready) {
+            for slot in self.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
+                slot.sockets.leave();
+            }
+        }
+    }
+
+    /// Every worker of the pool gets `signal`.
+    pub(super) fn signal_all(&self, signal: Signal) {
+        for worker in self.workers() {
+            let _ = nix::sys::signal::kill(Pid::from_raw(worker.pid as i32), signal);
+        }
+    }
+
+    /// Every worker retires (SIGUSR1: each finishes its requests and hands its idle
+    /// connections on), and no slot starts another.
+    pub(super) fn retire_all(&mut self) {
+        for slot in &mut self.slots {
+            slot.start = Start::No;
+            for worker in slot.workers.iter_mut() {
+                worker.retire();
+            }
+        }
+    }
+
+    /// The memory plan keeps `keep` slots; those held at boot start now.
+    pub(super) fn fit(&mut self, keep: usize) {
+        self.slots.truncate(keep);
+        for slot in self.slots.iter_mut().skip(1).filter(|s| s.start == Start::Held) {
+            slot.start = Start::At(Instant::now());
+        }
+    }
+
+    /// Workers still booting past `boot_timeout`: killed, with that as their failure.
+    pub(super) fn kill_unready(&mut self, boot_timeout: Duration) {
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            for w in slot.workers.iter_mut() {
+                let booting = matches!(w.state, WorkerState::Starting | WorkerState::Warming);
+                if booting && w.failure.is_none() && w.started.elapsed() > boot_timeout {
+                    let error = format!("not ready within server.boot_timeout_secs = {}", boot_timeout.as_secs_f64());
+                    warn!("worker {index} (pid {}) {error}; killing it", w.pid);
+                    w.failure = Some((FailureKind::Boot, error));
+                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+                }
+            }
+        }
+    }
+
+    /// The slots whose current worker starts now ([`Slot::due`]), each with the cause, models
+    /// and generation it starts for; their start is spent.
+    pub(super) fn take_due(&mut self, now: Instant) -> Vec<(usize, Cause, Vec<ModelEntry>, u64)> {
+        let mut due = Vec::new();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            if slot.due(now) {
+                slot.start = Start::No;
+                due.push((index, slot.cause, slot.models.clone(), slot.generation));
+            }
+        }
+        due
+    }
+
+    /// A worker was started for slot `index`.
+    pub(super) fn add_worker(&mut self, index: usize, worker: Worker) {
+        self.slots[index].workers.push(worker);
+    }
+
+    /// Slot `index`'s worker (`role`) could not be started: the slot counts a failure, and a
+    /// current worker is tried again after the returned delay.
+    pub(super) fn start_failed(&mut self, index: usize, role: Role) -> Duration {
+        let slot = &mut self.slots[index];
+        slot.failures += 1;
+        let delay = backoff(slot.failures).max(Duration::from_millis(500));
+        if role == Role::Current {
+            slot.start = Start::At(Instant::now() + delay);
+        }
+        delay
+    }
+
+    /// An incoming worker is ready: it becomes the slot's current worker, and the one it
+    /// replaces drains and leaves. Returns its spawn id.
+    pub(super) fn promote(&mut self, index: usize, pid: u32) -> Option<u64> {
+        let slot = &mut self.slots[index];
+        let mut spawn = None;
+        for w in slot.workers.iter_mut() {
+            if w.pid == pid {
+                w.role = Role::Current;
+                slot.generation = w.generation;
+                spawn = Some(w.spawn);
+            } else if w.role == Role::Current {
+                info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
+                w.retire();
+            }
+        }
+        spawn
+    }
+
+    /// A reload's worker is current in slot `index`: the slot runs `models` from now on.
+    pub(super) fn slot_runs(&mut self, index: usize, models: Vec<ModelEntry>) {
+        self.slots[index].models = models;
+    }
+
+    /// Worker `pid` of slot `index` has exited: it leaves the slot.
+    pub(super) fn remove_worker(&mut self, index: usize, pid: u32) -> Option<Worker> {
+        let slot = self.slots.get_mut(index)?;
+        let at = slot.workers.iter().position(|w| w.pid == pid)?;
+        Some(slot.workers.remove(at))
+    }
+
+    /// Trailing slots that `scale -1` removed and whose workers are gone leave the pool (events
+    /// name slots by index: only trailing slots may go, so no index shifts). Returns whether
+    /// any did.
+    pub(super) fn drop_removed(&mut self) -> bool {
+        let before = self.slots.len();
+        while self.slots.last().is_some_and(|s| s.removing() && s.workers.is_empty()) {
+            self.slots.pop();
+        }
+        self.slots.len() < before
+    }
+
+    /// The memory watch: slot `index`'s current worker is over the hard limit: SIGKILL.
+    pub(super) fn kill_for_memory(&mut self, index: usize) {
+        for w in self.slots[index].workers.iter_mut().filter(|w| w.role == Role::Current) {
+            w.memory_killed = true;
+            let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
+        }
+    }
+
+    /// Slot `index`'s current worker retires first, and its successor starts for `cause` once
+    /// it is gone (memory too tight for both at once).
+    pub(super) fn retire_first(&mut self, index: usize, cause: Cause) {
+        let slot = &mut self.slots[index];
+        for w in slot.workers.iter_mut().filter(|w| w.role == Role::Current) {
+            w.retire();
+        }
+        slot.start = Start::WhenEmpty;
+        slot.cause = cause;
+    }
+
+    /// The pool stops: every replacement in progress ends there.
+    pub(super) fn stopped(&mut self) {
+        for slot in &mut self.slots {
+            trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
+        }
+    }
+
     /// A reload begins: the generation its workers are started for.
     pub(super) fn next_generation(&mut self) -> u64 {
         self.generation += 1;
@@ -288,6 +447,40 @@ pub(super) struct Worker {
 }
 
 impl Worker {
+    /// It said it is warming up.
+    pub(super) fn warming(&mut self) {
+        self.state = WorkerState::Warming;
+    }
+
+    /// It said it is ready, serving `models`.
+    pub(super) fn ready(&mut self, models: Vec<ModelInfo>) {
+        self.state = WorkerState::Ready;
+        self.ready_at = Some(Instant::now());
+        self.models = models;
+    }
+
+    /// It said it stopped accepting and drains.
+    pub(super) fn draining(&mut self) {
+        self.state = WorkerState::Draining;
+    }
+
+    /// It said why it fails, before exiting.
+    pub(super) fn failed(&mut self, kind: FailureKind, error: String) {
+        self.failure = Some((kind, error));
+    }
+
+    /// It loaded `model` on demand, holding `cost`.
+    pub(super) fn loaded(&mut self, model: ModelInfo, cost: ModelCost) {
+        self.costs.insert(model.name.clone(), cost);
+        self.models.push(model);
+    }
+
+    /// It evicted `model`, loaded on demand.
+    pub(super) fn evicted(&mut self, model: &str) {
+        self.costs.remove(model);
+        self.models.retain(|m| m.name != model);
+    }
+
     /// Retires a worker whose siblings carry on: SIGUSR1 makes it drain and hand its idle
     /// keep-alive connections to them (SIGTERM, for a stopping pool, closes them).
     pub(super) fn retire(&mut self) {
@@ -334,6 +527,33 @@ pub(super) enum Start {
 }
 
 impl Slot {
+    /// Its worker exited: what status says of the slot's last exit.
+    pub(super) fn exited(&mut self, note: String) {
+        self.last_exit = Some(note);
+    }
+
+    /// A replacement of its worker failed: no recycling replacement again for a while.
+    pub(super) fn replacement_failed(&mut self) {
+        self.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
+    }
+
+    /// Its current worker died, after serving long enough to count as `stable` or not:
+    /// returns its deaths in a row.
+    pub(super) fn died(&mut self, stable: bool) -> u32 {
+        self.restarts += 1;
+        if stable {
+            self.failures = 0;
+        }
+        self.failures += 1;
+        self.failures
+    }
+
+    /// Its next current worker starts, as a respawn, after `delay`.
+    pub(super) fn respawn_in(&mut self, delay: Duration) {
+        self.start = Start::At(Instant::now() + delay);
+        self.cause = Cause::Respawn;
+    }
+
     /// A slot whose first worker starts at once.
     pub(super) fn new(
         placement: Placement,
