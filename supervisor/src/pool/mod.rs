@@ -48,8 +48,8 @@
 //! The [`Supervisor`] holds its state in those parts, each a type whose methods are in its
 //! own file. The launcher's, the memory guard's, the reload's, the upgrade's, the counters'
 //! and the gauges' fields are private to their files, which alone change them: the loop asks
-//! them what to do and tells them what became of it. The pool's slots and workers are the
-//! loop's own matter: the loop's two files change them, beside slot.rs.
+//! them what to do and tells them what became of it. The slots and workers change through
+//! the methods of slot.rs; the loop's two files read them and decide.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
