@@ -11,11 +11,8 @@ use inferd_supervisor::plan::ResolveError;
 use inferd_supervisor::SupervisorError;
 use inferd_worker::runtime::model::ModelError;
 
-/// Exit code of a client command (`status`, `reload`, `scale`) that no server answered.
-pub const EXIT_NO_SERVER: i32 = 1;
-/// Exit code of a client command that the server answered with no: a reload or scale refused
-/// or failed (the pool serves as before), a degraded pool for `status`.
-pub const EXIT_ANSWERED_NO: i32 = 2;
+/// Exit code of a client command that the server answered with no (see `control`).
+pub use inferd_supervisor::control::EXIT_ANSWERED_NO;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Failure {
@@ -62,9 +59,7 @@ impl Failure {
             },
             Failure::Model { error: ModelError::Runtime { .. }, .. } => EXIT_BOOT,
             Failure::Model { .. } => EXIT_MODEL_LOAD,
-            Failure::Control(ControlError::Refused(_)) => EXIT_ANSWERED_NO,
-            Failure::Control(ControlError::InUse(_) | ControlError::Io { .. })
-            | Failure::Control(ControlError::NotRunning { .. } | ControlError::BadAnswer(_)) => EXIT_NO_SERVER,
+            Failure::Control(error) => error.exit_code(),
             Failure::Other(_) => 1,
         }
     }

@@ -328,8 +328,12 @@ fn measure(
         }
         let status = control::query(&server.socket, &Request::Status, |_| {})?.status.context("no status")?;
         measured.rss_bytes = status.workers.iter().filter_map(|w| w.rss_bytes).sum();
-        measured.served =
-            status.workers.iter().flat_map(|w| &w.models).find(|m| m.name == entry.name).map(|m| m.precision.clone());
+        measured.served = status
+            .workers
+            .iter()
+            .flat_map(|w| &w.models)
+            .find(|m| m.name == entry.name)
+            .map(|m| m.precision.to_string());
         Ok(())
     })();
     if let Err(e) = outcome {

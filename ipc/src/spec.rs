@@ -185,25 +185,174 @@ impl Cause {
     }
 }
 
+/// A model as a worker serves it: what `inferd status` and the `inferd_model_info` metric show.
+///
+/// On the wire (a worker's `ready` and `loaded` messages, and the control socket's status) it
+/// carries `weights` and `precision` twice: typed, under `weights_held` and
+/// `precision_served`, and as the prose an inferd before them wrote under `weights` and
+/// `precision` (`"shared"`, `"private: <why>"`; `"fp32"`, `"int8 (<what the guard
+/// measured>)"`, `"fp32 (int8 refused: <why>)"`). The prose stays because during an upgrade
+/// two versions read each other: an old supervisor may run workers of the new binary once it
+/// replaced the old file (a respawn before `inferd upgrade`), and an old `inferd status` may
+/// ask a new supervisor. Those readers take `weights` and `precision` as strings and ignore
+/// keys they do not know, so they read a new sender as before; a new reader takes the typed
+/// keys, and parses the prose of an old sender that has none ([`Weights::from_prose`],
+/// [`Precision::from_prose`]; what it does not understand it keeps as said).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ModelInfoWire", into = "ModelInfoWire")]
 pub struct ModelInfo {
     pub name: String,
     pub version: String,
     /// First 16 hex digits of the SHA-256 of the model file.
     pub sha256: String,
-    /// `shared` (the weights are mapped from the artefact every session shares) or
-    /// `private: <why not>` (this session holds its own copy).
-    #[serde(default)]
-    pub weights: String,
-    /// `fp32`, or `int8` with what the accuracy guard measured (see the worker's `quantize`).
-    #[serde(default)]
-    pub precision: String,
+    pub weights: Weights,
+    pub precision: Precision,
 }
 
 impl ModelInfo {
     /// `<version label>+<sha256 prefix>`: changes whenever the file does.
     pub fn full_version(&self) -> String {
         format!("{}+{}", self.version, self.sha256)
+    }
+}
+
+/// How a model's sessions hold their weights.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "held", rename_all = "snake_case")]
+pub enum Weights {
+    /// Mapped from the prepared artefact every session shares.
+    Shared,
+    /// This session holds its own copy, for `why`.
+    Private { why: String },
+    /// The prose of a sender this version does not understand, kept as it said it (empty: it
+    /// said nothing). Never sent typed.
+    #[serde(skip)]
+    Said(String),
+}
+
+impl Default for Weights {
+    fn default() -> Weights {
+        Weights::Said(String::new())
+    }
+}
+
+impl Weights {
+    /// The prose form (see [`ModelInfo`]).
+    pub fn from_prose(prose: &str) -> Weights {
+        match prose.split_once(": ") {
+            _ if prose == "shared" => Weights::Shared,
+            Some(("private", why)) => Weights::Private { why: why.to_string() },
+            _ => Weights::Said(prose.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Weights {
+    /// The prose form: `shared`, `private: <why>`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Weights::Shared => f.write_str("shared"),
+            Weights::Private { why } => write!(f, "private: {why}"),
+            Weights::Said(prose) => f.write_str(prose),
+        }
+    }
+}
+
+/// The precision a model's sessions run in, and what the int8 accuracy guard found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "served", rename_all = "snake_case")]
+pub enum Precision {
+    /// fp32: as written (`guard` None), or because the guard refused int8 (`guard` says why).
+    Fp32 {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        guard: Option<String>,
+    },
+    /// int8, with what the guard measured against fp32.
+    Int8 { guard: String },
+    /// The prose of a sender this version does not understand, kept as it said it (empty: it
+    /// said nothing). Never sent typed.
+    #[serde(skip)]
+    Said(String),
+}
+
+impl Default for Precision {
+    fn default() -> Precision {
+        Precision::Said(String::new())
+    }
+}
+
+impl Precision {
+    /// fp32 as written: no guard ran.
+    pub const FP32: Precision = Precision::Fp32 { guard: None };
+
+    /// The prose form (see [`ModelInfo`]): `fp32` or `int8`, then what the guard found in
+    /// parentheses.
+    pub fn from_prose(prose: &str) -> Precision {
+        let guard = |rest: &str| rest.strip_prefix(" (").and_then(|g| g.strip_suffix(')')).map(str::to_string);
+        match (prose.get(..4), prose.get(4..).unwrap_or("")) {
+            (Some("fp32"), "") => Precision::FP32,
+            (Some("fp32"), rest) if guard(rest).is_some() => Precision::Fp32 { guard: guard(rest) },
+            (Some("int8"), rest) => match guard(rest) {
+                Some(guard) => Precision::Int8 { guard },
+                None => Precision::Said(prose.to_string()),
+            },
+            _ => Precision::Said(prose.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    /// The prose form: `fp32`, `fp32 (<guard>)`, `int8 (<guard>)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Precision::Fp32 { guard: None } => f.write_str("fp32"),
+            Precision::Fp32 { guard: Some(guard) } => write!(f, "fp32 ({guard})"),
+            Precision::Int8 { guard } => write!(f, "int8 ({guard})"),
+            Precision::Said(prose) => f.write_str(prose),
+        }
+    }
+}
+
+/// [`ModelInfo`] as it is written: its typed fields, and their prose for older readers.
+#[derive(Serialize, Deserialize)]
+struct ModelInfoWire {
+    name: String,
+    version: String,
+    sha256: String,
+    /// The prose, written for readers before the typed keys, read from senders before them.
+    #[serde(default)]
+    weights: String,
+    #[serde(default)]
+    precision: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    weights_held: Option<Weights>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    precision_served: Option<Precision>,
+}
+
+impl From<ModelInfo> for ModelInfoWire {
+    fn from(m: ModelInfo) -> ModelInfoWire {
+        ModelInfoWire {
+            weights: m.weights.to_string(),
+            precision: m.precision.to_string(),
+            weights_held: Some(m.weights).filter(|w| !matches!(w, Weights::Said(_))),
+            precision_served: Some(m.precision).filter(|p| !matches!(p, Precision::Said(_))),
+            name: m.name,
+            version: m.version,
+            sha256: m.sha256,
+        }
+    }
+}
+
+impl From<ModelInfoWire> for ModelInfo {
+    fn from(w: ModelInfoWire) -> ModelInfo {
+        ModelInfo {
+            weights: w.weights_held.unwrap_or_else(|| Weights::from_prose(&w.weights)),
+            precision: w.precision_served.unwrap_or_else(|| Precision::from_prose(&w.precision)),
+            name: w.name,
+            version: w.version,
+            sha256: w.sha256,
+        }
     }
 }
 
@@ -272,8 +421,8 @@ mod tests {
             name: "m".into(),
             version: "1".into(),
             sha256: "0123456789abcdef".into(),
-            weights: "shared".into(),
-            precision: "fp32".into(),
+            weights: Weights::Shared,
+            precision: Precision::FP32,
         };
         let cost = ModelCost { private: 3 << 20, mapped: 5 << 20 };
         let loaded = WorkerMessage::Loaded { model, cost, seconds: 0.25 };
@@ -292,5 +441,55 @@ mod tests {
         {
             assert_eq!(serde_json::to_string(&cause).unwrap(), format!("\"{}\"", cause.as_str()));
         }
+    }
+
+    #[test]
+    fn model_info_is_typed_and_keeps_the_prose_older_readers_take() {
+        let guard = "1 of 1 MatMul/Gemm/Attention nodes in int8; min cosine 0.9990, mean 0.9995 to fp32 over 16 texts";
+        let model = ModelInfo {
+            name: "m".into(),
+            version: "1".into(),
+            sha256: "ab".into(),
+            weights: Weights::Private { why: "runtime.cache_dir is not set".into() },
+            precision: Precision::Int8 { guard: guard.into() },
+        };
+        let line = serde_json::to_string(&model).unwrap();
+        assert_eq!(
+            line,
+            format!(
+                r#"{{"name":"m","version":"1","sha256":"ab","weights":"private: runtime.cache_dir is not set","precision":"int8 ({guard})","weights_held":{{"held":"private","why":"runtime.cache_dir is not set"}},"precision_served":{{"served":"int8","guard":"{guard}"}}}}"#
+            )
+        );
+        assert_eq!(serde_json::from_str::<ModelInfo>(&line).unwrap(), model);
+
+        // An older reader: the prose under the names it knows, the rest ignored.
+        #[derive(Deserialize)]
+        struct Old {
+            weights: String,
+            precision: String,
+        }
+        let old: Old = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            (old.weights.as_str(), old.precision),
+            ("private: runtime.cache_dir is not set", format!("int8 ({guard})"))
+        );
+
+        // An older sender: prose alone, read into the same types.
+        let said = |weights: &str, precision: &str| {
+            let line = format!(
+                r#"{{"name":"m","version":"1","sha256":"ab","weights":"{weights}","precision":"{precision}"}}"#
+            );
+            let m: ModelInfo = serde_json::from_str(&line).unwrap();
+            assert_eq!((m.weights.to_string(), m.precision.to_string()), (weights.to_string(), precision.to_string()));
+            (m.weights, m.precision)
+        };
+        assert_eq!(said("shared", "fp32"), (Weights::Shared, Precision::FP32));
+        let refused = "fp32 (int8 refused: the least cosine to fp32 is 0.91)";
+        let fp32 = Precision::Fp32 { guard: Some("int8 refused: the least cosine to fp32 is 0.91".into()) };
+        assert_eq!(said("private: why", refused), (Weights::Private { why: "why".into() }, fp32));
+        assert_eq!(said("", ""), (Weights::default(), Precision::default()));
+        assert_eq!(said("mapped", "bf16"), (Weights::Said("mapped".into()), Precision::Said("bf16".into())));
+        let none: ModelInfo = serde_json::from_str(r#"{"name":"m","version":"1","sha256":"ab"}"#).unwrap();
+        assert_eq!((none.weights, none.precision), (Weights::default(), Precision::default()));
     }
 }

@@ -42,6 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::either::Either;
 use tracing::{debug, info, warn};
 
+use crate::confine::{confined, PathFrom, Unconfined};
 use crate::control;
 use crate::metrics::{self, PoolMetrics};
 use crate::Event;
@@ -73,9 +74,20 @@ pub struct AdminTls {
 /// What tells that a file changed: its inode, size and modification time.
 type FileStamp = (u64, u64, i64, i64);
 
+/// Why the admin listener's certificate cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// Its files: missing, unreadable, not PEM.
+    #[error(transparent)]
+    Files(#[from] inferd_config::ConfigError),
+    /// rustls refused what they hold (inferd-config says why, in words).
+    #[error("{0}")]
+    Refused(String),
+}
+
 impl AdminTls {
     /// Reads the files now; None without admin.tls_cert.
-    pub fn load(paths: inferd_config::tls::TlsPaths) -> Result<Option<AdminTls>, String> {
+    pub fn load(paths: inferd_config::tls::TlsPaths) -> Result<Option<AdminTls>, TlsError> {
         let stamps = stamps(&paths);
         let Some(acceptor) = acceptor(&paths)? else { return Ok(None) };
         Ok(Some(AdminTls { paths, current: Mutex::new((stamps, acceptor)) }))
@@ -102,9 +114,9 @@ impl AdminTls {
     }
 }
 
-fn acceptor(paths: &inferd_config::tls::TlsPaths) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
-    let Some(tls) = paths.load("admin").map_err(|e| e.to_string())? else { return Ok(None) };
-    let config = tls.server_config(&[inferd_config::tls::ALPN_HTTP1])?;
+fn acceptor(paths: &inferd_config::tls::TlsPaths) -> Result<Option<tokio_rustls::TlsAcceptor>, TlsError> {
+    let Some(tls) = paths.load("admin")? else { return Ok(None) };
+    let config = tls.server_config(&[inferd_config::tls::ALPN_HTTP1]).map_err(TlsError::Refused)?;
     Ok(Some(config.into()))
 }
 
@@ -236,7 +248,7 @@ async fn route(request: Request<Incoming>, events: &mpsc::UnboundedSender<Event>
             };
             let request = match load_request(name, load, &body, admin) {
                 Ok(r) => r,
-                Err(message) => return error(StatusCode::BAD_REQUEST, message),
+                Err(bad) => return error(StatusCode::BAD_REQUEST, bad.to_string()),
             };
             control_request(events, request).await
         }
@@ -255,15 +267,33 @@ async fn snapshot(events: &mpsc::UnboundedSender<Event>) -> Option<PoolMetrics> 
     rx.await.ok()
 }
 
+/// Why a `load` or `unload` body asks for nothing inferd can do (400).
+#[derive(Debug, thiserror::Error)]
+enum BadLoad {
+    #[error("'parameters' must be an object, got {0}")]
+    Parameters(Value),
+    #[error("parameters.path must be a string, got {0}")]
+    Path(Value),
+    #[error(
+        "inferd does not take a Triton model configuration: give parameters.path, a folder with the model's \
+         model.toml, or put the model in the repository"
+    )]
+    TritonConfig,
+    #[error("inferd does not take model files in the request ('{0}'): give parameters.path")]
+    Files(String),
+    #[error(transparent)]
+    Unconfined(#[from] Unconfined),
+}
+
 /// The control request a `load` or `unload` body asks for. Triton's `config` and `file:`
 /// parameters (a Triton model configuration, model files in the request) have no inferd
 /// counterpart: a model is a folder with its model.toml, named by `parameters.path` or found
 /// in the repository.
-fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Result<control::Request, String> {
+fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Result<control::Request, BadLoad> {
     let parameters = match body.get("parameters") {
         None | Some(Value::Null) => serde_json::Map::new(),
         Some(Value::Object(p)) => p.clone(),
-        Some(other) => return Err(format!("'parameters' must be an object, got {other}")),
+        Some(other) => return Err(BadLoad::Parameters(other.clone())),
     };
     if !load {
         // unload_dependents: inferd has no ensembles, so nothing depends on a model.
@@ -273,86 +303,14 @@ fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Resul
     for (key, value) in parameters {
         match (key.as_str(), value) {
             ("path", Value::String(p)) => path = Some(PathBuf::from(p)),
-            ("path", other) => return Err(format!("parameters.path must be a string, got {other}")),
-            ("config", _) => {
-                return Err("inferd does not take a Triton model configuration: give parameters.path, a folder with \
-                            the model's model.toml, or put the model in the repository"
-                    .into())
-            }
-            (k, _) if k.starts_with("file:") => {
-                return Err(format!("inferd does not take model files in the request ('{k}'): give parameters.path"))
-            }
+            ("path", other) => return Err(BadLoad::Path(other)),
+            ("config", _) => return Err(BadLoad::TritonConfig),
+            (k, _) if k.starts_with("file:") => return Err(BadLoad::Files(key)),
             _ => {}
         }
     }
     let path = path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
     Ok(control::Request::Load { model, path })
-}
-
-/// Who gave a path to load a model from: the admin listener's `load` (a model folder) or
-/// `inferd reload --path` (a folder, or a model file replacing the entry's own).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PathFrom {
-    AdminLoad,
-    ReloadPath,
-}
-
-impl PathFrom {
-    /// How the caller named the path, for the errors.
-    fn name(self) -> &'static str {
-        match self {
-            PathFrom::AdminLoad => "parameters.path",
-            PathFrom::ReloadPath => "--path",
-        }
-    }
-}
-
-/// `path`, symlinks resolved, when it is a model folder inside one of `allowed` and every file
-/// the model's settings name is too (a model.toml naming `/etc/shadow` as its tokenizer, or a
-/// link out of the folder, would let a caller read or load what the service can), or, from
-/// `inferd reload --path`, a model file inside them.
-pub(crate) fn confined(
-    path: &std::path::Path,
-    model: &str,
-    allowed: &[PathBuf],
-    from: PathFrom,
-) -> Result<PathBuf, String> {
-    let what = from.name();
-    let roots: Vec<PathBuf> = allowed.iter().filter_map(|r| std::fs::canonicalize(r).ok()).collect();
-    let inside = |p: &std::path::Path| {
-        std::fs::canonicalize(p).ok().filter(|real| roots.iter().any(|root| real.starts_with(root)))
-    };
-    let allowed_list = || allowed.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
-    let dir = inside(path).ok_or_else(|| {
-        format!(
-            "{what} {} is not inside the model repository or admin.allowed_paths ({})",
-            path.display(),
-            allowed_list()
-        )
-    })?;
-    if dir.is_file() && from == PathFrom::ReloadPath {
-        // A model file replacing the entry's own: its settings stay those already checked.
-        return Ok(dir);
-    }
-    if !dir.is_dir() {
-        return Err(format!("{what} {} is not a model folder", path.display()));
-    }
-    let entry = ModelEntry::load_dir(&dir, model).map_err(|e| e.to_string())?;
-    let mut files = vec![entry.path.clone()];
-    files.extend(entry.tokenizer.iter().map(|t| t.path.clone()));
-    files.extend(entry.quantization.calibration.iter().cloned());
-    if let Some(ops) = &entry.custom_ops {
-        files.push(ops.library.clone());
-        files.extend(ops.preload.iter().cloned());
-    }
-    match files.iter().find(|f| inside(f).is_none()) {
-        Some(outside) => Err(format!(
-            "model '{model}' in {} names {}, which is not inside the model repository or admin.allowed_paths",
-            path.display(),
-            outside.display()
-        )),
-        None => Ok(dir),
-    }
 }
 
 /// Sends a control request to the loop and answers with its final response.
@@ -583,7 +541,7 @@ mod tests {
             (json!({"parameters": {"path": 3}}), "parameters.path must be a string"),
             (json!({"parameters": []}), "'parameters' must be an object"),
         ] {
-            let err = load_request("m".into(), true, &body, &admin).unwrap_err();
+            let err = load_request("m".into(), true, &body, &admin).unwrap_err().to_string();
             assert!(err.contains(words), "{words}: {err}");
         }
         // admin.allowed_paths lets an operator name another folder.

@@ -28,7 +28,10 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 use tracing::warn;
 
+use crate::confine::Unconfined;
+use crate::plan::cpu::PlanError;
 use crate::status::PoolStatus;
+use crate::tcp::PortError;
 use crate::Event;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -109,6 +112,131 @@ impl Response {
 /// Where the supervisor's answers to one request go; dropping it ends the connection.
 pub type Replies = mpsc::UnboundedSender<Response>;
 
+/// Exit code of a client command (`status`, `reload`, `scale`, `upgrade`) that no server
+/// answered.
+pub const EXIT_NO_SERVER: i32 = 1;
+/// Exit code of a client command that the server answered with no: an action refused or
+/// failed (the pool serves as before), a degraded pool for `status`.
+pub const EXIT_ANSWERED_NO: i32 = 2;
+
+/// The actions that replace every worker, one by one, as a rolling reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Roll {
+    Reload,
+    Load,
+    Unload,
+}
+
+impl std::fmt::Display for Roll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Roll::Reload => "reload",
+            Roll::Load => "load",
+            Roll::Unload => "unload",
+        })
+    }
+}
+
+/// Why the supervisor said no to an action (reload, load, unload, scale, upgrade), refused
+/// whole before anything changed, or to a control connection. Its text is the answer's
+/// `error`, sent with `refused` (the admin listener answers it with 400); [`ActionError::exit_code`]
+/// is what `inferd reload`, `scale` and `upgrade` exit with for it.
+#[derive(Debug, thiserror::Error)]
+pub enum ActionError {
+    #[error("{0} refused: the pool is starting or stopping")]
+    NotSettled(Roll),
+    #[error("{0} refused: a reload is already in progress")]
+    Rolling(Roll),
+    #[error("{0} refused: worker {1} is still draining from the last scale -1; retry once it is gone")]
+    Draining(Roll, usize),
+    #[error(
+        "load refused: the pool serves {0} models, the most one server counts (its shared counters have a row per model)"
+    )]
+    TooManyModels(usize),
+    #[error(
+        "load refused: {} is not a model folder (a model the server does not serve yet needs its folder: a model.toml, or a published model's files)",
+        .0.display()
+    )]
+    NotAModelFolder(PathBuf),
+    #[error("unload refused: this server does not serve a model '{0}'")]
+    NotServed(String),
+    #[error("unload refused: '{0}' is the default model (models.default), which requests without a model name go to")]
+    DefaultModel(String),
+    #[error("reload refused: this server has no model '{0}'")]
+    NoSuchModel(String),
+    #[error("reload refused: --path needs --model when the server has several models")]
+    PathNeedsModel,
+    /// A model, or the API keys and certificate the new workers would take, cannot be used.
+    #[error("{0} refused: {1}")]
+    Config(Roll, inferd_config::ConfigError),
+    #[error("reload refused: {0}")]
+    Unconfined(#[from] Unconfined),
+    #[error("scale refused: the pool is starting, reloading or stopping")]
+    ScaleNotNow,
+    #[error("scale refused: worker {0} is still draining from the last scale -1")]
+    ScaleDraining(usize),
+    #[error("scale +1 refused: {0}")]
+    NoCores(#[from] PlanError),
+    #[error("scale +1 refused: {0}")]
+    NoPort(#[from] PortError),
+    #[error("scale -1 refused: the pool cannot go below 1 worker")]
+    LastWorker,
+    #[error("scale refused: the step is +1 or -1, not {0}")]
+    Step(i32),
+    #[error("an upgrade is in progress (to pid {0}): nothing else changes until it ends")]
+    DuringUpgrade(u32),
+    #[error("the pool is stopping")]
+    Stopping,
+    #[error("an upgrade is in progress (to pid {0})")]
+    Upgrading(u32),
+    #[error("this supervisor is taking over from another: wait until it has")]
+    TakingOver,
+    #[error("this supervisor has handed over to pid {0}")]
+    HandedOver(u32),
+    #[error("a reload is in progress: upgrade when it is done")]
+    ReloadFirst,
+    #[error("the pool has not been ready yet")]
+    NotReadyYet,
+    #[error("{} is not a file", .0.display())]
+    NotAFile(PathBuf),
+    #[error("{}: {error}", binary.display())]
+    NoBinary { binary: PathBuf, error: std::io::Error },
+    #[error("the control socket is not this supervisor's to hand over")]
+    NotOurSocket,
+    /// The channel to the new supervisor, or a descriptor for it, could not be made.
+    #[error("{0}")]
+    Channel(std::io::Error),
+    #[error("cannot make a pipe: {0}")]
+    Pipe(std::io::Error),
+    #[error("cannot start {}: {error}", binary.display())]
+    CannotStart { binary: PathBuf, error: std::io::Error },
+    #[error("cannot start {}: its pid never came ({error})", binary.display())]
+    NoPid { binary: PathBuf, error: std::io::Error },
+    #[error("permission denied: uid {peer} may not control this inferd (run as uid {me})")]
+    NotYours { peer: u32, me: u32 },
+    #[error("timed out waiting for a request line")]
+    NoRequest,
+    #[error("bad request: {0}")]
+    BadRequest(serde_json::Error),
+    #[error("the supervisor is shutting down")]
+    ShuttingDown,
+}
+
+impl ActionError {
+    /// What the `inferd` command that asked exits with (src/exit.rs): every answer of no is
+    /// [`EXIT_ANSWERED_NO`].
+    pub fn exit_code(&self) -> i32 {
+        EXIT_ANSWERED_NO
+    }
+}
+
+impl From<ActionError> for Response {
+    /// The final answer: refused, nothing changed.
+    fn from(error: ActionError) -> Response {
+        Response::refused(error.to_string())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error("another inferd is already running with control socket {0}")]
@@ -121,6 +249,20 @@ pub enum ControlError {
     BadAnswer(String),
     #[error("{0}")]
     Refused(String),
+}
+
+impl ControlError {
+    /// What the `inferd` command exits with (src/exit.rs): the server said no
+    /// ([`ActionError::exit_code`]), or no server answered.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ControlError::Refused(_) => EXIT_ANSWERED_NO,
+            ControlError::InUse(_)
+            | ControlError::Io { .. }
+            | ControlError::NotRunning { .. }
+            | ControlError::BadAnswer(_) => EXIT_NO_SERVER,
+        }
+    }
 }
 
 /// Creates the socket (and its folder), replacing a stale file left by a dead server.
@@ -177,23 +319,21 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
     let (read, mut write) = stream.into_split();
     let (replies, mut answers) = mpsc::unbounded_channel();
     if peer != me && peer != 0 {
-        let _ = replies.send(Response::error(format!(
-            "permission denied: uid {peer} may not control this inferd (run as uid {me})"
-        )));
+        let _ = replies.send(Response::error(ActionError::NotYours { peer, me }.to_string()));
     } else {
         let mut line = String::new();
         // One request line of at most 64 KiB: a client cannot make the supervisor buffer more.
         let mut reader = tokio::io::BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
         match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-            Err(_) => drop(replies.send(Response::error("timed out waiting for a request line"))),
+            Err(_) => drop(replies.send(Response::error(ActionError::NoRequest.to_string()))),
             Ok(Err(e)) => return Err(e),
             Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-                Err(e) => drop(replies.send(Response::error(format!("bad request: {e}")))),
+                Err(e) => drop(replies.send(Response::error(ActionError::BadRequest(e).to_string()))),
                 Ok(request) => {
                     if let Err(mpsc::error::SendError(Event::Control(_, replies))) =
                         events.send(Event::Control(request, replies))
                     {
-                        let _ = replies.send(Response::error("the supervisor is shutting down"));
+                        let _ = replies.send(Response::error(ActionError::ShuttingDown.to_string()));
                     }
                 }
             },
@@ -233,6 +373,29 @@ pub fn query(path: &Path, request: &Request, mut progress: impl FnMut(&str)) -> 
             (Some(p), true, _) => progress(p),
             (_, false, Some(error)) => return Err(ControlError::Refused(error.clone())),
             _ => return Ok(response),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_action_refused_is_answered_in_its_words_and_exits_with_2() {
+        let refused = [
+            (ActionError::Rolling(Roll::Load), "load refused: a reload is already in progress"),
+            (ActionError::NoSuchModel("m".into()), "reload refused: this server has no model 'm'"),
+            (ActionError::LastWorker, "scale -1 refused: the pool cannot go below 1 worker"),
+            (ActionError::Step(3), "scale refused: the step is +1 or -1, not 3"),
+            (ActionError::Upgrading(7), "an upgrade is in progress (to pid 7)"),
+            (ActionError::DuringUpgrade(7), "an upgrade is in progress (to pid 7): nothing else changes until it ends"),
+        ];
+        for (error, text) in refused {
+            assert_eq!(error.exit_code(), 2);
+            let response = Response::from(error);
+            assert_eq!((response.ok, response.refused, response.error.as_deref()), (false, true, Some(text)));
+            assert_eq!(ControlError::Refused(text.into()).exit_code(), EXIT_ANSWERED_NO);
         }
     }
 }

@@ -11,10 +11,24 @@
 //! kills those that overran their boot or grace timeout, watches memory and recycles. A
 //! rolling reload is a new generation of workers started and retired by the same loop.
 //!
+//! Layout, by layer, from the loop down (each module uses only those of its own layer or
+//! below; `layers`, a test in `make test`, reads this list and fails on a `crate::` path that
+//! goes up it; this file's own items, the [`Event`] every door sends, are every layer's):
+//! - [`pool`]: the loop, and the parts of its state, each a type in its own file;
+//! - [`admin`], [`control`], [`signals`], [`systemd`]: the doors: the admin listener, the
+//!   control socket and signals turn requests into events; systemd's socket activation and
+//!   notifications;
+//! - [`metrics`], [`status`]: what the pool tells: the Prometheus text and `inferd status`;
+//! - [`plan`]: the pool's CPU and memory plan; [`confine`]: where a model may be loaded
+//!   from; [`tcp`]: the port's sysctl; [`trace`]: the supervisor's own spans.
+//!
 //! Must not touch: ONNX Runtime (a process that ran a session must never fork).
 
 mod admin;
+mod confine;
 pub mod control;
+#[cfg(test)]
+mod layers;
 mod metrics;
 pub mod plan;
 pub mod pool;

@@ -1,5 +1,5 @@
 //! Prometheus text exposition of the pool, served by the supervisor on `admin.listen`
-//! (`GET /metrics`, see [`crate::admin`]).
+//! (`GET /metrics`; admin.rs serves it).
 //!
 //! Request counts and latency histograms come from the counters each worker shares with the
 //! supervisor (see `inferd_ipc::stats`): those of live workers plus the final counts of
@@ -515,8 +515,8 @@ mod tests {
                 name: "m\"0".into(),
                 version: "v\"1\\\n".into(),
                 sha256: "ab".into(),
-                weights: "shared".into(),
-                precision: "fp32".into(),
+                weights: inferd_ipc::spec::Weights::Shared,
+                precision: inferd_ipc::spec::Precision::FP32,
             }],
             ..Default::default()
         });

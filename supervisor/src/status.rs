@@ -5,7 +5,7 @@ use std::fmt::Write;
 use crate::plan::cpu::format_cpus;
 use std::collections::BTreeMap;
 
-use inferd_ipc::spec::{Cause, ModelCost, ModelInfo};
+use inferd_ipc::spec::{Cause, ModelCost, ModelInfo, Precision, Weights};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,9 +212,17 @@ impl PoolStatus {
                 .iter()
                 .map(|m| {
                     // `shared`: weights mapped from the one prepared copy; `private`: its own.
-                    let weights = m.weights.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?");
+                    let weights = match &m.weights {
+                        Weights::Shared => "shared",
+                        Weights::Private { .. } => "private",
+                        Weights::Said(prose) => prose.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?"),
+                    };
                     // `int8` or `fp32` (the guard's figures are in the JSON).
-                    let precision = m.precision.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32");
+                    let precision = match &m.precision {
+                        Precision::Fp32 { .. } => "fp32",
+                        Precision::Int8 { .. } => "int8",
+                        Precision::Said(prose) => prose.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32"),
+                    };
                     let held = match w.model_bytes.get(&m.name) {
                         Some(cost) => format!(", on demand: {}", bytes(cost.total())),
                         None => String::new(),
@@ -303,8 +311,8 @@ mod tests {
                 name: "m".into(),
                 version: "1".into(),
                 sha256: "abcd".into(),
-                weights: "shared".into(),
-                precision: "fp32".into(),
+                weights: Weights::Shared,
+                precision: Precision::FP32,
             }],
             model_bytes: [("m".to_string(), ModelCost { private: 1 << 20, mapped: 24 << 20 })].into(),
             last_exit: None,

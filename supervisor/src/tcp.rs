@@ -2,7 +2,7 @@
 //! accept queue are reset unless this is 1, in which case the kernel moves them to another
 //! listener of the same group. A slot left without a worker (crash, SIGTERM, `scale -1`) takes
 //! its socket out of the group while a sibling serves (pool/mod.rs, `settle_port`), so inferd
-//! wants it on.
+//! wants it on. And why a slot's socket on the port cannot be had ([`PortError`]).
 
 use tracing::{info, warn};
 
@@ -23,4 +23,14 @@ pub fn ensure_migrate_req(set: bool) {
         Ok(_) => warn!("net.ipv4.tcp_migrate_req is 0: connections queued on a stopping worker may be reset"),
         Err(e) => warn!("cannot read {SYSCTL} ({e}): this kernel may reset connections queued on a stopping worker"),
     }
+}
+
+/// A slot's socket that cannot be bound on the port (`server.listen` or, for gRPC,
+/// `server.grpc_listen`).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {listen}{}: {error}", if *.grpc { " (gRPC)" } else { "" })]
+pub struct PortError {
+    pub listen: String,
+    pub grpc: bool,
+    pub error: std::io::Error,
 }

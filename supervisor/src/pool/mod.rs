@@ -27,65 +27,76 @@
 //! requests and scrapes only enqueue an [`Event`]; the loop handles one at a time, and every
 //! operator action checks the state it finds and is refused whole when it cannot apply.
 //!
-//! The files, one concept each:
-//! - this one: the loop (events and ticks in, decisions out, from [`run`]) and the pool's
-//!   life (boot, phase, stop);
+//! The files, one concept each; the loop's are the two that write `impl Supervisor`:
+//! - this one: the loop (events and ticks in, decisions out, from [`run`]), starting a
+//!   worker, and carrying out the guards' decisions; events.rs: what the loop does with each
+//!   event (an operator's action, a worker's message or exit);
+//! - life.rs: the pool's start, boot and stop ([`Life`]); restart.rs: how a dead worker's
+//!   exit is told, and the backoff of a slot whose workers keep dying;
 //! - slot.rs: the pool's slots and workers and their states ([`Pool`], [`Slot`], [`Role`],
-//!   [`Start`]), and the backoff of a slot whose workers keep dying;
+//!   [`Start`]), scaling, stuck workers, which worker is due for recycling;
 //! - spawn.rs: starting a worker process (its spec, its descriptors, the ones every worker
-//!   shares: [`Launcher`]) and the slots' sockets on the port;
-//! - guards.rs: the memory plan and watch ([`MemoryWatch`]), stuck workers, recycling;
-//! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`], and scaling;
-//! - report.rs: `inferd status`, the pool's counters ([`Totals`]) and its metrics.
+//!   shares: [`Launcher`]); sockets.rs: the slots' sockets on the port ([`SlotSockets`]);
+//! - services.rs: the control socket and the admin listener ([`Services`]);
+//! - memory.rs: the memory plan and watch ([`MemoryWatch`]); saturation.rs: the saturation
+//!   gauges;
+//! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`];
+//! - upgrade.rs: upgrading inferd itself, on either side ([`Upgrade`]);
+//! - totals.rs: the pool's counters ([`Totals`]); report.rs: `inferd status`, systemd's
+//!   status line and the metrics, from a read-only view of the parts ([`Report`]).
 //!
-//! The [`Supervisor`] holds its state in those parts. The launcher's, the memory guard's, the
-//! reload's and the counters' fields are private to their files, which alone change them;
-//! the rest of the pool goes through their methods.
+//! The [`Supervisor`] holds its state in those parts, each a type whose methods are in its
+//! own file. The launcher's, the memory guard's, the reload's, the upgrade's, the counters'
+//! and the gauges' fields are private to their files, which alone change them: the loop asks
+//! them what to do and tells them what became of it. The slots and workers change through
+//! the methods of slot.rs; the loop's two files read them and decide.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::process::ExitStatusExt;
-use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
+use inferd_config::model::ModelEntry;
+use inferd_ipc::spec::Cause;
 use nix::sys::signal::Signal;
-use nix::unistd::Pid;
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::control::{self, ControlError, Replies, Request, Response};
-use crate::metrics::RestartReason;
+use crate::control::{ControlError, Request};
+use crate::metrics::RecycleReason;
+use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
-use crate::status::{Phase, WorkerState};
+use crate::status::Phase;
 use crate::systemd::{self, Notifier};
-use crate::{admin, signals, tcp, trace, Event};
+use crate::{signals, tcp, trace, Event};
 
-mod guards;
+mod events;
+mod life;
+mod memory;
 mod reload;
 mod report;
+mod restart;
 mod saturation;
+mod services;
 mod slot;
+mod sockets;
 mod spawn;
+mod totals;
 mod upgrade;
 
-use guards::MemoryWatch;
+use life::Life;
+use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
-use report::Totals;
-use slot::{backoff, Pool, Role, Slot, Start};
-use spawn::{dup_high, Launcher, SlotSockets};
+use report::Report;
+use restart::signal_name;
+use services::Services;
+use slot::{Pool, Role, Slot, Start};
+use sockets::{dup_high, SlotSockets};
+use spawn::{Launcher, Order};
+use totals::Totals;
 use upgrade::Upgrade;
 pub use upgrade::UpgradeEvent;
 
-/// A worker that served at least this long, and longer than its own boot took, was not
-/// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
-/// seconds are replaced at once; a worker dying right after each boot is backed off.)
-const STABLE_AFTER: Duration = Duration::from_secs(1);
-/// Consecutive deaths of one slot during start-up after which the server gives up.
-const MAX_BOOT_CRASHES: u32 = 5;
 const TICK: Duration = Duration::from_millis(200);
-/// After a failed recycling replacement, the slot is not recycled again for this long.
-const RECYCLE_PAUSE: Duration = Duration::from_secs(30);
 
 /// How the pool ends with an error; `inferd serve` exits with the code src/exit.rs maps it to.
 #[derive(Debug, thiserror::Error)]
@@ -132,21 +143,6 @@ pub struct Supervisor {
     upgrade: Upgrade,
     /// Slots' sockets inherited beyond this pool's slots (upgrade.rs).
     extra_sockets: Vec<SlotSockets>,
-}
-
-/// The pool's life: its start, its boot, its stop.
-struct Life {
-    started: Instant,
-    /// The same, in seconds since the Unix epoch (`process_start_time_seconds`).
-    started_unix: f64,
-    /// True once every slot has been ready at the same time.
-    booted: bool,
-    /// SIGTERM, SIGINT, SIGQUIT or a fatal error: the pool is going down (the phase, derived
-    /// in [`Supervisor::phase`], says Stopping from then on).
-    stopping: bool,
-    stop_deadline: Option<Instant>,
-    killed_all: bool,
-    fatal: Option<SupervisorError>,
 }
 
 /// The test switch INFERD_TEST_HANG_ON_SIGUSR2=1, only in builds with the `test-switches`
@@ -212,7 +208,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         };
         let result = supervisor.run(&mut queue).await;
         if let Err(e) = &result {
-            supervisor.tell_old(upgrade::Say::Failed { error: e.to_string() });
+            supervisor.upgrade.tell_old(upgrade::Say::Failed { error: e.to_string() });
         }
         // The file stays for the supervisor this one hands over to (or that started it).
         if !supervisor.upgrade.socket_is_not_ours() {
@@ -221,94 +217,6 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         crate::trace::shutdown(Duration::from_secs(2));
         result
     })
-}
-
-/// The supervisor's own listeners: the control socket and the admin listener. Served from
-/// start, or (a new supervisor started by an upgrade) once the old one hands over; their
-/// descriptors are kept to hand to the next upgrade.
-struct Services {
-    control: Option<OwnedFd>,
-    admin: Option<OwnedFd>,
-    /// Not served yet.
-    pending: Option<(tokio::net::UnixListener, Option<(tokio::net::TcpListener, admin::Admin)>)>,
-    /// The tasks that serve them.
-    serving: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Services {
-    /// Binds the control socket and the admin listener, or takes the inherited ones.
-    async fn open(
-        resolved: &Resolved,
-        inherited: Option<&mut upgrade::Inherited>,
-    ) -> Result<Services, SupervisorError> {
-        let config = &resolved.config;
-        let (control, admin) = match inherited {
-            Some(from) => {
-                let control = std::os::unix::net::UnixListener::from(from.control.try_clone()?);
-                control.set_nonblocking(true)?;
-                (tokio::net::UnixListener::from_std(control)?, from.admin.take())
-            }
-            None => (control::bind(&config.control_socket())?, None),
-        };
-        let admin_addr = &config.admin.listen;
-        let admin = match (admin, admin_addr.is_empty()) {
-            (_, true) => None,
-            (Some(fd), false) => {
-                let listener = std::net::TcpListener::from(fd);
-                listener.set_nonblocking(true)?;
-                Some(tokio::net::TcpListener::from_std(listener)?)
-            }
-            (None, false) => Some(tokio::net::TcpListener::bind(admin_addr).await.map_err(|e| {
-                std::io::Error::new(e.kind(), format!("cannot listen on admin.listen {admin_addr}: {e}"))
-            })?),
-        };
-        let admin = match admin {
-            None => None,
-            Some(listener) => {
-                let scheme = if config.admin.tls_cert.is_some() { "https" } else { "http" };
-                info!("metrics on {scheme}://{admin_addr}/metrics");
-                // Refused at start, not at the first request, when it cannot be used.
-                config.admin_tokens().map_err(|e| std::io::Error::other(e.to_string()))?;
-                let tls = admin::AdminTls::load(config.admin_tls()).map_err(std::io::Error::other)?;
-                let routes = admin::Admin {
-                    repository: config.model_repository(),
-                    model_control: config.admin.model_control,
-                    token_file: config.admin.token_file.as_ref().map(|f| config.resolve(f)),
-                    protect_metrics: config.admin.protect_metrics,
-                    loopback: listener.local_addr().is_ok_and(|a| a.ip().is_loopback()),
-                    allowed: config.allowed_model_paths(),
-                    tls,
-                };
-                Some((listener, routes))
-            }
-        };
-        Ok(Services {
-            control: Some(dup_high(control.as_raw_fd())?),
-            admin: admin.as_ref().map(|(l, _)| dup_high(l.as_raw_fd())).transpose()?,
-            pending: Some((control, admin)),
-            serving: Vec::new(),
-        })
-    }
-
-    /// Serves the control socket and the admin listener.
-    fn start(&mut self, events: &mpsc::UnboundedSender<Event>) {
-        if let Some((control, admin)) = self.pending.take() {
-            self.serving.push(tokio::spawn(control::serve(control, events.clone())));
-            if let Some((listener, routes)) = admin {
-                self.serving.push(tokio::spawn(admin::serve(listener, events.clone(), routes)));
-            }
-        }
-    }
-
-    /// Stops serving them (handed over to a new supervisor, which serves them now).
-    fn stop(&mut self) {
-        for task in self.serving.drain(..) {
-            task.abort();
-        }
-        self.pending = None;
-        self.control = None;
-        self.admin = None;
-    }
 }
 
 impl Supervisor {
@@ -332,9 +240,8 @@ impl Supervisor {
         for placement in &resolved.plan.workers {
             let sockets = match slot_sockets.pop() {
                 Some(inherited) => inherited,
-                None => {
-                    SlotSockets::bind(&resolved.config.server, launcher.activated()).map_err(SupervisorError::Port)?
-                }
+                None => SlotSockets::bind(&resolved.config.server, launcher.activated())
+                    .map_err(|e| SupervisorError::Port(e.to_string()))?,
             };
             slots.push(Slot::new(placement.clone(), resolved.models.clone(), 1, Cause::Boot, sockets));
         }
@@ -352,17 +259,7 @@ impl Supervisor {
                 access: resolved.access.clone(),
             },
             resolved,
-            life: Life {
-                started: Instant::now(),
-                started_unix: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64()),
-                booted: false,
-                stopping: false,
-                stop_deadline: None,
-                killed_all: false,
-                fatal: None,
-            },
+            life: Life::new(),
             reload: ReloadState::default(),
             memory: MemoryWatch::default(),
             totals: Totals::new(),
@@ -375,7 +272,9 @@ impl Supervisor {
             extra_sockets: slot_sockets,
         };
         match candidate {
-            Some((channel, old_pid)) => supervisor.candidate(channel, old_pid)?,
+            Some((channel, old_pid)) => {
+                supervisor.upgrade = Upgrade::candidate(channel, old_pid, supervisor.events.clone())?
+            }
             None => {
                 supervisor.services.start(&supervisor.events);
                 supervisor.notifier = Notifier::from_env();
@@ -388,12 +287,7 @@ impl Supervisor {
     /// connections to the new supervisor's workers) and stops once they are gone.
     fn retire_all(&mut self) {
         self.begin_stop_with(None);
-        for slot in &mut self.pool.slots {
-            slot.start = Start::No;
-            for worker in slot.workers.iter_mut() {
-                worker.retire();
-            }
-        }
+        self.pool.retire_all();
     }
 
     /// Slots' sockets inherited from an old supervisor with more slots: taken out of the
@@ -432,10 +326,10 @@ impl Supervisor {
             }
             let phase = self.settle(before);
             let mut notifier = std::mem::take(&mut self.notifier);
-            notifier.update(phase, || self.summary());
+            notifier.update(phase, || self.report().summary());
             self.notifier = notifier;
             if phase == Phase::Stopping && self.pool.slots.iter().all(|s| s.workers.is_empty()) {
-                return match self.life.fatal.take() {
+                return match self.life.take_fatal() {
                     Some(e) => Err(e),
                     None => {
                         info!("all workers stopped; exiting");
@@ -475,383 +369,201 @@ impl Supervisor {
             Event::Exited { slot, pid, status } => self.on_exit(slot, pid, status),
             Event::Control(request, replies) => self.act(request, Some(replies)),
             Event::Scrape(reply) => {
-                let _ = reply.send(self.metrics());
+                let _ = reply.send(self.report().metrics());
             }
             Event::Upgrade(event) => self.on_upgrade(event),
         }
     }
 
-    /// Every action, whether it came from a signal (`replies` = None) or the control socket.
-    fn act(&mut self, request: Request, replies: Option<Replies>) {
-        let changes = !matches!(request, Request::Status);
-        if let (true, Upgrade::Starting { pid, .. }) = (changes, &self.upgrade) {
-            let error = format!("an upgrade is in progress (to pid {pid}): nothing else changes until it ends");
-            warn!("{error}");
-            if let Some(replies) = replies {
-                let _ = replies.send(Response::refused(error));
-            }
-            return;
-        }
-        let answer = match request {
-            Request::Status => Ok(Response { ok: true, status: Some(self.status()), ..Response::default() }),
-            Request::Reload { model, path, wait } => match self.start_reload(model, path, wait, replies.clone()) {
-                // The reload answers on its own as it goes.
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Scale { delta } => self.scale(delta).map(Response::message),
-            Request::Load { model, path } => match self.start_load(model, path, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Unload { model } => match self.start_unload(model, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-            Request::Upgrade { binary } => match self.start_upgrade(binary, replies.clone()) {
-                Ok(()) => return,
-                Err(e) => Err(e),
-            },
-        };
-        match &answer {
-            Ok(r) => r.message.iter().for_each(|m| info!("{m}")),
-            Err(e) => warn!("{e}"),
-        }
-        if let Some(replies) = replies {
-            // Each action either starts or is refused as a whole.
-            let _ = replies.send(answer.unwrap_or_else(Response::refused));
-        }
-    }
-
-    fn on_message(&mut self, index: usize, pid: u32, message: WorkerMessage) {
-        let Some(slot) = self.pool.slots.get_mut(index) else { return };
-        let Some(worker) = slot.workers.iter_mut().find(|w| w.pid == pid) else { return };
-        match message {
-            WorkerMessage::Warming => worker.state = WorkerState::Warming,
-            WorkerMessage::Ready { models } => {
-                worker.state = WorkerState::Ready;
-                worker.ready_at = Some(Instant::now());
-                for model in &models {
-                    self.totals.model_event(&model.name).boot += 1;
-                }
-                worker.models = models;
-                let replaces = worker.cause.replaces();
-                info!("worker {index} (pid {pid}) ready after {:.2} s", worker.started.elapsed().as_secs_f64());
-                if replaces {
-                    self.end_replacement(index, Ok(pid));
-                }
-                let Some(worker) = self.pool.slots[index].workers.iter().find(|w| w.pid == pid) else { return };
-                if worker.role == Role::Incoming {
-                    self.promote(index, pid);
-                }
-                self.settle_port();
-                if !self.memory.measured() {
-                    if let Err(e) = self.memory_plan(pid) {
-                        error!("{e}");
-                        self.fail(e);
-                    }
-                }
-            }
-            WorkerMessage::Draining => {
-                worker.state = WorkerState::Draining;
-                self.settle_port();
-                self.finish_reload();
-            }
-            WorkerMessage::Failed { kind, error } => worker.failure = Some((kind, error)),
-            // A model of its catalog, loaded on demand: status and the model_info metric show
-            // it on this worker from now on (its counts go to the shared "other" row).
-            WorkerMessage::Loaded { model, cost, seconds } if worker.state == WorkerState::Ready => {
-                info!("worker {index} (pid {pid}) loaded model '{}' on demand", model.name);
-                self.totals.model_event(&model.name).on_demand += 1;
-                self.totals.load_seconds.observe(seconds);
-                worker.costs.insert(model.name.clone(), cost);
-                worker.models.push(model);
-            }
-            WorkerMessage::Loaded { .. } => {}
-            WorkerMessage::Evicted { model } => {
-                self.totals.model_event(&model).evictions += 1;
-                worker.costs.remove(&model);
-                worker.models.retain(|m| m.name != model);
-            }
-        }
-    }
-
-    /// An incoming worker is ready: it becomes the slot's current worker, and the one it
-    /// replaces drains and leaves. The reload advances only if this is the worker it started.
-    fn promote(&mut self, index: usize, pid: u32) {
-        let slot = &mut self.pool.slots[index];
-        let mut spawn = None;
-        for w in slot.workers.iter_mut() {
-            if w.pid == pid {
-                w.role = Role::Current;
-                slot.generation = w.generation;
-                spawn = Some(w.spawn);
-            } else if w.role == Role::Current {
-                info!("worker {index} (pid {}) replaced by pid {pid}; draining", w.pid);
-                w.retire();
-            }
-        }
-        if let Some(spawn) = spawn {
-            self.reload_worker_ready(index, spawn, pid);
-        }
-    }
-
-    fn on_exit(&mut self, index: usize, pid: u32, status: Option<ExitStatus>) {
-        let Some(slot) = self.pool.slots.get_mut(index) else { return };
-        let Some(at) = slot.workers.iter().position(|w| w.pid == pid) else { return };
-        let worker = slot.workers.remove(at);
-        self.launcher.forget(pid);
-        if worker.state != WorkerState::Draining {
-            self.settle_port();
-        }
-        self.keep_counts(&worker);
-        let slot = &mut self.pool.slots[index];
-        let how = describe_exit(status);
-        if worker.role == Role::Retiring || slot.removing() {
-            info!("worker {index} (pid {pid}) retired: {how}");
-            // Events name slots by index: only trailing slots may go, so no index shifts.
-            let before = self.pool.slots.len();
-            while self.pool.slots.last().is_some_and(|s| s.removing() && s.workers.is_empty()) {
-                self.pool.slots.pop();
-            }
-            if self.pool.slots.len() < before {
-                info!("scaled down to {} workers", self.pool.slots.len());
-            }
-            return;
-        }
-        let stuck = match (&worker.stuck, worker.memory_killed) {
-            (Some((why, _)), _) => format!(" (stuck: {why})"),
-            (None, true) => " (over the hard memory limit)".to_string(),
-            (None, false) => String::new(),
-        };
-        slot.last_exit = Some(format!("pid {pid} {how} after {:.1} s{stuck}", worker.started.elapsed().as_secs_f64()));
-        if self.life.stopping {
-            info!("worker {index} (pid {pid}) {how}");
-            return;
-        }
-        let code = status.and_then(|s| s.code());
-        let failure = worker.failure.clone().or_else(|| match code {
-            Some(EXIT_MODEL_LOAD) => Some((FailureKind::ModelLoad, format!("worker {how}"))),
-            Some(EXIT_BOOT) => Some((FailureKind::Boot, format!("worker {how}"))),
-            _ => None,
-        });
-        if worker.role == Role::Incoming {
-            // A replacement that never became ready: the current worker keeps serving. Only
-            // the reload's own worker fails the reload.
-            let error = failure.map_or_else(|| format!("the new worker {how}"), |(_, e)| e);
-            error!("worker {index}: replacement for {} (pid {pid}) failed: {error}", worker.cause.as_str());
-            slot.recycle_pause = Some(Instant::now() + RECYCLE_PAUSE);
-            if worker.cause.replaces() {
-                self.end_replacement(index, Err(error.clone()));
-            }
-            if self.reload.owns(worker.spawn) {
-                self.abort_reload(index, &error);
-            }
-            return;
-        }
-        slot.restarts += 1;
-        let reason = match (&failure, status.and_then(|s| s.signal())) {
-            _ if worker.stuck.is_some() => RestartReason::Stuck,
-            _ if worker.memory_killed => RestartReason::MemoryHard,
-            (Some((FailureKind::ModelLoad, _)), _) => RestartReason::ModelLoad,
-            (Some((FailureKind::Boot, _)), _) => RestartReason::Boot,
-            _ if code == Some(EXIT_PANIC) => RestartReason::Panic,
-            (None, Some(_)) => RestartReason::Signal,
-            (None, None) => RestartReason::Exit,
-        };
-        self.totals.restarted(reason);
-        if worker.cause.replaces() && worker.ready_at.is_none() {
-            self.end_replacement(index, Err(format!("the new worker {how}")));
-        }
-        let trace_id = self.begin_replacement(index, Cause::Respawn, reason.as_str(), pid, &how);
-        let trace_id = trace_id.as_deref();
-        let slot = &mut self.pool.slots[index];
-        if worker.ready_at.is_some_and(|t| t.elapsed() >= STABLE_AFTER.max(t - worker.started)) {
-            slot.failures = 0;
-        }
-        slot.failures += 1;
-        let failures = slot.failures;
-        match failure {
-            Some((kind, error)) if !self.life.booted => {
-                error!("worker {index} (pid {pid}) {how}: {error}");
-                return self.fail(match kind {
-                    FailureKind::ModelLoad => SupervisorError::ModelLoad { slot: index, error },
-                    FailureKind::Boot => SupervisorError::Boot { slot: index, error },
-                });
-            }
-            Some((_, error)) => error!(trace_id, "worker {index} (pid {pid}) {how}: {error}"),
-            None if !self.life.booted && failures >= MAX_BOOT_CRASHES => {
-                let error = format!("died {failures} times during start-up, last {how}");
-                error!("worker {index}: {error}");
-                return self.fail(SupervisorError::Boot { slot: index, error });
-            }
-            None => match &worker.stuck {
-                Some((why, _)) => {
-                    warn!(trace_id, "worker {index} (pid {pid}) {how} after being stuck ({why}); replacing it")
-                }
-                None => warn!(trace_id, "worker {index} (pid {pid}) {how}; replacing it"),
-            },
-        }
-        let delay = backoff(failures);
-        if !delay.is_zero() {
-            info!(trace_id, "worker {index}: next start in {delay:?} ({failures} failures in a row)");
-        }
-        self.pool.slots[index].start = Start::At(Instant::now() + delay);
-        self.pool.slots[index].cause = Cause::Respawn;
-    }
-
-    /// Opens the trace of slot `index`'s worker `pid` being replaced for `cause` (`reason`,
-    /// `detail`: what happened to it), one span until the new worker is ready or fails
-    /// (docs/operations.md, "Traces"). Returns its trace id for the log lines that follow.
-    pub(super) fn begin_replacement(
-        &mut self,
-        index: usize,
-        cause: Cause,
-        reason: &str,
-        pid: u32,
-        detail: &str,
-    ) -> Option<String> {
-        use opentelemetry::trace::TraceContextExt as _;
-        let attributes = vec![
-            KeyValue::new("inferd.slot", index as i64),
-            KeyValue::new("inferd.cause", cause.as_str()),
-            KeyValue::new("inferd.reason", reason.to_string()),
-            KeyValue::new("inferd.replaced_pid", i64::from(pid)),
-            KeyValue::new("inferd.detail", detail.to_string()),
-        ];
-        let span = trace::start(format!("replace worker {index}"), None, attributes);
-        let trace_id = span.as_ref().map(|cx| cx.span().span_context().trace_id().to_string());
-        let slot = &mut self.pool.slots[index];
-        if let Some(old) = std::mem::replace(&mut slot.replacement, span) {
-            trace::end(Some(old), vec![KeyValue::new("inferd.outcome", "superseded")], None);
-        }
-        trace_id
-    }
-
-    /// Ends slot `index`'s replacement trace: its new worker `pid` is ready, or it failed.
-    pub(super) fn end_replacement(&mut self, index: usize, outcome: Result<u32, String>) {
-        let span = self.pool.slots[index].replacement.take();
-        match outcome {
-            Ok(pid) => trace::end(
-                span,
-                vec![KeyValue::new("inferd.outcome", "ready"), KeyValue::new("process.pid", i64::from(pid))],
-                None,
-            ),
-            Err(why) => trace::end(span, vec![KeyValue::new("inferd.outcome", "failed")], Some(why)),
-        }
-    }
-
-    /// Which slots' sockets stay in the port's SO_REUSEPORT group. A slot none of whose
-    /// workers accepts (its worker died, drains, or is not warm yet) leaves the group, so that
-    /// connections waiting in its queue move to a sibling (net.ipv4.tcp_migrate_req) and new
-    /// ones go there, but only while a sibling accepts: when every worker is down at once, the
-    /// sockets that still listen stay, and clients wait in their queues for the first worker
-    /// back instead of being refused. That worker's readiness settles the port again, and the
-    /// slots still without a worker leave then. A stopping pool respawns nothing: its slots
-    /// leave as their workers stop accepting.
-    ///
-    /// A slot whose next worker is booting is left as it is: that worker listens as soon as
-    /// it is warm, before its `Ready` arrives here, and taking its socket out just then would
-    /// make it join again (a slot left earlier has left already).
+    /// Which slots' sockets stay in the port's group (`Pool::settle_port`). During an upgrade
+    /// the other supervisor's workers accept on the same sockets: then none leaves.
     fn settle_port(&self) {
-        // During an upgrade the other supervisor's workers accept on the same sockets.
-        if self.upgrade.shares_sockets() {
-            return;
-        }
-        if self.life.stopping || self.pool.slots.iter().any(Slot::ready) {
-            for slot in self.pool.slots.iter().filter(|s| !s.ready() && s.booting().is_none()) {
-                slot.sockets.leave();
-            }
+        if !self.upgrade.shares_sockets() {
+            self.pool.settle_port(self.life.stopping());
         }
     }
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        self.sample_latency(now);
-        self.sample_saturation(now);
-        if self.life.stopping {
-            if self.life.stop_deadline.is_some_and(|d| now >= d) && !self.life.killed_all {
+        self.totals.sample_latency(now, &self.pool);
+        self.saturation.sample(now, &self.pool);
+        if self.life.stopping() {
+            if self.life.kill_now(now) {
                 warn!("grace timeout passed; killing the remaining workers");
-                self.signal_all(Signal::SIGKILL);
-                self.life.killed_all = true;
+                self.pool.signal_all(Signal::SIGKILL);
             }
             return;
         }
-        self.kill_stuck_workers();
-        self.watch_upgrade();
+        self.pool.kill_stuck(self.resolved.config.server.request_timeout_secs);
+        self.upgrade.watch(self.resolved.config.server.boot_timeout_secs);
         // Before the guards: a slot the reload was waiting for gets the reload's worker now,
         // and no guard starts another replacement beside it.
         self.resume_reload();
         self.finish_reload();
         self.watch_memory(now);
         self.maybe_recycle(now);
-        let boot_timeout = Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs);
-        for index in 0..self.pool.slots.len() {
-            let slot = &mut self.pool.slots[index];
-            for w in slot.workers.iter_mut() {
-                let booting = matches!(w.state, WorkerState::Starting | WorkerState::Warming);
-                if booting && w.failure.is_none() && w.started.elapsed() > boot_timeout {
-                    let error = format!("not ready within server.boot_timeout_secs = {}", boot_timeout.as_secs_f64());
-                    warn!("worker {index} (pid {}) {error}; killing it", w.pid);
-                    w.failure = Some((FailureKind::Boot, error));
-                    let _ = nix::sys::signal::kill(Pid::from_raw(w.pid as i32), Signal::SIGKILL);
-                }
+        self.pool.kill_unready(Duration::from_secs_f64(self.resolved.config.server.boot_timeout_secs));
+        for (index, cause, models, generation) in self.pool.take_due(now) {
+            self.spawn(index, Role::Current, cause, models, generation);
+        }
+    }
+
+    /// The memory watch's decisions (see `MemoryWatch::check`), carried out.
+    fn watch_memory(&mut self, now: Instant) {
+        let every = Duration::from_secs_f64(self.resolved.config.server.memory_check_interval_secs);
+        let Some((budget, verdicts)) = self.memory.check(now, every, &self.pool) else { return };
+        for verdict in verdicts {
+            match verdict {
+                Verdict::Kill(index) => self.pool.kill_for_memory(index),
+                Verdict::Replace(index, why) => self.replace_for_memory(index, &budget, &why),
             }
-            if slot.due(now) {
-                slot.start = Start::No;
-                let (models, generation, cause) = (slot.models.clone(), slot.generation, slot.cause);
-                self.spawn(index, Role::Current, cause, models, generation);
+        }
+    }
+
+    /// The first worker is ready: the memory plan (see `MemoryWatch::plan`); the pool keeps the
+    /// slots that fit and starts those held until now.
+    fn memory_plan(&mut self, pid: u32) -> Result<(), SupervisorError> {
+        let keep = self.memory.plan(pid, &self.resolved.config.server, self.pool.slots.len())?;
+        self.pool.fit(keep);
+        Ok(())
+    }
+
+    /// Gracefully replaces a slot's worker for memory: the new one first when there is room for
+    /// it, else the old one drains and exits before the new one starts. During a reload too:
+    /// the reload tells its own workers by their spawn ids, and waits for this one to finish
+    /// before it replaces the slot (retiring first would leave a 1-worker pool without a
+    /// listener for a boot's length).
+    fn replace_for_memory(&mut self, index: usize, budget: &MemoryBudget, why: &str) {
+        self.totals.recycled(RecycleReason::Memory);
+        let pid = self.pool.slots[index].with_role(Role::Current).map_or(0, |w| w.pid);
+        self.pool.begin_replacement(index, Cause::Memory, "memory", pid, why);
+        if self.memory.room_for_one(budget) {
+            let slot = &self.pool.slots[index];
+            let (models, generation) = (slot.models.clone(), slot.generation);
+            self.spawn(index, Role::Incoming, Cause::Memory, models, generation);
+            return;
+        }
+        self.pool.retire_first(index, Cause::Memory);
+    }
+
+    /// A worker due for recycling or with a fault is replaced, incoming first (see
+    /// `Pool::recycle_due`).
+    fn maybe_recycle(&mut self, now: Instant) {
+        let max_age = self.resolved.config.server.max_worker_age_secs;
+        let Some((index, reason)) = self.pool.recycle_due(now, max_age, self.reload.in_progress()) else { return };
+        let slot = &self.pool.slots[index];
+        let pid = slot.with_role(Role::Current).map_or(0, |w| w.pid);
+        let (cause, detail) = match reason {
+            RecycleReason::Fault => (Cause::Fault, "caught a panic serving a request (a bug, in its log)".to_string()),
+            _ => (Cause::Recycle, format!("reached server.{reason}")),
+        };
+        let (models, generation) = (slot.models.clone(), slot.generation);
+        self.totals.recycled(reason);
+        let trace_id = self.pool.begin_replacement(index, cause, reason.as_str(), pid, &detail);
+        let trace_id = trace_id.as_deref();
+        match cause {
+            Cause::Fault => warn!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+            _ => info!(trace_id, "worker {index} (pid {pid}) {detail}; replacing it"),
+        }
+        self.spawn(index, Role::Incoming, cause, models, generation);
+    }
+
+    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
+    /// started (a current worker is then retried after a backoff).
+    fn spawn(
+        &mut self,
+        index: usize,
+        role: Role,
+        cause: Cause,
+        models: Vec<ModelEntry>,
+        generation: u64,
+    ) -> Option<u64> {
+        let config = &self.resolved.config;
+        let slots = self.pool.slots.len();
+        let memory_share = config.models.on_demand.then(|| self.memory.models_budget(config) / slots.max(1) as u64);
+        let slot = &self.pool.slots[index];
+        let order = Order {
+            index,
+            cause,
+            models,
+            generation,
+            role,
+            placement: &slot.placement,
+            resolved: &self.resolved,
+            catalog: self.reload.on_demand(generation).unwrap_or(&self.pool.on_demand),
+            access: self.reload.access(cause).unwrap_or(&self.pool.access),
+            memory_share,
+            slots,
+            beside_others: cause != Cause::Boot || self.upgrade.shares_sockets(),
+        };
+        match self.launcher.start(order, &slot.sockets) {
+            Ok(worker) => {
+                let spawn = worker.spawn;
+                if cause.replaces() {
+                    let started = vec![KeyValue::new("process.pid", i64::from(worker.pid))];
+                    trace::event(&self.pool.slots[index].replacement, "worker started", started);
+                }
+                self.pool.add_worker(index, worker);
+                Some(spawn)
+            }
+            Err(e) => {
+                let delay = self.pool.start_failed(index, role);
+                error!("cannot start worker {index}: {e}; retrying in {delay:?}");
+                None
             }
         }
     }
 
     fn fail(&mut self, error: SupervisorError) {
-        if self.life.fatal.is_none() {
-            self.life.fatal = Some(error);
-        }
+        self.life.fail(error);
         self.begin_stop(true);
     }
 
     fn begin_stop(&mut self, fast: bool) {
-        self.abandon_upgrade();
+        self.upgrade.abandon();
         self.begin_stop_with(Some(if fast { Signal::SIGKILL } else { Signal::SIGTERM }));
     }
 
     /// The pool stops: nothing starts any more; `signal`, if any, goes to every worker.
     fn begin_stop_with(&mut self, signal: Option<Signal>) {
-        if !self.life.stopping {
-            self.life.stopping = true;
-            let grace = Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs);
-            // A worker enforces the grace period itself; the supervisor adds a margin before
-            // it stops waiting.
-            self.life.stop_deadline = Some(Instant::now() + grace + Duration::from_secs(2));
+        // A worker enforces the grace period itself; the supervisor adds a margin before it
+        // stops waiting.
+        if self.life.stop(Duration::from_secs_f64(self.resolved.config.server.graceful_timeout_secs)) {
             self.reload.abandon();
-            for slot in &mut self.pool.slots {
-                trace::end(slot.replacement.take(), vec![KeyValue::new("inferd.outcome", "stopped")], None);
-            }
+            self.pool.stopped();
         }
         match signal {
             Some(Signal::SIGKILL) => {
-                self.signal_all(Signal::SIGKILL);
-                self.life.killed_all = true;
+                self.pool.signal_all(Signal::SIGKILL);
+                self.life.killed_all();
             }
-            Some(signal) => self.signal_all(signal),
+            Some(signal) => self.pool.signal_all(signal),
             None => {}
         }
     }
 
-    fn signal_all(&self, signal: Signal) {
-        for worker in self.pool.workers() {
-            let _ = nix::sys::signal::kill(Pid::from_raw(worker.pid as i32), signal);
+    /// The pool's parts, read, for a report.
+    fn report(&self) -> Report<'_> {
+        Report {
+            resolved: &self.resolved,
+            pool: &self.pool,
+            life: &self.life,
+            phase: self.phase(),
+            reload: &self.reload,
+            upgrade: &self.upgrade,
+            memory: &self.memory,
+            totals: &self.totals,
+            saturation: &self.saturation,
+            launcher: &self.launcher,
         }
     }
 
     /// The pool's phase, from the slots and the reload in progress: never stored.
     fn phase(&self) -> Phase {
-        if self.life.stopping {
+        if self.life.stopping() {
             return Phase::Stopping;
         }
-        match (self.life.booted, self.reload.in_progress(), self.pool.all_ready()) {
+        match (self.life.booted(), self.reload.in_progress(), self.pool.all_ready()) {
             (false, _, _) => Phase::Starting,
             (true, true, _) => Phase::Reloading,
             (true, false, true) => Phase::Ready,
@@ -862,52 +574,29 @@ impl Supervisor {
     /// After each event or tick: the pool has booted once every slot has been ready at the same
     /// time; a change of phase is logged. Returns the phase now.
     fn settle(&mut self, before: Phase) -> Phase {
-        if !self.life.booted && !self.life.stopping && self.pool.all_ready() {
-            self.life.booted = true;
+        if self.pool.all_ready() && self.life.all_ready() {
             info!(
                 "pool ready: {} workers serving on {} after {:.2} s",
                 self.pool.slots.len(),
                 self.resolved.config.server.listen,
-                self.life.started.elapsed().as_secs_f64()
+                self.life.started().elapsed().as_secs_f64()
             );
         }
-        if self.life.booted && !self.life.stopping && self.pool.all_ready() {
+        if self.life.settled() && self.pool.all_ready() {
             let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
-            self.tell_old(upgrade::Say::Ready { pid, version });
+            self.upgrade.tell_old(upgrade::Say::Ready { pid, version });
         }
         let phase = self.phase();
-        if phase != before && self.life.booted {
+        if phase != before && self.life.booted() {
             info!("pool {before:?} -> {phase:?}");
         }
         phase
     }
 }
 
-fn signal_name(signal: i32) -> &'static str {
-    Signal::try_from(signal).map(|s| s.as_str()).unwrap_or("signal")
-}
-
-fn describe_exit(status: Option<ExitStatus>) -> String {
-    match status {
-        None => "exited (status unknown)".into(),
-        Some(s) => match (s.code(), s.signal()) {
-            (Some(code), _) => format!("exited with code {code}"),
-            (None, Some(sig)) => format!("was killed by {}", signal_name(sig)),
-            _ => format!("exited ({s})"),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::plan::memory::proc_status;
-
-    #[test]
-    fn exits_are_described() {
-        assert_eq!(describe_exit(Some(ExitStatus::from_raw(3 << 8))), "exited with code 3");
-        assert_eq!(describe_exit(Some(ExitStatus::from_raw(9))), "was killed by SIGKILL");
-    }
 
     #[test]
     fn own_status_is_readable() {

@@ -15,9 +15,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::slot::Pool;
 use crate::status::WorkerState;
-
-use super::Supervisor;
 
 /// What the gauges average over.
 pub(super) const WINDOW: Duration = Duration::from_secs(5);
@@ -47,6 +46,27 @@ impl Saturation {
         (seconds > 0.0).then(|| ((b1 - b0) / seconds).max(0.0))
     }
 
+    /// One sample of `pool` (every tick).
+    pub(super) fn sample(&mut self, now: Instant, pool: &Pool) {
+        let (mut held, mut lanes, mut waiting) = (0u64, 0u64, 0u64);
+        let mut workers = Vec::new();
+        for slot in &pool.slots {
+            waiting += slot.sockets.waiting();
+            for w in &slot.workers {
+                workers.push((w.pid, w.stats.lane_busy_seconds_now()));
+                if w.state == WorkerState::Ready {
+                    held += w.stats.in_flight_now();
+                    lanes += slot.placement.threads.max(1) as u64;
+                }
+            }
+        }
+        let fraction = match (lanes, waiting) {
+            (0, _) | (_, 1..) => 1.0,
+            (lanes, 0) => (held as f64 / lanes as f64).min(1.0),
+        };
+        self.record(now, fraction, workers);
+    }
+
     fn record(&mut self, now: Instant, fraction: f64, workers: Vec<(u32, f64)>) {
         let old = |t: &Instant| now.duration_since(*t) > WINDOW;
         self.pool.push_back((now, fraction));
@@ -62,29 +82,6 @@ impl Saturation {
                 samples.pop_front();
             }
         }
-    }
-}
-
-impl Supervisor {
-    /// One sample (every tick).
-    pub(super) fn sample_saturation(&mut self, now: Instant) {
-        let (mut held, mut lanes, mut waiting) = (0u64, 0u64, 0u64);
-        let mut workers = Vec::new();
-        for slot in &self.pool.slots {
-            waiting += slot.sockets.waiting();
-            for w in &slot.workers {
-                workers.push((w.pid, w.stats.lane_busy_seconds_now()));
-                if w.state == WorkerState::Ready {
-                    held += w.stats.in_flight_now();
-                    lanes += slot.placement.threads.max(1) as u64;
-                }
-            }
-        }
-        let fraction = match (lanes, waiting) {
-            (0, _) | (_, 1..) => 1.0,
-            (lanes, 0) => (held as f64 / lanes as f64).min(1.0),
-        };
-        self.saturation.record(now, fraction, workers);
     }
 }
 

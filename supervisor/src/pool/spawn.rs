@@ -3,15 +3,15 @@
 //! port, the hand-off socket and the pool's core claims, at the numbers ipc/src/spec.rs and
 //! ipc/src/cores.rs give them), and the task that forwards its messages and then reaps it.
 //! What that takes beside the spec, the descriptors every worker shares included, is the
-//! [`Launcher`]'s. And the slot's sockets themselves.
+//! [`Launcher`]'s.
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use inferd_config::file::ServerConfig;
+use inferd_config::auth::Access;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::balance::{Balance, WORKER_BALANCE_FD};
 use inferd_ipc::cores::{CoreClaims, WORKER_CORES_FD};
@@ -25,30 +25,43 @@ use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use super::guards::recycle_threshold;
-use super::slot::{backoff, on_demand_besides, Role, Start, Worker};
-use super::Supervisor;
-use crate::plan::cpu::format_cpus;
+use super::slot::{on_demand_besides, recycle_threshold, Role, Worker};
+use super::sockets::{dup_high, handoff_socket, SlotSockets};
+use crate::plan::cpu::{format_cpus, Placement};
+use crate::plan::Resolved;
 use crate::status::WorkerState;
 use crate::{systemd, Event};
 
-impl Supervisor {
-    /// Starts a worker for slot `index`; returns its spawn id, or None if it could not be
-    /// started (a current worker is then retried after a backoff).
-    pub(super) fn spawn(
-        &mut self,
-        index: usize,
-        role: Role,
-        cause: Cause,
-        models: Vec<ModelEntry>,
-        generation: u64,
-    ) -> Option<u64> {
-        let placement = &self.pool.slots[index].placement;
-        let config = &self.resolved.config;
-        // [models] on_demand: what the worker may load besides `models`, from the catalog the
-        // reload in progress read when this is one of its workers, else the pool's (read at
-        // start or by the latest successful reload; slot.rs). Nothing read here.
-        let catalog = self.reload.on_demand(generation).unwrap_or(&self.pool.on_demand);
+/// A worker to start: for which slot, role and cause, running what, and what the pool's other
+/// parts say of it.
+pub(super) struct Order<'a> {
+    pub(super) index: usize,
+    pub(super) cause: Cause,
+    pub(super) models: Vec<ModelEntry>,
+    pub(super) generation: u64,
+    pub(super) role: Role,
+    pub(super) placement: &'a Placement,
+    pub(super) resolved: &'a Resolved,
+    /// [models] on_demand: the catalog its worker may load from besides `models`: the reload's
+    /// when this is one of its workers, else the pool's (read at start or by the latest
+    /// successful reload; slot.rs). Nothing read here.
+    pub(super) catalog: &'a [ModelEntry],
+    /// The API keys and certificate: the reload's for its workers, else the pool's.
+    pub(super) access: &'a Access,
+    /// Its share of the memory for models loaded on demand.
+    pub(super) memory_share: Option<u64>,
+    /// How many slots the pool has.
+    pub(super) slots: usize,
+    /// Whether other workers serve while this one boots: a replacement, or the first
+    /// workers of an upgrade's new supervisor.
+    pub(super) beside_others: bool,
+}
+
+impl Launcher {
+    /// Starts the worker `order` asks for on its slot's `sockets`.
+    pub(super) fn start(&mut self, order: Order<'_>, sockets: &SlotSockets) -> std::io::Result<Worker> {
+        let Order { index, cause, models, generation, role, placement, resolved, catalog, access, .. } = order;
+        let config = &resolved.config;
         let on_demand = on_demand_besides(catalog, &models);
         let spec = WorkerSpec {
             index,
@@ -56,88 +69,69 @@ impl Supervisor {
             cause,
             threads: placement.threads,
             cpus: placement.cpus.clone(),
-            ort_library: self.resolved.ort.path.clone(),
+            ort_library: resolved.ort.path.clone(),
             models,
             server: config.server.clone(),
-            shared_listener: self.launcher.activated(),
-            handoff: self.launcher.handoff.is_some(),
+            shared_listener: self.activated(),
+            handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
             allocator: config.runtime.allocator,
-            access: self.reload.access(cause).unwrap_or(&self.pool.access).clone(),
-            lending: match (&self.launcher.cores, placement.cpus.as_slice()) {
+            access: access.clone(),
+            lending: match (&self.cores, placement.cpus.as_slice()) {
                 (Some(_), &[home]) if placement.threads == 1 && config.server.lend_idle_cores => {
                     Some(Lending { home, borrow: placement.borrow })
                 }
                 _ => None,
             },
-            balance: self.launcher.balance.is_some() && config.server.balance_connections,
-            limits: self.launcher.limits.is_some(),
-            // Whenever other workers serve while this one boots: a replacement, or the first
-            // workers of an upgrade's new supervisor.
-            boot_nice: match cause != Cause::Boot || self.upgrade.shares_sockets() {
-                true if self.launcher.renice => BOOT_NICE,
+            balance: self.balance.is_some() && config.server.balance_connections,
+            limits: self.limits.is_some(),
+            boot_nice: match order.beside_others {
+                true if self.renice => BOOT_NICE,
                 _ => 0,
             },
-            memory_share: config
-                .models
-                .on_demand
-                .then(|| self.memory.models_budget(config) / self.pool.slots.len().max(1) as u64),
+            memory_share: order.memory_share,
             on_demand,
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,
             placement: config.models.placement,
             tracing: config.tracing_config(),
-            cache_bytes: config.cache.per_worker(self.pool.slots.len()),
+            cache_bytes: config.cache.per_worker(order.slots),
         };
-        match self.launcher.start_process(&spec, &self.pool.slots[index].sockets) {
-            Ok((pid, stats)) => {
-                let borrows = match spec.lending.and_then(|l| l.borrow) {
-                    Some(cpu) => format!(" (and cpu {cpu} while idle)"),
-                    None => String::new(),
-                };
-                info!(
-                    "worker {index} started for {}: pid {pid}, cpus {}{borrows}, {} threads, generation {generation}",
-                    cause.as_str(),
-                    format_cpus(&spec.cpus),
-                    spec.threads
-                );
-                self.launcher.spawns += 1;
-                let spawn = self.launcher.spawns;
-                if cause.replaces() {
-                    let started = vec![opentelemetry::KeyValue::new("process.pid", i64::from(pid))];
-                    crate::trace::event(&self.pool.slots[index].replacement, "worker started", started);
-                }
-                self.pool.slots[index].workers.push(Worker {
-                    pid,
-                    spawn,
-                    cause,
-                    generation,
-                    role,
-                    state: WorkerState::Starting,
-                    started: Instant::now(),
-                    ready_at: None,
-                    models: Vec::new(),
-                    failure: None,
-                    stats,
-                    recycle_after: recycle_threshold(&config.server),
-                    stuck: None,
-                    memory_killed: false,
-                    costs: Default::default(),
-                });
-                Some(spawn)
-            }
-            Err(e) => {
-                let slot = &mut self.pool.slots[index];
-                slot.failures += 1;
-                let delay = backoff(slot.failures).max(Duration::from_millis(500));
-                error!("cannot start worker {index}: {e}; retrying in {delay:?}");
-                if role == Role::Current {
-                    slot.start = Start::At(Instant::now() + delay);
-                }
-                None
-            }
-        }
+        let (pid, stats) = self.start_process(&spec, sockets)?;
+        let borrows = match spec.lending.and_then(|l| l.borrow) {
+            Some(cpu) => format!(" (and cpu {cpu} while idle)"),
+            None => String::new(),
+        };
+        info!(
+            "worker {index} started for {}: pid {pid}, cpus {}{borrows}, {} threads, generation {generation}",
+            cause.as_str(),
+            format_cpus(&spec.cpus),
+            spec.threads
+        );
+        self.spawns += 1;
+        Ok(Worker {
+            pid,
+            spawn: self.spawns,
+            cause,
+            generation,
+            role,
+            state: WorkerState::Starting,
+            started: Instant::now(),
+            ready_at: None,
+            models: Vec::new(),
+            failure: None,
+            stats,
+            recycle_after: recycle_threshold(&config.server),
+            stuck: None,
+            memory_killed: false,
+            costs: Default::default(),
+        })
+    }
+
+    /// Each API key's rate, concurrency and counts now (for the metrics).
+    pub(super) fn keys(&self) -> Vec<inferd_ipc::limits::KeyReport> {
+        self.limits.as_ref().map(|(table, _)| table.report()).unwrap_or_default()
     }
 }
 
@@ -161,7 +155,7 @@ pub(super) struct Launcher {
     balance: Option<(Balance, OwnedFd)>,
     /// Each API key's rate, concurrency and counts (see `inferd_ipc::limits`), mapped here to
     /// report them and to clear the requests of workers that exit, and its descriptor.
-    pub(super) limits: Option<(Limits, OwnedFd)>,
+    limits: Option<(Limits, OwnedFd)>,
     /// Whether a thread of this user may be put back to nice 0 once niced (root with
     /// CAP_SYS_NICE, or RLIMIT_NICE: systemd's `LimitNICE=+0`): workers then boot niced.
     renice: bool,
@@ -285,8 +279,9 @@ impl Launcher {
         let (control_fd, counters_fd) = (control.as_raw_fd(), counters.as_raw_fd());
         // The slot's sockets, or systemd's shared one, and the hand-off socket (already above
         // 10: see `run`, `SlotSockets::bind` and `handoff_socket`).
-        let listener_fd = sockets.http.as_ref().or(self.listener.as_ref()).map(|l| l.as_raw_fd());
-        let grpc_fd = sockets.grpc.as_ref().map(|l| l.as_raw_fd());
+        let (http, grpc) = sockets.listeners();
+        let listener_fd = http.or(self.listener.as_ref()).map(|l| l.as_raw_fd());
+        let grpc_fd = grpc.map(|l| l.as_raw_fd());
         let handoff_fds = self.handoff.as_ref().map(|(send, recv)| (send.as_raw_fd(), recv.as_raw_fd()));
         let cores_fd = self.cores.as_ref().filter(|_| spec.lending.is_some()).map(|(_, fd)| fd.as_raw_fd());
         let balance_fd = self.balance.as_ref().filter(|_| spec.balance).map(|(_, fd)| fd.as_raw_fd());
@@ -373,117 +368,5 @@ impl Launcher {
             let _ = events.send(Event::Exited { slot, pid, status });
         });
         Ok((pid, stats))
-    }
-}
-
-/// A slot's sockets on the port (HTTP, and gRPC when server.grpc_listen is set): bound with
-/// SO_REUSEPORT when the slot is made, handed to each of its workers in turn, each of which
-/// puts them into listening once warm, and closed only when the slot goes. A listener that
-/// closes while the kernel completes a handshake for it resets that connection, even with
-/// net.ipv4.tcp_migrate_req=1 (measured: 2 in 219,000 connections while one listener of two
-/// closed every 35 ms); a socket kept open across a replacement closes nothing.
-pub(super) struct SlotSockets {
-    /// None under socket activation: the workers share systemd's socket instead.
-    http: Option<OwnedFd>,
-    grpc: Option<OwnedFd>,
-}
-
-impl SlotSockets {
-    /// Connections waiting in this slot's accept queues (HTTP and gRPC) for its worker to take
-    /// them: TCP_INFO's `tcpi_unacked` of a listening socket.
-    pub(super) fn waiting(&self) -> u64 {
-        [&self.http, &self.grpc].into_iter().flatten().map(|fd| accept_queue(fd.as_raw_fd())).sum()
-    }
-
-    /// Sockets inherited from the supervisor this one upgrades (bound, listening, shared with
-    /// its workers).
-    pub(super) fn inherited(http: Option<OwnedFd>, grpc: Option<OwnedFd>) -> SlotSockets {
-        SlotSockets { http, grpc }
-    }
-
-    /// Their descriptors, to hand to a new supervisor.
-    pub(super) fn fds(&self) -> (Option<i32>, Option<i32>) {
-        (self.http.as_ref().map(|fd| fd.as_raw_fd()), self.grpc.as_ref().map(|fd| fd.as_raw_fd()))
-    }
-
-    pub(super) fn bind(server: &ServerConfig, activated: bool) -> Result<SlotSockets, String> {
-        let http = match activated {
-            true => None,
-            false => Some(
-                bind_reuseport(server.listen_addr()).map_err(|e| format!("cannot listen on {}: {e}", server.listen))?,
-            ),
-        };
-        let grpc = server
-            .grpc_addr()
-            .map(bind_reuseport)
-            .transpose()
-            .map_err(|e| format!("cannot listen on {} (gRPC): {e}", server.grpc_listen))?;
-        Ok(SlotSockets { http, grpc })
-    }
-
-    /// Takes the slot out of the port's group when none of its workers accepts any more (its
-    /// worker died, or was retired with no successor: `scale -1`, a replacement that waits
-    /// for memory) and a sibling's does (`Supervisor::settle_port` decides): connections
-    /// waiting in its sockets move to the siblings
-    /// (net.ipv4.tcp_migrate_req) and new ones go there, instead of waiting for the slot's
-    /// next worker, which puts the sockets back by listening on them.
-    ///
-    /// Only a listening socket is shut down, and only here (workers never do; the supervisor
-    /// is one thread): shutdown() of a socket that is not listening marks it so that every
-    /// connection it accepts after its next listen() reads end-of-file at once.
-    pub(super) fn leave(&self) {
-        use nix::sys::socket::{getsockopt, shutdown, sockopt::AcceptConn, Shutdown};
-        for socket in self.http.iter().chain(&self.grpc) {
-            if getsockopt(socket, AcceptConn).unwrap_or(false) {
-                let _ = shutdown(socket.as_raw_fd(), Shutdown::Read);
-            }
-        }
-    }
-}
-
-/// A socket bound to `addr` in the port's SO_REUSEPORT group, not listening yet, numbered
-/// above 11 (see `start_process`).
-fn bind_reuseport(addr: std::net::SocketAddr) -> std::io::Result<OwnedFd> {
-    use socket2::{Domain, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.bind(&addr.into())?;
-    dup_high(socket.as_raw_fd())
-}
-
-/// The pool's hand-off socket: a SOCK_SEQPACKET pair, each end above fd 11.
-pub(super) fn handoff_socket() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-    let (send, recv) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-        .map_err(std::io::Error::from)?;
-    Ok((dup_high(send.as_raw_fd())?, dup_high(recv.as_raw_fd())?))
-}
-
-/// A copy of `fd` numbered above 11 (a worker's descriptors are 3 to 11), close-on-exec.
-pub(super) fn dup_high(fd: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: fcntl on a descriptor the caller owns; the result is a new descriptor we own.
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 12) };
-    if new < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(unsafe { OwnedFd::from_raw_fd(new) })
-    }
-}
-
-/// The connections waiting in listening socket `fd`'s accept queue (0 when it cannot be read).
-fn accept_queue(fd: std::os::fd::RawFd) -> u64 {
-    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: `info` and `len` are valid for the call; a bad fd is an error, not UB.
-    let read = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast(), &raw mut len) };
-    // On a listening socket (state TCP_LISTEN, 10 in the kernel's enum) the kernel reports
-    // its accept queue's length as tcpi_unacked.
-    const TCP_LISTEN: u8 = 10;
-    if read == 0 && info.tcpi_state == TCP_LISTEN {
-        u64::from(info.tcpi_unacked)
-    } else {
-        0
     }
 }

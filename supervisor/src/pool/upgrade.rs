@@ -38,9 +38,9 @@ use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use super::{dup_high, Supervisor};
-use crate::control::{Replies, Response};
-use crate::{systemd, Event};
+use super::sockets::dup_high;
+use crate::control::{ActionError, Replies, Response};
+use crate::Event;
 
 /// The variable that tells a new supervisor which descriptors it inherits.
 pub const UPGRADE_ENV: &str = "INFERD_UPGRADE";
@@ -98,23 +98,31 @@ pub enum UpgradeEvent {
     OldGone,
 }
 
+/// Why the descriptors [`UPGRADE_ENV`] names cannot be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum InheritError {
+    #[error("{UPGRADE_ENV} is not what an upgrading inferd passes: {0}")]
+    NotHanded(serde_json::Error),
+    #[error("{UPGRADE_ENV} names descriptor {0}, which is not open")]
+    NotOpen(RawFd),
+}
+
 impl Inherited {
     /// The descriptors named by [`UPGRADE_ENV`], if this process was started by an upgrade
     /// (the variable is cleared: call before any thread starts).
-    pub fn take() -> Result<Option<Inherited>, String> {
+    pub fn take() -> Result<Option<Inherited>, InheritError> {
         let Some(text) = std::env::var_os(UPGRADE_ENV) else { return Ok(None) };
         std::env::remove_var(UPGRADE_ENV);
         // systemd's watchdog names its process; once this one is the main process, it is.
         if std::env::var_os("WATCHDOG_USEC").is_some() {
             std::env::set_var("WATCHDOG_PID", std::process::id().to_string());
         }
-        let handed: Handed = serde_json::from_str(&text.to_string_lossy())
-            .map_err(|e| format!("{UPGRADE_ENV} is not what an upgrading inferd passes: {e}"))?;
-        let own = |fd: RawFd| -> Result<OwnedFd, String> {
+        let handed: Handed = serde_json::from_str(&text.to_string_lossy()).map_err(InheritError::NotHanded)?;
+        let own = |fd: RawFd| -> Result<OwnedFd, InheritError> {
             // Open, and close-on-exec again: workers get theirs by dup2.
             // SAFETY: fcntl on a descriptor number; F_GETFD fails on one that is not open.
             if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
-                return Err(format!("{UPGRADE_ENV} names descriptor {fd}, which is not open"));
+                return Err(InheritError::NotOpen(fd));
             }
             // SAFETY: the old supervisor handed this descriptor to this process alone.
             Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -126,9 +134,13 @@ impl Inherited {
             control: own(handed.control)?,
             admin: maybe(handed.admin)?,
             activated: maybe(handed.activated)?,
-            handoff: handed.handoff.map(|(s, r)| Ok::<_, String>((own(s)?, own(r)?))).transpose()?,
+            handoff: handed.handoff.map(|(s, r)| Ok::<_, InheritError>((own(s)?, own(r)?))).transpose()?,
             limits: maybe(handed.limits)?,
-            slots: handed.slots.into_iter().map(|(h, g)| Ok((maybe(h)?, maybe(g)?))).collect::<Result<_, String>>()?,
+            slots: handed
+                .slots
+                .into_iter()
+                .map(|(h, g)| Ok((maybe(h)?, maybe(g)?)))
+                .collect::<Result<_, InheritError>>()?,
         }))
     }
 }
@@ -223,20 +235,46 @@ fn listen(
     Ok(())
 }
 
-impl Supervisor {
+/// The descriptors an upgrade hands to the new supervisor, besides the channel: the control
+/// socket and the admin listener (the services'), systemd's socket, the hand-off socket and
+/// the table of key limits (the launcher's), and each slot's sockets.
+pub(super) struct Handing {
+    pub(super) control: Option<RawFd>,
+    pub(super) admin: Option<RawFd>,
+    pub(super) activated: Option<RawFd>,
+    pub(super) handoff: Option<(RawFd, RawFd)>,
+    pub(super) limits: Option<RawFd>,
+    pub(super) slots: Vec<(Option<RawFd>, Option<RawFd>)>,
+}
+
+/// What the loop does for an upgrade's news, beyond the upgrade's own state.
+pub(super) enum Step {
+    /// Old side: the new supervisor (`pid`, running `version`) is ready: the loop tells
+    /// systemd, then [`Upgrade::hand_over`], stops serving and retires its workers.
+    HandOver { pid: u32, version: String },
+    /// New side: the old handed over or is gone: the loop serves the control socket and the
+    /// admin listener, tells systemd, and lets go of the slots' sockets it has no slot for.
+    Serve,
+}
+
+impl Upgrade {
     /// New side, at start: listens to the old supervisor.
-    pub(super) fn candidate(&mut self, channel: OwnedFd, old_pid: u32) -> std::io::Result<()> {
+    pub(super) fn candidate(
+        channel: OwnedFd,
+        old_pid: u32,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> std::io::Result<Upgrade> {
         let channel = std::os::unix::net::UnixStream::from(channel);
-        listen(channel.try_clone()?, self.events.clone(), async { UpgradeEvent::OldGone })?;
+        listen(channel.try_clone()?, events, async { UpgradeEvent::OldGone })?;
         info!("started by an upgrade from pid {old_pid}: serving nothing of its own until its workers are ready");
-        self.upgrade = Upgrade::Candidate { channel, old_pid, told_ready: false };
-        self.tell_old(Say::Starting { version: inferd_ipc::version().to_string() });
-        Ok(())
+        let mut upgrade = Upgrade::Candidate { channel, old_pid, told_ready: false };
+        upgrade.tell_old(Say::Starting { version: inferd_ipc::version().to_string() });
+        Ok(upgrade)
     }
 
     /// New side: its pool became ready (tells the old), or it fails (tells the old why).
     pub(super) fn tell_old(&mut self, what: Say) {
-        if let Upgrade::Candidate { channel, told_ready, .. } = &mut self.upgrade {
+        if let Upgrade::Candidate { channel, told_ready, .. } = self {
             if matches!(what, Say::Ready { .. }) {
                 if *told_ready {
                     return;
@@ -248,47 +286,46 @@ impl Supervisor {
         }
     }
 
-    /// Old side: `inferd upgrade` or SIGUSR2. Starts the new supervisor, or refuses whole.
-    pub(super) fn start_upgrade(&mut self, binary: Option<PathBuf>, replies: Option<Replies>) -> Result<(), String> {
-        if self.life.stopping {
-            return Err("the pool is stopping".into());
-        }
-        match &self.upgrade {
+    /// Whether an upgrade may start now, as far as upgrades go (one at a time, none while
+    /// taking over or handed over).
+    pub(super) fn can_start(&self) -> Result<(), ActionError> {
+        match self {
             // After a hand-over, the previous old supervisor's workers may still drain.
-            Upgrade::None | Upgrade::TookOver { .. } => {}
-            Upgrade::Starting { pid, .. } => return Err(format!("an upgrade is in progress (to pid {pid})")),
-            Upgrade::Candidate { .. } => {
-                return Err("this supervisor is taking over from another: wait until it has".into())
-            }
-            Upgrade::HandedOver { pid } => return Err(format!("this supervisor has handed over to pid {pid}")),
+            Upgrade::None | Upgrade::TookOver { .. } => Ok(()),
+            Upgrade::Starting { pid, .. } => Err(ActionError::Upgrading(*pid)),
+            Upgrade::Candidate { .. } => Err(ActionError::TakingOver),
+            Upgrade::HandedOver { pid } => Err(ActionError::HandedOver(*pid)),
         }
-        if self.reload.in_progress() {
-            return Err("a reload is in progress: upgrade when it is done".into());
-        }
-        if !self.life.booted {
-            return Err("the pool has not been ready yet".into());
-        }
-        let binary = binary.unwrap_or_else(|| self.launcher.exe().to_path_buf());
+    }
+
+    /// Old side: `inferd upgrade` or SIGUSR2, once [`Upgrade::can_start`] and the pool said
+    /// yes: starts `binary` as the new supervisor with `handing`, or refuses whole.
+    pub(super) fn start(
+        &mut self,
+        binary: PathBuf,
+        handing: Handing,
+        events: mpsc::UnboundedSender<Event>,
+        replies: Option<Replies>,
+    ) -> Result<(), ActionError> {
         match std::fs::metadata(&binary) {
             Ok(m) if m.is_file() => {}
-            Ok(_) => return Err(format!("{} is not a file", binary.display())),
-            Err(e) => return Err(format!("{}: {e}", binary.display())),
+            Ok(_) => return Err(ActionError::NotAFile(binary)),
+            Err(error) => return Err(ActionError::NoBinary { binary, error }),
         }
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
-        let theirs = dup_high(theirs.as_raw_fd()).map_err(|e| e.to_string())?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(ActionError::Channel)?;
+        let theirs = dup_high(theirs.as_raw_fd()).map_err(ActionError::Channel)?;
+        let Handing { control, admin, activated, handoff, limits, slots } = handing;
+        let Some(control) = control else { return Err(ActionError::NotOurSocket) };
         let handed = Handed {
             old_pid: std::process::id(),
             channel: theirs.as_raw_fd(),
-            control: self.services.control.as_ref().map(|fd| fd.as_raw_fd()).unwrap_or(-1),
-            admin: self.services.admin.as_ref().map(|fd| fd.as_raw_fd()),
-            activated: self.launcher.listener_fd(),
-            handoff: self.launcher.handoff_fds(),
-            limits: self.launcher.limits_fd(),
-            slots: self.pool.slots.iter().filter(|s| !s.removing()).map(|s| s.sockets.fds()).collect(),
+            control,
+            admin,
+            activated,
+            handoff,
+            limits,
+            slots,
         };
-        if handed.control < 0 {
-            return Err("the control socket is not this supervisor's to hand over".into());
-        }
         let fds: Vec<RawFd> =
             [Some(handed.channel), Some(handed.control), handed.admin, handed.activated, handed.limits]
                 .into_iter()
@@ -312,7 +349,7 @@ impl Supervisor {
         let mut ends = [0; 2];
         // SAFETY: pipe2 fills the two descriptors, which are owned here from then on.
         if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(format!("cannot make a pipe: {}", std::io::Error::last_os_error()));
+            return Err(ActionError::Pipe(std::io::Error::last_os_error()));
         }
         // SAFETY: just made, owned by nothing else.
         let (pid_read, pid_write) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
@@ -340,17 +377,21 @@ impl Supervisor {
                 }
             });
         }
-        let mut between = command.spawn().map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        let mut between = match command.spawn() {
+            Ok(between) => between,
+            Err(error) => return Err(ActionError::CannotStart { binary, error }),
+        };
         drop((theirs, pid_write));
         tokio::spawn(async move {
             let _ = between.wait().await;
         });
         let mut bytes = [0u8; 4];
-        std::io::Read::read_exact(&mut std::fs::File::from(pid_read), &mut bytes)
-            .map_err(|e| format!("cannot start {}: its pid never came ({e})", binary.display()))?;
+        if let Err(error) = std::io::Read::read_exact(&mut std::fs::File::from(pid_read), &mut bytes) {
+            return Err(ActionError::NoPid { binary, error });
+        }
         let pid = i32::from_ne_bytes(bytes) as u32;
-        listen(ours.try_clone().map_err(|e| e.to_string())?, self.events.clone(), async { UpgradeEvent::Exited })
-            .map_err(|e| e.to_string())?;
+        let channel = ours.try_clone().map_err(ActionError::Channel)?;
+        listen(channel, events, async { UpgradeEvent::Exited }).map_err(ActionError::Channel)?;
         let message = format!(
             "upgrade: started {} as the new supervisor (pid {pid}); the old serves until its workers are ready",
             binary.display()
@@ -359,7 +400,7 @@ impl Supervisor {
         if let Some(replies) = &replies {
             let _ = replies.send(Response::progress(message));
         }
-        self.upgrade = Upgrade::Starting {
+        *self = Upgrade::Starting {
             pid,
             binary,
             version: None,
@@ -371,26 +412,12 @@ impl Supervisor {
         Ok(())
     }
 
-    pub(super) fn on_upgrade(&mut self, event: UpgradeEvent) {
-        match (event, &mut self.upgrade) {
-            (UpgradeEvent::Said(Say::Ready { pid: said, version }), Upgrade::Starting { pid, channel, .. })
-                if said == *pid =>
-            {
-                let pid = *pid;
-                // systemd first: the new one's READY=1 must come from the main process.
-                self.notifier.hand_over(pid);
-                say(channel, &Say::Handover);
-                self.services.stop();
-                let message = format!(
-                    "upgraded: pid {pid} (inferd {version}) serves now; the old workers (inferd {}) drain",
-                    inferd_ipc::version()
-                );
-                info!("{message}");
-                if let Upgrade::Starting { replies: Some(replies), .. } = &self.upgrade {
-                    let _ = replies.send(Response::message(message));
-                }
-                self.upgrade = Upgrade::HandedOver { pid };
-                self.retire_all();
+    /// What the channel brought: the upgrade's state moves on, and the loop is told what else
+    /// to do.
+    pub(super) fn on_event(&mut self, event: UpgradeEvent) -> Option<Step> {
+        match (event, &mut *self) {
+            (UpgradeEvent::Said(Say::Ready { pid: said, version }), Upgrade::Starting { pid, .. }) if said == *pid => {
+                return Some(Step::HandOver { pid: said, version });
             }
             (UpgradeEvent::Said(Say::Starting { version: said }), Upgrade::Starting { version, .. }) => {
                 *version = Some(said);
@@ -405,7 +432,7 @@ impl Supervisor {
                 if let Some(replies) = replies.take() {
                     let _ = replies.send(Response::error(error));
                 }
-                self.upgrade = Upgrade::None;
+                *self = Upgrade::None;
             }
             // Handed over, or the old is gone before it could (then nothing waits any more).
             (event @ (UpgradeEvent::HandedOver | UpgradeEvent::OldGone), Upgrade::Candidate { old_pid, .. }) => {
@@ -416,28 +443,45 @@ impl Supervisor {
                     ),
                     _ => warn!("pid {old_pid} went away before it handed over: this supervisor serves on its own"),
                 }
-                self.upgrade = match event {
+                *self = match event {
                     UpgradeEvent::HandedOver => Upgrade::TookOver { old_pid },
                     _ => Upgrade::None,
                 };
-                self.services.start(&self.events);
-                self.notifier = systemd::Notifier::from_env();
-                self.leave_extra_sockets();
+                return Some(Step::Serve);
             }
             (UpgradeEvent::OldGone, Upgrade::TookOver { old_pid }) => {
                 info!("pid {old_pid} exited: the upgrade is complete");
-                self.upgrade = Upgrade::None;
+                *self = Upgrade::None;
             }
             (UpgradeEvent::Said(said), _) => warn!("upgrade: the other supervisor said {said:?} out of turn; ignored"),
             (UpgradeEvent::Exited | UpgradeEvent::HandedOver | UpgradeEvent::OldGone, _) => {}
         }
+        None
+    }
+
+    /// Old side, after [`Step::HandOver`] (systemd told first: the new one's READY=1 must come
+    /// from the main process): the service is the new supervisor's, and `inferd upgrade` hears
+    /// so.
+    pub(super) fn hand_over(&mut self, version: &str) {
+        let Upgrade::Starting { pid, channel, replies, .. } = self else { return };
+        let pid = *pid;
+        say(channel, &Say::Handover);
+        let message = format!(
+            "upgraded: pid {pid} (inferd {version}) serves now; the old workers (inferd {}) drain",
+            inferd_ipc::version()
+        );
+        info!("{message}");
+        if let Some(replies) = replies {
+            let _ = replies.send(Response::message(message));
+        }
+        *self = Upgrade::HandedOver { pid };
     }
 
     /// Old side, on every tick: a new supervisor not ready in time is killed (its workers
     /// follow it), and the exit that follows fails the upgrade.
-    pub(super) fn watch_upgrade(&mut self) {
-        let limit = Duration::from_secs_f64(2.0 * self.resolved.config.server.boot_timeout_secs);
-        if let Upgrade::Starting { pid, since, failure, .. } = &mut self.upgrade {
+    pub(super) fn watch(&mut self, boot_timeout_secs: f64) {
+        let limit = Duration::from_secs_f64(2.0 * boot_timeout_secs);
+        if let Upgrade::Starting { pid, since, failure, .. } = self {
             if failure.is_none() && since.elapsed() > limit {
                 let why = format!("was not ready within {} s (2 x server.boot_timeout_secs): killed", limit.as_secs());
                 warn!("upgrade: the new supervisor (pid {pid}) {why}");
@@ -450,15 +494,15 @@ impl Supervisor {
     /// Old side, stopping during an upgrade: the new supervisor goes first (its workers follow
     /// it), and `inferd upgrade` is answered now: this one may be gone before the new one's
     /// end is seen.
-    pub(super) fn abandon_upgrade(&mut self) {
-        if let Upgrade::Starting { pid, replies, .. } = &mut self.upgrade {
+    pub(super) fn abandon(&mut self) {
+        if let Upgrade::Starting { pid, replies, .. } = self {
             let error = format!("upgrade failed: the supervisor is stopping; the new one (pid {pid}) was killed");
             warn!("{error}");
             let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
             if let Some(replies) = replies.take() {
                 let _ = replies.send(Response::error(error));
             }
-            self.upgrade = Upgrade::None;
+            *self = Upgrade::None;
         }
     }
 }

@@ -433,7 +433,7 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
         "model_id": meta.info.name,
         "model_sha": meta.info.sha256,
         "model_version": meta.info.version,
-        "model_dtype": if meta.info.precision == "int8" { "int8" } else { "float32" },
+        "model_dtype": if matches!(meta.info.precision, inferd_ipc::spec::Precision::Int8 { .. }) { "int8" } else { "float32" },
         "served_model_name": meta.info.name,
         "model_type": model_type,
         "max_input_length": max_input_length,

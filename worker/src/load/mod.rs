@@ -15,6 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use inferd_config::model::{ModelEntry, Precision};
+use inferd_ipc::spec::Precision as Served;
 use sha2::{Digest, Sha256};
 
 use crate::pipeline::Pipeline;
@@ -64,7 +65,7 @@ struct Source<'a> {
     file: ModelEntry,
     file_sha256: Vec<u8>,
     /// What status says of the precision served.
-    precision: String,
+    precision: Served,
     scratch: Option<std::path::PathBuf>,
 }
 
@@ -82,20 +83,20 @@ impl<'a> Source<'a> {
             scratch,
         };
         Ok(match entry.precision {
-            Precision::Fp32 => source(plain, sha256.clone(), "fp32".to_string(), None),
+            Precision::Fp32 => source(plain, sha256.clone(), Served::FP32, None),
             _ => match int8::prepare(runtime, entry, &sha256).map_err(fail)? {
                 (Some(prepared), report) => {
                     // Made before the digest, so that an error still removes the scratch copy.
                     let mut int8 = source(
                         ModelEntry { path: prepared.path, ..plain },
                         Vec::new(),
-                        report.summary(),
+                        report.precision(),
                         prepared.scratch,
                     );
                     int8.file_sha256 = digest(&int8.file.path).map_err(fail)?;
                     int8
                 }
-                (None, report) => source(plain, sha256.clone(), report.summary(), None),
+                (None, report) => source(plain, sha256.clone(), report.precision(), None),
             },
         })
     }

@@ -107,7 +107,7 @@ pub fn keys(meta: &Model, options: &RowOptions, tensors: &[Tensor], lengths: &[u
     base.update([0]);
     base.update(meta.info.version.as_bytes());
     base.update([0]);
-    base.update(meta.info.precision.as_bytes());
+    base.update(meta.info.precision.to_string().as_bytes());
     base.update([0]);
     // The options that change a row; pooling and the activation come with the model's
     // version only when its model.toml is versioned with it, so they are named here.

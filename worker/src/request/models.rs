@@ -529,8 +529,8 @@ mod tests {
             name: name.into(),
             version: "1".into(),
             sha256: "0".into(),
-            weights: String::new(),
-            precision: String::new(),
+            weights: Default::default(),
+            precision: Default::default(),
         };
         let meta = ModelMeta {
             info,

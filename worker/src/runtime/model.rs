@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 
 use inferd_config::file::Allocator;
 use inferd_config::model::{ModelEntry, Task};
-use inferd_ipc::spec::ModelInfo;
+use inferd_ipc::spec::{ModelInfo, Precision};
 use ort::environment::Environment;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::session::Session;
@@ -296,10 +296,10 @@ impl ModelSession {
                 version: entry.version.clone(),
                 sha256,
                 weights: match &weights {
-                    Weights::Shared(_) => "shared".into(),
-                    Weights::Private(why) => format!("private: {why}"),
+                    Weights::Shared(_) => inferd_ipc::spec::Weights::Shared,
+                    Weights::Private(why) => inferd_ipc::spec::Weights::Private { why: why.clone() },
                 },
-                precision: "fp32".into(),
+                precision: Precision::FP32,
             },
             task: entry.task,
             inputs,
@@ -311,7 +311,7 @@ impl ModelSession {
 
     /// This session as the model `entry` (loaded from another file, its int8 form): status,
     /// metadata and warm-up speak of `entry`, its SHA-256 `digest` and `precision`.
-    pub fn stand_for(&mut self, entry: &ModelEntry, digest: &[u8], precision: String) {
+    pub fn stand_for(&mut self, entry: &ModelEntry, digest: &[u8], precision: Precision) {
         self.meta.info.sha256 = sha256_prefix(digest);
         self.meta.info.precision = precision;
         self.entry = entry.clone();
@@ -448,8 +448,8 @@ mod tests {
                 name: "m".into(),
                 version: "1".into(),
                 sha256: "0".into(),
-                weights: String::new(),
-                precision: String::new(),
+                weights: Default::default(),
+                precision: Default::default(),
             },
             task: Task::Raw,
             inputs: inputs.iter().map(spec).collect(),

@@ -290,8 +290,8 @@ mod tests {
                 name: "m".into(),
                 version: "1".into(),
                 sha256: "0".into(),
-                weights: String::new(),
-                precision: String::new(),
+                weights: Default::default(),
+                precision: Default::default(),
             },
             task: inferd_config::model::Task::Raw,
             inputs: inputs

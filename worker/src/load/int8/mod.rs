@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use inferd_config::model::{ModelEntry, Precision};
+use inferd_ipc::spec::Precision as Served;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
@@ -96,8 +97,14 @@ impl Report {
 
     /// One line for the log, `status` and the model's metadata.
     pub fn summary(&self) -> String {
+        self.precision().to_string()
+    }
+
+    /// The precision served, with what the guard found.
+    pub fn precision(&self) -> Served {
         if self.inputs == 0 {
-            return format!("fp32 (int8 refused: {})", self.refused.as_deref().unwrap_or("not measured"));
+            let why = self.refused.as_deref().unwrap_or("not measured");
+            return Served::Fp32 { guard: Some(format!("int8 refused: {why}")) };
         }
         let error = match (self.min_cosine, self.mean_cosine, self.max_probability_error, self.top1_agreement) {
             (Some(min), Some(mean), _, _) => format!("min cosine {min:.4}, mean {mean:.4} to fp32"),
@@ -129,8 +136,8 @@ impl Report {
             self.quantized, self.candidates, self.inputs, self.of
         );
         match &self.refused {
-            None => format!("int8 ({what})"),
-            Some(why) => format!("fp32 (int8 refused: {why}; {what})"),
+            None => Served::Int8 { guard: what },
+            Some(why) => Served::Fp32 { guard: Some(format!("int8 refused: {why}; {what}")) },
         }
     }
 }
