@@ -651,12 +651,12 @@ impl Config {
         };
         if let Some(roots) = &tracing.certificate {
             if let Err(e) = crate::tls::ClientTls::load(Some(roots), None) {
-                return invalid("tracing.certificate", e);
+                return invalid("tracing.certificate", e.to_string());
             }
         }
         if identity.is_some() {
             if let Err(e) = crate::tls::ClientTls::load(tracing.certificate.as_deref(), identity) {
-                return invalid("tracing.client_certificate", e);
+                return invalid("tracing.client_certificate", e.to_string());
             }
         }
         if self.admin.protect_metrics && self.admin.token_file.is_none() {
