@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use inferd_config::model::ModelEntry;
 
-use super::Int8Error;
+use super::error::Int8Error;
 use crate::pipeline::Pipeline;
 use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::{validate_inputs, DataType, Tensor, TensorData};

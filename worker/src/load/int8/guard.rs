@@ -11,8 +11,9 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use super::calibration::{calibration, Calibration, Sample};
+use super::error::Int8Error;
 use super::rewrite;
-use super::{Int8Error, Report};
+use super::Report;
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
 use crate::runtime::model::{ModelSession, Runtime, Threads};
 use crate::runtime::tensor::{Tensor, TensorData};
