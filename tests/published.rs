@@ -248,7 +248,9 @@ fn folders_that_cannot_be_read_without_model_toml_are_refused_with_the_reason() 
     let dir = temp_dir("refused");
     write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
     let config = dir.path().join("inferd.toml");
-    let cases: [(&str, &dyn Fn(&Path), &str); 5] = [
+    // (folder, what is done to it, what the refusal says)
+    type Case<'a> = (&'a str, &'a dyn Fn(&Path), &'a str);
+    let cases: [Case; 5] = [
         // model.onnx or onnx/model.onnx is served beside others; without it, which one?
         (
             "two-files",

@@ -43,6 +43,7 @@ mod reload;
 mod repository;
 mod robustness;
 mod shutdown;
+mod structure;
 mod systemd;
 mod systemd_unit;
 mod tls;

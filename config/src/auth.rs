@@ -112,21 +112,63 @@ impl std::fmt::Display for KeyRate {
     }
 }
 
+/// Why a keys file, `INFERD_API_KEYS` or a key's settings cannot be used. No message shows a
+/// key: a short or odd one is told by its length.
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    #[error("{}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{} is not a regular file", path.display())]
+    NotAFile { path: PathBuf },
+    #[error(
+        "{} has mode {mode:o}: a keys file must not be readable or writable by group or others (chmod 600, \
+         owned by the service's user)",
+        path.display()
+    )]
+    NotPrivate { path: PathBuf, mode: u32 },
+    #[error("{} is {bytes} bytes; a keys file may have at most {MAX_FILE_BYTES}", path.display())]
+    TooLarge { path: PathBuf, bytes: u64 },
+    #[error("{} holds no key (one per line; # starts a comment)", path.display())]
+    Empty { path: PathBuf },
+    #[error("a key of {0} characters; keys must have at least {MIN_KEY_LEN} (e.g. `openssl rand -hex 32`)")]
+    Short(usize),
+    #[error("a key of {0} characters has a character that is not visible ASCII")]
+    NotVisible(usize),
+    #[error("key name '{0}' must be 1 to {MAX_NAME_BYTES} visible ASCII characters")]
+    Name(String),
+    #[error("key {key}: {what}={value} is not a whole number above 0")]
+    NotWhole { key: String, what: &'static str, value: String },
+    #[error("key {key}: priority={value} is not a whole number from 0 (the highest) to 255")]
+    Priority { key: String, value: String },
+    #[error("key {key}: rate={rate} is not requests per period (e.g. rate=100/s, rate=600/min, rate=1000/h)")]
+    Rate { key: String, rate: String },
+    #[error("key {key}: rate={rate} is more than {} per second", KeyRate::MAX_PER_SECOND)]
+    RateTooHigh { key: String, rate: String },
+    #[error("key {key}: burst= needs a rate= beside it")]
+    BurstWithoutRate { key: String },
+    #[error(
+        "key {key}: '{word}' is not a setting (a key's line is `KEY [name=NAME] [priority=N] \
+         [rate=N/s|min|h] [burst=N] [concurrency=N]`)"
+    )]
+    Setting { key: String, word: String },
+}
+
 /// Longest key name (the pool's limits table keeps this many bytes of it).
 pub const MAX_NAME_BYTES: usize = 64;
 
 impl KeySettings {
     /// The settings of `words` (a line's after its key), for the key of `digest`.
-    fn parse(words: &[&str], digest: &[u8; 32]) -> Result<KeySettings, String> {
+    fn parse(words: &[&str], digest: &[u8; 32]) -> Result<KeySettings, KeysError> {
         let hex: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
         let mut settings = KeySettings { name: format!("key-{hex}"), ..Default::default() };
         let mut burst = None;
         for word in words {
-            let whole = |n: &str, what: &str| -> Result<u32, String> {
-                n.parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| format!("key {}: {what}={n} is not a whole number above 0", settings.name))
+            let whole = |n: &str, what: &'static str| -> Result<u32, KeysError> {
+                n.parse().ok().filter(|&n| n > 0).ok_or_else(|| KeysError::NotWhole {
+                    key: settings.name.clone(),
+                    what,
+                    value: n.to_string(),
+                })
             };
             match word.split_once('=') {
                 Some(("name", name))
@@ -136,13 +178,11 @@ impl KeySettings {
                 {
                     settings.name = name.to_string()
                 }
-                Some(("name", name)) => {
-                    return Err(format!("key name '{name}' must be 1 to {MAX_NAME_BYTES} visible ASCII characters"))
-                }
+                Some(("name", name)) => return Err(KeysError::Name(name.to_string())),
                 Some(("priority", n)) => {
-                    settings.priority = n.parse().map_err(|_| {
-                        format!("key {}: priority={n} is not a whole number from 0 (the highest) to 255", settings.name)
-                    })?
+                    settings.priority = n
+                        .parse()
+                        .map_err(|_| KeysError::Priority { key: settings.name.clone(), value: n.to_string() })?
                 }
                 Some(("rate", rate)) => {
                     let (count, per) = rate.split_once('/').unwrap_or((rate, ""));
@@ -150,32 +190,17 @@ impl KeySettings {
                         "s" | "sec" | "second" => RatePeriod::Second,
                         "m" | "min" | "minute" => RatePeriod::Minute,
                         "h" | "hour" => RatePeriod::Hour,
-                        _ => {
-                            return Err(format!(
-                                "key {}: rate={rate} is not requests per period (e.g. rate=100/s, rate=600/min, rate=1000/h)",
-                                settings.name
-                            ))
-                        }
+                        _ => return Err(KeysError::Rate { key: settings.name.clone(), rate: rate.to_string() }),
                     };
                     let count = whole(count, "rate")?;
                     if count as u64 > KeyRate::MAX_PER_SECOND * per.seconds() {
-                        return Err(format!(
-                            "key {}: rate={rate} is more than {} per second",
-                            settings.name,
-                            KeyRate::MAX_PER_SECOND
-                        ));
+                        return Err(KeysError::RateTooHigh { key: settings.name.clone(), rate: rate.to_string() });
                     }
                     settings.rate = Some(KeyRate { count, per, burst: 0 });
                 }
                 Some(("burst", n)) => burst = Some(whole(n, "burst")?),
                 Some(("concurrency", n)) => settings.concurrency = Some(whole(n, "concurrency")?),
-                _ => {
-                    return Err(format!(
-                        "key {}: '{word}' is not a setting (a key's line is `KEY [name=NAME] [priority=N] \
-                         [rate=N/s|min|h] [burst=N] [concurrency=N]`)",
-                        settings.name
-                    ))
-                }
+                _ => return Err(KeysError::Setting { key: settings.name.clone(), word: word.to_string() }),
             }
         }
         match (&mut settings.rate, burst) {
@@ -183,7 +208,7 @@ impl KeySettings {
                 let second = (rate.count as u64).div_ceil(rate.per.seconds()).max(1) as u32;
                 rate.burst = burst.unwrap_or(second);
             }
-            (None, Some(_)) => return Err(format!("key {}: burst= needs a rate= beside it", settings.name)),
+            (None, Some(_)) => return Err(KeysError::BurstWithoutRate { key: settings.name.clone() }),
             (None, None) => {}
         }
         Ok(settings)
@@ -234,7 +259,7 @@ impl ApiKeys {
     /// The keys the configuration names (`api_keys_file`, resolved by the caller) and the
     /// environment gives; None when neither names any (every request is served).
     pub fn load(file: Option<&Path>, protect_health: bool) -> Result<Option<ApiKeys>, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid { key: "auth.api_keys_file", message };
+        let invalid = |error: KeysError| ConfigError::Invalid { key: "auth.api_keys_file", message: error.to_string() };
         let mut keys = Vec::new();
         if let Some(path) = file {
             keys.extend(read_file(path).map_err(invalid)?);
@@ -257,23 +282,20 @@ impl ApiKeys {
     }
 
     /// The keys of one file alone (the admin token file); `protect_health` as given.
-    pub fn from_file(path: &Path, protect_health: bool) -> Result<ApiKeys, String> {
+    pub fn from_file(path: &Path, protect_health: bool) -> Result<ApiKeys, KeysError> {
         ApiKeys::of(&read_file(path)?, protect_health)
     }
 
     /// `lines` (a key, then its settings), checked (long enough, visible ASCII), as their
     /// digests and settings.
-    fn of(lines: &[String], protect_health: bool) -> Result<ApiKeys, String> {
+    fn of(lines: &[String], protect_health: bool) -> Result<ApiKeys, KeysError> {
         let split: Vec<Vec<&str>> = lines.iter().map(|l| l.split_whitespace().collect()).collect();
         let keys: Vec<&str> = split.iter().filter_map(|words| words.first().copied()).collect();
         if let Some(short) = keys.iter().find(|k| k.len() < MIN_KEY_LEN) {
-            return Err(format!(
-                "a key of {} characters; keys must have at least {MIN_KEY_LEN} (e.g. `openssl rand -hex 32`)",
-                short.len()
-            ));
+            return Err(KeysError::Short(short.len()));
         }
         if let Some(bad) = keys.iter().find(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
-            return Err(format!("a key of {} characters has a character that is not visible ASCII", bad.len()));
+            return Err(KeysError::NotVisible(bad.len()));
         }
         let mut entries = Vec::with_capacity(keys.len());
         for words in split.iter().filter(|w| !w.is_empty()) {
@@ -327,32 +349,24 @@ fn equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-fn read_file(path: &Path) -> Result<Vec<String>, String> {
+fn read_file(path: &Path) -> Result<Vec<String>, KeysError> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let unreadable = |error| KeysError::Read { path: path.to_path_buf(), error };
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
     if !meta.is_file() {
-        return Err(format!("{} is not a regular file", path.display()));
+        return Err(KeysError::NotAFile { path: path.to_path_buf() });
     }
     if meta.mode() & 0o077 != 0 {
-        return Err(format!(
-            "{} has mode {:o}: a keys file must not be readable or writable by group or others (chmod 600, \
-             owned by the service's user)",
-            path.display(),
-            meta.mode() & 0o777
-        ));
+        return Err(KeysError::NotPrivate { path: path.to_path_buf(), mode: meta.mode() & 0o777 });
     }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(format!(
-            "{} is {} bytes; a keys file may have at most {MAX_FILE_BYTES}",
-            path.display(),
-            meta.len()
-        ));
+        return Err(KeysError::TooLarge { path: path.to_path_buf(), bytes: meta.len() });
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(unreadable)?;
     let keys: Vec<String> =
         text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
     if keys.is_empty() {
-        return Err(format!("{} holds no key (one per line; # starts a comment)", path.display()));
+        return Err(KeysError::Empty { path: path.to_path_buf() });
     }
     Ok(keys)
 }

@@ -371,10 +371,21 @@ impl CacheConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);
 
-impl std::str::FromStr for ByteSize {
-    type Err = String;
+/// A text that is not a [`ByteSize`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ByteSizeError {
+    #[error("'{text}': unknown unit '{unit}' (B, kB, KiB, MB, MiB, GB, GiB, TB, TiB)")]
+    Unit { text: String, unit: String },
+    #[error("'{0}' is not a size such as \"2GiB\"")]
+    Number(String),
+    #[error("'{0}' is too large")]
+    TooLarge(String),
+}
 
-    fn from_str(text: &str) -> Result<ByteSize, String> {
+impl std::str::FromStr for ByteSize {
+    type Err = ByteSizeError;
+
+    fn from_str(text: &str) -> Result<ByteSize, ByteSizeError> {
         let text = text.trim();
         let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
         let (number, unit) = (&text[..split], text[split..].trim());
@@ -388,12 +399,12 @@ impl std::str::FromStr for ByteSize {
             "GiB" => 1 << 30,
             "TB" => 1_000_000_000_000,
             "TiB" => 1 << 40,
-            other => return Err(format!("'{text}': unknown unit '{other}' (B, kB, KiB, MB, MiB, GB, GiB, TB, TiB)")),
+            other => return Err(ByteSizeError::Unit { text: text.into(), unit: other.into() }),
         };
-        let value: f64 = number.parse().map_err(|_| format!("'{text}' is not a size such as \"2GiB\""))?;
+        let value: f64 = number.parse().map_err(|_| ByteSizeError::Number(text.into()))?;
         let bytes = value * scale as f64;
         if !(bytes.is_finite() && bytes < u64::MAX as f64) {
-            return Err(format!("'{text}' is too large"));
+            return Err(ByteSizeError::TooLarge(text.into()));
         }
         Ok(ByteSize(bytes as u64))
     }
@@ -651,12 +662,12 @@ impl Config {
         };
         if let Some(roots) = &tracing.certificate {
             if let Err(e) = crate::tls::ClientTls::load(Some(roots), None) {
-                return invalid("tracing.certificate", e);
+                return invalid("tracing.certificate", e.to_string());
             }
         }
         if identity.is_some() {
             if let Err(e) = crate::tls::ClientTls::load(tracing.certificate.as_deref(), identity) {
-                return invalid("tracing.client_certificate", e);
+                return invalid("tracing.client_certificate", e.to_string());
             }
         }
         if self.admin.protect_metrics && self.admin.token_file.is_none() {
@@ -782,7 +793,7 @@ impl Config {
         let Some(file) = &self.admin.token_file else { return Ok(None) };
         crate::auth::ApiKeys::from_file(&self.resolve(file), self.admin.protect_metrics)
             .map(Some)
-            .map_err(|message| ConfigError::Invalid { key: "admin.token_file", message })
+            .map_err(|e| ConfigError::Invalid { key: "admin.token_file", message: e.to_string() })
     }
 
     /// The API keys requests must carry (`[auth]`, INFERD_API_KEYS), read now; None: none.

@@ -22,6 +22,55 @@ use crate::ConfigError;
 /// A certificate or key file larger than this is refused (a long chain is a few KiB).
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
+/// Why a PEM file, or the TLS configuration its contents make, cannot be used. Its messages
+/// are what `inferd check` and a refused reload print, after the configuration key.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{} is not a regular file", path.display())]
+    NotAFile { path: PathBuf },
+    #[error(
+        "{} has mode {mode:o}: a private key must not be readable or writable by group or others (chmod 600, \
+         owned by the service's user; Kubernetes: the Secret volume's defaultMode 0400)",
+        path.display()
+    )]
+    KeyNotPrivate { path: PathBuf, mode: u32 },
+    #[error("{} is {bytes} bytes; at most {MAX_FILE_BYTES} are read", path.display())]
+    TooLarge { path: PathBuf, bytes: u64 },
+    #[error("not a PEM certificate chain: {0}")]
+    NotAChain(rustls::pki_types::pem::Error),
+    #[error("not a PEM certificate: {0}")]
+    NotACertificate(rustls::pki_types::pem::Error),
+    #[error("holds no CERTIFICATE block")]
+    NoCertificate,
+    #[error("holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {0}")]
+    NoPrivateKey(rustls::pki_types::pem::Error),
+    #[error("holds no usable CA certificate")]
+    NoUsableCa,
+    /// One of the above, about the file `path` (whose name the error does not hold).
+    #[error("{}: {error}", path.display())]
+    In { path: PathBuf, error: Box<TlsError> },
+    #[error("no certificate was given and no system CA bundle was found ({})", SYSTEM_CA_BUNDLES.join(", "))]
+    NoSystemBundle,
+    /// rustls refused the configuration (protocol versions, or a key that is not the
+    /// certificate's).
+    #[error("{0}")]
+    Rustls(rustls::Error),
+    #[error("client CA: {0}")]
+    ClientCa(rustls::server::VerifierBuilderError),
+    #[error("the client certificate and key cannot be used together: {0}")]
+    ClientIdentity(rustls::Error),
+}
+
+/// For callers whose own errors are still text (the supervisor's admin listener, a worker's
+/// boot): `?` turns the error into its message.
+impl From<TlsError> for String {
+    fn from(error: TlsError) -> String {
+        error.to_string()
+    }
+}
+
 /// ALPN for the HTTP/1.1 port and the gRPC (HTTP/2) port.
 pub const ALPN_HTTP1: &[u8] = b"http/1.1";
 pub const ALPN_H2: &[u8] = b"h2";
@@ -68,23 +117,22 @@ impl TlsPaths {
     /// The files, read and checked now; None without `tls_cert` (plain TCP).
     pub fn load(&self, section: &'static str) -> Result<Option<Tls>, ConfigError> {
         let (Some(cert), Some(key)) = (&self.cert, &self.key) else { return Ok(None) };
-        let invalid = |key: &'static str| move |message: String| ConfigError::Invalid { key, message };
+        let invalid =
+            |key: &'static str| move |error: TlsError| ConfigError::Invalid { key, message: error.to_string() };
         let [cert_key, key_key, ca_key] = keys(section);
         let tls = Tls {
             cert_chain: read(cert, false).map_err(invalid(cert_key))?,
             key: read(key, true).map_err(invalid(key_key))?,
             client_ca: self.client_ca.as_deref().map(|ca| read(ca, false)).transpose().map_err(invalid(ca_key))?,
         };
-        fn named(path: &Path) -> impl Fn(String) -> String + '_ {
-            move |e| format!("{}: {e}", path.display())
-        }
         tls.certificates().map_err(named(cert)).map_err(invalid(cert_key))?;
         tls.private_key().map_err(named(key)).map_err(invalid(key_key))?;
         if let (Some(path), Some(_)) = (&self.client_ca, &tls.client_ca) {
             tls.client_roots().map_err(named(path)).map_err(invalid(ca_key))?;
         }
-        tls.server_config(&[]).map_err(|e| {
-            invalid(key_key)(format!("{} and {} cannot serve together: {e}", cert.display(), key.display()))
+        tls.server_config(&[]).map_err(|e| ConfigError::Invalid {
+            key: key_key,
+            message: format!("{} and {} cannot serve together: {e}", cert.display(), key.display()),
         })?;
         Ok(Some(tls))
     }
@@ -92,11 +140,11 @@ impl TlsPaths {
 
 impl Tls {
     /// The rustls configuration of a listener that offers `alpn` (in order of preference).
-    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, String> {
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?;
+            .map_err(TlsError::Rustls)?;
         let builder = match self.client_ca.is_some() {
             true => {
                 let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
@@ -104,14 +152,14 @@ impl Tls {
                     provider,
                 )
                 .build()
-                .map_err(|e| format!("client CA: {e}"))?;
+                .map_err(TlsError::ClientCa)?;
                 builder.with_client_cert_verifier(verifier)
             }
             false => builder.with_no_client_auth(),
         };
         // with_single_cert checks that the key is the certificate's.
         let mut config =
-            builder.with_single_cert(self.certificates()?, self.private_key()?).map_err(|e| e.to_string())?;
+            builder.with_single_cert(self.certificates()?, self.private_key()?).map_err(TlsError::Rustls)?;
         config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Ok(Arc::new(config))
     }
@@ -121,15 +169,15 @@ impl Tls {
         self.client_ca.is_some()
     }
 
-    fn certificates(&self) -> Result<Vec<CertificateDer<'static>>, String> {
+    fn certificates(&self) -> Result<Vec<CertificateDer<'static>>, TlsError> {
         certificates(&self.cert_chain)
     }
 
-    fn private_key(&self) -> Result<PrivateKeyDer<'static>, String> {
+    fn private_key(&self) -> Result<PrivateKeyDer<'static>, TlsError> {
         private_key(&self.key)
     }
 
-    fn client_roots(&self) -> Result<rustls::RootCertStore, String> {
+    fn client_roots(&self) -> Result<rustls::RootCertStore, TlsError> {
         roots(self.client_ca.as_deref().unwrap_or_default())
     }
 }
@@ -149,15 +197,12 @@ pub struct ClientTls {
 impl ClientTls {
     /// Reads `roots` (None: the system's CA bundle) and `identity` (chain, key), and checks them
     /// by building the rustls configuration they make.
-    pub fn load(roots: Option<&Path>, identity: Option<(&Path, &Path)>) -> Result<ClientTls, String> {
-        fn named(path: &Path) -> impl Fn(String) -> String + '_ {
-            move |e| format!("{}: {e}", path.display())
-        }
+    pub fn load(roots: Option<&Path>, identity: Option<(&Path, &Path)>) -> Result<ClientTls, TlsError> {
         let roots = match roots {
             Some(path) => read(path, false)?,
-            None => SYSTEM_CA_BUNDLES.iter().find_map(|p| read(Path::new(p), false).ok()).ok_or_else(|| {
-                format!("no certificate was given and no system CA bundle was found ({})", SYSTEM_CA_BUNDLES.join(", "))
-            })?,
+            None => {
+                SYSTEM_CA_BUNDLES.iter().find_map(|p| read(Path::new(p), false).ok()).ok_or(TlsError::NoSystemBundle)?
+            }
         };
         let identity = match identity {
             Some((chain, key)) => {
@@ -174,15 +219,15 @@ impl ClientTls {
     }
 
     /// The rustls configuration of a client that trusts `roots` and presents `identity`.
-    pub fn client_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+    pub fn client_config(&self) -> Result<Arc<rustls::ClientConfig>, TlsError> {
         let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
+            .map_err(TlsError::Rustls)?
             .with_root_certificates(roots(&self.roots)?);
         let config = match &self.identity {
             Some((chain, key)) => builder
                 .with_client_auth_cert(certificates(chain)?, private_key(key)?)
-                .map_err(|e| format!("the client certificate and key cannot be used together: {e}"))?,
+                .map_err(TlsError::ClientIdentity)?,
             None => builder.with_no_client_auth(),
         };
         Ok(Arc::new(config))
@@ -195,33 +240,36 @@ impl std::fmt::Debug for ClientTls {
     }
 }
 
-fn certificates(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    let chain = CertificateDer::pem_slice_iter(pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("not a PEM certificate chain: {e}"))?;
+/// `error` about the file `path`.
+fn named(path: &Path) -> impl Fn(TlsError) -> TlsError + '_ {
+    move |error| TlsError::In { path: path.to_path_buf(), error: Box::new(error) }
+}
+
+fn certificates(pem: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let chain =
+        CertificateDer::pem_slice_iter(pem.as_bytes()).collect::<Result<Vec<_>, _>>().map_err(TlsError::NotAChain)?;
     match chain.is_empty() {
-        true => Err("holds no CERTIFICATE block".into()),
+        true => Err(TlsError::NoCertificate),
         false => Ok(chain),
     }
 }
 
-fn private_key(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
-    PrivateKeyDer::from_pem_slice(pem.as_bytes())
-        .map_err(|e| format!("holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
+fn private_key(pem: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(TlsError::NoPrivateKey)
 }
 
 /// CA certificates to trust. A system bundle may hold a few that webpki cannot use as trust
 /// anchors: those are skipped, as long as one is usable.
-fn roots(pem: &str) -> Result<rustls::RootCertStore, String> {
+fn roots(pem: &str) -> Result<rustls::RootCertStore, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("not a PEM certificate: {e}"))?;
+        .map_err(TlsError::NotACertificate)?;
     if certs.is_empty() {
-        return Err("holds no CERTIFICATE block".into());
+        return Err(TlsError::NoCertificate);
     }
     let mut roots = rustls::RootCertStore::empty();
     match roots.add_parsable_certificates(certs) {
-        (0, _) => Err("holds no usable CA certificate".into()),
+        (0, _) => Err(TlsError::NoUsableCa),
         _ => Ok(roots),
     }
 }
@@ -235,24 +283,20 @@ fn keys(section: &'static str) -> [&'static str; 3] {
 }
 
 /// A PEM file: a regular file of at most 1 MiB; `private`: only its owner may read it.
-fn read(path: &Path, private: bool) -> Result<String, String> {
+fn read(path: &Path, private: bool) -> Result<String, TlsError> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let unreadable = |error| TlsError::Read { path: path.to_path_buf(), error };
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
     if !meta.is_file() {
-        return Err(format!("{} is not a regular file", path.display()));
+        return Err(TlsError::NotAFile { path: path.to_path_buf() });
     }
     if private && meta.mode() & 0o077 != 0 {
-        return Err(format!(
-            "{} has mode {:o}: a private key must not be readable or writable by group or others (chmod 600, \
-             owned by the service's user; Kubernetes: the Secret volume's defaultMode 0400)",
-            path.display(),
-            meta.mode() & 0o777
-        ));
+        return Err(TlsError::KeyNotPrivate { path: path.to_path_buf(), mode: meta.mode() & 0o777 });
     }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(format!("{} is {} bytes; at most {MAX_FILE_BYTES} are read", path.display(), meta.len()));
+        return Err(TlsError::TooLarge { path: path.to_path_buf(), bytes: meta.len() });
     }
-    std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
+    std::fs::read_to_string(path).map_err(unreadable)
 }
 
 #[cfg(test)]

@@ -80,9 +80,9 @@ pub enum TlsError {
     /// Its files: missing, unreadable, not PEM.
     #[error(transparent)]
     Files(#[from] inferd_config::ConfigError),
-    /// rustls refused what they hold (inferd-config says why, in words).
-    #[error("{0}")]
-    Refused(String),
+    /// rustls refused what they hold.
+    #[error(transparent)]
+    Refused(#[from] inferd_config::tls::TlsError),
 }
 
 impl AdminTls {
@@ -116,7 +116,7 @@ impl AdminTls {
 
 fn acceptor(paths: &inferd_config::tls::TlsPaths) -> Result<Option<tokio_rustls::TlsAcceptor>, TlsError> {
     let Some(tls) = paths.load("admin")? else { return Ok(None) };
-    let config = tls.server_config(&[inferd_config::tls::ALPN_HTTP1]).map_err(TlsError::Refused)?;
+    let config = tls.server_config(&[inferd_config::tls::ALPN_HTTP1])?;
     Ok(Some(config.into()))
 }
 

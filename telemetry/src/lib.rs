@@ -175,6 +175,19 @@ fn protocol(config: &TracingConfig) -> String {
         .unwrap_or_else(|| "http/protobuf".into())
 }
 
+/// Why the export thread has no exporter (it then drops every span, counted).
+#[derive(Debug, thiserror::Error)]
+enum ExporterError {
+    #[error("TLS to the collector: {0}")]
+    Client(tls::ClientError),
+    #[error("{0}")]
+    Connector(#[from] inferd_config::tls::TlsError),
+    #[error("OTLP protocol '{0}' is not one of grpc, http/protobuf")]
+    Protocol(String),
+    #[error("{0}")]
+    Build(#[from] opentelemetry_otlp::ExporterBuildError),
+}
+
 /// What the export thread needs to make its exporter.
 struct Export {
     config: TracingConfig,
@@ -193,7 +206,7 @@ impl Export {
     }
 
     /// The exporter (in the export thread's runtime: tonic's channel needs one).
-    fn exporter(&self) -> Result<opentelemetry_otlp::SpanExporter, String> {
+    fn exporter(&self) -> Result<opentelemetry_otlp::SpanExporter, ExporterError> {
         use opentelemetry_otlp::tonic_types::transport::{Certificate, ClientTlsConfig, Identity};
         use opentelemetry_otlp::{WithHttpConfig as _, WithTonicConfig as _};
         let timeout = self.timeout();
@@ -203,7 +216,7 @@ impl Export {
                 .find_map(|v| std::env::var(v).ok().filter(|e| !e.trim().is_empty()))
         });
         let tls = match endpoint.as_deref().is_some_and(|e| e.trim().starts_with("https://")) {
-            true => Some(tls::client(&self.config).map_err(|e| format!("TLS to the collector: {e}"))?),
+            true => Some(tls::client(&self.config).map_err(ExporterError::Client)?),
             false => None,
         };
         let built = match self.protocol.as_str() {
@@ -236,9 +249,9 @@ impl Export {
                 }
                 builder.build()
             }
-            other => return Err(format!("OTLP protocol '{other}' is not one of grpc, http/protobuf")),
+            other => return Err(ExporterError::Protocol(other.to_string())),
         };
-        let mut exporter = built.map_err(|e| e.to_string())?;
+        let mut exporter = built?;
         exporter.set_resource(&self.resource);
         Ok(exporter)
     }

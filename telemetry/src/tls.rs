@@ -12,7 +12,7 @@ use hyper::Uri;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use inferd_config::file::TracingConfig;
-use inferd_config::tls::ClientTls;
+use inferd_config::tls::{ClientTls, TlsError};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
@@ -24,8 +24,17 @@ fn path(key: &Option<PathBuf>, variables: [&str; 2]) -> Option<PathBuf> {
         .or_else(|| variables.iter().find_map(|v| std::env::var_os(v).filter(|p| !p.is_empty()).map(PathBuf::from)))
 }
 
+/// Why the exporter has no TLS client for an https:// collector.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ClientError {
+    #[error("a client certificate needs its key, and a key its certificate")]
+    HalfAnIdentity,
+    #[error(transparent)]
+    Files(#[from] TlsError),
+}
+
 /// What the exporter trusts and presents to an https:// collector.
-pub(crate) fn client(config: &TracingConfig) -> Result<ClientTls, String> {
+pub(crate) fn client(config: &TracingConfig) -> Result<ClientTls, ClientError> {
     let roots = path(&config.certificate, ["OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE"]);
     let chain = path(
         &config.client_certificate,
@@ -35,9 +44,9 @@ pub(crate) fn client(config: &TracingConfig) -> Result<ClientTls, String> {
     let identity = match (&chain, &key) {
         (Some(chain), Some(key)) => Some((chain.as_path(), key.as_path())),
         (None, None) => None,
-        _ => return Err("a client certificate needs its key, and a key its certificate".into()),
+        _ => return Err(ClientError::HalfAnIdentity),
     };
-    ClientTls::load(roots.as_deref(), identity)
+    Ok(ClientTls::load(roots.as_deref(), identity)?)
 }
 
 /// hyper's connector to an https:// collector: TCP by hyper-util's connector, then TLS.
@@ -54,7 +63,7 @@ impl std::fmt::Debug for Connector {
 }
 
 impl Connector {
-    pub(crate) fn new(tls: &ClientTls) -> Result<Connector, String> {
+    pub(crate) fn new(tls: &ClientTls) -> Result<Connector, TlsError> {
         let mut tcp = HttpConnector::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);

@@ -13,7 +13,22 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::protowire::{fields, Field};
+use crate::protowire::{fields, Field, WireError};
+
+/// Why a model file's bytes do not answer a question asked of them.
+#[derive(Debug, thiserror::Error)]
+pub enum OnnxError {
+    #[error("cannot read {}: {error}", path.display())]
+    Read { path: std::path::PathBuf, error: std::io::Error },
+    #[error("{0}")]
+    Wire(#[from] WireError),
+    #[error("the file has no graph")]
+    NoGraph,
+    #[error("the graph's nodes that produce '{0}' form a cycle")]
+    Cycle(String),
+    #[error("the graph nests subgraphs more than {MAX_NESTING} deep")]
+    TooDeep,
+}
 
 pub(crate) fn text(payload: &[u8]) -> String {
     String::from_utf8_lossy(payload).into_owned()
@@ -31,7 +46,7 @@ pub(crate) struct Node<'a> {
 }
 
 impl<'a> Node<'a> {
-    pub(crate) fn read(field: Field<'a>) -> Result<Node<'a>, String> {
+    pub(crate) fn read(field: Field<'a>) -> Result<Node<'a>, OnnxError> {
         let mut node = Node {
             attributes: Vec::new(),
             inputs: Vec::new(),
@@ -78,14 +93,14 @@ impl<'a> Node<'a> {
 }
 
 /// An initializer's name alone (None when it has none), its values not decoded.
-pub(crate) fn initializer_name(payload: &[u8]) -> Result<Option<String>, String> {
+pub(crate) fn initializer_name(payload: &[u8]) -> Result<Option<String>, OnnxError> {
     Ok(fields(payload)?.into_iter().find(|f| f.number == 8 && f.wire == 2).map(|f| text(f.payload)))
 }
 
 /// The external data files the graph's initializers name (TensorProto external_data = 13,
 /// `location` entries), each once, in the order first named. Subgraphs' initializers are not
 /// read: exporters put a model's weights in its main graph.
-pub fn external_files(model: &[u8]) -> Result<Vec<String>, String> {
+pub fn external_files(model: &[u8]) -> Result<Vec<String>, OnnxError> {
     let (_, graph) = graph_of(model)?;
     let mut files = Vec::new();
     for init in fields(graph)?.into_iter().filter(|f| f.number == 5 && f.wire == 2) {
@@ -99,7 +114,7 @@ pub fn external_files(model: &[u8]) -> Result<Vec<String>, String> {
 }
 
 /// A tensor's external_data entries (StringStringEntryProto key = 1, value = 2), by key.
-fn external_data(tensor: &[u8]) -> Result<HashMap<String, String>, String> {
+fn external_data(tensor: &[u8]) -> Result<HashMap<String, String>, OnnxError> {
     let mut entries = HashMap::new();
     for entry in fields(tensor)?.into_iter().filter(|f| f.number == 13 && f.wire == 2) {
         let parts = fields(entry.payload)?;
@@ -122,7 +137,7 @@ pub struct Extent {
 /// The lookup tables among the initializers stored in external data files: tensors of which
 /// a run reads a few rows, not the whole (the data input of `Gather`, the embedding tables
 /// of com.microsoft `EmbedLayerNormalization`). Each once, in graph order of the initializers.
-pub fn lookup_tables(model: &[u8]) -> Result<Vec<Extent>, String> {
+pub fn lookup_tables(model: &[u8]) -> Result<Vec<Extent>, OnnxError> {
     let (_, graph) = graph_of(model)?;
     let parts = fields(graph)?;
     let mut tables = HashSet::new();
@@ -159,7 +174,7 @@ const PASS_THROUGH: &[&str] = &["Identity", "Reshape", "Squeeze", "Unsqueeze", "
 /// The operator that computes graph value `name`, looking through shape-only operators
 /// (exporters often end a graph in Softmax then Identity or Reshape): its op type and label,
 /// or None when no node produces it (a graph input or an initializer).
-pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>, String> {
+pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>, OnnxError> {
     let (_, graph) = graph_of(model)?;
     let mut nodes = Vec::new();
     for (i, f) in fields(graph)?.into_iter().filter(|f| f.number == 1 && f.wire == 2).enumerate() {
@@ -176,17 +191,17 @@ pub fn producer_of(model: &[u8], name: &str) -> Result<Option<(String, String)>,
             _ => return Ok(Some((node.op_type.clone(), node.label(*i)))),
         }
     }
-    Err(format!("the graph's nodes that produce '{name}' form a cycle"))
+    Err(OnnxError::Cycle(name.to_string()))
 }
 
-pub(crate) fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), String> {
+pub(crate) fn graph_of(model: &[u8]) -> Result<(Vec<Field<'_>>, &[u8]), OnnxError> {
     let top = fields(model)?;
-    let graph = top.iter().find(|f| f.number == 7 && f.wire == 2).ok_or("the file has no graph")?.payload;
+    let graph = top.iter().find(|f| f.number == 7 && f.wire == 2).ok_or(OnnxError::NoGraph)?.payload;
     Ok((top, graph))
 }
 
 /// The model's opset for the default domain ("" or "ai.onnx"); 0 when it names none.
-pub(crate) fn default_opset(top: &[Field]) -> Result<u64, String> {
+pub(crate) fn default_opset(top: &[Field]) -> Result<u64, OnnxError> {
     let mut version = 0;
     for f in top.iter().filter(|f| f.number == 8 && f.wire == 2) {
         let parts = fields(f.payload)?;
@@ -201,9 +216,9 @@ pub(crate) fn default_opset(top: &[Field]) -> Result<u64, String> {
 /// Adds to `read` every value that nodes inside `node`'s subgraphs (the bodies of `If`, `Loop`,
 /// `Scan`: AttributeProto g = 6, graphs = 11) take as input, down to [`MAX_NESTING`]: a body
 /// may read the outer graph's initializers by name.
-pub(crate) fn subgraph_reads(node: &Node, read: &mut HashSet<String>, depth: usize) -> Result<(), String> {
+pub(crate) fn subgraph_reads(node: &Node, read: &mut HashSet<String>, depth: usize) -> Result<(), OnnxError> {
     if depth > MAX_NESTING {
-        return Err(format!("the graph nests subgraphs more than {MAX_NESTING} deep"));
+        return Err(OnnxError::TooDeep);
     }
     for (_, whole) in &node.attributes {
         for attribute in fields(whole)? {
@@ -224,7 +239,7 @@ pub(crate) fn subgraph_reads(node: &Node, read: &mut HashSet<String>, depth: usi
 const MAX_NESTING: usize = 64;
 
 /// The op types of a model's nodes, counted (to verify what a rewrite produced).
-pub fn op_counts(model: &[u8]) -> Result<HashMap<String, usize>, String> {
+pub fn op_counts(model: &[u8]) -> Result<HashMap<String, usize>, OnnxError> {
     let (_, graph) = graph_of(model)?;
     let mut counts = HashMap::new();
     for f in fields(graph)?.into_iter().filter(|f| f.number == 1 && f.wire == 2) {
@@ -315,6 +330,6 @@ mod tests {
         assert_eq!(found("x"), None, "a graph input");
         // Nodes that feed each other (no valid graph, but a file may say so) end in an error.
         let cycle = model_of(&[(&["b"], &["a"], "Identity"), (&["a"], &["b"], "Identity")]);
-        assert!(producer_of(&cycle, "a").unwrap_err().contains("cycle"));
+        assert!(producer_of(&cycle, "a").unwrap_err().to_string().contains("cycle"));
     }
 }

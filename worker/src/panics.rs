@@ -79,14 +79,22 @@ pub fn unguarded<R>(f: impl FnOnce() -> R) -> R {
 /// as invalid, and the worker is not counted faulty, since nothing it holds was touched.
 /// (zune-jpeg 0.5.15, the latest, panics in its AVX2 IDCT on some crafted JPEGs: found by
 /// the image_decode fuzz target, tests/fixtures/images/decoder_panic.jpg.)
-pub fn contained<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+pub fn contained<R>(f: impl FnOnce() -> R) -> Result<R, Panicked> {
     catching(&CONTAINED, f).map_err(|payload| {
-        match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        let message = match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
             (Some(s), _) => s.to_string(),
             (_, Some(s)) => s.clone(),
             _ => "a panic".to_string(),
-        }
+        };
+        Panicked { message }
     })
+}
+
+/// A panic [`contained`] caught: its message ("a panic" when it had none).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Panicked {
+    pub message: String,
 }
 
 /// Whether this thread runs [`contained`] code now (a panic hook's question).

@@ -5,6 +5,27 @@
 // Request bytes come through here: every operation on sizes is checked.
 #![deny(clippy::arithmetic_side_effects)]
 
+/// Why bytes are not a protobuf message these readers take. The gRPC intake answers with the
+/// message (a 400's text), so each names what was wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("a length is out of range")]
+    Length,
+    #[error("field {number} has wire type {wire}, which these messages do not use")]
+    WireType { number: u64, wire: u64 },
+    #[error("a field of {len} bytes runs past the end of its message")]
+    PastTheEnd { len: usize },
+    #[error("a varint is cut off or longer than 10 bytes")]
+    Varint,
+}
+
+/// For the gRPC intake, whose errors are still text: `?` turns the error into its message.
+impl From<WireError> for String {
+    fn from(error: WireError) -> String {
+        error.to_string()
+    }
+}
+
 /// One field: its number, wire type, payload (length-delimited and fixed-width fields) or
 /// value (varints), and the bytes it took, key included.
 #[derive(Clone, Copy)]
@@ -18,7 +39,7 @@ pub struct Field<'a> {
 
 /// The next field of `bytes`, which move past it. Groups (wire types 3 and 4) are refused:
 /// neither KServe's messages nor ONNX files use them.
-pub fn next<'a>(bytes: &mut &'a [u8]) -> Result<Field<'a>, String> {
+pub fn next<'a>(bytes: &mut &'a [u8]) -> Result<Field<'a>, WireError> {
     let start = *bytes;
     let key = varint(bytes)?;
     let (number, wire) = (key >> 3, key & 7);
@@ -27,17 +48,17 @@ pub fn next<'a>(bytes: &mut &'a [u8]) -> Result<Field<'a>, String> {
         1 => (take(bytes, 8)?, 0),
         5 => (take(bytes, 4)?, 0),
         2 => {
-            let len = usize::try_from(varint(bytes)?).map_err(|_| "a length is out of range".to_string())?;
+            let len = usize::try_from(varint(bytes)?).map_err(|_| WireError::Length)?;
             (take(bytes, len)?, 0)
         }
-        _ => return Err(format!("field {number} has wire type {wire}, which these messages do not use")),
+        _ => return Err(WireError::WireType { number, wire }),
     };
     let used = start.len().saturating_sub(bytes.len());
     Ok(Field { number, wire, payload, value, whole: start.get(..used).unwrap_or_default() })
 }
 
 /// Every field of a message, in order.
-pub fn fields(mut bytes: &[u8]) -> Result<Vec<Field<'_>>, String> {
+pub fn fields(mut bytes: &[u8]) -> Result<Vec<Field<'_>>, WireError> {
     let mut out = Vec::new();
     while !bytes.is_empty() {
         out.push(next(&mut bytes)?);
@@ -45,9 +66,9 @@ pub fn fields(mut bytes: &[u8]) -> Result<Vec<Field<'_>>, String> {
     Ok(out)
 }
 
-fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], String> {
+fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], WireError> {
     if len > bytes.len() {
-        return Err(format!("a field of {len} bytes runs past the end of its message"));
+        return Err(WireError::PastTheEnd { len });
     }
     let (head, rest) = bytes.split_at(len);
     *bytes = rest;
@@ -55,7 +76,7 @@ fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Result<&'a [u8], String> {
 }
 
 /// A varint, and `bytes` moved past it.
-pub fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
+pub fn varint(bytes: &mut &[u8]) -> Result<u64, WireError> {
     let mut value = 0u64;
     for (i, byte) in bytes.iter().take(10).enumerate() {
         value |= u64::from(byte & 0x7f).checked_shl(7u32.saturating_mul(i as u32)).unwrap_or(0);
@@ -64,7 +85,7 @@ pub fn varint(bytes: &mut &[u8]) -> Result<u64, String> {
             return Ok(value);
         }
     }
-    Err("a varint is cut off or longer than 10 bytes".into())
+    Err(WireError::Varint)
 }
 
 /// Writes `value` as a varint.

@@ -55,8 +55,8 @@ mod schema;
 pub use repository::ModelEntry;
 pub use schema::{
     Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig,
-    Layout, LongTexts, ModelOverride, Pooling, Precision, Quantization, Resample, Resize, Task, TokenizerConfig,
-    Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
+    Layout, LongTexts, ModelOverride, Pooling, Precision, Quantization, Resample, Resize, SettingsError, Task,
+    TokenizerConfig, UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
 };
 
 pub const MODEL_CONFIG_FILE: &str = "model.toml";

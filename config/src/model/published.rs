@@ -23,12 +23,50 @@ use serde_json::Value;
 /// biggest of them, a few hundred KB).
 const JSON_LIMIT: u64 = 8 << 20;
 
+/// Why a folder without model.toml cannot be served from its publisher's files.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishedError {
+    #[error(
+        "{} has no model.toml and several ONNX files ({}): write one whose `file` names the one to serve \
+         (`inferd init {} --file NAME`)",
+        dir.display(),
+        files.join(", "),
+        dir.display()
+    )]
+    SeveralModels { dir: PathBuf, files: Vec<String> },
+    #[error("{} has no model.toml and no ONNX file (model.onnx, onnx/model.onnx) to serve without one", dir.display())]
+    NoModel { dir: PathBuf },
+    #[error("{file} is {bytes} bytes; a settings file may have at most {JSON_LIMIT}")]
+    TooLarge { file: String, bytes: u64 },
+    #[error("cannot read {}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{file}: {error}")]
+    Json { file: String, error: serde_json::Error },
+    /// What a settings file says that inferd cannot read or serve, naming the file and the
+    /// key, and what to write instead: one sentence per case, each written where it is found
+    /// (from a `String` or `&str`, so `?` and `.into()` make one).
+    #[error("{0}")]
+    Unservable(String),
+}
+
+impl From<String> for PublishedError {
+    fn from(message: String) -> PublishedError {
+        PublishedError::Unservable(message)
+    }
+}
+
+impl From<&str> for PublishedError {
+    fn from(message: &str) -> PublishedError {
+        PublishedError::Unservable(message.into())
+    }
+}
+
 /// The folders an export puts its ONNX file in.
 const MODEL_FOLDERS: [&str; 2] = ["", "onnx"];
 
 /// The ONNX file of a folder without model.toml: `model.onnx`, `onnx/model.onnx`, else the
 /// only `.onnx` file of those two folders. `Ok(None)`: there is none.
-pub fn model_file(dir: &Path) -> Result<Option<String>, String> {
+pub fn model_file(dir: &Path) -> Result<Option<String>, PublishedError> {
     for candidate in ["model.onnx", "onnx/model.onnx"] {
         if dir.join(candidate).is_file() {
             return Ok(Some(candidate.into()));
@@ -48,28 +86,22 @@ pub fn model_file(dir: &Path) -> Result<Option<String>, String> {
     match found.len() {
         0 => Ok(None),
         1 => Ok(found.pop()),
-        _ => Err(format!(
-            "{} has no model.toml and several ONNX files ({}): write one whose `file` names the one to serve \
-             (`inferd init {} --file NAME`)",
-            dir.display(),
-            found.join(", "),
-            dir.display()
-        )),
+        _ => Err(PublishedError::SeveralModels { dir: dir.to_path_buf(), files: found }),
     }
 }
 
 /// A settings file of the folder, parsed; None when it is not there.
-fn json(dir: &Path, file: &str) -> Result<Option<Value>, String> {
+fn json(dir: &Path, file: &str) -> Result<Option<Value>, PublishedError> {
     let path = dir.join(file);
     let Ok(meta) = std::fs::metadata(&path) else { return Ok(None) };
     if !meta.is_file() {
         return Ok(None);
     }
     if meta.len() > JSON_LIMIT {
-        return Err(format!("{file} is {} bytes; a settings file may have at most {JSON_LIMIT}", meta.len()));
+        return Err(PublishedError::TooLarge { file: file.to_string(), bytes: meta.len() });
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| format!("{file}: {e}"))
+    let text = std::fs::read_to_string(&path).map_err(|error| PublishedError::Read { path: path.clone(), error })?;
+    serde_json::from_str(&text).map(Some).map_err(|error| PublishedError::Json { file: file.to_string(), error })
 }
 
 /// model.toml text: keys with the reason for each, in sections.
@@ -110,15 +142,10 @@ struct Files {
 
 /// The model.toml the files of `dir` amount to, for model `name`; `file`: the ONNX file to
 /// serve (relative to `dir`), default [`model_file`]'s choice.
-pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, String> {
+pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, PublishedError> {
     let file = match file {
         Some(f) => f.to_string(),
-        None => model_file(dir)?.ok_or_else(|| {
-            format!(
-                "{} has no model.toml and no ONNX file (model.onnx, onnx/model.onnx) to serve without one",
-                dir.display()
-            )
-        })?,
+        None => model_file(dir)?.ok_or_else(|| PublishedError::NoModel { dir: dir.to_path_buf() })?,
     };
     let model_folder = Path::new(&file).parent().map(Path::to_path_buf).unwrap_or_default();
     let tokenizer = [PathBuf::new(), model_folder]
@@ -186,7 +213,8 @@ pub fn infer(dir: &Path, name: &str, file: Option<&str>) -> Result<String, Strin
                 "config.json says {architecture}: a {head} head, which inferd does not serve from its files \
                  (it serves embeddings, classifiers, and SPLADE from a sentence-transformers folder); write a \
                  model.toml (task = \"raw\" serves its tensors)"
-            ));
+            )
+            .into());
         }
     }
     let why = match &files.modules {
@@ -212,7 +240,7 @@ fn is_image_processor(p: &Value) -> bool {
 }
 
 /// `config.json`'s `id2label` in id order; None when absent.
-fn labels(files: &Files) -> Result<Option<Vec<String>>, String> {
+fn labels(files: &Files) -> Result<Option<Vec<String>>, PublishedError> {
     let Some(map) = files.config.as_ref().and_then(|c| c.get("id2label")).and_then(Value::as_object) else {
         return Ok(None);
     };
@@ -248,7 +276,7 @@ fn number(v: &Value, key: &str) -> Option<f64> {
     v.get(key).and_then(Value::as_f64)
 }
 
-fn tokenizer_section(t: &mut TomlText, dir: &Path, files: &Files, tokenizer: &str) -> Result<(), String> {
+fn tokenizer_section(t: &mut TomlText, dir: &Path, files: &Files, tokenizer: &str) -> Result<(), PublishedError> {
     // sentence-transformers' own limit first; then the tokenizer's, within the positions the
     // model has (transformers writes 1e30 for "no limit").
     let st = json(dir, "sentence_bert_config.json")?.and_then(|c| number(&c, "max_seq_length"));
@@ -262,7 +290,7 @@ fn tokenizer_section(t: &mut TomlText, dir: &Path, files: &Files, tokenizer: &st
         (None, None, None) => (512.0, "no file states a limit".into()),
     };
     if !(2.0..=1e6).contains(&max) || max.fract() != 0.0 {
-        return Err(format!("{why} = {max} is not a usable number of tokens"));
+        return Err(format!("{why} = {max} is not a usable number of tokens").into());
     }
     t.section("tokenizer");
     t.key("file", tokenizer, "");
@@ -270,7 +298,7 @@ fn tokenizer_section(t: &mut TomlText, dir: &Path, files: &Files, tokenizer: &st
     Ok(())
 }
 
-fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), String> {
+fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), PublishedError> {
     let mut pooling_dir = None;
     let mut splade_dir = None;
     let mut normalize = None;
@@ -288,7 +316,8 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
                     return Err(format!(
                         "modules.json has {kind} ('{path}'), a layer applied after the model that inferd does \
                          not apply: export it into the ONNX graph, or write a model.toml"
-                    ))
+                    )
+                    .into())
                 }
             }
         }
@@ -310,7 +339,8 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
                 return Err(format!(
                     "{file}: pooling_strategy = {strategy}, activation_function = {activation}; inferd's SPLADE is \
                      max and relu"
-                ));
+                )
+                .into());
             }
             t.key("pooling", "splade", &format!("modules.json: SpladePooling ({strategy} of log(1 + {activation}))"));
         }
@@ -349,7 +379,7 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
 }
 
 /// The one pooling mode a sentence-transformers Pooling configuration switches on.
-fn pooling(config: &Value) -> Result<(&'static str, &'static str), String> {
+fn pooling(config: &Value) -> Result<(&'static str, &'static str), PublishedError> {
     const MODES: [(&str, Option<&str>); 6] = [
         ("pooling_mode_cls_token", Some("cls")),
         ("pooling_mode_mean_tokens", Some("mean")),
@@ -364,12 +394,13 @@ fn pooling(config: &Value) -> Result<(&'static str, &'static str), String> {
     let on: Vec<_> = MODES.iter().filter(|(key, _)| config.get(*key).and_then(Value::as_bool) == Some(true)).collect();
     match on.as_slice() {
         [(key, Some(mode))] => Ok((mode, key)),
-        [(key, None)] => Err(format!("{key} is not a pooling inferd has (cls, mean, max, last token)")),
+        [(key, None)] => Err(format!("{key} is not a pooling inferd has (cls, mean, max, last token)").into()),
         [] => Err("no pooling_mode_* is true".into()),
         _ => Err(format!(
             "{} are all true: a concatenation of poolings, which inferd does not make",
             on.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
-        )),
+        )
+        .into()),
     }
 }
 
@@ -379,7 +410,7 @@ enum Size {
     ShortestEdge(u64),
 }
 
-fn size(v: &Value, key: &str) -> Result<Option<Size>, String> {
+fn size(v: &Value, key: &str) -> Result<Option<Size>, PublishedError> {
     let Some(v) = v.get(key).filter(|v| !v.is_null()) else { return Ok(None) };
     let int = |x: &Value| x.as_u64().filter(|n| (1..=1 << 20).contains(n));
     let bad = || format!("preprocessor_config.json: {key} = {v} is not a size inferd reads");
@@ -389,15 +420,17 @@ fn size(v: &Value, key: &str) -> Result<Option<Size>, String> {
     match (v.get("height").and_then(int), v.get("width").and_then(int), v.get("shortest_edge").and_then(int)) {
         (Some(h), Some(w), None) => Ok(Some(Size::Exact(w, h))),
         (None, None, Some(edge)) if v.get("longest_edge").is_none() => Ok(Some(Size::ShortestEdge(edge))),
-        _ => Err(bad()),
+        _ => Err(bad().into()),
     }
 }
 
-fn image_section(t: &mut TomlText, p: &Value) -> Result<(), String> {
+fn image_section(t: &mut TomlText, p: &Value) -> Result<(), PublishedError> {
     let flag = |key: &str| p.get(key).and_then(Value::as_bool).unwrap_or(true);
     let f = "preprocessor_config.json";
     if !flag("do_resize") {
-        return Err(format!("{f}: do_resize = false: the model takes images of any size, which inferd cannot feed"));
+        return Err(
+            format!("{f}: do_resize = false: the model takes images of any size, which inferd cannot feed").into()
+        );
     }
     let resize = size(p, "size")?.ok_or(format!("{f} has no size"))?;
     let crop_wanted = p.get("do_center_crop").and_then(Value::as_bool).unwrap_or(p.get("crop_size").is_some());
@@ -430,9 +463,10 @@ fn image_section(t: &mut TomlText, p: &Value) -> Result<(), String> {
         (Size::ShortestEdge(_), None) => {
             return Err(format!(
                 "{f}: a shortest-edge resize without a crop gives images of any size, which inferd cannot feed"
-            ))
+            )
+            .into())
         }
-        _ => return Err(format!("{f}: this combination of size and crop_size is not one inferd reads")),
+        _ => return Err(format!("{f}: this combination of size and crop_size is not one inferd reads").into()),
     }
     // Pillow's filter numbers.
     let resample = match p.get("resample").and_then(Value::as_u64) {
@@ -441,7 +475,7 @@ fn image_section(t: &mut TomlText, p: &Value) -> Result<(), String> {
         Some(1) => ("lanczos", format!("{f}: resample = 1")),
         Some(2) => ("bilinear", format!("{f}: resample = 2")),
         Some(3) => ("bicubic", format!("{f}: resample = 3")),
-        Some(n) => return Err(format!("{f}: resample = {n} is a filter inferd does not have (0, 1, 2, 3)")),
+        Some(n) => return Err(format!("{f}: resample = {n} is a filter inferd does not have (0, 1, 2, 3)").into()),
     };
     t.key("resample", resample.0, &resample.1);
     let scale = match flag("do_rescale") {
@@ -457,7 +491,7 @@ fn image_section(t: &mut TomlText, p: &Value) -> Result<(), String> {
                     let list: Vec<f64> =
                         v.as_array().map(|a| a.iter().filter_map(Value::as_f64).collect()).unwrap_or_default();
                     if list.len() != 3 {
-                        return Err(format!("{f}: {key} = {v} is not three numbers"));
+                        return Err(format!("{f}: {key} = {v} is not three numbers").into());
                     }
                     (list, format!("{f}: {key}"))
                 }
@@ -488,6 +522,7 @@ mod tests {
     fn image(tag: &str, preprocessor: Value) -> Result<String, String> {
         let config = json!({"architectures": ["ResNetForImageClassification"], "id2label": {"0": "a", "1": "b"}});
         infer(&folder(tag, &[("config.json", config), ("preprocessor_config.json", preprocessor)]), "m", None)
+            .map_err(|e| e.to_string())
     }
 
     #[test]
@@ -524,7 +559,7 @@ mod tests {
         let text = |tag: &str, config: Value| {
             let dir = folder(tag, &[("config.json", config)]);
             std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
-            infer(&dir, "m", None)
+            infer(&dir, "m", None).map_err(|e| e.to_string())
         };
         let arch = "BertForSequenceClassification";
         let ok = text(

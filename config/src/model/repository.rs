@@ -90,7 +90,7 @@ impl ModelEntry {
         }
         published::infer(dir, name, None)
             .map(Some)
-            .map_err(|message| ConfigError::Model { model: name.into(), message })
+            .map_err(|e| ConfigError::Model { model: name.into(), message: e.to_string() })
     }
 
     /// Reads `dir/model.toml`, which must describe model `name`; without one, the settings
@@ -103,7 +103,7 @@ impl ModelEntry {
                 config_path = dir.join("(inferred model.toml)");
                 text
             }
-            None => read_settings(&config_path).map_err(err)?,
+            None => read_settings(&config_path).map_err(|e| err(e.to_string()))?,
         };
         let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
@@ -135,13 +135,14 @@ impl ModelEntry {
                 Some(TokenizerConfig { path, max_length: t.max_length })
             }
         };
-        check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image).map_err(err)?;
+        check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image)
+            .map_err(|e| err(e.to_string()))?;
         if let Some(e) = &file.embedding {
             e.prompt(None).map_err(|e| err(format!("embedding.default_prompt: {e}")))?;
         }
         let quantization =
             Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
-        quantization.check().map_err(err)?;
+        quantization.check().map_err(|e| err(e.to_string()))?;
         if let Some(c) = quantization.calibration.as_ref().filter(|c| !c.is_file()) {
             return Err(err(format!("quantization.calibration: {} not found", c.display())));
         }
@@ -181,21 +182,29 @@ impl ModelEntry {
 /// The largest model.toml read.
 const MAX_MODEL_TOML_BYTES: u64 = 1 << 20;
 
+/// Why a model.toml was not read.
+#[derive(Debug, thiserror::Error)]
+enum SettingsError {
+    #[error("cannot read {}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{} is not a regular file", path.display())]
+    NotAFile { path: PathBuf },
+    #[error("{} is {bytes} bytes; a model.toml may have at most {MAX_MODEL_TOML_BYTES}", path.display())]
+    TooLarge { path: PathBuf, bytes: u64 },
+}
+
 /// A model.toml's text: a regular file (a FIFO or device would block the reader) of at most
 /// [`MAX_MODEL_TOML_BYTES`].
-fn read_settings(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+fn read_settings(path: &Path) -> Result<String, SettingsError> {
+    let unreadable = |error| SettingsError::Read { path: path.to_path_buf(), error };
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
     if !meta.is_file() {
-        return Err(format!("{} is not a regular file", path.display()));
+        return Err(SettingsError::NotAFile { path: path.to_path_buf() });
     }
     if meta.len() > MAX_MODEL_TOML_BYTES {
-        return Err(format!(
-            "{} is {} bytes; a model.toml may have at most {MAX_MODEL_TOML_BYTES}",
-            path.display(),
-            meta.len()
-        ));
+        return Err(SettingsError::TooLarge { path: path.to_path_buf(), bytes: meta.len() });
     }
-    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    std::fs::read_to_string(path).map_err(unreadable)
 }
 
 #[cfg(test)]

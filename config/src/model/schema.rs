@@ -91,16 +91,48 @@ impl Default for Quantization {
     }
 }
 
+/// A model.toml (or `--model` setting) whose values cannot work, alone or together; the
+/// message names the keys. Reported as the model's error ([`ConfigError::Model`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SettingsError {
+    #[error("quantization.{key} = {value} is not in (0, 1]")]
+    Bound { key: &'static str, value: f64 },
+    #[error("batching.max_batch_tokens must be at least 1")]
+    NoBatchTokens,
+    #[error(
+        "batching.max_queue_delay_ms = {0} is more than {MAX_QUEUE_DELAY_MS}; a request should wait \
+         milliseconds for company, not seconds"
+    )]
+    QueueDelay(u64),
+    /// Sections that do not go with the task, or a value that cannot be 0: the message says
+    /// which, in one sentence written where it is checked.
+    #[error("{0}")]
+    Sections(&'static str),
+    #[error("embedding.chunk_overlap = {overlap} must be under half of tokenizer.max_length = {max_length}")]
+    ChunkOverlap { overlap: usize, max_length: usize },
+    #[error("embedding.max_chunked_tokens = {chunked} is less than tokenizer.max_length = {max_length}")]
+    ChunkedTokens { chunked: usize, max_length: usize },
+    #[error(
+        "image.shortest_edge = {edge} must be between the crop's larger side ({larger}) and image.max_side ({max_side})"
+    )]
+    ShortestEdge { edge: u32, larger: u32, max_side: u32 },
+}
+
+/// A `--precision` or `precision` that is none of fp32, int8 and auto.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("'{0}': use fp32, int8 or auto")]
+pub struct UnknownPrecision(pub String);
+
 impl Quantization {
     /// Every bound in (0, 1].
-    pub(super) fn check(&self) -> Result<(), String> {
+    pub(super) fn check(&self) -> Result<(), SettingsError> {
         for (key, value) in [
             ("min_cosine", self.min_cosine),
             ("max_probability_error", self.max_probability_error),
             ("max_relative_error", self.max_relative_error),
         ] {
             if !(value > 0.0 && value <= 1.0) {
-                return Err(format!("quantization.{key} = {value} is not in (0, 1]"));
+                return Err(SettingsError::Bound { key, value });
             }
         }
         Ok(())
@@ -202,7 +234,7 @@ impl ModelOverride {
         let b = &mut entry.batching;
         b.max_batch_size = self.max_batch_size.or(b.max_batch_size);
         b.max_queue_delay_ms = self.max_queue_delay_ms.unwrap_or(b.max_queue_delay_ms);
-        b.check().map_err(err)?;
+        b.check().map_err(|e| err(e.to_string()))?;
         entry.precision = self.precision.unwrap_or(entry.precision);
         if entry.custom_ops.is_some() && entry.precision != Precision::Fp32 {
             return Err(err("precision int8 or auto is not prepared for graphs with custom operators".into()));
@@ -211,7 +243,7 @@ impl ModelOverride {
         q.min_cosine = self.min_cosine.unwrap_or(q.min_cosine);
         q.max_probability_error = self.max_probability_error.unwrap_or(q.max_probability_error);
         q.max_relative_error = self.max_relative_error.unwrap_or(q.max_relative_error);
-        q.check().map_err(err)?;
+        q.check().map_err(|e| err(e.to_string()))?;
         Ok(entry)
     }
 }
@@ -227,28 +259,24 @@ impl Precision {
 }
 
 impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Precision, String> {
+    type Err = UnknownPrecision;
+    fn from_str(s: &str) -> Result<Precision, UnknownPrecision> {
         match s {
             "fp32" => Ok(Precision::Fp32),
             "int8" => Ok(Precision::Int8),
             "auto" => Ok(Precision::Auto),
-            _ => Err(format!("'{s}': use fp32, int8 or auto")),
+            _ => Err(UnknownPrecision(s.to_string())),
         }
     }
 }
 
 impl Batching {
-    pub(super) fn check(&self) -> Result<(), String> {
+    pub(super) fn check(&self) -> Result<(), SettingsError> {
         if self.max_batch_tokens == 0 {
-            return Err("batching.max_batch_tokens must be at least 1".into());
+            return Err(SettingsError::NoBatchTokens);
         }
         if self.max_queue_delay_ms > MAX_QUEUE_DELAY_MS {
-            return Err(format!(
-                "batching.max_queue_delay_ms = {} is more than {MAX_QUEUE_DELAY_MS}; a request should wait \
-                 milliseconds for company, not seconds",
-                self.max_queue_delay_ms
-            ));
+            return Err(SettingsError::QueueDelay(self.max_queue_delay_ms));
         }
         Ok(())
     }
@@ -568,77 +596,77 @@ pub(super) fn check_pipeline(
     embedding: &Option<EmbeddingConfig>,
     classification: &Option<ClassificationConfig>,
     image: &Option<ImageConfig>,
-) -> Result<(), String> {
+) -> Result<(), SettingsError> {
     match task {
         Task::Raw => {
             if tokenizer.is_some() || image.is_some() || embedding.is_some() || classification.is_some() {
-                return Err("task = \"raw\" takes no [tokenizer], [image], [embedding] or [classification] \
-                            section; set task"
-                    .into());
+                return Err(SettingsError::Sections(
+                    "task = \"raw\" takes no [tokenizer], [image], [embedding] or [classification] \
+                            section; set task",
+                ));
             }
         }
         Task::Embedding => {
             if tokenizer.is_none() {
-                return Err("task = \"embedding\" needs a [tokenizer] section".into());
+                return Err(SettingsError::Sections("task = \"embedding\" needs a [tokenizer] section"));
             }
             if image.is_some() || classification.is_some() {
-                return Err("task = \"embedding\" takes no [image] or [classification] section".into());
+                return Err(SettingsError::Sections(
+                    "task = \"embedding\" takes no [image] or [classification] section",
+                ));
             }
             if let (Some(e), Some(t)) = (embedding, tokenizer) {
                 if e.long_texts == LongTexts::Chunk {
                     if e.chunk_overlap.saturating_mul(2) >= t.max_length {
-                        return Err(format!(
-                            "embedding.chunk_overlap = {} must be under half of tokenizer.max_length = {}",
-                            e.chunk_overlap, t.max_length
-                        ));
+                        return Err(SettingsError::ChunkOverlap { overlap: e.chunk_overlap, max_length: t.max_length });
                     }
                     if e.max_chunked_tokens < t.max_length {
-                        return Err(format!(
-                            "embedding.max_chunked_tokens = {} is less than tokenizer.max_length = {}",
-                            e.max_chunked_tokens, t.max_length
-                        ));
+                        return Err(SettingsError::ChunkedTokens {
+                            chunked: e.max_chunked_tokens,
+                            max_length: t.max_length,
+                        });
                     }
                 }
             }
         }
         Task::Classification => {
             let Some(c) = classification else {
-                return Err("task = \"classification\" needs a [classification] section with labels".into());
+                return Err(SettingsError::Sections(
+                    "task = \"classification\" needs a [classification] section with labels",
+                ));
             };
             if c.labels.is_empty() {
-                return Err("classification.labels must not be empty".into());
+                return Err(SettingsError::Sections("classification.labels must not be empty"));
             }
             if tokenizer.is_some() == image.is_some() {
-                return Err("task = \"classification\" needs exactly one of [tokenizer] (text) or [image]".into());
+                return Err(SettingsError::Sections(
+                    "task = \"classification\" needs exactly one of [tokenizer] (text) or [image]",
+                ));
             }
             if embedding.is_some() {
-                return Err("task = \"classification\" takes no [embedding] section".into());
+                return Err(SettingsError::Sections("task = \"classification\" takes no [embedding] section"));
             }
         }
     }
     if let Some(i) = image {
         if i.width == 0 || i.height == 0 {
-            return Err("image.width and image.height must be at least 1".into());
+            return Err(SettingsError::Sections("image.width and image.height must be at least 1"));
         }
         if i.std.iter().any(|s| *s == 0.0 || !s.is_finite()) || i.mean.iter().any(|m| !m.is_finite()) {
-            return Err("image.std must be non-zero and image.mean finite".into());
+            return Err(SettingsError::Sections("image.std must be non-zero and image.mean finite"));
         }
         if i.max_pixels == 0 {
-            return Err("image.max_pixels must be at least 1".into());
+            return Err(SettingsError::Sections("image.max_pixels must be at least 1"));
         }
         if i.max_side == 0 {
-            return Err("image.max_side must be at least 1".into());
+            return Err(SettingsError::Sections("image.max_side must be at least 1"));
         }
         match (i.resize, i.shortest_edge) {
             (Resize::Stretch, Some(_)) => {
-                return Err("image.shortest_edge needs image.resize = \"shortest_edge\"".into());
+                return Err(SettingsError::Sections("image.shortest_edge needs image.resize = \"shortest_edge\""));
             }
             (Resize::ShortestEdge, Some(edge)) if edge < i.width.max(i.height) || edge > i.max_side => {
-                return Err(format!(
-                    "image.shortest_edge = {edge} must be between the crop's larger side ({}) and image.max_side ({})",
-                    i.width.max(i.height),
-                    i.max_side
-                ));
+                return Err(SettingsError::ShortestEdge { edge, larger: i.width.max(i.height), max_side: i.max_side });
             }
             _ => {}
         }

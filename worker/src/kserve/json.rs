@@ -268,7 +268,7 @@ mod tests {
             dtype: Some(dt),
             first_dim: String::new(),
         };
-        let meta = ModelMeta {
+        ModelMeta {
             info: ModelInfo {
                 name: "m".into(),
                 version: "1".into(),
@@ -280,8 +280,7 @@ mod tests {
             inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
             outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
             batching: Default::default(),
-        };
-        meta
+        }
     }
 
     /// (id, inputs, output selection).

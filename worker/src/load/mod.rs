@@ -18,7 +18,8 @@ use inferd_config::model::{ModelEntry, Precision};
 use inferd_ipc::spec::Precision as Served;
 use sha2::{Digest, Sha256};
 
-use crate::pipeline::Pipeline;
+use crate::onnx::OnnxError;
+use crate::pipeline::{BuildError, Pipeline};
 use crate::request::model::Model;
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, ModelMeta, ModelSession, Runtime, Threads};
@@ -69,9 +70,25 @@ struct Source<'a> {
     scratch: Option<std::path::PathBuf>,
 }
 
+/// Why a model's files were not made ready for ONNX Runtime (told as [`ModelError::Load`]'s
+/// message).
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("cannot read {}: {error}", path.display())]
+    Read { path: std::path::PathBuf, error: std::io::Error },
+    #[error("the file is too large")]
+    TooLarge,
+    #[error("external data {} named by the model: {error}", path.display())]
+    ExternalData { path: std::path::PathBuf, error: std::io::Error },
+    #[error("model.toml: {0}")]
+    Pipeline(#[from] BuildError),
+    #[error("{0}")]
+    Int8(#[from] int8::Int8Error),
+}
+
 impl<'a> Source<'a> {
     fn prepare(runtime: &Runtime, entry: &'a ModelEntry) -> Result<Source<'a>, ModelError> {
-        let fail = |message| load_error(entry, message);
+        let fail = |e: SourceError| load_error(entry, e.to_string());
         let sha256 = digest(&entry.path).map_err(fail)?;
         let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
         let source = |file, file_sha256, precision, scratch| Source {
@@ -84,7 +101,7 @@ impl<'a> Source<'a> {
         };
         Ok(match entry.precision {
             Precision::Fp32 => source(plain, sha256.clone(), Served::FP32, None),
-            _ => match int8::prepare(runtime, entry, &sha256).map_err(fail)? {
+            _ => match int8::prepare(runtime, entry, &sha256).map_err(|e| fail(e.into()))? {
                 (Some(prepared), report) => {
                     // Made before the digest, so that an error still removes the scratch copy.
                     let mut int8 = source(
@@ -111,7 +128,8 @@ impl<'a> Source<'a> {
     /// The model as the handlers see it, with the pipeline built around `session`'s inputs
     /// and outputs.
     fn model(&self, session: &ModelSession) -> Result<Model, ModelError> {
-        let pipeline = pipeline(self.entry, &session.meta).map_err(|message| load_error(self.entry, message))?;
+        let pipeline = pipeline(self.entry, &session.meta)
+            .map_err(|e| load_error(self.entry, SourceError::from(e).to_string()))?;
         Ok(Model { meta: session.meta.clone(), pipeline: Arc::new(pipeline) })
     }
 }
@@ -129,21 +147,21 @@ fn load_error(entry: &ModelEntry, message: String) -> ModelError {
 /// The pipeline around a model whose sessions take and give what `meta` says. `Err`:
 /// model.toml does not fit the model. Built once per load (and once by the int8 guard), so
 /// what computes an output is read from the file when asked, not kept.
-pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta) -> Result<Pipeline, String> {
+pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta) -> Result<Pipeline, BuildError> {
     let producer = |value: &str| {
-        let bytes = std::fs::read(&entry.path).map_err(|e| format!("cannot read {}: {e}", entry.path.display()))?;
+        let bytes = std::fs::read(&entry.path).map_err(|error| OnnxError::Read { path: entry.path.clone(), error })?;
         crate::onnx::producer_of(&bytes, value)
     };
-    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer).map_err(|e| format!("model.toml: {e}"))
+    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer)
 }
 
 /// The SHA-256 of a model: its file, then the name and content of each external data file the
 /// graph names (`model.onnx_data`), so that new weights beside the same graph are a new
 /// version (and a new shared artefact). Streamed: the file is mapped, not read into memory.
-fn digest(path: &Path) -> Result<Vec<u8>, String> {
-    let io = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+fn digest(path: &Path) -> Result<Vec<u8>, SourceError> {
+    let io = |error| SourceError::Read { path: path.to_path_buf(), error };
     let file = std::fs::File::open(path).map_err(io)?;
-    let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| "the file is too large".to_string())?;
+    let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| SourceError::TooLarge)?;
     let mut hasher = Sha256::new();
     let mut external = Vec::new();
     if len > 0 {
@@ -164,8 +182,8 @@ fn digest(path: &Path) -> Result<Vec<u8>, String> {
     let folder = path.parent().unwrap_or(Path::new("."));
     for location in external {
         let data = folder.join(&location);
-        let mut data_file = std::fs::File::open(&data)
-            .map_err(|e| format!("external data {} named by the model: {e}", data.display()))?;
+        let mut data_file =
+            std::fs::File::open(&data).map_err(|error| SourceError::ExternalData { path: data.clone(), error })?;
         hasher.update(location.as_bytes());
         std::io::copy(&mut data_file, &mut hasher).map_err(io)?;
     }

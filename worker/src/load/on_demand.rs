@@ -33,7 +33,7 @@ use crate::request::app::AppState;
 use crate::request::model::Model;
 use crate::request::models::{Load, LoadError, FIRST_LOAD_FACTOR};
 use crate::runtime::engine::Sessions;
-use crate::runtime::model::Runtime;
+use crate::runtime::model::{ModelError, Runtime};
 
 /// How often an idle loader checks that the worker is still within its share.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
@@ -49,6 +49,23 @@ const IN_USE_POLL: Duration = Duration::from_millis(10);
 struct Budget {
     share: u64,
     base: u64,
+}
+
+/// Why a model did not load on demand: told to the requests that wait for it
+/// ([`LoadError::Failed`]).
+#[derive(Debug, thiserror::Error)]
+enum Unloaded {
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("the server hit a bug loading it (logged)")]
+    Bug,
+    #[error(
+        "model '{name}' needs {} MiB ({how}), more than this worker can hold: its share of models.memory_budget is {} MiB, {} MiB of which the worker and its pinned models hold",
+        size >> 20,
+        share >> 20,
+        base >> 20
+    )]
+    OverBudget { name: String, size: u64, how: &'static str, share: u64, base: u64 },
 }
 
 /// The loader's state: what may be loaded, where models go, the budget and what each model
@@ -147,7 +164,7 @@ impl Loader {
                 Some((cost, _)) => (cost.total(), "measured when it last loaded"),
                 None => (file, "its file's size"),
             };
-            budget.fits(name, sure, how).map_err(LoadError::Failed)?;
+            budget.fits(name, sure, how).map_err(|e| LoadError::Failed(e.to_string()))?;
             let need = known.map_or(FIRST_LOAD_FACTOR * file, |(_, peak)| peak);
             // Models in use hold the room for the milliseconds of their requests: they are
             // waited for a while. With none left to evict, a need past the share is an
@@ -166,10 +183,9 @@ impl Loader {
         }
         let before = resident();
         let (loaded, growth) = peak_growth(|| {
-            crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes))
-                .unwrap_or_else(|_| Err("the server hit a bug loading it (logged)".into()))
+            crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes)).unwrap_or(Err(Unloaded::Bug))
         });
-        let (model, sessions) = loaded.map_err(LoadError::Failed)?;
+        let (model, sessions) = loaded.map_err(|e| LoadError::Failed(e.to_string()))?;
         let number = self.state.engine.add(sessions).map_err(LoadError::Failed)?;
         crate::runtime::allocator::trim();
         let cost = grown(resident(), before);
@@ -182,7 +198,7 @@ impl Loader {
             if let Err(why) = budget.fits(name, cost.total(), "measured as it loaded") {
                 self.state.engine.remove(number);
                 crate::runtime::allocator::trim();
-                return Err(LoadError::Failed(why));
+                return Err(LoadError::Failed(why.to_string()));
             }
         }
         Ok((model, number, cost))
@@ -209,24 +225,18 @@ impl Loader {
 
 impl Budget {
     /// Whether a model of `size` bytes (`how` that was found) fits this worker at all.
-    fn fits(&self, name: &str, size: u64, how: &str) -> Result<(), String> {
-        let mib = |b: u64| b >> 20;
+    fn fits(&self, name: &str, size: u64, how: &'static str) -> Result<(), Unloaded> {
         if self.base + size <= self.share {
             return Ok(());
         }
-        Err(format!(
-            "model '{name}' needs {} MiB ({how}), more than this worker can hold: its share of models.memory_budget is {} MiB, {} MiB of which the worker and its pinned models hold",
-            mib(size),
-            mib(self.share),
-            mib(self.base)
-        ))
+        Err(Unloaded::OverBudget { name: name.to_string(), size, how, share: self.share, base: self.base })
     }
 }
 
 /// `entry`'s model and its sessions, warmed up.
-fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), String> {
-    let (model, mut sessions) = super::load(runtime, entry, lanes).map_err(|e| e.to_string())?;
-    sessions.warm_up().map_err(|e| e.to_string())?;
+fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), Unloaded> {
+    let (model, mut sessions) = super::load(runtime, entry, lanes)?;
+    sessions.warm_up()?;
     Ok((model, sessions))
 }
 

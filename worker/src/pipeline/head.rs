@@ -6,7 +6,8 @@
 
 use inferd_config::model::{Activation, EmbeddingConfig, ModelEntry, Pooling, Task};
 
-use super::PipelineError;
+use super::{BuildError, PipelineError};
+use crate::onnx::OnnxError;
 use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
 
 /// What the model does with its outputs.
@@ -20,12 +21,12 @@ pub enum Head {
 
 /// The operator that computes a graph value, through shape-only operators: (op type, node), or
 /// None for a graph input or initializer. Read from the model file only when asked.
-pub type Producer<'a> = &'a dyn Fn(&str) -> Result<Option<(String, String)>, String>;
+pub type Producer<'a> = &'a dyn Fn(&str) -> Result<Option<(String, String)>, OnnxError>;
 
 /// The activation of a classifier whose model.toml names none, from what computes its output:
 /// probabilities the graph made itself are not activated again (a second softmax flattens
 /// them: measured on published tf2onnx ResNet-50 and VGG16 files, up to 0.27 and 0.52 off).
-fn chosen_activation(output: &str, producer: Producer) -> Result<(Activation, String), String> {
+fn chosen_activation(output: &str, producer: Producer) -> Result<(Activation, String), OnnxError> {
     let (activation, why) = match producer(output)? {
         Some((op, node)) if op == "Softmax" || op == "Sigmoid" => {
             (Activation::AsIs, format!("output '{output}' comes from {op} node '{node}': probabilities already"))
@@ -44,14 +45,16 @@ fn chosen_activation(output: &str, producer: Producer) -> Result<(Activation, St
 impl Head {
     /// The head model.toml's task asks for, reading `outputs`; `producer` names the operator
     /// that computes a graph value (a classifier's activation, when model.toml names none).
-    pub(super) fn build(entry: &ModelEntry, outputs: &[TensorSpec], producer: Producer) -> Result<Head, String> {
-        let pick = |name: &Option<String>| -> Result<(usize, &TensorSpec), String> {
+    pub(super) fn build(entry: &ModelEntry, outputs: &[TensorSpec], producer: Producer) -> Result<Head, BuildError> {
+        let pick = |name: &Option<String>| -> Result<(usize, &TensorSpec), BuildError> {
             match name {
-                Some(n) => outputs.iter().position(|o| &o.name == n).map(|i| (i, &outputs[i])).ok_or(format!(
-                    "output '{n}' is not an output of the model ({})",
-                    outputs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>().join(", ")
-                )),
-                None => outputs.first().map(|o| (0, o)).ok_or("the model has no outputs".to_string()),
+                Some(n) => outputs.iter().position(|o| &o.name == n).map(|i| (i, &outputs[i])).ok_or_else(|| {
+                    BuildError::NotAnOutput {
+                        name: n.clone(),
+                        outputs: outputs.iter().map(|o| o.name.clone()).collect(),
+                    }
+                }),
+                None => outputs.first().map(|o| (0, o)).ok_or(BuildError::NoOutputs),
             }
         };
         match entry.task {
@@ -59,10 +62,11 @@ impl Head {
                 let e = entry.embedding.clone().unwrap_or_default();
                 let (output, spec) = pick(&e.output)?;
                 if spec.dtype != Some(DataType::F32) || !matches!(spec.shape.len(), 2 | 3) {
-                    return Err(format!(
-                        "output '{}' is {} {:?}; embeddings need FP32 [batch, sequence, dim] or [batch, dim]",
-                        spec.name, spec.datatype, spec.shape
-                    ));
+                    return Err(BuildError::EmbeddingOutput {
+                        name: spec.name.clone(),
+                        datatype: spec.datatype.clone(),
+                        shape: spec.shape.clone(),
+                    });
                 }
                 Ok(Head::Embedding { output, settings: e })
             }
@@ -71,18 +75,18 @@ impl Head {
                 let (output, spec) = pick(&c.output)?;
                 let width = spec.shape.last().copied();
                 if spec.dtype != Some(DataType::F32) || spec.shape.len() != 2 {
-                    return Err(format!(
-                        "output '{}' is {} {:?}; classification needs FP32 [batch, labels]",
-                        spec.name, spec.datatype, spec.shape
-                    ));
+                    return Err(BuildError::ClassificationOutput {
+                        name: spec.name.clone(),
+                        datatype: spec.datatype.clone(),
+                        shape: spec.shape.clone(),
+                    });
                 }
                 if width.is_some_and(|w| w >= 0 && w as usize != c.labels.len()) {
-                    return Err(format!(
-                        "{} labels, but output '{}' has {} logits per row",
-                        c.labels.len(),
-                        spec.name,
-                        width.unwrap_or_default()
-                    ));
+                    return Err(BuildError::LabelCount {
+                        labels: c.labels.len(),
+                        output: spec.name.clone(),
+                        logits: width.unwrap_or_default(),
+                    });
                 }
                 let (activation, why) = match c.activation {
                     Some(a) => (a, "classification.activation in model.toml".to_string()),

@@ -10,7 +10,7 @@ use std::io::Cursor;
 use image::{ImageFormat, ImageReader};
 use inferd_config::model::{ChannelOrder, ImageConfig, Layout, Resample, Resize};
 
-use super::{Head, PipelineError};
+use super::{BuildError, Head, PipelineError};
 use crate::runtime::tensor::{DataType, Tensor, TensorData, TensorSpec};
 
 #[derive(Debug)]
@@ -23,13 +23,13 @@ pub struct ImagePipeline {
 impl ImagePipeline {
     /// The image pipeline `config` (model.toml's `[image]`) asks for, feeding the model's one
     /// input, in front of `head`.
-    pub(super) fn build(config: ImageConfig, inputs: &[TensorSpec], head: Head) -> Result<ImagePipeline, String> {
+    pub(super) fn build(config: ImageConfig, inputs: &[TensorSpec], head: Head) -> Result<ImagePipeline, BuildError> {
         if inputs.len() != 1 {
-            return Err(format!("an image model must have exactly one input, this one has {}", inputs.len()));
+            return Err(BuildError::ImageInputs(inputs.len()));
         }
         let spec = match &config.input {
             Some(name) => {
-                inputs.iter().find(|i| &i.name == name).ok_or(format!("image.input '{name}' is not an input"))?
+                inputs.iter().find(|i| &i.name == name).ok_or_else(|| BuildError::NotAnInput(name.clone()))?
             }
             None => &inputs[0],
         };
@@ -41,10 +41,15 @@ impl ImagePipeline {
         let fits =
             spec.shape.len() == 4 && spec.shape.iter().zip(want).skip(1).all(|(&have, want)| have < 0 || have == want);
         if spec.dtype != Some(DataType::F32) || !fits {
-            return Err(format!(
-                "input '{}' is {} {:?}; image settings ({}x{}, {:?}) need FP32 {:?}",
-                spec.name, spec.datatype, spec.shape, config.width, config.height, config.layout, want
-            ));
+            return Err(BuildError::ImageInput {
+                name: spec.name.clone(),
+                datatype: spec.datatype.clone(),
+                shape: spec.shape.clone(),
+                width: config.width,
+                height: config.height,
+                layout: config.layout,
+                want,
+            });
         }
         Ok(ImagePipeline { input: spec.name.clone(), config, head })
     }

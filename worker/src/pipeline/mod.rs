@@ -58,6 +58,53 @@ pub enum PipelineError {
     NoTokenVectors { output: String, shape: Vec<i64> },
 }
 
+/// Why model.toml's pipeline does not fit the model it names: the model is refused when it
+/// loads, with this message after "model.toml: ".
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("a classification model needs [tokenizer] or [image]")]
+    NoPipeline,
+    #[error("output '{name}' is not an output of the model ({})", outputs.join(", "))]
+    NotAnOutput { name: String, outputs: Vec<String> },
+    #[error("the model has no outputs")]
+    NoOutputs,
+    #[error("output '{name}' is {datatype} {shape:?}; embeddings need FP32 [batch, sequence, dim] or [batch, dim]")]
+    EmbeddingOutput { name: String, datatype: String, shape: Vec<i64> },
+    #[error("output '{name}' is {datatype} {shape:?}; classification needs FP32 [batch, labels]")]
+    ClassificationOutput { name: String, datatype: String, shape: Vec<i64> },
+    #[error("{labels} labels, but output '{output}' has {logits} logits per row")]
+    LabelCount { labels: usize, output: String, logits: i64 },
+    /// What computes an output could not be read from the model file.
+    #[error("{0}")]
+    Producer(#[from] crate::onnx::OnnxError),
+    #[error("tokenizer {}: {error}", path.display())]
+    Tokenizer { path: std::path::PathBuf, error: tokenizers::Error },
+    #[error("{0}")]
+    Truncation(tokenizers::Error),
+    #[error("input '{0}' is not one the text pipeline produces (input_ids, attention_mask, token_type_ids)")]
+    NotAFeed(String),
+    #[error("input '{name}' is {datatype} {shape:?}; the text pipeline feeds INT64 or INT32 [batch, sequence]")]
+    TextInput { name: String, datatype: String, shape: Vec<i64> },
+    #[error("the model has no input 'input_ids' for the tokenizer to feed")]
+    NoInputIds,
+    #[error("an image model must have exactly one input, this one has {0}")]
+    ImageInputs(usize),
+    #[error("image.input '{0}' is not an input")]
+    NotAnInput(String),
+    #[error(
+        "input '{name}' is {datatype} {shape:?}; image settings ({width}x{height}, {layout:?}) need FP32 {want:?}"
+    )]
+    ImageInput {
+        name: String,
+        datatype: String,
+        shape: Vec<i64>,
+        width: u32,
+        height: u32,
+        layout: inferd_config::model::Layout,
+        want: [i64; 4],
+    },
+}
+
 #[derive(Debug)]
 pub enum Pipeline {
     /// Tensors in, tensors out.
@@ -74,7 +121,7 @@ impl Pipeline {
         inputs: &[TensorSpec],
         outputs: &[TensorSpec],
         producer: Producer,
-    ) -> Result<Pipeline, String> {
+    ) -> Result<Pipeline, BuildError> {
         if entry.task == Task::Raw {
             return Ok(Pipeline::Raw);
         }
@@ -82,7 +129,7 @@ impl Pipeline {
         if let Some(t) = &entry.tokenizer {
             return Ok(Pipeline::Text(Box::new(TextPipeline::build(t, inputs, head)?)));
         }
-        let config = entry.image.clone().ok_or("a classification model needs [tokenizer] or [image]")?;
+        let config = entry.image.clone().ok_or(BuildError::NoPipeline)?;
         Ok(Pipeline::Image(Box::new(ImagePipeline::build(config, inputs, head)?)))
     }
 

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use inferd_config::model::TokenizerConfig;
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
-use super::{Head, PipelineError};
+use super::{BuildError, Head, PipelineError};
 use crate::runtime::tensor::{DataType, Tensor, TensorData, TensorSpec};
 
 /// Text is cut to `max_length` times this many bytes before it is tokenized (or refused, when
@@ -73,35 +73,32 @@ pub struct Encoded {
 impl TextPipeline {
     /// The text pipeline `tokenizer` asks for, feeding `inputs` (input_ids, and attention_mask
     /// and token_type_ids when the model takes them), in front of `head`.
-    pub(super) fn build(t: &TokenizerConfig, inputs: &[TensorSpec], head: Head) -> Result<TextPipeline, String> {
-        let load = || Tokenizer::from_file(&t.path).map_err(|e| format!("tokenizer {}: {e}", t.path.display()));
+    pub(super) fn build(t: &TokenizerConfig, inputs: &[TensorSpec], head: Head) -> Result<TextPipeline, BuildError> {
+        let load =
+            || Tokenizer::from_file(&t.path).map_err(|error| BuildError::Tokenizer { path: t.path.clone(), error });
         let mut plain = load()?;
         plain.with_padding(None);
-        plain.with_truncation(None).map_err(|e| e.to_string())?;
+        plain.with_truncation(None).map_err(BuildError::Truncation)?;
         let mut feeds = Vec::new();
         for spec in inputs {
             let feed = match spec.name.as_str() {
                 "input_ids" => TextFeed::Ids,
                 "attention_mask" => TextFeed::Mask,
                 "token_type_ids" => TextFeed::TypeIds,
-                other => {
-                    return Err(format!(
-                        "input '{other}' is not one the text pipeline produces (input_ids, attention_mask, \
-                         token_type_ids)"
-                    ))
-                }
+                other => return Err(BuildError::NotAFeed(other.to_string())),
             };
             let dtype = spec.dtype.filter(|d| matches!(d, DataType::I64 | DataType::I32));
             if spec.shape.len() != 2 || dtype.is_none() {
-                return Err(format!(
-                    "input '{}' is {} {:?}; the text pipeline feeds INT64 or INT32 [batch, sequence]",
-                    spec.name, spec.datatype, spec.shape
-                ));
+                return Err(BuildError::TextInput {
+                    name: spec.name.clone(),
+                    datatype: spec.datatype.clone(),
+                    shape: spec.shape.clone(),
+                });
             }
             feeds.push((spec.name.clone(), feed, dtype.expect("checked")));
         }
         if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
-            return Err("the model has no input 'input_ids' for the tokenizer to feed".into());
+            return Err(BuildError::NoInputIds);
         }
         Ok(TextPipeline { plain, truncating: OnceLock::new(), max_length: t.max_length, feeds, head })
     }

@@ -29,7 +29,15 @@ pub const FREE_LIMIT: usize = 64 << 20;
 
 /// Readies the environment for `choice`, once, before the first session is built:
 /// `shared-arena` registers the arena all its sessions use.
-pub(crate) fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), String> {
+/// ONNX Runtime refused the shared arena (the worker does not start).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot register the shared arena: {message}")]
+pub struct ArenaError {
+    /// ONNX Runtime's own message.
+    pub message: String,
+}
+
+pub(crate) fn configure(choice: Allocator, env: &ort::environment::Environment) -> Result<(), ArenaError> {
     if choice == Allocator::SharedArena {
         register_shared_arena(env)?;
         // Without it the arena keeps what the largest batches needed, as before.
@@ -49,7 +57,7 @@ const DEAD_BYTES_PER_CHUNK: usize = 4 << 20;
 /// `session.use_env_allocators`), extended by what each allocation asks
 /// (`arena_extend_strategy` 1, kSameAsRequested) instead of doubling. Through the C API: ort
 /// 2.0.0-rc.15 does not wrap it.
-fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), String> {
+fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), ArenaError> {
     use ort::sys::{OrtAllocatorType, OrtArenaCfg, OrtMemType, OrtMemoryInfo, OrtStatusPtr};
     use ort::AsPointer;
     let api = ort::api();
@@ -57,13 +65,13 @@ fn register_shared_arena(env: &ort::environment::Environment) -> Result<(), Stri
     // on success, the status is released after its message is read, and the memory info and
     // arena configuration are released once the environment has copied what it needs.
     unsafe {
-        let check = |status: OrtStatusPtr| -> Result<(), String> {
+        let check = |status: OrtStatusPtr| -> Result<(), ArenaError> {
             if status.0.is_null() {
                 return Ok(());
             }
             let message = std::ffi::CStr::from_ptr((api.GetErrorMessage)(status.0)).to_string_lossy().into_owned();
             (api.ReleaseStatus)(status.0);
-            Err(format!("cannot register the shared arena: {message}"))
+            Err(ArenaError { message })
         };
         let mut info: *mut OrtMemoryInfo = std::ptr::null_mut();
         check((api.CreateCpuMemoryInfo)(

@@ -144,7 +144,7 @@ impl Runtime {
                 // session's own pool can be told not to (see `Threads::Wide`).
                 let env = builder.with_name("inferd").with_telemetry(false).build().map_err(|e| fail(e.to_string()))?;
                 let env = ENVIRONMENT.get_or_init(|| env);
-                crate::runtime::allocator::configure(allocator, env).map_err(fail)?;
+                crate::runtime::allocator::configure(allocator, env).map_err(|e| fail(e.to_string()))?;
                 env
             }
         };
@@ -194,7 +194,7 @@ impl ModelSession {
         let env = runtime.env;
         let sha256 = sha256_prefix(digest);
         if let Some(ops) = &entry.custom_ops {
-            ops.preload.iter().try_for_each(|lib| preload(lib)).map_err(fail)?;
+            ops.preload.iter().try_for_each(|lib| preload(lib)).map_err(|e| fail(e.to_string()))?;
         }
         // What every session of this process shares: one thread of its own by default.
         let base = || -> ort::Result<ort::session::builder::SessionBuilder> {
@@ -414,9 +414,18 @@ impl ModelSession {
 
 /// Loads a shared library for good, its symbols visible to every library loaded after it
 /// (`[custom_ops] preload`). Loading one twice is harmless: the loader counts it once.
-fn preload(path: &std::path::Path) -> Result<(), String> {
+/// A `[custom_ops] preload` library the loader refused.
+#[derive(Debug, thiserror::Error)]
+enum PreloadError {
+    #[error("{0}")]
+    Nul(#[from] std::ffi::NulError),
+    #[error("custom_ops.preload: cannot load {}: {message}", path.display())]
+    Load { path: std::path::PathBuf, message: String },
+}
+
+fn preload(path: &std::path::Path) -> Result<(), PreloadError> {
     use std::os::unix::ffi::OsStrExt;
-    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes())?;
     // SAFETY: a NUL-terminated path; the handle is kept (never closed) so its symbols stay.
     let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if handle.is_null() {
@@ -426,7 +435,7 @@ fn preload(path: &std::path::Path) -> Result<(), String> {
             true => "unknown error".into(),
             false => unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned(),
         };
-        return Err(format!("custom_ops.preload: cannot load {}: {message}", path.display()));
+        return Err(PreloadError::Load { path: path.to_path_buf(), message });
     }
     Ok(())
 }

@@ -9,6 +9,20 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 use half::f16;
+
+/// Why the binary tensor extension's bytes are not `count` elements of their datatype (a
+/// request's 400, after the input's name).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BinaryError {
+    #[error("{bytes} bytes of binary data for {count} elements of {size} bytes")]
+    Length { bytes: usize, count: usize, size: usize },
+    #[error("invalid BOOL byte (must be 0 or 1)")]
+    Bool,
+    #[error("element {index} claims {len} bytes, {left} are left")]
+    Element { index: usize, len: usize, left: usize },
+    #[error("binary BYTES data holds {whole} whole elements (+{stray} stray bytes), the shape needs {count}")]
+    Count { whole: usize, stray: usize, count: usize },
+}
 use ort::value::{DynValue, TensorElementType, ValueType};
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 
@@ -116,13 +130,13 @@ macro_rules! define_types {
 
             /// Decodes `count` elements of the binary tensor extension: little-endian, row-major;
             /// BOOL one byte each; BYTES each a u32 little-endian length and that many bytes.
-            pub fn parse_binary(self, bytes: &[u8], count: usize) -> Result<TensorData, String> {
-                fn fixed<T: Element>(bytes: &[u8], count: usize) -> Result<Vec<T>, String> {
+            pub fn parse_binary(self, bytes: &[u8], count: usize) -> Result<TensorData, BinaryError> {
+                fn fixed<T: Element>(bytes: &[u8], count: usize) -> Result<Vec<T>, BinaryError> {
                     let size = std::mem::size_of::<T>();
                     if count.checked_mul(size) != Some(bytes.len()) {
-                        return Err(format!("{} bytes of binary data for {count} elements of {size} bytes", bytes.len()));
+                        return Err(BinaryError::Length { bytes: bytes.len(), count, size });
                     }
-                    bytes.chunks_exact(size).map(T::from_le).collect::<Option<Vec<T>>>().ok_or_else(|| "invalid BOOL byte (must be 0 or 1)".to_string())
+                    bytes.chunks_exact(size).map(T::from_le).collect::<Option<Vec<T>>>().ok_or(BinaryError::Bool)
                 }
                 match self {
                     $(DataType::$variant => fixed::<$rust>(bytes, count).map(TensorData::$variant),)*
@@ -132,12 +146,12 @@ macro_rules! define_types {
                         while rest.len() >= 4 {
                             let (head, tail) = rest.split_at(4);
                             let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-                            let item = tail.get(..len).ok_or_else(|| format!("element {} claims {len} bytes, {} are left", items.len(), tail.len()))?;
+                            let item = tail.get(..len).ok_or(BinaryError::Element { index: items.len(), len, left: tail.len() })?;
                             items.push(item.to_vec());
                             rest = &tail[len..];
                         }
                         if !rest.is_empty() || items.len() != count {
-                            return Err(format!("binary BYTES data holds {} whole elements (+{} stray bytes), the shape needs {count}", items.len(), rest.len()));
+                            return Err(BinaryError::Count { whole: items.len(), stray: rest.len(), count });
                         }
                         Ok(TensorData::Bytes(items))
                     }

@@ -69,14 +69,57 @@ impl Cache {
     }
 }
 
+/// Why a model's weights are not shared (each session then loads its own copy, and the
+/// report says why), or why a cache folder is not trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("cannot {action} {}: {error}", path.display())]
+    File { action: &'static str, path: PathBuf, error: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Sync { path: PathBuf, error: std::io::Error },
+    #[error("{error}")]
+    Io { error: std::io::Error },
+    #[error("{0}")]
+    Advice(nix::errno::Errno),
+    #[error("{0}")]
+    Onnx(#[from] crate::onnx::OnnxError),
+    #[error("{0}")]
+    Session(#[from] ort::Error),
+    #[error("{} belongs to uid {uid}, not this service's ({ours}): its artefacts are not trusted", path.display())]
+    NotOurs { path: PathBuf, uid: u32, ours: u32 },
+    #[error(
+        "{} is writable by group or others (mode {mode:o}): its artefacts are not trusted (chmod go-w)",
+        path.display()
+    )]
+    Writable { path: PathBuf, mode: u32 },
+    #[error("no manifest: {0}")]
+    NoManifest(std::io::Error),
+    #[error("manifest line {0:?}")]
+    ManifestLine(String),
+    #[error("manifest names {0:?}")]
+    ManifestNames(String),
+    #[error("{file} is {size} bytes with SHA-256 {sha}, the manifest says {listed_size} and {listed_sha}")]
+    Changed { file: String, size: u64, sha: String, listed_size: String, listed_sha: String },
+    #[error("the manifest lists no model")]
+    NoModel,
+}
+
+impl From<std::io::Error> for WeightsError {
+    fn from(error: std::io::Error) -> WeightsError {
+        WeightsError::Io { error }
+    }
+}
+
 /// The cache folder, made if missing (mode 0700, whatever the umask), and trusted ([`ours`]).
-fn make_root(root: &Path) -> Result<(), String> {
+fn make_root(root: &Path) -> Result<(), WeightsError> {
     use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(root)
-        .map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(root).map_err(|error| WeightsError::File {
+        action: "create",
+        path: root.to_path_buf(),
+        error,
+    })?;
     ours(root)
 }
 
@@ -106,7 +149,7 @@ pub fn artefact(
         Ok(()) => Weights::Shared(dir.join(MODEL_FILE)),
         Err(e) => {
             warn!(model = name, "cannot share this model's weights ({e}); each session loads its own copy");
-            Weights::Private(e)
+            Weights::Private(e.to_string())
         }
     }
 }
@@ -117,7 +160,7 @@ fn prepare(
     name: &str,
     source: &Path,
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
-) -> Result<(), String> {
+) -> Result<(), WeightsError> {
     let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
     let verified = verified.get_or_insert_with(HashSet::new);
     if verified.contains(dir) {
@@ -135,7 +178,11 @@ fn prepare(
             }
             Err(e) => {
                 warn!(model = name, "shared weights in {} are damaged ({e}); preparing them again", dir.display());
-                std::fs::remove_dir_all(dir).map_err(|e| format!("cannot remove {}: {e}", dir.display()))?;
+                std::fs::remove_dir_all(dir).map_err(|error| WeightsError::File {
+                    action: "remove",
+                    path: dir.to_path_buf(),
+                    error,
+                })?;
             }
         }
     }
@@ -149,7 +196,7 @@ fn prepare(
         std::process::id(),
         dir.file_name().unwrap_or_default().to_string_lossy()
     ));
-    private_dir(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    private_dir(&tmp).map_err(|error| WeightsError::File { action: "create", path: tmp.clone(), error })?;
     let written = write(&tmp, source, build);
     // The optimising session's buffers are freed now; hand the memory back to the system
     // instead of keeping it in the allocator (hundreds of MB for a BERT-base model).
@@ -167,7 +214,7 @@ fn prepare(
         }
         Err(e) => {
             let _ = std::fs::remove_dir_all(&tmp);
-            return Err(format!("cannot move the artefact into {}: {e}", dir.display()));
+            return Err(WeightsError::File { action: "move the artefact into", path: dir.to_path_buf(), error: e });
         }
     }
     settle_lookup_tables(dir);
@@ -196,24 +243,25 @@ const SMALL_TABLE: u64 = 1 << 20;
 fn settle_lookup_tables(dir: &Path) {
     use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
     use std::os::unix::fs::FileExt;
-    let settle = || -> Result<u64, String> {
-        let model = std::fs::read(dir.join(MODEL_FILE)).map_err(|e| e.to_string())?;
+    let settle = || -> Result<u64, WeightsError> {
+        let model = std::fs::read(dir.join(MODEL_FILE))?;
         let tables = crate::onnx::lookup_tables(&model)?;
         let mut tables = tables.iter().filter(|t| t.file == DATA_FILE && t.length >= SMALL_TABLE).peekable();
         if tables.peek().is_none() {
             return Ok(0);
         }
-        let file = std::fs::File::open(dir.join(DATA_FILE)).map_err(|e| e.to_string())?;
-        posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_RANDOM).map_err(|e| e.to_string())?;
+        let file = std::fs::File::open(dir.join(DATA_FILE))?;
+        posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_RANDOM).map_err(WeightsError::Advice)?;
         let (mut buffer, mut settled) = (vec![0u8; 1 << 20], 0);
         for table in tables {
             let (Ok(offset), Ok(length)) = (i64::try_from(table.offset), i64::try_from(table.length)) else { continue };
-            posix_fadvise(&file, offset, length, PosixFadviseAdvice::POSIX_FADV_DONTNEED).map_err(|e| e.to_string())?;
+            posix_fadvise(&file, offset, length, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                .map_err(WeightsError::Advice)?;
             let end = table.offset.saturating_add(table.length);
             let mut at = table.offset;
             while at < end {
                 let want = buffer.len().min(usize::try_from(end - at).unwrap_or(usize::MAX));
-                match file.read_at(&mut buffer[..want], at).map_err(|e| e.to_string())? {
+                match file.read_at(&mut buffer[..want], at)? {
                     0 => break,
                     n => at += n as u64,
                 }
@@ -236,23 +284,15 @@ pub(crate) fn private_dir(path: &Path) -> std::io::Result<()> {
 }
 
 /// `path` is a folder of this process's user that group and others cannot write.
-pub(crate) fn ours(path: &Path) -> Result<(), String> {
+pub(crate) fn ours(path: &Path) -> Result<(), WeightsError> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let meta = std::fs::metadata(path).map_err(|error| WeightsError::Read { path: path.to_path_buf(), error })?;
     let uid = nix::unistd::geteuid().as_raw();
     if meta.uid() != uid {
-        return Err(format!(
-            "{} belongs to uid {}, not this service's ({uid}): its artefacts are not trusted",
-            path.display(),
-            meta.uid()
-        ));
+        return Err(WeightsError::NotOurs { path: path.to_path_buf(), uid: meta.uid(), ours: uid });
     }
     if meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} is writable by group or others (mode {:o}): its artefacts are not trusted (chmod go-w)",
-            path.display(),
-            meta.mode() & 0o777
-        ));
+        return Err(WeightsError::Writable { path: path.to_path_buf(), mode: meta.mode() & 0o777 });
     }
     Ok(())
 }
@@ -262,10 +302,9 @@ fn write(
     tmp: &Path,
     source: &Path,
     build: impl Fn() -> ort::Result<ort::session::builder::SessionBuilder>,
-) -> Result<(), String> {
-    let err = |e: ort::Error| e.to_string();
-    let builder = build().map_err(err)?;
-    let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| ort::Error::<()>::from(e).to_string());
+) -> Result<(), WeightsError> {
+    let builder = build()?;
+    let step = |r: ort::session::builder::BuilderResult| r.map_err(|e| WeightsError::Session(ort::Error::from(e)));
     let builder = step(builder.with_optimization_level(GraphOptimizationLevel::All))?;
     let builder = step(builder.with_optimized_model_path(tmp.join(MODEL_FILE)))?;
     let builder =
@@ -273,7 +312,7 @@ fn write(
     let builder =
         step(builder.with_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))?;
     let mut builder = step(builder.with_config_entry("session.save_external_prepacked_constant_initializers", "1"))?;
-    let session: Session = builder.commit_from_file(source).map_err(err)?;
+    let session: Session = builder.commit_from_file(source)?;
     drop(session);
     let mut manifest = String::new();
     for file in [MODEL_FILE, DATA_FILE] {
@@ -284,42 +323,47 @@ fn write(
         }
         let (size, sha) = digest(&path)?;
         manifest += &format!("{file} {size} {sha}\n");
-        std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|error| WeightsError::Sync { path, error })?;
     }
-    let mut f = std::fs::File::create(tmp.join(MANIFEST)).map_err(|e| e.to_string())?;
-    f.write_all(manifest.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| e.to_string())
+    let mut f = std::fs::File::create(tmp.join(MANIFEST))?;
+    Ok(f.write_all(manifest.as_bytes()).and_then(|()| f.sync_all())?)
 }
 
 /// Every file the manifest lists has its size and SHA-256.
-fn check(dir: &Path) -> Result<(), String> {
-    let manifest = std::fs::read_to_string(dir.join(MANIFEST)).map_err(|e| format!("no manifest: {e}"))?;
+fn check(dir: &Path) -> Result<(), WeightsError> {
+    let manifest = std::fs::read_to_string(dir.join(MANIFEST)).map_err(WeightsError::NoManifest)?;
     let mut model = false;
     for line in manifest.lines() {
         let mut parts = line.split(' ');
         let (Some(file), Some(size), Some(sha)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(format!("manifest line {line:?}"));
+            return Err(WeightsError::ManifestLine(line.to_string()));
         };
         if file.contains('/') {
-            return Err(format!("manifest names {file:?}"));
+            return Err(WeightsError::ManifestNames(file.to_string()));
         }
         model |= file == MODEL_FILE;
         let (actual_size, actual_sha) = digest(&dir.join(file))?;
         if actual_size.to_string() != size || actual_sha != sha {
-            return Err(format!(
-                "{file} is {actual_size} bytes with SHA-256 {actual_sha}, the manifest says {size} and {sha}"
-            ));
+            return Err(WeightsError::Changed {
+                file: file.to_string(),
+                size: actual_size,
+                sha: actual_sha,
+                listed_size: size.to_string(),
+                listed_sha: sha.to_string(),
+            });
         }
     }
     if !model {
-        return Err("the manifest lists no model".into());
+        return Err(WeightsError::NoModel);
     }
     Ok(())
 }
 
-fn digest(path: &Path) -> Result<(u64, String), String> {
-    let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn digest(path: &Path) -> Result<(u64, String), WeightsError> {
+    let unreadable = |error| WeightsError::Read { path: path.to_path_buf(), error };
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
     let mut hasher = Sha256::new();
-    let size = std::io::copy(&mut file, &mut hasher).map_err(|e| format!("{}: {e}", path.display()))?;
+    let size = std::io::copy(&mut file, &mut hasher).map_err(unreadable)?;
     Ok((size, hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
 }
 

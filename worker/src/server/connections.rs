@@ -329,6 +329,24 @@ pub(super) async fn draining(drain: &mut watch::Receiver<Drain>) {
     let _ = drain.wait_for(|d| *d != Drain::Serving).await;
 }
 
+/// This worker's row in the pool's table of API key limits (see `inferd_ipc::limits`).
+pub(super) fn limits_seat() -> Option<Seat> {
+    // SAFETY: the supervisor hands this descriptor when the spec says `limits`; mapped, then
+    // closed.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_LIMITS_FD) };
+    match Limits::map(fd).map(|table| table.join(std::process::id())) {
+        Ok(Some(seat)) => Some(seat),
+        Ok(None) => {
+            error!("the pool's table of API key limits is full: this worker neither limits nor counts keys");
+            None
+        }
+        Err(e) => {
+            error!("cannot map the pool's table of API key limits on fd {WORKER_LIMITS_FD}: {e}");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,23 +387,5 @@ mod tests {
             let _ = done.send(());
         });
         finished.recv_timeout(Duration::from_secs(30)).expect("the I/O thread is stuck (or the test panicked)");
-    }
-}
-
-/// This worker's row in the pool's table of API key limits (see `inferd_ipc::limits`).
-pub(super) fn limits_seat() -> Option<Seat> {
-    // SAFETY: the supervisor hands this descriptor when the spec says `limits`; mapped, then
-    // closed.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(WORKER_LIMITS_FD) };
-    match Limits::map(fd).map(|table| table.join(std::process::id())) {
-        Ok(Some(seat)) => Some(seat),
-        Ok(None) => {
-            error!("the pool's table of API key limits is full: this worker neither limits nor counts keys");
-            None
-        }
-        Err(e) => {
-            error!("cannot map the pool's table of API key limits on fd {WORKER_LIMITS_FD}: {e}");
-            None
-        }
     }
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use inferd_config::model::ModelEntry;
 
+use super::error::Int8Error;
 use crate::pipeline::Pipeline;
 use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::{validate_inputs, DataType, Tensor, TensorData};
@@ -33,9 +34,13 @@ pub(super) enum Calibration {
 /// The calibration inputs for `meta`'s model: the built-in ones for its kind, then the user's
 /// (`[quantization] calibration`, one per line, empty lines skipped). `Err`: the user's file
 /// has a line that cannot be read or does not fit the model.
-pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipeline) -> Result<Calibration, String> {
+pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipeline) -> Result<Calibration, Int8Error> {
     let own = match &entry.quantization.calibration {
-        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        Some(path) => std::fs::read_to_string(path).map_err(|error| Int8Error::File {
+            action: "read",
+            path: path.clone(),
+            error,
+        })?,
         None => String::new(),
     };
     let lines = || own.lines().map(str::trim).filter(|l| !l.is_empty());
@@ -56,7 +61,7 @@ pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipel
             let root = match own.is_empty() {
                 true => PathBuf::new(),
                 false => std::fs::canonicalize(folder)
-                    .map_err(|e| format!("quantization.calibration: {}: {e}", file.display()))?,
+                    .map_err(|error| Int8Error::CalibrationFolder { file: file.to_path_buf(), error })?,
             };
             for (n, line) in lines().enumerate() {
                 let path = folder.join(line);
@@ -65,7 +70,10 @@ pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipel
                         true => std::fs::read(real),
                         false => Err(std::io::Error::other("it is outside the calibration file's folder")),
                     })
-                    .map_err(|e| format!("{}: cannot read {}: {e}", place(n + 1), path.display()))?;
+                    .map_err(|e| Int8Error::Calibration {
+                        place: place(n + 1),
+                        why: format!("cannot read {}: {e}", path.display()),
+                    })?;
                 samples.push(Sample::Image(bytes));
             }
             Ok(Calibration::Inputs(samples, "images"))
@@ -74,15 +82,15 @@ pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipel
             // Generated first, then the user's; with no float inputs, the user's alone.
             let mut samples: Vec<Sample> = match generated_tensors(meta, entry.warmup.dynamic_dim) {
                 Ok(generated) => generated.into_iter().map(Sample::Tensors).collect(),
-                Err(why) if lines().next().is_none() => return Ok(Calibration::None(why)),
+                Err(why) if lines().next().is_none() => return Ok(Calibration::None(why.to_string())),
                 Err(_) => Vec::new(),
             };
             for (n, line) in lines().enumerate() {
-                let parsed =
-                    crate::kserve::json::parse(line.as_bytes(), None).map_err(|e| format!("{}: {e}", place(n + 1)))?;
+                let unfit = |why: String| Int8Error::Calibration { place: place(n + 1), why };
+                let parsed = crate::kserve::json::parse(line.as_bytes(), None).map_err(unfit)?;
                 let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
-                let tensors = validate_inputs(given, &meta.inputs, &meta.info.name)
-                    .map_err(|e| format!("{}: {e}", place(n + 1)))?;
+                let tensors =
+                    validate_inputs(given, &meta.inputs, &meta.info.name).map_err(|e| unfit(e.to_string()))?;
                 samples.push(Sample::Tensors(tensors));
             }
             Ok(Calibration::Inputs(samples, "inputs"))
@@ -174,14 +182,11 @@ fn generated_image(i: usize, width: u32, height: u32) -> Vec<u8> {
 /// them (batch 1, other free dimensions `dynamic_dim`): pseudo-random values spread around
 /// zero at scales from 0.1 to 10, so the activations' run-time ranges vary as real inputs'
 /// do. `Err` names an input that is not a float.
-fn generated_tensors(meta: &ModelMeta, dynamic_dim: usize) -> Result<Vec<Vec<Tensor>>, String> {
+fn generated_tensors(meta: &ModelMeta, dynamic_dim: usize) -> Result<Vec<Vec<Tensor>>, Int8Error> {
     if let Some(spec) =
         meta.inputs.iter().find(|s| !matches!(s.dtype, Some(DataType::F32 | DataType::F64 | DataType::F16)))
     {
-        return Err(format!(
-            "the guard generates inputs for float tensors only, and input '{}' is {}: give your own inputs in [quantization] calibration (KServe v2 inference requests, one per line)",
-            spec.name, spec.datatype
-        ));
+        return Err(Int8Error::NotFloat { input: spec.name.clone(), datatype: spec.datatype.clone() });
     }
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut next = move || {
@@ -325,7 +330,7 @@ mod tests {
         // Sample 0 at scale 0.1, sample 4 at 10.
         assert!(largest(&samples[0][0]) <= 0.1 && largest(&samples[4][0]) > 1.0);
         let meta = raw_model(&[("x", DataType::F32, &[-1, 4]), ("ids", DataType::I64, &[-1, 4])]);
-        let why = generated_tensors(&meta, 5).unwrap_err();
+        let why = generated_tensors(&meta, 5).unwrap_err().to_string();
         assert!(why.contains("input 'ids' is INT64") && why.contains("[quantization] calibration"), "{why}");
     }
 

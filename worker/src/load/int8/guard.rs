@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use super::calibration::{calibration, Calibration, Sample};
+use super::error::Int8Error;
 use super::rewrite;
 use super::Report;
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
@@ -58,7 +59,7 @@ fn float_values(tensor: &Tensor) -> Option<Vec<f32>> {
 }
 
 /// Runs every input alone through `model`: its outputs, and the median time of an input.
-fn run(model: &mut ModelSession, pipeline: &Pipeline, samples: &[Sample]) -> Result<(Outputs, f64), String> {
+fn run(model: &mut ModelSession, pipeline: &Pipeline, samples: &[Sample]) -> Result<(Outputs, f64), Int8Error> {
     let head = pipeline.head().cloned();
     let mut rows = Vec::with_capacity(samples.len());
     let mut exact = Vec::new();
@@ -66,24 +67,22 @@ fn run(model: &mut ModelSession, pipeline: &Pipeline, samples: &[Sample]) -> Res
     for sample in samples {
         let (inputs, lengths) = match (pipeline, sample) {
             (Pipeline::Text(p), Sample::Text(text)) => {
-                let encoded = p.encode(&[Text::Single(text.clone())], true).map_err(|e| e.to_string())?;
+                let encoded = p.encode(&[Text::Single(text.clone())], true)?;
                 (encoded.inputs, encoded.lengths)
             }
-            (Pipeline::Image(p), Sample::Image(bytes)) => {
-                (p.preprocess(std::slice::from_ref(bytes)).map_err(|e| e.to_string())?, Vec::new())
-            }
+            (Pipeline::Image(p), Sample::Image(bytes)) => (p.preprocess(std::slice::from_ref(bytes))?, Vec::new()),
             (Pipeline::Raw, Sample::Tensors(tensors)) => (tensors.clone(), Vec::new()),
-            _ => return Err("a calibration input of another kind than the model's".into()),
+            _ => return Err(Int8Error::Kind),
         };
         let started = Instant::now();
-        let outputs = model.run(inputs, None).map_err(|e| e.to_string())?;
+        let outputs = model.run(inputs, None)?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
         match &head {
             Some(Head::Embedding { output, settings }) => {
-                rows.extend(embeddings(&outputs[*output], &lengths, settings.pooling, true).map_err(|e| e.to_string())?)
+                rows.extend(embeddings(&outputs[*output], &lengths, settings.pooling, true)?)
             }
             Some(Head::Classification { output, labels, activation, .. }) => {
-                rows.extend(scores(&outputs[*output], labels.len(), *activation, false).map_err(|e| e.to_string())?)
+                rows.extend(scores(&outputs[*output], labels.len(), *activation, false)?)
             }
             None => {
                 let mut others = Vec::new();
@@ -183,8 +182,12 @@ pub(super) fn measure(
     entry: &ModelEntry,
     sha256: &[u8],
     dir: &Path,
-) -> Result<(Option<Vec<u8>>, Report), String> {
-    let source = std::fs::read(&entry.path).map_err(|e| format!("cannot read {}: {e}", entry.path.display()))?;
+) -> Result<(Option<Vec<u8>>, Report), Int8Error> {
+    let source = std::fs::read(&entry.path).map_err(|error| Int8Error::File {
+        action: "read",
+        path: entry.path.clone(),
+        error,
+    })?;
     let candidates = rewrite::candidates(&source)?;
     if candidates.is_empty() {
         let mut why = "the model has no fp32 MatMul or Gemm with a weight matrix in the file to quantise".to_string();
@@ -195,7 +198,7 @@ pub(super) fn measure(
     }
     // Private, unshared sessions of one thread: nothing lands in the weights cache.
     let plain = ModelEntry { precision: Precision::Fp32, share_weights: false, ..entry.clone() };
-    let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow, sha256).map_err(|e| e.to_string())?;
+    let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow, sha256)?;
     // Built once, for both models: the int8 rewrite leaves the inputs and outputs as they are.
     let pipeline = crate::load::pipeline(entry, &fp32.meta)?;
     let (samples, of) = match calibration(entry, &fp32.meta, &pipeline)? {
@@ -210,15 +213,19 @@ pub(super) fn measure(
     let scratch = &candidate.0;
     let range = rewrite::host_range();
     // The model with every candidate but `keep` in int8, loaded from the scratch file.
-    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), String> {
+    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), Int8Error> {
         let rewritten = rewrite::rewrite(&source, keep, range)?;
-        std::fs::write(scratch, &rewritten.bytes).map_err(|e| format!("cannot write {}: {e}", scratch.display()))?;
+        std::fs::write(scratch, &rewritten.bytes).map_err(|error| Int8Error::File {
+            action: "write",
+            path: scratch.clone(),
+            error,
+        })?;
         let candidate = ModelEntry { path: scratch.clone(), ..plain.clone() };
         let model = ModelSession::load(runtime, &candidate, Threads::Narrow, &Sha256::digest(&rewritten.bytes))
-            .map_err(|e| format!("the int8 model does not load: {e}"))?;
+            .map_err(Int8Error::Int8Session)?;
         Ok((rewritten.bytes, model))
     };
-    let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), String> {
+    let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), Int8Error> {
         let (bytes, mut model) = load(keep)?;
         let (got, ms) = run(&mut model, &pipeline, &samples)?;
         Ok((bytes, compare(&want, &got), ms))

@@ -22,6 +22,7 @@
 pub mod rewrite;
 
 mod calibration;
+mod error;
 mod guard;
 
 use std::collections::HashMap;
@@ -36,6 +37,7 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::runtime::model::Runtime;
+pub use error::Int8Error;
 
 /// Changes whenever what the preparation writes or how it measures changes.
 const FORMAT: &str = "q5";
@@ -152,7 +154,7 @@ pub struct Prepared {
 
 /// Prepares (or finds prepared) the int8 form of `entry`'s model. `Ok(Some)`: serve that file;
 /// `Ok(None)` with a report: serve fp32 (`auto` whose guard failed); `Err`: `int8` refused.
-pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), String> {
+pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(Option<Prepared>, Report), Int8Error> {
     let settings = format!(
         "{FORMAT} {:?} {} {} {} {:?} {:?}",
         entry.precision,
@@ -188,7 +190,11 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
     let (dir, scratch) = match runtime.cache_root() {
         Some((root, host)) => {
             let dir = root.join(format!("{}-int8-{key}-{host}", entry.name));
-            std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(&dir).map_err(|error| Int8Error::File {
+                action: "create",
+                path: dir.clone(),
+                error,
+            })?;
             // A preparation someone else could have written is not read.
             crate::runtime::weights::ours(&dir)?;
             (dir, None)
@@ -203,14 +209,15 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
             match crate::runtime::weights::private_dir(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => crate::runtime::weights::ours(&dir)?,
-                Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+                Err(error) => return Err(Int8Error::File { action: "create", path: dir, error }),
             }
             (dir.clone(), Some(dir))
         }
     };
     // One process prepares; the others wait here, then read what it wrote.
-    let lock = std::fs::File::create(dir.join("lock")).map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
-    lock.lock().map_err(|e| format!("cannot lock {}: {e}", dir.display()))?;
+    let unlocked = |error| Int8Error::File { action: "lock", path: dir.clone(), error };
+    let lock = std::fs::File::create(dir.join("lock")).map_err(unlocked)?;
+    lock.lock().map_err(unlocked)?;
     let (model, report) = (dir.join("model.onnx"), dir.join("report.json"));
     // Without a cache_dir the folder goes once a session has loaded the file: this process's
     // later sessions (a worker has several) write it again from memory instead of measuring.
@@ -218,49 +225,54 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
     let memo = memo.get_or_insert_with(HashMap::new);
     if let Some((r, bytes)) = memo.get(&dir).filter(|_| scratch.is_some()) {
         if let Some(bytes) = bytes {
-            std::fs::write(&model, &bytes[..]).map_err(|e| format!("cannot write {}: {e}", model.display()))?;
+            std::fs::write(&model, &bytes[..]).map_err(|error| Int8Error::File {
+                action: "write",
+                path: model.clone(),
+                error,
+            })?;
         }
-        std::fs::write(&report, serde_json::to_vec_pretty(r).expect("json")).map_err(|e| e.to_string())?;
+        std::fs::write(&report, serde_json::to_vec_pretty(r).expect("json")).map_err(Int8Error::Report)?;
     }
     let found = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice::<Report>(&r).ok());
-    let report = match found {
-        Some(r) if !r.int8 || model.is_file() => {
-            info!(model = entry.name, "int8 preparation found in {}", dir.display());
-            r
-        }
-        _ => {
-            let started = Instant::now();
-            info!(model = entry.name, "preparing int8: rewriting the MatMuls and measuring them against fp32");
-            let (bytes, r) = match guard::measure(runtime, entry, sha256, &dir) {
-                Ok(measured) => measured,
-                // Not kept in the cache: the cause may pass (a full disk), and a fixed model is
-                // another preparation anyway.
-                Err(e) if entry.precision == Precision::Auto => {
-                    let report = Report::refused(0, format!("the int8 preparation failed: {e}"));
-                    warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
-                    remove(scratch);
-                    return Ok((None, report));
+    let report =
+        match found {
+            Some(r) if !r.int8 || model.is_file() => {
+                info!(model = entry.name, "int8 preparation found in {}", dir.display());
+                r
+            }
+            _ => {
+                let started = Instant::now();
+                info!(model = entry.name, "preparing int8: rewriting the MatMuls and measuring them against fp32");
+                let (bytes, r) = match guard::measure(runtime, entry, sha256, &dir) {
+                    Ok(measured) => measured,
+                    // Not kept in the cache: the cause may pass (a full disk), and a fixed model is
+                    // another preparation anyway.
+                    Err(e) if entry.precision == Precision::Auto => {
+                        let report = Report::refused(0, format!("the int8 preparation failed: {e}"));
+                        warn!(model = entry.name, "precision = \"auto\": serving fp32: {}", report.summary());
+                        remove(scratch);
+                        return Ok((None, report));
+                    }
+                    Err(e) => return Err(e),
+                };
+                if scratch.is_some() {
+                    memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
                 }
-                Err(e) => return Err(e),
-            };
-            if scratch.is_some() {
-                memo.insert(dir.clone(), (r.clone(), bytes.clone().map(Arc::new)));
+                if let Some(bytes) = bytes {
+                    let tmp = dir.join("model.onnx.tmp");
+                    std::fs::write(&tmp, bytes)
+                        .and_then(|()| std::fs::rename(&tmp, &model))
+                        .map_err(|error| Int8Error::File { action: "write", path: model.clone(), error })?;
+                }
+                std::fs::write(&report, serde_json::to_vec_pretty(&r).expect("json"))
+                    .map_err(|error| Int8Error::File { action: "write", path: report.clone(), error })?;
+                info!(model = entry.name, "int8 prepared in {:.1} s: {}", started.elapsed().as_secs_f64(), r.summary());
+                if scratch.is_none() {
+                    remove_older(&dir, &entry.name);
+                }
+                r
             }
-            if let Some(bytes) = bytes {
-                let tmp = dir.join("model.onnx.tmp");
-                std::fs::write(&tmp, bytes)
-                    .and_then(|()| std::fs::rename(&tmp, &model))
-                    .map_err(|e| format!("cannot write {}: {e}", model.display()))?;
-            }
-            std::fs::write(&report, serde_json::to_vec_pretty(&r).expect("json"))
-                .map_err(|e| format!("cannot write {}: {e}", report.display()))?;
-            info!(model = entry.name, "int8 prepared in {:.1} s: {}", started.elapsed().as_secs_f64(), r.summary());
-            if scratch.is_none() {
-                remove_older(&dir, &entry.name);
-            }
-            r
-        }
-    };
+        };
     match (report.int8, entry.precision) {
         (true, _) => Ok((Some(Prepared { path: model, report: report.clone(), scratch }), report)),
         (false, Precision::Auto) => {
@@ -270,7 +282,7 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
         }
         (false, _) => {
             remove(scratch);
-            Err(format!("precision = \"int8\" refused: {}", report.summary()))
+            Err(Int8Error::Refused(report.summary()))
         }
     }
 }

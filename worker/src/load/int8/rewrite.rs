@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::onnx::{default_opset, graph_of, initializer_name, subgraph_reads, text, Node};
+use crate::onnx::{default_opset, graph_of, initializer_name, subgraph_reads, text, Node, OnnxError};
 use crate::protowire::{fields, put_bytes, put_number, varint, Field};
 
 /// TensorProto.DataType values used here.
@@ -31,7 +31,7 @@ struct Weight {
 }
 
 /// An initializer's name, and its values when it is a float tensor in the file itself.
-fn initializer(payload: &[u8]) -> Result<(String, Option<Weight>), String> {
+fn initializer(payload: &[u8]) -> Result<(String, Option<Weight>), OnnxError> {
     let (mut name, mut dims, mut data_type, mut raw, mut floats, mut external) =
         (String::new(), Vec::new(), 0, None, Vec::new(), false);
     for f in fields(payload)? {
@@ -128,7 +128,7 @@ pub struct Quantized {
 
 /// The fp32 MatMul nodes that can be quantised: their weight is a 2-D float initializer in
 /// the file. By name, in graph order.
-pub fn candidates(model: &[u8]) -> Result<Vec<String>, String> {
+pub fn candidates(model: &[u8]) -> Result<Vec<String>, OnnxError> {
     let (top, graph) = graph_of(model)?;
     let opset = default_opset(&top)?;
     let parts = fields(graph)?;
@@ -227,7 +227,7 @@ fn fresh<const N: usize>(stem: &str, suffixes: [&str; N], taken: &mut HashSet<St
 }
 
 /// The graph's fp32 initializers stored in the file: their dims, by name.
-fn float_tensors(parts: &[Field]) -> Result<HashMap<String, Vec<u64>>, String> {
+fn float_tensors(parts: &[Field]) -> Result<HashMap<String, Vec<u64>>, OnnxError> {
     let mut found = HashMap::new();
     for f in parts.iter().filter(|f| f.number == 5 && f.wire == 2) {
         if let (name, Some(w)) = initializer(f.payload)? {
@@ -243,7 +243,7 @@ fn transposed(node: &Node) -> bool {
 }
 
 /// Quantises every candidate MatMul except those named in `keep`.
-pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Quantized, String> {
+pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Quantized, OnnxError> {
     let (top, graph) = graph_of(model)?;
     let opset = default_opset(&top)?;
     let parts = fields(graph)?;
@@ -574,7 +574,7 @@ mod tests {
 
     #[test]
     fn a_model_without_a_graph_is_refused_with_a_reason() {
-        assert!(candidates(&[0x08, 0x07]).unwrap_err().contains("no graph"));
+        assert!(candidates(&[0x08, 0x07]).unwrap_err().to_string().contains("no graph"));
         assert!(rewrite(&[0x3a, 0x05, 0x01], &HashSet::new(), Range::Full).is_err());
     }
 }
