@@ -62,12 +62,13 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::control::{ControlError, Request};
+use crate::event::{Event, Say};
 use crate::metrics::RecycleReason;
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use crate::status::Phase;
 use crate::systemd::{self, Notifier};
-use crate::{signals, tcp, trace, Event};
+use crate::{signals, tcp, trace};
 
 mod events;
 mod life;
@@ -94,7 +95,6 @@ use sockets::{dup_high, SlotSockets};
 use spawn::{Launcher, Order};
 use totals::Totals;
 use upgrade::Upgrade;
-pub use upgrade::UpgradeEvent;
 
 const TICK: Duration = Duration::from_millis(200);
 
@@ -208,7 +208,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         };
         let result = supervisor.run(&mut queue).await;
         if let Err(e) = &result {
-            supervisor.upgrade.tell_old(upgrade::Say::Failed { error: e.to_string() });
+            supervisor.upgrade.tell_old(Say::Failed { error: e.to_string() });
         }
         // The file stays for the supervisor this one hands over to (or that started it).
         if !supervisor.upgrade.socket_is_not_ours() {
@@ -584,7 +584,7 @@ impl Supervisor {
         }
         if self.life.settled() && self.pool.all_ready() {
             let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
-            self.upgrade.tell_old(upgrade::Say::Ready { pid, version });
+            self.upgrade.tell_old(Say::Ready { pid, version });
         }
         let phase = self.phase();
         if phase != before && self.life.booted() {
