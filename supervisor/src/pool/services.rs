@@ -5,9 +5,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use tokio::sync::mpsc;
 use tracing::info;
 
+use super::error::SupervisorError;
 use super::sockets::dup_high;
 use super::upgrade::Inherited;
-use super::SupervisorError;
 use crate::event::Event;
 use crate::plan::Resolved;
 use crate::{admin, control_server};
