@@ -43,9 +43,9 @@ use tokio_util::either::Either;
 use tracing::{debug, info, warn};
 
 use crate::confine::{confined, PathFrom, Unconfined};
-use crate::control;
+use crate::event::Event;
 use crate::metrics::{self, PoolMetrics};
-use crate::Event;
+use crate::{control, control_server};
 
 /// What the admin routes need besides the loop.
 pub struct Admin {
@@ -184,7 +184,7 @@ pub async fn serve(listener: TcpListener, events: mpsc::UnboundedSender<Event>, 
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let permit = slots.clone().acquire_owned().await.expect("never closed");
-        let (stream, peer) = control::accept_patiently("admin listener", || listener.accept()).await;
+        let (stream, peer) = control_server::accept_patiently("admin listener", || listener.accept()).await;
         let (events, admin) = (events.clone(), admin.clone());
         tokio::spawn(async move {
             let stream = match admin.tls.as_ref().map(AdminTls::acceptor) {

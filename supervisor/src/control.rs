@@ -1,6 +1,6 @@
-//! The control socket: a Unix stream socket, mode 0600, one JSON request line in and one or
-//! more JSON response lines out per connection. Only the user running inferd (or root) is
-//! answered; the peer's uid is checked with SO_PEERCRED on top of the file mode.
+//! The control socket's protocol and its client: one JSON request line in and one or more
+//! JSON response lines out per connection (the server side, which turns a request into an
+//! event for the loop: `control_server`), and why the supervisor says no to an action.
 //!
 //! Requests (`command` is the tag):
 //! - `{"command":"status"}`
@@ -16,23 +16,16 @@
 //! then one final line: `{"ok":true,"status":{...}}`, `{"ok":true,"message":"..."}` or
 //! `{"ok":false,"error":"..."}`.
 
-use std::future::Future;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
-use tracing::warn;
 
 use crate::confine::Unconfined;
 use crate::plan::cpu::PlanError;
 use crate::status::PoolStatus;
 use crate::tcp::PortError;
-use crate::Event;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -263,88 +256,6 @@ impl ControlError {
             | ControlError::BadAnswer(_) => EXIT_NO_SERVER,
         }
     }
-}
-
-/// Creates the socket (and its folder), replacing a stale file left by a dead server.
-pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
-    let io = |error| ControlError::Io { path: path.to_path_buf(), error };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(io)?;
-    }
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ControlError::InUse(path.to_path_buf()));
-        }
-        std::fs::remove_file(path).map_err(io)?;
-    }
-    let listener = UnixListener::bind(path).map_err(io)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
-    Ok(listener)
-}
-
-/// The next connection `accept` gives. A failed accept (no descriptors left, say) is logged
-/// and retried after 100 ms instead of at once: the supervisor's listeners share its only
-/// thread, which a spinning accept loop would take.
-pub(crate) async fn accept_patiently<T, F: Future<Output = std::io::Result<T>>>(
-    listener: &str,
-    mut accept: impl FnMut() -> F,
-) -> T {
-    loop {
-        match accept().await {
-            Ok(accepted) => return accepted,
-            Err(e) => {
-                warn!("{listener}: accept failed ({e}); retrying in 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
-/// Accepts control connections and turns each request into an [`Event::Control`].
-pub async fn serve(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
-    loop {
-        let (stream, _) = accept_patiently("control socket", || listener.accept()).await;
-        let events = events.clone();
-        tokio::spawn(async move {
-            if let Err(e) = answer(stream, events).await {
-                warn!("control connection: {e}");
-            }
-        });
-    }
-}
-
-async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std::io::Result<()> {
-    let me = nix::unistd::geteuid().as_raw();
-    let peer = stream.peer_cred()?.uid();
-    let (read, mut write) = stream.into_split();
-    let (replies, mut answers) = mpsc::unbounded_channel();
-    if peer != me && peer != 0 {
-        let _ = replies.send(Response::error(ActionError::NotYours { peer, me }.to_string()));
-    } else {
-        let mut line = String::new();
-        // One request line of at most 64 KiB: a client cannot make the supervisor buffer more.
-        let mut reader = tokio::io::BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
-        match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-            Err(_) => drop(replies.send(Response::error(ActionError::NoRequest.to_string()))),
-            Ok(Err(e)) => return Err(e),
-            Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-                Err(e) => drop(replies.send(Response::error(ActionError::BadRequest(e).to_string()))),
-                Ok(request) => {
-                    if let Err(mpsc::error::SendError(Event::Control(_, replies))) =
-                        events.send(Event::Control(request, replies))
-                    {
-                        let _ = replies.send(Response::error(ActionError::ShuttingDown.to_string()));
-                    }
-                }
-            },
-        }
-    }
-    while let Some(response) = answers.recv().await {
-        let mut line = serde_json::to_vec(&response).expect("responses serialise");
-        line.push(b'\n');
-        write.write_all(&line).await?;
-    }
-    write.shutdown().await
 }
 
 /// Client side, used by the `inferd` commands: sends one request, calls `progress` for each

@@ -13,11 +13,14 @@
 //!
 //! Layout, by layer, from the loop down (each module uses only those of its own layer or
 //! below; `layers`, a test in `make test`, reads this list and fails on a `crate::` path that
-//! goes up it; this file's own items, the [`Event`] every door sends, are every layer's):
+//! goes up it; this file declares them and re-exports, and holds no item of its own):
 //! - [`pool`]: the loop, and the parts of its state, each a type in its own file;
-//! - [`admin`], [`control`], [`signals`], [`systemd`]: the doors: the admin listener, the
-//!   control socket and signals turn requests into events; systemd's socket activation and
-//!   notifications;
+//! - [`admin`], [`control_server`], [`signals`], [`systemd`]: the doors: the admin listener,
+//!   the control socket and signals turn requests into events; systemd's socket activation
+//!   and notifications;
+//! - [`event`]: the [`Event`]s the doors and the pool's tasks enqueue for the loop;
+//!   [`control`]: the control socket's requests and answers, and its client (the `inferd`
+//!   commands');
 //! - [`metrics`], [`status`]: what the pool tells: the Prometheus text and `inferd status`;
 //! - [`plan`]: the pool's CPU and memory plan; [`confine`]: where a model may be loaded
 //!   from; [`tcp`]: the port's sysctl; [`trace`]: the supervisor's own spans.
@@ -27,6 +30,8 @@
 mod admin;
 mod confine;
 pub mod control;
+mod control_server;
+mod event;
 #[cfg(test)]
 mod layers;
 mod metrics;
@@ -38,31 +43,5 @@ mod systemd;
 mod tcp;
 mod trace;
 
-use std::process::ExitStatus;
-
-use inferd_ipc::spec::WorkerMessage;
-
+pub use event::Event;
 pub use pool::{run, SupervisorError};
-
-/// Everything the supervisor's loop reacts to.
-#[derive(Debug)]
-pub enum Event {
-    Signal(i32),
-    Message {
-        slot: usize,
-        pid: u32,
-        message: WorkerMessage,
-    },
-    /// `status` is `None` if waiting for the process failed.
-    Exited {
-        slot: usize,
-        pid: u32,
-        status: Option<ExitStatus>,
-    },
-    Control(control::Request, control::Replies),
-    /// The admin listener wants the pool's counters and models (a Prometheus scrape, Triton's
-    /// statistics or repository index).
-    Scrape(tokio::sync::oneshot::Sender<metrics::PoolMetrics>),
-    /// The other supervisor of an upgrade said something, or is gone.
-    Upgrade(pool::UpgradeEvent),
-}

@@ -4,7 +4,7 @@
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGTTIN, SIGTTOU, SIGUSR2};
 use tokio::sync::mpsc;
 
-use crate::Event;
+use crate::event::Event;
 
 pub fn forward(events: mpsc::UnboundedSender<Event>) -> std::io::Result<()> {
     let mut signals =

@@ -11,12 +11,14 @@ use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
 use tracing::{error, info, warn};
 
+use super::error::SupervisorError;
 use super::reload;
 use super::restart::{backoff, describe_exit, MAX_BOOT_CRASHES, STABLE_AFTER};
 use super::slot::{Replaced, Role};
-use super::upgrade::{Handing, Step, Upgrade, UpgradeEvent};
-use super::{Supervisor, SupervisorError};
+use super::supervisor::Supervisor;
+use super::upgrade::{Handing, Step, Upgrade};
 use crate::control::{ActionError, Replies, Request, Response, Roll};
+use crate::event::UpgradeEvent;
 use crate::metrics::RestartReason;
 use crate::status::WorkerState;
 use crate::systemd::Notifier;

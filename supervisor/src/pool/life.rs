@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::SupervisorError;
+use super::error::SupervisorError;
 
 /// The pool's life: its start, its boot, its stop.
 pub(super) struct Life {

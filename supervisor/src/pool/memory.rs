@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use inferd_config::file::ServerConfig;
 use tracing::{error, info, warn};
 
+use super::error::SupervisorError;
 use super::slot::{Pool, Role};
-use super::SupervisorError;
 use crate::plan::memory::{models_budget, proc_status, MemoryBudget, WorkerLimits, WorkerMemory};
 use crate::status::WorkerState;
 

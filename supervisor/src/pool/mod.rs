@@ -27,23 +27,27 @@
 //! requests and scrapes only enqueue an [`Event`]; the loop handles one at a time, and every
 //! operator action checks the state it finds and is refused whole when it cannot apply.
 //!
-//! The files, one concept each; the loop's are the two that write `impl Supervisor`:
+//! The files, one concept each, from the loop down; the loop's are the two that write
+//! `impl Supervisor`:
 //! - this one: the loop (events and ticks in, decisions out, from [`run`]), starting a
 //!   worker, and carrying out the guards' decisions; events.rs: what the loop does with each
 //!   event (an operator's action, a worker's message or exit);
-//! - life.rs: the pool's start, boot and stop ([`Life`]); restart.rs: how a dead worker's
-//!   exit is told, and the backoff of a slot whose workers keep dying;
+//! - supervisor.rs: the loop's state, one part per field ([`Supervisor`]); report.rs:
+//!   `inferd status`, systemd's status line and the metrics, from a read-only view of the
+//!   parts ([`Report`]);
+//! - the parts: life.rs: the pool's start, boot and stop ([`Life`]); services.rs: the control
+//!   socket and the admin listener ([`Services`]); memory.rs: the memory plan and watch
+//!   ([`MemoryWatch`]); saturation.rs: the saturation gauges; reload.rs: rolling reloads,
+//!   whose whole state is one [`ReloadState`]; upgrade.rs: upgrading inferd itself, on
+//!   either side ([`Upgrade`]); totals.rs: the pool's counters ([`Totals`]);
+//! - spawn.rs: starting a worker process (its spec, its descriptors, the ones every worker
+//!   shares: [`Launcher`]);
 //! - slot.rs: the pool's slots and workers and their states ([`Pool`], [`Slot`], [`Role`],
 //!   [`Start`]), scaling, stuck workers, which worker is due for recycling;
-//! - spawn.rs: starting a worker process (its spec, its descriptors, the ones every worker
-//!   shares: [`Launcher`]); sockets.rs: the slots' sockets on the port ([`SlotSockets`]);
-//! - services.rs: the control socket and the admin listener ([`Services`]);
-//! - memory.rs: the memory plan and watch ([`MemoryWatch`]); saturation.rs: the saturation
-//!   gauges;
-//! - reload.rs: rolling reloads, whose whole state is one [`ReloadState`];
-//! - upgrade.rs: upgrading inferd itself, on either side ([`Upgrade`]);
-//! - totals.rs: the pool's counters ([`Totals`]); report.rs: `inferd status`, systemd's
-//!   status line and the metrics, from a read-only view of the parts ([`Report`]).
+//! - what the others share: restart.rs: the loop's tick, how a dead worker's exit is told,
+//!   and the backoff of a slot whose workers keep dying; sockets.rs: the slots' sockets on
+//!   the port ([`SlotSockets`]); error.rs: how the pool ends with an error
+//!   ([`SupervisorError`]).
 //!
 //! The [`Supervisor`] holds its state in those parts, each a type whose methods are in its
 //! own file. The launcher's, the memory guard's, the reload's, the upgrade's, the counters'
@@ -61,14 +65,16 @@ use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::control::{ControlError, Request};
+use crate::control::Request;
+use crate::event::{Event, Say};
 use crate::metrics::RecycleReason;
 use crate::plan::memory::MemoryBudget;
 use crate::plan::Resolved;
 use crate::status::Phase;
 use crate::systemd::{self, Notifier};
-use crate::{signals, tcp, trace, Event};
+use crate::{signals, tcp, trace};
 
+mod error;
 mod events;
 mod life;
 mod memory;
@@ -80,6 +86,7 @@ mod services;
 mod slot;
 mod sockets;
 mod spawn;
+mod supervisor;
 mod totals;
 mod upgrade;
 
@@ -87,63 +94,16 @@ use life::Life;
 use memory::{MemoryWatch, Verdict};
 use reload::ReloadState;
 use report::Report;
-use restart::signal_name;
+use restart::{signal_name, TICK};
 use services::Services;
 use slot::{Pool, Role, Slot, Start};
 use sockets::{dup_high, SlotSockets};
 use spawn::{Launcher, Order};
 use totals::Totals;
 use upgrade::Upgrade;
-pub use upgrade::UpgradeEvent;
 
-const TICK: Duration = Duration::from_millis(200);
-
-/// How the pool ends with an error; `inferd serve` exits with the code src/exit.rs maps it to.
-#[derive(Debug, thiserror::Error)]
-pub enum SupervisorError {
-    #[error("worker {slot} could not load its model: {error}")]
-    ModelLoad { slot: usize, error: String },
-    #[error("worker {slot} failed to start: {error}")]
-    Boot { slot: usize, error: String },
-    #[error("memory plan: {0}")]
-    Memory(String),
-    /// The port (or the gRPC port) cannot be bound.
-    #[error("{0}")]
-    Port(String),
-    #[error(transparent)]
-    Control(#[from] ControlError),
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
-}
-
-/// The supervisor's state, in one part per concept (see the files above).
-pub struct Supervisor {
-    resolved: Resolved,
-    /// What starting a worker takes (spawn.rs).
-    launcher: Launcher,
-    /// The slots and what their workers run (slot.rs).
-    pool: Pool,
-    life: Life,
-    /// The reload in progress, and how the reloads so far ended (reload.rs).
-    reload: ReloadState,
-    /// The memory guard's state (guards.rs).
-    memory: MemoryWatch,
-    /// What the pool has counted beyond its live workers' counters (report.rs).
-    totals: Totals,
-    /// The saturation gauges' samples (see `saturation`).
-    saturation: saturation::Saturation,
-    notifier: Notifier,
-    /// Test switch: SIGUSR2 blocks the loop (INFERD_TEST_HANG_ON_SIGUSR2=1), to show that a
-    /// hung loop stops the watchdog pings.
-    hang_on_sigusr2: bool,
-    /// The control socket and the admin listener.
-    services: Services,
-    events: mpsc::UnboundedSender<Event>,
-    /// An upgrade of inferd itself, on either side (upgrade.rs).
-    upgrade: Upgrade,
-    /// Slots' sockets inherited beyond this pool's slots (upgrade.rs).
-    extra_sockets: Vec<SlotSockets>,
-}
+pub use error::SupervisorError;
+pub use supervisor::Supervisor;
 
 /// The test switch INFERD_TEST_HANG_ON_SIGUSR2=1, only in builds with the `test-switches`
 /// feature (`make test`'s), not releases.
@@ -208,7 +168,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         };
         let result = supervisor.run(&mut queue).await;
         if let Err(e) = &result {
-            supervisor.upgrade.tell_old(upgrade::Say::Failed { error: e.to_string() });
+            supervisor.upgrade.tell_old(Say::Failed { error: e.to_string() });
         }
         // The file stays for the supervisor this one hands over to (or that started it).
         if !supervisor.upgrade.socket_is_not_ours() {
@@ -584,7 +544,7 @@ impl Supervisor {
         }
         if self.life.settled() && self.pool.all_ready() {
             let (pid, version) = (std::process::id(), inferd_ipc::version().to_string());
-            self.upgrade.tell_old(upgrade::Say::Ready { pid, version });
+            self.upgrade.tell_old(Say::Ready { pid, version });
         }
         let phase = self.phase();
         if phase != before && self.life.booted() {

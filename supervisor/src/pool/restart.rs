@@ -1,7 +1,8 @@
 //! The restart policy: how a dead worker's exit is told, and how soon its slot starts the
 //! next one. A worker that reports a model-load or boot failure before the pool was ever
 //! ready stops the whole server with that error; later, the slot is retried with backoff
-//! while the others keep serving.
+//! while the others keep serving. And the loop's tick, which paces the escalation of a
+//! stuck worker.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -9,6 +10,9 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+/// The loop's tick: how often it starts the workers due, kills stuck ones and checks the
+/// guards; a stuck worker still there a tick after SIGABRT gets SIGKILL.
+pub(super) const TICK: Duration = Duration::from_millis(200);
 /// A worker that served at least this long, and longer than its own boot took, was not
 /// crash-looping: its slot's backoff resets. (Workers killed from outside every couple of
 /// seconds are replaced at once; a worker dying right after each boot is backed off.)

@@ -5,11 +5,12 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use tokio::sync::mpsc;
 use tracing::info;
 
+use super::error::SupervisorError;
 use super::sockets::dup_high;
 use super::upgrade::Inherited;
-use super::SupervisorError;
+use crate::event::Event;
 use crate::plan::Resolved;
-use crate::{admin, control, Event};
+use crate::{admin, control_server};
 
 /// The supervisor's own listeners: the control socket and the admin listener. Served from
 /// start, or (a new supervisor started by an upgrade) once the old one hands over; their
@@ -36,7 +37,7 @@ impl Services {
                 control.set_nonblocking(true)?;
                 (tokio::net::UnixListener::from_std(control)?, from.admin.take())
             }
-            None => (control::bind(&config.control_socket())?, None),
+            None => (control_server::bind(&config.control_socket())?, None),
         };
         let admin_addr = &config.admin.listen;
         let admin = match (admin, admin_addr.is_empty()) {
@@ -81,7 +82,7 @@ impl Services {
     /// Serves the control socket and the admin listener.
     pub(super) fn start(&mut self, events: &mpsc::UnboundedSender<Event>) {
         if let Some((control, admin)) = self.pending.take() {
-            self.serving.push(tokio::spawn(control::serve(control, events.clone())));
+            self.serving.push(tokio::spawn(control_server::serve(control, events.clone())));
             if let Some((listener, routes)) = admin {
                 self.serving.push(tokio::spawn(admin::serve(listener, events.clone(), routes)));
             }

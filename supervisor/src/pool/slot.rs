@@ -15,9 +15,8 @@ use nix::unistd::Pid;
 use opentelemetry::KeyValue;
 use tracing::{error, info, warn};
 
-use super::restart::{backoff, RECYCLE_PAUSE};
+use super::restart::{backoff, RECYCLE_PAUSE, TICK};
 use super::sockets::SlotSockets;
-use super::TICK;
 use crate::control::ActionError;
 use crate::metrics::RecycleReason;
 use crate::plan::cpu::{format_cpus, plan, Ask, Placement};

@@ -27,10 +27,11 @@ use tracing::{error, info, warn};
 
 use super::slot::{on_demand_besides, recycle_threshold, Role, Worker};
 use super::sockets::{dup_high, handoff_socket, SlotSockets};
+use crate::event::Event;
 use crate::plan::cpu::{format_cpus, Placement};
 use crate::plan::Resolved;
 use crate::status::WorkerState;
-use crate::{systemd, Event};
+use crate::systemd;
 
 /// A worker to start: for which slot, role and cause, running what, and what the pool's other
 /// parts say of it.

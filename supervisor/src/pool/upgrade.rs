@@ -40,7 +40,7 @@ use tracing::{error, info, warn};
 
 use super::sockets::dup_high;
 use crate::control::{ActionError, Replies, Response};
-use crate::Event;
+use crate::event::{Event, Say, UpgradeEvent};
 
 /// The variable that tells a new supervisor which descriptors it inherits.
 pub const UPGRADE_ENV: &str = "INFERD_UPGRADE";
@@ -69,33 +69,6 @@ pub struct Inherited {
     pub handoff: Option<(OwnedFd, OwnedFd)>,
     pub limits: Option<OwnedFd>,
     pub slots: Vec<(Option<OwnedFd>, Option<OwnedFd>)>,
-}
-
-/// One line on the channel between the two supervisors.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Say {
-    /// New to old: it runs, and checks its configuration and starts its workers.
-    Starting { version: String },
-    /// New to old: every worker is ready.
-    Ready { pid: u32, version: String },
-    /// New to old: it cannot serve, and exits.
-    Failed { error: String },
-    /// Old to new: the service is yours.
-    Handover,
-}
-
-/// What the channel brings the loop.
-#[derive(Debug)]
-pub enum UpgradeEvent {
-    /// Old side: the new said this.
-    Said(Say),
-    /// Old side: the new supervisor is gone (its end of the channel closed).
-    Exited,
-    /// New side: the old handed over.
-    HandedOver,
-    /// New side: the old is gone (its end of the channel closed).
-    OldGone,
 }
 
 /// Why the descriptors [`UPGRADE_ENV`] names cannot be taken.
