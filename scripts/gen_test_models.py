@@ -1093,6 +1093,21 @@ def bytes_identity_model():
     return make_model(helper.make_graph(nodes, "bytes_identity", inputs, outputs))
 
 
+def one_string_model():
+    """One BYTES element a row in, the same out (Triton's `onnx_zero_1_object_1_element`):
+    the one shape a raw binary request may fill with a string, the whole body."""
+    inputs = [helper.make_tensor_value_info("INPUT0", TensorProto.STRING, ["batch", 1])]
+    outputs = [helper.make_tensor_value_info("OUTPUT0", TensorProto.STRING, ["batch", 1])]
+    nodes = [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"], name="identity")]
+    return make_model(helper.make_graph(nodes, "one_string", inputs, outputs))
+
+
+def check_one_string(path):
+    items = np.array([["4\x0027"]], dtype=object)
+    (out,) = session(path).run(None, {"INPUT0": items})
+    assert out.tolist() == items.tolist(), out
+
+
 def digits_model():
     """Strings of digits cast to numbers (as Triton's `simple_string`): an empty string, the
     default warm-up's input, makes the run fail; `[warmup.inputs]` gives it digits."""
@@ -1177,6 +1192,7 @@ def main():
     for name, build, check in [
         ("bytes_identity", bytes_identity_model, check_bytes_identity),
         ("digits", digits_model, check_digits),
+        ("one_string", one_string_model, check_one_string),
     ]:
         path = REPO / "tests" / "fixtures" / f"{name}.onnx"
         changed = write_if_changed(path, build().SerializeToString())

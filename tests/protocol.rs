@@ -397,3 +397,56 @@ print('compression ok')
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Triton's raw binary request (`Inference-Header-Content-Length: 0`: the body is the one
+/// input's bytes), as Triton's own L0_http tests send it (http_test.py: `test_raw_binary`,
+/// `test_byte`, `test_byte_too_many_elements`): the shape deduced from the body's size, a
+/// string input's whole body one element, every output back as binary data; a model it
+/// cannot serve so is a 400 that says why.
+#[test]
+fn raw_binary_requests_carry_one_inputs_bytes() {
+    let dir = temp_dir("raw-binary");
+    let repository = dir.path().join("models");
+    for (name, fixture) in [("cumsum", "cumsum"), ("one_string", "one_string"), ("identity", "bytes_identity")] {
+        std::fs::create_dir_all(repository.join(name)).unwrap();
+        let file = repo().join(format!("tests/fixtures/{fixture}.onnx"));
+        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
+        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+    }
+    let server = serve(dir, 1, &repository, "cumsum", &["one_string", "identity"], "");
+    let raw = |model: &str, body: &[u8]| {
+        let headers = [("Inference-Header-Content-Length", "0"), ("Content-Type", "application/octet-stream")];
+        request(server.addr, "POST", &format!("/v2/models/{model}/infer"), &headers, body).unwrap()
+    };
+    // Split the answer into its JSON part and its binary data.
+    let split = |r: &Response| {
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let n: usize = r.header("inference-header-content-length").expect("a binary answer").parse().unwrap();
+        (serde_json::from_slice::<Value>(&r.body[..n]).unwrap(), r.body[n..].to_vec())
+    };
+
+    // A running sum over 8 floats: the shape [8] comes from 32 bytes, the sum proves the order.
+    let values: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let body: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let (answer, data) = split(&raw("cumsum", &body));
+    assert_eq!(answer["outputs"][0]["shape"], json!([8]), "{answer}");
+    let sums: Vec<f32> = data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(sums, [0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0]);
+
+    // One string a row: the body, NUL and all, is the one element of a batch of one.
+    let (answer, data) = split(&raw("one_string", b"4\x0027"));
+    assert_eq!(answer["outputs"][0]["shape"], json!([1, 1]), "{answer}");
+    assert_eq!(data, b"\x04\x00\x00\x004\x0027", "a BYTES output is its length and its bytes");
+
+    // What cannot be deduced: a string input of any length, a body that is no whole number of
+    // elements (a model of several inputs: kserve/raw.rs's unit tests).
+    for (model, body, says) in
+        [("identity", &b"427"[..], "must have input shape [1]"), ("cumsum", &[0u8; 6][..], "6 bytes do not fill")]
+    {
+        let r = raw(model, body);
+        assert_eq!(r.status, 400, "{model}: {}", String::from_utf8_lossy(&r.body));
+        assert!(String::from_utf8_lossy(&r.body).contains(says), "{model}: {}", String::from_utf8_lossy(&r.body));
+    }
+    // Nothing changed: the model still answers a raw request right.
+    assert_eq!(split(&raw("cumsum", &body)).1.len(), 32);
+}

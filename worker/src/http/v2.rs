@@ -54,7 +54,7 @@ pub fn model_metadata(meta: &Model) -> Reply {
 }
 
 /// `POST /v2/models/{model}/infer`: JSON, or JSON and binary tensors
-/// (`Inference-Header-Content-Length`).
+/// (`Inference-Header-Content-Length`), or only one input's binary data (that header 0).
 pub async fn infer(
     state: &AppState,
     call: &Call,
@@ -72,7 +72,11 @@ pub async fn infer(
         ),
     };
     let body = body::receive(state, request).await?;
-    let parsed = kserve::parse(&body, header_length).map_err(ApiError::BadRequest)?;
+    let parsed = match header_length {
+        Some(0) => crate::kserve::raw::parse(&body, meta),
+        _ => kserve::parse(&body, header_length),
+    }
+    .map_err(ApiError::BadRequest)?;
     let inferred = run_v2(state, call, index, meta, parsed).await?;
     let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
     if let Some(outcome) = &inferred.outcome {

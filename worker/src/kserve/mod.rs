@@ -1,5 +1,5 @@
 //! KServe v2's inference request once decoded, whatever carried it (JSON and binary data over
-//! REST, [`json`]; protobuf over gRPC in `http::grpc`): its tensors, the outputs it asks for
+//! REST, [`json`], or a raw binary body, [`raw`]; protobuf over gRPC in `http::grpc`): its tensors, the outputs it asks for
 //! and how each goes back.
 
 use serde_json::{Map, Value};
@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 use crate::runtime::tensor::Tensor;
 
 pub mod json;
+pub mod raw;
 
 /// A request tensor, typed and checked against its own shape, not yet against the model.
 #[derive(Debug)]

@@ -109,6 +109,15 @@ macro_rules! define_types {
                 }
             }
 
+            /// The bytes of one element in the binary tensor extension; None for BYTES, whose
+            /// elements carry their own lengths.
+            pub fn size(self) -> Option<usize> {
+                match self {
+                    $(DataType::$variant => Some(std::mem::size_of::<$rust>()),)*
+                    DataType::Bytes => None,
+                }
+            }
+
             /// A tensor of `len` zeros (false, empty strings), for warm-up inputs.
             pub fn zeros(self, len: usize) -> TensorData {
                 match self {
