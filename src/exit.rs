@@ -54,7 +54,7 @@ impl Failure {
             Failure::Supervisor(error) => match error {
                 SupervisorError::ModelLoad { .. } => EXIT_MODEL_LOAD,
                 SupervisorError::Boot { .. } | SupervisorError::Port(_) | SupervisorError::Control(_) => EXIT_BOOT,
-                SupervisorError::Memory(_) => EXIT_CONFIG,
+                SupervisorError::Memory(_) | SupervisorError::PortHeld(_) => EXIT_CONFIG,
                 SupervisorError::Io(_) => 1,
             },
             Failure::Model { error: ModelError::Runtime { .. }, .. } => EXIT_BOOT,

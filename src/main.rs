@@ -307,9 +307,14 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
     let config = &resolved.config;
     let plan = &resolved.plan;
     println!("config:          {}", config.source.as_ref().map_or("(defaults)".into(), |p| p.display().to_string()));
-    println!("listen:          {}", config.server.listen);
-    if !config.server.grpc_listen.is_empty() {
-        println!("grpc listen:     {}", config.server.grpc_listen);
+    // Whether `serve` would find the address free (a running inferd of this config holds it too).
+    let held = |addr, grpc| match inferd_supervisor::port::check_free(addr, grpc) {
+        Ok(()) => String::new(),
+        Err(held) => format!(" (ALREADY SERVED by {}: serve refuses while it listens)", held.holder),
+    };
+    println!("listen:          {}{}", config.server.listen, held(config.server.listen_addr(), false));
+    if let Some(addr) = config.server.grpc_addr() {
+        println!("grpc listen:     {}{}", config.server.grpc_listen, held(addr, true));
     }
     println!("control socket:  {}", config.control_socket().display());
     match &resolved.access.api_keys {

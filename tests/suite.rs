@@ -34,6 +34,7 @@ mod on_demand;
 mod parsers;
 mod pipelines;
 mod pool;
+mod ports;
 mod priority;
 mod protocol;
 mod published;

@@ -23,7 +23,8 @@
 //!   commands');
 //! - [`metrics`], [`status`]: what the pool tells: the Prometheus text and `inferd status`;
 //! - [`plan`]: the pool's CPU and memory plan; [`confine`]: where a model may be loaded
-//!   from; [`tcp`]: the port's sysctl; [`trace`]: the supervisor's own spans.
+//!   from; [`tcp`]: the port's sysctl; [`port`]: whether another server holds the port;
+//!   [`trace`]: the supervisor's own spans.
 //!
 //! Must not touch: ONNX Runtime (a process that ran a session must never fork).
 
@@ -37,6 +38,7 @@ mod layers;
 mod metrics;
 pub mod plan;
 pub mod pool;
+pub mod port;
 mod signals;
 pub mod status;
 mod systemd;

@@ -14,6 +14,9 @@ pub enum SupervisorError {
     /// The port (or the gRPC port) cannot be bound.
     #[error("{0}")]
     Port(String),
+    /// Another server listens on the address already.
+    #[error(transparent)]
+    PortHeld(#[from] crate::port::Held),
     #[error(transparent)]
     Control(#[from] ControlError),
     #[error(transparent)]

@@ -138,6 +138,14 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         }
         None => None,
     };
+    // A fresh start joins no other server's port (inherited sockets and systemd's are ours).
+    if inherited.is_none() {
+        let server = &resolved.config.server;
+        if activated.is_none() {
+            crate::port::check_free(server.listen_addr(), false)?;
+        }
+        server.grpc_addr().map(|addr| crate::port::check_free(addr, true)).transpose()?;
+    }
     // A single-threaded runtime: the supervisor's work is tiny, and its only extra thread is
     // signal-hook's forwarder.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
