@@ -1,4 +1,5 @@
-//! `inferd.toml`: schema, discovery, validation and command-line overrides.
+//! `inferd.toml`: schema, validation and command-line overrides. Where the file is looked for
+//! is [`discover`]'s; what goes wrong reading it, [`ConfigError`] (both re-exported here).
 //!
 //! Relative paths in the file are resolved against the directory that holds the file, so the
 //! repository's own `inferd.toml` works from any working directory.
@@ -8,33 +9,13 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::discover::{discover, CONFIG_FILE_NAME, SYSTEM_CONFIG};
+pub use crate::error::ConfigError;
 use crate::model::MAX_MODELS;
 use crate::model::{ModelEntry, ModelOverride};
 
-/// Name of the configuration file looked for when `--config` is not given.
-pub const CONFIG_FILE_NAME: &str = "inferd.toml";
 /// The largest duration a `*_secs` key takes: a year (timers cannot hold an unbounded one).
 pub const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
-
-/// System-wide location, used by packaged installs (see `systemd/`).
-pub const SYSTEM_CONFIG: &str = "/etc/inferd/inferd.toml";
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read config {path}: {error}")]
-    Read { path: PathBuf, error: std::io::Error },
-    #[error("config {path}: {message}")]
-    Parse { path: PathBuf, message: String },
-    #[error("config key `{key}`: {message}")]
-    Invalid { key: &'static str, message: String },
-    #[error(
-        "no config file given and none found (looked for ./{CONFIG_FILE_NAME}, {CONFIG_FILE_NAME} \
-         beside or above the inferd binary, and {SYSTEM_CONFIG}); pass --config FILE"
-    )]
-    NotFound,
-    #[error("model '{model}': {message}")]
-    Model { model: String, message: String },
-}
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -884,18 +865,6 @@ impl Config {
         names.extend(self.models.load.iter().filter(|n| **n != self.models.default).cloned());
         names
     }
-}
-
-/// Finds the configuration used when `--config` is not given: `./inferd.toml`, then
-/// `inferd.toml` in the binary's folder or any folder above it (so `target/release/inferd`
-/// finds the repository's file), then `/etc/inferd/inferd.toml`.
-pub fn discover() -> Option<PathBuf> {
-    let mut candidates = vec![PathBuf::from(CONFIG_FILE_NAME)];
-    if let Ok(exe) = std::env::current_exe() {
-        candidates.extend(exe.ancestors().skip(1).map(|dir| dir.join(CONFIG_FILE_NAME)));
-    }
-    candidates.push(PathBuf::from(SYSTEM_CONFIG));
-    candidates.into_iter().find(|p| p.is_file())
 }
 
 #[cfg(test)]

@@ -43,22 +43,25 @@
 //! What can be checked without the model is checked here; whether the pipeline fits the
 //! model's inputs and outputs is checked when a worker (or `inferd check`) loads it.
 //!
-//! Two parts: the schema of model.toml (schema.rs: its sections, their defaults and checks,
-//! and [`ModelOverride`]) and the repository loader (repository.rs: finding a model's folder,
-//! reading its model.toml or inferring one, resolving the files it names into a
-//! [`ModelEntry`]). Both are used through this module's paths.
+//! Three parts, each using only those below it: the command line's settings over every model
+//! (overrides.rs: [`ModelOverride`]), the repository loader (repository.rs: finding a model's
+//! folder, reading its model.toml or inferring one from [`published`] files, resolving the
+//! files it names into a [`ModelEntry`]) and the schema of model.toml (schema.rs: its
+//! sections, their defaults and checks). All are used through this module's paths; this file
+//! holds only what none of them uses.
 
+mod overrides;
 pub mod published;
 mod repository;
 mod schema;
 
-pub use repository::ModelEntry;
+pub use overrides::ModelOverride;
+pub use repository::{ModelEntry, MODEL_CONFIG_FILE};
 pub use schema::{
     Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig,
-    Layout, LongTexts, ModelOverride, Pooling, Precision, Quantization, Resample, Resize, SettingsError, Task,
-    TokenizerConfig, UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
+    Layout, LongTexts, Pooling, Precision, Quantization, Resample, Resize, SettingsError, Task, TokenizerConfig,
+    UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
 };
 
-pub const MODEL_CONFIG_FILE: &str = "model.toml";
 /// The most models one server serves: the counters workers share have a row for each.
 pub const MAX_MODELS: usize = 8;

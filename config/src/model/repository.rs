@@ -6,12 +6,15 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::published;
 use super::schema::{
     check_pipeline, yes, Batching, ClassificationConfig, CustomOps, EmbeddingConfig, ImageConfig, ModelFile, Precision,
     Quantization, Task, TokenizerConfig, Warmup,
 };
-use super::{published, MODEL_CONFIG_FILE};
 use crate::ConfigError;
+
+/// The file in a model's folder that says how to serve it.
+pub const MODEL_CONFIG_FILE: &str = "model.toml";
 
 /// A model as the workers will load it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
