@@ -12,8 +12,8 @@ use tracing::{info, warn};
 
 use super::calibration::{calibration, Calibration, Sample};
 use super::error::Int8Error;
+use super::report::Report;
 use super::rewrite;
-use super::Report;
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
 use crate::runtime::model::{ModelSession, Runtime, Threads};
 use crate::runtime::tensor::{Tensor, TensorData};
