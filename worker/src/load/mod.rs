@@ -3,10 +3,12 @@
 //! guard and kept in the cache: [`int8`]), its sessions, one per lane
 //! ([`crate::runtime::model`]), and its pipeline (tokenizer or image decoding in front,
 //! pooling or scoring behind: [`crate::pipeline`]), built once for all of them. The runtime
-//! knows a model by its sessions and tensors; the handlers by the [`Model`] made here.
+//! knows a model by its sessions and tensors; the handlers by the [`Model`] made here
+//! ([`model`], with its pipeline's building).
 //!
-//! Runs on the boot thread, before the worker serves: loading a model takes ONNX Runtime
-//! seconds of CPU, and the int8 guard many runs of the model.
+//! Runs on the boot thread, before the worker serves, and on the request layer's loader
+//! thread for models loaded on demand: loading a model takes ONNX Runtime seconds of CPU, and
+//! the int8 guard many runs of the model.
 
 pub mod int8;
 pub mod model;
