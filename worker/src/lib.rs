@@ -7,9 +7,6 @@
 //! a test in `make test`, reads this list and fails on a `crate::` path that goes up it):
 //! - [`server`]: boot sequence, listeners, accept loops (HTTP, gRPC, the siblings' socket),
 //!   graceful drain, reports to the supervisor;
-//! - [`load`]: a model loaded above the runtime: digest, the int8 preparation and its
-//!   accuracy guard ([`load::int8`]), sessions, pipeline; at boot, and on demand by the
-//!   loader thread ([`load::on_demand`]);
 //! - [`http`]: the protocol surface: each HTTP request's side of the door ([`http`] itself),
 //!   its route ([`http::route`]) and dispatch ([`http::dispatch`]), KServe v2's REST handlers
 //!   ([`http::v2`]), TEI's, OpenAI's and Cohere's ([`http::tei`], [`http::openai`],
@@ -21,9 +18,15 @@
 //!   ([`request::door`]: key, limits, priority, deadline, id, access line) and what it learns
 //!   ([`request::call`]), the worker's state and request counting ([`request::app`]), the one
 //!   error type ([`request::error`]), the models it serves, loaded at boot or on demand, and
-//!   their lookup ([`request::models`]; which models its siblings hold:
-//!   [`request::placement`]), a v2 request's run ([`request::infer`]), and pipelined requests
-//!   through the cache and the engine ([`request::tasks`], [`request::cache`]);
+//!   their lookup ([`request::models`]: the registry, each load's single flight, eviction
+//!   within the memory budget; the loader thread that serves loads on demand:
+//!   [`request::on_demand`]; which models its siblings hold: [`request::placement`]), a v2
+//!   request's run ([`request::infer`]), and pipelined requests through the cache and the
+//!   engine ([`request::tasks`], [`request::cache`]);
+//! - [`load`]: a model loaded, above the runtime and the pipelines: its digest, the int8
+//!   preparation and its accuracy guard ([`load::int8`]), its sessions, and the model the
+//!   handlers see, with its pipeline built ([`load::model`]); at boot, and on demand for the
+//!   request layer's loader thread;
 //! - [`pipeline`]: tokenizers, image decoding, pooling and scoring around a model;
 //!   [`kserve`]: KServe v2's inference request decoded, and its JSON codec; [`jsonbody`]: JSON
 //!   bodies read with errors in the client's terms;

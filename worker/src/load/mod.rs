@@ -3,13 +3,15 @@
 //! guard and kept in the cache: [`int8`]), its sessions, one per lane
 //! ([`crate::runtime::model`]), and its pipeline (tokenizer or image decoding in front,
 //! pooling or scoring behind: [`crate::pipeline`]), built once for all of them. The runtime
-//! knows a model by its sessions and tensors; the handlers by the [`Model`] made here.
+//! knows a model by its sessions and tensors; the handlers by the [`Model`] made here
+//! ([`model`], with its pipeline's building).
 //!
-//! Runs on the boot thread, before the worker serves: loading a model takes ONNX Runtime
-//! seconds of CPU, and the int8 guard many runs of the model.
+//! Runs on the boot thread, before the worker serves, and on the request layer's loader
+//! thread for models loaded on demand: loading a model takes ONNX Runtime seconds of CPU, and
+//! the int8 guard many runs of the model.
 
 pub mod int8;
-pub mod on_demand;
+pub mod model;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,11 +20,10 @@ use inferd_config::model::{ModelEntry, Precision};
 use inferd_ipc::spec::Precision as Served;
 use sha2::{Digest, Sha256};
 
-use crate::onnx::OnnxError;
-use crate::pipeline::{BuildError, Pipeline};
-use crate::request::model::Model;
+use crate::pipeline::BuildError;
 use crate::runtime::engine::Sessions;
-use crate::runtime::model::{ModelError, ModelMeta, ModelSession, Runtime, Threads};
+use crate::runtime::model::{ModelError, ModelSession, Runtime, Threads};
+pub use model::Model;
 
 /// The sessions a worker runs a model on: one narrow session per lane, a wide one on the
 /// worker's whole pool (more than one thread, or a core it may borrow), and the background
@@ -128,7 +129,7 @@ impl<'a> Source<'a> {
     /// The model as the handlers see it, with the pipeline built around `session`'s inputs
     /// and outputs.
     fn model(&self, session: &ModelSession) -> Result<Model, ModelError> {
-        let pipeline = pipeline(self.entry, &session.meta)
+        let pipeline = model::pipeline(self.entry, &session.meta)
             .map_err(|e| load_error(self.entry, SourceError::from(e).to_string()))?;
         Ok(Model { meta: session.meta.clone(), pipeline: Arc::new(pipeline) })
     }
@@ -142,17 +143,6 @@ impl Drop for Source<'_> {
 
 fn load_error(entry: &ModelEntry, message: String) -> ModelError {
     ModelError::Load { model: entry.name.clone(), path: entry.path.display().to_string(), message }
-}
-
-/// The pipeline around a model whose sessions take and give what `meta` says. `Err`:
-/// model.toml does not fit the model. Built once per load (and once by the int8 guard), so
-/// what computes an output is read from the file when asked, not kept.
-pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta) -> Result<Pipeline, BuildError> {
-    let producer = |value: &str| {
-        let bytes = std::fs::read(&entry.path).map_err(|error| OnnxError::Read { path: entry.path.clone(), error })?;
-        crate::onnx::producer_of(&bytes, value)
-    };
-    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer)
 }
 
 /// The SHA-256 of a model: its file, then the name and content of each external data file the

@@ -6,7 +6,7 @@
 
 use inferd_config::model::{Activation, EmbeddingConfig, ModelEntry, Pooling, Task};
 
-use super::{BuildError, PipelineError};
+use super::error::{BuildError, PipelineError};
 use crate::onnx::OnnxError;
 use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
 

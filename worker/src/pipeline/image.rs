@@ -10,7 +10,8 @@ use std::io::Cursor;
 use image::{ImageFormat, ImageReader};
 use inferd_config::model::{ChannelOrder, ImageConfig, Layout, Resample, Resize};
 
-use super::{BuildError, Head, PipelineError};
+use super::error::{BuildError, PipelineError};
+use super::head::Head;
 use crate::runtime::tensor::{DataType, Tensor, TensorData, TensorSpec};
 
 #[derive(Debug)]

@@ -1,6 +1,8 @@
 //! Per-model pre- and post-processing: text through a tokenizer ([`text`]), images through a
 //! decoder ([`image`]), and the model's outputs turned into embeddings or labelled scores
-//! ([`head`]).
+//! ([`head`]). What goes wrong in them, for a request ([`PipelineError`]) or for a
+//! model.toml ([`BuildError`]), is in a file of its own, as is how much of a text is tokenized
+//! ([`BYTES_PER_TOKEN`]).
 //!
 //! A [`Pipeline`] is built when the model loads, against the model's declared inputs and
 //! outputs, so a `model.toml` that does not fit its model is refused at start (and by
@@ -11,99 +13,20 @@
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
 
+mod error;
 pub mod head;
 pub mod image;
 pub mod text;
+mod text_bound;
 
 use inferd_config::model::{ModelEntry, Task};
 
 use crate::runtime::tensor::TensorSpec;
+pub use error::{BuildError, PipelineError};
 pub use head::{cut_dimensions, embeddings, l2_normalize, ranked, scores, sparse, token_embeddings, Head, Producer};
 pub use image::{decode_image, ImagePipeline};
-pub use text::{Encoded, Piece, Text, TextPipeline, BYTES_PER_TOKEN};
-
-#[derive(Debug, thiserror::Error)]
-pub enum PipelineError {
-    #[error("input {index} is empty")]
-    Empty { index: usize },
-    #[error(
-        "input {index} has {tokens} tokens, but the model takes at most {max}; shorten it or send \"truncate\": true"
-    )]
-    TooLong { index: usize, tokens: usize, max: usize },
-    #[error(
-        "input {index} is {bytes} bytes of text; at most {max} bytes are tokenized (tokenizer.max_length x {BYTES_PER_TOKEN}); shorten it or send \"truncate\": true"
-    )]
-    TextTooLong { index: usize, bytes: usize, max: usize },
-    #[error("input {index}: {message}")]
-    Tokenizer { index: usize, message: String },
-    #[error("image {index}: {message}")]
-    NotAnImage { index: usize, message: String },
-    #[error(
-        "image {index} is {width}x{height} = {pixels} pixels, more than the model's limit of {max} (image.max_pixels)"
-    )]
-    ImageTooLarge { index: usize, width: u32, height: u32, pixels: u64, max: u64 },
-    #[error("image {index} is {width}x{height}; no side may be longer than {max} (image.max_side)")]
-    ImageTooLong { index: usize, width: u32, height: u32, max: u32 },
-    #[error(
-        "image {index} is {width}x{height}: resizing it to {to_width}x{to_height} needs {mib} MiB, more than the {max_mib} MiB one image may use"
-    )]
-    ImageTooCostly { index: usize, width: u32, height: u32, to_width: u32, to_height: u32, mib: u64, max_mib: u64 },
-    #[error("the model's output does not fit the pipeline: {0}")]
-    Output(String),
-    /// Token vectors asked of a model whose output is pooled already (the client's request
-    /// does not fit the model: 400, not the server's fault).
-    #[error(
-        "the model's output does not fit the pipeline: '{output}' has shape {shape:?}: token embeddings need [batch, sequence, dim]"
-    )]
-    NoTokenVectors { output: String, shape: Vec<i64> },
-}
-
-/// Why model.toml's pipeline does not fit the model it names: the model is refused when it
-/// loads, with this message after "model.toml: ".
-#[derive(Debug, thiserror::Error)]
-pub enum BuildError {
-    #[error("a classification model needs [tokenizer] or [image]")]
-    NoPipeline,
-    #[error("output '{name}' is not an output of the model ({})", outputs.join(", "))]
-    NotAnOutput { name: String, outputs: Vec<String> },
-    #[error("the model has no outputs")]
-    NoOutputs,
-    #[error("output '{name}' is {datatype} {shape:?}; embeddings need FP32 [batch, sequence, dim] or [batch, dim]")]
-    EmbeddingOutput { name: String, datatype: String, shape: Vec<i64> },
-    #[error("output '{name}' is {datatype} {shape:?}; classification needs FP32 [batch, labels]")]
-    ClassificationOutput { name: String, datatype: String, shape: Vec<i64> },
-    #[error("{labels} labels, but output '{output}' has {logits} logits per row")]
-    LabelCount { labels: usize, output: String, logits: i64 },
-    /// What computes an output could not be read from the model file.
-    #[error("{0}")]
-    Producer(#[from] crate::onnx::OnnxError),
-    #[error("tokenizer {}: {error}", path.display())]
-    Tokenizer { path: std::path::PathBuf, error: tokenizers::Error },
-    #[error("{0}")]
-    Truncation(tokenizers::Error),
-    #[error("input '{0}' is not one the text pipeline produces (input_ids, attention_mask, token_type_ids)")]
-    NotAFeed(String),
-    #[error("input '{name}' is {datatype} {shape:?}; the text pipeline feeds INT64 or INT32 [batch, sequence]")]
-    TextInput { name: String, datatype: String, shape: Vec<i64> },
-    #[error("the model has no input 'input_ids' for the tokenizer to feed")]
-    NoInputIds,
-    #[error("an image model must have exactly one input, this one has {0}")]
-    ImageInputs(usize),
-    #[error("image.input '{0}' is not an input")]
-    NotAnInput(String),
-    #[error(
-        "input '{name}' is {datatype} {shape:?}; image settings ({width}x{height}, {layout:?}) need FP32 {want:?}"
-    )]
-    ImageInput {
-        name: String,
-        datatype: String,
-        shape: Vec<i64>,
-        width: u32,
-        height: u32,
-        layout: inferd_config::model::Layout,
-        want: [i64; 4],
-    },
-}
+pub use text::{Encoded, Piece, Text, TextPipeline};
+pub use text_bound::BYTES_PER_TOKEN;
 
 #[derive(Debug)]
 pub enum Pipeline {

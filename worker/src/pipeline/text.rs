@@ -10,16 +10,10 @@ use std::sync::OnceLock;
 use inferd_config::model::TokenizerConfig;
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
 
-use super::{BuildError, Head, PipelineError};
+use super::error::{BuildError, PipelineError};
+use super::head::Head;
+use super::text_bound::BYTES_PER_TOKEN;
 use crate::runtime::tensor::{DataType, Tensor, TensorData, TensorSpec};
-
-/// Text is cut to `max_length` times this many bytes before it is tokenized (or refused, when
-/// it may not be truncated), so that the tokenizer's work and memory are bounded by the model's
-/// own limit and not by the body size. A token of real text covers a few bytes (English ~4,
-/// CJK 3 per character; WordPiece makes any word over 100 characters a single `[UNK]`), so
-/// only text of many long unknown words or runs of whitespace could still have had fewer than
-/// `max_length` tokens in it.
-pub const BYTES_PER_TOKEN: usize = 64;
 
 #[derive(Debug, Clone, Copy)]
 enum TextFeed {

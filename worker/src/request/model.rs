@@ -1,22 +1,12 @@
-//! A model as the handlers see it: its sessions' inputs and outputs and the pipeline around
-//! them.
-
-use std::sync::Arc;
+//! What the handlers ask of a model beyond what it takes and gives, answered in their error's
+//! terms: whether it is a cross-encoder. The model itself is what a load makes
+//! ([`crate::load::model`]), named here as the handlers import it.
 
 use inferd_config::model::Task;
 
+pub use crate::load::model::Model;
 use crate::pipeline::{Head, Pipeline, TextPipeline};
 use crate::request::error::ApiError;
-use crate::runtime::model::ModelMeta;
-
-/// A model as the handlers see it: what its sessions take and give ([`ModelMeta`], which it
-/// dereferences to) and the pipeline around them. Made by the loader ([`crate::load`]).
-#[derive(Debug, Clone)]
-pub struct Model {
-    pub meta: ModelMeta,
-    /// Tokenizer or image decoding in front of the model, and pooling or scoring behind it.
-    pub pipeline: Arc<Pipeline>,
-}
 
 impl Model {
     /// Its text pipeline where it is a cross-encoder (a text classification model with one
@@ -38,13 +28,5 @@ impl Model {
                 "{endpoint} needs a cross-encoder (a text classification model with one label); '{name}' is not one"
             ))),
         }
-    }
-}
-
-impl std::ops::Deref for Model {
-    type Target = ModelMeta;
-
-    fn deref(&self) -> &ModelMeta {
-        &self.meta
     }
 }

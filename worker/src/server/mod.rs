@@ -149,7 +149,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
         let share = spec.memory_share;
         let started = std::thread::Builder::new().name("inferd-load".into()).spawn(move || {
             let _worker = span.enter();
-            let loader = crate::load::on_demand::Loader::new(runtime, catalog, lanes, state, share);
+            let loader = crate::request::on_demand::Loader::new(runtime, catalog, lanes, state, share);
             loader.run(loads, |message| reporter.send(&message))
         });
         if let Err(e) = started {

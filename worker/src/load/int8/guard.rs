@@ -12,8 +12,8 @@ use tracing::{info, warn};
 
 use super::calibration::{calibration, Calibration, Sample};
 use super::error::Int8Error;
+use super::report::Report;
 use super::rewrite;
-use super::Report;
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
 use crate::runtime::model::{ModelSession, Runtime, Threads};
 use crate::runtime::tensor::{Tensor, TensorData};
@@ -200,7 +200,7 @@ pub(super) fn measure(
     let plain = ModelEntry { precision: Precision::Fp32, share_weights: false, ..entry.clone() };
     let mut fp32 = ModelSession::load(runtime, &plain, Threads::Narrow, sha256)?;
     // Built once, for both models: the int8 rewrite leaves the inputs and outputs as they are.
-    let pipeline = crate::load::pipeline(entry, &fp32.meta)?;
+    let pipeline = crate::load::model::pipeline(entry, &fp32.meta)?;
     let (samples, of) = match calibration(entry, &fp32.meta, &pipeline)? {
         Calibration::Inputs(samples, of) => (samples, of),
         // Nothing to measure int8 on: refused, with the reason (`auto` serves fp32).

@@ -24,6 +24,7 @@ pub mod rewrite;
 mod calibration;
 mod error;
 mod guard;
+mod report;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -31,13 +32,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use inferd_config::model::{ModelEntry, Precision};
-use inferd_ipc::spec::Precision as Served;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::runtime::model::Runtime;
 pub use error::Int8Error;
+pub use report::Report;
 
 /// Changes whenever what the preparation writes or how it measures changes.
 const FORMAT: &str = "q5";
@@ -45,104 +45,6 @@ const FORMAT: &str = "q5";
 /// Preparations made without a cache_dir, by folder: the report and the int8 file's bytes.
 type Memo = HashMap<PathBuf, (Report, Option<Arc<Vec<u8>>>)>;
 static MEMO: Mutex<Option<Memo>> = Mutex::new(None);
-
-/// What the guard measured, kept beside the int8 file.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Report {
-    /// Whether int8 is served.
-    pub int8: bool,
-    /// MatMul and Attention nodes in int8, of how many candidates.
-    pub quantized: usize,
-    pub candidates: usize,
-    /// Kept in fp32 by the guard.
-    pub kept: Vec<String>,
-    /// Calibration inputs measured, and what they are ("texts", "images", "inputs").
-    pub inputs: usize,
-    pub of: String,
-    /// Embeddings: least and mean cosine to fp32.
-    pub min_cosine: Option<f64>,
-    pub mean_cosine: Option<f64>,
-    /// Classifiers: largest probability difference, and top-1 agreement (0..1).
-    pub max_probability_error: Option<f64>,
-    pub top1_agreement: Option<f64>,
-    /// Raw models: largest and mean relative error of an output.
-    pub max_relative_error: Option<f64>,
-    pub mean_relative_error: Option<f64>,
-    /// Median time of a calibration input, one at a time on one thread.
-    pub fp32_ms: f64,
-    pub int8_ms: f64,
-    /// Why int8 is not served, when it is not.
-    pub refused: Option<String>,
-}
-
-impl Report {
-    /// Int8 refused before anything was measured, for `why`.
-    fn refused(candidates: usize, why: String) -> Report {
-        Report {
-            int8: false,
-            quantized: 0,
-            candidates,
-            kept: Vec::new(),
-            inputs: 0,
-            of: "inputs".into(),
-            min_cosine: None,
-            mean_cosine: None,
-            max_probability_error: None,
-            top1_agreement: None,
-            max_relative_error: None,
-            mean_relative_error: None,
-            fp32_ms: 0.0,
-            int8_ms: 0.0,
-            refused: Some(why),
-        }
-    }
-
-    /// One line for the log, `status` and the model's metadata.
-    pub fn summary(&self) -> String {
-        self.precision().to_string()
-    }
-
-    /// The precision served, with what the guard found.
-    pub fn precision(&self) -> Served {
-        if self.inputs == 0 {
-            let why = self.refused.as_deref().unwrap_or("not measured");
-            return Served::Fp32 { guard: Some(format!("int8 refused: {why}")) };
-        }
-        let error = match (self.min_cosine, self.mean_cosine, self.max_probability_error, self.top1_agreement) {
-            (Some(min), Some(mean), _, _) => format!("min cosine {min:.4}, mean {mean:.4} to fp32"),
-            (_, _, Some(p), Some(top1)) => {
-                format!("largest probability error {p:.4}, top-1 agreement {:.1}% with fp32", top1 * 100.0)
-            }
-            _ => match (self.max_relative_error, self.mean_relative_error) {
-                (Some(max), Some(mean)) => format!("relative error to fp32 at most {max:.4}, mean {mean:.4}"),
-                _ => "not measured".into(),
-            },
-        };
-        let speed = format!(
-            "{:.2}x fp32's speed ({:.2} vs {:.2} ms {})",
-            self.fp32_ms / self.int8_ms.max(1e-9),
-            self.int8_ms,
-            self.fp32_ms,
-            match self.of.as_str() {
-                "texts" => "a text",
-                "images" => "an image",
-                _ => "an input",
-            }
-        );
-        let kept = match self.kept.len() {
-            0 => String::new(),
-            n => format!("; {n} kept in fp32: {}", self.kept.join(", ")),
-        };
-        let what = format!(
-            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}",
-            self.quantized, self.candidates, self.inputs, self.of
-        );
-        match &self.refused {
-            None => Served::Int8 { guard: what },
-            Some(why) => Served::Fp32 { guard: Some(format!("int8 refused: {why}; {what}")) },
-        }
-    }
-}
 
 /// The file to load for `entry` and what the guard measured; `None` for fp32 as written.
 pub struct Prepared {
@@ -311,42 +213,5 @@ fn remove_older(dir: &Path, name: &str) {
 pub fn remove(scratch: Option<PathBuf>) {
     if let Some(dir) = scratch {
         let _ = std::fs::remove_dir_all(dir);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_summary_says_what_was_served_and_what_it_cost() {
-        let mut report = Report {
-            int8: true,
-            quantized: 16,
-            candidates: 18,
-            kept: vec!["a".into(), "b".into()],
-            inputs: 48,
-            of: "texts".into(),
-            min_cosine: Some(0.9912),
-            mean_cosine: Some(0.998),
-            max_probability_error: None,
-            top1_agreement: None,
-            max_relative_error: None,
-            mean_relative_error: None,
-            fp32_ms: 6.0,
-            int8_ms: 3.0,
-            refused: None,
-        };
-        let s = report.summary();
-        assert!(
-            s.starts_with(
-                "int8 (16 of 18 MatMul/Gemm/Attention nodes in int8; 2 kept in fp32: a, b; min cosine 0.9912"
-            ),
-            "{s}"
-        );
-        assert!(s.contains("2.00x fp32's speed"), "{s}");
-        report.int8 = false;
-        report.refused = Some("too slow".into());
-        assert!(report.summary().starts_with("fp32 (int8 refused: too slow;"));
     }
 }

@@ -1,38 +1,34 @@
-//! The models a worker serves: those it loaded at boot (the default first, then
+//! The models a worker serves ([`Models`]): those it loaded at boot (the default first, then
 //! `models.load`), pinned, and, with `[models] on_demand`, every other model of the
 //! repository, loaded on the first request that names it and evicted when a load needs its
-//! memory. A model's number is the engine's number for it ([`crate::runtime::engine`]),
-//! never given to another model; those loaded at boot are numbered from 0 in order, which is
-//! also their row in the shared counters.
+//! memory; and their lookup by name. A model's number is the engine's number for it
+//! ([`crate::runtime::engine`]), never given to another model; those loaded at boot are
+//! numbered from 0 in order, which is also their row in the shared counters.
 //!
-//! On demand, a load is one flight for every request that waits for it: the first request
-//! for a model not loaded queues its load for the worker's loader thread
-//! ([`crate::load::on_demand`]), later ones wait for the same outcome. Bounded: a few loads
-//! queued at once ([`LOADS_QUEUED`]), as many requests waiting as `server.max_queue`, each for
-//! at most `models.load_timeout_secs`; past those a request is answered 503 with Retry-After.
-//! A model that failed to load is answered 500 with the reason, and not loaded again until
-//! its files change.
-//!
-//! Eviction ([`Models::evict_one`]): only a model loaded on demand, and only while no request
-//! holds it: a handler holds the model's `Arc` from its lookup to its answer, so a model whose
-//! `Arc` only the registry holds has no request between those, and the registry's write lock
-//! keeps new lookups out while it goes. A job of a request whose client went away may still
-//! wait in the engine: it finds the model's number gone and is answered to nobody, never run
-//! on another model.
+//! Each part in a file of its own, under [`Models`], which ties them together: the models
+//! loaded now as the registry holds them (registry.rs), the on-demand single flight
+//! (flight.rs: one load per model at a time, its waiters and their bounds, [`OnDemand`]) and
+//! eviction within the memory budget (eviction.rs, [`Models::evict_one`]). The loader thread
+//! that serves the flights' loads: [`crate::request::on_demand`].
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant, SystemTime};
+mod eviction;
+mod flight;
+mod registry;
 
-use inferd_config::file::Eviction;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
 use inferd_ipc::spec::ModelCost;
 use tokio::sync::watch;
 
+use crate::load::Model;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
-use crate::request::model::Model;
 use crate::request::placement::Placement;
+pub use eviction::Evicted;
+pub use flight::{Load, LoadError, OnDemand, Outcome, FIRST_LOAD_FACTOR, LOADS_QUEUED};
+use registry::{Entry, Registry};
 
 /// How many of its models a 404 for an unknown model names.
 const KNOWN_NAMED: usize = 20;
@@ -55,38 +51,6 @@ fn unlike_a_name(name: &str) -> Option<&'static str> {
     }
 }
 
-/// Before a model's first load, the room it is given: this many times its file. A first load
-/// may prepare the model's shared weights (an optimising session of its own, which holds the
-/// weights, their pre-packed form and the file it writes), and that is its peak: measured on
-/// generated MLPs of 24 MiB, the worker's PSS rose by 4.1 times the file during the load, and
-/// stayed 1.5 to 3 times the file above where it was once the model was warm.
-pub const FIRST_LOAD_FACTOR: u64 = 5;
-
-/// Loads queued for the loader thread at once, beyond the one it runs.
-pub const LOADS_QUEUED: usize = 4;
-
-/// Why a load gave no model: one that failed (500; not tried again until the model's files
-/// change), or one that cannot be done now (503 with Retry-After).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum LoadError {
-    #[error("{0}")]
-    Failed(String),
-    #[error("{0}")]
-    Busy(String),
-}
-
-/// A load's outcome: the model's number and the model, or why not; `None` while it runs. The
-/// model held here is in use (not evicted) until every request that waited for it has it.
-pub type Outcome = Option<Result<(usize, Arc<Model>), LoadError>>;
-
-/// A load for the loader thread: which model, and where its outcome goes.
-pub struct Load {
-    pub name: String,
-    pub done: watch::Sender<Outcome>,
-    /// The span of the request that asked for it, when traced: the load is its child.
-    pub trace: Option<opentelemetry::trace::SpanContext>,
-}
-
 pub struct Models {
     registry: RwLock<Registry>,
     on_demand: Option<OnDemand>,
@@ -94,143 +58,6 @@ pub struct Models {
     placement: std::sync::OnceLock<Placement>,
     /// What `used` counts from.
     started: Instant,
-}
-
-/// The models loaded now: those loaded at boot first, then those loaded on demand in the
-/// order they loaded (SIEVE's queue, oldest first).
-struct Registry {
-    entries: Vec<Entry>,
-    /// SIEVE's hand: the place it looks at next among the models loaded on demand (0: the
-    /// first after the pinned ones).
-    hand: usize,
-}
-
-/// A model loaded now.
-struct Entry {
-    /// The engine's number for it.
-    number: usize,
-    model: Arc<Model>,
-    /// Loaded at boot: never evicted.
-    pinned: bool,
-    /// What it holds (zero for a pinned model: the worker's own memory counts it).
-    cost: ModelCost,
-    /// Used since SIEVE's hand last passed it.
-    visited: AtomicBool,
-    /// When a request last looked it up (ms since the registry was made).
-    used: AtomicU64,
-}
-
-impl Entry {
-    fn new(number: usize, model: Model, pinned: bool, cost: ModelCost) -> Entry {
-        let model = Arc::new(model);
-        Entry { number, model, pinned, cost, visited: AtomicBool::new(false), used: AtomicU64::new(0) }
-    }
-
-    /// No request holds it: only the registry has the model.
-    fn idle(&self) -> bool {
-        Arc::strong_count(&self.model) == 1
-    }
-}
-
-/// A model the loader evicted, for it to drop from the engine and report.
-#[derive(Debug)]
-pub struct Evicted {
-    pub number: usize,
-    pub name: String,
-    pub cost: ModelCost,
-}
-
-/// What the models loaded on demand need: what may be loaded, the loads in flight and their
-/// bounds, and which model goes first when one must.
-pub struct OnDemand {
-    /// The repository's models besides those loaded at boot, and the files whose change
-    /// lifts a refusal.
-    catalog: Vec<(String, Vec<std::path::PathBuf>)>,
-    /// Loads asked for and not done, by model.
-    flights: Mutex<HashMap<String, watch::Receiver<Outcome>>>,
-    /// Loads that failed, the model's files as they were then and why, by model.
-    failed: Mutex<HashMap<String, (Vec<Stamp>, String)>>,
-    queue: std::sync::mpsc::SyncSender<Load>,
-    /// Requests waiting for a load, and how many may (server.max_queue).
-    waiting: AtomicUsize,
-    max_waiting: usize,
-    /// models.load_timeout_secs.
-    timeout: Duration,
-    eviction: Eviction,
-    /// What the worker's share of models.memory_budget had free when the loader last looked
-    /// (u64::MAX: no budget), and the room each model's load took when it last loaded.
-    room: AtomicU64,
-    needs: Mutex<HashMap<String, u64>>,
-}
-
-/// A file as a refusal saw it: its size and modification time (None: missing).
-type Stamp = Option<(u64, SystemTime)>;
-
-fn stamps(files: &[std::path::PathBuf]) -> Vec<Stamp> {
-    files
-        .iter()
-        .map(|f| std::fs::metadata(f).ok().map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH))))
-        .collect()
-}
-
-impl OnDemand {
-    /// `catalog`: what may be loaded, each with the files it is loaded from; `queue`: to the
-    /// loader thread.
-    pub fn new(
-        catalog: Vec<(String, Vec<std::path::PathBuf>)>,
-        queue: std::sync::mpsc::SyncSender<Load>,
-        max_waiting: usize,
-        timeout: Duration,
-        eviction: Eviction,
-    ) -> OnDemand {
-        OnDemand {
-            catalog,
-            flights: Mutex::default(),
-            failed: Mutex::default(),
-            queue,
-            waiting: AtomicUsize::new(0),
-            max_waiting,
-            timeout,
-            eviction,
-            room: AtomicU64::new(u64::MAX),
-            needs: Mutex::default(),
-        }
-    }
-
-    /// The room `name`'s load takes: as its last load here measured, or before its first,
-    /// [`FIRST_LOAD_FACTOR`] times its file.
-    fn need(&self, name: &str) -> u64 {
-        if let Some(&need) = self.needs.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
-            return need;
-        }
-        let file = self.catalog.iter().find(|(n, _)| n == name).and_then(|(_, files)| files.first());
-        file.and_then(|f| std::fs::metadata(f).ok()).map_or(0, |m| m.len()).saturating_mul(FIRST_LOAD_FACTOR)
-    }
-
-    fn lists(&self, name: &str) -> bool {
-        self.catalog.iter().any(|(n, _)| n == name)
-    }
-
-    /// Why `name` failed to load, while its files are as they were then.
-    fn refusal(&self, name: &str) -> Option<String> {
-        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
-        let (then, why) = failed.get(name)?;
-        let files = &self.catalog.iter().find(|(n, _)| n == name)?.1;
-        if *then == stamps(files) {
-            return Some(why.clone());
-        }
-        failed.remove(name);
-        None
-    }
-}
-
-/// A request counted among those waiting for a load while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 impl Models {
@@ -358,7 +185,7 @@ impl Models {
         let (number, model) = match self.use_loaded(name) {
             Some(found) => found,
             None => match self.on_demand.as_ref().filter(|d| d.lists(name)) {
-                Some(on_demand) => self.load(on_demand, name, call).await?,
+                Some(on_demand) => on_demand.wait(name, call, || self.use_loaded(name)).await?,
                 None => {
                     let mut known: Vec<String> =
                         self.read().entries.iter().map(|e| e.model.info.name.clone()).collect();
@@ -386,59 +213,6 @@ impl Models {
         }
     }
 
-    /// Waits for `name`'s load, queuing it when none is in flight.
-    async fn load(&self, on_demand: &OnDemand, name: &str, call: &Call) -> Result<(usize, Arc<Model>), ApiError> {
-        let busy =
-            |why: String| ApiError::Overloaded(format!("model '{name}' is not loaded yet: {why}; retry shortly"));
-        let failed = |why: String| ApiError::Internal(format!("model '{name}' could not be loaded: {why}"));
-        if let Some(why) = on_demand.refusal(name) {
-            return Err(failed(why));
-        }
-        if on_demand.waiting.fetch_add(1, Ordering::Relaxed) >= on_demand.max_waiting {
-            on_demand.waiting.fetch_sub(1, Ordering::Relaxed);
-            return Err(busy(format!(
-                "{} requests already wait for models to load (server.max_queue)",
-                on_demand.max_waiting
-            )));
-        }
-        let _waiting = Waiting(&on_demand.waiting);
-        let mut outcome = {
-            let mut flights = on_demand.flights.lock().unwrap_or_else(|e| e.into_inner());
-            match flights.get(name) {
-                Some(flight) => flight.clone(),
-                None => {
-                    // Loaded between the lookup and this lock: no new flight.
-                    if let Some(found) = self.use_loaded(name) {
-                        return Ok(found);
-                    }
-                    let (done, flight) = watch::channel(None);
-                    on_demand
-                        .queue
-                        .try_send(Load { name: name.to_string(), done, trace: crate::trace::current() })
-                        .map_err(|_| busy(format!("{LOADS_QUEUED} other models wait for this worker's loader")))?;
-                    flights.insert(name.to_string(), flight.clone());
-                    flight
-                }
-            }
-        };
-        let limit = on_demand.timeout;
-        let waited = Instant::now();
-        let landed = match tokio::time::timeout(limit, outcome.wait_for(Option::is_some)).await {
-            Ok(Ok(done)) => done.clone(),
-            Ok(Err(_)) => return Err(failed("the loader has stopped".into())),
-            Err(_) => {
-                let why = format!("its load takes longer than models.load_timeout_secs = {}", limit.as_secs_f64());
-                return Err(busy(why));
-            }
-        };
-        call.waited_for_load(waited.elapsed());
-        match landed.expect("waited for it") {
-            Ok(found) => Ok(found),
-            Err(LoadError::Busy(why)) => Err(busy(why)),
-            Err(LoadError::Failed(why)) => Err(failed(why)),
-        }
-    }
-
     /// A model the loader thread loaded (the engine's number `number`, holding `cost`): served
     /// from now on, and its flight's requests told.
     pub fn loaded_on_demand(&self, model: Model, number: usize, cost: ModelCost, done: &watch::Sender<Outcome>) {
@@ -459,10 +233,7 @@ impl Models {
     /// files change.
     pub fn failed_on_demand(&self, name: &str, why: LoadError, done: &watch::Sender<Outcome>) {
         if let (Some(on_demand), LoadError::Failed(reason)) = (&self.on_demand, &why) {
-            if let Some((_, files)) = on_demand.catalog.iter().find(|(n, _)| n == name) {
-                let mut failed = on_demand.failed.lock().unwrap_or_else(|e| e.into_inner());
-                failed.insert(name.to_string(), (stamps(files), reason.clone()));
-            }
+            on_demand.failed(name, reason);
         }
         self.land(name, done, Err(why));
     }
@@ -481,17 +252,7 @@ impl Models {
     pub fn evict_one(&self, spare: Option<usize>) -> Option<Evicted> {
         let policy = self.on_demand.as_ref()?.eviction;
         let mut registry = self.write();
-        let Registry { entries, hand } = &mut *registry;
-        let first = entries.iter().position(|e| !e.pinned)?;
-        let may_go = |e: &Entry| e.idle() && Some(e.number) != spare;
-        let place = match policy {
-            Eviction::Lru => {
-                let idle = entries.iter().enumerate().skip(first).filter(|(_, e)| may_go(e));
-                idle.min_by_key(|(_, e)| e.used.load(Ordering::Relaxed)).map(|(i, _)| i)
-            }
-            Eviction::Sieve => sieve(&entries[first..], hand, may_go).map(|i| first + i),
-        }?;
-        let entry = entries.remove(place);
+        let entry = eviction::take(&mut registry, policy, spare)?;
         if let Some(placement) = self.placement.get() {
             placement.released(&entry.model.info.name);
         }
@@ -499,28 +260,12 @@ impl Models {
     }
 }
 
-/// SIEVE (Zhang et al., NSDI '24) over `queue` (oldest first): the hand walks from the oldest
-/// to the newest and round again, clearing the mark of each model used since it last passed
-/// and stopping at the first one not used since that `may_go`; where it stops is returned, and
-/// the hand stays there (the next model moves into the place once this one is removed).
-/// Models that may not go (in use) are passed over with their marks. None after two rounds
-/// without one.
-fn sieve(queue: &[Entry], hand: &mut usize, may_go: impl Fn(&Entry) -> bool) -> Option<usize> {
-    for _ in 0..2 * queue.len() {
-        if *hand >= queue.len() {
-            *hand = 0;
-        }
-        let entry = &queue[*hand];
-        if may_go(entry) && !entry.visited.swap(false, Ordering::Relaxed) {
-            return Some(*hand);
-        }
-        *hand += 1;
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use inferd_config::file::Eviction;
+
     use super::*;
     use crate::runtime::model::ModelMeta;
 

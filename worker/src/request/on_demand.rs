@@ -1,8 +1,8 @@
 //! The worker's loader thread (`inferd-load`), with `[models] on_demand`: loads the models
 //! requests ask for ([`crate::request::models`]), one at a time, each as boot loads a model
-//! (its sessions for every lane, warmed up), then hands its sessions to the engine and the
-//! model to the handlers. A load that fails or panics costs that model's requests (500 with
-//! the reason), never the worker.
+//! ([`crate::load`]: its sessions for every lane, warmed up), then hands its sessions to the
+//! engine and the model to the handlers. A load that fails or panics costs that model's
+//! requests (500 with the reason), never the worker.
 //!
 //! Within the worker's share of `models.memory_budget` ([`Budget`]): before a load, idle
 //! models loaded on demand are evicted (models.eviction's order) until the worker's memory
@@ -28,9 +28,8 @@ use inferd_ipc::spec::{ModelCost, WorkerMessage};
 use opentelemetry::KeyValue;
 use tracing::{info, warn};
 
-use super::Lanes;
+use crate::load::{Lanes, Model};
 use crate::request::app::AppState;
-use crate::request::model::Model;
 use crate::request::models::{Load, LoadError, FIRST_LOAD_FACTOR};
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, Runtime};
@@ -235,7 +234,7 @@ impl Budget {
 
 /// `entry`'s model and its sessions, warmed up.
 fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), Unloaded> {
-    let (model, mut sessions) = super::load(runtime, entry, lanes)?;
+    let (model, mut sessions) = crate::load::load(runtime, entry, lanes)?;
     sessions.warm_up()?;
     Ok((model, sessions))
 }
