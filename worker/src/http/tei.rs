@@ -31,14 +31,14 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::http::reply::{annotate, json_reply, large_json, Reply};
+use crate::http::reply::{annotate, json_reply, large_json, ran, Reply};
 use crate::jsonbody::{self, OneOrMany, Shape};
 use crate::pipeline::{cut_dimensions, ranked, sparse, Head, Pipeline, Text, TextPipeline};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
 use crate::request::model::Model;
-use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::request::tasks::{self, Options, Outcome, PipelineInput, Rows};
 use inferd_config::model::{Pooling, Task};
 
 #[derive(Deserialize)]
@@ -127,21 +127,83 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     jsonbody::parse(body).map_err(|e| format!("request body: {e}"))
 }
 
-/// Runs texts, each on its own, through the model's pipeline with `options`: what `/embed`,
-/// `/embed_all` and `/embed_sparse` do once they have read and checked their request.
-async fn run_texts(
-    state: &AppState,
-    call: &Call,
-    index: usize,
-    meta: &Model,
-    inputs: OneOrMany<String>,
-    options: Options,
-) -> Result<tasks::Outcome, ApiError> {
-    let (texts, _) = inputs.into_vec();
-    let texts = texts.into_iter().map(Text::Single).collect();
-    tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(texts), options).await
+/// One TEI inference on the model its route found: what each inference route's handler is
+/// given (its body beside).
+#[derive(Clone, Copy)]
+pub struct Inference<'a> {
+    pub state: &'a AppState,
+    pub call: &'a Call,
+    /// The model's place among the worker's (its row in the engine).
+    pub index: usize,
+    pub meta: &'a Model,
 }
 
+/// What an inference route needs of its model, checked before its body is read.
+#[derive(Clone, Copy)]
+enum Needs {
+    /// An embedding model (`/embed`, `/embed_all`, `/similarity`).
+    Embedding,
+    /// An embedding model with SPLADE pooling (`/embed_sparse`).
+    Splade,
+    /// A classification model (`/predict`).
+    Classification,
+    /// A cross-encoder (`/rerank`): a classification model, then one of one label
+    /// ([`Model::cross_encoder`], the check Cohere's rerank makes too).
+    CrossEncoder,
+}
+
+impl Inference<'_> {
+    /// Every inference route's opening: the model checked for what `endpoint` needs, then the
+    /// body read as the route's request.
+    fn open<T: serde::de::DeserializeOwned>(&self, needs: Needs, endpoint: &str, body: &[u8]) -> Result<T, ApiError> {
+        let meta = self.meta;
+        match needs {
+            Needs::Embedding => require(meta, Task::Embedding, endpoint)?,
+            Needs::Splade => {
+                require(meta, Task::Embedding, endpoint)?;
+                let splade = matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Splade);
+                if !splade {
+                    return Err(ApiError::BadRequest(format!(
+                        "{endpoint} needs a SPLADE model (pooling = \"splade\"); '{}' gives dense vectors: use /embed",
+                        meta.info.name
+                    )));
+                }
+            }
+            Needs::Classification => require(meta, Task::Classification, endpoint)?,
+            Needs::CrossEncoder => {
+                require(meta, Task::Classification, endpoint)?;
+                meta.cross_encoder(endpoint)?;
+            }
+        }
+        parse(body)
+    }
+
+    /// Runs `input` through the model's pipeline with `options`.
+    async fn run(&self, input: PipelineInput, options: Options) -> Result<Outcome, ApiError> {
+        tasks::run_pipeline(self.state, self.call, self.index, self.meta, input, options).await
+    }
+
+    /// Runs texts, each on its own: what `/embed`, `/embed_all` and `/embed_sparse` run.
+    async fn run_texts(&self, inputs: OneOrMany<String>, options: Options) -> Result<Outcome, ApiError> {
+        let (texts, _) = inputs.into_vec();
+        self.run(PipelineInput::Texts(texts.into_iter().map(Text::Single).collect()), options).await
+    }
+
+    /// A large answer ([`large_json`]: `bound` is what its JSON takes at most) with the headers
+    /// that say how the pipeline ran.
+    async fn ran_large<T: Serialize + Send + 'static>(
+        &self,
+        outcome: &Outcome,
+        value: T,
+        bound: u64,
+    ) -> Result<Reply, ApiError> {
+        let mut reply = large_json(self.state, value, bound).await?;
+        annotate(&mut reply, outcome);
+        Ok(reply)
+    }
+}
+
+/// The model's task is `task`, or the refusal names the route that fits it.
 fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
     if meta.task == task {
         return Ok(());
@@ -159,13 +221,12 @@ fn require(meta: &Model, task: Task, endpoint: &str) -> Result<(), ApiError> {
     Err(ApiError::BadRequest(format!("{endpoint} needs {wanted} model, but '{}' is {other}", meta.info.name)))
 }
 
-pub async fn embed(state: &AppState, call: &Call, index: usize, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
-    require(meta, Task::Embedding, "/embed")?;
-    let request: EmbedRequest = parse(body)?;
+pub async fn embed(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: EmbedRequest = tei.open(Needs::Embedding, "/embed", body)?;
     if request.dimensions == Some(0) {
         return Err(ApiError::BadRequest("`dimensions` should be positive".into()));
     }
-    let normalize = match meta.pipeline.head() {
+    let normalize = match tei.meta.pipeline.head() {
         Some(Head::Embedding { settings, .. }) => request.normalize.unwrap_or(settings.normalize),
         _ => false,
     };
@@ -175,7 +236,7 @@ pub async fn embed(state: &AppState, call: &Call, index: usize, meta: &Model, bo
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let mut outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
+    let mut outcome = tei.run_texts(request.inputs, options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };
     // As TEI (since its Matryoshka support): any model's vector may be cut, not only one
     // trained for it (OpenAI's route asks `[embedding] matryoshka`).
@@ -185,30 +246,21 @@ pub async fn embed(state: &AppState, call: &Call, index: usize, meta: &Model, bo
             return Err(ApiError::BadRequest(format!(
                 "`dimensions` should be smaller than the maximum embedding dimension ({full} for model '{}'); {wanted} \
                  was asked",
-                meta.info.name
+                tei.meta.info.name
             )));
         }
         cut_dimensions(rows, wanted, normalize);
     }
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(rows).expect("floats serialise"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(serde_json::to_vec(rows).expect("floats serialise"), &outcome))
 }
 
 /// `POST /embed_all`: `{"inputs": ..., "truncate": false}` -> per input, the vector of each of
 /// its tokens (special tokens included, padding left out), not pooled or normalised.
-pub async fn embed_all(
-    state: &AppState,
-    call: &Call,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-) -> Result<Reply, ApiError> {
-    require(meta, Task::Embedding, "/embed_all")?;
-    let request: EmbedRequest = parse(body)?;
+pub async fn embed_all(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: EmbedRequest = tei.open(Needs::Embedding, "/embed_all", body)?;
     let options =
         Options { truncate: request.truncate, tokens: true, prompt_name: request.prompt_name, ..Options::default() };
-    let mut outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
+    let mut outcome = tei.run_texts(request.inputs, options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
     };
@@ -216,9 +268,7 @@ pub async fn embed_all(
     let floats: usize = rows.iter().flatten().map(Vec::len).sum();
     let lists = rows.iter().map(|r| r.len().saturating_add(1)).sum::<usize>().saturating_add(1);
     let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add((lists as u64).saturating_mul(3));
-    let mut reply = large_json(state, rows, bound).await?;
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    tei.ran_large(&outcome, rows, bound).await
 }
 
 #[derive(Deserialize)]
@@ -244,21 +294,8 @@ struct SparseValue {
 }
 
 /// `POST /embed_sparse`: SPLADE vectors as their non-zero entries.
-pub async fn embed_sparse(
-    state: &AppState,
-    call: &Call,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-) -> Result<Reply, ApiError> {
-    require(meta, Task::Embedding, "/embed_sparse")?;
-    if !matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Splade) {
-        return Err(ApiError::BadRequest(format!(
-            "/embed_sparse needs a SPLADE model (pooling = \"splade\"); '{}' gives dense vectors: use /embed",
-            meta.info.name
-        )));
-    }
-    let request: SparseRequest = parse(body)?;
+pub async fn embed_sparse(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: SparseRequest = tei.open(Needs::Splade, "/embed_sparse", body)?;
     let threshold = request.threshold.unwrap_or(0.0);
     if !threshold.is_finite() || threshold < 0.0 {
         return Err(ApiError::BadRequest(format!("'threshold' is {threshold}; it must be 0 or more")));
@@ -269,7 +306,7 @@ pub async fn embed_sparse(
         prompt_name: request.prompt_name,
         ..Options::default()
     };
-    let outcome = run_texts(state, call, index, meta, request.inputs, options).await?;
+    let outcome = tei.run_texts(request.inputs, options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let rows: Vec<Vec<SparseValue>> = rows
         .iter()
@@ -285,20 +322,11 @@ pub async fn embed_sparse(
     let bound = entries
         .saturating_mul(tasks::JSON_F32_BYTES.saturating_add(40))
         .saturating_add((rows.len() as u64).saturating_mul(3).saturating_add(2));
-    let mut reply = large_json(state, rows, bound).await?;
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    tei.ran_large(&outcome, rows, bound).await
 }
 
-pub async fn predict(
-    state: &AppState,
-    call: &Call,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-) -> Result<Reply, ApiError> {
-    require(meta, Task::Classification, "/predict")?;
-    let request: PredictRequest = parse(body)?;
+pub async fn predict(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: PredictRequest = tei.open(Needs::Classification, "/predict", body)?;
     let (input, listed) = match (request.inputs, request.image_b64) {
         (Some(inputs), None) => {
             let (seqs, listed) = inputs.into_vec();
@@ -322,7 +350,7 @@ pub async fn predict(
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
     let options = Options { truncate: request.truncate, raw_scores: request.raw_scores, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, call, index, meta, input, options).await?;
+    let outcome = tei.run(input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
         .iter()
@@ -331,9 +359,7 @@ pub async fn predict(
         })
         .collect();
     let body = if listed { serde_json::to_vec(&lists) } else { serde_json::to_vec(&lists[0]) };
-    let mut reply = json_reply(hyper::StatusCode::OK, body.expect("predictions serialise"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(body.expect("predictions serialise"), &outcome))
 }
 
 #[derive(Deserialize)]
@@ -361,16 +387,14 @@ struct Rank {
 /// false, "truncate": false}` -> `[{"index", "score"[, "text"]}, ...]`, best first. The model
 /// is a cross-encoder: a classification model with one label, run on each (query, text) pair;
 /// the score is the sigmoid of its logit (the logit with `raw_scores`).
-pub async fn rerank(state: &AppState, call: &Call, index: usize, meta: &Model, body: &[u8]) -> Result<Reply, ApiError> {
-    require(meta, Task::Classification, "/rerank")?;
-    meta.cross_encoder("/rerank")?;
-    let request: RerankRequest = parse(body)?;
+pub async fn rerank(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: RerankRequest = tei.open(Needs::CrossEncoder, "/rerank", body)?;
     if request.texts.is_empty() {
         return Err(ApiError::BadRequest("'texts' is an empty list".into()));
     }
     let pairs = request.texts.iter().map(|t| Text::Pair(request.query.clone(), t.clone())).collect();
     let options = Options { truncate: request.truncate, raw_scores: true, ..Options::default() };
-    let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(pairs), options).await?;
+    let outcome = tei.run(PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut ranks: Vec<Rank> = scores
         .iter()
@@ -385,9 +409,7 @@ pub async fn rerank(state: &AppState, call: &Call, index: usize, meta: &Model, b
         })
         .collect();
     ranks.sort_by(|a, b| b.score.total_cmp(&a.score));
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&ranks).expect("ranks serialise"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(serde_json::to_vec(&ranks).expect("ranks serialise"), &outcome))
 }
 
 /// text-embeddings-inference's error body: the message and its `error_type`.
@@ -599,27 +621,18 @@ struct SimilarityInputs {
 
 /// `POST /similarity` (sentence-transformers' sentence similarity): the cosine similarity of
 /// `source_sentence` to each of `sentences`, in their order.
-pub async fn similarity(
-    state: &AppState,
-    call: &Call,
-    index: usize,
-    meta: &Model,
-    body: &[u8],
-) -> Result<Reply, ApiError> {
-    require(meta, Task::Embedding, "/similarity")?;
-    let request: SimilarityRequest = parse(body)?;
+pub async fn similarity(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: SimilarityRequest = tei.open(Needs::Embedding, "/similarity", body)?;
     if request.inputs.sentences.is_empty() {
         return Err(ApiError::BadRequest("'inputs.sentences' is an empty list".into()));
     }
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
     let options = Options { truncate: request.truncate, normalize: Some(true), ..Options::default() };
-    let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(texts), options).await?;
+    let outcome = tei.run(PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&scores).expect("floats serialise"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(serde_json::to_vec(&scores).expect("floats serialise"), &outcome))
 }
 
 /// Every TEI request body this module reads, parsed as its handler parses it: the inputs each
