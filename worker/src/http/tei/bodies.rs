@@ -211,7 +211,7 @@ impl Shape for IdsOrId {
     }
 }
 
-/// Every TEI request body this module reads, parsed as its handler parses it: the inputs each
+/// Every request body of TEI's routes, parsed as its handler parses it: the inputs each
 /// would carry, or the error a client would read where the body is not that request (the fuzz
 /// target's entry, fuzz/fuzz_targets/tei_openai.rs).
 pub fn parse_bodies(body: &[u8]) -> [Result<usize, String>; 7] {
