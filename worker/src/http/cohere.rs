@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use crate::http::reply::{annotate, json_reply, Reply};
+use crate::http::reply::{ran, Reply};
 use crate::pipeline::Text;
 use crate::request::app::AppState;
 use crate::request::call::Call;
@@ -272,9 +272,7 @@ pub async fn rerank(
         "model": meta.info.name,
         "usage": {"total_tokens": outcome.tokens},
     });
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&body).expect("json"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(serde_json::to_vec(&body).expect("json"), &outcome))
 }
 
 /// Cohere's error body.

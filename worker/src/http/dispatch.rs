@@ -158,9 +158,10 @@ pub async fn routed(
             };
             let work = async {
                 let body = body::receive(state, request).await?;
+                let tei = tei::Inference { state, call, index: 0, meta };
                 let reply = match embedding {
-                    true => tei::embed(state, call, 0, meta, &body).await,
-                    false => tei::predict(state, call, 0, meta, &body).await,
+                    true => tei::embed(tei, &body).await,
+                    false => tei::predict(tei, &body).await,
                 };
                 reply.map(|r| versioned(r, meta))
             };
@@ -178,7 +179,7 @@ async fn tei_route(
     request: Request<Incoming>,
     call: &Call,
     endpoint: Endpoint,
-    handler: impl AsyncFnOnce(&AppState, &Call, usize, &Model, &[u8]) -> Result<Reply, ApiError>,
+    handler: impl AsyncFnOnce(tei::Inference<'_>, &[u8]) -> Result<Reply, ApiError>,
 ) -> Result<Reply, ApiError> {
     let found = match name {
         Some(name) => state.models.find(name, None, call).await,
@@ -188,7 +189,7 @@ async fn tei_route(
     let work = async {
         let (index, meta) = found?;
         let body = body::receive(state, request).await?;
-        handler(state, call, index, &meta, &body).await.map(|r| versioned(r, &meta))
+        handler(tei::Inference { state, call, index, meta: &meta }, &body).await.map(|r| versioned(r, &meta))
     };
     counted(state, row, endpoint, work).await
 }

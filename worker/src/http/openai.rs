@@ -21,7 +21,7 @@
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use crate::http::reply::{annotate, json_reply, Reply};
+use crate::http::reply::{ran, Reply};
 use crate::pipeline::{cut_dimensions, Head, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
@@ -153,9 +153,7 @@ pub async fn embeddings(
         "model": meta.info.name,
         "usage": {"prompt_tokens": outcome.tokens, "total_tokens": outcome.tokens},
     });
-    let mut reply = json_reply(hyper::StatusCode::OK, serde_json::to_vec(&body).expect("json"));
-    annotate(&mut reply, &outcome);
-    Ok(reply)
+    Ok(ran(serde_json::to_vec(&body).expect("json"), &outcome))
 }
 
 /// An error in OpenAI's shape.

@@ -74,6 +74,14 @@ pub async fn large_json<T: serde::Serialize + Send + 'static>(
     Ok(reply)
 }
 
+/// A pipeline's answer: `body`, JSON, with the headers that say how the pipeline ran it
+/// ([`annotate`]).
+pub fn ran(body: Vec<u8>, outcome: &Outcome) -> Reply {
+    let mut reply = json_reply(StatusCode::OK, body);
+    annotate(&mut reply, outcome);
+    reply
+}
+
 /// `x-inferd-truncated: 0,3` when inputs were truncated, and `Server-Timing` with the time
 /// spent preparing the inputs (`prepare`) and in the model (`model`), and of the latter,
 /// waiting for a lane (`queue`) and running (`compute`: the whole batch the request joined);
