@@ -468,9 +468,6 @@ fn file_name(krate: &Crate, src: &Path, module: &[String]) -> String {
 }
 
 #[test]
-#[ignore = "circles remain between sibling files (issue 57): request/app.rs with cache.rs, models.rs and \
-            tasks.rs, http/forward.rs with http/mod.rs, the supervisor's pool/ and more; list them with \
-            cargo nextest run --run-ignored only -E 'test(structure::no_sibling)'"]
 fn no_sibling_files_use_each_other() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut found = Vec::new();

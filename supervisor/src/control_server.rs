@@ -70,22 +70,26 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
     let peer = stream.peer_cred()?.uid();
     let (read, mut write) = stream.into_split();
     let (replies, mut answers) = mpsc::unbounded_channel();
+    // A refusal is the one answer: its sender goes with it, so the loop below ends after it.
+    let refuse = |replies: mpsc::UnboundedSender<Response>, error: ActionError| {
+        let _ = replies.send(Response::error(error.to_string()));
+    };
     if peer != me && peer != 0 {
-        let _ = replies.send(Response::error(ActionError::NotYours { peer, me }.to_string()));
+        refuse(replies, ActionError::NotYours { peer, me });
     } else {
         let mut line = String::new();
         // One request line of at most 64 KiB: a client cannot make the supervisor buffer more.
         let mut reader = tokio::io::BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
         match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-            Err(_) => drop(replies.send(Response::error(ActionError::NoRequest.to_string()))),
+            Err(_) => refuse(replies, ActionError::NoRequest),
             Ok(Err(e)) => return Err(e),
             Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-                Err(e) => drop(replies.send(Response::error(ActionError::BadRequest(e).to_string()))),
+                Err(e) => refuse(replies, ActionError::BadRequest(e)),
                 Ok(request) => {
                     if let Err(mpsc::error::SendError(Event::Control(_, replies))) =
                         events.send(Event::Control(request, replies))
                     {
-                        let _ = replies.send(Response::error(ActionError::ShuttingDown.to_string()));
+                        refuse(replies, ActionError::ShuttingDown);
                     }
                 }
             },
@@ -97,4 +101,29 @@ async fn answer(stream: UnixStream, events: mpsc::UnboundedSender<Event>) -> std
         write.write_all(&line).await?;
     }
     write.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// A request that is refused gets its one answer and the connection ends: nothing waits
+    /// for a reply that cannot come.
+    #[tokio::test]
+    async fn a_refused_request_is_answered_and_its_connection_closed() {
+        let (events, _queue) = mpsc::unbounded_channel();
+        for request in ["not json\n", "{\"command\": \"fly\"}\n"] {
+            let (mut client, server) = UnixStream::pair().unwrap();
+            let served = tokio::spawn(answer(server, events.clone()));
+            client.write_all(request.as_bytes()).await.unwrap();
+            let mut text = String::new();
+            tokio::time::timeout(Duration::from_secs(10), client.read_to_string(&mut text))
+                .await
+                .expect("the connection was left open after the refusal")
+                .unwrap();
+            assert!(text.contains("error") && text.ends_with('\n') && text.lines().count() == 1, "{text:?}");
+            served.await.unwrap().unwrap();
+        }
+    }
 }

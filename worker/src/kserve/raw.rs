@@ -10,7 +10,7 @@ use serde_json::Map;
 
 use crate::kserve::{InputTensor, Parsed};
 use crate::runtime::model::ModelMeta;
-use crate::runtime::tensor::{shape_text, DataType, Tensor, TensorData};
+use crate::runtime::tensor::{shape_text, Tensor, TensorData};
 
 /// The request a raw binary `body` stands for, for `meta`'s model; an error says why the model
 /// or the body does not allow it, in the client's terms.
@@ -32,18 +32,15 @@ pub fn parse(body: &[u8], meta: &ModelMeta) -> Result<Parsed, String> {
         true => input.shape.get(1..).unwrap_or_default(),
         false => input.shape.as_slice(),
     };
-    let filled = match dtype.size() {
-        None => bytes_shape(name, rest)?,
-        Some(size) => fixed_shape(name, rest, size, body.len())?,
-    };
-    let shape: Vec<i64> = batched.then_some(1).into_iter().chain(filled).collect();
-    let data = match dtype {
-        DataType::Bytes => TensorData::Bytes(vec![body.to_vec()]),
-        _ => {
-            let count = body.len() / dtype.size().unwrap_or(1).max(1);
-            dtype.parse_binary(body, count).map_err(|e| format!("raw input '{name}': {e}"))?
+    let (filled, data) = match dtype.size() {
+        None => (bytes_shape(name, rest)?, TensorData::Bytes(vec![body.to_vec()])),
+        Some(size) => {
+            let filled = fixed_shape(name, rest, size, body.len())?;
+            let count = body.len().checked_div(size).unwrap_or(0);
+            (filled, dtype.parse_binary(body, count).map_err(|e| format!("raw input '{name}': {e}"))?)
         }
     };
+    let shape: Vec<i64> = batched.then_some(1).into_iter().chain(filled).collect();
     let tensor = Tensor { name: name.clone(), shape, data };
     Ok(Parsed {
         id: None,
@@ -78,10 +75,13 @@ fn fixed_shape(name: &str, shape: &[i64], size: usize, len: usize) -> Result<Vec
         ));
     }
     let fixed = shape.iter().filter(|&&d| d >= 0).try_fold(size, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
-    let whole = |fixed: usize| fixed != 0 && len % fixed == 0;
+    let whole = |fixed: usize| fixed != 0 && len.is_multiple_of(fixed);
     match fixed {
         Some(fixed) if variable == 1 && whole(fixed) => {
-            let free = i64::try_from(len / fixed).map_err(|_| format!("raw input '{name}' is too large"))?;
+            let free = len
+                .checked_div(fixed)
+                .and_then(|n| i64::try_from(n).ok())
+                .ok_or_else(|| format!("raw input '{name}' is too large"))?;
             Ok(shape.iter().map(|&d| if d < 0 { free } else { d }).collect())
         }
         Some(fixed) if variable == 0 && fixed == len => Ok(shape.to_vec()),
@@ -95,7 +95,7 @@ fn fixed_shape(name: &str, shape: &[i64], size: usize, len: usize) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::tensor::TensorSpec;
+    use crate::runtime::tensor::{DataType, TensorSpec};
     use inferd_config::model::Task;
     use inferd_ipc::spec::ModelInfo;
 
