@@ -161,17 +161,17 @@ fn bad_config_values_are_refused_naming_the_key() {
     }
 }
 
-/// The public port held by a socket outside inferd's SO_REUSEPORT group: `serve` cannot bind
-/// it and exits 4 (as the gRPC port does, tests/grpc.rs).
+/// A public address that cannot be bound (one this host does not have: 192.0.2.1, TEST-NET-1):
+/// `serve` exits 4 with the reason (as for the gRPC port, tests/grpc.rs). A port another
+/// server listens on is a configuration error instead (78, tests/ports.rs).
 #[test]
 fn a_port_that_cannot_be_bound_exits_4() {
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = taken.local_addr().unwrap().port();
-    let dir = temp_dir("port-taken");
-    write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
-    let out = inferd(&["serve", "--config", "inferd.toml"], &dir);
+    let dir = temp_dir("port-unbindable");
+    write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let listen = "192.0.2.1:18999";
+    let out = inferd(&["serve", "--config", "inferd.toml", "--listen", listen], &dir);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
-    assert!(stderr(&out).contains(&format!("cannot listen on 127.0.0.1:{port}")), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&format!("cannot listen on {listen}")), "{}", stderr(&out));
 }
 
 #[test]

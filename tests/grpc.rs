@@ -253,9 +253,9 @@ fn a_stream_opened_as_a_drain_begins_costs_the_calls_in_progress_nothing() {
 
 #[test]
 fn a_grpc_port_that_cannot_be_bound_stops_the_start_with_a_message() {
-    // Held by a socket outside the SO_REUSEPORT group: no slot can bind it.
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let grpc = taken.local_addr().unwrap().to_string();
+    // An address this host does not have (TEST-NET-1): no slot can bind it. (One that another
+    // program listens on is refused as a configuration error: tests/ports.rs.)
+    let grpc = "192.0.2.1:18998".to_string();
     let dir = temp_dir("grpc-taken");
     let port = free_port();
     write_config(dir.path(), port, 1, &test_models(), "typed", &[], "");
