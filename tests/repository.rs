@@ -2,7 +2,8 @@
 //! lists, loads and unloads models (rolling reloads) and reads the pool's statistics
 //! (tests/clients/triton_repository_check.py); load and unload stay off unless
 //! admin.model_control turns them on, and need the admin token (admin.token_file); a
-//! `parameters.path` outside the repository is refused while the pool serves on.
+//! `parameters.path` outside the repository is refused while the pool serves on; any number
+//! of models is served, the first eight counted under their names.
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
@@ -130,4 +131,43 @@ fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
     let r = request(admin, "GET", "/v2/models/stats", &[], b"").unwrap();
     assert_eq!(r.status, 401, "{}", String::from_utf8_lossy(&r.body));
     assert!(r.error().contains("serves /metrics alone"), "{}", r.error());
+}
+
+/// Any number of models, explicitly loaded: ten at start and one more through the repository's
+/// load (Triton's L0 tests load dozens). The first eight have counter rows of their own; the
+/// others count together under `model="other"`, as models loaded on demand do.
+#[test]
+fn more_models_than_counter_rows_are_served_and_counted_as_other() {
+    let dir = temp_dir("many-explicit");
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let repository = dir.path().join("repo");
+    let file = test_models().join("typed/model.onnx");
+    let names: Vec<String> = (0..11).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        std::fs::create_dir_all(repository.join(name)).unwrap();
+        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
+        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+    }
+    let load: Vec<&str> = names[1..10].iter().map(String::as_str).collect();
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1, &repository, "m0", &load, "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let text = text.replace("[admin]\n", "[admin]\nmodel_control = true\ntoken_file = \"admin-token\"\n");
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let r = admin_post_with(&server, TOKEN, "/v2/repository/models/m10/load", "");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    for name in &names {
+        let r = server.request("POST", &format!("/v2/models/{name}/infer"), &typed_request());
+        assert_eq!(r.status, 200, "{name}: {}", String::from_utf8_lossy(&r.body));
+    }
+    let metrics = server.metrics_text();
+    let infer = |model: &str| format!("inferd_requests_total{{model=\"{model}\",endpoint=\"infer\",code=\"200\"}}");
+    for name in &names[..8] {
+        assert_eq!(metric_value(&metrics, &infer(name)), Some(1.0), "{name}: {metrics}");
+    }
+    assert_eq!(metric_value(&metrics, &infer("other")), Some(3.0), "m8, m9 and m10: {metrics}");
 }

@@ -16,9 +16,10 @@ use inferd_config::auth::Refusal;
 /// File descriptor of the counters in a worker.
 pub const WORKER_STATS_FD: i32 = 4;
 
-/// Models with counters of their own (the most one server serves, checked by the config);
-/// requests for other names count as the last row.
-pub use inferd_config::model::MAX_MODELS;
+/// Models with counters of their own: the first this many a worker starts with. The others
+/// (a server may serve any number), those loaded on demand or added while serving, and
+/// requests for unknown names count together in the last row (`model="other"`).
+pub const MAX_MODELS: usize = 8;
 const MODEL_ROWS: usize = MAX_MODELS + 1;
 
 /// The route families requests are counted under (`inferd_requests_total{endpoint}`): one per

@@ -143,10 +143,6 @@ pub enum ActionError {
     #[error("{0} refused: worker {1} is still draining from the last scale -1; retry once it is gone")]
     Draining(Roll, usize),
     #[error(
-        "load refused: the pool serves {0} models, the most one server counts (its shared counters have a row per model)"
-    )]
-    TooManyModels(usize),
-    #[error(
         "load refused: {} is not a model folder (a model the server does not serve yet needs its folder: a model.toml, or a published model's files)",
         .0.display()
     )]

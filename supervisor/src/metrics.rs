@@ -214,7 +214,7 @@ fn label(value: &str) -> String {
 
 pub fn render(m: &PoolMetrics) -> String {
     let mut out = String::with_capacity(16 * 1024);
-    // The counters have MAX_MODELS rows (config validation keeps the model list within them).
+    // The first MAX_MODELS models have counter rows of their own; the others count as "other".
     let models: Vec<(usize, String)> = m.models.iter().take(MAX_MODELS).map(|n| label(n)).enumerate().collect();
     let rows = models.iter().map(|(i, n)| (*i, n.as_str())).chain([(MAX_MODELS, "other")]);
     header(

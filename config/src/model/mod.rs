@@ -62,6 +62,3 @@ pub use schema::{
     Layout, LongTexts, Pooling, Precision, Quantization, Resample, Resize, SettingsError, Task, TokenizerConfig,
     UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
 };
-
-/// The most models one server serves: the counters workers share have a row for each.
-pub const MAX_MODELS: usize = 8;

@@ -13,7 +13,6 @@ use inferd_config::auth::Access;
 use inferd_config::file::Config;
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::Cause;
-use inferd_ipc::stats::MAX_MODELS;
 use opentelemetry::{Context, KeyValue};
 use tracing::{error, info};
 
@@ -351,9 +350,6 @@ pub(super) fn load_models(
     model: &str,
     path: Option<PathBuf>,
 ) -> Result<Vec<ModelEntry>, ActionError> {
-    if pool.models.len() >= MAX_MODELS {
-        return Err(ActionError::TooManyModels(pool.models.len()));
-    }
     let entry = match path {
         Some(dir) if dir.is_dir() => ModelEntry::load_dir(&dir, model),
         Some(other) => return Err(ActionError::NotAModelFolder(other)),

@@ -95,11 +95,11 @@ pub(crate) fn shift_nice(tid: libc::id_t, by: i32) -> Result<(), nix::errno::Err
 type Delivery = (batch::ReplyTo, Result<(Vec<Tensor>, Timing), EngineError>);
 
 /// Model number `model`'s row in the shared counters, of an engine that started with
-/// `started_with` models: its own for those, the shared last row ([`MAX_MODELS`]) for a model
-/// added while serving (each worker numbers those in its own order, so their numbers are no
-/// rows the supervisor can name).
+/// `started_with` models: its own for the first [`MAX_MODELS`] of those, the shared last row
+/// (`MAX_MODELS`) for the others and for a model added while serving (each worker numbers
+/// those in its own order, so their numbers are no rows the supervisor can name).
 pub fn counter_row(model: usize, started_with: usize) -> usize {
-    if model < started_with {
+    if model < started_with.min(MAX_MODELS) {
         model
     } else {
         MAX_MODELS
