@@ -1,5 +1,8 @@
 //! A memfd the supervisor and its workers map read-write and touch only through atomics: the
-//! storage under [`crate::stats::WorkerCounters`] and [`crate::cores::CoreClaims`].
+//! storage under every table they share. Its users: a worker's counters
+//! ([`crate::stats::WorkerCounters`], fd 4), the pool's core claims
+//! ([`crate::cores::CoreClaims`], fd 9), its connection balance ([`crate::balance::Balance`],
+//! fd 10) and its API key limits ([`crate::limits::Limits`], fd 11).
 
 use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, OwnedFd};

@@ -3,8 +3,10 @@
 //! The supervisor starts each worker as `inferd worker` (a fresh exec of its own binary, never
 //! a bare fork) with one end of a Unix socketpair as fd 3. It writes one JSON line, the
 //! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and drains.
-//! Counts and the model thread's liveness go through shared memory instead (`stats`), and
-//! PR_SET_PDEATHSIG tells the worker when the supervisor is gone.
+//! Counts, latencies and liveness (the start of the oldest run its lanes have in progress, the
+//! beats of its `inferd-batch` timer thread and of its I/O loop) go through shared memory
+//! instead ([`crate::stats`]), and PR_SET_PDEATHSIG tells the worker when the supervisor is
+//! gone.
 
 use std::path::PathBuf;
 
@@ -258,7 +260,9 @@ impl std::fmt::Display for Weights {
     }
 }
 
-/// The precision a model's sessions run in, and what the int8 accuracy guard found.
+/// The precision a model's sessions run in, and what the int8 accuracy guard found (the
+/// worker's int8 preparation, worker/src/load/int8/: `guard.rs` measures, `report.rs` keeps
+/// the outcome and says the precision served).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "served", rename_all = "snake_case")]
 pub enum Precision {
