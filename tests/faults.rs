@@ -5,7 +5,7 @@
 //! Steps: a rolling reload (`inferd reload --wait`), a reload to a corrupt model file and one
 //! to a misfit model (a folder whose model.toml wants a text classifier, with a model that is
 //! not one): both refused, nothing changes; SIGHUP, scale +1 / -1, SIGKILL of a worker,
-//! SIGSTOP of a worker (stuck: the supervisor must notice its silent model thread, kill and
+//! SIGSTOP of a worker (stuck: the supervisor must notice its silent batch timer thread, kill and
 //! replace it), concurrent control clients. Keep-alive clients load the pool throughout;
 //! workers are recycled after max_requests, and every request leaks 400 KiB in the worker
 //! (INFERD_TEST_LEAK_BYTES_PER_REQUEST) against a 32 MiB soft limit, so workers are also
@@ -257,7 +257,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
     let max_workers = test_workers();
     let dir = temp_dir("faults");
     let port = free_port();
-    // request_timeout_secs: a worker whose model thread is silent this long is stuck.
+    // request_timeout_secs: a worker whose batch timer thread is silent this long is stuck.
     // A fresh typed worker holds ~9 MiB of private memory: with the leak below it passes the
     // soft limit after a few dozen requests (1-4 replacements in 20 steps), about when
     // max_requests would recycle it (25-35), if no reload replaced it first.
@@ -360,7 +360,7 @@ fn random_fault_sequences_keep_the_pool_whole() {
                     std::thread::sleep(Duration::from_millis(50));
                 };
                 let victim = pids[rng.below(pids.len() as u64) as usize];
-                // SIGSTOP: the supervisor sees the model thread's beat stop, then SIGABRTs and
+                // SIGSTOP: the supervisor sees the batch timer thread's beat stop, then SIGABRTs and
                 // SIGKILLs it (request_timeout_secs = 5 above).
                 let signal = if action == 5 { Signal::SIGKILL } else { Signal::SIGSTOP };
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), signal).unwrap();

@@ -90,7 +90,7 @@ fn a_run_past_the_timeout_is_stopped_and_answered() {
     assert!(server.log().contains("stopping it"), "{}", server.log());
 }
 
-/// A worker whose model thread stops beating (here: the whole process stopped) is killed
+/// A worker whose batch timer thread stops beating (here: the whole process stopped) is killed
 /// (SIGABRT, then SIGKILL) and replaced, while the other worker serves throughout.
 #[test]
 fn a_stuck_worker_is_killed_and_replaced() {
@@ -119,7 +119,7 @@ fn a_stuck_worker_is_killed_and_replaced() {
     eprintln!("{served} other requests served meanwhile");
     assert!(!process_exists(stuck), "the stuck worker is still there");
     let w = status["workers"].as_array().unwrap().iter().find(|w| w["restarts"] == 1).unwrap();
-    assert!(w["last_exit"].as_str().unwrap().contains("stuck: the model thread has not beaten"), "{w}");
+    assert!(w["last_exit"].as_str().unwrap().contains("stuck: the batch timer thread has not beaten"), "{w}");
     assert!(server.log().contains("is stuck"), "{}", server.log());
     if test_workers() > 1 {
         assert!(served > 0);

@@ -96,7 +96,7 @@ pub struct ServerConfig {
     pub graceful_timeout_secs: f64,
     /// How long a worker may take to load its models and warm up before it is killed.
     pub boot_timeout_secs: f64,
-    /// Requests a worker lets wait for its model thread; more get 503 with Retry-After at once.
+    /// Requests a worker lets wait for its lanes; more get 503 with Retry-After at once.
     pub max_queue: usize,
     /// Open connections per worker; past it the worker stops accepting until one closes.
     pub max_connections: usize,

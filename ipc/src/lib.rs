@@ -4,7 +4,7 @@
 //!   [`spec::WorkerSpec`] line it reads at start, the [`spec::WorkerMessage`] lines it writes
 //!   back, its exit codes;
 //! - [`stats`]: the counters each worker shares with the supervisor through a memfd (request
-//!   counts, latency and batch histograms, liveness of the model thread);
+//!   counts, latency and batch histograms, the beats of the batch timer thread and the I/O loop);
 //! - [`cores`]: which process runs on which CPU, shared by the whole pool, so that workers
 //!   lend idle cores to each other;
 //! - [`balance`]: each worker's open connections, shared by the whole pool, so that a worker

@@ -103,9 +103,9 @@ const ANSWERS_AT: usize = BATCH_AT + MAX_MODELS * BATCH_SLOTS;
 const ANSWER_SLOTS: usize = 2;
 const IN_FLIGHT_AT: usize = ANSWERS_AT + MAX_MODELS * ANSWER_SLOTS;
 const QUEUED_AT: usize = IN_FLIGHT_AT + 1;
-/// CLOCK_MONOTONIC nanoseconds when the model thread started its current run (0: idle).
+/// CLOCK_MONOTONIC nanoseconds when the oldest run in progress started (0: idle).
 const BUSY_SINCE_AT: usize = QUEUED_AT + 1;
-/// CLOCK_MONOTONIC nanoseconds of the model thread's last beat (it beats at least every second).
+/// CLOCK_MONOTONIC nanoseconds of the batch timer thread's last beat (at least every second).
 const BEAT_AT: usize = BUSY_SINCE_AT + 1;
 /// CLOCK_MONOTONIC nanoseconds of the I/O loop's last beat (every 250 ms while it turns).
 const IO_BEAT_AT: usize = BEAT_AT + 1;
@@ -147,7 +147,7 @@ pub fn monotonic_nanos() -> u64 {
 /// Which latency histogram.
 #[derive(Debug, Clone, Copy)]
 pub enum Latency {
-    /// Waiting for the model thread.
+    /// Waiting for a lane.
     Queue,
     /// Running the model.
     Compute,
@@ -279,12 +279,12 @@ impl WorkerCounters {
         self.counter(LANE_BUSY_AT).load(Ordering::Relaxed) as f64 / 1e9
     }
 
-    /// Requests waiting for the model thread now.
+    /// Requests waiting for a lane now.
     pub fn queued_now(&self) -> u64 {
         self.counter(QUEUED_AT).load(Ordering::Relaxed)
     }
 
-    /// The model thread is alive (called from its loop).
+    /// The batch timer thread is alive (called from its loop).
     pub fn beat(&self) {
         self.counter(BEAT_AT).store(monotonic_nanos(), Ordering::Relaxed);
     }

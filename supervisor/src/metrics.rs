@@ -23,7 +23,7 @@ pub struct Reloads {
 /// Why a worker that died was replaced (`inferd_worker_restarts_total{reason}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RestartReason {
-    /// The supervisor aborted it for a run, a model thread or an I/O loop that did not move
+    /// The supervisor aborted it for a run, a batch timer thread or an I/O loop that did not move
     /// (pool/guards.rs).
     Stuck,
     /// The supervisor killed it for passing the hard memory limit.
@@ -242,7 +242,7 @@ pub fn render(m: &PoolMetrics) -> String {
     let batch_bounds: Vec<String> = BATCH_BUCKETS.iter().map(|b| b.to_string()).collect();
     for (name, kind, help) in [
         ("inferd_request_duration_seconds", Latency::Request, "Time a worker spent on a request, routing to response."),
-        ("inferd_queue_duration_seconds", Latency::Queue, "Time a request waited for the model thread."),
+        ("inferd_queue_duration_seconds", Latency::Queue, "Time a request waited for a lane."),
         ("inferd_compute_duration_seconds", Latency::Compute, "Time the model ran for a request."),
     ] {
         header(&mut out, name, "histogram", help);
@@ -273,7 +273,7 @@ pub fn render(m: &PoolMetrics) -> String {
     }
     header(&mut out, "inferd_requests_in_flight", "gauge", "Requests being handled by the workers now.");
     let _ = writeln!(out, "inferd_requests_in_flight {}", m.totals.in_flight());
-    header(&mut out, "inferd_requests_queued", "gauge", "Requests waiting for a model thread now.");
+    header(&mut out, "inferd_requests_queued", "gauge", "Requests waiting for a lane now.");
     let _ = writeln!(out, "inferd_requests_queued {}", m.totals.queued());
     header(
         &mut out,

@@ -64,7 +64,7 @@ pub struct WorkerStatus {
     /// Inference requests answered by the current process.
     pub requests: u64,
     pub in_flight: u64,
-    /// Requests waiting for the model thread.
+    /// Requests waiting for a lane.
     pub queued: u64,
     /// Times this slot's worker died without being asked to.
     pub restarts: u32,
@@ -118,7 +118,7 @@ pub struct PoolStatus {
     pub memory: String,
     pub reloads_succeeded: u64,
     pub reloads_failed: u64,
-    /// Per model, how requests were batched (dynamic batching in each worker's model thread).
+    /// Per model, how requests were batched (dynamic batching in each worker's engine).
     pub batches: Vec<BatchSizes>,
     pub workers: Vec<WorkerStatus>,
 }

@@ -171,7 +171,7 @@ impl Default for Warmup {
     }
 }
 
-/// Dynamic batching in the worker's model thread: requests for the same model that wait in the
+/// Dynamic batching in the worker's engine: requests for the same model that wait in the
 /// queue run as one ONNX Runtime call, and a request past the limits runs in pieces of fewer
 /// rows. Both need the first dimension to be a batch (each row answered on its own): only a
 /// model whose inputs and outputs all have a dynamic first dimension of one name may have one,

@@ -73,7 +73,7 @@ impl Pool {
 
     /// A worker whose model run has lasted longer than server.request_timeout_secs (plus
     /// [`STOP_GRACE`] for the worker to stop it itself), or whose
-    /// model thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
+    /// batch timer thread stopped beating, gets SIGABRT, and SIGKILL on the next tick if it is still
     /// there (gunicorn's escalation); it is then replaced like any dead worker.
     pub(super) fn kill_stuck(&mut self, timeout: f64) {
         for (index, slot) in self.slots.iter_mut().enumerate() {
@@ -93,7 +93,9 @@ impl Pool {
                     (Some(b), _) if b > timeout + STOP_GRACE.as_secs_f64() => format!(
                         "a model run has lasted {b:.1} s, over server.request_timeout_secs = {timeout} and did not stop"
                     ),
-                    (None, Some(b)) if b > timeout.max(5.0) => format!("the model thread has not beaten for {b:.1} s"),
+                    (None, Some(b)) if b > timeout.max(5.0) => {
+                        format!("the batch timer thread has not beaten for {b:.1} s")
+                    }
                     // Nothing the I/O loop does for one request takes seconds: one that has
                     // not turned for this long serves nobody on this worker.
                     _ if io.is_some_and(|b| b > timeout.max(5.0)) => {

@@ -1,5 +1,5 @@
 //! The door every request enters by, whatever its protocol (HTTP's routes in `http`, gRPC's
-//! calls in `server::grpc`, a request a sibling forwards): its id, its API key checked, its
+//! calls in `http::grpc::serve`, a request a sibling forwards): its id, its API key checked, its
 //! priority and deadline read, and its place in its key's limits taken, before anything else
 //! reads it; what it learned is one [`Call`] that every stage is handed. Then, once it is
 //! answered, its failure logged with its id and its access line written ([`Visit`]).

@@ -107,7 +107,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
     let engine = match engine {
         Ok(engine) => engine,
         Err(e) => {
-            error!("cannot start the model thread: {e}");
+            error!("cannot start the engine: {e}");
             return EXIT_BOOT;
         }
     };

@@ -94,7 +94,7 @@ impl Sessions {
     }
 }
 
-/// Handle to the model threads; cheap to clone.
+/// Handle to the lanes; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     dispatcher: Arc<Shared>,

@@ -23,7 +23,7 @@ pub struct Terms {
 pub enum EngineError {
     #[error(transparent)]
     Model(#[from] ModelError),
-    #[error("the model thread has stopped")]
+    #[error("the engine has stopped")]
     Gone,
     #[error("the model was unloaded (for memory) while this request waited for it; retry")]
     Unloaded,
