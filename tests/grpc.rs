@@ -36,15 +36,16 @@ fn text(out: &Output) -> String {
 fn tritonclient_grpc_gets_what_rest_and_the_references_give() {
     let (server, grpc) = grpc_server("grpc-client");
     client_check("triton_grpc_check.py", &[&grpc, &server.addr.to_string()], &server, "grpc: all checks passed");
-    // Counted with the REST requests, by model and status: `typed` answered the script's three
-    // requests and refused its mistakes (wrong datatype, missing input, unknown output, typed
-    // FP16, short raw data) with 400s; no worker failed.
+    // Counted with the REST requests, by model and status: `typed` answered the script's four
+    // plain requests and two compressed ones (gzip, deflate) and refused its mistakes (wrong
+    // datatype, missing input, unknown output, typed FP16, short raw data) with 400s; no
+    // worker failed.
     let metrics = server.metrics_text();
     let count = |code: u16| {
         let line = format!("inferd_requests_total{{model=\"typed\",endpoint=\"infer\",code=\"{code}\"}}");
         metric_value(&metrics, &line).unwrap_or(0.0)
     };
-    assert_eq!((count(200), count(400), count(500)), (3.0, 5.0, 0.0), "{metrics}");
+    assert_eq!((count(200), count(400), count(500)), (6.0, 5.0, 0.0), "{metrics}");
     let status = server.status();
     assert!(status["workers"].as_array().unwrap().iter().all(|w| w["restarts"] == 0), "{status}");
     assert_eq!(status["grpc_listen"], grpc.as_str(), "{status}");

@@ -219,6 +219,29 @@ def check_mistakes(client, stub, http_addr):
     refused(lambda: client.infer("typed", [big] + inputs[1:]), "RESOURCE_EXHAUSTED", "65536", "server.max_body_bytes")
 
 
+def check_compressed(client, stub, http_addr):
+    # tritonclient's compression_algorithm: the message gzip- or deflate-compressed, answered
+    # as the plain one is; 200 rows (about 21 kB), so that it is compressed for sure.
+    inputs = []
+    for name, (datatype, data) in INPUTS.items():
+        rows = np.tile(data, (100, 1))
+        inputs.append(grpcclient.InferInput(name, list(rows.shape), datatype))
+        inputs[-1].set_data_from_numpy(rows)
+    plain = client.infer("typed", inputs)
+    for algorithm in ("gzip", "deflate"):
+        result = client.infer("typed", inputs, compression_algorithm=algorithm)
+        for output in plain.get_response().outputs:
+            compare(result.as_numpy(output.name), plain.as_numpy(output.name), f"{algorithm}: {output.name}")
+    # 800 kB of zeros compress to about 1 kB: inflating stops at max_body_bytes (65536).
+    big = grpcclient.InferInput("f32_in", [50000, 4], "FP32")
+    big.set_data_from_numpy(np.zeros((50000, 4), np.float32))
+    refused(
+        lambda: client.infer("typed", [big] + typed_inputs()[1:], compression_algorithm="gzip"),
+        "RESOURCE_EXHAUSTED",
+        "inflates to more than the limit of 65536 bytes",
+    )
+
+
 def slow_inputs(iterations):
     x = grpcclient.InferInput("x", [1, 256], "FP32")
     x.set_data_from_numpy(np.linspace(0, 1, 256, dtype=np.float32).reshape(1, 256))
@@ -240,7 +263,7 @@ def check_deadline(client, stub, http_addr):
     compare(result.as_numpy("f32_sum"), expected_outputs()["f32_sum"][1], "f32_sum after the deadline")
 
 
-CHECKS = [check_health, check_metadata, check_typed_raw, check_text_raw, check_text_typed, check_classifier, check_mistakes, check_deadline]
+CHECKS = [check_health, check_metadata, check_typed_raw, check_text_raw, check_text_typed, check_classifier, check_mistakes, check_compressed, check_deadline]
 
 
 def load(grpc_addr, seconds):

@@ -1,6 +1,7 @@
 //! A gRPC request's body before tonic decodes it: read as its frames arrive, each frame charged
 //! to the worker's body budget (server.max_body_bytes_in_flight) when it arrives, bounded by
-//! server.max_body_bytes and server.body_timeout_secs; and a ModelInfer message's decoded size
+//! server.max_body_bytes and server.body_timeout_secs; a compressed message (`grpc-encoding`
+//! gzip or deflate) inflated within the same bounds; and a ModelInfer message's decoded size
 //! bounded from its wire bytes ([`decoded_size`]) before prost allocates anything, since a
 //! message of many empty entries decodes to a hundred times its size.
 //!
@@ -18,6 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 
+use crate::http::encoding::{DecodeError, Encoding};
 use crate::http::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use crate::http::grpc::proto::{InferParameter, InferTensorContents};
 use crate::protowire as wire;
@@ -38,11 +40,17 @@ pub enum Intake {
     Refused(ApiError),
 }
 
-/// The request with its body read and charged, ready for tonic.
+/// The header that names a compressed message's encoding.
+const GRPC_ENCODING: &str = "grpc-encoding";
+
+/// The request with its body read, inflated and charged, ready for tonic (which then sees a
+/// plain message).
 pub async fn read(state: &AppState, request: hyper::Request<Incoming>) -> hyper::Request<Full<Bytes>> {
     let (mut parts, body) = request.into_parts();
     let infer = parts.uri.path() == MODEL_INFER;
-    match collect(state, body, infer).await {
+    // Whatever comes of it, tonic gets a plain message (or the empty one of a refusal).
+    let encoding = parts.headers.remove(GRPC_ENCODING).map(|v| v.to_str().unwrap_or("?").to_string());
+    match collect(state, body, infer, encoding.as_deref()).await {
         Ok((bytes, claim)) => {
             parts.extensions.insert(claim);
             hyper::Request::from_parts(parts, Full::new(bytes))
@@ -55,7 +63,12 @@ pub async fn read(state: &AppState, request: hyper::Request<Incoming>) -> hyper:
     }
 }
 
-async fn collect(state: &AppState, mut body: Incoming, infer: bool) -> Result<(Bytes, Claim), ApiError> {
+async fn collect(
+    state: &AppState,
+    mut body: Incoming,
+    infer: bool,
+    encoding: Option<&str>,
+) -> Result<(Bytes, Claim), ApiError> {
     let limit = state.max_body_bytes;
     // The gRPC frame's own 5 bytes (compressed flag, length) come on top of the message.
     let most = limit.saturating_add(5);
@@ -106,8 +119,24 @@ async fn collect(state: &AppState, mut body: Incoming, infer: bool) -> Result<(B
     tokio::time::timeout(timeout, frames).await.map_err(|_| {
         ApiError::Timeout(format!("the gRPC message did not arrive within {timeout:?} (server.body_timeout_secs)"))
     })??;
-    // A malformed or compressed frame is tonic's to refuse; only a whole, plain ModelInfer
-    // message is measured here.
+    // A compressed message (gzip or deflate, as tritonclient's compression_algorithm sends
+    // it) is inflated within server.max_body_bytes, its inflated bytes charged too, and goes
+    // on as a plain one: every bound below applies to what it inflates to.
+    let read = match &read[..] {
+        [1, l0, l1, l2, l3, message @ ..] if message.len() == u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize => {
+            let inflated = inflate(Bytes::copy_from_slice(message), encoding, limit).await?;
+            claim_more(&mut claim, inflated.len() as u64)?;
+            let length = u32::try_from(inflated.len()).map_err(|_| too_large("the inflated gRPC message"))?;
+            let mut frame = BytesMut::with_capacity(inflated.len().saturating_add(5));
+            frame.extend_from_slice(&[0]);
+            frame.extend_from_slice(&length.to_be_bytes());
+            frame.extend_from_slice(&inflated);
+            frame
+        }
+        _ => read,
+    };
+    // A malformed frame is tonic's to refuse; only a whole, plain ModelInfer message is
+    // measured here.
     if let (true, [0, l0, l1, l2, l3, message @ ..]) = (infer, &read[..]) {
         let declared = u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize;
         if let Some(message) = message.get(..declared) {
@@ -126,6 +155,28 @@ async fn collect(state: &AppState, mut body: Incoming, infer: bool) -> Result<(B
     }
     let claim = claim.expect("claimed at least one byte above");
     Ok((read.freeze(), Claim(Arc::new(claim))))
+}
+
+/// A compressed message inflated, off the I/O thread, at most `limit` bytes of it; refused
+/// when its `grpc-encoding` is none inferd reads.
+async fn inflate(message: Bytes, encoding: Option<&str>, limit: u64) -> Result<Vec<u8>, ApiError> {
+    let encoding = match encoding.map(str::trim) {
+        Some("gzip") => Encoding::Gzip,
+        Some("deflate") => Encoding::Deflate,
+        other => {
+            return Err(ApiError::BadRequest(format!(
+                "the gRPC message is compressed, with grpc-encoding {}; send gzip, deflate or an uncompressed message",
+                other.map_or("unset".to_string(), |v| format!("'{}'", v.chars().take(40).collect::<String>()))
+            )))
+        }
+    };
+    let inflated = tokio::task::spawn_blocking(move || encoding.decode(&message, limit))
+        .await
+        .map_err(|e| ApiError::Internal(format!("inflating the gRPC message: {e}")))?;
+    inflated.map_err(|e| match e {
+        DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
+        _ => ApiError::BadRequest(e.to_string()),
+    })
 }
 
 /// How a message's field is decoded (the part of the schema that allocates).
