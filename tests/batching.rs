@@ -251,10 +251,7 @@ fn a_model_without_a_batch_dimension_answers_every_request_whole_and_alone() {
     let repository = dir.path().join("models");
     for (name, batching) in [("cumsum", ""), ("centered", "[batching]\nmax_batch_size = 0\nmax_queue_delay_ms = 50\n")]
     {
-        let file = repo().join(format!("tests/fixtures/{name}.onnx"));
-        std::fs::create_dir_all(repository.join(name)).unwrap();
-        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n{batching}", file.display());
-        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+        model_of_file(&repository, name, &fixture(name), batching);
     }
     let server = serve(dir, 1, &repository, "cumsum", &["centered"], "");
     let infer = |model: &str, shape: &[usize], data: &[f32]| -> Vec<f64> {

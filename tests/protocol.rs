@@ -274,10 +274,7 @@ fn tritonclient_speaks_to_inferd_with_binary_tensors() {
 fn bytes_with_any_byte_value_round_trip_through_the_model() {
     let dir = temp_dir("bytes");
     let repository = dir.path().join("models");
-    std::fs::create_dir_all(repository.join("identity")).unwrap();
-    let file = repo().join("tests/fixtures/bytes_identity.onnx");
-    let toml = format!("name = \"identity\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
-    std::fs::write(repository.join("identity/model.toml"), toml).unwrap();
+    model_of_file(&repository, "identity", &fixture("bytes_identity"), "");
     let server = serve(dir, 1, &repository, "identity", &[], "");
 
     // JSON: a NUL inside a string, an empty string, text beyond ASCII.
@@ -407,11 +404,8 @@ print('compression ok')
 fn raw_binary_requests_carry_one_inputs_bytes() {
     let dir = temp_dir("raw-binary");
     let repository = dir.path().join("models");
-    for (name, fixture) in [("cumsum", "cumsum"), ("one_string", "one_string"), ("identity", "bytes_identity")] {
-        std::fs::create_dir_all(repository.join(name)).unwrap();
-        let file = repo().join(format!("tests/fixtures/{fixture}.onnx"));
-        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
-        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+    for (name, file) in [("cumsum", "cumsum"), ("one_string", "one_string"), ("identity", "bytes_identity")] {
+        model_of_file(&repository, name, &fixture(file), "");
     }
     let server = serve(dir, 1, &repository, "cumsum", &["one_string", "identity"], "");
     let raw = |model: &str, body: &[u8]| {

@@ -146,9 +146,7 @@ fn more_models_than_counter_rows_are_served_and_counted_as_other() {
     let file = test_models().join("typed/model.onnx");
     let names: Vec<String> = (0..11).map(|i| format!("m{i}")).collect();
     for name in &names {
-        std::fs::create_dir_all(repository.join(name)).unwrap();
-        let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n", file.display());
-        std::fs::write(repository.join(name).join("model.toml"), toml).unwrap();
+        model_of_file(&repository, name, &file, "");
     }
     let load: Vec<&str> = names[1..10].iter().map(String::as_str).collect();
     let port = free_port();

@@ -24,6 +24,21 @@ pub fn test_models() -> PathBuf {
     repo().join("tests/models")
 }
 
+/// A model folder `name` in `repository` whose model.toml serves the ONNX file `file`, with
+/// `more` after the lines it needs (a `[batching]` section, say).
+pub fn model_of_file(repository: &Path, name: &str, file: &Path, more: &str) {
+    let folder = repository.join(name);
+    std::fs::create_dir_all(&folder).unwrap();
+    let toml = format!("name = \"{name}\"\nversion = \"1\"\nfile = \"{}\"\n{more}", file.display());
+    std::fs::write(folder.join("model.toml"), toml).unwrap();
+}
+
+/// `tests/fixtures/NAME.onnx`: graphs served from a model.toml of their own
+/// ([`model_of_file`]), not repository models.
+pub fn fixture(name: &str) -> PathBuf {
+    repo().join(format!("tests/fixtures/{name}.onnx"))
+}
+
 /// `<dir>/repo`, a model repository holding `names`, linked: the default model `minilm` (from
 /// `make setup`) and test models.
 pub fn model_repository(dir: &Path, names: &[&str]) -> PathBuf {
