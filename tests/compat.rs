@@ -146,6 +146,22 @@ fn text_embeddings_inference_routes_answer_like_it() {
     let texts: Vec<&str> = pair[0].as_array().unwrap().iter().map(|t| t["text"].as_str().unwrap()).collect();
     assert_eq!(texts, ["[CLS]", "first", "[SEP]", "second", "[SEP]"]);
 
+    // /embed with token ids (TEI's `inputs` as ids): the ids /tokenize gave embed as the text
+    // does; one list of numbers is one input, a list of lists several, beside texts too.
+    let by_text = post(&server, "/embed", json!({"inputs": ["Hello world"]})).json();
+    let by_ids = post(&server, "/embed", json!({"inputs": ids})).json();
+    let mixed = post(&server, "/embed", json!({"inputs": [ids, "Hello world", [101, 2088, 102]]})).json();
+    let row =
+        |v: &Value, i: usize| -> Vec<f64> { v[i].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect() };
+    assert_eq!(by_ids.as_array().map(Vec::len), Some(1), "{by_ids}");
+    assert_eq!(mixed.as_array().map(Vec::len), Some(3), "{mixed}");
+    for (got, what) in [(row(&by_ids, 0), "ids"), (row(&mixed, 0), "ids beside texts"), (row(&mixed, 1), "the text")] {
+        let most = got.iter().zip(row(&by_text, 0)).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(most < 1e-4, "{what}: differs from the text's embedding by {most}");
+    }
+    let other = row(&mixed, 2).iter().zip(row(&by_text, 0)).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(other > 1e-2, "[CLS] world [SEP] is not 'Hello world'");
+
     // /decode: one text per list of ids.
     assert_eq!(post(&server, "/decode", json!({"ids": [101, 7592, 2088, 102]})).json(), json!(["hello world"]));
     let both = post(&server, "/decode", json!({"ids": [[7592], [2088, 102]], "skip_special_tokens": false})).json();
@@ -189,6 +205,8 @@ fn text_embeddings_inference_routes_answer_like_it() {
         ("/decode", json!({"ids": []}), "Validation"),
         ("/similarity", json!({"inputs": {"source_sentence": "a", "sentences": []}}), "Validation"),
         ("/embed", json!({"inputs": ""}), "Empty"),
+        ("/embed", json!({"inputs": [101, -1]}), "Validation"),
+        ("/embed", json!({"inputs": [[101], [99_999_999]]}), "Validation"),
         ("/embed_all", json!({"inputs": []}), "Validation"),
         ("/", json!({"texts": "a"}), "Validation"),
     ];

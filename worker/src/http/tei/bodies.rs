@@ -22,10 +22,46 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     jsonbody::parse(body).map_err(|e| format!("request body: {e}"))
 }
 
+/// One input of TEI's embedding routes: a text, or the model's own token ids (TEI's
+/// `InputType::Ids`), fed as they are: no prompt, no special tokens added.
+pub(super) enum EmbedInput {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+impl Shape for EmbedInput {
+    const EXPECTED: &'static str = "a string or a list of token ids (whole numbers from 0 to 4294967295)";
+    const PLURAL: &'static str = "strings and lists of token ids";
+    fn fits(value: &Value) -> bool {
+        match value {
+            Value::String(_) => true,
+            // `[]` is no input of no ids but a list of no inputs, as before ids were taken.
+            Value::Array(ids) => !ids.is_empty() && ids.iter().all(|id| token_id(id).is_some()),
+            _ => false,
+        }
+    }
+    fn take(value: Value) -> Self {
+        match value {
+            Value::String(s) => EmbedInput::Text(s),
+            Value::Array(ids) => EmbedInput::Ids(ids.iter().filter_map(token_id).collect()),
+            _ => unreachable!("fits"),
+        }
+    }
+}
+
+impl From<EmbedInput> for Text {
+    fn from(input: EmbedInput) -> Text {
+        match input {
+            EmbedInput::Text(s) => Text::Single(s),
+            EmbedInput::Ids(ids) => Text::Ids(ids),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object")]
 pub(super) struct EmbedRequest {
-    pub(super) inputs: OneOrMany<String>,
+    pub(super) inputs: OneOrMany<EmbedInput>,
     /// One of the model's `[embedding.prompts]`, put before every input.
     #[serde(default)]
     pub(super) prompt_name: Option<String>,
@@ -42,7 +78,7 @@ pub(super) struct EmbedRequest {
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object")]
 pub(super) struct SparseRequest {
-    pub(super) inputs: OneOrMany<String>,
+    pub(super) inputs: OneOrMany<EmbedInput>,
     #[serde(default)]
     pub(super) truncate: bool,
     #[serde(default)]
@@ -320,7 +356,10 @@ mod tests {
         let [embed, ..] = parse_bodies(br#"{"inputs": 5}"#);
         let error = embed.unwrap_err();
         assert!(
-            error.starts_with("request body: `inputs`: must be a string or a list of strings, got the number 5"),
+            error.starts_with(
+                "request body: `inputs`: must be a string or a list of token ids (whole numbers from 0 to 4294967295) \
+                 or a list of strings and lists of token ids, got the number 5"
+            ),
             "{error}"
         );
         let [_, predict, _, tokenize, decode, ..] = parse_bodies(br#"{"inputs": [["a", "b"], ["c"]], "ids": [1, -2]}"#);
@@ -333,5 +372,23 @@ mod tests {
             decode.contains("`ids`: must be a token id") && decode.contains("item [1] is the number -2"),
             "{decode}"
         );
+    }
+
+    #[test]
+    fn embed_inputs_are_texts_or_token_ids_one_or_many() {
+        let inputs = |body: &str| -> Vec<Text> {
+            let request: EmbedRequest = parse(body.as_bytes()).unwrap_or_else(|e| panic!("{body}: {e:?}"));
+            request.inputs.into_vec().0.into_iter().map(Text::from).collect()
+        };
+        let ids = |v: &[u32]| Text::Ids(v.to_vec());
+        assert_eq!(inputs(r#"{"inputs": "a"}"#), [Text::Single("a".into())]);
+        assert_eq!(inputs(r#"{"inputs": [101, 7, 102]}"#), [ids(&[101, 7, 102])], "a list of numbers is one input");
+        assert_eq!(inputs(r#"{"inputs": [[101], [7, 8]]}"#), [ids(&[101]), ids(&[7, 8])]);
+        assert_eq!(inputs(r#"{"inputs": ["a", [7]]}"#), [Text::Single("a".into()), ids(&[7])]);
+        assert!(inputs(r#"{"inputs": []}"#).is_empty(), "no inputs, as before");
+        let refused =
+            |body: &str| parse::<EmbedRequest>(body.as_bytes()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused(r#"{"inputs": [1, -2]}"#).contains("`inputs`"), "{}", refused(r#"{"inputs": [1, -2]}"#));
+        assert!(refused(r#"{"inputs": [[1], [4294967296]]}"#).contains("item [1]"));
     }
 }

@@ -79,9 +79,13 @@ impl Inference<'_> {
     }
 
     /// Runs texts, each on its own: what `/embed`, `/embed_all` and `/embed_sparse` run.
-    pub(super) async fn run_texts(&self, inputs: OneOrMany<String>, options: Options) -> Result<Outcome, ApiError> {
+    pub(super) async fn run_texts<T: Into<Text>>(
+        &self,
+        inputs: OneOrMany<T>,
+        options: Options,
+    ) -> Result<Outcome, ApiError> {
         let (texts, _) = inputs.into_vec();
-        self.run(PipelineInput::Texts(texts.into_iter().map(Text::Single).collect()), options).await
+        self.run(PipelineInput::Texts(texts.into_iter().map(Into::into).collect()), options).await
     }
 
     /// A large answer ([`large_json`]: `bound` is what its JSON takes at most) with the headers
