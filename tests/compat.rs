@@ -102,6 +102,15 @@ fn text_embeddings_inference_routes_answer_like_it() {
     ] {
         assert!(!info[field].is_null(), "/info lacks {field}: {info}");
     }
+    // Of the types TEI's OpenAPI gives them (generated clients refuse others).
+    for field in ["max_concurrent_requests", "max_input_length", "max_batch_tokens", "max_client_batch_size"] {
+        assert!(info[field].is_u64(), "{field}: {info}");
+    }
+    for field in ["model_id", "model_dtype", "served_model_name", "version"] {
+        assert!(info[field].is_string(), "{field}: {info}");
+    }
+    assert!(info["auto_truncate"].is_boolean() && info["tokenization_workers"].is_u64(), "{info}");
+    assert!(info["max_batch_requests"].is_u64() || info["max_batch_requests"].is_null(), "{info}");
     assert_eq!(
         (info["served_model_name"].as_str(), info["max_concurrent_requests"].as_u64()),
         (Some("minilm"), Some(128))
@@ -245,6 +254,9 @@ fn rerank_orders_texts_as_onnxruntime_scores_them() {
     let texts: Vec<&str> = cases.iter().map(|c| c["text"].as_str().unwrap()).collect();
     let query = &reference["query"];
     let server = server("rerank", "reranker");
+    // /info calls a cross-encoder a reranker, as TEI does.
+    let info = server.request("GET", "/info", b"").json();
+    assert!(info["model_type"]["reranker"]["id2label"]["0"].is_string(), "{info}");
     let r = post(&server, "/rerank", json!({"query": query, "texts": texts, "return_text": true}));
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let ranks = r.json();

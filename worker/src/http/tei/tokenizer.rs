@@ -32,13 +32,17 @@ pub fn info(state: &AppState, meta: &Model) -> Reply {
                 labels.iter().enumerate().map(|(i, l)| (i.to_string(), l.clone().into())).collect();
             let label2id: serde_json::Map<String, serde_json::Value> =
                 labels.iter().enumerate().map(|(i, l)| (l.clone(), i.into())).collect();
-            serde_json::json!({"classifier": {"id2label": id2label, "label2id": label2id}})
+            // As TEI: a cross-encoder (one label, text pairs) is a reranker.
+            let kind = if meta.cross_encoder("/info").is_ok() { "reranker" } else { "classifier" };
+            serde_json::json!({kind: {"id2label": id2label, "label2id": label2id}})
         }
+        // No kind TEI knows (its schema has embedding, classifier and reranker).
         None => serde_json::json!({"raw": {}}),
     };
+    // An integer, as TEI's schema requires: 0 where the model takes no text.
     let max_input_length = match &*meta.pipeline {
-        Pipeline::Text(p) => Some(p.max_length),
-        _ => None,
+        Pipeline::Text(p) => p.max_length,
+        _ => 0,
     };
     let body = serde_json::json!({
         "model_id": meta.info.name,
