@@ -257,30 +257,13 @@ mod tests {
     use super::*;
     use crate::kserve::select_outputs;
     use crate::runtime::tensor::validate_inputs;
-    use inferd_ipc::spec::ModelInfo;
 
     fn meta() -> ModelMeta {
-        use inferd_config::model::Task;
-        let spec = |name: &str, dt: DataType, shape: Vec<i64>| TensorSpec {
-            name: name.into(),
-            datatype: dt.name().into(),
-            shape,
-            dtype: Some(dt),
-            first_dim: String::new(),
-        };
-        ModelMeta {
-            info: ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "00".into(),
-                weights: Default::default(),
-                precision: Default::default(),
-            },
-            task: Task::Raw,
-            inputs: vec![spec("a", DataType::F32, vec![-1, 2]), spec("b", DataType::I64, vec![-1])],
-            outputs: vec![spec("y", DataType::F32, vec![-1]), spec("z", DataType::F32, vec![-1])],
-            batching: Default::default(),
-        }
+        ModelMeta::for_tests(
+            "m",
+            &[("a", DataType::F32, &[-1, 2]), ("b", DataType::I64, &[-1])],
+            &[("y", DataType::F32, &[-1]), ("z", DataType::F32, &[-1])],
+        )
     }
 
     /// (id, inputs, output selection).

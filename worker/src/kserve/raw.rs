@@ -95,31 +95,10 @@ fn fixed_shape(name: &str, shape: &[i64], size: usize, len: usize) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::tensor::{DataType, TensorSpec};
-    use inferd_config::model::Task;
-    use inferd_ipc::spec::ModelInfo;
+    use crate::runtime::tensor::DataType;
 
     fn model(inputs: &[(&str, DataType, &[i64])], max_batch_size: Option<usize>) -> ModelMeta {
-        let spec = |(name, dtype, shape): &(&str, DataType, &[i64])| TensorSpec {
-            name: name.to_string(),
-            datatype: dtype.name().into(),
-            shape: shape.to_vec(),
-            dtype: Some(*dtype),
-            first_dim: String::new(),
-        };
-        let mut meta = ModelMeta {
-            info: ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "00".into(),
-                weights: Default::default(),
-                precision: Default::default(),
-            },
-            task: Task::Raw,
-            inputs: inputs.iter().map(spec).collect(),
-            outputs: vec![spec(&inputs[0])],
-            batching: Default::default(),
-        };
+        let mut meta = ModelMeta::for_tests("m", inputs, &inputs[..1]);
         meta.batching.max_batch_size = max_batch_size;
         meta
     }

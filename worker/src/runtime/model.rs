@@ -104,6 +104,38 @@ impl ModelMeta {
     }
 }
 
+#[cfg(test)]
+impl ModelMeta {
+    /// The unit tests' model: a raw model `name` (version 1) of `inputs` and `outputs`, each
+    /// (name, datatype, shape), with model.toml's defaults.
+    pub fn for_tests(
+        name: &str,
+        inputs: &[(&str, DataType, &[i64])],
+        outputs: &[(&str, DataType, &[i64])],
+    ) -> ModelMeta {
+        let spec = |(name, dtype, shape): &(&str, DataType, &[i64])| TensorSpec {
+            name: name.to_string(),
+            datatype: dtype.name().into(),
+            shape: shape.to_vec(),
+            dtype: Some(*dtype),
+            first_dim: String::new(),
+        };
+        ModelMeta {
+            info: ModelInfo {
+                name: name.into(),
+                version: "1".into(),
+                sha256: "0".into(),
+                weights: Default::default(),
+                precision: Default::default(),
+            },
+            task: Task::Raw,
+            inputs: inputs.iter().map(spec).collect(),
+            outputs: outputs.iter().map(spec).collect(),
+            batching: Default::default(),
+        }
+    }
+}
+
 /// One ORT session of a model (narrow or wide, see [`Threads`]) and what it takes and gives.
 pub struct ModelSession {
     pub meta: ModelMeta,
@@ -445,26 +477,10 @@ mod tests {
     use super::*;
 
     fn meta(inputs: &[&[i64]], outputs: &[&[i64]]) -> ModelMeta {
-        let spec = |shape: &&[i64]| TensorSpec {
-            name: "t".into(),
-            datatype: "FP32".into(),
-            shape: shape.to_vec(),
-            dtype: Some(DataType::F32),
-            first_dim: String::new(),
-        };
-        ModelMeta {
-            info: ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "0".into(),
-                weights: Default::default(),
-                precision: Default::default(),
-            },
-            task: Task::Raw,
-            inputs: inputs.iter().map(spec).collect(),
-            outputs: outputs.iter().map(spec).collect(),
-            batching: Default::default(),
+        fn specs<'a>(shapes: &[&'a [i64]]) -> Vec<(&'static str, DataType, &'a [i64])> {
+            shapes.iter().map(|&shape| ("t", DataType::F32, shape)).collect()
         }
+        ModelMeta::for_tests("m", &specs(inputs), &specs(outputs))
     }
 
     #[test]

@@ -564,19 +564,7 @@ mod tests {
     #[test]
     fn every_output_goes_raw_as_triton_answers() {
         let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
-        let meta = crate::runtime::model::ModelMeta {
-            info: inferd_ipc::spec::ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "00".into(),
-                weights: Default::default(),
-                precision: Default::default(),
-            },
-            task: inferd_config::model::Task::Raw,
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            batching: Default::default(),
-        };
+        let meta = crate::runtime::model::ModelMeta::for_tests("m", &[], &[]);
         let meta = Model { meta, pipeline: Arc::new(crate::pipeline::Pipeline::Raw) };
         let inferred = |outputs| Inferred { id: None, outputs, selection: vec![(0, false), (1, false)], outcome: None };
         // Every output raw, as Triton answers, FP16 (which has no typed field) too.

@@ -286,32 +286,10 @@ const BUILT_IN: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::tensor::TensorSpec;
 
     /// A raw model's metadata with inputs of these (name, datatype, shape).
     fn raw_model(inputs: &[(&str, DataType, &[i64])]) -> ModelMeta {
-        ModelMeta {
-            info: inferd_ipc::spec::ModelInfo {
-                name: "m".into(),
-                version: "1".into(),
-                sha256: "0".into(),
-                weights: Default::default(),
-                precision: Default::default(),
-            },
-            task: inferd_config::model::Task::Raw,
-            inputs: inputs
-                .iter()
-                .map(|(name, dtype, shape)| TensorSpec {
-                    name: name.to_string(),
-                    datatype: dtype.name().into(),
-                    shape: shape.to_vec(),
-                    dtype: Some(*dtype),
-                    first_dim: String::new(),
-                })
-                .collect(),
-            outputs: Vec::new(),
-            batching: Default::default(),
-        }
+        ModelMeta::for_tests("m", inputs, &[])
     }
 
     #[test]

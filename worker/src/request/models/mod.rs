@@ -270,20 +270,7 @@ mod tests {
     use crate::runtime::model::ModelMeta;
 
     fn model(name: &str) -> Model {
-        let info = inferd_ipc::spec::ModelInfo {
-            name: name.into(),
-            version: "1".into(),
-            sha256: "0".into(),
-            weights: Default::default(),
-            precision: Default::default(),
-        };
-        let meta = ModelMeta {
-            info,
-            task: inferd_config::model::Task::Raw,
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            batching: Default::default(),
-        };
+        let meta = ModelMeta::for_tests(name, &[], &[]);
         Model { meta, pipeline: Arc::new(crate::pipeline::Pipeline::Raw) }
     }
 
