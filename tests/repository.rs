@@ -6,6 +6,7 @@
 //! of models is served, the first eight counted under their names.
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::time::Duration;
 
 use crate::common::*;
@@ -16,17 +17,23 @@ const TOKEN: &str = "admin-token-5e1b9c0d27f4a863";
 /// `reranker`; `admin` is added to the [admin] section.
 fn server(tag: &str, admin: &str) -> Server {
     let dir = temp_dir(tag);
-    let token = dir.path().join("admin-token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
     let port = free_port();
     let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
-    let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", &format!("[admin]\n{admin}\n"));
-    std::fs::write(&config, text).unwrap();
+    with_admin(&config, admin);
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     server
+}
+
+/// `admin` added to `config`'s [admin] section, and the token file it may name
+/// (`admin-token`, holding [`TOKEN`]) beside it.
+fn with_admin(config: &Path, admin: &str) {
+    let token = config.with_file_name("admin-token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let text = std::fs::read_to_string(config).unwrap().replace("[admin]\n", &format!("[admin]\n{admin}\n"));
+    std::fs::write(config, text).unwrap();
 }
 
 fn admin_post(server: &Server, path: &str, body: &str) -> Response {
@@ -106,8 +113,7 @@ fn load_and_unload_stay_off_unless_model_control_is_on() {
 fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
     let dir = temp_dir("admin-refused");
     let config = write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
-    let text = std::fs::read_to_string(&config).unwrap().replace("[admin]\n", "[admin]\nmodel_control = true\n");
-    std::fs::write(&config, text).unwrap();
+    with_admin(&config, "model_control = true");
     let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -139,9 +145,6 @@ fn model_control_needs_a_token_and_an_open_address_serves_metrics_alone() {
 #[test]
 fn more_models_than_counter_rows_are_served_and_counted_as_other() {
     let dir = temp_dir("many-explicit");
-    let token = dir.path().join("admin-token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let repository = dir.path().join("repo");
     let file = test_models().join("typed/model.onnx");
     let names: Vec<String> = (0..11).map(|i| format!("m{i}")).collect();
@@ -151,9 +154,7 @@ fn more_models_than_counter_rows_are_served_and_counted_as_other() {
     let load: Vec<&str> = names[1..10].iter().map(String::as_str).collect();
     let port = free_port();
     let config = write_config(dir.path(), port, 1, &repository, "m0", &load, "");
-    let text = std::fs::read_to_string(&config).unwrap();
-    let text = text.replace("[admin]\n", "[admin]\nmodel_control = true\ntoken_file = \"admin-token\"\n");
-    std::fs::write(&config, text).unwrap();
+    with_admin(&config, "model_control = true\ntoken_file = \"admin-token\"");
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(60));
     let r = admin_post_with(&server, TOKEN, "/v2/repository/models/m10/load", "");
