@@ -122,16 +122,17 @@ async fn collect(
     // A compressed message (gzip or deflate, as tritonclient's compression_algorithm sends
     // it) is inflated within server.max_body_bytes, its inflated bytes charged too, and goes
     // on as a plain one: every bound below applies to what it inflates to.
+    let read = read.freeze();
     let read = match &read[..] {
         [1, l0, l1, l2, l3, message @ ..] if message.len() == u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize => {
-            let inflated = inflate(Bytes::copy_from_slice(message), encoding, limit).await?;
+            let inflated = inflate(read.slice(5..), encoding, limit).await?;
             claim_more(&mut claim, inflated.len() as u64)?;
             let length = u32::try_from(inflated.len()).map_err(|_| too_large("the inflated gRPC message"))?;
             let mut frame = BytesMut::with_capacity(inflated.len().saturating_add(5));
             frame.extend_from_slice(&[0]);
             frame.extend_from_slice(&length.to_be_bytes());
             frame.extend_from_slice(&inflated);
-            frame
+            frame.freeze()
         }
         _ => read,
     };
@@ -154,7 +155,7 @@ async fn collect(
         }
     }
     let claim = claim.expect("claimed at least one byte above");
-    Ok((read.freeze(), Claim(Arc::new(claim))))
+    Ok((read, Claim(Arc::new(claim))))
 }
 
 /// A compressed message inflated, off the I/O thread, at most `limit` bytes of it; refused
