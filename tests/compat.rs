@@ -128,6 +128,18 @@ fn text_embeddings_inference_routes_answer_like_it() {
     let norm = prefix.iter().map(|x| x * x).sum::<f64>().sqrt();
     assert!(one.iter().zip(&prefix).all(|(a, b)| (a - b / norm).abs() < 1e-6), "not the normalised prefix");
     assert!((one.iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-5);
+    // And the values TEI's own snapshot of that request holds, within TEI's tolerance: the
+    // default model is all-MiniLM-L6-v2 as published (scripts/published_weights.py).
+    let snapshot: Value =
+        serde_json::from_slice(&std::fs::read(repo().join("tests/fixtures/tei_mrl_embeddings_single.json")).unwrap())
+            .unwrap();
+    let tolerance = snapshot["tolerance"].as_f64().unwrap();
+    let worst = one
+        .iter()
+        .zip(snapshot["embedding"].as_array().unwrap())
+        .map(|(a, b)| (a - b.as_f64().unwrap()).abs())
+        .fold(0.0, f64::max);
+    assert!(worst <= tolerance, "differs from TEI's snapshot by up to {worst} (tolerance {tolerance})");
     let batch = post(&server, "/embed", json!({"inputs": ["test", "test", "test"], "dimensions": 128})).json();
     for row in batch.as_array().unwrap() {
         let row: Vec<f64> = row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
