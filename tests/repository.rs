@@ -170,3 +170,28 @@ fn more_models_than_counter_rows_are_served_and_counted_as_other() {
     }
     assert_eq!(metric_value(&metrics, &infer("other")), Some(3.0), "m8, m9 and m10: {metrics}");
 }
+
+/// Triton's statistics and repository index on the main port too, over HTTP and gRPC, so that
+/// an unmodified client needs one URL (tests/clients/triton_main_port_check.py: what each call
+/// must answer, and which of Triton's examples and QA tests make it); the workers ask the
+/// supervisor, whose counters and repository the admin listener reads.
+#[test]
+fn statistics_and_the_index_answer_on_the_main_port_over_http_and_grpc() {
+    let dir = temp_dir("repository-main-port");
+    let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(60));
+    let (admin, public) = (server.admin_addr().to_string(), server.addr.to_string());
+    client_check("triton_main_port_check.py", &[&admin, &public, &grpc], &server, "main port: all checks passed");
+    // Bad bodies are refused naming the problem; the routes are not inference (not counted).
+    let r = request(server.addr, "POST", "/v2/repository/index", &[], b"{\"ready\": 3}").unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.error().contains("repository index request"), "{}", r.error());
+    let r = request(server.addr, "GET", "/v2/repository/index", &[], b"").unwrap();
+    assert_eq!(r.status, 405);
+    let r = request(server.addr, "GET", "/v2/models/nosuch/stats", &[], b"").unwrap();
+    assert_eq!((r.status, r.error().contains("unknown model 'nosuch'")), (404, true), "{}", r.error());
+}

@@ -10,7 +10,9 @@
 //! - [`balance`]: each worker's open connections, shared by the whole pool, so that a worker
 //!   with more than its share sheds some;
 //! - [`limits`]: each API key's rate and concurrency, and its requests by priority, shared by
-//!   the whole pool, so that a key's limits hold pool-wide.
+//!   the whole pool, so that a key's limits hold pool-wide;
+//! - [`triton`]: Triton's statistics and repository index, which a worker asks the
+//!   supervisor for to serve them on the main port.
 //!
 //! Must not touch: ONNX Runtime, sockets or processes; both sides link it.
 
@@ -20,6 +22,7 @@ pub mod limits;
 mod region;
 pub mod spec;
 pub mod stats;
+pub mod triton;
 
 /// The version this build reports (`inferd --version`, `inferd status`, the `x-inferd-version`
 /// header, the server metadata routes): `INFERD_VERSION` when the build set it (a release's

@@ -2,7 +2,8 @@
 //!
 //! The supervisor starts each worker as `inferd worker` (a fresh exec of its own binary, never
 //! a bare fork) with one end of a Unix socketpair as fd 3. It writes one JSON line, the
-//! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and drains.
+//! [`WorkerSpec`]; the worker then writes [`WorkerMessage`] lines as it boots and drains,
+//! and the supervisor writes a [`crate::triton::Answer`] line for each question a worker asks.
 //! Counts, latencies and liveness (the start of the oldest run its lanes have in progress, the
 //! beats of its `inferd-batch` timer thread and of its I/O loop) go through shared memory
 //! instead ([`crate::stats`]), and PR_SET_PDEATHSIG tells the worker when the supervisor is
@@ -390,6 +391,10 @@ pub enum WorkerMessage {
     },
     /// The worker evicted `model`, loaded on demand, to make room for another.
     Evicted { model: String },
+    /// A question for the supervisor (a client asked the main port for Triton's statistics
+    /// or repository index); the supervisor writes a [`crate::triton::Answer`] line with the
+    /// same `id` back on the socketpair.
+    Ask { id: u64, question: crate::triton::Question },
 }
 
 /// What a model loaded on demand holds in one worker's memory, measured across its load and

@@ -35,7 +35,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use inferd_config::model::ModelEntry;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -45,7 +44,7 @@ use tracing::{debug, info, warn};
 use crate::confine::{confined, PathFrom, Unconfined};
 use crate::event::Event;
 use crate::metrics::{self, PoolMetrics};
-use crate::{control, control_server};
+use crate::{control, control_server, triton};
 
 /// What the admin routes need besides the loop.
 pub struct Admin {
@@ -342,101 +341,19 @@ async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control
     }
 }
 
-/// Triton's repository index: every folder of the repository with a model (its model.toml, or
-/// an ONNX file to serve without one), and every model the pool serves from elsewhere (`load`
-/// with a path); with on_demand, a model a worker loaded on demand is READY.
+/// Triton's repository index ([`triton::index`]).
 async fn index(events: &mpsc::UnboundedSender<Event>, admin: &Admin, ready_only: bool) -> Reply {
     let Some(m) = snapshot(events).await else { return stopping() };
-    let mut entries: Vec<Value> = m
-        .models
-        .iter()
-        .zip(&m.versions)
-        .map(|(name, version)| json!({"name": name, "version": version, "state": "READY", "reason": ""}))
-        .collect();
-    // With [models] on_demand (a budget is set then): a model some worker loaded is READY,
-    // the others load on their first request.
-    let on_demand = m.models_budget.is_some();
-    for name in ModelEntry::folders(&admin.repository).into_iter().filter(|n| !m.models.contains(n)) {
-        let loaded = m.model_bytes.contains_key(&name);
-        if ready_only && !loaded {
-            continue;
-        }
-        let (version, reason) = match ModelEntry::load(&admin.repository, &name) {
-            Ok(entry) if loaded => (entry.version, "loaded on demand".to_string()),
-            Ok(entry) if on_demand => {
-                (entry.version, "not loaded: loaded on its first request (on_demand)".to_string())
-            }
-            Ok(entry) => (entry.version, "unloaded".to_string()),
-            Err(e) => (String::new(), e.to_string()),
-        };
-        let state = if loaded { "READY" } else { "UNAVAILABLE" };
-        entries.push(json!({"name": name, "version": version, "state": state, "reason": reason}));
-    }
-    json_reply(StatusCode::OK, &Value::Array(entries))
+    json_reply(StatusCode::OK, &json!(triton::index(&m, &admin.repository, ready_only)))
 }
 
-/// Triton's statistics of one model (or every model) and version.
+/// Triton's statistics of one model (or every model) and version ([`triton::statistics`]).
 async fn statistics(events: &mpsc::UnboundedSender<Event>, name: Option<&str>, version: Option<&str>) -> Reply {
     let Some(m) = snapshot(events).await else { return stopping() };
-    let rows: Vec<usize> = match name {
-        None => (0..m.models.len()).collect(),
-        Some(name) => match m.models.iter().position(|n| n == name) {
-            None => {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    format!("unknown model '{name}'; this server has {}", m.models.join(", ")),
-                )
-            }
-            Some(row) if version.is_some_and(|v| v != m.versions[row]) => {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "model '{name}' has no version '{}'; it serves version '{}'",
-                        version.unwrap_or(""),
-                        m.versions[row]
-                    ),
-                )
-            }
-            Some(row) => vec![row],
-        },
-    };
-    let stats: Vec<Value> = rows.into_iter().map(|row| model_statistics(&m, row)).collect();
-    json_reply(StatusCode::OK, &json!({ "model_stats": stats }))
-}
-
-/// One model's statistics in Triton's shape. From inferd's counters: success and fail are
-/// requests answered 200 and otherwise with the time they took in the worker; queue and
-/// compute_infer are the per-request queue and model times; inference_count and
-/// execution_count are the rows run and the model calls (batches). inferd does not time input
-/// and output preparation apart from the request (compute_input and compute_output are 0), has
-/// no response cache (cache_hit, cache_miss 0), and its batch-size histogram has buckets, not
-/// sizes, so batch_stats is empty (the histogram is in /metrics).
-fn model_statistics(m: &PoolMetrics, row: usize) -> Value {
-    use inferd_ipc::stats::{Latency, Outcomes};
-    let t = &m.totals;
-    let Outcomes { ok, ok_seconds, failed, failed_seconds, last_millis } = t.outcomes(row);
-    let duration = |count: u64, seconds: f64| json!({"count": count, "ns": (seconds * 1e9).round() as u64});
-    let queue = t.latency(Latency::Queue, row);
-    let compute = t.latency(Latency::Compute, row);
-    let batches = t.batch(row);
-    json!({
-        "name": m.models[row],
-        "version": m.versions[row],
-        "last_inference": last_millis,
-        "inference_count": batches.sum as u64,
-        "execution_count": batches.count,
-        "inference_stats": {
-            "success": duration(ok, ok_seconds),
-            "fail": duration(failed, failed_seconds),
-            "queue": duration(queue.count, queue.sum),
-            "compute_input": duration(0, 0.0),
-            "compute_infer": duration(compute.count, compute.sum),
-            "compute_output": duration(0, 0.0),
-            "cache_hit": duration(0, 0.0),
-            "cache_miss": duration(0, 0.0),
-        },
-        "batch_stats": [],
-    })
+    match triton::statistics(&m, name, version) {
+        Ok(stats) => json_reply(StatusCode::OK, &json!({ "model_stats": stats })),
+        Err(refused) => error(StatusCode::NOT_FOUND, refused.to_string()),
+    }
 }
 
 /// A small JSON body (an empty one is `{}`).

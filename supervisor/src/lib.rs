@@ -21,7 +21,8 @@
 //! - [`event`]: the [`Event`]s the doors and the pool's tasks enqueue for the loop;
 //!   [`control`]: the control socket's requests and answers, and its client (the `inferd`
 //!   commands');
-//! - [`metrics`], [`status`]: what the pool tells: the Prometheus text and `inferd status`;
+//! - [`metrics`], [`status`], [`triton`]: what the pool tells: the Prometheus text,
+//!   `inferd status`, Triton's statistics and repository index;
 //! - [`plan`]: the pool's CPU and memory plan; [`confine`]: where a model may be loaded
 //!   from; [`tcp`]: the port's sysctl; [`port`]: whether another server holds the port;
 //!   [`trace`]: the supervisor's own spans.
@@ -44,6 +45,7 @@ pub mod status;
 mod systemd;
 mod tcp;
 mod trace;
+mod triton;
 
 pub use event::Event;
 pub use pool::{run, SupervisorError};

@@ -16,12 +16,13 @@
 //!   holds their model ([`http::forward`]) and write timeouts ([`http::write_timeout`]);
 //! - [`request`]: what every protocol shares: the door every request enters by
 //!   ([`request::door`]: key, limits, priority, deadline, id, access line) and what it learns
-//!   ([`request::call`]), the worker's state and request counting ([`request::app`]), the one
-//!   error type ([`request::error`]), the models it serves, loaded at boot or on demand, and
-//!   their lookup ([`request::models`]: the registry, each load's single flight, eviction
-//!   within the memory budget; the loader thread that serves loads on demand:
-//!   [`request::on_demand`]; which models its siblings hold: [`request::placement`]), a v2
-//!   request's run ([`request::infer`]), and pipelined requests through the cache and the
+//!   ([`request::call`]), the worker's state and request counting ([`request::app`]), its
+//!   socketpair to the supervisor ([`request::link`]: reports, and questions only the
+//!   supervisor answers), the one error type ([`request::error`]), the models it serves,
+//!   loaded at boot or on demand, and their lookup ([`request::models`]: the registry, each
+//!   load's single flight, eviction within the memory budget; the loader thread that serves
+//!   loads on demand: [`request::on_demand`]; which models its siblings hold:
+//!   [`request::placement`]), a v2 request's run ([`request::infer`]), and pipelined requests through the cache and the
 //!   engine ([`request::tasks`], [`request::cache`]);
 //! - [`load`]: a model loaded, above the runtime and the pipelines: its digest, the int8
 //!   preparation and its accuracy guard ([`load::int8`]), its sessions, and the model the
@@ -51,7 +52,8 @@
 //! threads), which computes only while the core is lent to it, and a worker of one thread has
 //! its background lane (`inferd-lane-bg`, 5 threads with lending), which runs long inputs on
 //! the worker's core at a lower priority. With [tracing], one more: `inferd-otlp`, asleep but
-//! for an export every 200 ms.
+//! for an export every 200 ms. Once asked for Triton's statistics or repository index, one
+//! more: `inferd-answers`, asleep on the supervisor's socketpair but for its answers.
 //!
 //! Must not touch: other workers, the supervisor's state, the process table.
 

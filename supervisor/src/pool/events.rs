@@ -9,6 +9,8 @@ use std::process::ExitStatus;
 
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
+use inferd_ipc::triton::{Answer, Answered, Question};
+use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
 use super::error::SupervisorError;
@@ -22,6 +24,7 @@ use crate::event::UpgradeEvent;
 use crate::metrics::RestartReason;
 use crate::status::WorkerState;
 use crate::systemd::Notifier;
+use crate::triton;
 
 impl Supervisor {
     /// Every action, whether it came from a signal (`replies` = None) or the control socket.
@@ -111,7 +114,28 @@ impl Supervisor {
                 self.totals.model_event(&model).evictions += 1;
                 worker.evicted(&model);
             }
+            WorkerMessage::Ask { id, question } => {
+                let answers = worker.answers.clone();
+                self.answer(id, question, answers);
+            }
         }
+    }
+
+    /// A worker's question (Triton's statistics or repository index, asked on the main port):
+    /// answered from the pool's counters as they are now, off the loop (the index reads the
+    /// repository's folders).
+    fn answer(&self, id: u64, question: Question, answers: UnboundedSender<Answer>) {
+        let metrics = self.report().metrics();
+        let repository = self.resolved.config.model_repository();
+        tokio::task::spawn_blocking(move || {
+            let result = match question {
+                Question::Statistics { model, version } => {
+                    triton::statistics(&metrics, model.as_deref(), version.as_deref()).map(Answered::Statistics)
+                }
+                Question::Index { ready } => Ok(Answered::Index(triton::index(&metrics, &repository, ready))),
+            };
+            let _ = answers.send(Answer { id, result });
+        });
     }
 
     /// An incoming worker is ready: it becomes the slot's current worker, and the one it

@@ -437,6 +437,8 @@ pub(super) struct Worker {
     pub(super) failure: Option<(FailureKind, String)>,
     /// The counters it shares with the supervisor.
     pub(super) stats: WorkerCounters,
+    /// Where the answers to its questions go (written on its socketpair).
+    pub(super) answers: tokio::sync::mpsc::UnboundedSender<inferd_ipc::triton::Answer>,
     /// Requests after which it is recycled (server.max_requests plus its own jitter).
     pub(super) recycle_after: Option<u64>,
     /// Why and when the supervisor sent SIGABRT to a stuck worker; SIGKILL follows a tick later.
@@ -639,6 +641,7 @@ mod tests {
             models: Vec::new(),
             failure: None,
             stats: WorkerCounters::create("inferd-test").unwrap().0,
+            answers: tokio::sync::mpsc::unbounded_channel().0,
             recycle_after: None,
             stuck: None,
             memory_killed: false,

@@ -21,7 +21,8 @@ use inferd_ipc::spec::{
     WORKER_HANDOFF_SEND_FD, WORKER_LISTENER_FD,
 };
 use inferd_ipc::stats::{WorkerCounters, WORKER_STATS_FD};
-use tokio::io::AsyncBufReadExt;
+use inferd_ipc::triton::Answer;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
@@ -99,7 +100,7 @@ impl Launcher {
             tracing: config.tracing_config(),
             cache_bytes: config.cache.per_worker(order.slots),
         };
-        let (pid, stats) = self.start_process(&spec, sockets)?;
+        let (pid, stats, answers) = self.start_process(&spec, sockets)?;
         let borrows = match spec.lending.and_then(|l| l.borrow) {
             Some(cpu) => format!(" (and cpu {cpu} while idle)"),
             None => String::new(),
@@ -123,6 +124,7 @@ impl Launcher {
             models: Vec::new(),
             failure: None,
             stats,
+            answers,
             recycle_after: recycle_threshold(&config.server),
             stuck: None,
             memory_killed: false,
@@ -270,7 +272,11 @@ impl Launcher {
 
     /// Re-executes this binary as `inferd worker` with its end of a socketpair as fd 3 and
     /// its shared counters as fd 4.
-    fn start_process(&self, spec: &WorkerSpec, sockets: &SlotSockets) -> std::io::Result<(u32, WorkerCounters)> {
+    fn start_process(
+        &self,
+        spec: &WorkerSpec,
+        sockets: &SlotSockets,
+    ) -> std::io::Result<(u32, WorkerCounters, mpsc::UnboundedSender<Answer>)> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let (stats, stats_fd) = WorkerCounters::create(&format!("inferd-worker-{}", spec.index))?;
         // Both descriptors go to fds 3 and 4 in the child: first move them above 11 so that
@@ -348,9 +354,21 @@ impl Launcher {
         line.push(b'\n');
         (&ours).write_all(&line)?;
         ours.set_nonblocking(true)?;
-        let stream = tokio::net::UnixStream::from_std(ours)?;
+        let (stream, answers) = tokio::net::UnixStream::from_std(ours)?.into_split();
         let slot = spec.index;
         let events = self.events.clone();
+        // The answers to its questions (`WorkerMessage::Ask`), written as the loop gives them.
+        let (answer, mut to_write) = mpsc::unbounded_channel::<Answer>();
+        tokio::spawn(async move {
+            let mut answers = answers;
+            while let Some(a) = to_write.recv().await {
+                let mut line = serde_json::to_vec(&a).expect("answers serialise");
+                line.push(b'\n');
+                if answers.write_all(&line).await.is_err() {
+                    break; // the worker is gone
+                }
+            }
+        });
         // One task per worker: its messages to EOF (the socket closes when it exits), then its
         // exit, so that `Exited` never overtakes the `Failed` that explains it.
         tokio::spawn(async move {
@@ -368,6 +386,6 @@ impl Launcher {
             let status = process.wait().await.ok();
             let _ = events.send(Event::Exited { slot, pid, status });
         });
-        Ok((pid, stats))
+        Ok((pid, stats, answer))
     }
 }

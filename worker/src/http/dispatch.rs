@@ -59,6 +59,8 @@ pub async fn routed(
         Route::Server => Ok(v2::server_metadata(state)),
         Route::Live => Ok(json_reply(StatusCode::OK, b"{\"live\":true}".to_vec())),
         Route::Ready => Ok(readiness(ready)),
+        Route::Statistics(name, version) => v2::statistics(state, name, version).await,
+        Route::RepositoryIndex => v2::repository_index(state, request).await,
         // A model loaded on demand is not loaded by being asked about.
         Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, None)),
         Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, Some(ready))),

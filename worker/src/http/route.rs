@@ -14,6 +14,11 @@ pub enum Route<'a> {
     /// Triton's model configuration extension ([`model_config`]).
     ModelConfig(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    /// Triton's statistics extension: every model's (None), or one's (of one version); the
+    /// pool's counters, which the supervisor holds.
+    Statistics(Option<&'a str>, Option<&'a str>),
+    /// Triton's repository index (the supervisor's answer too).
+    RepositoryIndex,
     Embed(Option<&'a str>),
     Predict(Option<&'a str>),
     /// OpenAI's `POST /v1/embeddings`; the model is named in the body.
@@ -74,6 +79,10 @@ impl<'a> Route<'a> {
             Route::ModelConfig(_, Some(_)) => "/v2/models/{model}/versions/{version}/config",
             Route::Infer(_, None) => "/v2/models/{model}/infer",
             Route::Infer(_, Some(_)) => "/v2/models/{model}/versions/{version}/infer",
+            Route::Statistics(None, _) => "/v2/models/stats",
+            Route::Statistics(Some(_), None) => "/v2/models/{model}/stats",
+            Route::Statistics(Some(_), Some(_)) => "/v2/models/{model}/versions/{version}/stats",
+            Route::RepositoryIndex => "/v2/repository/index",
             Route::Embed(None) => "/embed",
             Route::Embed(Some(_)) => "/v2/models/{model}/embed",
             Route::Predict(None) => "/predict",
@@ -99,7 +108,8 @@ impl<'a> Route<'a> {
     pub fn kind(&self) -> Kind {
         use ErrorStyle::*;
         let (style, post, probe) = match self {
-            Route::Server | Route::Model(..) | Route::ModelConfig(..) => (V2, false, false),
+            Route::Server | Route::Model(..) | Route::ModelConfig(..) | Route::Statistics(..) => (V2, false, false),
+            Route::RepositoryIndex => (V2, true, false),
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
             Route::Infer(..) => (V2, true, false),
             Route::OpenAiEmbeddings => (OpenAi, true, false),
@@ -125,6 +135,11 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2"] => Route::Server,
         ["v2", "health", "live"] | ["health"] => Route::Live,
         ["v2", "health", "ready"] => Route::Ready,
+        // Before `/v2/models/{model}`: Triton's statistics of every model.
+        ["v2", "models", "stats"] => Route::Statistics(None, None),
+        ["v2", "models", name, "stats"] => Route::Statistics(Some(name), None),
+        ["v2", "models", name, "versions", v, "stats"] => Route::Statistics(Some(name), Some(v)),
+        ["v2", "repository", "index"] => Route::RepositoryIndex,
         ["v2", "models", name] => Route::Model(name, None),
         ["v2", "models", name, "versions", v] => Route::Model(name, Some(v)),
         ["v2", "models", name, "ready"] => Route::ModelReady(name, None),

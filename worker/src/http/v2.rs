@@ -27,6 +27,33 @@ pub fn server_metadata(state: &AppState) -> Reply {
     json_reply(StatusCode::OK, serde_json::to_vec(&body).expect("json"))
 }
 
+/// Triton's statistics of every model the pool serves, or of one (of one version): the pool's
+/// counters, as the supervisor sums them over its workers.
+pub async fn statistics(state: &AppState, model: Option<&str>, version: Option<&str>) -> Result<Reply, ApiError> {
+    let stats = state.supervisor.statistics(model, version).await?;
+    Ok(json_reply(StatusCode::OK, serde_json::to_vec(&json!({ "model_stats": stats })).expect("json")))
+}
+
+/// What `POST /v2/repository/index` may ask: only the models ready now (Triton's `ready`).
+#[derive(serde::Deserialize)]
+struct IndexRequest {
+    #[serde(default)]
+    ready: bool,
+}
+
+/// Triton's repository index, from the supervisor, which reads the repository. An empty body
+/// asks for every model.
+pub async fn repository_index(state: &AppState, request: Request<Incoming>) -> Result<Reply, ApiError> {
+    let body = body::receive(state, request).await?;
+    let asked = match body.bytes.iter().all(u8::is_ascii_whitespace) {
+        true => IndexRequest { ready: false },
+        false => serde_json::from_slice::<IndexRequest>(&body.bytes)
+            .map_err(|e| ApiError::BadRequest(format!("the repository index request is not valid: {e}")))?,
+    };
+    let index = state.supervisor.index(asked.ready).await?;
+    Ok(json_reply(StatusCode::OK, serde_json::to_vec(&index).expect("json")))
+}
+
 /// A model this worker loads on the first request for it, not loaded yet: its metadata says
 /// so (what it takes and gives is known once it is loaded), and `/ready` with `ready` says
 /// whether a request for it would be served (after its load).

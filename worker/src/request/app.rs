@@ -43,6 +43,9 @@ pub struct AppState {
     /// This worker's row in the pool's table of API key limits and counts
     /// (`inferd_ipc::limits`); None: requests are neither limited nor counted by key.
     pub limits: Option<Seat>,
+    /// The socketpair to the supervisor: what the pool as a whole knows (Triton's statistics
+    /// and repository index) is asked there.
+    pub supervisor: Arc<crate::request::link::Link>,
 }
 
 /// The counter row of a looked-up model: its own for a model loaded at boot, the shared last

@@ -7,6 +7,7 @@ use hyper::{Method, StatusCode};
 
 use inferd_config::auth::Refusal;
 
+use crate::request::link::AskError;
 use crate::runtime::engine::EngineError;
 use crate::runtime::model::ModelError;
 
@@ -81,6 +82,16 @@ impl ApiError {
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::TooManyRequests(..) => StatusCode::TOO_MANY_REQUESTS,
+        }
+    }
+}
+
+impl From<AskError> for ApiError {
+    fn from(e: AskError) -> Self {
+        match e {
+            AskError::Refused(_) => ApiError::NotFound(e.to_string()),
+            AskError::Timeout(_) | AskError::Unreachable(_) => ApiError::Overloaded(e.to_string()),
+            AskError::Mismatched(_) => ApiError::Internal(e.to_string()),
         }
     }
 }

@@ -7,7 +7,8 @@
 //! lookup; [`on_demand`]: the loader thread that serves the loads on demand; [`infer`]: a
 //! KServe v2 request run through the model's pipeline or its tensors; [`tasks`]: texts and
 //! images through the pipeline and the engine, and the answers' shapes shared by TEI, OpenAI
-//! and v2; [`cache`]: the answers already computed.
+//! and v2; [`cache`]: the answers already computed; [`link`]: the socketpair to the
+//! supervisor, its reports and the questions only it answers.
 
 pub mod app;
 pub mod cache;
@@ -15,6 +16,7 @@ pub mod call;
 pub mod door;
 pub mod error;
 pub mod infer;
+pub mod link;
 pub mod model;
 pub mod models;
 pub mod on_demand;

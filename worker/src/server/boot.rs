@@ -10,8 +10,9 @@ use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, WorkerSpec, WORKER_GRP
 use tokio_rustls::TlsAcceptor;
 use tracing::info;
 
-use super::report::{failure, Failure, Reporter};
+use super::report::{failure, Failure};
 use crate::load::Lanes;
+use crate::request::link::Link;
 use crate::request::model::Model;
 use crate::runtime::engine::shift_nice;
 use crate::runtime::engine::Sessions;
@@ -57,7 +58,7 @@ pub(super) struct Booted {
     pub(super) listeners: Listeners,
 }
 
-pub(super) fn boot(spec: &WorkerSpec, reporter: &Reporter) -> Result<Booted, Failure> {
+pub(super) fn boot(spec: &WorkerSpec, reporter: &Link) -> Result<Booted, Failure> {
     if spec.boot_nice > 0 {
         // This thread, and every thread started from now on, boots niced (see `renice`).
         let _ = shift_nice(nix::unistd::gettid().as_raw() as libc::id_t, spec.boot_nice);

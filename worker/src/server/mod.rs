@@ -13,7 +13,7 @@ mod siblings;
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use inferd_ipc::cores::CoreClaims;
@@ -29,6 +29,7 @@ use crate::http::forward;
 use crate::http::handoff::Handoff;
 use crate::request::app::AppState;
 use crate::request::call::RequestIds;
+use crate::request::link::Link;
 use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
 use crate::request::placement::Placement;
 use crate::runtime::engine::{Cores, Engine};
@@ -36,7 +37,6 @@ use boot::{boot, read_spec, Booted};
 use connections::{accept_failed, balance_entry, draining, limits_seat, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
 use inferd_config::file::Placement as Placing;
-use report::Reporter;
 
 /// Entry point of `inferd worker`: `fd` is the worker's end of the supervisor's socketpair.
 /// Returns the process exit code.
@@ -50,8 +50,7 @@ pub fn run(fd: RawFd) -> i32 {
             return EXIT_BOOT;
         }
     };
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-    let reporter = Arc::new(Reporter(Mutex::new(stream)));
+    let reporter = Arc::new(Link::new(stream));
     let span = tracing::info_span!("worker", index = spec.index, pid = std::process::id());
     let _enter = span.enter();
     // SAFETY: the supervisor hands the worker this descriptor too; mapped here, then closed.
@@ -85,7 +84,7 @@ pub fn run(fd: RawFd) -> i32 {
 /// How often the I/O loop beats into the shared counters.
 const IO_BEAT_EVERY: Duration = Duration::from_millis(250);
 
-fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<WorkerCounters>) -> i32 {
+fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<WorkerCounters>) -> i32 {
     let Booted { runtime, lanes, models: metas, sessions: models, listeners } = booted;
     let infos = metas.iter().map(|m| m.info.clone()).collect();
     let run_timeout = Duration::from_secs_f64(spec.server.request_timeout_secs);
@@ -142,6 +141,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Reporter>, stats: Arc<W
         request_ids: RequestIds::default(),
         cache: crate::request::cache::Cache::new(spec.cache_bytes),
         limits: spec.limits.then(limits_seat).flatten(),
+        supervisor: reporter.clone(),
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());

@@ -14,6 +14,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use inferd_ipc::triton::{self, ModelStats};
 use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
@@ -246,12 +247,75 @@ impl GrpcInferenceService for Grpc {
         Ok(Response::new(proto::ModelConfigResponse { config: Some(config_message(&config)) }))
     }
 
+    async fn model_statistics(
+        &self,
+        request: Request<proto::ModelStatisticsRequest>,
+    ) -> Result<Response<proto::ModelStatisticsResponse>, Status> {
+        let message = request.get_ref();
+        let name = Some(message.name.as_str()).filter(|n| !n.is_empty());
+        let version = Some(message.version.as_str()).filter(|v| !v.is_empty());
+        let stats = self.state.supervisor.statistics(name, version).await.map_err(|e| status(e.into()))?;
+        Ok(Response::new(proto::ModelStatisticsResponse {
+            model_stats: stats.iter().map(statistics_message).collect(),
+        }))
+    }
+
+    async fn repository_index(
+        &self,
+        request: Request<proto::RepositoryIndexRequest>,
+    ) -> Result<Response<proto::RepositoryIndexResponse>, Status> {
+        let index = self.state.supervisor.index(request.get_ref().ready).await.map_err(|e| status(e.into()))?;
+        let models = index
+            .into_iter()
+            .map(|e| proto::repository_index_response::ModelIndex {
+                name: e.name,
+                version: e.version,
+                state: e.state,
+                reason: e.reason,
+            })
+            .collect();
+        Ok(Response::new(proto::RepositoryIndexResponse { models }))
+    }
+
     async fn model_infer(
         &self,
         request: Request<proto::ModelInferRequest>,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
         crate::trace::attribute(KeyValue::new("inferd.model", request.get_ref().model_name.clone()));
         self.infer(request).await
+    }
+}
+
+/// One model's statistics as Triton's protobuf message, field for field.
+fn statistics_message(s: &ModelStats) -> proto::ModelStatistics {
+    let d = |d: &triton::Duration| Some(proto::StatisticDuration { count: d.count, ns: d.ns });
+    let i = &s.inference_stats;
+    proto::ModelStatistics {
+        name: s.name.clone(),
+        version: s.version.clone(),
+        last_inference: s.last_inference,
+        inference_count: s.inference_count,
+        execution_count: s.execution_count,
+        inference_stats: Some(proto::InferStatistics {
+            success: d(&i.success),
+            fail: d(&i.fail),
+            queue: d(&i.queue),
+            compute_input: d(&i.compute_input),
+            compute_infer: d(&i.compute_infer),
+            compute_output: d(&i.compute_output),
+            cache_hit: d(&i.cache_hit),
+            cache_miss: d(&i.cache_miss),
+        }),
+        batch_stats: s
+            .batch_stats
+            .iter()
+            .map(|b| proto::InferBatchStatistics {
+                batch_size: b.batch_size,
+                compute_input: d(&b.compute_input),
+                compute_infer: d(&b.compute_infer),
+                compute_output: d(&b.compute_output),
+            })
+            .collect(),
     }
 }
 

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Checks Triton's statistics and repository index on inferd's main port, over HTTP and gRPC,
+with NVIDIA's tritonclient, against what the admin listener answers for the same pool.
+
+    .venv/bin/python tests/clients/triton_main_port_check.py ADMIN_ADDR HTTP_ADDR GRPC_ADDR
+
+The server must serve `typed` (the default), `classifier` and `slow` from a repository that
+also holds `reranker` (not loaded), and have answered nothing yet. The calls are those of
+Triton's own client examples and QA tests with one URL (simple_http_*/simple_grpc_* examples'
+get_inference_statistics and get_model_repository_index; qa/L0_http and qa/L0_grpc's
+statistics checks):
+  - after 3 `typed` requests, tritonclient.http's get_inference_statistics() on the main port
+    equals the admin listener's, every model and one; a model's statistics count the 3 and their rows;
+  - tritonclient.grpc's (protobuf) carry the same counts, field for field;
+  - the repository index, over HTTP and gRPC, equals the admin listener's (ready=True too);
+  - an unknown model or version is refused naming it, over both.
+Prints `main port: all checks passed` and exits 0, or the failed check and exits 1.
+"""
+
+import json
+import sys
+import traceback
+import urllib.request
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_repository_check import CheckFailed, refused, require, typed_inputs  # noqa: E402
+
+
+def admin_get(admin, path):
+    with urllib.request.urlopen(f"http://{admin}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def admin_index(admin, ready):
+    body = json.dumps({"ready": ready}).encode()
+    req = urllib.request.Request(f"http://{admin}/v2/repository/index", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def counts(stats):
+    """What a statistics answer counts, per model, from Triton's JSON."""
+    out = {}
+    for m in stats["model_stats"]:
+        i = m["inference_stats"]
+        out[m["name"]] = (m["version"], int(m["inference_count"]), int(m["execution_count"]),
+                          int(i["success"]["count"]), int(i["fail"]["count"]), int(i["success"]["ns"]))
+    return out
+
+
+def grpc_counts(stats):
+    """The same from tritonclient.grpc's protobuf answer."""
+    return {m.name: (m.version, m.inference_count, m.execution_count, m.inference_stats.success.count,
+                     m.inference_stats.fail.count, m.inference_stats.success.ns)
+            for m in stats.model_stats}
+
+
+def main(admin, http_addr, grpc_addr):
+    http = httpclient.InferenceServerClient(http_addr)
+    grpc = grpcclient.InferenceServerClient(grpc_addr)
+    for _ in range(3):
+        http.infer("typed", typed_inputs())
+
+    # Statistics: the main port's equal the admin listener's, with no traffic in between.
+    every = http.get_inference_statistics()
+    require(every == admin_get(admin, "/v2/models/stats"), f"HTTP statistics differ: {every}")
+    names = sorted(counts(every))
+    require(names == ["classifier", "slow", "typed"], f"models: {names}")
+    typed = http.get_inference_statistics("typed")
+    require(typed == admin_get(admin, "/v2/models/typed/stats"), f"typed: {typed}")
+    version, rows, calls, ok, failed, ns = counts(typed)["typed"]
+    per_request = typed_inputs()[0].shape()[0]  # rows in each request
+    require((rows, ok, failed) == (3 * per_request, 3, 0) and calls >= 1 and ns > 0, f"typed: {counts(typed)}")
+    require(http.get_inference_statistics("typed", version) == typed, "the versioned route differs")
+
+    # The same counts over gRPC, in Triton's protobuf messages.
+    require(grpc_counts(grpc.get_inference_statistics()) == counts(every), "gRPC statistics differ")
+    one = grpc.get_inference_statistics("typed", version)
+    require(grpc_counts(one) == counts(typed), f"gRPC typed: {one}")
+    as_json = grpc.get_inference_statistics("typed", as_json=True)
+    require(int(as_json["model_stats"][0]["inference_count"]) == rows, f"gRPC as JSON: {as_json}")
+
+    # The repository index, over both, as the admin listener gives it.
+    want = admin_index(admin, False)
+    got = http.get_model_repository_index()
+    require(got == want, f"HTTP index: {got} != {want}")
+    index = grpc.get_model_repository_index()
+    rows = [{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models]
+    require(rows == want, f"gRPC index: {rows} != {want}")
+    states = {m["name"]: m["state"] for m in admin_index(admin, False)}
+    require(states == {"typed": "READY", "classifier": "READY", "slow": "READY", "reranker": "UNAVAILABLE"},
+            f"index states: {states}")
+    # ready=True (tritonclient sends no body; Triton's HTTP API takes {"ready": true}).
+    req = urllib.request.Request(f"http://{http_addr}/v2/repository/index", data=b'{"ready": true}', method="POST")
+    ready = json.loads(urllib.request.urlopen(req, timeout=30).read())
+    require(ready == admin_index(admin, True), f"ready only: {ready}")
+    require([m["name"] for m in ready] == ["typed", "classifier", "slow"], f"ready only: {ready}")
+
+    # Refusals name the model (or the version).
+    refused(lambda: http.get_inference_statistics("nosuch"), "unknown model 'nosuch'")
+    refused(lambda: http.get_inference_statistics("typed", "77"), "no version '77'")
+    refused(lambda: grpc.get_inference_statistics("nosuch"), "unknown model 'nosuch'")
+
+
+if __name__ == "__main__":
+    try:
+        main(*sys.argv[1:4])
+    except (CheckFailed, InferenceServerException, AssertionError) as e:
+        traceback.print_exc()
+        print(f"main port check failed: {e}")
+        sys.exit(1)
+    print("main port: all checks passed")
