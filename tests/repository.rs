@@ -195,3 +195,31 @@ fn statistics_and_the_index_answer_on_the_main_port_over_http_and_grpc() {
     let r = request(server.addr, "GET", "/v2/models/nosuch/stats", &[], b"").unwrap();
     assert_eq!((r.status, r.error().contains("unknown model 'nosuch'")), (404, true), "{}", r.error());
 }
+
+/// With admin.model_control_on_main_port, Triton's model control examples load and unload on
+/// the main port, over HTTP and gRPC (tests/clients/triton_main_port_check.py `control`):
+/// rolling reloads answered once every worker runs the new list, though the worker that took
+/// the call is among those replaced. The switch alone, without admin.model_control, is
+/// refused at start.
+#[test]
+fn the_main_port_loads_and_unloads_with_its_switch_on() {
+    let dir = temp_dir("repository-main-control");
+    let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
+    let port = free_port();
+    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
+    let original = std::fs::read_to_string(&config).unwrap();
+    with_admin(&config, "model_control_on_main_port = true");
+    let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && text.contains("needs admin.model_control = true"), "{text}");
+    std::fs::write(&config, original).unwrap();
+    with_admin(&config, "model_control = true\ntoken_file = \"admin-token\"\nmodel_control_on_main_port = true");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(60));
+    let (admin, public) = (server.admin_addr().to_string(), server.addr.to_string());
+    let args = [admin.as_str(), public.as_str(), grpc.as_str(), "control", TOKEN];
+    client_check("triton_main_port_check.py", &args, &server, "main port: all checks passed");
+    let status = server.status();
+    assert_eq!((status["generation"].as_u64(), status["reloads_succeeded"].as_u64()), (Some(3), Some(2)), "{status}");
+}

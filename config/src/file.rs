@@ -208,6 +208,11 @@ pub struct AdminConfig {
     /// reloads that add or remove a model): off unless the operator turns it on; needs
     /// `token_file`.
     pub model_control: bool,
+    /// Serve load and unload on the main port too (HTTP and gRPC), without the admin token
+    /// (the main port's API keys, if any, gate them as every route), so that unmodified
+    /// Triton clients load and unload with one URL; needs `model_control`. Only where the
+    /// main port's clients may change what it serves.
+    pub model_control_on_main_port: bool,
     /// The admin token(s), one per line, sent as `Authorization: Bearer TOKEN`: every route
     /// but `/metrics` needs one (the same file rules as `[auth] api_keys_file`).
     pub token_file: Option<PathBuf>,
@@ -226,6 +231,7 @@ impl Default for AdminConfig {
         AdminConfig {
             listen: "127.0.0.1:9464".into(),
             model_control: false,
+            model_control_on_main_port: false,
             token_file: None,
             protect_metrics: false,
             allowed_paths: Vec::new(),
@@ -608,6 +614,12 @@ impl Config {
             return invalid(
                 "admin.model_control",
                 "changes what the public port serves, so it needs admin.token_file (the operator's token)".into(),
+            );
+        }
+        if self.admin.model_control_on_main_port && !self.admin.model_control {
+            return invalid(
+                "admin.model_control_on_main_port",
+                "opens load and unload on the main port, so it needs admin.model_control = true".into(),
             );
         }
         self.server_tls().validate("server")?;

@@ -7,6 +7,8 @@
 //! them as they are); the gRPC side converts them to Triton's protobuf messages, field for
 //! field.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 /// What a worker asks the supervisor.
@@ -22,6 +24,15 @@ pub enum Question {
     },
     /// Triton's repository index; with `ready`, only the models that can be served now.
     Index { ready: bool },
+    /// Triton's repository `load` on the main port (with `admin.model_control_on_main_port`):
+    /// `model` read again, or added from the repository or the folder `path`.
+    Load {
+        model: String,
+        #[serde(default)]
+        path: Option<PathBuf>,
+    },
+    /// Triton's repository `unload` on the main port.
+    Unload { model: String },
 }
 
 /// The supervisor's answer to the worker's question `id`.
@@ -36,16 +47,75 @@ pub struct Answer {
 pub enum Answered {
     Statistics(Vec<ModelStats>),
     Index(Vec<IndexEntry>),
+    /// A load or unload done: every worker runs the new model list.
+    Done(String),
 }
 
-/// Why a question has no answer: what Triton answers 404 / NOT_FOUND for.
+/// Why a question has no answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
 #[serde(rename_all = "snake_case")]
 pub enum Refused {
+    /// 404 / NOT_FOUND.
     #[error("unknown model '{name}'; this server has {}", served.join(", "))]
     UnknownModel { name: String, served: Vec<String> },
+    /// 404 / NOT_FOUND.
     #[error("model '{name}' has no version '{version}'; it serves version '{serves}'")]
     UnknownVersion { name: String, version: String, serves: String },
+    /// 403 / PERMISSION_DENIED.
+    #[error(
+        "loading and unloading models on the main port is off: the operator turns it on with \
+         admin.model_control_on_main_port = true, or uses the admin listener"
+    )]
+    ModelControlOff,
+    /// A load or unload refused before anything changed (400 / INVALID_ARGUMENT: an unknown
+    /// model, a path outside the repository, a reload in progress), or failed on the way (500 /
+    /// INTERNAL: the new workers failed, and the pool serves what it served).
+    #[error("{message}")]
+    NotDone { message: String, before_change: bool },
+}
+
+/// Why the `parameters` of a repository `load` or `unload` ask for nothing inferd can do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BadParameters {
+    #[error("'parameters' must be an object, got {0}")]
+    NotAnObject(serde_json::Value),
+    #[error("parameters.path must be a string, got {0}")]
+    Path(serde_json::Value),
+    #[error(
+        "inferd does not take a Triton model configuration: give parameters.path, a folder with the model's \
+         model.toml, or put the model in the repository"
+    )]
+    TritonConfig,
+    #[error("inferd does not take model files in the request ('{0}'): give parameters.path")]
+    Files(String),
+}
+
+/// The folder a repository `load`'s `parameters` name (`path`), if any; for an unload
+/// (`load` false) none, once `parameters` is an object. Triton's `config` and `file:`
+/// parameters (a Triton model configuration, model files in the request) have no inferd
+/// counterpart: a model is a folder with its model.toml, named by `path` or found in the
+/// repository. Other parameters (`unload_dependents`: inferd has no ensembles) are ignored.
+pub fn repository_path(parameters: Option<&serde_json::Value>, load: bool) -> Result<Option<PathBuf>, BadParameters> {
+    use serde_json::Value;
+    let parameters = match parameters {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(p)) => p,
+        Some(other) => return Err(BadParameters::NotAnObject(other.clone())),
+    };
+    if !load {
+        return Ok(None);
+    }
+    let mut path = None;
+    for (key, value) in parameters {
+        match (key.as_str(), value) {
+            ("path", Value::String(p)) => path = Some(PathBuf::from(p)),
+            ("path", other) => return Err(BadParameters::Path(other.clone())),
+            ("config", _) => return Err(BadParameters::TritonConfig),
+            (k, _) if k.starts_with("file:") => return Err(BadParameters::Files(key.clone())),
+            _ => {}
+        }
+    }
+    Ok(path)
 }
 
 /// One model's statistics (Triton's `ModelStatistics`).

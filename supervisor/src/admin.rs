@@ -35,6 +35,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
+use inferd_ipc::triton::{repository_path, BadParameters};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -269,44 +270,18 @@ async fn snapshot(events: &mpsc::UnboundedSender<Event>) -> Option<PoolMetrics> 
 /// Why a `load` or `unload` body asks for nothing inferd can do (400).
 #[derive(Debug, thiserror::Error)]
 enum BadLoad {
-    #[error("'parameters' must be an object, got {0}")]
-    Parameters(Value),
-    #[error("parameters.path must be a string, got {0}")]
-    Path(Value),
-    #[error(
-        "inferd does not take a Triton model configuration: give parameters.path, a folder with the model's \
-         model.toml, or put the model in the repository"
-    )]
-    TritonConfig,
-    #[error("inferd does not take model files in the request ('{0}'): give parameters.path")]
-    Files(String),
+    #[error(transparent)]
+    Parameters(#[from] BadParameters),
     #[error(transparent)]
     Unconfined(#[from] Unconfined),
 }
 
-/// The control request a `load` or `unload` body asks for. Triton's `config` and `file:`
-/// parameters (a Triton model configuration, model files in the request) have no inferd
-/// counterpart: a model is a folder with its model.toml, named by `parameters.path` or found
-/// in the repository.
+/// The control request a `load` or `unload` body asks for ([`repository_path`]), its path
+/// confined to the repository and admin.allowed_paths.
 fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Result<control::Request, BadLoad> {
-    let parameters = match body.get("parameters") {
-        None | Some(Value::Null) => serde_json::Map::new(),
-        Some(Value::Object(p)) => p.clone(),
-        Some(other) => return Err(BadLoad::Parameters(other.clone())),
-    };
+    let path = repository_path(body.get("parameters"), load)?;
     if !load {
-        // unload_dependents: inferd has no ensembles, so nothing depends on a model.
         return Ok(control::Request::Unload { model });
-    }
-    let mut path = None;
-    for (key, value) in parameters {
-        match (key.as_str(), value) {
-            ("path", Value::String(p)) => path = Some(PathBuf::from(p)),
-            ("path", other) => return Err(BadLoad::Path(other)),
-            ("config", _) => return Err(BadLoad::TritonConfig),
-            (k, _) if k.starts_with("file:") => return Err(BadLoad::Files(key)),
-            _ => {}
-        }
     }
     let path = path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
     Ok(control::Request::Load { model, path })

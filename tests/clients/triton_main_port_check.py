@@ -2,7 +2,9 @@
 """Checks Triton's statistics and repository index on inferd's main port, over HTTP and gRPC,
 with NVIDIA's tritonclient, against what the admin listener answers for the same pool.
 
-    .venv/bin/python tests/clients/triton_main_port_check.py ADMIN_ADDR HTTP_ADDR GRPC_ADDR
+    .venv/bin/python tests/clients/triton_main_port_check.py ADMIN_ADDR HTTP_ADDR GRPC_ADDR [control TOKEN]
+
+With `control`, the admin listener is asked with the admin token TOKEN.
 
 The server must serve `typed` (the default), `classifier` and `slow` from a repository that
 also holds `reranker` (not loaded), and have answered nothing yet. The calls are those of
@@ -13,7 +15,12 @@ statistics checks):
     equals the admin listener's, every model and one; a model's statistics count the 3 and their rows;
   - tritonclient.grpc's (protobuf) carry the same counts, field for field;
   - the repository index, over HTTP and gRPC, equals the admin listener's (ready=True too);
-  - an unknown model or version is refused naming it, over both.
+  - an unknown model or version is refused naming it, over both;
+  - without `control`: load and unload are refused (403 / PERMISSION_DENIED) naming
+    admin.model_control_on_main_port; with it (the server has that switch on), the model
+    control examples' calls (simple_http_model_control.py, simple_grpc_model_control.py):
+    load `reranker` over HTTP, unload `classifier` over gRPC, each seen at once in
+    readiness and the index, and refusals that name the problem, as on the admin listener.
 Prints `main port: all checks passed` and exits 0, or the failed check and exits 1.
 """
 
@@ -31,14 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from triton_repository_check import CheckFailed, refused, require, typed_inputs  # noqa: E402
 
 
+ADMIN_HEADERS = {}
+
+
 def admin_get(admin, path):
-    with urllib.request.urlopen(f"http://{admin}{path}", timeout=30) as r:
+    req = urllib.request.Request(f"http://{admin}{path}", headers=ADMIN_HEADERS)
+    with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
 def admin_index(admin, ready):
     body = json.dumps({"ready": ready}).encode()
-    req = urllib.request.Request(f"http://{admin}/v2/repository/index", data=body, method="POST")
+    req = urllib.request.Request(f"http://{admin}/v2/repository/index", data=body, method="POST",
+                                 headers=ADMIN_HEADERS)
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -107,9 +119,35 @@ def main(admin, http_addr, grpc_addr):
     refused(lambda: grpc.get_inference_statistics("nosuch"), "unknown model 'nosuch'")
 
 
+def without_control(http, grpc):
+    refused(lambda: http.load_model("reranker"), "admin.model_control_on_main_port")
+    refused(lambda: grpc.unload_model("classifier"), "admin.model_control_on_main_port")
+    require(not http.is_model_ready("reranker"), "reranker loaded all the same")
+
+
+def with_control(http, grpc):
+    require(not http.is_model_ready("reranker"), "reranker is ready before its load")
+    http.load_model("reranker")
+    require(http.is_model_ready("reranker") and grpc.is_model_ready("reranker"), "reranker not ready after its load")
+    states = {m["name"]: m["state"] for m in http.get_model_repository_index()}
+    require(states["reranker"] == "READY", f"index after the load: {states}")
+    grpc.unload_model("classifier")
+    require(not http.is_model_ready("classifier"), "classifier still ready after its unload")
+    states = {m.name: m.state for m in grpc.get_model_repository_index().models}
+    require(states["classifier"] == "UNAVAILABLE", f"index after the unload: {states}")
+    refused(lambda: http.unload_model("typed"), "default model")
+    refused(lambda: grpc.load_model("no_such_model"), "no_such_model", "no folder")
+    refused(lambda: grpc.load_model("slow", config='{"backend":"onnxruntime"}'), "Triton model configuration")
+    refused(lambda: http.load_model("slow", config='{"backend":"onnxruntime"}'), "Triton model configuration")
+
+
 if __name__ == "__main__":
     try:
+        if sys.argv[4:5] == ["control"]:
+            ADMIN_HEADERS["Authorization"] = f"Bearer {sys.argv[5]}"
         main(*sys.argv[1:4])
+        http, grpc = httpclient.InferenceServerClient(sys.argv[2]), grpcclient.InferenceServerClient(sys.argv[3])
+        with_control(http, grpc) if sys.argv[4:5] == ["control"] else without_control(http, grpc)
     except (CheckFailed, InferenceServerException, AssertionError) as e:
         traceback.print_exc()
         print(f"main port check failed: {e}")

@@ -9,7 +9,7 @@ use std::process::ExitStatus;
 
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
-use inferd_ipc::triton::{Answer, Answered, Question};
+use inferd_ipc::triton::{Answer, Answered, Question, Refused};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
@@ -19,6 +19,7 @@ use super::restart::{backoff, describe_exit, MAX_BOOT_CRASHES, STABLE_AFTER};
 use super::slot::{Replaced, Role};
 use super::supervisor::Supervisor;
 use super::upgrade::{Handing, Step, Upgrade};
+use crate::confine::{confined, PathFrom};
 use crate::control::{ActionError, Replies, Request, Response, Roll};
 use crate::event::UpgradeEvent;
 use crate::metrics::RestartReason;
@@ -121,21 +122,24 @@ impl Supervisor {
         }
     }
 
-    /// A worker's question (Triton's statistics or repository index, asked on the main port):
+    /// A worker's question, asked on the main port: Triton's statistics or repository index,
     /// answered from the pool's counters as they are now, off the loop (the index reads the
-    /// repository's folders).
-    fn answer(&self, id: u64, question: Question, answers: UnboundedSender<Answer>) {
-        let metrics = self.report().metrics();
-        let repository = self.resolved.config.model_repository();
-        tokio::task::spawn_blocking(move || {
-            let result = match question {
-                Question::Statistics { model, version } => {
-                    triton::statistics(&metrics, model.as_deref(), version.as_deref()).map(Answered::Statistics)
-                }
-                Question::Index { ready } => Ok(Answered::Index(triton::index(&metrics, &repository, ready))),
-            };
-            let _ = answers.send(Answer { id, result });
-        });
+    /// repository's folders); or a repository load or unload ([`Self::repository_change`]).
+    fn answer(&mut self, id: u64, question: Question, answers: UnboundedSender<Answer>) {
+        match question {
+            Question::Statistics { model, version } => {
+                let m = self.report().metrics();
+                answer_later(id, answers, move || {
+                    triton::statistics(&m, model.as_deref(), version.as_deref()).map(Answered::Statistics)
+                })
+            }
+            Question::Index { ready } => {
+                let (m, repository) = (self.report().metrics(), self.resolved.config.model_repository());
+                answer_later(id, answers, move || Ok(Answered::Index(triton::index(&m, &repository, ready))))
+            }
+            Question::Load { model, path } => self.repository_change(id, model, Some(path), answers),
+            Question::Unload { model } => self.repository_change(id, model, None, answers),
+        }
     }
 
     /// An incoming worker is ready: it becomes the slot's current worker, and the one it
@@ -249,6 +253,59 @@ impl Supervisor {
         self.reload.can_roll(Roll::Reload, self.life.settled(), &self.pool)?;
         let models = reload::reload_models(&self.pool, &self.resolved.config, model, path)?;
         self.roll(models, wait, replies)
+    }
+
+    /// Triton's repository `load` (`load` Some, with its folder if named) or `unload` asked on
+    /// the main port: only with admin.model_control_on_main_port, the folder confined as the
+    /// admin listener's; answered once every worker runs the new list, as there (the worker
+    /// that asked drains meanwhile, and the reload is complete once it stopped accepting, so
+    /// it is still there to answer its client).
+    fn repository_change(
+        &mut self,
+        id: u64,
+        model: String,
+        load: Option<Option<PathBuf>>,
+        answers: UnboundedSender<Answer>,
+    ) {
+        let config = &self.resolved.config;
+        let request = match load {
+            _ if !(config.admin.model_control && config.admin.model_control_on_main_port) => {
+                Err(Refused::ModelControlOff)
+            }
+            None => Ok(Request::Unload { model }),
+            Some(None) => Ok(Request::Load { model, path: None }),
+            Some(Some(path)) => match confined(&path, &model, &config.allowed_model_paths(), PathFrom::AdminLoad) {
+                Ok(path) => Ok(Request::Load { model, path: Some(path) }),
+                Err(e) => Err(Refused::NotDone { message: e.to_string(), before_change: true }),
+            },
+        };
+        let request = match request {
+            Ok(request) => request,
+            Err(refused) => {
+                let _ = answers.send(Answer { id, result: Err(refused) });
+                return;
+            }
+        };
+        let (replies, mut final_answer) = tokio::sync::mpsc::unbounded_channel();
+        self.act(request, Some(replies));
+        tokio::spawn(async move {
+            let mut last = None;
+            while let Some(response) = final_answer.recv().await {
+                if response.progress.is_none() {
+                    last = Some(response);
+                    break;
+                }
+            }
+            let result = match last {
+                Some(Response { ok: true, message, .. }) => Ok(Answered::Done(message.unwrap_or_default())),
+                Some(Response { error, refused, .. }) => Err(Refused::NotDone {
+                    message: error.unwrap_or_else(|| "the supervisor gave no reason".into()),
+                    before_change: refused,
+                }),
+                None => Err(Refused::NotDone { message: "the supervisor is stopping".into(), before_change: true }),
+            };
+            let _ = answers.send(Answer { id, result });
+        });
     }
 
     /// Triton's repository `load`: a model the pool serves is read again, as `reload --model`
@@ -380,4 +437,13 @@ impl Supervisor {
             None => {}
         }
     }
+}
+
+/// `answer`, computed on a blocking thread, written to the worker that asked.
+fn answer_later(
+    id: u64,
+    answers: UnboundedSender<Answer>,
+    answer: impl FnOnce() -> Result<Answered, Refused> + Send + 'static,
+) {
+    tokio::task::spawn_blocking(move || answers.send(Answer { id, result: answer() }));
 }

@@ -61,6 +61,7 @@ pub async fn routed(
         Route::Ready => Ok(readiness(ready)),
         Route::Statistics(name, version) => v2::statistics(state, name, version).await,
         Route::RepositoryIndex => v2::repository_index(state, request).await,
+        Route::RepositoryChange(name, load) => v2::repository_change(state, name, load, request).await,
         // A model loaded on demand is not loaded by being asked about.
         Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, None)),
         Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, Some(ready))),

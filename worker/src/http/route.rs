@@ -19,6 +19,9 @@ pub enum Route<'a> {
     Statistics(Option<&'a str>, Option<&'a str>),
     /// Triton's repository index (the supervisor's answer too).
     RepositoryIndex,
+    /// Triton's repository `load` (true) or `unload` of a model: a rolling reload the
+    /// supervisor runs, with admin.model_control_on_main_port.
+    RepositoryChange(&'a str, bool),
     Embed(Option<&'a str>),
     Predict(Option<&'a str>),
     /// OpenAI's `POST /v1/embeddings`; the model is named in the body.
@@ -83,6 +86,8 @@ impl<'a> Route<'a> {
             Route::Statistics(Some(_), None) => "/v2/models/{model}/stats",
             Route::Statistics(Some(_), Some(_)) => "/v2/models/{model}/versions/{version}/stats",
             Route::RepositoryIndex => "/v2/repository/index",
+            Route::RepositoryChange(_, true) => "/v2/repository/models/{model}/load",
+            Route::RepositoryChange(_, false) => "/v2/repository/models/{model}/unload",
             Route::Embed(None) => "/embed",
             Route::Embed(Some(_)) => "/v2/models/{model}/embed",
             Route::Predict(None) => "/predict",
@@ -109,7 +114,7 @@ impl<'a> Route<'a> {
         use ErrorStyle::*;
         let (style, post, probe) = match self {
             Route::Server | Route::Model(..) | Route::ModelConfig(..) | Route::Statistics(..) => (V2, false, false),
-            Route::RepositoryIndex => (V2, true, false),
+            Route::RepositoryIndex | Route::RepositoryChange(..) => (V2, true, false),
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
             Route::Infer(..) => (V2, true, false),
             Route::OpenAiEmbeddings => (OpenAi, true, false),
@@ -140,6 +145,8 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "stats"] => Route::Statistics(Some(name), None),
         ["v2", "models", name, "versions", v, "stats"] => Route::Statistics(Some(name), Some(v)),
         ["v2", "repository", "index"] => Route::RepositoryIndex,
+        ["v2", "repository", "models", name, "load"] => Route::RepositoryChange(name, true),
+        ["v2", "repository", "models", name, "unload"] => Route::RepositoryChange(name, false),
         ["v2", "models", name] => Route::Model(name, None),
         ["v2", "models", name, "versions", v] => Route::Model(name, Some(v)),
         ["v2", "models", name, "ready"] => Route::ModelReady(name, None),

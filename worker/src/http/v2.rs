@@ -6,6 +6,8 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, StatusCode};
 use serde_json::{json, Value};
 
+use inferd_ipc::triton::repository_path;
+
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::kserve::json as kserve;
@@ -52,6 +54,31 @@ pub async fn repository_index(state: &AppState, request: Request<Incoming>) -> R
     };
     let index = state.supervisor.index(asked.ready).await?;
     Ok(json_reply(StatusCode::OK, serde_json::to_vec(&index).expect("json")))
+}
+
+/// Triton's repository `load` (`load` true) or `unload` of `name`, with
+/// admin.model_control_on_main_port: the supervisor's rolling reload, answered once every
+/// worker runs the new model list (this one drains meanwhile and answers before it leaves).
+/// The body, `{"parameters": {...}}` or empty, is read as the admin listener reads it
+/// ([`repository_path`]).
+pub async fn repository_change(
+    state: &AppState,
+    name: &str,
+    load: bool,
+    request: Request<Incoming>,
+) -> Result<Reply, ApiError> {
+    let body = body::receive(state, request).await?;
+    let body: Value = match body.bytes.iter().all(u8::is_ascii_whitespace) {
+        true => json!({}),
+        false => serde_json::from_slice(&body.bytes)
+            .map_err(|e| ApiError::BadRequest(format!("the request body is not JSON: {e}")))?,
+    };
+    if !body.is_object() {
+        return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
+    }
+    let path = repository_path(body.get("parameters"), load).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let message = state.supervisor.change_repository(name, load, path).await?;
+    Ok(json_reply(StatusCode::OK, serde_json::to_vec(&json!({ "message": message })).expect("json")))
 }
 
 /// A model this worker loads on the first request for it, not loaded yet: its metadata says

@@ -6,6 +6,7 @@ use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 
 use inferd_config::auth::Refusal;
+use inferd_ipc::triton::Refused;
 
 use crate::request::link::AskError;
 use crate::runtime::engine::EngineError;
@@ -57,6 +58,9 @@ pub enum ApiError {
     DeadlineExceeded(String),
     #[error("{0}")]
     Internal(String),
+    /// Not allowed here, whoever asks (an operator's switch is off): 403.
+    #[error("{0}")]
+    Forbidden(String),
     /// No API key, or not one of the server's ([auth]).
     #[error("{}", match .0 {
         Refusal::Missing => "this server needs an API key: send it as `Authorization: Bearer KEY`",
@@ -80,6 +84,7 @@ impl ApiError {
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::TooManyRequests(..) => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -89,7 +94,12 @@ impl ApiError {
 impl From<AskError> for ApiError {
     fn from(e: AskError) -> Self {
         match e {
-            AskError::Refused(_) => ApiError::NotFound(e.to_string()),
+            AskError::Refused(Refused::ModelControlOff) => ApiError::Forbidden(e.to_string()),
+            AskError::Refused(Refused::NotDone { before_change: true, .. }) => ApiError::BadRequest(e.to_string()),
+            AskError::Refused(Refused::NotDone { before_change: false, .. }) => ApiError::Internal(e.to_string()),
+            AskError::Refused(Refused::UnknownModel { .. } | Refused::UnknownVersion { .. }) => {
+                ApiError::NotFound(e.to_string())
+            }
             AskError::Timeout(_) | AskError::Unreachable(_) => ApiError::Overloaded(e.to_string()),
             AskError::Mismatched(_) => ApiError::Internal(e.to_string()),
         }

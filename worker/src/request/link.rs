@@ -72,7 +72,7 @@ impl Link {
     /// Triton's statistics of every model the pool serves, or of one (of one version).
     pub async fn statistics(&self, model: Option<&str>, version: Option<&str>) -> Result<Vec<ModelStats>, AskError> {
         let question = Question::Statistics { model: model.map(str::to_string), version: version.map(str::to_string) };
-        match self.ask(question).await? {
+        match self.ask(question, Some(ASK_TIMEOUT)).await? {
             Answered::Statistics(stats) => Ok(stats),
             other => Err(AskError::Mismatched(other)),
         }
@@ -80,14 +80,34 @@ impl Link {
 
     /// Triton's repository index; with `ready`, only the models that can be served now.
     pub async fn index(&self, ready: bool) -> Result<Vec<IndexEntry>, AskError> {
-        match self.ask(Question::Index { ready }).await? {
+        match self.ask(Question::Index { ready }, Some(ASK_TIMEOUT)).await? {
             Answered::Index(entries) => Ok(entries),
             other => Err(AskError::Mismatched(other)),
         }
     }
 
-    /// Asks the supervisor `question` and waits for its answer.
-    async fn ask(&self, question: Question) -> Result<Answered, AskError> {
+    /// Triton's repository `load` (`load` true, from the folder `path` if given) or `unload` of
+    /// `model`: answered once every worker runs the new model list, however long the rolling
+    /// reload takes (the supervisor always ends it: done, refused or failed).
+    pub async fn change_repository(
+        &self,
+        model: &str,
+        load: bool,
+        path: Option<std::path::PathBuf>,
+    ) -> Result<String, AskError> {
+        let model = model.to_string();
+        let question = match load {
+            true => Question::Load { model, path },
+            false => Question::Unload { model },
+        };
+        match self.ask(question, None).await? {
+            Answered::Done(message) => Ok(message),
+            other => Err(AskError::Mismatched(other)),
+        }
+    }
+
+    /// Asks the supervisor `question` and waits for its answer, at most `timeout`.
+    async fn ask(&self, question: Question, timeout: Option<Duration>) -> Result<Answered, AskError> {
         self.reader.get_or_init(|| self.start_reader()).clone().map_err(AskError::Unreachable)?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -97,12 +117,16 @@ impl Link {
             forget();
             return Err(AskError::Unreachable(e.to_string()));
         }
-        match tokio::time::timeout(ASK_TIMEOUT, rx).await {
+        let answer = match timeout {
+            None => Ok(rx.await),
+            Some(timeout) => tokio::time::timeout(timeout, rx).await.map_err(|_| timeout),
+        };
+        match answer {
             Ok(Ok(answer)) => Ok(answer?),
             Ok(Err(_)) => Err(AskError::Unreachable("the supervisor closed the socket".into())),
-            Err(_) => {
+            Err(timeout) => {
                 forget();
-                Err(AskError::Timeout(ASK_TIMEOUT))
+                Err(AskError::Timeout(timeout))
             }
         }
     }

@@ -14,7 +14,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use inferd_ipc::triton::{self, ModelStats};
+use inferd_ipc::triton::{self, repository_path, ModelStats};
 use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
@@ -69,6 +69,7 @@ pub fn status(e: ApiError) -> Status {
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
         ApiError::Internal(_) => Status::internal(message),
         ApiError::Unauthorized(_) => Status::unauthenticated(message),
+        ApiError::Forbidden(_) => Status::permission_denied(message),
     }
 }
 
@@ -277,6 +278,24 @@ impl GrpcInferenceService for Grpc {
         Ok(Response::new(proto::RepositoryIndexResponse { models }))
     }
 
+    async fn repository_model_load(
+        &self,
+        request: Request<proto::RepositoryModelLoadRequest>,
+    ) -> Result<Response<proto::RepositoryModelLoadResponse>, Status> {
+        let message = request.into_inner();
+        self.change_repository(&message.model_name, true, &message.parameters).await?;
+        Ok(Response::new(proto::RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: Request<proto::RepositoryModelUnloadRequest>,
+    ) -> Result<Response<proto::RepositoryModelUnloadResponse>, Status> {
+        let message = request.into_inner();
+        self.change_repository(&message.model_name, false, &message.parameters).await?;
+        Ok(Response::new(proto::RepositoryModelUnloadResponse {}))
+    }
+
     async fn model_infer(
         &self,
         request: Request<proto::ModelInferRequest>,
@@ -320,6 +339,34 @@ fn statistics_message(s: &ModelStats) -> proto::ModelStatistics {
 }
 
 impl Grpc {
+    /// RepositoryModelLoad (`load`) and RepositoryModelUnload: their parameters read as the
+    /// HTTP route reads its JSON ones ([`repository_path`]), then the supervisor's reload.
+    async fn change_repository(
+        &self,
+        model: &str,
+        load: bool,
+        parameters: &std::collections::HashMap<String, proto::ModelRepositoryParameter>,
+    ) -> Result<(), Status> {
+        use proto::model_repository_parameter::ParameterChoice;
+        let parameters: Map<String, Value> = parameters
+            .iter()
+            .map(|(key, p)| {
+                let value = match &p.parameter_choice {
+                    Some(ParameterChoice::BoolParam(b)) => Value::Bool(*b),
+                    Some(ParameterChoice::Int64Param(n)) => Value::from(*n),
+                    Some(ParameterChoice::StringParam(s)) => Value::String(s.clone()),
+                    // Only model files (`file:` keys, refused by name) are bytes.
+                    Some(ParameterChoice::BytesParam(_)) | None => Value::Null,
+                };
+                (key.clone(), value)
+            })
+            .collect();
+        let path = repository_path(Some(&Value::Object(parameters)), load)
+            .map_err(|e| status(ApiError::BadRequest(e.to_string())))?;
+        self.state.supervisor.change_repository(model, load, path).await.map_err(|e| status(e.into()))?;
+        Ok(())
+    }
+
     /// ModelInfer itself.
     async fn infer(
         &self,
