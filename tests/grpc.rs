@@ -137,6 +137,111 @@ fn grpc_clients_see_no_failure_while_the_pool_reloads() {
     assert_eq!(server.status()["generation"], 4, "three reloads");
 }
 
+/// gRPC answers compressed as their request was (worker/src/http/compress.rs), seen on the
+/// wire: a ModelInfer call written by hand over hyper's HTTP/2 client, its message gzip- or
+/// deflate-compressed as tritonclient.grpc's `compression_algorithm` sends it (grpcio's
+/// `grpc-accept-encoding: identity,deflate,gzip`), is answered with `grpc-encoding` of the same
+/// coding and a frame whose flag byte is 1, inflating to the right answer; a plain request
+/// with the same `grpc-accept-encoding` (what every grpcio call sends) and a compressed one
+/// whose answer is under 1 KiB are answered plain. (tritonclient.grpc itself reads compressed
+/// answers in triton_grpc_check.py's `check_compressed`.)
+#[test]
+fn grpc_answers_are_compressed_as_their_requests_were() {
+    use http_body_util::BodyExt;
+    use inferd_worker::http::encoding::Encoding;
+    use inferd_worker::http::grpc::proto;
+    use prost::Message;
+    let (_server, grpc) = grpc_server("grpc-answer-compression");
+    // The typed model's six inputs, `rows` rows of zeros (a right answer is one of shape [rows, 4]).
+    let message = |rows: i64| {
+        let inputs = [
+            ("f32_in", "FP32", 4),
+            ("f64_in", "FP64", 8),
+            ("i32_in", "INT32", 4),
+            ("i64_in", "INT64", 8),
+            ("bool_in", "BOOL", 1),
+            ("f16_in", "FP16", 2),
+        ];
+        let request = proto::ModelInferRequest {
+            model_name: "typed".into(),
+            inputs: inputs
+                .iter()
+                .map(|(name, datatype, _)| proto::model_infer_request::InferInputTensor {
+                    name: (*name).into(),
+                    datatype: (*datatype).into(),
+                    shape: vec![rows, 4],
+                    ..Default::default()
+                })
+                .collect(),
+            raw_input_contents: inputs.iter().map(|(_, _, size)| vec![0u8; rows as usize * 4 * size]).collect(),
+            ..Default::default()
+        };
+        request.encode_to_vec()
+    };
+    let frame = |flag: u8, message: &[u8]| {
+        let mut frame = vec![flag];
+        frame.extend((message.len() as u32).to_be_bytes());
+        frame.extend(message);
+        frame
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let stream = tokio::net::TcpStream::connect(&grpc).await.unwrap();
+        let executor = hyper_util::rt::TokioExecutor::new();
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(executor, hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+        tokio::spawn(connection);
+        // (rows, the request's coding, the answer's coding)
+        let cases = [
+            (100, Encoding::Gzip, Encoding::Gzip),
+            (100, Encoding::Deflate, Encoding::Deflate),
+            (100, Encoding::Identity, Encoding::Identity),
+            (1, Encoding::Gzip, Encoding::Identity),
+        ];
+        for (rows, sent, expected) in cases {
+            let plain = message(rows);
+            let body = match sent {
+                Encoding::Identity => frame(0, &plain),
+                coding => frame(1, &coding.encode(&plain, Vec::new()).unwrap()),
+            };
+            let mut call = hyper::Request::post(format!("http://{grpc}/inference.GRPCInferenceService/ModelInfer"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .header("grpc-accept-encoding", "identity,deflate,gzip");
+            if sent != Encoding::Identity {
+                call = call.header("grpc-encoding", sent.name());
+            }
+            let call = call.body(http_body_util::Full::new(bytes::Bytes::from(body))).unwrap();
+            sender.ready().await.unwrap();
+            let answer = sender.send_request(call).await.unwrap();
+            let case = format!("{rows} rows, sent {sent:?}");
+            assert_eq!(answer.status(), 200, "{case}");
+            let encoding = answer.headers().get("grpc-encoding").map(|v| v.to_str().unwrap().to_string());
+            let collected = answer.into_body().collect().await.unwrap();
+            let trailers = collected.trailers().cloned().unwrap_or_default();
+            assert_eq!(trailers.get("grpc-status").map(|v| v.to_str().unwrap()), Some("0"), "{case}: {trailers:?}");
+            let data = collected.to_bytes();
+            let length = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
+            assert_eq!(length, data.len() - 5, "{case}: one whole message");
+            let message = match expected {
+                Encoding::Identity => {
+                    assert_eq!((data[0], encoding), (0, None), "{case}: a plain answer");
+                    data[5..].to_vec()
+                }
+                coding => {
+                    assert_eq!((data[0], encoding.as_deref()), (1, Some(coding.name())), "{case}: a compressed answer");
+                    coding.decode(&data[5..], 1 << 24).unwrap()
+                }
+            };
+            let answer = proto::ModelInferResponse::decode(&message[..]).unwrap();
+            assert_eq!(answer.outputs.len(), 7, "{case}: {answer:?}");
+            let f32_out = answer.outputs.iter().position(|o| o.name == "f32_out").unwrap();
+            assert_eq!(answer.outputs[f32_out].shape, [rows, 4], "{case}");
+            assert_eq!(answer.raw_output_contents[f32_out].len(), rows as usize * 16, "{case}");
+        }
+    });
+}
+
 /// One HTTP/2 frame as a client writes it: 9-byte header, then the payload.
 fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let mut out = (payload.len() as u32).to_be_bytes()[1..].to_vec();

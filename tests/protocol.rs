@@ -395,6 +395,110 @@ print('compression ok')
     );
 }
 
+/// Compressed answers where the client asks (`Accept-Encoding`, worker/src/http/compress.rs):
+/// a large answer comes gzip- or deflate-compressed as the header's q-values choose, with
+/// `Content-Encoding`, `Vary: Accept-Encoding` and the compressed length, and inflates to the
+/// plain answer; `identity`, `gzip;q=0`, a coding inferd does not write, no header, a small
+/// answer and an error all come plain. (inferd has no streamed or SSE route; every answer is
+/// whole before it is sent.)
+#[test]
+fn answers_are_compressed_where_the_client_asks() {
+    use inferd_worker::http::encoding::Encoding;
+    let server = typed_server("answer-compression");
+    let body = typed_rows_request(100);
+    let infer = |accept: Option<&str>, body: &[u8]| {
+        let headers: Vec<(&str, &str)> = accept.map(|a| ("Accept-Encoding", a)).into_iter().collect();
+        let r = request(server.addr, "POST", "/v2/models/typed/infer", &headers, body).unwrap();
+        let length: usize = r.header("content-length").expect("a Content-Length").parse().unwrap();
+        assert_eq!(length, r.body.len(), "Content-Length is the body's as sent");
+        r
+    };
+    let plain = infer(None, &body);
+    assert_eq!(plain.status, 200, "{}", String::from_utf8_lossy(&plain.body));
+    assert!(plain.body.len() > 4096, "the answer is large enough to be compressed: {}", plain.body.len());
+    assert_eq!((plain.header("content-encoding"), plain.header("vary")), (None, Some("accept-encoding")));
+    let cases = [
+        // tritonclient.http's response_compression_algorithm='gzip' and 'deflate' send these.
+        ("gzip", Some("gzip")),
+        ("deflate", Some("deflate")),
+        // A browser's list; q-values; gzip when both are as welcome.
+        ("gzip, deflate, br", Some("gzip")),
+        ("deflate, gzip", Some("gzip")),
+        ("gzip;q=0.5, deflate", Some("deflate")),
+        ("*", Some("gzip")),
+        // Not acceptable, not asked for, or not a coding inferd writes.
+        ("gzip;q=0", None),
+        ("gzip;q=0, deflate;q=0", None),
+        ("identity", None),
+        ("br", None),
+        ("", None),
+    ];
+    for (accept, coding) in cases {
+        let r = infer(Some(accept), &body);
+        assert_eq!(r.status, 200, "{accept}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!((r.header("content-encoding"), r.header("vary")), (coding, Some("accept-encoding")), "{accept}");
+        let Some(coding) = coding else {
+            assert_eq!(r.body, plain.body, "{accept}: a plain answer");
+            continue;
+        };
+        assert!(r.body.len() * 3 < plain.body.len(), "{accept}: {} of {} bytes", r.body.len(), plain.body.len());
+        let inflated = Encoding::from_header(Some(coding)).unwrap().decode(&r.body, 1 << 24).unwrap();
+        assert_eq!(inflated, plain.body, "{accept}: inflates to the plain answer");
+    }
+    // A small answer (under 1 KiB) and an error are sent as they are.
+    let ready = request(server.addr, "GET", "/v2/health/ready", &[("Accept-Encoding", "gzip")], b"").unwrap();
+    assert_eq!((ready.status, ready.header("content-encoding")), (200, None));
+    assert_eq!(ready.body, b"{\"ready\":true}");
+    let error = infer(Some("gzip"), &typed_rows_request(100)[..100]);
+    assert_eq!(
+        (error.status, error.header("content-encoding")),
+        (400, None),
+        "{}",
+        String::from_utf8_lossy(&error.body)
+    );
+    assert!(String::from_utf8_lossy(&error.body).starts_with("{\"error\""));
+
+    // The real client: tritonclient.http's response_compression_algorithm, JSON and binary
+    // outputs (the binary answer's Inference-Header-Content-Length counts the inflated JSON).
+    let script = format!(
+        r#"
+import gzip, zlib
+import numpy as np
+import tritonclient.http as h
+inflated = []
+for module in (gzip, zlib):
+    def counted(data, _inflate=module.decompress, _name=module.__name__):
+        inflated.append(_name)
+        return _inflate(data)
+    module.decompress = counted
+c = h.InferenceServerClient('{addr}')
+rows = np.arange(400, dtype=np.float32).reshape(100, 4)
+inputs = []
+for name, datatype, dtype in [('f32_in', 'FP32', np.float32), ('f64_in', 'FP64', np.float64), ('i32_in', 'INT32', np.int32), ('i64_in', 'INT64', np.int64), ('bool_in', 'BOOL', np.bool_), ('f16_in', 'FP16', np.float16)]:
+    t = h.InferInput(name, [100, 4], datatype)
+    t.set_data_from_numpy(rows.astype(dtype), binary_data=False)
+    inputs.append(t)
+plain = c.infer('typed', inputs)
+for algorithm, module in [('gzip', 'gzip'), ('deflate', 'zlib')]:
+    for binary in (False, True):
+        outputs = [h.InferRequestedOutput(n, binary_data=binary) for n in ('f32_out', 'i64_out', 'f32_sum')]
+        inflated.clear()
+        r = c.infer('typed', inputs, outputs=outputs, response_compression_algorithm=algorithm)
+        assert inflated == [module], (algorithm, inflated)
+        for n in ('f32_out', 'i64_out', 'f32_sum'):
+            assert np.array_equal(r.as_numpy(n), plain.as_numpy(n)), (algorithm, binary, n)
+print('answer compression ok')
+"#,
+        addr = server.addr
+    );
+    let out = std::process::Command::new(python()).args(["-c", &script]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("answer compression ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Triton's raw binary request (`Inference-Header-Content-Length: 0`: the body is the one
 /// input's bytes), as Triton's own L0_http tests send it (http_test.py: `test_raw_binary`,
 /// `test_byte`, `test_byte_too_many_elements`): the shape deduced from the body's size, a

@@ -221,7 +221,9 @@ def check_mistakes(client, stub, http_addr):
 
 def check_compressed(client, stub, http_addr):
     # tritonclient's compression_algorithm: the message gzip- or deflate-compressed, answered
-    # as the plain one is; 200 rows (about 21 kB), so that it is compressed for sure.
+    # as the plain one is; 200 rows (about 21 kB), so that it is compressed for sure. The
+    # answer (about 12 kB) comes compressed the same way (grpcio inflates it; the frames
+    # themselves are checked in tests/grpc.rs).
     inputs = []
     for name, (datatype, data) in INPUTS.items():
         rows = np.tile(data, (100, 1))

@@ -11,7 +11,8 @@
 //!   its route ([`http::route`]) and dispatch ([`http::dispatch`]), KServe v2's REST handlers
 //!   ([`http::v2`]), TEI's, OpenAI's and Cohere's ([`http::tei`], [`http::openai`],
 //!   [`http::cohere`]), KServe v2 over gRPC ([`http::grpc`]), bodies received and read
-//!   ([`http::body`]), answers as hyper sends them ([`http::reply`]), and connection plumbing:
+//!   ([`http::body`]), answers as hyper sends them ([`http::reply`]) and compressed where the
+//!   client asks ([`http::compress`]), and connection plumbing:
 //!   the hand-off of idle connections ([`http::handoff`]), requests sent to the sibling that
 //!   holds their model ([`http::forward`]) and write timeouts ([`http::write_timeout`]);
 //! - [`request`]: what every protocol shares: the door every request enters by

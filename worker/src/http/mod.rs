@@ -1,10 +1,12 @@
 //! HTTP for one worker: KServe v2 REST, text-embeddings-inference's, OpenAI's and Cohere's
 //! routes. [`handle`] is every HTTP request's side of the door ([`crate::request::door`]):
 //! its id and span, its entry, its answer or its error body in its protocol's style, its
-//! access line and the headers every answer carries; [`dispatch`] serves it by its [`route`].
+//! access line, the headers every answer carries and its compression where the client asks
+//! for it ([`compress`]); [`dispatch`] serves it by its [`route`].
 
 pub mod body;
 pub mod cohere;
+pub mod compress;
 pub mod dispatch;
 pub mod encoding;
 pub mod forward;
@@ -44,6 +46,7 @@ pub async fn handle(
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = route::parse(&segments);
+    let encoding = compress::accepted(request.headers());
     // Its server span, when the worker traces: the client's trace continued.
     let visit = Visit::open(&state, request.headers(), |id| span(&request, route.as_ref(), &method, &path, peer, id));
     // A request this worker may forward carries its id to the sibling that serves it.
@@ -82,7 +85,7 @@ pub async fn handle(
     };
     let style = route.as_ref().map_or(route::ErrorStyle::V2, |r| r.kind().style);
     let mut refused = "";
-    let mut reply = match routed {
+    let reply = match routed {
         Ok(reply) => reply,
         Err(e) => {
             if let ApiError::Unauthorized(refusal) = &e {
@@ -92,6 +95,8 @@ pub async fn handle(
             error_reply(&e, style)
         }
     };
+    // Every answer, whatever its route: compressed where the client asks (errors are not).
+    let mut reply = compress::answer(&state, encoding, reply).await;
     let headers = reply.headers_mut();
     if let Some(waited) = call.as_ref().and_then(|c| c.load_wait()) {
         // Server-Timing's `load`: this request waited that long for its model to load.

@@ -27,17 +27,22 @@ impl CountedAs for Reply {
     }
 }
 
-/// JSON bytes that hold their share of the worker's byte budget until hyper has sent them
-/// (the answer's `Bytes` own them, and are dropped once written or the connection is gone).
+/// An answer's bytes that hold their share of the worker's byte budget until hyper has sent
+/// them (the answer's `Bytes` own them, and are dropped once written or the connection is gone).
 struct Held {
-    json: Vec<u8>,
+    bytes: Vec<u8>,
     _budget: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl AsRef<[u8]> for Held {
     fn as_ref(&self) -> &[u8] {
-        &self.json
+        &self.bytes
     }
+}
+
+/// `bytes`, holding `budget` until they are sent (large JSON answers, compressed answers).
+pub fn held(bytes: Vec<u8>, budget: tokio::sync::OwnedSemaphorePermit) -> Bytes {
+    Bytes::from_owner(Held { bytes, _budget: budget })
 }
 
 /// A large JSON answer (`/embed_all` gives ~3000 times the bytes of its input, `/tokenize`
@@ -68,9 +73,8 @@ pub async fn large_json<T: serde::Serialize + Send + 'static>(
     let json = off_io_thread("writing the answer", move || Ok(serde_json::to_vec(&value).expect("json"))).await?;
     // Only what was written stays claimed.
     drop(budget.split(budget.num_permits().saturating_sub(json.len().max(1))));
-    let held = Held { json, _budget: budget };
     let mut reply = json_reply(StatusCode::OK, Vec::new());
-    *reply.body_mut() = Full::new(Bytes::from_owner(held));
+    *reply.body_mut() = Full::new(held(json, budget));
     Ok(reply)
 }
 

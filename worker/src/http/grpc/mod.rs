@@ -6,7 +6,8 @@
 //! message's decoded size is bounded before it is decoded ([`intake`]). Then it takes the same
 //! path as a REST one: the model lookup, the counters (endpoint `infer`), the pipeline or raw
 //! tensors ([`crate::request::infer::run_v2`]), deadlines and backpressure. Errors are gRPC status codes carrying the same messages as
-//! the REST answers ([`status`]).
+//! the REST answers ([`status`]). An answer is compressed as its request was, where the client
+//! reads that coding ([`crate::http::compress::grpc_answer`]).
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
@@ -118,6 +119,8 @@ pub async fn serve(
         ];
         (rpc.to_string(), attributes)
     });
+    // Read before the intake takes the request's grpc-encoding off it.
+    let encoding = crate::http::compress::grpc_accepted(request.headers());
     let arrival = Arrival { headers: request.headers(), probe: is_health_call(&path), forwarded: false };
     let (answer, call) = match door::enter(state, &visit, &arrival) {
         Err(e) => (Err(e), None),
@@ -138,6 +141,8 @@ pub async fn serve(
         visit.failed("POST", rpc, &e);
         status(e).into_http()
     });
+    // Compressed as its request was, where the client reads that coding.
+    let answer = crate::http::compress::grpc_answer(state, encoding, answer).await;
     // A call's own failure is in the headers of its trailers-only answer.
     let code = answer
         .headers()
