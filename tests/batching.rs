@@ -180,7 +180,9 @@ fn short_requests_are_answered_while_a_bulk_request_runs(background_lane: bool) 
         .find(|t| std::fs::read_to_string(t.join("comm")).unwrap().trim() == "inferd-lane-bg");
     assert_eq!(lane.is_some(), background_lane, "a worker of one thread has a background lane unless turned off");
     if let Some(lane) = lane {
-        assert_eq!(nice(&lane) - nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}"))), 10);
+        // Capped at 19, the kernel's last nice value (a suite run under `nice` starts at 10).
+        let main = nice(&std::path::PathBuf::from(format!("/proc/{worker}/task/{worker}")));
+        assert_eq!(nice(&lane), (main + 10).min(19), "the main thread's nice is {main}");
     }
 
     let texts: Vec<String> = (0..64).map(|i| format!("text {i} {}", "model ".repeat(248))).collect();
