@@ -220,7 +220,10 @@ fn a_repository_of_a_thousand_models_starts_lists_and_serves_any_of_them_and_ref
     let unknown = server.request("POST", "/v2/models/nope/infer", &request(&row(0)));
     assert_eq!(unknown.status, 404);
     let message = unknown.error();
-    assert!(message.contains("unknown model 'nope'") && message.contains("981 more (GET /v2 lists them)"), "{message}");
+    assert!(
+        message.contains("unknown model: 'nope'") && message.contains("981 more (GET /v2 lists them)"),
+        "{message}"
+    );
     // Names no folder can have: 404 naming why, nothing looked up.
     let long = "x".repeat(300);
     for (name, why) in [

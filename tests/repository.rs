@@ -193,7 +193,7 @@ fn statistics_and_the_index_answer_on_the_main_port_over_http_and_grpc() {
     let r = request(server.addr, "GET", "/v2/repository/index", &[], b"").unwrap();
     assert_eq!(r.status, 405);
     let r = request(server.addr, "GET", "/v2/models/nosuch/stats", &[], b"").unwrap();
-    assert_eq!((r.status, r.error().contains("unknown model 'nosuch'")), (404, true), "{}", r.error());
+    assert_eq!((r.status, r.error().contains("unknown model: 'nosuch'")), (404, true), "{}", r.error());
 }
 
 /// With admin.model_control_on_main_port, Triton's model control examples load and unload on

@@ -56,7 +56,7 @@ pub enum Answered {
 #[serde(rename_all = "snake_case")]
 pub enum Refused {
     /// 404 / NOT_FOUND.
-    #[error("unknown model '{name}'; this server has {}", served.join(", "))]
+    #[error("Request for unknown model: '{name}' is not found; this server has {}", served.join(", "))]
     UnknownModel { name: String, served: Vec<String> },
     /// 404 / NOT_FOUND.
     #[error("model '{name}' has no version '{version}'; it serves version '{serves}'")]
@@ -72,6 +72,13 @@ pub enum Refused {
     /// INTERNAL: the new workers failed, and the pool serves what it served).
     #[error("{message}")]
     NotDone { message: String, before_change: bool },
+}
+
+/// A repository `load` or `unload` of `model` that was not done, as Triton words it
+/// ("failed to load 'm': ..."): its examples look for those words in the error.
+pub fn not_done(model: &str, load: bool, why: impl std::fmt::Display) -> String {
+    let action = if load { "load" } else { "unload" };
+    format!("failed to {action} '{model}': {why}")
 }
 
 /// Why the `parameters` of a repository `load` or `unload` ask for nothing inferd can do.

@@ -35,7 +35,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use inferd_ipc::triton::{repository_path, BadParameters};
+use inferd_ipc::triton::{not_done, repository_path, BadParameters};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -246,11 +246,14 @@ async fn route(request: Request<Incoming>, events: &mpsc::UnboundedSender<Event>
                 Ok(body) => body,
                 Err(e) => return e,
             };
-            let request = match load_request(name, load, &body, admin) {
+            let request = match load_request(name.clone(), load, &body, admin) {
                 Ok(r) => r,
-                Err(bad) => return error(StatusCode::BAD_REQUEST, bad.to_string()),
+                Err(bad) => return error(StatusCode::BAD_REQUEST, not_done(&name, load, bad)),
             };
-            control_request(events, request).await
+            match control_request(events, request).await {
+                Ok(reply) => reply,
+                Err((status, why)) => error(status, not_done(&name, load, why)),
+            }
         }
         (false, false, _) => error(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} is not allowed on {path}")),
         _ => error(
@@ -287,11 +290,15 @@ fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Resul
     Ok(control::Request::Load { model, path })
 }
 
-/// Sends a control request to the loop and answers with its final response.
-async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control::Request) -> Reply {
+/// Sends a control request to the loop and answers with its final response; a refusal or
+/// failure as its status and reason.
+async fn control_request(
+    events: &mpsc::UnboundedSender<Event>,
+    request: control::Request,
+) -> Result<Reply, (StatusCode, String)> {
     let (replies, mut answers) = mpsc::unbounded_channel();
     if events.send(Event::Control(request, replies)).is_err() {
-        return stopping();
+        return Ok(stopping());
     }
     let mut last = None;
     while let Some(answer) = answers.recv().await {
@@ -304,15 +311,15 @@ async fn control_request(events: &mpsc::UnboundedSender<Event>, request: control
         Some(control::Response { ok: true, message, .. }) => {
             let message = message.unwrap_or_default();
             info!("admin: {message}");
-            json_reply(StatusCode::OK, &json!({ "message": message }))
+            Ok(json_reply(StatusCode::OK, &json!({ "message": message })))
         }
         // Refused before anything changed (unknown model, a reload in progress, ...), or the
         // new workers failed and the pool keeps what it served.
         Some(control::Response { error: Some(error), refused, .. }) => {
             let status = if refused { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
-            self::error(status, error)
+            Err((status, error))
         }
-        _ => stopping(),
+        _ => Ok(stopping()),
     }
 }
 

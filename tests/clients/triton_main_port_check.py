@@ -114,9 +114,9 @@ def main(admin, http_addr, grpc_addr):
     require([m["name"] for m in ready] == ["typed", "classifier", "slow"], f"ready only: {ready}")
 
     # Refusals name the model (or the version).
-    refused(lambda: http.get_inference_statistics("nosuch"), "unknown model 'nosuch'")
+    refused(lambda: http.get_inference_statistics("nosuch"), "unknown model: 'nosuch'")
     refused(lambda: http.get_inference_statistics("typed", "77"), "no version '77'")
-    refused(lambda: grpc.get_inference_statistics("nosuch"), "unknown model 'nosuch'")
+    refused(lambda: grpc.get_inference_statistics("nosuch"), "unknown model: 'nosuch'")
 
 
 def without_control(http, grpc):
@@ -133,12 +133,14 @@ def with_control(http, grpc):
     require(states["reranker"] == "READY", f"index after the load: {states}")
     grpc.unload_model("classifier")
     require(not http.is_model_ready("classifier"), "classifier still ready after its unload")
+    # Triton's simple_grpc_model_control asks gRPC after an unload: False, not an error.
+    require(grpc.is_model_ready("classifier") is False, "gRPC: classifier still ready after its unload")
     states = {m.name: m.state for m in grpc.get_model_repository_index().models}
     require(states["classifier"] == "UNAVAILABLE", f"index after the unload: {states}")
     refused(lambda: http.unload_model("typed"), "default model")
     refused(lambda: grpc.load_model("no_such_model"), "no_such_model", "no folder")
-    refused(lambda: grpc.load_model("slow", config='{"backend":"onnxruntime"}'), "Triton model configuration")
-    refused(lambda: http.load_model("slow", config='{"backend":"onnxruntime"}'), "Triton model configuration")
+    refused(lambda: grpc.load_model("slow", config='{"backend":"onnxruntime"}'), "failed to load 'slow': inferd does not take a Triton model configuration")
+    refused(lambda: http.load_model("slow", config='{"backend":"onnxruntime"}'), "failed to load 'slow': inferd does not take a Triton model configuration")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ use std::process::ExitStatus;
 
 use inferd_config::model::ModelEntry;
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
-use inferd_ipc::triton::{Answer, Answered, Question, Refused};
+use inferd_ipc::triton::{not_done, Answer, Answered, Question, Refused};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
@@ -268,15 +268,16 @@ impl Supervisor {
         answers: UnboundedSender<Answer>,
     ) {
         let config = &self.resolved.config;
+        let loads = load.is_some();
         let request = match load {
             _ if !(config.admin.model_control && config.admin.model_control_on_main_port) => {
                 Err(Refused::ModelControlOff)
             }
-            None => Ok(Request::Unload { model }),
-            Some(None) => Ok(Request::Load { model, path: None }),
+            None => Ok(Request::Unload { model: model.clone() }),
+            Some(None) => Ok(Request::Load { model: model.clone(), path: None }),
             Some(Some(path)) => match confined(&path, &model, &config.allowed_model_paths(), PathFrom::AdminLoad) {
-                Ok(path) => Ok(Request::Load { model, path: Some(path) }),
-                Err(e) => Err(Refused::NotDone { message: e.to_string(), before_change: true }),
+                Ok(path) => Ok(Request::Load { model: model.clone(), path: Some(path) }),
+                Err(e) => Err(Refused::NotDone { message: not_done(&model, true, e), before_change: true }),
             },
         };
         let request = match request {
@@ -299,7 +300,7 @@ impl Supervisor {
             let result = match last {
                 Some(Response { ok: true, message, .. }) => Ok(Answered::Done(message.unwrap_or_default())),
                 Some(Response { error, refused, .. }) => Err(Refused::NotDone {
-                    message: error.unwrap_or_else(|| "the supervisor gave no reason".into()),
+                    message: not_done(&model, loads, error.as_deref().unwrap_or("the supervisor gave no reason")),
                     before_change: refused,
                 }),
                 None => Err(Refused::NotDone { message: "the supervisor is stopping".into(), before_change: true }),

@@ -1,7 +1,9 @@
 //! Answers compressed where the client asks, in one place per protocol.
 //!
 //! - HTTP: every answer passes through [`answer`] (called by [`crate::http::handle`]): a
-//!   success of at least [`MIN_BYTES`] is compressed in the coding the request's
+//!   success of an inference route (`Kind::compress`: as Triton, which compresses infer answers
+//!   alone; metadata, statistics and the repository's answers never are) of at least
+//!   [`MIN_BYTES`] is compressed in the coding the request's
 //!   `Accept-Encoding` prefers ([`Encoding::accepted`]: gzip or deflate, as
 //!   `tritonclient.http`'s `response_compression_algorithm` asks), with `Content-Encoding` and a
 //!   Content-Length that is the compressed body's. Errors are never compressed:

@@ -95,8 +95,11 @@ pub async fn handle(
             error_reply(&e, style)
         }
     };
-    // Every answer, whatever its route: compressed where the client asks (errors are not).
-    let mut reply = compress::answer(&state, encoding, reply).await;
+    // An inference's answer: compressed where the client asks (errors are not).
+    let mut reply = match route.as_ref().is_some_and(|r| r.kind().compress) {
+        true => compress::answer(&state, encoding, reply).await,
+        false => reply,
+    };
     let headers = reply.headers_mut();
     if let Some(waited) = call.as_ref().and_then(|c| c.load_wait()) {
         // Server-Timing's `load`: this request waited that long for its model to load.

@@ -131,7 +131,11 @@ impl<'a> Route<'a> {
             Route::Info => (Tei, false, false),
             Route::Ping => (Tei, false, true),
         };
-        Kind { style, post, probe }
+        // Triton compresses infer answers alone, and its asyncio client asks for gzip on every
+        // route while it inflates only those: metadata, statistics and the repository's
+        // answers go as they are.
+        let compress = post && !matches!(self, Route::RepositoryIndex | Route::RepositoryChange(..));
+        Kind { style, post, probe, compress }
     }
 }
 
@@ -185,4 +189,7 @@ pub struct Kind {
     pub post: bool,
     /// A health or readiness probe ([`crate::request::door::Arrival::probe`]).
     pub probe: bool,
+    /// Its answer is compressed where the client asks ([`crate::http::compress`]): an
+    /// inference's (or TEI's tokenizer's), not metadata's.
+    pub compress: bool,
 }

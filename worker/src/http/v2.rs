@@ -6,7 +6,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, StatusCode};
 use serde_json::{json, Value};
 
-use inferd_ipc::triton::repository_path;
+use inferd_ipc::triton::{not_done, repository_path};
 
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
@@ -76,7 +76,8 @@ pub async fn repository_change(
     if !body.is_object() {
         return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
     }
-    let path = repository_path(body.get("parameters"), load).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let path =
+        repository_path(body.get("parameters"), load).map_err(|e| ApiError::BadRequest(not_done(name, load, e)))?;
     let message = state.supervisor.change_repository(name, load, path).await?;
     Ok(json_reply(StatusCode::OK, serde_json::to_vec(&json!({ "message": message })).expect("json")))
 }

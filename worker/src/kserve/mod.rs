@@ -52,7 +52,7 @@ pub fn select_outputs(parsed: &Parsed, available: &[&str], model: &str) -> Resul
         };
         // As Triton: an output asked for twice is a mistake in the request, not a wish.
         if selection.iter().any(|(j, _)| *j == i) {
-            return Err(format!("output '{}' is requested twice", out.name));
+            return Err(format!("output '{}' already exists in request: ask for each output once", out.name));
         }
         selection.push((i, out.binary.unwrap_or(parsed.binary_output)));
     }

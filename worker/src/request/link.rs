@@ -186,7 +186,7 @@ mod tests {
         });
         assert_eq!(link.index(true).await.unwrap(), vec![]);
         let refused = link.statistics(Some("x"), None).await.unwrap_err();
-        assert!(refused.to_string().contains("unknown model 'x'"), "{refused}");
+        assert!(refused.to_string().contains("unknown model: 'x'"), "{refused}");
         supervisor.join().unwrap();
         let gone = link.index(false).await.unwrap_err();
         assert!(matches!(gone, AskError::Unreachable(_)), "{gone}");

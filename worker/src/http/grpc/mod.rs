@@ -216,8 +216,14 @@ impl GrpcInferenceService for Grpc {
     ) -> Result<Response<proto::ModelReadyResponse>, Status> {
         let message = request.get_ref();
         // A model loaded on demand is ready before its first request: that request loads it.
+        // One this server does not serve (unknown, unloaded, no such version) is not ready,
+        // which is an answer, not an error (Triton's ModelReady; HTTP says it with 404).
         if !(message.version.is_empty() && self.state.models.loads_on_demand(&message.name)) {
-            find(&self.state, &request, &message.name, &message.version).await.map_err(status)?;
+            match find(&self.state, &request, &message.name, &message.version).await {
+                Ok(_) => {}
+                Err(ApiError::NotFound(_)) => return Ok(Response::new(proto::ModelReadyResponse { ready: false })),
+                Err(e) => return Err(status(e)),
+            }
         }
         Ok(Response::new(proto::ModelReadyResponse { ready: self.state.ready.load(Ordering::Relaxed) }))
     }
@@ -367,7 +373,7 @@ impl Grpc {
             })
             .collect();
         let path = repository_path(Some(&Value::Object(parameters)), load)
-            .map_err(|e| status(ApiError::BadRequest(e.to_string())))?;
+            .map_err(|e| status(ApiError::BadRequest(triton::not_done(model, load, e))))?;
         self.state.supervisor.change_repository(model, load, path).await.map_err(|e| status(e.into()))?;
         Ok(())
     }
