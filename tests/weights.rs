@@ -80,6 +80,8 @@ fn artefacts(cache: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(cache)
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().to_string()).collect())
         .unwrap_or_default();
+    // Not the preparations' lock files (`.lock-{artefact}`).
+    names.retain(|n| !n.starts_with('.'));
     names.sort();
     names
 }

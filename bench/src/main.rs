@@ -693,6 +693,7 @@ fn trace(
         "warm_p99_ms": percentile(warm, 0.99),
         "pss_peak_mib": pss.iter().copied().max().map(mib),
         "pss_mean_mib": (!pss.is_empty()).then(|| mib(pss.iter().sum::<u64>() / pss.len() as u64)),
+        "pss_start_mib": pss.first().copied().map(mib),
     });
     println!("{summary}");
     Ok(())

@@ -147,24 +147,28 @@ fn load_error(entry: &ModelEntry, message: String) -> ModelError {
 
 /// The SHA-256 of a model: its file, then the name and content of each external data file the
 /// graph names (`model.onnx_data`), so that new weights beside the same graph are a new
-/// version (and a new shared artefact). Streamed: the file is mapped, not read into memory.
+/// version (and a new shared artefact). Streamed through a small buffer, so that hashing adds
+/// nothing to the worker's memory: a mapping of the whole file would count in its PSS (and
+/// against its share of models.memory_budget) while it is read. The external files are then
+/// found in a mapping of which only the graph's structure is read (a tensor's bytes are passed
+/// over, never touched).
 fn digest(path: &Path) -> Result<Vec<u8>, SourceError> {
     let io = |error| SourceError::Read { path: path.to_path_buf(), error };
-    let file = std::fs::File::open(path).map_err(io)?;
+    let mut file = std::fs::File::open(path).map_err(io)?;
     let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| SourceError::TooLarge)?;
     let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(io)?;
     let mut external = Vec::new();
     if len > 0 {
         use std::os::fd::AsRawFd;
         // SAFETY: a private read-only mapping of the whole file, unmapped below; a file
-        // changed under it gives another digest, not unsafety in a byte slice we only read.
+        // changed under it gives another list, not unsafety in a byte slice we only read.
         let at =
             unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
         if at == libc::MAP_FAILED {
             return Err(io(std::io::Error::last_os_error()));
         }
         let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
-        hasher.update(bytes);
         // A file that does not parse is ONNX Runtime's to refuse, with its own message.
         external = crate::onnx::external_files(bytes).unwrap_or_default();
         unsafe { libc::munmap(at, len) };

@@ -4,21 +4,24 @@
 //! engine and the model to the handlers. A load that fails or panics costs that model's
 //! requests (500 with the reason), never the worker.
 //!
-//! Within the worker's share of `models.memory_budget` ([`Budget`]): before a load, idle
-//! models loaded on demand are evicted (models.eviction's order) until the worker's memory
-//! plus what the model will cost fits the share. A worker's memory is its PSS: its own pages,
-//! and each page it maps divided among the processes that map it, so that the weights two
-//! workers map from the one prepared file count once for the pool, half in each (RSS would
-//! count them once per worker, and once per session in each). What a model costs is measured
-//! across its load and warm-up (the worker's PSS before and after) and remembered for its
-//! next load; before its first, it is taken as [`FIRST_LOAD_FACTOR`] times its file. A model
-//! that alone does not fit the share beside the worker's own memory and its pinned models is
-//! refused, naming both sizes; one that does not fit now because models in use hold the share
-//! waits [`IN_USE_WAIT`] for them, then is answered 503. A worker's PSS also grows without a load of its own, when a
+//! Within the worker's share of `models.memory_budget` ([`Budget`]): a load starts once what
+//! it needs fits beside what the worker holds: idle models loaded on demand are evicted first
+//! (models.eviction's order), models in use are waited for [`IN_USE_WAIT`] (then 503). A
+//! worker's memory is its PSS: its own pages, and each page it maps divided among the
+//! processes that map it, so that the weights two workers map from the one prepared file count
+//! once for the pool, half in each (RSS would count them once per worker, and once per session
+//! in each). What a load needs is its peak (models/need.rs): measured across the model's last
+//! load here (the worker's own pages at their highest, sampled, and the weights it maps), or
+//! before its first, a multiple of its file. A model whose size once loaded (measured, or at
+//! least its file) does not fit the share beside the worker's own memory and its pinned
+//! models is refused at once, naming both sizes. The one load of a model version that prepares its shared weights peaks
+//! higher than any later one, once for the pool: preparations of one artefact are one at a
+//! time pool-wide ([`crate::runtime::weights`]), and a sibling maps what the first prepared.
+//! With nothing left to evict and nothing in use, a load whose need is only estimated goes on,
+//! and what it measures decides. A worker's PSS also grows without a load of its own, when a
 //! sibling unmaps weights both mapped: the loader looks every [`CHECK_EVERY`] while idle, and
 //! evicts what no longer fits.
 
-use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,7 +33,7 @@ use tracing::{info, warn};
 
 use crate::load::{Lanes, Model};
 use crate::request::app::AppState;
-use crate::request::models::{Load, LoadError, FIRST_LOAD_FACTOR};
+use crate::request::models::{Basis, Load, LoadError, Need};
 use crate::runtime::engine::Sessions;
 use crate::runtime::model::{ModelError, Runtime};
 
@@ -59,12 +62,13 @@ enum Unloaded {
     #[error("the server hit a bug loading it (logged)")]
     Bug,
     #[error(
-        "model '{name}' needs {} MiB ({how}), more than this worker can hold: its share of models.memory_budget is {} MiB, {} MiB of which the worker and its pinned models hold",
-        size >> 20,
+        "model '{name}' needs {} MiB ({}), more than this worker can hold: its share of models.memory_budget is {} MiB, {} MiB of which the worker and its pinned models hold",
+        need.bytes >> 20,
+        need.basis,
         share >> 20,
         base >> 20
     )]
-    OverBudget { name: String, size: u64, how: &'static str, share: u64, base: u64 },
+    OverBudget { name: String, need: Need, share: u64, base: u64 },
 }
 
 /// The loader's state: what may be loaded, where models go, the budget and what each model
@@ -75,9 +79,6 @@ pub struct Loader {
     lanes: Lanes,
     state: Arc<AppState>,
     budget: Option<Budget>,
-    /// By model, as its last load measured: what it holds once warm, and the room its load
-    /// took at its peak.
-    costs: HashMap<String, (ModelCost, u64)>,
 }
 
 impl Loader {
@@ -93,7 +94,7 @@ impl Loader {
             let mib = |b: u64| b >> 20;
             info!("models loaded on demand fit in {} MiB: this worker's share of models.memory_budget ({} MiB), less the {} MiB it holds with its pinned models", mib(share.saturating_sub(base)), mib(share), mib(base));
         }
-        Loader { runtime, catalog, lanes, state, budget, costs: HashMap::new() }
+        Loader { runtime, catalog, lanes, state, budget }
     }
 
     /// Serves loads from `queue` until every sender is gone; `told`: each model loaded or
@@ -115,23 +116,28 @@ impl Loader {
             let loaded = self.load(&name, &told);
             // The load is a span of the request that asked for it (ended before it is told).
             let (outcome, error) = match &loaded {
-                Ok((_, _, cost)) => (vec![KeyValue::new("inferd.model.bytes", cost.total() as i64)], None),
+                Ok((_, _, cost, _)) => (vec![KeyValue::new("inferd.model.bytes", cost.total() as i64)], None),
                 Err(why) => (Vec::new(), Some(why.to_string())),
             };
             let attributes = [vec![KeyValue::new("inferd.model", name.clone())], outcome].concat();
             crate::trace::child_of(trace.as_ref(), "load model", since, attributes, error);
             match loaded {
-                Ok((model, number, cost)) => {
+                Ok((model, number, cost, peak)) => {
                     let seconds = started.elapsed().as_secs_f64();
                     let info = model.info.clone();
                     info!(
                         model = name,
                         trace_id = trace_id.as_deref(),
-                        "loaded on demand in {:.0} ms, {} MiB ({} MiB private, {} MiB mapped)",
+                        "loaded on demand in {:.0} ms, {} MiB ({} MiB private, {} MiB mapped); its load took {} MiB ({})",
                         seconds * 1e3,
                         cost.total() >> 20,
                         cost.private >> 20,
-                        cost.mapped >> 20
+                        cost.mapped >> 20,
+                        peak.bytes >> 20,
+                        match peak.basis {
+                            Basis::Measured => "mapping its prepared weights",
+                            _ => "preparing its shared weights",
+                        }
                     );
                     // The supervisor first: status and /metrics then show the model by the time
                     // its first answer is out.
@@ -150,26 +156,32 @@ impl Loader {
         }
     }
 
-    /// `name`'s model loaded, handed to the engine (its number) and what it cost.
-    fn load(&mut self, name: &str, told: &impl Fn(WorkerMessage)) -> Result<(Model, usize, ModelCost), LoadError> {
+    /// `name`'s model loaded, handed to the engine (its number), what it holds and what its
+    /// load took at its peak.
+    fn load(
+        &mut self,
+        name: &str,
+        told: &impl Fn(WorkerMessage),
+    ) -> Result<(Model, usize, ModelCost, Need), LoadError> {
         let Some(entry) = self.catalog.iter().find(|e| e.name == name) else {
             return Err(LoadError::Failed("it is not in this worker's catalog".into()));
         };
         let file = std::fs::metadata(&entry.path).map(|m| m.len()).unwrap_or(0);
-        let known = self.costs.get(name).copied();
         if let Some(budget) = self.budget {
-            // Before its first load, only its file is sure to be needed.
-            let (sure, how) = match known {
-                Some((cost, _)) => (cost.total(), "measured when it last loaded"),
-                None => (file, "its file's size"),
+            let need = self.state.models.need(name).unwrap_or(Need { bytes: file, basis: Basis::File });
+            // What it holds once loaded (as measured, or at least its file) must fit beside the
+            // worker's start, or it never will.
+            let sure = match self.state.models.measured_held(name) {
+                Some(held) => Need { bytes: held, basis: Basis::Held },
+                None => Need { bytes: file, basis: Basis::File },
             };
-            budget.fits(name, sure, how).map_err(|e| LoadError::Failed(e.to_string()))?;
-            let need = known.map_or(FIRST_LOAD_FACTOR * file, |(_, peak)| peak);
-            // Models in use hold the room for the milliseconds of their requests: they are
-            // waited for a while. With none left to evict, a need past the share is an
-            // estimate's: the load goes on, and what it measures decides.
+            budget.fits(name, sure).map_err(|e| LoadError::Failed(e.to_string()))?;
+            // The load starts once its need fits the share: idle models are evicted for it,
+            // models in use waited for a while (then 503). With nothing left on demand, the
+            // load goes on alone in the worker: a peak past the share's room is then the
+            // model's own, for the moments of its load.
             let mut waited = Duration::ZERO;
-            while !self.make_room(need, budget.share, None, told) && self.state.models.holds_on_demand() {
+            while !self.make_room(need.bytes, budget.share, None, told) && self.state.models.holds_on_demand() {
                 if waited >= IN_USE_WAIT {
                     return Err(LoadError::Busy(format!(
                         "this worker's share of models.memory_budget ({} MiB) is held by models in use",
@@ -180,7 +192,7 @@ impl Loader {
                 waited += IN_USE_POLL;
             }
         }
-        let before = resident();
+        let (before, preparations) = (resident(), crate::runtime::weights::written());
         let (loaded, growth) = peak_growth(|| {
             crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes)).unwrap_or(Err(Unloaded::Bug))
         });
@@ -188,19 +200,23 @@ impl Loader {
         let number = self.state.engine.add(sessions).map_err(LoadError::Failed)?;
         crate::runtime::allocator::trim();
         let cost = grown(resident(), before);
-        // Its peak: what its own pages grew to meanwhile, the weights it mapped, and its file,
-        // which the digest maps while it reads it.
-        let peak = cost.total().max(growth + cost.mapped + file);
-        self.costs.insert(name.to_string(), (cost, peak));
-        self.state.models.set_need(name, peak);
+        // Its peak: what its own pages grew to meanwhile, and the weights it mapped. A load
+        // that prepared the model's shared weights peaked higher than any later one will
+        // (which maps them): only what the model holds is measured of it.
+        let (peak, prepared) =
+            (cost.total().max(growth + cost.mapped), crate::runtime::weights::written() != preparations);
+        if !prepared {
+            self.state.models.measured_load(name, peak, cost.total());
+        }
+        let measured = Need { bytes: peak, basis: if prepared { Basis::Held } else { Basis::Measured } };
         if let Some(budget) = self.budget {
-            if let Err(why) = budget.fits(name, cost.total(), "measured as it loaded") {
+            if let Err(why) = budget.fits(name, Need { bytes: cost.total(), basis: Basis::Held }) {
                 self.state.engine.remove(number);
                 crate::runtime::allocator::trim();
                 return Err(LoadError::Failed(why.to_string()));
             }
         }
-        Ok((model, number, cost))
+        Ok((model, number, cost, measured))
     }
 
     /// Evicts idle models loaded on demand, but model number `spare`, until the worker's
@@ -223,12 +239,12 @@ impl Loader {
 }
 
 impl Budget {
-    /// Whether a model of `size` bytes (`how` that was found) fits this worker at all.
-    fn fits(&self, name: &str, size: u64, how: &'static str) -> Result<(), Unloaded> {
-        if self.base + size <= self.share {
+    /// Whether a load that needs `need` fits this worker at all.
+    fn fits(&self, name: &str, need: Need) -> Result<(), Unloaded> {
+        if self.base + need.bytes <= self.share {
             return Ok(());
         }
-        Err(Unloaded::OverBudget { name: name.to_string(), size, how, share: self.share, base: self.base })
+        Err(Unloaded::OverBudget { name: name.to_string(), need, share: self.share, base: self.base })
     }
 }
 

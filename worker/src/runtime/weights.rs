@@ -47,6 +47,16 @@ pub struct Cache {
     cpu: String,
 }
 
+/// Artefacts this process has written ([`written`]).
+static WRITTEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many artefacts this process has prepared and written: a load during which this grew
+/// prepared its model's shared weights (an optimising session's peak, once per model version
+/// and pool), where a later load maps them.
+pub fn written() -> u64 {
+    WRITTEN.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Artefacts this process has checked against their manifest already.
 static VERIFIED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
 
@@ -167,6 +177,8 @@ fn prepare(
         return Ok(());
     }
     make_root(root)?;
+    // Held until the artefact is in place: a sibling preparing the same one waits, then maps it.
+    let _turn = turn(root, dir)?;
     if dir.exists() {
         ours(dir)?;
         // Before the check reads the data file through (see `settle_lookup_tables`).
@@ -206,7 +218,9 @@ fn prepare(
         return Err(e);
     }
     match std::fs::rename(&tmp, dir) {
-        Ok(()) => {}
+        Ok(()) => {
+            WRITTEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         // Another worker got there first: use theirs, once it checks out.
         Err(_) if dir.exists() => {
             let _ = std::fs::remove_dir_all(&tmp);
@@ -222,6 +236,30 @@ fn prepare(
     remove_older(root, dir, name);
     verified.insert(dir.to_path_buf());
     Ok(())
+}
+
+/// This process's turn at `dir`'s artefact, for as long as the lock it returns lives: an
+/// exclusive `flock` on a lock file beside it. Workers that start, or load a model on demand,
+/// at the same time would otherwise each prepare the same artefact (an optimising session's
+/// weights and pre-packed copies each, at once, which a memory budget counts twice); the
+/// second waits for the first and maps what it wrote. The kernel drops the lock with its
+/// holder, so a worker killed while preparing holds nobody up.
+fn turn(root: &Path, dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, WeightsError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = root.join(format!(".lock-{}", dir.file_name().unwrap_or_default().to_string_lossy()));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|error| WeightsError::File { action: "open", path: path.clone(), error })?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, errno)| WeightsError::File {
+        action: "lock",
+        path,
+        error: errno.into(),
+    })
 }
 
 /// Lookup tables smaller than this are left as they are.
@@ -380,6 +418,7 @@ fn remove_older(root: &Path, keep: &Path, name: &str) {
             rest.len() > 17 && rest.as_bytes()[16] == b'-' && rest[..16].bytes().all(|b| b.is_ascii_hexdigit())
         });
         if ours && path != keep {
+            let _ = std::fs::remove_file(root.join(format!(".lock-{file}")));
             match std::fs::remove_dir_all(&path) {
                 Ok(()) => info!(model = name, "removed the older shared weights in {}", path.display()),
                 Err(e) => warn!(model = name, "cannot remove {}: {e}", path.display()),

@@ -18,12 +18,7 @@ use crate::load::Model;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
 
-/// Before a model's first load, the room it is given: this many times its file. A first load
-/// may prepare the model's shared weights (an optimising session of its own, which holds the
-/// weights, their pre-packed form and the file it writes), and that is its peak: measured on
-/// generated MLPs of 24 MiB, the worker's PSS rose by 4.1 times the file during the load, and
-/// stayed 1.5 to 3 times the file above where it was once the model was warm.
-pub const FIRST_LOAD_FACTOR: u64 = 5;
+use super::need::{Need, Needs};
 
 /// Loads queued for the loader thread at once, beyond the one it runs.
 pub const LOADS_QUEUED: usize = 4;
@@ -68,9 +63,9 @@ pub struct OnDemand {
     timeout: Duration,
     pub(super) eviction: Eviction,
     /// What the worker's share of models.memory_budget had free when the loader last looked
-    /// (u64::MAX: no budget), and the room each model's load took when it last loaded.
+    /// (u64::MAX: no budget), and the loads' peaks it measured.
     pub(super) room: AtomicU64,
-    pub(super) needs: Mutex<HashMap<String, u64>>,
+    pub(super) needs: Mutex<Needs>,
 }
 
 /// A file as a refusal saw it: its size and modification time (None: missing).
@@ -107,14 +102,11 @@ impl OnDemand {
         }
     }
 
-    /// The room `name`'s load takes: as its last load here measured, or before its first,
-    /// [`FIRST_LOAD_FACTOR`] times its file.
-    pub(super) fn need(&self, name: &str) -> u64 {
-        if let Some(&need) = self.needs.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
-            return need;
-        }
+    /// What `name`'s load needs ([`Needs::of`]), by its file as it is now.
+    pub(super) fn need(&self, name: &str) -> Need {
         let file = self.catalog.iter().find(|(n, _)| n == name).and_then(|(_, files)| files.first());
-        file.and_then(|f| std::fs::metadata(f).ok()).map_or(0, |m| m.len()).saturating_mul(FIRST_LOAD_FACTOR)
+        let bytes = file.and_then(|f| std::fs::metadata(f).ok()).map_or(0, |m| m.len());
+        self.needs.lock().unwrap_or_else(|e| e.into_inner()).of(name, bytes)
     }
 
     pub(super) fn lists(&self, name: &str) -> bool {

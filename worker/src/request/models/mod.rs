@@ -7,12 +7,13 @@
 //!
 //! Each part in a file of its own, under [`Models`], which ties them together: the models
 //! loaded now as the registry holds them (registry.rs), the on-demand single flight
-//! (flight.rs: one load per model at a time, its waiters and their bounds, [`OnDemand`]) and
-//! eviction within the memory budget (eviction.rs, [`Models::evict_one`]). The loader thread
+//! (flight.rs: one load per model at a time, its waiters and their bounds, [`OnDemand`]), what
+//! a load needs of the memory budget (need.rs) and eviction within the memory budget (eviction.rs, [`Models::evict_one`]). The loader thread
 //! that serves the flights' loads: [`crate::request::on_demand`].
 
 mod eviction;
 mod flight;
+mod need;
 mod registry;
 
 use std::sync::atomic::Ordering;
@@ -27,7 +28,8 @@ use crate::request::call::Call;
 use crate::request::error::ApiError;
 use crate::request::placement::Placement;
 pub use eviction::Evicted;
-pub use flight::{Load, LoadError, OnDemand, Outcome, FIRST_LOAD_FACTOR, LOADS_QUEUED};
+pub use flight::{Load, LoadError, OnDemand, Outcome, LOADS_QUEUED};
+pub use need::{Basis, Need};
 use registry::{Entry, Registry};
 
 /// How many of its models a 404 for an unknown model names.
@@ -105,7 +107,7 @@ impl Models {
         if on_demand.flights.lock().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
             return None;
         }
-        if on_demand.room.load(Ordering::Relaxed) >= on_demand.need(name) {
+        if on_demand.room.load(Ordering::Relaxed) >= on_demand.need(name).bytes {
             return None;
         }
         placement.holder(name)
@@ -118,11 +120,22 @@ impl Models {
         }
     }
 
-    /// The room `name`'s load took, as the loader measured it.
-    pub fn set_need(&self, name: &str, need: u64) {
+    /// What a load of `name` needs of the worker's share (what the loader measured, or its
+    /// estimate); None without models on demand.
+    pub fn need(&self, name: &str) -> Option<Need> {
+        self.on_demand.as_ref().map(|on_demand| on_demand.need(name))
+    }
+
+    /// `name`'s load took `peak` of the worker's share and left `held` in it.
+    pub fn measured_load(&self, name: &str, peak: u64, held: u64) {
         if let Some(on_demand) = &self.on_demand {
-            on_demand.needs.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), need);
+            on_demand.needs.lock().unwrap_or_else(|e| e.into_inner()).record(name, peak, held);
         }
+    }
+
+    /// What `name` held once loaded, when a load of it was measured here.
+    pub fn measured_held(&self, name: &str) -> Option<u64> {
+        self.on_demand.as_ref()?.needs.lock().unwrap_or_else(|e| e.into_inner()).held(name)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -197,7 +210,7 @@ impl Models {
                     };
                     known.truncate(KNOWN_NAMED);
                     return Err(ApiError::NotFound(format!(
-                        "unknown model '{name}'; this server has {}{more}",
+                        "Request for unknown model: '{name}' is not found; this server has {}{more}",
                         known.join(", ")
                     )));
                 }
@@ -317,7 +330,7 @@ mod tests {
         // Loaded: found at once; an unknown model names what there is.
         assert_eq!(models.find("b", None, &Call::default()).await.unwrap().0, 1);
         let unknown = models.find("z", None, &Call::default()).await.unwrap_err().to_string();
-        assert!(unknown.contains("unknown model 'z'") && unknown.contains("a, b, c"), "{unknown}");
+        assert!(unknown.contains("unknown model: 'z' is not found") && unknown.contains("a, b, c"), "{unknown}");
     }
 
     #[tokio::test]
