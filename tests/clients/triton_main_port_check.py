@@ -16,6 +16,8 @@ statistics checks):
   - tritonclient.grpc's (protobuf) carry the same counts, field for field;
   - the repository index, over HTTP and gRPC, equals the admin listener's (ready=True too);
   - an unknown model or version is refused naming it, over both;
+  - shared memory, over both: every status empty, unregistering succeeds, a named region's
+    status is not found and registering is refused with the reason (nothing is ever registered);
   - without `control`: load and unload are refused (403 / PERMISSION_DENIED) naming
     admin.model_control_on_main_port; with it (the server has that switch on), the model
     control examples' calls (simple_http_model_control.py, simple_grpc_model_control.py):
@@ -119,6 +121,29 @@ def main(admin, http_addr, grpc_addr):
     refused(lambda: grpc.get_inference_statistics("nosuch"), "unknown model: 'nosuch'")
 
 
+def shared_memory(http, grpc):
+    """Triton's shared-memory extensions, as a server that registers none: the calls of the
+    shm examples and of qa/L0_http/python_http_aio_test.py, qa/L0_grpc/python_grpc_aio_test.py
+    (status, unregister all, register refused)."""
+    require(http.get_system_shared_memory_status() == [], "HTTP system status is not []")
+    require(http.get_cuda_shared_memory_status() == [], "HTTP CUDA status is not []")
+    require(len(grpc.get_system_shared_memory_status().regions) == 0, "gRPC system status lists regions")
+    require(len(grpc.get_cuda_shared_memory_status().regions) == 0, "gRPC CUDA status lists regions")
+    for client in (http, grpc):
+        # Nothing to drop: success, as Triton's for a region it does not hold.
+        client.unregister_system_shared_memory()
+        client.unregister_system_shared_memory("output_data")
+        client.unregister_cuda_shared_memory()
+        refused(lambda: client.get_system_shared_memory_status("input_data"),
+                "Unable to find system shared memory region: 'input_data'")
+        refused(lambda: client.get_cuda_shared_memory_status("input_data"),
+                "Unable to find cuda shared memory region: 'input_data'")
+        refused(lambda: client.register_system_shared_memory("input_data", "/input_simple", 64),
+                "cannot register system shared memory region 'input_data'", "send the tensors in the request")
+        refused(lambda: client.register_cuda_shared_memory("input_data", b"\0" * 64, 0, 64),
+                "inferd takes no shared memory")
+
+
 def without_control(http, grpc):
     refused(lambda: http.load_model("reranker"), "admin.model_control_on_main_port")
     refused(lambda: grpc.unload_model("classifier"), "admin.model_control_on_main_port")
@@ -150,6 +175,7 @@ if __name__ == "__main__":
         main(*sys.argv[1:4])
         http, grpc = httpclient.InferenceServerClient(sys.argv[2]), grpcclient.InferenceServerClient(sys.argv[3])
         with_control(http, grpc) if sys.argv[4:5] == ["control"] else without_control(http, grpc)
+        shared_memory(http, grpc)
     except (CheckFailed, InferenceServerException, AssertionError) as e:
         traceback.print_exc()
         print(f"main port check failed: {e}")

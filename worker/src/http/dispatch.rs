@@ -15,7 +15,7 @@ use inferd_ipc::stats::Endpoint;
 
 use crate::http::reply::{json_reply, Reply};
 use crate::http::route::{self, Route};
-use crate::http::{body, cohere, forward, model_config, openai, tei, v2};
+use crate::http::{body, cohere, forward, model_config, openai, shared_memory, tei, v2};
 use crate::request::app::{counted, found_index, AppState};
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -62,6 +62,11 @@ pub async fn routed(
         Route::Statistics(name, version) => v2::statistics(state, name, version).await,
         Route::RepositoryIndex => v2::repository_index(state, request).await,
         Route::RepositoryChange(name, load) => v2::repository_change(state, name, load, request).await,
+        Route::SharedMemory(memory, action) => shared_memory::answer(memory, action).map(|()| match action {
+            // Every region's status: none is registered.
+            shared_memory::Action::Status(_) => json_reply(StatusCode::OK, b"[]".to_vec()),
+            _ => json_reply(StatusCode::OK, Vec::new()),
+        }),
         // A model loaded on demand is not loaded by being asked about.
         Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, None)),
         Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, Some(ready))),

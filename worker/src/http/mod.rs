@@ -16,6 +16,7 @@ pub mod model_config;
 pub mod openai;
 pub mod reply;
 pub mod route;
+pub mod shared_memory;
 pub mod tei;
 pub mod v2;
 pub mod write_timeout;

@@ -1,7 +1,7 @@
 //! The HTTP routes: each path's endpoint, and what each endpoint is (its template, the model
 //! its path names, its error bodies' style, its method, whether it is a probe).
 
-use crate::http::cohere;
+use crate::http::{cohere, shared_memory};
 
 /// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it, and a missing
 /// model name means the default model.
@@ -22,6 +22,8 @@ pub enum Route<'a> {
     /// Triton's repository `load` (true) or `unload` of a model: a rolling reload the
     /// supervisor runs, with admin.model_control_on_main_port.
     RepositoryChange(&'a str, bool),
+    /// Triton's shared-memory extensions ([`shared_memory`]).
+    SharedMemory(shared_memory::Memory, shared_memory::Action<'a>),
     Embed(Option<&'a str>),
     Predict(Option<&'a str>),
     /// OpenAI's `POST /v1/embeddings`; the model is named in the body.
@@ -88,6 +90,21 @@ impl<'a> Route<'a> {
             Route::RepositoryIndex => "/v2/repository/index",
             Route::RepositoryChange(_, true) => "/v2/repository/models/{model}/load",
             Route::RepositoryChange(_, false) => "/v2/repository/models/{model}/unload",
+            Route::SharedMemory(memory, action) => {
+                use shared_memory::{Action::*, Memory::*};
+                match (memory, action) {
+                    (System, Status(None)) => "/v2/systemsharedmemory/status",
+                    (System, Status(Some(_))) => "/v2/systemsharedmemory/region/{region}/status",
+                    (System, Register(_)) => "/v2/systemsharedmemory/region/{region}/register",
+                    (System, Unregister(None)) => "/v2/systemsharedmemory/unregister",
+                    (System, Unregister(Some(_))) => "/v2/systemsharedmemory/region/{region}/unregister",
+                    (Cuda, Status(None)) => "/v2/cudasharedmemory/status",
+                    (Cuda, Status(Some(_))) => "/v2/cudasharedmemory/region/{region}/status",
+                    (Cuda, Register(_)) => "/v2/cudasharedmemory/region/{region}/register",
+                    (Cuda, Unregister(None)) => "/v2/cudasharedmemory/unregister",
+                    (Cuda, Unregister(Some(_))) => "/v2/cudasharedmemory/region/{region}/unregister",
+                }
+            }
             Route::Embed(None) => "/embed",
             Route::Embed(Some(_)) => "/v2/models/{model}/embed",
             Route::Predict(None) => "/predict",
@@ -115,6 +132,7 @@ impl<'a> Route<'a> {
         let (style, post, probe) = match self {
             Route::Server | Route::Model(..) | Route::ModelConfig(..) | Route::Statistics(..) => (V2, false, false),
             Route::RepositoryIndex | Route::RepositoryChange(..) => (V2, true, false),
+            Route::SharedMemory(_, action) => (V2, !matches!(action, shared_memory::Action::Status(_)), false),
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
             Route::Infer(..) => (V2, true, false),
             Route::OpenAiEmbeddings => (OpenAi, true, false),
@@ -134,7 +152,8 @@ impl<'a> Route<'a> {
         // Triton compresses infer answers alone, and its asyncio client asks for gzip on every
         // route while it inflates only those: metadata, statistics and the repository's
         // answers go as they are.
-        let compress = post && !matches!(self, Route::RepositoryIndex | Route::RepositoryChange(..));
+        let compress =
+            post && !matches!(self, Route::RepositoryIndex | Route::RepositoryChange(..) | Route::SharedMemory(..));
         Kind { style, post, probe, compress }
     }
 }
@@ -149,6 +168,22 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "stats"] => Route::Statistics(Some(name), None),
         ["v2", "models", name, "versions", v, "stats"] => Route::Statistics(Some(name), Some(v)),
         ["v2", "repository", "index"] => Route::RepositoryIndex,
+        ["v2", memory @ ("systemsharedmemory" | "cudasharedmemory"), ref rest @ ..] => {
+            use shared_memory::Action;
+            let memory = match memory {
+                "cudasharedmemory" => shared_memory::Memory::Cuda,
+                _ => shared_memory::Memory::System,
+            };
+            let action = match *rest {
+                ["status"] => Action::Status(None),
+                ["unregister"] => Action::Unregister(None),
+                ["region", region, "status"] => Action::Status(Some(region)),
+                ["region", region, "register"] => Action::Register(region),
+                ["region", region, "unregister"] => Action::Unregister(Some(region)),
+                _ => return None,
+            };
+            Route::SharedMemory(memory, action)
+        }
         ["v2", "repository", "models", name, "load"] => Route::RepositoryChange(name, true),
         ["v2", "repository", "models", name, "unload"] => Route::RepositoryChange(name, false),
         ["v2", "models", name] => Route::Model(name, None),

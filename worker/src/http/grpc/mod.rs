@@ -21,6 +21,7 @@ use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
 use crate::http::model_config::{Config, TensorConfig};
+use crate::http::shared_memory::{self, Action, Memory};
 use crate::kserve::json as kserve;
 use crate::kserve::{InputTensor, Parsed, WantedOutput};
 use crate::request::app::{self, AppState, CountedAs};
@@ -53,6 +54,11 @@ pub fn service(state: Arc<AppState>) -> GrpcInferenceServiceServer<Grpc> {
 
 pub struct Grpc {
     state: Arc<AppState>,
+}
+
+/// A region's name as Triton's shared-memory messages give it: empty means every region.
+fn some(name: &str) -> Option<&str> {
+    (!name.is_empty()).then_some(name)
 }
 
 /// The only place an [`ApiError`] becomes a gRPC status.
@@ -305,6 +311,58 @@ impl GrpcInferenceService for Grpc {
         let message = request.into_inner();
         self.change_repository(&message.model_name, false, &message.parameters).await?;
         Ok(Response::new(proto::RepositoryModelUnloadResponse {}))
+    }
+
+    async fn system_shared_memory_status(
+        &self,
+        request: Request<proto::SystemSharedMemoryStatusRequest>,
+    ) -> Result<Response<proto::SystemSharedMemoryStatusResponse>, Status> {
+        let name = &request.get_ref().name;
+        shared_memory::answer(Memory::System, Action::Status(some(name))).map_err(status)?;
+        Ok(Response::new(proto::SystemSharedMemoryStatusResponse::default()))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        request: Request<proto::SystemSharedMemoryRegisterRequest>,
+    ) -> Result<Response<proto::SystemSharedMemoryRegisterResponse>, Status> {
+        shared_memory::answer(Memory::System, Action::Register(&request.get_ref().name)).map_err(status)?;
+        Ok(Response::new(proto::SystemSharedMemoryRegisterResponse {}))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        request: Request<proto::SystemSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<proto::SystemSharedMemoryUnregisterResponse>, Status> {
+        let name = &request.get_ref().name;
+        shared_memory::answer(Memory::System, Action::Unregister(some(name))).map_err(status)?;
+        Ok(Response::new(proto::SystemSharedMemoryUnregisterResponse {}))
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        request: Request<proto::CudaSharedMemoryStatusRequest>,
+    ) -> Result<Response<proto::CudaSharedMemoryStatusResponse>, Status> {
+        let name = &request.get_ref().name;
+        shared_memory::answer(Memory::Cuda, Action::Status(some(name))).map_err(status)?;
+        Ok(Response::new(proto::CudaSharedMemoryStatusResponse::default()))
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        request: Request<proto::CudaSharedMemoryRegisterRequest>,
+    ) -> Result<Response<proto::CudaSharedMemoryRegisterResponse>, Status> {
+        shared_memory::answer(Memory::Cuda, Action::Register(&request.get_ref().name)).map_err(status)?;
+        Ok(Response::new(proto::CudaSharedMemoryRegisterResponse {}))
+    }
+
+    async fn cuda_shared_memory_unregister(
+        &self,
+        request: Request<proto::CudaSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<proto::CudaSharedMemoryUnregisterResponse>, Status> {
+        let name = &request.get_ref().name;
+        shared_memory::answer(Memory::Cuda, Action::Unregister(some(name))).map_err(status)?;
+        Ok(Response::new(proto::CudaSharedMemoryUnregisterResponse {}))
     }
 
     async fn model_infer(
