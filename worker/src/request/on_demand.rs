@@ -14,11 +14,12 @@
 //! load here (the worker's own pages at their highest, sampled, and the weights it maps), or
 //! before its first, a multiple of its file. A model whose size once loaded (measured, or at
 //! least its file) does not fit the share beside the worker's own memory and its pinned
-//! models is refused at once, naming both sizes. The one load of a model version that prepares its shared weights peaks
-//! higher than any later one, once for the pool: preparations of one artefact are one at a
-//! time pool-wide ([`crate::runtime::weights`]), and a sibling maps what the first prepared.
-//! With nothing left to evict and nothing in use, a load whose need is only estimated goes on,
-//! and what it measures decides. A worker's PSS also grows without a load of its own, when a
+//! models is refused at once, naming both sizes. With nothing left to evict and nothing in
+//! use, a load goes on alone in the worker: a peak past the share's room is then the model's
+//! own, for the moments of its load. The one load of a model version that prepares its shared
+//! weights peaks higher than any later one, once for the pool: preparations of one artefact
+//! are one at a time pool-wide ([`crate::runtime::weights`]), and a sibling maps what the
+//! first prepared. A worker's PSS also grows without a load of its own, when a
 //! sibling unmaps weights both mapped: the loader looks every [`CHECK_EVERY`] while idle, and
 //! evicts what no longer fits.
 
@@ -71,6 +72,16 @@ enum Unloaded {
     OverBudget { name: String, need: Need, share: u64, base: u64 },
 }
 
+/// A model loaded on demand: its number in the engine, what it holds, the peak its load took
+/// and whether that load prepared its shared weights.
+struct Loaded {
+    model: Model,
+    number: usize,
+    cost: ModelCost,
+    peak: u64,
+    prepared: bool,
+}
+
 /// The loader's state: what may be loaded, where models go, the budget and what each model
 /// cost when it last loaded.
 pub struct Loader {
@@ -116,13 +127,13 @@ impl Loader {
             let loaded = self.load(&name, &told);
             // The load is a span of the request that asked for it (ended before it is told).
             let (outcome, error) = match &loaded {
-                Ok((_, _, cost, _)) => (vec![KeyValue::new("inferd.model.bytes", cost.total() as i64)], None),
+                Ok(loaded) => (vec![KeyValue::new("inferd.model.bytes", loaded.cost.total() as i64)], None),
                 Err(why) => (Vec::new(), Some(why.to_string())),
             };
             let attributes = [vec![KeyValue::new("inferd.model", name.clone())], outcome].concat();
             crate::trace::child_of(trace.as_ref(), "load model", since, attributes, error);
             match loaded {
-                Ok((model, number, cost, peak)) => {
+                Ok(Loaded { model, number, cost, peak, prepared }) => {
                     let seconds = started.elapsed().as_secs_f64();
                     let info = model.info.clone();
                     info!(
@@ -133,11 +144,8 @@ impl Loader {
                         cost.total() >> 20,
                         cost.private >> 20,
                         cost.mapped >> 20,
-                        peak.bytes >> 20,
-                        match peak.basis {
-                            Basis::Measured => "mapping its prepared weights",
-                            _ => "preparing its shared weights",
-                        }
+                        peak >> 20,
+                        if prepared { "preparing its shared weights" } else { "mapping its prepared weights" }
                     );
                     // The supervisor first: status and /metrics then show the model by the time
                     // its first answer is out.
@@ -156,13 +164,8 @@ impl Loader {
         }
     }
 
-    /// `name`'s model loaded, handed to the engine (its number), what it holds and what its
-    /// load took at its peak.
-    fn load(
-        &mut self,
-        name: &str,
-        told: &impl Fn(WorkerMessage),
-    ) -> Result<(Model, usize, ModelCost, Need), LoadError> {
+    /// `name`'s model loaded and handed to the engine.
+    fn load(&mut self, name: &str, told: &impl Fn(WorkerMessage)) -> Result<Loaded, LoadError> {
         let Some(entry) = self.catalog.iter().find(|e| e.name == name) else {
             return Err(LoadError::Failed("it is not in this worker's catalog".into()));
         };
@@ -208,7 +211,6 @@ impl Loader {
         if !prepared {
             self.state.models.measured_load(name, peak, cost.total());
         }
-        let measured = Need { bytes: peak, basis: if prepared { Basis::Held } else { Basis::Measured } };
         if let Some(budget) = self.budget {
             if let Err(why) = budget.fits(name, Need { bytes: cost.total(), basis: Basis::Held }) {
                 self.state.engine.remove(number);
@@ -216,7 +218,7 @@ impl Loader {
                 return Err(LoadError::Failed(why.to_string()));
             }
         }
-        Ok((model, number, cost, measured))
+        Ok(Loaded { model, number, cost, peak, prepared })
     }
 
     /// Evicts idle models loaded on demand, but model number `spare`, until the worker's
