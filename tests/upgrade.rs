@@ -222,7 +222,12 @@ fn an_upgrade_that_cannot_start_or_load_its_model_leaves_the_old_serving_and_say
     // A binary that exits at once.
     let (ok, said) = upgrade(&server, &broken);
     assert!(!ok && said.contains("exited before it was ready") && said.contains("serves as before"), "{said}");
-    assert!(server.log().contains("this build cannot start"));
+    // Its own words may reach the log a moment after the upgrade is answered.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.log().contains("this build cannot start") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(server.log().contains("this build cannot start"), "{}", server.log());
     // A model the new supervisor cannot load (the file replaced since the old loaded it).
     let typed = repository.join("typed");
     std::fs::remove_file(&typed).unwrap();
