@@ -25,6 +25,11 @@ fn start(tag: &str, port: u16, grpc: Option<u16>) -> Server {
 /// The server exits at once with the configuration's code, its log naming `says`.
 fn refused(mut server: Server, says: &[String]) {
     let status = server.wait_exit(Duration::from_secs(60));
+    // Its last words may reach the test's copy of the log a moment after it exits.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !says.iter().all(|s| server.log().contains(s.as_str())) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let log = server.log();
     assert_eq!(status.code(), Some(78), "{log}");
     for said in says {
