@@ -365,3 +365,105 @@ fn cohere_rerank_names_each_mistake_in_coheres_shape() {
     let tokens = answer["usage"]["total_tokens"].as_u64().unwrap();
     assert!(tokens > 9 * 100 && tokens <= 10 * 128, "{answer}");
 }
+
+#[test]
+fn coheres_sdk_and_langchains_embeddings_get_the_vectors_and_codes_of_the_rule() {
+    let server = server("cohere-embed", "minilm");
+    client_check("cohere_embed_check.py", &[&server.addr.to_string()], &server, "all checks passed");
+    // Counted under Cohere's embed route for minilm: v1 three times, v2 three and the refused
+    // NONE (413), LangChain twice.
+    let metrics = server.metrics_text();
+    for (code, n) in [(200, 8.0), (413, 1.0)] {
+        let line = format!("inferd_requests_total{{model=\"minilm\",endpoint=\"cohere_embed\",code=\"{code}\"}}");
+        assert_eq!(metric_value(&metrics, &line), Some(n), "{line} in:\n{metrics}");
+    }
+}
+
+#[test]
+fn cohere_embed_names_each_mistake_in_coheres_shape_and_cuts_dimensions_where_trained() {
+    // minilm, and the same files told they were trained for Matryoshka.
+    let dir = temp_dir("cohere-embed-errors");
+    let repository = model_repository(dir.path(), &["minilm", "classifier"]);
+    let mrl = repository.join("minilm-mrl");
+    std::fs::create_dir_all(&mrl).unwrap();
+    for file in ["model.onnx", "tokenizer.json"] {
+        std::os::unix::fs::symlink(repo().join("models/minilm").join(file), mrl.join(file)).unwrap();
+    }
+    let toml = std::fs::read_to_string(repo().join("models/minilm/model.toml")).unwrap();
+    let toml = toml
+        .replace("name = \"minilm\"", "name = \"minilm-mrl\"")
+        .replace("normalize = true", "normalize = true\nmatryoshka = true");
+    std::fs::write(mrl.join("model.toml"), toml).unwrap();
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &repository, "minilm", &["classifier", "minilm-mrl"], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(120));
+
+    let texts = json!(["a", "b"]);
+    let long = "word ".repeat(300);
+    let cases = [
+        ("/v1/embed", json!({}), 400, "missing 'texts'"),
+        ("/v1/embed", json!({"texts": []}), 400, "'texts' is an empty list"),
+        ("/v1/embed", json!({"texts": "a"}), 400, "'texts' must be a list"),
+        ("/v1/embed", json!({"texts": ["a", 3]}), 400, "'texts[1]' must be a text"),
+        ("/v1/embed", json!({"texts": [""]}), 400, "empty"),
+        ("/v1/embed", json!({"texts": texts, "embedding_types": ["int4"]}), 400, "each must be one of float, int8"),
+        (
+            "/v1/embed",
+            json!({"texts": texts, "embedding_types": []}),
+            400,
+            "'embedding_types' must be a non-empty list",
+        ),
+        ("/v1/embed", json!({"texts": texts, "input_type": "poem"}), 400, "'input_type' must be one of"),
+        ("/v1/embed", json!({"texts": texts, "input_type": "image"}), 400, "takes texts"),
+        ("/v1/embed", json!({"texts": texts, "images": ["data:image/png;base64,AA=="]}), 400, "'images' is not served"),
+        ("/v2/embed", json!({"inputs": [{"content": []}]}), 400, "'inputs' is not served"),
+        ("/v1/embed", json!({"texts": texts, "truncate": "MIDDLE"}), 400, "'truncate' must be NONE, START or END"),
+        ("/v1/embed", json!({"texts": [long], "truncate": "NONE"}), 413, "truncate"),
+        ("/v1/embed", json!({"texts": texts, "output_dimension": 128}), 400, "part of v2 embed"),
+        ("/v2/embed", json!({"texts": texts, "output_dimension": 0}), 400, "'output_dimension' must be a whole number"),
+        ("/v2/embed", json!({"texts": texts, "output_dimension": 128}), 400, "not trained to give fewer"),
+        ("/v2/embed", json!({"texts": texts, "model": "minilm-mrl", "output_dimension": 385}), 400, "gives 384"),
+        ("/v2/embed", json!({"texts": texts, "max_tokens": 10}), 400, "'max_tokens'"),
+        ("/v2/embed", json!({"texts": texts, "priority": -1}), 400, "'priority'"),
+        ("/v2/embed", json!({"texts": texts, "model": "classifier"}), 400, "does not embed texts"),
+        ("/v2/embed", json!({"texts": texts, "model": 3}), 400, "'model' must be a string"),
+        (
+            "/v2/embed",
+            json!({"texts": texts, "model": "minilm-mrl", "output_dimension": 100, "embedding_types": ["int8", "ubinary"]}),
+            400,
+            "binary codes pack 8 dimensions to a byte, and the vectors have 100",
+        ),
+        ("/v2/embed", json!(["a"]), 400, "must be a JSON object"),
+    ];
+    for (path, body, status, message) in cases {
+        let r = post(&server, path, body.clone());
+        let text = String::from_utf8_lossy(&r.body).to_string();
+        assert_eq!(r.status, status, "{path} {body}: {text}");
+        let message_field = r.json()["message"].as_str().map(str::to_string);
+        assert!(
+            message_field.as_deref().is_some_and(|m| m.contains(message)),
+            "{path} {body}: {text} lacks {message:?}"
+        );
+    }
+    // A model trained for it gives fewer dimensions, normalised again, as TEI's /embed cuts them;
+    // its codes are those of the shorter vector.
+    let body =
+        json!({"texts": texts, "model": "minilm-mrl", "output_dimension": 96, "embedding_types": ["float", "ubinary"]});
+    let r = post(&server, "/v2/embed", body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let answer = r.json();
+    let cut = post(&server, "/embed", json!({"inputs": texts, "dimensions": 96})).json();
+    for (got, want) in answer["embeddings"]["float"].as_array().unwrap().iter().zip(cut.as_array().unwrap()) {
+        let (got, want) = (got.as_array().unwrap(), want.as_array().unwrap());
+        assert_eq!(got.len(), 96);
+        let d =
+            got.iter().zip(want).map(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-6, "output_dimension 96 vs /embed dimensions 96: {d}");
+    }
+    assert_eq!(answer["embeddings"]["ubinary"][0].as_array().unwrap().len(), 12, "{answer}");
+    assert_eq!(answer["model"], "minilm-mrl");
+    // A name it does not serve means the default model; nothing refused counts as a 200.
+    let r = post(&server, "/v1/embed", json!({"texts": texts, "model": "embed-english-v3.0"}));
+    assert_eq!((r.status, r.json()["model"].clone()), (200, json!("minilm")));
+}

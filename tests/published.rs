@@ -95,6 +95,15 @@ fn published_folders_answer_as_their_libraries_do() {
     assert_eq!(r.status, 200, "{}", r.error());
     let rows: Vec<Value> = r.json()["data"].as_array().unwrap().iter().map(|d| d["embedding"].clone()).collect();
     assert!(worst(&Value::Array(rows), &want["embeddings"]) < 1e-5);
+    // Cohere's input_type picks the prompt: search_document the model's "passage", search_query
+    // its "query"; clustering, which it has no prompt for, its default (query).
+    for (input_type, want) in [("search_document", &bare), ("search_query", &want), ("clustering", &want)] {
+        let body = json!({ "model": "st-embedder", "texts": TEXTS, "input_type": input_type });
+        let r = post(&server, "/v2/embed", body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let d = worst(&r.json()["embeddings"]["float"], &want["embeddings"]);
+        assert!(d < 1e-5, "st-embedder, Cohere's input_type {input_type}: {d}");
+    }
 
     // optimum layout: last-token pooling, not normalised, max_length from config.json.
     let path = "/v2/models/st-lasttoken/embed";

@@ -431,7 +431,7 @@ impl Embedder {
         let Pipeline::Text(text) = &*self.pipeline else { unreachable!("checked at load") };
         let Head::Embedding { output, settings } = &text.head else { unreachable!("checked at load") };
         let rows: Vec<Text> = texts.iter().cloned().map(Text::Single).collect();
-        let encoded = text.encode(&rows, false)?;
+        let encoded = text.encode(&rows, None)?;
         let outputs = self.model.run(encoded.inputs, None)?;
         Ok(embeddings(&outputs[*output], &encoded.lengths, settings.pooling, settings.normalize)?)
     }

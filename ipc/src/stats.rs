@@ -45,12 +45,14 @@ pub enum Endpoint {
     Rerank,
     /// Cohere's `/v1/rerank` and `/v2/rerank`.
     CohereRerank,
+    /// Cohere's `/v1/embed` and `/v2/embed`.
+    CohereEmbed,
     /// SageMaker's `/invocations` and TEI's `POST /`: the default model's pipeline.
     Invocations,
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 10] = [
+    pub const ALL: [Endpoint; 11] = [
         Endpoint::Infer,
         Endpoint::Embed,
         Endpoint::EmbedAll,
@@ -60,6 +62,7 @@ impl Endpoint {
         Endpoint::Predict,
         Endpoint::Rerank,
         Endpoint::CohereRerank,
+        Endpoint::CohereEmbed,
         Endpoint::Invocations,
     ];
 
@@ -75,6 +78,7 @@ impl Endpoint {
             Endpoint::Predict => "predict",
             Endpoint::Rerank => "rerank",
             Endpoint::CohereRerank => "cohere_rerank",
+            Endpoint::CohereEmbed => "cohere_embed",
             Endpoint::Invocations => "invocations",
         }
     }

@@ -129,8 +129,8 @@ pub async fn routed(
             // The model is named in the body: what fails before it is known counts under the
             // default model, as OpenAI's route does.
             let found = async {
-                let request = cohere::parse(&body::receive(state, request).await?, version)?;
-                let found = cohere::model_for(state, call, request.model.as_deref()).await?;
+                let request = cohere::rerank::parse(&body::receive(state, request).await?, version)?;
+                let found = cohere::rerank::model_for(state, call, request.model.as_deref()).await?;
                 Ok((request, found))
             };
             let (request, (index, meta)) = match found.await {
@@ -143,10 +143,31 @@ pub async fn routed(
                 None => call,
             };
             let work = async {
-                let reply = cohere::rerank(state, call, (index, &meta), request, version).await?;
+                let reply = cohere::rerank::rerank(state, call, (index, &meta), request, version).await?;
                 Ok(versioned(reply, &meta))
             };
             counted(state, state.engine.row(index), Endpoint::CohereRerank, work).await
+        }
+        Route::CohereEmbed(version) => {
+            // As rerank: what fails before the model is known counts under the default model.
+            let found = async {
+                let request = cohere::embed::parse(&body::receive(state, request).await?, version)?;
+                let found = cohere::embed::model_for(state, call, request.model.as_deref()).await?;
+                Ok((request, found))
+            };
+            let (request, (index, meta)) = match found.await {
+                Ok(found) => found,
+                Err(e) => return counted(state, 0, Endpoint::CohereEmbed, async { Err(e) }).await,
+            };
+            let call = match request.priority {
+                Some(p) => &call.at_priority(p),
+                None => call,
+            };
+            let work = async {
+                let reply = cohere::embed::embed(state, call, (index, &meta), request, version).await?;
+                Ok(versioned(reply, &meta))
+            };
+            counted(state, state.engine.row(index), Endpoint::CohereEmbed, work).await
         }
         Route::EmbedAll => tei_route(state, None, request, call, Endpoint::EmbedAll, tei::embed_all).await,
         Route::EmbedSparse(name) => {

@@ -22,7 +22,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 use crate::http::reply::{ran, Reply};
-use crate::pipeline::{cut_dimensions, Head, Text};
+use crate::pipeline::{cut_dimensions, Head, Side, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -112,7 +112,8 @@ pub async fn embeddings(
         )));
     };
     let (normalize, matryoshka) = (settings.normalize, settings.matryoshka);
-    let options = Options { truncate: request.truncate, normalize: Some(normalize), ..Options::default() };
+    let options =
+        Options { truncate: request.truncate.then_some(Side::Right), normalize: Some(normalize), ..Options::default() };
     let mut outcome =
         tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(request.texts), options).await?;
     let Rows::Embeddings(rows) = &mut outcome.rows else { unreachable!("embedding models return embeddings") };

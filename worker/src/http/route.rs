@@ -38,6 +38,8 @@ pub enum Route<'a> {
     Rerank(Option<&'a str>),
     /// Cohere's `POST /v1/rerank` and `/v2/rerank`; the model is named in the body.
     CohereRerank(cohere::Version),
+    /// Cohere's `POST /v1/embed` and `/v2/embed`; the model is named in the body.
+    CohereEmbed(cohere::Version),
     /// `POST /` and SageMaker's `POST /invocations`: `/embed` or `/predict` by the default
     /// model's task.
     Invocations,
@@ -121,6 +123,8 @@ impl<'a> Route<'a> {
             Route::Rerank(Some(_)) => "/v2/models/{model}/rerank",
             Route::CohereRerank(cohere::Version::V1) => "/v1/rerank",
             Route::CohereRerank(cohere::Version::V2) => "/v2/rerank",
+            Route::CohereEmbed(cohere::Version::V1) => "/v1/embed",
+            Route::CohereEmbed(cohere::Version::V2) => "/v2/embed",
             Route::Invocations => "/invocations",
             Route::Ping => "/ping",
         }
@@ -136,7 +140,7 @@ impl<'a> Route<'a> {
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
             Route::Infer(..) => (V2, true, false),
             Route::OpenAiEmbeddings => (OpenAi, true, false),
-            Route::CohereRerank(_) => (Cohere, true, false),
+            Route::CohereRerank(_) | Route::CohereEmbed(_) => (Cohere, true, false),
             Route::Embed(_)
             | Route::Predict(_)
             | Route::Tokenize
@@ -209,6 +213,8 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["rerank"] => Route::Rerank(None),
         ["v1", "rerank"] => Route::CohereRerank(cohere::Version::V1),
         ["v2", "rerank"] => Route::CohereRerank(cohere::Version::V2),
+        ["v1", "embed"] => Route::CohereEmbed(cohere::Version::V1),
+        ["v2", "embed"] => Route::CohereEmbed(cohere::Version::V2),
         ["v2", "models", name, "rerank"] => Route::Rerank(Some(name)),
         ["invocations"] | [""] => Route::Invocations,
         ["ping"] => Route::Ping,

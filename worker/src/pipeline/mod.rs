@@ -2,7 +2,7 @@
 //! decoder ([`image`]), and the model's outputs turned into embeddings or labelled scores
 //! ([`head`]). What goes wrong in them, for a request ([`PipelineError`]) or for a
 //! model.toml ([`BuildError`]), is in a file of its own, as is how much of a text is tokenized
-//! ([`BYTES_PER_TOKEN`]).
+//! ([`BYTES_PER_TOKEN`]); embeddings as the codes vector stores keep are in [`codes`].
 //!
 //! A [`Pipeline`] is built when the model loads, against the model's declared inputs and
 //! outputs, so a `model.toml` that does not fit its model is refused at start (and by
@@ -13,6 +13,7 @@
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
 
+pub mod codes;
 mod error;
 pub mod head;
 pub mod image;
@@ -25,7 +26,7 @@ use crate::runtime::tensor::TensorSpec;
 pub use error::{BuildError, PipelineError};
 pub use head::{cut_dimensions, embeddings, l2_normalize, ranked, scores, sparse, token_embeddings, Head, Producer};
 pub use image::{decode_image, ImagePipeline};
-pub use text::{Encoded, Piece, Text, TextPipeline};
+pub use text::{Encoded, Piece, Side, Text, TextPipeline};
 pub use text_bound::BYTES_PER_TOKEN;
 
 #[derive(Debug)]

@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 
 use inferd_config::model::TokenizerConfig;
-use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationParams};
+use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationDirection, TruncationParams};
 
 use super::error::{BuildError, PipelineError};
 use super::head::Head;
@@ -26,13 +26,25 @@ enum TextFeed {
 pub struct TextPipeline {
     /// Padding and truncation off: the batch is padded to its longest sequence here.
     plain: Tokenizer,
-    /// The same with truncation at `max_length`, made the first time a text has to be cut (a
-    /// tokenizer holds its vocabulary, ~6 MiB for MiniLM's; most workers never cut a text).
-    truncating: OnceLock<Result<Tokenizer, String>>,
+    /// The same with truncation at `max_length` from the right, then from the left, each made
+    /// the first time a text has to be cut so (a tokenizer holds its vocabulary, ~6 MiB for
+    /// MiniLM's; most workers never cut a text).
+    truncating: [OnceLock<Result<Tokenizer, String>>; 2],
     pub max_length: usize,
     /// For every model input, in the model's order: what feeds it and its element type.
     feeds: Vec<(String, TextFeed, DataType)>,
     pub head: Head,
+}
+
+/// Which end of a text longer than the model takes is cut, where a request allows it: the
+/// right keeps its first tokens (the default everywhere), the left its last (TEI's
+/// `truncation_direction: "Left"`, Cohere's `truncate: "START"`). The model's special tokens
+/// stay in place either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Side {
+    #[default]
+    Right,
+    Left,
 }
 
 /// One text input: a sentence, or a pair for cross-encoders.
@@ -94,7 +106,7 @@ impl TextPipeline {
         if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
             return Err(BuildError::NoInputIds);
         }
-        Ok(TextPipeline { plain, truncating: OnceLock::new(), max_length: t.max_length, feeds, head })
+        Ok(TextPipeline { plain, truncating: Default::default(), max_length: t.max_length, feeds, head })
     }
 }
 
@@ -104,14 +116,15 @@ impl TextPipeline {
         self.max_length.saturating_mul(BYTES_PER_TOKEN)
     }
 
-    /// `text`, cut at a character boundary to [`TextPipeline::max_text_bytes`] when `truncate`
-    /// allows it, else refused when longer.
-    fn bounded<'a>(&self, index: usize, text: &'a str, truncate: bool) -> Result<&'a str, PipelineError> {
+    /// `text`, cut at a character boundary to [`TextPipeline::max_text_bytes`] on the side
+    /// `truncate` names, else refused when longer.
+    fn bounded<'a>(&self, index: usize, text: &'a str, truncate: Option<Side>) -> Result<&'a str, PipelineError> {
         let max = self.max_text_bytes();
         match (text.len() > max, truncate) {
             (false, _) => Ok(text),
-            (true, true) => Ok(&text[..text.floor_char_boundary(max)]),
-            (true, false) => Err(PipelineError::TextTooLong { index, bytes: text.len(), max }),
+            (true, Some(Side::Right)) => Ok(&text[..text.floor_char_boundary(max)]),
+            (true, Some(Side::Left)) => Ok(&text[text.ceil_char_boundary(text.len().saturating_sub(max))..]),
+            (true, None) => Err(PipelineError::TextTooLong { index, bytes: text.len(), max }),
         }
     }
 
@@ -124,7 +137,7 @@ impl TextPipeline {
 
     /// Tokens of `text` alone, without special tokens; refused past the model's bound on bytes.
     pub fn count_tokens(&self, index: usize, text: &str) -> Result<usize, PipelineError> {
-        let text = self.bounded(index, text, false)?;
+        let text = self.bounded(index, text, None)?;
         let encoding = self
             .plain
             .encode_fast(text, false)
@@ -170,8 +183,9 @@ impl TextPipeline {
         }
     }
 
-    /// Tokenises a batch and pads it to its longest row (never to a fixed length).
-    pub fn encode(&self, texts: &[Text], truncate: bool) -> Result<Encoded, PipelineError> {
+    /// Tokenises a batch and pads it to its longest row (never to a fixed length); a text past
+    /// the model's length is cut on the side `truncate` names, or refused without one.
+    pub fn encode(&self, texts: &[Text], truncate: Option<Side>) -> Result<Encoded, PipelineError> {
         let mut encodings = Vec::with_capacity(texts.len());
         let mut truncated = Vec::new();
         for (index, text) in texts.iter().enumerate() {
@@ -228,20 +242,22 @@ impl TextPipeline {
     }
 
     /// A text (or a pair) with the model's special tokens; with `truncate`, cut to `max_length`
-    /// tokens by the tokenizer with truncation on. What fits is encoded once, by the plain
-    /// tokenizer: with nothing to cut, both give the same.
-    fn encode_text(&self, first: &str, second: Option<&str>, truncate: bool) -> Result<Encoding, String> {
+    /// tokens on that side by the tokenizer with truncation on. What fits is encoded once, by
+    /// the plain tokenizer: with nothing to cut, both give the same.
+    fn encode_text(&self, first: &str, second: Option<&str>, truncate: Option<Side>) -> Result<Encoding, String> {
         let encode = |tokenizer: &Tokenizer| match second {
             None => tokenizer.encode_fast(first, true),
             Some(second) => tokenizer.encode_fast((first, second), true),
         };
         let whole = encode(&self.plain).map_err(|e| e.to_string())?;
-        if !truncate || whole.len() <= self.max_length {
-            return Ok(whole);
-        }
-        let truncating = self.truncating.get_or_init(|| {
+        let Some(side) = truncate.filter(|_| whole.len() > self.max_length) else { return Ok(whole) };
+        let (slot, direction) = match side {
+            Side::Right => (0, TruncationDirection::Right),
+            Side::Left => (1, TruncationDirection::Left),
+        };
+        let truncating = self.truncating[slot].get_or_init(|| {
             let mut t = self.plain.clone();
-            let params = TruncationParams { max_length: self.max_length, ..Default::default() };
+            let params = TruncationParams { max_length: self.max_length, direction, ..Default::default() };
             t.with_truncation(Some(params)).map(|_| ()).map_err(|e| e.to_string())?;
             Ok(t)
         });
@@ -249,16 +265,19 @@ impl TextPipeline {
     }
 
     /// Token ids a client tokenised itself, checked against the vocabulary; truncated to
-    /// `max_length` when allowed (the second value says whether they were).
-    fn encode_ids(&self, index: usize, ids: &[u32], truncate: bool) -> Result<(Encoding, bool), PipelineError> {
+    /// `max_length` on the side `truncate` names (the second value says whether they were).
+    fn encode_ids(&self, index: usize, ids: &[u32], truncate: Option<Side>) -> Result<(Encoding, bool), PipelineError> {
         if ids.is_empty() {
             return Err(PipelineError::Empty { index });
         }
         self.known_ids(index, ids)?;
-        if ids.len() > self.max_length && !truncate {
-            return Err(PipelineError::TooLong { index, tokens: ids.len(), max: self.max_length });
-        }
-        let kept = &ids[..ids.len().min(self.max_length)];
+        let cut = ids.len().saturating_sub(self.max_length);
+        let kept = match truncate {
+            _ if cut == 0 => ids,
+            Some(Side::Right) => &ids[..self.max_length],
+            Some(Side::Left) => &ids[cut..],
+            None => return Err(PipelineError::TooLong { index, tokens: ids.len(), max: self.max_length }),
+        };
         let tokens = kept.iter().map(|&id| Token::new(id, String::new(), (0, 0))).collect();
         Ok((Encoding::from_tokens(tokens, 0), kept.len() < ids.len()))
     }
@@ -282,12 +301,12 @@ impl TextPipeline {
         // Every token is listed: nothing is cut, so a text past the bound is refused.
         let (input, source): (EncodeInput, &str) = match text {
             Text::Single(s) => {
-                let s = self.bounded(index, s, false)?;
+                let s = self.bounded(index, s, None)?;
                 (s.into(), s)
             }
             Text::Pair(a, b) => {
-                let a = self.bounded(index, a, false)?;
-                ((a, self.bounded(index, b, false)?).into(), a)
+                let a = self.bounded(index, a, None)?;
+                ((a, self.bounded(index, b, None)?).into(), a)
             }
             Text::Ids(_) => return Err(PipelineError::Tokenizer { index, message: "already token ids".into() }),
         };
@@ -365,13 +384,17 @@ mod tests {
             let mut bare = plain.clone();
             bare.with_post_processor(None::<PostProcessorWrapper>);
             for tokenizer in [plain, bert, bare] {
-                for max_length in [5, 12, 128] {
+                for (max_length, side) in [5, 12, 128].into_iter().flat_map(|m| [(m, Side::Right), (m, Side::Left)]) {
+                    let (slot, direction) = match side {
+                        Side::Right => (0, TruncationDirection::Right),
+                        Side::Left => (1, TruncationDirection::Left),
+                    };
                     let mut reference = tokenizer.clone();
-                    let params = TruncationParams { max_length, ..Default::default() };
+                    let params = TruncationParams { max_length, direction, ..Default::default() };
                     reference.with_truncation(Some(params)).unwrap();
                     let pipeline = TextPipeline {
                         plain: tokenizer.clone(),
-                        truncating: OnceLock::new(),
+                        truncating: Default::default(),
                         max_length,
                         feeds: Vec::new(),
                         head: Head::Classification {
@@ -382,8 +405,8 @@ mod tests {
                         },
                     };
                     // What fits is encoded by the plain tokenizer alone.
-                    pipeline.encode_text("hi", None, true).unwrap();
-                    assert!(pipeline.truncating.get().is_none(), "{file}, {max_length}");
+                    pipeline.encode_text("hi", None, Some(side)).unwrap();
+                    assert!(pipeline.truncating.iter().all(|t| t.get().is_none()), "{file}, {max_length}");
                     let mut needed = false;
                     let pairs = texts.iter().flat_map(|a| texts.iter().map(move |b| (*a, Some(*b))));
                     for (first, second) in texts.iter().map(|t| (*t, None)).chain(pairs) {
@@ -392,17 +415,18 @@ mod tests {
                             Some(second) => reference.encode_fast((first, second), true),
                         }
                         .unwrap();
-                        let got = pipeline.encode_text(first, second, true).unwrap();
-                        let what = format!("{file}, max_length {max_length}: {first:?} / {second:?}");
+                        let got = pipeline.encode_text(first, second, Some(side)).unwrap();
+                        let what = format!("{file}, max_length {max_length}, {side:?}: {first:?} / {second:?}");
                         assert_eq!(got.get_ids(), want.get_ids(), "{what}");
                         assert_eq!(got.get_type_ids(), want.get_type_ids(), "{what}");
                         assert_eq!(got.get_attention_mask(), want.get_attention_mask(), "{what}");
                         assert_eq!(got.get_overflowing().is_empty(), want.get_overflowing().is_empty(), "{what}");
                         checked += 1;
-                        needed |= pipeline.encode_text(first, second, false).unwrap().len() > max_length;
+                        needed |= pipeline.encode_text(first, second, None).unwrap().len() > max_length;
                     }
-                    // Made once a text had to be cut.
-                    assert_eq!(pipeline.truncating.get().is_some(), needed, "{file}, {max_length}");
+                    // Made once a text had to be cut, for that side alone.
+                    assert_eq!(pipeline.truncating[slot].get().is_some(), needed, "{file}, {max_length}");
+                    assert!(pipeline.truncating[[1, 0][slot]].get().is_none(), "{file}, {max_length}");
                 }
             }
         }

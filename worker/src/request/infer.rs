@@ -5,7 +5,7 @@ use base64::Engine as _;
 use serde_json::Value;
 
 use crate::kserve::{select_outputs, Parsed};
-use crate::pipeline::{Head, Pipeline, Text};
+use crate::pipeline::{Head, Pipeline, Side, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -50,7 +50,7 @@ pub async fn run_v2(
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
-            let options = Options { truncate, ..Options::default() };
+            let options = Options { truncate: truncate.then_some(Side::Right), ..Options::default() };
             let outcome = tasks::run_pipeline(state, call, index, meta, input, options).await?;
             let outputs = pipeline_tensors(&outcome.rows);
             return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 
 use crate::pipeline::{
-    embeddings, l2_normalize, scores, token_embeddings, Head, Pipeline, PipelineError, Text, TextPipeline,
+    embeddings, l2_normalize, scores, token_embeddings, Head, Pipeline, PipelineError, Side, Text, TextPipeline,
     BYTES_PER_TOKEN,
 };
 use crate::request::app::AppState;
@@ -31,8 +31,8 @@ pub enum PipelineInput {
 
 #[derive(Debug, Clone, Default)]
 pub struct Options {
-    /// Truncate texts longer than the model's limit instead of refusing them.
-    pub truncate: bool,
+    /// Cut texts longer than the model's limit on this side instead of refusing them.
+    pub truncate: Option<Side>,
     /// L2-normalise embeddings; `None` = the model's default.
     pub normalize: Option<bool>,
     /// Return logits instead of softmax/sigmoid scores.
@@ -129,7 +129,7 @@ pub async fn run_pipeline(
     // does not ask to truncate, is embedded whole in windows.
     if let (Pipeline::Text(p), PipelineInput::Texts(texts)) = (&*meta.pipeline, &input) {
         if let Head::Embedding { settings, .. } = &p.head {
-            if settings.long_texts == LongTexts::Chunk && !options.truncate && !options.tokens {
+            if settings.long_texts == LongTexts::Chunk && options.truncate.is_none() && !options.tokens {
                 if let Some(chunks) = chunks(state, p, settings, texts, options.prompt_name.as_deref())? {
                     return run_chunked(state, call, index, meta, settings, chunks, options).await;
                 }
@@ -236,7 +236,7 @@ async fn run_chunked(
     options: Options,
 ) -> Result<Outcome, ApiError> {
     let normalize = options.normalize.unwrap_or(settings.normalize);
-    let inner = Options { truncate: true, normalize: Some(false), ..options };
+    let inner = Options { truncate: Some(Side::Right), normalize: Some(false), ..options };
     let mut outcome = run_rows(state, call, index, meta, PipelineInput::Texts(chunks.windows), inner).await?;
     let Rows::Embeddings(windows) = &outcome.rows else { unreachable!("embedding models answer embeddings") };
     let dims = windows.first().map_or(0, Vec::len);
@@ -294,8 +294,9 @@ async fn run_rows(
     let (tensors, lengths, truncated, join) = match (&*meta.pipeline, input) {
         (Pipeline::Text(p), PipelineInput::Texts(texts)) => {
             let texts = prompted(&p.head, texts, options.prompt_name.as_deref())?;
-            let truncate = options.truncate
-                || matches!(&p.head, Head::Embedding { settings, .. } if settings.long_texts == LongTexts::Truncate);
+            let by_config =
+                matches!(&p.head, Head::Embedding { settings, .. } if settings.long_texts == LongTexts::Truncate);
+            let truncate = options.truncate.or(by_config.then_some(Side::Right));
             // A short request is tokenised on the I/O thread (well under a millisecond); a long
             // one (up to max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each)
             // goes to the runtime's one blocking thread, so that the other connections of the

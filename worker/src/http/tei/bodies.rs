@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::jsonbody::{self, OneOrMany, Shape};
-use crate::pipeline::Text;
+use crate::pipeline::{Side, Text};
 use crate::request::error::ApiError;
 
 /// The body read as the request `T`, or the 400 whose message says what was wrong with it.
@@ -20,6 +20,25 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Ap
 /// field's path, what it must be and what came.
 fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     jsonbody::parse(body).map_err(|e| format!("request body: {e}"))
+}
+
+/// TEI's `truncation_direction`: which end of a text past the model's length `truncate` cuts.
+#[derive(Deserialize, Default, Clone, Copy)]
+#[serde(expecting = "\"Left\" or \"Right\"")]
+pub(super) enum Direction {
+    Left,
+    #[default]
+    Right,
+}
+
+impl Direction {
+    /// The side cut, when `truncate` allows a cut.
+    pub(super) fn side(self, truncate: bool) -> Option<Side> {
+        truncate.then_some(match self {
+            Direction::Left => Side::Left,
+            Direction::Right => Side::Right,
+        })
+    }
 }
 
 /// One input of TEI's embedding routes: a text, or the model's own token ids (TEI's
@@ -69,6 +88,8 @@ pub(super) struct EmbedRequest {
     pub(super) normalize: Option<bool>,
     #[serde(default)]
     pub(super) truncate: bool,
+    #[serde(default)]
+    pub(super) truncation_direction: Direction,
     /// `/embed`: the first this many values of each embedding (TEI's Matryoshka), normalised
     /// after the cut when the embeddings are.
     #[serde(default)]
@@ -81,6 +102,8 @@ pub(super) struct SparseRequest {
     pub(super) inputs: OneOrMany<EmbedInput>,
     #[serde(default)]
     pub(super) truncate: bool,
+    #[serde(default)]
+    pub(super) truncation_direction: Direction,
     #[serde(default)]
     pub(super) prompt_name: Option<String>,
     /// Only the k largest entries of each vector.
@@ -97,6 +120,8 @@ pub(super) struct SimilarityRequest {
     pub(super) inputs: SimilarityInputs,
     #[serde(default)]
     pub(super) truncate: bool,
+    #[serde(default)]
+    pub(super) truncation_direction: Direction,
 }
 
 #[derive(Deserialize)]
@@ -158,6 +183,8 @@ pub(super) struct PredictRequest {
     #[serde(default)]
     pub(super) truncate: bool,
     #[serde(default)]
+    pub(super) truncation_direction: Direction,
+    #[serde(default)]
     pub(super) top_k: Option<usize>,
 }
 
@@ -168,6 +195,8 @@ pub(super) struct RerankRequest {
     pub(super) texts: Vec<String>,
     #[serde(default)]
     pub(super) truncate: bool,
+    #[serde(default)]
+    pub(super) truncation_direction: Direction,
     #[serde(default)]
     pub(super) raw_scores: bool,
     #[serde(default)]
@@ -326,8 +355,10 @@ mod tests {
                     body.insert(key.clone(), value.clone());
                     let body = serde_json::to_vec(&body).unwrap();
                     let openai = crate::http::openai::parse(&body).err().map(|e| e.to_string());
-                    let cohere = [crate::http::cohere::Version::V1, crate::http::cohere::Version::V2]
-                        .map(|v| crate::http::cohere::parse(&body, v).err().map(|e| e.to_string()));
+                    use crate::http::cohere::{embed, rerank, Version};
+                    let cohere = [Version::V1, Version::V2].into_iter().flat_map(|v| {
+                        [rerank::parse(&body, v).err(), embed::parse(&body, v).err()].map(|e| e.map(|e| e.to_string()))
+                    });
                     let others = cohere.into_iter().flatten().chain(openai);
                     for error in parse_bodies(&body).into_iter().filter_map(Result::err).chain(others) {
                         checked += 1;

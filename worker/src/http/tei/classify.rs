@@ -44,7 +44,11 @@ pub async fn predict(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError>
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("send either 'inputs' or 'image_b64', not both".into())),
         (None, None) => return Err(ApiError::BadRequest("missing 'inputs' (text) or 'image_b64' (image)".into())),
     };
-    let options = Options { truncate: request.truncate, raw_scores: request.raw_scores, ..Options::default() };
+    let options = Options {
+        truncate: request.truncation_direction.side(request.truncate),
+        raw_scores: request.raw_scores,
+        ..Options::default()
+    };
     let outcome = tei.run(input, options).await?;
     let Rows::Scores { labels, scores } = &outcome.rows else { unreachable!("classifiers return scores") };
     let lists: Vec<Vec<Prediction>> = scores
@@ -75,7 +79,11 @@ pub async fn rerank(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> 
         return Err(ApiError::BadRequest("'texts' is an empty list".into()));
     }
     let pairs = request.texts.iter().map(|t| Text::Pair(request.query.clone(), t.clone())).collect();
-    let options = Options { truncate: request.truncate, raw_scores: true, ..Options::default() };
+    let options = Options {
+        truncate: request.truncation_direction.side(request.truncate),
+        raw_scores: true,
+        ..Options::default()
+    };
     let outcome = tei.run(PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut ranks: Vec<Rank> = scores

@@ -22,7 +22,7 @@ pub async fn embed(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
         _ => false,
     };
     let options = Options {
-        truncate: request.truncate,
+        truncate: request.truncation_direction.side(request.truncate),
         normalize: request.normalize,
         prompt_name: request.prompt_name,
         ..Options::default()
@@ -49,8 +49,12 @@ pub async fn embed(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
 /// its tokens (special tokens included, padding left out), not pooled or normalised.
 pub async fn embed_all(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
     let request: EmbedRequest = tei.open(Needs::Embedding, "/embed_all", body)?;
-    let options =
-        Options { truncate: request.truncate, tokens: true, prompt_name: request.prompt_name, ..Options::default() };
+    let options = Options {
+        truncate: request.truncation_direction.side(request.truncate),
+        tokens: true,
+        prompt_name: request.prompt_name,
+        ..Options::default()
+    };
     let mut outcome = tei.run_texts(request.inputs, options).await?;
     let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
         unreachable!("asked for token embeddings")
@@ -76,7 +80,7 @@ pub async fn embed_sparse(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiE
         return Err(ApiError::BadRequest(format!("'threshold' is {threshold}; it must be 0 or more")));
     }
     let options = Options {
-        truncate: request.truncate,
+        truncate: request.truncation_direction.side(request.truncate),
         normalize: Some(false),
         prompt_name: request.prompt_name,
         ..Options::default()
@@ -109,7 +113,11 @@ pub async fn similarity(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiErr
     }
     let texts =
         std::iter::once(request.inputs.source_sentence).chain(request.inputs.sentences).map(Text::Single).collect();
-    let options = Options { truncate: request.truncate, normalize: Some(true), ..Options::default() };
+    let options = Options {
+        truncate: request.truncation_direction.side(request.truncate),
+        normalize: Some(true),
+        ..Options::default()
+    };
     let outcome = tei.run(PipelineInput::Texts(texts), options).await?;
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();

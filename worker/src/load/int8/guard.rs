@@ -14,7 +14,7 @@ use super::calibration::{calibration, Calibration, Sample};
 use super::error::Int8Error;
 use super::report::Report;
 use super::rewrite;
-use crate::pipeline::{embeddings, scores, Head, Pipeline, Text};
+use crate::pipeline::{embeddings, scores, Head, Pipeline, Side, Text};
 use crate::runtime::model::{ModelSession, Runtime, Threads};
 use crate::runtime::tensor::{Tensor, TensorData};
 
@@ -67,7 +67,7 @@ fn run(model: &mut ModelSession, pipeline: &Pipeline, samples: &[Sample]) -> Res
     for sample in samples {
         let (inputs, lengths) = match (pipeline, sample) {
             (Pipeline::Text(p), Sample::Text(text)) => {
-                let encoded = p.encode(&[Text::Single(text.clone())], true)?;
+                let encoded = p.encode(&[Text::Single(text.clone())], Some(Side::Right))?;
                 (encoded.inputs, encoded.lengths)
             }
             (Pipeline::Image(p), Sample::Image(bytes)) => (p.preprocess(std::slice::from_ref(bytes))?, Vec::new()),

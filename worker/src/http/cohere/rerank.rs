@@ -20,8 +20,6 @@
 //!   overrides): the worker's lanes take higher-priority work first (runtime/engine).
 //! - The answer: `{"id", "results": [{"index", "relevance_score", "document"?}], "meta":
 //!   {"api_version", "billed_units"}}`, best first, with Jina's `model` and `usage` beside.
-//!
-//! Errors come in Cohere's shape: `{"message": "..."}`.
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
@@ -30,8 +28,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
+use super::{bad, Fields, Version};
 use crate::http::reply::{ran, Reply};
-use crate::pipeline::Text;
+use crate::pipeline::{Side, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -43,13 +42,6 @@ const MAX_CHUNKS_PER_DOC: usize = 10;
 const MAX_TOKENS_PER_DOC: usize = 4096;
 /// A query must leave at least this many of the model's tokens to the document.
 const MIN_WINDOW: usize = 16;
-
-/// Which of Cohere's versions the route is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Version {
-    V1,
-    V2,
-}
 
 /// The request, checked field by field so that each mistake names its field.
 pub struct Request {
@@ -69,24 +61,9 @@ pub struct Request {
 }
 
 pub fn parse(body: &[u8], version: Version) -> Result<Request, ApiError> {
-    let bad = |m: String| ApiError::BadRequest(m);
-    let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("request body: {e}")))?;
-    let Value::Object(fields) = value else { return Err(bad("the request body must be a JSON object".into())) };
-    let given = |name: &str| fields.get(name).filter(|v| !v.is_null());
-    let count = |name: &str, min: u64| -> Result<Option<usize>, ApiError> {
-        match given(name) {
-            None => Ok(None),
-            Some(v) => match v.as_u64().filter(|&n| n >= min) {
-                Some(n) => Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
-                None => Err(bad(format!("'{name}' must be a whole number of at least {min}, not {v}"))),
-            },
-        }
-    };
-    let model = match given("model") {
-        None => None,
-        Some(Value::String(name)) => Some(name.clone()),
-        Some(_) => return Err(bad("'model' must be a string".into())),
-    };
+    let fields = Fields::of(body)?;
+    let given = |name: &str| fields.given(name);
+    let model = fields.model()?;
     let query = match given("query") {
         Some(Value::String(q)) if !q.is_empty() => q.clone(),
         Some(Value::String(_)) => return Err(ApiError::Empty("'query' is empty".into())),
@@ -120,18 +97,12 @@ pub fn parse(body: &[u8], version: Version) -> Result<Request, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("'return_documents' must be true or false".into())),
     };
-    let priority = match given("priority") {
-        None => None,
-        Some(v) => match v.as_u64() {
-            Some(p) => Some(u8::try_from(p).unwrap_or(u8::MAX)),
-            None => return Err(bad(format!("'priority' must be a whole number, 0 the highest, not {v}"))),
-        },
-    };
+    let priority = fields.priority()?;
     let (max_windows, max_tokens) = match version {
-        Version::V1 => (Some(count("max_chunks_per_doc", 1)?.unwrap_or(MAX_CHUNKS_PER_DOC)), usize::MAX),
-        Version::V2 => (None, count("max_tokens_per_doc", 1)?.unwrap_or(MAX_TOKENS_PER_DOC)),
+        Version::V1 => (Some(fields.count("max_chunks_per_doc", 1)?.unwrap_or(MAX_CHUNKS_PER_DOC)), usize::MAX),
+        Version::V2 => (None, fields.count("max_tokens_per_doc", 1)?.unwrap_or(MAX_TOKENS_PER_DOC)),
     };
-    let top_n = count("top_n", 1)?;
+    let top_n = fields.count("top_n", 1)?;
     Ok(Request { model, query, documents, top_n, return_documents, max_windows, max_tokens, priority })
 }
 
@@ -142,7 +113,6 @@ fn document(
     version: Version,
     rank_fields: Option<&[String]>,
 ) -> Result<(String, Value), ApiError> {
-    let bad = |m: String| ApiError::BadRequest(m);
     let text = match (value, rank_fields) {
         (Value::String(text), _) => return Ok((text.clone(), json!({ "text": text }))),
         (Value::Object(_), _) if version == Version::V2 => {
@@ -237,7 +207,7 @@ pub async fn rerank(
     }
     let windows = pairs.len();
     // Truncation on: a window cut at token offsets may tokenize a token longer on its own.
-    let options = Options { truncate: true, raw_scores: true, ..Options::default() };
+    let options = Options { truncate: Some(Side::Right), raw_scores: true, ..Options::default() };
     let outcome = tasks::run_pipeline(state, call, index, meta, PipelineInput::Texts(pairs), options).await?;
     let Rows::Scores { scores, .. } = &outcome.rows else { unreachable!("classifiers return scores") };
     let mut best = vec![f32::NEG_INFINITY; request.documents.len()];
@@ -265,7 +235,7 @@ pub async fn rerank(
         "id": call.id,
         "results": results,
         "meta": {
-            "api_version": {"version": match version { Version::V1 => "1", Version::V2 => "2" }},
+            "api_version": {"version": version.number()},
             // Cohere bills a search unit per 100 documents (a long one counting per window).
             "billed_units": {"search_units": windows.div_ceil(100), "input_tokens": outcome.tokens},
         },
@@ -273,9 +243,4 @@ pub async fn rerank(
         "usage": {"total_tokens": outcome.tokens},
     });
     Ok(ran(serde_json::to_vec(&body).expect("json"), &outcome))
-}
-
-/// Cohere's error body.
-pub fn error_body(e: &ApiError) -> Value {
-    json!({ "message": e.to_string() })
 }
