@@ -31,7 +31,8 @@ test:
 # The performance record: inferd against the raw ONNX Runtime ceiling and the Python stack,
 # in one sitting; rewrites the record in README.md and docs/benchmarks.md (docs/benchmarks.md);
 # then many models within one memory budget (docs/benchmarks.md, "Many models"), what
-# tracing costs ("Traces"), what the cache of answers gains ("The cache of answers") and what
+# tracing costs ("Traces"), what the cache of answers gains ("The cache of answers"), what
+# compact embedding codes change ("Compact codes") and what
 # priorities do for an interactive client beside a bulk one ("Priorities") and what an upgrade
 # of inferd under load costs ("Upgrade").
 bench: setup
@@ -39,6 +40,7 @@ bench: setup
 	RECORD=1 bench/many_models.sh
 	RECORD=1 bench/traces.sh
 	RECORD=1 bench/cache.sh
+	RECORD=1 bench/codes.sh
 	RECORD=1 bench/priority.sh
 	RECORD=1 bench/upgrade.sh
 

@@ -40,6 +40,11 @@ enum Command {
         clients: Clients,
         #[arg(long, default_value = "/embed")]
         path: String,
+        /// The request body: JSON in which each string "{text}" is replaced by a text, the
+        /// request's own and the ones after it for further occurrences (a template with 16
+        /// embeds 16 texts a request).
+        #[arg(long, default_value = r#"{"inputs": "{text}"}"#)]
+        body: String,
         /// Also report, on a line of its own, the requests whose text is shorter than this many
         /// bytes (how short texts fare in a mixed stream).
         #[arg(long)]
@@ -197,9 +202,10 @@ fn main() -> anyhow::Result<()> {
         Command::Trace { addr, set, concurrency, seconds, zipf, pool_pid } => {
             trace(&addr, &set, concurrency, seconds, zipf, pool_pid)
         }
-        Command::Http { clients, path, short_below, rate, priority, new_connection, timeline } => {
+        Command::Http { clients, path, body, short_below, rate, priority, new_connection, timeline } => {
             let texts = read_texts(&clients.texts)?;
-            http(&clients, &path, short_below, (rate, priority, new_connection), &texts, timeline.as_deref())
+            let bodies = bodies(&body, &texts)?;
+            http(&clients, (&path, bodies), short_below, (rate, priority, new_connection), &texts, timeline.as_deref())
         }
         Command::Grpc { clients, model } => {
             let texts = read_texts(&clients.texts)?;
@@ -221,16 +227,40 @@ fn read_texts(path: &PathBuf) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
+/// One body per text (`--body`): the template with its `"{text}"` strings replaced by that
+/// text and the ones after it.
+fn bodies(template: &str, texts: &[String]) -> anyhow::Result<Vec<Vec<u8>>> {
+    let template: serde_json::Value = serde_json::from_str(template).context("--body is not JSON")?;
+    fn fill(value: &mut serde_json::Value, next: &mut dyn FnMut() -> String) {
+        match value {
+            serde_json::Value::String(s) if s == "{text}" => *s = next(),
+            serde_json::Value::Array(items) => items.iter_mut().for_each(|v| fill(v, next)),
+            serde_json::Value::Object(fields) => fields.values_mut().for_each(|v| fill(v, next)),
+            _ => {}
+        }
+    }
+    (0..texts.len())
+        .map(|first| {
+            let mut body = template.clone();
+            let mut at = first;
+            fill(&mut body, &mut || {
+                let text = texts[at % texts.len()].clone();
+                at += 1;
+                text
+            });
+            Ok(serde_json::to_vec(&body)?)
+        })
+        .collect()
+}
+
 fn http(
     load: &Clients,
-    path: &str,
+    (path, bodies): (&str, Vec<Vec<u8>>),
     short_below: Option<usize>,
     (rate, priority, new_connection): (Option<f64>, Option<u8>, bool),
     texts: &[String],
     timeline: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    let bodies =
-        texts.iter().map(|t| serde_json::to_vec(&serde_json::json!({ "inputs": t }))).collect::<Result<_, _>>()?;
     let outcome = run(&Load {
         addr: load.addr.clone(),
         path: path.to_string(),
