@@ -61,11 +61,18 @@ impl Notifier {
     }
 
     /// An upgrade handed the service to `pid`: systemd watches it from now on (`MAINPID=`,
-    /// accepted from the main process), and this one says nothing more.
+    /// accepted from the main process), and this one says nothing more. A last WATCHDOG=1
+    /// in the same message (authorised with it) restarts the watchdog's period at the
+    /// hand-over, so that the new one has a whole period for its first ping however long ago
+    /// this one's last was.
     pub fn hand_over(&mut self, pid: u32) {
         if self.enabled {
             let status = format!("handed over to pid {pid}");
-            if let Err(e) = sd_notify::notify(false, &[NotifyState::MainPid(pid), NotifyState::Status(&status)]) {
+            let mut states = vec![NotifyState::MainPid(pid), NotifyState::Status(&status)];
+            if self.watchdog.is_some() {
+                states.push(NotifyState::Watchdog);
+            }
+            if let Err(e) = sd_notify::notify(false, &states) {
                 warn!("cannot tell systemd the new main pid {pid}: {e}");
             }
         }
