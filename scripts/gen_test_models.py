@@ -57,6 +57,8 @@ pixels task = "classification" of images whose "scores" are the model's input it
 
 published/  model folders laid out as their publishers lay them out, without model.toml
        (inferd reads config.json, modules.json, 1_Pooling/config.json, ... instead):
+       st-dense      st-embedder with two Dense modules (Tanh with a bias, Identity in F16)
+                     between Pooling and Normalize, their weights in model.safetensors
        st-embedder   sentence-transformers with onnx/model.onnx: mean pooling, Normalize,
                      max_seq_length 32, prompts "query: "/"passage: " (default "query")
        st-lasttoken  optimum layout (model.onnx at the top): last-token pooling, no
@@ -849,6 +851,52 @@ def st_modules(normalize):
     return modules
 
 
+def safetensors_bytes(tensors):
+    """A safetensors file of {name: array} (F32 or F16), written by hand: an 8-byte little-endian
+    header length, the JSON header (padded with spaces to 8 bytes), then the tensors' bytes."""
+    import json
+    import struct
+
+    header, data = {}, b""
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        dtype = {np.float32: "F32", np.float16: "F16"}[array.dtype.type]
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def st_dense_folder(base):
+    """st-embedder with two Dense modules between Pooling and Normalize: Tanh with a bias
+    (PUBLISHED_DIM -> 12, F32), then Identity without one (12 -> 8, F16)."""
+    rng = np.random.default_rng(20261206)
+    first = {
+        "linear.weight": (rng.standard_normal((12, PUBLISHED_DIM)) * 0.3).astype(np.float32),
+        "linear.bias": (rng.standard_normal(12) * 0.1).astype(np.float32),
+    }
+    second = {"linear.weight": (rng.standard_normal((8, 12)) * 0.4).astype(np.float16)}
+    folder = dict(base)
+    folder["modules.json"] = json_bytes(
+        st_modules(False)
+        + [
+            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+            {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+            {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"},
+        ]
+    )
+    folder["2_Dense/config.json"] = json_bytes(
+        {"in_features": PUBLISHED_DIM, "out_features": 12, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}
+    )
+    folder["2_Dense/model.safetensors"] = safetensors_bytes(first)
+    folder["3_Dense/config.json"] = json_bytes(
+        {"in_features": 12, "out_features": 8, "bias": False, "activation_function": "torch.nn.modules.linear.Identity"}
+    )
+    folder["3_Dense/model.safetensors"] = safetensors_bytes(second)
+    return folder
+
+
 def st_pooling(mode):
     keys = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
     config = {"word_embedding_dimension": PUBLISHED_DIM}
@@ -902,6 +950,7 @@ def published_folders():
             "1_Pooling/config.json": json_bytes(st_pooling("lasttoken")),
         },
     }
+    folders["st-dense"] = st_dense_folder(folders["st-embedder"])
     for name, problem in (("text-classifier", "single_label_classification"), ("text-multilabel", "multi_label_classification")):
         folders[name] = {
             "model.onnx": classifier_model(name=name).SerializeToString(),

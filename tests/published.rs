@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::common::*;
 use serde_json::{json, Value};
 
-const FOLDERS: [&str; 6] =
-    ["st-embedder", "st-lasttoken", "text-classifier", "text-multilabel", "image-classifier", "splade"];
+const FOLDERS: [&str; 7] =
+    ["st-embedder", "st-lasttoken", "text-classifier", "text-multilabel", "image-classifier", "splade", "st-dense"];
 
 fn published(name: &str) -> PathBuf {
     test_models().join("published").join(name)
@@ -104,6 +104,15 @@ fn published_folders_answer_as_their_libraries_do() {
         let d = worst(&r.json()["embeddings"]["float"], &want["embeddings"]);
         assert!(d < 1e-5, "st-embedder, Cohere's input_type {input_type}: {d}");
     }
+
+    // Two Dense modules between pooling and Normalize (Tanh with a bias in F32, Identity in
+    // F16), read from their safetensors files.
+    let want = reference(&["embed", published("st-dense").to_str().unwrap(), &texts]);
+    let got = post(&server, "/v2/models/st-dense/embed", json!({ "inputs": TEXTS }));
+    assert_eq!(got.status, 200, "{}", got.error());
+    assert_eq!(got.json()[0].as_array().unwrap().len(), 8, "{}", got.json());
+    let d = worst(&got.json(), &want["embeddings"]);
+    assert!(d < 1e-5, "st-dense: {d}");
 
     // optimum layout: last-token pooling, not normalised, max_length from config.json.
     let path = "/v2/models/st-lasttoken/embed";
@@ -281,7 +290,7 @@ fn folders_that_cannot_be_read_without_model_toml_are_refused_with_the_reason() 
                 );
                 std::fs::write(f.join("modules.json"), modules.to_string()).unwrap();
             },
-            "modules.json has sentence_transformers.models.Dense ('2_Dense')",
+            "modules.json names a Dense module in '2_Dense', but 2_Dense/config.json is missing",
         ),
         (
             "two-poolings",
@@ -449,4 +458,70 @@ fn a_model_with_external_data_is_served_and_new_weights_are_a_new_version() {
     assert_ne!(new_version, version, "new weights are a new version; log:\n{}", server.log());
     let d = worst(&json!([y]), &json!([external_data_answer(&x, 2.0)]));
     assert!(d < 1e-4, "served the new weights: {y:?}: {d}");
+}
+
+#[test]
+fn dense_modules_are_written_by_init_and_what_does_not_fit_them_is_refused() {
+    let dir = temp_dir("dense");
+    write_config(dir.path(), free_port(), 1, &test_models(), "typed", &[], "");
+    let config = dir.path().join("inferd.toml");
+    let config = config.to_str().unwrap();
+    let folder = dir.path().join("dense");
+    copy_dir(&published("st-dense"), &folder);
+    let (ok, written) = inferd(&["init", folder.to_str().unwrap()]);
+    assert!(ok, "{written}");
+    let toml = std::fs::read_to_string(folder.join("model.toml")).unwrap();
+    for line in [
+        "[[embedding.dense]]",
+        "file = \"2_Dense/model.safetensors\"",
+        "activation = \"tanh\"  # 2_Dense/config.json: activation_function torch.nn.modules.activation.Tanh",
+        "file = \"3_Dense/model.safetensors\"",
+        "activation = \"identity\"",
+    ] {
+        assert!(toml.contains(line), "{line} missing from:\n{toml}");
+    }
+    let (ok, checked) = inferd(&["check", "--config", config, "--model", folder.to_str().unwrap()]);
+    assert!(ok, "{checked}");
+
+    // (folder, what is done to it, what the refusal says)
+    type Case<'a> = (&'a str, &'a dyn Fn(&Path), &'a str);
+    let cases: [Case; 4] = [
+        (
+            "pickle",
+            &|f| std::fs::rename(f.join("2_Dense/model.safetensors"), f.join("2_Dense/pytorch_model.bin")).unwrap(),
+            "2_Dense/pytorch_model.bin holds the Dense module's weights as a pickle",
+        ),
+        (
+            "after-normalize",
+            &|f| {
+                let mut modules: Value =
+                    serde_json::from_slice(&std::fs::read(f.join("modules.json")).unwrap()).unwrap();
+                let last = modules.as_array_mut().unwrap().pop().unwrap();
+                modules.as_array_mut().unwrap().insert(2, last);
+                std::fs::write(f.join("modules.json"), modules.to_string()).unwrap();
+            },
+            "is not between Pooling and Normalize",
+        ),
+        (
+            "swapped",
+            // The second layer (12 -> 8) first: it takes 12 values, the pooled vector has more.
+            &|f| {
+                std::fs::copy(f.join("3_Dense/model.safetensors"), f.join("2_Dense/model.safetensors")).unwrap();
+            },
+            "embedding.dense[0]",
+        ),
+        (
+            "not-safetensors",
+            &|f| std::fs::write(f.join("3_Dense/model.safetensors"), b"\x08\0\0\0\0\0\0\0{broken}").unwrap(),
+            "not a safetensors file",
+        ),
+    ];
+    for (name, spoil, message) in cases {
+        let folder = dir.path().join(name);
+        copy_dir(&published("st-dense"), &folder);
+        spoil(&folder);
+        let (ok, out) = inferd(&["check", "--config", config, "--model", folder.to_str().unwrap()]);
+        assert!(!ok, "{name}: {out}");
+        assert!(out.contains(message), "{name}: {out}");
+    }
 }

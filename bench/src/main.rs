@@ -459,11 +459,11 @@ impl Embedder {
     /// One run of these texts: their embeddings.
     fn embed(&mut self, texts: &[String]) -> anyhow::Result<Vec<Vec<f32>>> {
         let Pipeline::Text(text) = &*self.pipeline else { unreachable!("checked at load") };
-        let Head::Embedding { output, settings } = &text.head else { unreachable!("checked at load") };
+        let Head::Embedding { output, settings, dense } = &text.head else { unreachable!("checked at load") };
         let rows: Vec<Text> = texts.iter().cloned().map(Text::Single).collect();
         let encoded = text.encode(&rows, None)?;
         let outputs = self.model.run(encoded.inputs, None)?;
-        Ok(embeddings(&outputs[*output], &encoded.lengths, settings.pooling, settings.normalize)?)
+        Ok(embeddings(&outputs[*output], &encoded.lengths, (settings.pooling, dense), settings.normalize)?)
     }
 }
 

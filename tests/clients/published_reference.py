@@ -4,7 +4,9 @@ libraries do, from the folder's own files, with onnxruntime running the ONNX fil
     published_reference.py embed DIR TEXTS_JSON [PROMPT_NAME]
         sentence-transformers: the prompt (PROMPT_NAME, else default_prompt_name) before each
         text, tokenizer.json cut at max_seq_length, the Pooling module's mode over the
-        model's first output, L2 normalisation when modules.json has Normalize.
+        model's first output, each Dense module after it (torch's Linear and its
+        activation_function, weights read from its model.safetensors here, by the format's
+        own layout), L2 normalisation when modules.json has Normalize.
     published_reference.py sparse DIR TEXTS_JSON
         sentence-transformers' SparseEncoder (SpladePooling): per vocabulary entry, the
         largest log(1 + relu(logit)) over the tokens; the dense vectors.
@@ -69,6 +71,41 @@ def feeds(sess, enc):
     return {i.name: np.array([values[i.name]], np.int64) for i in sess.get_inputs()}
 
 
+def safetensors(path):
+    """{name: float64 array} of a safetensors file: an 8-byte header length, a JSON header of
+    dtype, shape and data offsets, then the data."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    data = raw[8 + size :]
+    types = {"F32": np.float32, "F16": np.float16}
+    return {
+        name: np.frombuffer(data[t["data_offsets"][0] : t["data_offsets"][1]], types[t["dtype"]]).reshape(t["shape"]).astype(np.float64)
+        for name, t in header.items()
+        if name != "__metadata__"
+    }
+
+
+ACTIVATIONS = {
+    "Identity": lambda x: x,
+    "Tanh": np.tanh,
+    "ReLU": lambda x: np.maximum(x, 0),
+    "Sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+}
+
+
+def dense_layers(folder, modules):
+    """Each Dense module as a function of the pooled vector."""
+    layers = []
+    for m in modules:
+        if m["type"].endswith(".Dense"):
+            weights = safetensors(folder / m["path"] / "model.safetensors")
+            act = ACTIVATIONS[load(folder, f"{m['path']}/config.json")["activation_function"].rsplit(".", 1)[-1]]
+            w, b = weights["linear.weight"], weights.get("linear.bias", 0.0)
+            layers.append(lambda v, w=w, b=b, act=act: act(w @ v + b))
+    return layers
+
+
 def embed(folder, texts, prompt_name):
     st = load(folder, "config_sentence_transformers.json") or {}
     name = prompt_name or st.get("default_prompt_name")
@@ -93,6 +130,8 @@ def embed(folder, texts, prompt_name):
             "pooling_mode_cls_token": lambda: tokens[0],
             "pooling_mode_lasttoken": lambda: tokens[-1],
         }[mode]()
+        for layer in dense_layers(folder, modules):
+            vector = layer(vector)
         if normalize:
             vector = vector / np.linalg.norm(vector)
         rows.append(vector.tolist())

@@ -302,6 +302,8 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
     let mut pooling_dir = None;
     let mut splade_dir = None;
     let mut normalize = None;
+    // Dense modules, in order: (folder, activation, where the activation came from).
+    let mut dense = Vec::new();
     if let Some(modules) = &files.modules {
         let list = modules.as_array().ok_or("modules.json is not a list of modules")?;
         for module in list {
@@ -312,6 +314,14 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
                 "Pooling" => pooling_dir = Some(path.to_string()),
                 "SpladePooling" => splade_dir = Some(path.to_string()),
                 "Normalize" => normalize = Some(true),
+                "Dense" if pooling_dir.is_none() || normalize.is_some() => {
+                    return Err(format!(
+                        "modules.json has a Dense module ('{path}') that is not between Pooling and Normalize: inferd \
+                         applies Dense layers to the pooled vector, before normalising it"
+                    )
+                    .into())
+                }
+                "Dense" => dense.push(dense_module(dir, path)?),
                 _ => {
                     return Err(format!(
                         "modules.json has {kind} ('{path}'), a layer applied after the model that inferd does \
@@ -358,7 +368,50 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
         Some(false) => t.key("normalize", false, "modules.json: no Normalize module"),
         None => t.key("normalize", true, "the default of /embed"),
     }
-    let Some(st) = json(dir, "config_sentence_transformers.json")? else { return Ok(()) };
+    if let Some(st) = json(dir, "config_sentence_transformers.json")? {
+        prompts_section(t, &st)?;
+    }
+    for (file, activation, why) in dense {
+        let _ = writeln!(t.0, "\n[[embedding.dense]]  # modules.json: a Dense module");
+        t.key("file", file, "");
+        t.key("activation", activation, &why);
+    }
+    Ok(())
+}
+
+/// A Dense module's folder: its weights' file (safetensors only) and its activation.
+fn dense_module(dir: &Path, path: &str) -> Result<(String, &'static str, String), PublishedError> {
+    let file = format!("{path}/config.json");
+    let config =
+        json(dir, &file)?.ok_or(format!("modules.json names a Dense module in '{path}', but {file} is missing"))?;
+    let function =
+        config.get("activation_function").and_then(Value::as_str).unwrap_or("torch.nn.modules.linear.Identity");
+    let activation = match function.rsplit('.').next().unwrap_or_default() {
+        "Identity" => "identity",
+        "Tanh" => "tanh",
+        "ReLU" => "relu",
+        "Sigmoid" => "sigmoid",
+        "GELU" => "gelu",
+        other => return Err(format!("{file}: activation_function {function}: inferd's Dense layers apply Identity, Tanh, ReLU, Sigmoid or GELU, not {other}").into()),
+    };
+    let weights = format!("{path}/model.safetensors");
+    if !dir.join(&weights).is_file() {
+        let pickle = dir.join(path).join("pytorch_model.bin").is_file();
+        return Err(match pickle {
+            true => format!(
+                "{path}/pytorch_model.bin holds the Dense module's weights as a pickle, which inferd does not read (loading \
+                 one runs the code it holds); save the module with safetensors (sentence-transformers' \
+                 save(..., safe_serialization=True)) to give it {weights}"
+            ),
+            false => format!("modules.json names a Dense module in '{path}', but {weights} is missing"),
+        }
+        .into());
+    }
+    Ok((weights, activation, format!("{file}: activation_function {function}")))
+}
+
+/// `config_sentence_transformers.json`'s default prompt and prompts.
+fn prompts_section(t: &mut TomlText, st: &Value) -> Result<(), PublishedError> {
     let prompts: BTreeMap<String, String> = match st.get("prompts") {
         None | Some(Value::Null) => BTreeMap::new(),
         Some(p) => {

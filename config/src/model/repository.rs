@@ -140,8 +140,15 @@ impl ModelEntry {
         };
         check_pipeline(file.task, &tokenizer, &file.embedding, &file.classification, &file.image)
             .map_err(|e| err(e.to_string()))?;
-        if let Some(e) = &file.embedding {
+        let mut embedding = file.embedding;
+        if let Some(e) = &mut embedding {
             e.prompt(None).map_err(|e| err(format!("embedding.default_prompt: {e}")))?;
+            for (i, layer) in e.dense.iter_mut().enumerate() {
+                layer.file = resolve(&layer.file);
+                if !layer.file.is_file() {
+                    return Err(err(format!("embedding.dense[{i}]: {} not found", layer.file.display())));
+                }
+            }
         }
         let quantization =
             Quantization { calibration: file.quantization.calibration.as_deref().map(resolve), ..file.quantization };
@@ -172,7 +179,7 @@ impl ModelEntry {
             task: file.task,
             share_weights: file.share_weights,
             tokenizer,
-            embedding: file.embedding,
+            embedding,
             classification: file.classification,
             image: file.image,
             precision: file.precision,

@@ -330,6 +330,36 @@ pub struct EmbeddingConfig {
     pub chunk_pooling: ChunkPooling,
     /// With `long_texts = "chunk"`: tokens one request may have embedded in all (413 beyond).
     pub max_chunked_tokens: usize,
+    /// Linear layers applied after pooling, in order, before normalisation
+    /// (sentence-transformers' `Dense` modules).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dense: Vec<DenseLayer>,
+}
+
+/// One linear layer after pooling: `activation(W x + b)`, its weights in a safetensors file
+/// (`linear.weight` `[out, in]`, and `linear.bias` `[out]` where it has one), as
+/// sentence-transformers saves a `Dense` module.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DenseLayer {
+    /// The safetensors file, relative to the model's folder (absolute once read).
+    pub file: PathBuf,
+    #[serde(default)]
+    pub activation: DenseActivation,
+}
+
+/// What a Dense layer applies to its sums (sentence-transformers' `activation_function`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DenseActivation {
+    /// `torch.nn.Identity`: the sums as they are.
+    #[default]
+    Identity,
+    Tanh,
+    Relu,
+    Sigmoid,
+    /// `torch.nn.GELU` (the exact one, with erf).
+    Gelu,
 }
 
 /// What becomes of a text longer than the model takes ([`EmbeddingConfig::long_texts`]).
@@ -371,6 +401,7 @@ impl Default for EmbeddingConfig {
             chunk_overlap: 0,
             chunk_pooling: ChunkPooling::Mean,
             max_chunked_tokens: 8192,
+            dense: Vec::new(),
         }
     }
 }

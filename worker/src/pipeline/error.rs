@@ -69,6 +69,8 @@ pub enum BuildError {
     TextInput { name: String, datatype: String, shape: Vec<i64> },
     #[error("the model has no input 'input_ids' for the tokenizer to feed")]
     NoInputIds,
+    #[error("{0}")]
+    Dense(#[from] super::dense::DenseError),
     #[error("an image model must have exactly one input, this one has {0}")]
     ImageInputs(usize),
     #[error("image.input '{0}' is not an input")]

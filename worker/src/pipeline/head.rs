@@ -6,6 +6,9 @@
 
 use inferd_config::model::{Activation, EmbeddingConfig, ModelEntry, Pooling, Task};
 
+use std::sync::Arc;
+
+use super::dense::Dense;
 use super::error::{BuildError, PipelineError};
 use crate::onnx::OnnxError;
 use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, TensorSpec};
@@ -13,8 +16,9 @@ use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, Tensor
 /// What the model does with its outputs.
 #[derive(Debug, Clone)]
 pub enum Head {
-    /// `settings`: model.toml's `[embedding]` (pooling, normalisation, prompts).
-    Embedding { output: usize, settings: EmbeddingConfig },
+    /// `settings`: model.toml's `[embedding]` (pooling, normalisation, prompts); `dense`: its
+    /// Dense layers' weights, read at load.
+    Embedding { output: usize, settings: EmbeddingConfig, dense: Arc<Dense> },
     /// `why`: where `activation` came from (model.toml, or what the graph ends in).
     Classification { output: usize, labels: Vec<String>, activation: Activation, why: String },
 }
@@ -68,7 +72,10 @@ impl Head {
                         shape: spec.shape.clone(),
                     });
                 }
-                Ok(Head::Embedding { output, settings: e })
+                // The pooled vector's length, where the output declares its last dimension.
+                let width = spec.shape.last().and_then(|&d| usize::try_from(d).ok()).filter(|&d| d > 0);
+                let dense = Arc::new(Dense::load(&e.dense, width)?);
+                Ok(Head::Embedding { output, settings: e, dense })
             }
             Task::Classification => {
                 let c = entry.classification.clone().expect("checked when model.toml was read");
@@ -157,7 +164,7 @@ pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Ve
 pub fn embeddings(
     output: &Tensor,
     lengths: &[usize],
-    pooling: Pooling,
+    (pooling, dense): (Pooling, &Dense),
     normalize: bool,
 ) -> Result<Vec<Vec<f32>>, PipelineError> {
     let TensorData::F32(values) = &output.data else {
@@ -214,6 +221,17 @@ pub fn embeddings(
             .collect(),
         _ => return Err(PipelineError::Output(format!("'{}' has shape {:?}", output.name, output.shape))),
     };
+    if let Some(inputs) = dense.inputs() {
+        // A graph that did not declare its width, and gives another than the layers take.
+        if let Some(row) = rows.iter().find(|r| r.len() != inputs) {
+            return Err(PipelineError::Output(format!(
+                "'{}' gives vectors of {} values; the model's Dense layers take {inputs}",
+                output.name,
+                row.len()
+            )));
+        }
+        rows = rows.into_iter().map(|row| dense.apply(row)).collect();
+    }
     if normalize {
         rows.iter_mut().for_each(|row| l2_normalize(row));
     }
@@ -284,24 +302,24 @@ mod tests {
             shape: vec![2, 3, 2],
             data: TensorData::F32(vec![1., 2., 3., 4., 9., 9., 6., 8., 100., 100., 100., 100.]),
         };
-        let e = embeddings(&out, &[2, 1], Pooling::Mean, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Mean, &Dense::default()), false).unwrap();
         assert_eq!(e, vec![vec![2., 3.], vec![6., 8.]]);
-        let e = embeddings(&out, &[2, 1], Pooling::Mean, true).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Mean, &Dense::default()), true).unwrap();
         assert!((e[1][0] - 0.6).abs() < 1e-6 && (e[1][1] - 0.8).abs() < 1e-6);
-        let e = embeddings(&out, &[2, 1], Pooling::Cls, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Cls, &Dense::default()), false).unwrap();
         assert_eq!(e[1], vec![6., 8.]);
         // Row 0 has tokens (1, 2) and (3, 4), then padding (9, 9); row 1 one token.
-        let e = embeddings(&out, &[2, 1], Pooling::Max, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Max, &Dense::default()), false).unwrap();
         assert_eq!(e, vec![vec![3., 4.], vec![6., 8.]]);
-        let e = embeddings(&out, &[2, 1], Pooling::LastToken, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::LastToken, &Dense::default()), false).unwrap();
         assert_eq!(e, vec![vec![3., 4.], vec![6., 8.]]);
         let out = Tensor { data: TensorData::F32(vec![5., -2., 3., 4., 9., 9., 6., 8., 0., 0., 0., 0.]), ..out };
-        let e = embeddings(&out, &[2, 1], Pooling::Max, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Max, &Dense::default()), false).unwrap();
         assert_eq!(e[0], vec![5., 4.], "each dimension's own maximum");
-        let e = embeddings(&out, &[2, 1], Pooling::Splade, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Splade, &Dense::default()), false).unwrap();
         assert_eq!(e[0], vec![5f32.ln_1p(), 4f32.ln_1p()]);
         let out = Tensor { data: TensorData::F32(vec![-1., -2., 3., -4., 9., 9., 6., 8., 0., 0., 0., 0.]), ..out };
-        let e = embeddings(&out, &[2, 1], Pooling::Splade, false).unwrap();
+        let e = embeddings(&out, &[2, 1], (Pooling::Splade, &Dense::default()), false).unwrap();
         assert_eq!(e[0], vec![3f32.ln_1p(), 0.], "relu: no token above 0 gives 0");
     }
 
@@ -320,12 +338,12 @@ mod tests {
         for shape in [vec![2, 0], vec![2, 3, 0], vec![2, 0, 4]] {
             let out = Tensor { name: "h".into(), shape, data: TensorData::F32(vec![]) };
             for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Max, Pooling::LastToken, Pooling::Splade] {
-                let err = embeddings(&out, &[1, 1], pooling, true).unwrap_err().to_string();
+                let err = embeddings(&out, &[1, 1], (pooling, &Dense::default()), true).unwrap_err().to_string();
                 assert!(err.contains("no embedding"), "{err}");
             }
         }
         let short = Tensor { name: "h".into(), shape: vec![2, 3, 2], data: TensorData::F32(vec![1.; 6]) };
-        assert!(embeddings(&short, &[1, 1], Pooling::Mean, false).is_err());
+        assert!(embeddings(&short, &[1, 1], (Pooling::Mean, &Dense::default()), false).is_err());
         let none = Tensor { name: "l".into(), shape: vec![1, 0], data: TensorData::F32(vec![]) };
         assert!(scores(&none, 0, Activation::Softmax, false).is_err());
     }

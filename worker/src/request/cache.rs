@@ -4,8 +4,8 @@
 //! `cache.max_bytes`.
 //!
 //! The key is a SHA-256 of the model's identity (its file's digest, its version and its
-//! precision), the options that change the row (pooling and normalization, the activation or
-//! raw scores), and the input exactly as the model sees it: each input tensor's row, so a
+//! precision), the options that change the row (pooling, Dense layers by their digest and
+//! normalization, the activation or raw scores), and the input exactly as the model sees it: each input tensor's row, so a
 //! text's token ids after its prompt and truncation (and a pair's type ids), an image's
 //! decoded pixels. A model reloaded with another file or version therefore never meets the
 //! old one's entries; a request that changes nothing the model sees shares them.
@@ -138,8 +138,9 @@ pub fn keys(meta: &Model, options: &RowOptions, tensors: &[Tensor], lengths: &[u
 /// What of a head decides its rows beside the model's file.
 fn head_settings(head: &crate::pipeline::Head) -> String {
     match head {
-        crate::pipeline::Head::Embedding { settings, .. } => {
-            format!("embedding {:?} {}", settings.pooling, settings.normalize)
+        // The Dense layers by their files' digest: new weights never meet old answers.
+        crate::pipeline::Head::Embedding { settings, dense, .. } => {
+            format!("embedding {:?} {} {:?}", settings.pooling, settings.normalize, dense.digest)
         }
         crate::pipeline::Head::Classification { labels, activation, .. } => {
             format!("classification {} {:?}", labels.len(), activation)

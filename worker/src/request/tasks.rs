@@ -375,9 +375,12 @@ async fn run_rows(
                 let rows = Rows::Tokens(token_embeddings(output, &lengths)?);
                 return Ok(Outcome { rows, truncated, tokens, prepare, model: model_time, engine, cached: None });
             }
-            Head::Embedding { settings, .. } => {
-                embeddings(output, &lengths, settings.pooling, options.normalize.unwrap_or(settings.normalize))?
-            }
+            Head::Embedding { settings, dense, .. } => embeddings(
+                output,
+                &lengths,
+                (settings.pooling, dense),
+                options.normalize.unwrap_or(settings.normalize),
+            )?,
             Head::Classification { labels, activation, .. } => {
                 scores(output, labels.len(), *activation, options.raw_scores)?
             }

@@ -78,8 +78,8 @@ fn run(model: &mut ModelSession, pipeline: &Pipeline, samples: &[Sample]) -> Res
         let outputs = model.run(inputs, None)?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
         match &head {
-            Some(Head::Embedding { output, settings }) => {
-                rows.extend(embeddings(&outputs[*output], &lengths, settings.pooling, true)?)
+            Some(Head::Embedding { output, settings, dense }) => {
+                rows.extend(embeddings(&outputs[*output], &lengths, (settings.pooling, dense), true)?)
             }
             Some(Head::Classification { output, labels, activation, .. }) => {
                 rows.extend(scores(&outputs[*output], labels.len(), *activation, false)?)
