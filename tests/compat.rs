@@ -467,3 +467,80 @@ fn cohere_embed_names_each_mistake_in_coheres_shape_and_cuts_dimensions_where_tr
     let r = post(&server, "/v1/embed", json!({"texts": texts, "model": "embed-english-v3.0"}));
     assert_eq!((r.status, r.json()["model"].clone()), (200, json!("minilm")));
 }
+
+/// What tests/clients/late_chunking_reference.py computes for `spans` of `text`.
+fn late_reference(text: &str, spans: &Value) -> Vec<Vec<f64>> {
+    let out = std::process::Command::new(python())
+        .arg(repo().join("tests/clients/late_chunking_reference.py"))
+        .args([text, &spans.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "late_chunking_reference.py: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn vector(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn late_chunking_pools_each_chunk_from_the_whole_texts_token_states() {
+    let server = server("late-chunking", "minilm");
+    let text = "Berlin is the capital of Germany. Its population is about 3.8 million! \
+                The city is also one of the states of the country?  It has many museums";
+    // Given spans, in characters: the first and the third sentence.
+    let spans = json!([[0, 33], [71, 121]]);
+    let r = post(&server, "/embed_chunks", json!({"inputs": text, "chunks": spans}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let got = r.json();
+    let want = late_reference(text, &spans);
+    for (chunk, want) in got.as_array().unwrap().iter().zip(&want) {
+        let d = vector(&chunk["embedding"]).iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-5, "{chunk}: {d}");
+    }
+    // The chunk keeps its context: "Its population" embedded alone differs (the late vector
+    // knows "Its" is Berlin's).
+    let alone = post(&server, "/embed", json!({"inputs": &text[34..70]})).json();
+    let late = post(&server, "/embed_chunks", json!({"inputs": text, "chunks": [[34, 70]]})).json();
+    let cosine: f64 = vector(&alone[0]).iter().zip(vector(&late[0]["embedding"])).map(|(a, b)| a * b).sum();
+    assert!(cosine < 0.99, "late and alone alike: {cosine}");
+
+    // By sentences: the spans end at each . ! ? before a space, and the last runs to the end.
+    let r = post(&server, "/embed_chunks", json!({"inputs": text, "chunk_by": "sentence"}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let got = r.json();
+    let spans: Vec<(u64, u64)> =
+        got.as_array().unwrap().iter().map(|c| (c["start"].as_u64().unwrap(), c["end"].as_u64().unwrap())).collect();
+    assert_eq!(spans, vec![(0, 33), (34, 70), (71, 121), (123, 142)], "{got}");
+    let want = late_reference(text, &json!(spans));
+    for (chunk, want) in got.as_array().unwrap().iter().zip(&want) {
+        let d = vector(&chunk["embedding"]).iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-5, "{chunk}: {d}");
+    }
+    // By tokens: groups of 5 of the text's tokens, the last one shorter.
+    let got = post(&server, "/embed_chunks", json!({"inputs": text, "chunk_tokens": 5})).json();
+    let tokens: Vec<u64> = got.as_array().unwrap().iter().map(|c| c["tokens"].as_u64().unwrap()).collect();
+    assert!(tokens.len() > 3 && tokens[..tokens.len() - 1].iter().all(|&t| t == 5), "{tokens:?}");
+    assert!(*tokens.last().unwrap() <= 5);
+
+    let long = "word ".repeat(300);
+    let cases = [
+        (json!({"inputs": text}), 400, "give exactly one of 'chunks'"),
+        (json!({"inputs": text, "chunks": [[0, 5]], "chunk_tokens": 3}), 400, "give exactly one of 'chunks'"),
+        (json!({"inputs": text, "chunk_tokens": 0}), 400, "'chunk_tokens' must be at least 1"),
+        (json!({"inputs": text, "chunks": [[0, 500]]}), 400, "'chunks[0]' is [0, 500]"),
+        (json!({"inputs": text, "chunks": [[5, 5]]}), 400, "start < end"),
+        (json!({"inputs": text, "chunks": [[0, 20], [10, 30]]}), 400, "inside the chunk before it"),
+        (json!({"inputs": text, "chunks": [[0, -1]]}), 400, "chunks"),
+        (json!({"inputs": text, "chunk_by": "paragraph"}), 400, "chunk_by"),
+        (json!({"inputs": "", "chunk_by": "sentence"}), 400, "'inputs' is empty"),
+        (json!({"inputs": long, "chunk_by": "sentence"}), 413, "reads it whole"),
+    ];
+    for (body, status, message) in cases {
+        let r = post(&server, "/embed_chunks", body.clone());
+        assert_eq!(r.status, status, "{body}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains(message), "{body}: {:?} lacks {message:?}", r.error());
+    }
+    let r = post(&server, "/v2/models/classifier/embed_chunks", json!({"inputs": text, "chunk_by": "sentence"}));
+    assert_eq!(r.status, 400, "{}", r.error());
+}

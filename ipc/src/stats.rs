@@ -33,6 +33,8 @@ pub enum Endpoint {
     Embed,
     /// TEI `/embed_all`.
     EmbedAll,
+    /// TEI-style `/embed_chunks` (late chunking).
+    EmbedChunks,
     /// TEI `/embed_sparse`.
     EmbedSparse,
     /// TEI `/similarity`.
@@ -52,10 +54,11 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 11] = [
+    pub const ALL: [Endpoint; 12] = [
         Endpoint::Infer,
         Endpoint::Embed,
         Endpoint::EmbedAll,
+        Endpoint::EmbedChunks,
         Endpoint::EmbedSparse,
         Endpoint::Similarity,
         Endpoint::OpenAiEmbeddings,
@@ -72,6 +75,7 @@ impl Endpoint {
             Endpoint::Infer => "infer",
             Endpoint::Embed => "embed",
             Endpoint::EmbedAll => "embed_all",
+            Endpoint::EmbedChunks => "embed_chunks",
             Endpoint::EmbedSparse => "embed_sparse",
             Endpoint::Similarity => "similarity",
             Endpoint::OpenAiEmbeddings => "openai_embeddings",

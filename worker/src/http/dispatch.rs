@@ -170,6 +170,9 @@ pub async fn routed(
             counted(state, state.engine.row(index), Endpoint::CohereEmbed, work).await
         }
         Route::EmbedAll => tei_route(state, None, request, call, Endpoint::EmbedAll, tei::embed_all).await,
+        Route::EmbedChunks(name) => {
+            tei_route(state, name, request, call, Endpoint::EmbedChunks, tei::embed_chunks).await
+        }
         Route::EmbedSparse(name) => {
             tei_route(state, name, request, call, Endpoint::EmbedSparse, tei::embed_sparse).await
         }

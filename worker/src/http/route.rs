@@ -34,6 +34,8 @@ pub enum Route<'a> {
     Decode,
     Similarity,
     EmbedAll,
+    /// `/embed_chunks` (late chunking), for the default model or one named in the path.
+    EmbedChunks(Option<&'a str>),
     EmbedSparse(Option<&'a str>),
     Rerank(Option<&'a str>),
     /// Cohere's `POST /v1/rerank` and `/v2/rerank`; the model is named in the body.
@@ -66,7 +68,9 @@ impl<'a> Route<'a> {
             Route::Model(m, _) | Route::ModelReady(m, _) | Route::ModelConfig(m, _) | Route::Infer(m, _) => {
                 Some(Some(m))
             }
-            Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) => Some(m),
+            Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) | Route::EmbedChunks(m) => {
+                Some(m)
+            }
             Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
             _ => None,
         }
@@ -117,6 +121,8 @@ impl<'a> Route<'a> {
             Route::Decode => "/decode",
             Route::Similarity => "/similarity",
             Route::EmbedAll => "/embed_all",
+            Route::EmbedChunks(None) => "/embed_chunks",
+            Route::EmbedChunks(Some(_)) => "/v2/models/{model}/embed_chunks",
             Route::EmbedSparse(None) => "/embed_sparse",
             Route::EmbedSparse(Some(_)) => "/v2/models/{model}/embed_sparse",
             Route::Rerank(None) => "/rerank",
@@ -147,6 +153,7 @@ impl<'a> Route<'a> {
             | Route::Decode
             | Route::Similarity
             | Route::EmbedAll
+            | Route::EmbedChunks(_)
             | Route::EmbedSparse(_)
             | Route::Rerank(_)
             | Route::Invocations => (Tei, true, false),
@@ -208,6 +215,8 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["decode"] => Route::Decode,
         ["similarity"] => Route::Similarity,
         ["embed_all"] => Route::EmbedAll,
+        ["embed_chunks"] => Route::EmbedChunks(None),
+        ["v2", "models", name, "embed_chunks"] => Route::EmbedChunks(Some(name)),
         ["embed_sparse"] => Route::EmbedSparse(None),
         ["v2", "models", name, "embed_sparse"] => Route::EmbedSparse(Some(name)),
         ["rerank"] => Route::Rerank(None),

@@ -18,6 +18,7 @@ pub mod dense;
 mod error;
 pub mod head;
 pub mod image;
+pub mod late;
 pub mod text;
 mod text_bound;
 

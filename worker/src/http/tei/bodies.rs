@@ -96,6 +96,31 @@ pub(super) struct EmbedRequest {
     pub(super) dimensions: Option<usize>,
 }
 
+/// `/embed_chunks`: one text, and its chunks as spans or by a rule (exactly one of the three).
+#[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
+pub(super) struct ChunksRequest {
+    pub(super) inputs: String,
+    /// Character spans `[start, end)`.
+    #[serde(default)]
+    pub(super) chunks: Option<Vec<(usize, usize)>>,
+    #[serde(default)]
+    pub(super) chunk_by: Option<ChunkBy>,
+    /// Chunks of this many tokens.
+    #[serde(default)]
+    pub(super) chunk_tokens: Option<usize>,
+    #[serde(default)]
+    pub(super) prompt_name: Option<String>,
+    #[serde(default)]
+    pub(super) normalize: Option<bool>,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "snake_case", expecting = "\"sentence\"")]
+pub(super) enum ChunkBy {
+    Sentence,
+}
+
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object")]
 pub(super) struct SparseRequest {

@@ -1,4 +1,5 @@
-//! TEI's embedding routes: `/embed`, `/embed_all`, `/embed_sparse` and `/similarity`.
+//! TEI's embedding routes: `/embed`, `/embed_all`, `/embed_sparse` and `/similarity`; and
+//! inferd's `/embed_chunks` (late chunking).
 // Sizes here come from request data: every operation on them is checked (issue: a
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
@@ -6,11 +7,13 @@
 use serde::Serialize;
 
 use crate::http::reply::{ran, Reply};
-use crate::http::tei::bodies::{EmbedRequest, SimilarityRequest, SparseRequest};
+use crate::http::tei::bodies::{ChunkBy, ChunksRequest, EmbedRequest, SimilarityRequest, SparseRequest};
 use crate::http::tei::open::{Inference, Needs};
-use crate::pipeline::{cut_dimensions, sparse, Head, Text};
+use crate::pipeline::late::{self, Rule};
+use crate::pipeline::{cut_dimensions, l2_normalize, sparse, Head, Pipeline, Text};
 use crate::request::error::ApiError;
 use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use inferd_config::model::Pooling;
 
 pub async fn embed(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
     let request: EmbedRequest = tei.open(Needs::Embedding, "/embed", body)?;
@@ -122,4 +125,90 @@ pub async fn similarity(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiErr
     let Rows::Embeddings(rows) = &outcome.rows else { unreachable!("embedding models return embeddings") };
     let scores: Vec<f32> = rows[1..].iter().map(|r| r.iter().zip(&rows[0]).map(|(a, b)| a * b).sum()).collect();
     Ok(ran(serde_json::to_vec(&scores).expect("floats serialise"), &outcome))
+}
+
+/// One chunk of `/embed_chunks`' answer: its character span, the tokens it covers and its
+/// embedding.
+#[derive(Serialize)]
+struct ChunkAnswer {
+    start: usize,
+    end: usize,
+    tokens: usize,
+    embedding: Vec<f32>,
+}
+
+/// `POST /embed_chunks`: the text runs once, within the model's length; each chunk is pooled
+/// from the token states of the whole text ([`late`]), then the model's Dense layers and
+/// normalisation, as `/embed` does for a whole text.
+pub async fn embed_chunks(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: ChunksRequest = tei.open(Needs::Embedding, "/embed_chunks", body)?;
+    let name = &tei.meta.info.name;
+    let (Pipeline::Text(pipeline), Some(Head::Embedding { settings, dense, .. })) =
+        (&*tei.meta.pipeline, tei.meta.pipeline.head())
+    else {
+        return Err(ApiError::BadRequest(format!("/embed_chunks needs a model of texts; '{name}' takes images")));
+    };
+    let max = match settings.pooling {
+        Pooling::Mean => false,
+        Pooling::Max => true,
+        other => {
+            return Err(ApiError::BadRequest(format!(
+                "/embed_chunks pools a chunk's token states by their mean (or max, for a model that pools so); \
+                 model '{name}' pools by {other:?}, so its token states are not made to be pooled"
+            )))
+        }
+    };
+    let rule = match (request.chunks, request.chunk_by, request.chunk_tokens) {
+        (Some(spans), None, None) => Rule::Spans(spans),
+        (None, Some(ChunkBy::Sentence), None) => Rule::Sentences,
+        (None, None, Some(n)) if n > 0 => Rule::Tokens(n),
+        (None, None, Some(_)) => return Err(ApiError::BadRequest("'chunk_tokens' must be at least 1".into())),
+        _ => {
+            return Err(ApiError::BadRequest(
+                "give exactly one of 'chunks' (character spans [start, end)), 'chunk_by': \"sentence\" or \
+                 'chunk_tokens': n"
+                    .into(),
+            ))
+        }
+    };
+    if request.inputs.is_empty() {
+        return Err(ApiError::Empty("'inputs' is empty".into()));
+    }
+    // The text as the model reads it (its prompt first), tokenized with its offsets: which
+    // tokens each chunk covers.
+    let prompt = settings.prompt(request.prompt_name.as_deref()).map_err(ApiError::BadRequest)?.unwrap_or_default();
+    let pieces = pipeline.tokenize(0, &Text::Single(format!("{prompt}{}", request.inputs)), true)?;
+    if pieces.len() > pipeline.max_length {
+        return Err(ApiError::TooLarge(format!(
+            "the text has {} tokens with the model's special tokens; /embed_chunks reads it whole, and model '{name}' \
+             takes {}",
+            pieces.len(),
+            pipeline.max_length
+        )));
+    }
+    let chunks = late::chunks(&request.inputs, prompt.len(), &pieces, &rule).map_err(ApiError::BadRequest)?;
+    let options = Options { tokens: true, prompt_name: request.prompt_name, ..Options::default() };
+    let outcome = tei.run(PipelineInput::Texts(vec![Text::Single(request.inputs)]), options).await?;
+    let Rows::Tokens(rows) = &outcome.rows else { unreachable!("asked for token embeddings") };
+    let states = rows.first().map(Vec::as_slice).unwrap_or_default();
+    let width = states.first().map_or(0, Vec::len);
+    if states.len() != pieces.len() || dense.inputs().is_some_and(|w| w != width) {
+        return Err(ApiError::Internal(format!(
+            "model '{name}' gave {} token states of {width} values for {} tokens",
+            states.len(),
+            pieces.len()
+        )));
+    }
+    let normalize = request.normalize.unwrap_or(settings.normalize);
+    let answer: Vec<ChunkAnswer> = chunks
+        .into_iter()
+        .map(|chunk| {
+            let mut embedding = dense.apply(late::pool(states, chunk.tokens.clone(), max));
+            if normalize {
+                l2_normalize(&mut embedding);
+            }
+            ChunkAnswer { start: chunk.start, end: chunk.end, tokens: chunk.tokens.len(), embedding }
+        })
+        .collect();
+    Ok(ran(serde_json::to_vec(&answer).expect("floats serialise"), &outcome))
 }

@@ -15,6 +15,10 @@
 //!   "texts": [...], "raw_scores", "return_text", "truncate"}` -> `[{"index", "score"}, ...]`
 //!   best first.
 //! - `/embed_all`: the same body as `/embed` -> `[[[f32, ...], ...], ...]`, every token's vector.
+//! - `/embed_chunks` (late chunking, inferd's own): `{"inputs": "text", "chunks": [[start,
+//!   end], ...] | "chunk_by": "sentence" | "chunk_tokens": n, "prompt_name", "normalize"}` ->
+//!   `[{"start", "end", "tokens", "embedding"}, ...]`, each chunk pooled from the token states
+//!   of the whole text ([`crate::pipeline::late`]).
 //! - `/embed_sparse` (`pooling = "splade"`): `{"inputs", "truncate", "prompt_name"}`, and
 //!   inferd's own `"top_k"` and `"threshold"` -> `[[{"index", "value"}, ...], ...]`, the
 //!   non-zero entries (above the threshold, the top k of them) in index order.
@@ -37,7 +41,7 @@ mod tokenizer;
 
 pub use bodies::parse_bodies;
 pub use classify::{predict, rerank};
-pub use embed::{embed, embed_all, embed_sparse, similarity};
+pub use embed::{embed, embed_all, embed_chunks, embed_sparse, similarity};
 pub use open::Inference;
 pub use tokenizer::{decode, info, tokenize};
 
