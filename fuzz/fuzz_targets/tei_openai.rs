@@ -1,12 +1,15 @@
 //! The JSON bodies of the TEI routes (`/embed`, `/predict`, `/rerank`, `/tokenize`,
-//! `/decode`, `/similarity`), of OpenAI's `/v1/embeddings` and of Cohere's `/v1/rerank` and
-//! `/v2/rerank`, as their handlers parse them.
+//! `/decode`, `/similarity`, `/embed_chunks`), of OpenAI's `/v1/embeddings` and of Cohere's
+//! `/v1/rerank`, `/v2/rerank`, `/v1/embed` and `/v2/embed`, as their handlers parse them.
 #![no_main]
+
+use inferd_worker::http::cohere::{embed, rerank, Version};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let _ = inferd_worker::http::tei::parse_bodies(data);
     let _ = inferd_worker::http::openai::parse(data);
-    for version in [inferd_worker::http::cohere::Version::V1, inferd_worker::http::cohere::Version::V2] {
-        let _ = inferd_worker::http::cohere::parse(data, version);
+    for version in [Version::V1, Version::V2] {
+        let _ = rerank::parse(data, version);
+        let _ = embed::parse(data, version);
     }
 });

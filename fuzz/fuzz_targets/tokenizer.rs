@@ -1,13 +1,13 @@
 //! The text pipeline's front end with the default model's tokenizer (tests/models/classifier,
-//! max_length 128): any text, single or a pair, tokenized for the model with and without
-//! truncation and for `/tokenize`. The bound before tokenizing must hold: no row longer than
+//! max_length 128): any text, single or a pair, tokenized for the model without truncation
+//! and truncated on either side, and for `/tokenize`. The bound before tokenizing must hold: no row longer than
 //! max_length, whatever the text.
 #![no_main]
 
 use std::sync::OnceLock;
 
 use inferd_config::model::ModelEntry;
-use inferd_worker::pipeline::{Pipeline, Text};
+use inferd_worker::pipeline::{Pipeline, Side, Text};
 use inferd_worker::runtime::tensor::{DataType, TensorSpec};
 
 fn pipeline() -> &'static Pipeline {
@@ -43,7 +43,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         }
         _ => Text::Single(text),
     };
-    for truncate in [false, true] {
+    for truncate in [None, Some(Side::Right), Some(Side::Left)] {
         if let Ok(encoded) = p.encode(std::slice::from_ref(&input), truncate) {
             assert!(encoded.lengths.iter().all(|&n| n <= p.max_length), "{:?}", encoded.lengths);
         }

@@ -23,12 +23,21 @@ fn read<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
 }
 
 /// TEI's `truncation_direction`: which end of a text past the model's length `truncate` cuts.
-#[derive(Deserialize, Default, Clone, Copy)]
-#[serde(expecting = "\"Left\" or \"Right\"")]
+#[derive(Default, Clone, Copy)]
 pub(super) enum Direction {
     Left,
     #[default]
     Right,
+}
+
+impl<'de> Deserialize<'de> for Direction {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "Left" => Ok(Direction::Left),
+            "Right" => Ok(Direction::Right),
+            other => Err(serde::de::Error::custom(format!("must be \"Left\" or \"Right\", not {other:?}"))),
+        }
+    }
 }
 
 impl Direction {
@@ -115,10 +124,18 @@ pub(super) struct ChunksRequest {
     pub(super) normalize: Option<bool>,
 }
 
-#[derive(Deserialize, Clone, Copy)]
-#[serde(rename_all = "snake_case", expecting = "\"sentence\"")]
+#[derive(Clone, Copy)]
 pub(super) enum ChunkBy {
     Sentence,
+}
+
+impl<'de> Deserialize<'de> for ChunkBy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "sentence" => Ok(ChunkBy::Sentence),
+            other => Err(serde::de::Error::custom(format!("must be \"sentence\", not {other:?}"))),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -304,7 +321,7 @@ impl Shape for IdsOrId {
 /// Every request body of TEI's routes, parsed as its handler parses it: the inputs each
 /// would carry, or the error a client would read where the body is not that request (the fuzz
 /// target's entry, fuzz/fuzz_targets/tei_openai.rs).
-pub fn parse_bodies(body: &[u8]) -> [Result<usize, String>; 7] {
+pub fn parse_bodies(body: &[u8]) -> [Result<usize, String>; 8] {
     fn count<T: serde::de::DeserializeOwned>(body: &[u8], count: impl FnOnce(T) -> usize) -> Result<usize, String> {
         read(body).map(count)
     }
@@ -325,6 +342,7 @@ pub fn parse_bodies(body: &[u8]) -> [Result<usize, String>; 7] {
         }),
         count(body, |r: SimilarityRequest| r.inputs.sentences.len()),
         count(body, |r: SparseRequest| r.inputs.into_vec().0.len()),
+        count(body, |r: ChunksRequest| r.chunks.map_or(0, |c| c.len())),
     ]
 }
 
