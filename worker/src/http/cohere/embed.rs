@@ -231,22 +231,7 @@ fn embeds(meta: &Model) -> Result<(), ApiError> {
 /// The model a request names when it serves it, else the default model if it embeds, else the
 /// first embedding model loaded.
 pub async fn model_for(state: &AppState, call: &Call, name: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
-    if let Some(name) = name {
-        if let Ok(found) = state.models.find(name, None, call).await {
-            embeds(&found.1)?;
-            return Ok(found);
-        }
-    }
-    state
-        .models
-        .loaded()
-        .into_iter()
-        .find(|m| embeds(m).is_ok())
-        .and_then(|m| state.models.get(&m.info.name))
-        .ok_or_else(|| {
-            let asked = name.map(|n| format!("no model '{n}' is served, and ")).unwrap_or_default();
-            ApiError::NotFound(format!("{asked}no model that embeds texts is loaded"))
-        })
+    super::model_for(state, call, name, embeds, "no model that embeds texts is loaded").await
 }
 
 /// Embeds the texts and answers each type asked for.

@@ -13,9 +13,14 @@
 pub mod embed;
 pub mod rerank;
 
+use std::sync::Arc;
+
 use serde_json::{json, Map, Value};
 
+use crate::request::app::AppState;
+use crate::request::call::Call;
 use crate::request::error::ApiError;
+use crate::request::model::Model;
 
 /// Which of Cohere's versions the route is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,4 +95,28 @@ impl Fields {
             },
         }
     }
+}
+
+/// The model a request names when this server serves it and it `fits` the route (else the
+/// route's refusal), or, for a name it does not serve or none, the first loaded model that
+/// fits, the default model first; 404 saying `missing` when none does.
+async fn model_for(
+    state: &AppState,
+    call: &Call,
+    name: Option<&str>,
+    fits: impl Fn(&Model) -> Result<(), ApiError>,
+    missing: &str,
+) -> Result<(usize, Arc<Model>), ApiError> {
+    if let Some(name) = name {
+        if let Ok(found) = state.models.find(name, None, call).await {
+            fits(&found.1)?;
+            return Ok(found);
+        }
+    }
+    state.models.loaded().into_iter().find(|m| fits(m).is_ok()).and_then(|m| state.models.get(&m.info.name)).ok_or_else(
+        || {
+            let asked = name.map(|n| format!("no model '{n}' is served, and ")).unwrap_or_default();
+            ApiError::NotFound(format!("{asked}{missing}"))
+        },
+    )
 }

@@ -145,24 +145,9 @@ fn document(
 /// The model a request names when it serves it as a cross-encoder, else the first
 /// cross-encoder it serves.
 pub async fn model_for(state: &AppState, call: &Call, name: Option<&str>) -> Result<(usize, Arc<Model>), ApiError> {
-    if let Some(name) = name {
-        if let Ok(found) = state.models.find(name, None, call).await {
-            found.1.cross_encoder("rerank")?;
-            return Ok(found);
-        }
-    }
-    state
-        .models
-        .loaded()
-        .into_iter()
-        .find(|m| m.cross_encoder("rerank").is_ok())
-        .and_then(|m| state.models.get(&m.info.name))
-        .ok_or_else(|| {
-            let asked = name.map(|n| format!("no model '{n}' is served, and ")).unwrap_or_default();
-            ApiError::NotFound(format!(
-                "{asked}no cross-encoder (a classification model with one label) is loaded to rerank with"
-            ))
-        })
+    let fits = |m: &Model| m.cross_encoder("rerank").map(|_| ());
+    let missing = "no cross-encoder (a classification model with one label) is loaded to rerank with";
+    super::model_for(state, call, name, fits, missing).await
 }
 
 /// Scores every document against the query (in windows where it is long) and answers the
