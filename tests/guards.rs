@@ -216,6 +216,35 @@ fn hostile_clients_are_refused_and_cost_nothing_lasting() {
     assert!(grown < 16 << 20, "the pool's RSS grew by {grown} bytes");
 }
 
+/// KServe's `parameters.timeout` (tritonclient's `timeout`) over REST and gRPC, and the
+/// deadline header on TEI's and OpenAI's routes: queued behind a long run, each is answered at
+/// its deadline while that run goes on (tests/clients/deadline_check.py), counted 504 under its
+/// model and endpoint, and never runs; a timeout that is no number of microseconds is a 400.
+#[test]
+fn deadlines_on_every_protocol_are_answered_in_time_and_never_run() {
+    let dir = temp_dir("deadlines");
+    let repository = model_repository(dir.path(), &["minilm", "slow"]);
+    let port = free_port();
+    write_config(dir.path(), port, 1, &repository, "minilm", &["slow"], "");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(120));
+    let runs = |model: &str| metric(&server, &format!("inferd_compute_duration_seconds_count{{model=\"{model}\"}}"));
+    let before = (runs("slow"), runs("minilm"));
+    let said =
+        client_check("deadline_check.py", &[&server.addr.to_string(), &grpc], &server, "deadlines: all checks passed");
+    eprintln!("{said}");
+    // The long run and the two of 60 s ran; nothing that timed out did.
+    assert_eq!((runs("slow") - before.0, runs("minilm") - before.1), (3.0, 0.0), "{}", server.metrics_text());
+    let timed_out = |model: &str, endpoint: &str| {
+        metric(&server, &format!("inferd_requests_total{{model=\"{model}\",endpoint=\"{endpoint}\",code=\"504\"}}"))
+    };
+    assert_eq!(timed_out("slow", "infer"), 2.0, "REST and gRPC");
+    assert_eq!((timed_out("minilm", "embed"), timed_out("minilm", "openai_embeddings")), (1.0, 1.0));
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
+}
+
 fn metric(server: &Server, prefix: &str) -> f64 {
     metric_value(&server.metrics_text(), prefix).unwrap_or(0.0)
 }

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
@@ -42,8 +43,13 @@ impl std::ops::Deref for Body {
     }
 }
 
-/// `request`'s body ([`Body`]).
-pub async fn receive(state: &AppState, request: Request<Incoming>) -> Result<Body, ApiError> {
+/// `request`'s body ([`Body`]): it must arrive within `server.body_timeout_secs` (408) and
+/// by the request's `deadline` (504).
+pub async fn receive(
+    state: &AppState,
+    request: Request<Incoming>,
+    deadline: Option<Instant>,
+) -> Result<Body, ApiError> {
     let limit = state.max_body_bytes;
     let too_large = || {
         ApiError::TooLarge(format!("request body is larger than the limit of {limit} bytes (server.max_body_bytes)"))
@@ -69,10 +75,18 @@ pub async fn receive(state: &AppState, request: Request<Incoming>) -> Result<Bod
     let mut stage = crate::trace::Stage::start("read body");
     let collect = Limited::new(request.into_body(), limit as usize).collect();
     let timeout = state.body_timeout;
-    let bytes = tokio::time::timeout(timeout, collect)
+    let begun = Instant::now();
+    let due = deadline.filter(|&d| d < begun + timeout);
+    let bytes = tokio::time::timeout_at(due.unwrap_or(begun + timeout).into(), collect)
         .await
-        .map_err(|_| {
-            ApiError::Timeout(format!("the request body did not arrive within {timeout:?} (server.body_timeout_secs)"))
+        .map_err(|_| match due {
+            Some(_) => ApiError::DeadlineExceeded(format!(
+                "the request's deadline passed after {:?} while its body arrived; it never reached the model",
+                begun.elapsed()
+            )),
+            None => ApiError::Timeout(format!(
+                "the request body did not arrive within {timeout:?} (server.body_timeout_secs)"
+            )),
         })?
         .map_err(|e| {
             if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {

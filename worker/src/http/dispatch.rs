@@ -51,8 +51,8 @@ pub async fn routed(
     if let (Some(name), true) = (named, forwardable) {
         if let Some(sibling) = forward::sibling_for(state, name).await {
             let head = forward::Head::of(&request, peer);
-            let body = body::receive(state, request).await?;
-            return forward::send(state, sibling, head, body.bytes.clone()).await;
+            let body = body::receive(state, request, call.terms.deadline).await?;
+            return forward::send(state, sibling, head, body.bytes.clone(), call.terms.deadline).await;
         }
     }
     match route {
@@ -96,7 +96,7 @@ pub async fn routed(
             // The model is named in the body; a name this server does not load (a client's
             // default) means the default model.
             let head = forwardable.then(|| forward::Head::of(&request, peer));
-            let body = match body::receive(state, request).await {
+            let body = match body::receive(state, request, call.terms.deadline).await {
                 Ok(body) => body,
                 Err(e) => return counted(state, 0, Endpoint::OpenAiEmbeddings, async { Err(e) }).await,
             };
@@ -104,7 +104,7 @@ pub async fn routed(
             let wanted = request.as_ref().ok().and_then(|r| r.model.as_deref());
             if let (Some(head), Some(name)) = (head, wanted) {
                 if let Some(sibling) = forward::sibling_for(state, name).await {
-                    return forward::send(state, sibling, head, body.bytes.clone()).await;
+                    return forward::send(state, sibling, head, body.bytes.clone(), call.terms.deadline).await;
                 }
             }
             let found = match wanted {
@@ -120,16 +120,26 @@ pub async fn routed(
         }
         Route::Info => Ok(tei::info(state, &state.models.default_model())),
         Route::Tokenize => {
-            tei::tokenize(state, &state.models.default_model(), &body::receive(state, request).await?).await
+            tei::tokenize(
+                state,
+                &state.models.default_model(),
+                &body::receive(state, request, call.terms.deadline).await?,
+            )
+            .await
         }
-        Route::Decode => tei::decode(state, &state.models.default_model(), &body::receive(state, request).await?),
+        Route::Decode => tei::decode(
+            state,
+            &state.models.default_model(),
+            &body::receive(state, request, call.terms.deadline).await?,
+        ),
         Route::Similarity => tei_route(state, None, request, call, Endpoint::Similarity, tei::similarity).await,
         Route::Rerank(name) => tei_route(state, name, request, call, Endpoint::Rerank, tei::rerank).await,
         Route::CohereRerank(version) => {
             // The model is named in the body: what fails before it is known counts under the
             // default model, as OpenAI's route does.
             let found = async {
-                let request = cohere::rerank::parse(&body::receive(state, request).await?, version)?;
+                let request =
+                    cohere::rerank::parse(&body::receive(state, request, call.terms.deadline).await?, version)?;
                 let found = cohere::rerank::model_for(state, call, request.model.as_deref()).await?;
                 Ok((request, found))
             };
@@ -151,7 +161,8 @@ pub async fn routed(
         Route::CohereEmbed(version) => {
             // As rerank: what fails before the model is known counts under the default model.
             let found = async {
-                let request = cohere::embed::parse(&body::receive(state, request).await?, version)?;
+                let request =
+                    cohere::embed::parse(&body::receive(state, request, call.terms.deadline).await?, version)?;
                 let found = cohere::embed::model_for(state, call, request.model.as_deref()).await?;
                 Ok((request, found))
             };
@@ -189,7 +200,7 @@ pub async fn routed(
                 }
             };
             let work = async {
-                let body = body::receive(state, request).await?;
+                let body = body::receive(state, request, call.terms.deadline).await?;
                 let tei = tei::Inference { state, call, index: 0, meta };
                 let reply = match embedding {
                     true => tei::embed(tei, &body).await,
@@ -220,7 +231,7 @@ async fn tei_route(
     let row = found_index(state, &found);
     let work = async {
         let (index, meta) = found?;
-        let body = body::receive(state, request).await?;
+        let body = body::receive(state, request, call.terms.deadline).await?;
         handler(tei::Inference { state, call, index, meta: &meta }, &body).await.map(|r| versioned(r, &meta))
     };
     counted(state, row, endpoint, work).await

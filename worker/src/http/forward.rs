@@ -16,6 +16,7 @@
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -26,6 +27,7 @@ use tracing::debug;
 
 use crate::http::reply::Reply;
 use crate::request::app::AppState;
+use crate::request::door::DEADLINE_HEADER;
 use crate::request::error::ApiError;
 
 /// Set on a request that reached this worker from a sibling: never forwarded again.
@@ -107,11 +109,26 @@ pub async fn sibling_for(state: &AppState, name: &str) -> Option<Sibling> {
 /// Sends the request of `head` and `body` to `sibling` and relays its answer. A sibling that
 /// goes away before it answers (killed, crashed) leaves the request to this worker: it is
 /// sent again to this worker's own socket, which serves it here (inference has no side
-/// effect to repeat).
-pub async fn send(state: &AppState, sibling: Sibling, head: Head, body: Bytes) -> Result<Reply, ApiError> {
+/// effect to repeat). Its `deadline` goes with it as the milliseconds left of it.
+pub async fn send(
+    state: &AppState,
+    sibling: Sibling,
+    head: Head,
+    body: Bytes,
+    deadline: Option<Instant>,
+) -> Result<Reply, ApiError> {
     let mut headers = head.headers;
-    for name in HOP.iter().chain([&CONTENT_LENGTH]) {
+    for name in HOP.iter().chain([&CONTENT_LENGTH, &HeaderName::from_static("grpc-timeout")]) {
         headers.remove(name);
+    }
+    if let Some(deadline) = deadline {
+        let left = deadline.saturating_duration_since(Instant::now()).as_millis();
+        if left == 0 {
+            return Err(ApiError::DeadlineExceeded(
+                "the request's deadline passed before it reached the worker that holds its model".into(),
+            ));
+        }
+        headers.insert(DEADLINE_HEADER, HeaderValue::from(left as u64));
     }
     if let Ok(peer) = HeaderValue::from_str(&head.peer.to_string()) {
         headers.insert(PEER_HEADER, peer);

@@ -46,7 +46,7 @@ struct IndexRequest {
 /// Triton's repository index, from the supervisor, which reads the repository. An empty body
 /// asks for every model.
 pub async fn repository_index(state: &AppState, request: Request<Incoming>) -> Result<Reply, ApiError> {
-    let body = body::receive(state, request).await?;
+    let body = body::receive(state, request, None).await?;
     let asked = match body.bytes.iter().all(u8::is_ascii_whitespace) {
         true => IndexRequest { ready: false },
         false => serde_json::from_slice::<IndexRequest>(&body.bytes)
@@ -67,7 +67,7 @@ pub async fn repository_change(
     load: bool,
     request: Request<Incoming>,
 ) -> Result<Reply, ApiError> {
-    let body = body::receive(state, request).await?;
+    let body = body::receive(state, request, None).await?;
     let body: Value = match body.bytes.iter().all(u8::is_ascii_whitespace) {
         true => json!({}),
         false => serde_json::from_slice(&body.bytes)
@@ -126,7 +126,7 @@ pub async fn infer(
                 .ok_or_else(|| ApiError::BadRequest("Inference-Header-Content-Length must be a byte count".into()))?,
         ),
     };
-    let body = body::receive(state, request).await?;
+    let body = body::receive(state, request, call.terms.deadline).await?;
     let parsed = match header_length {
         Some(0) => crate::kserve::raw::parse(&body, meta),
         _ => kserve::parse(&body, header_length),

@@ -3,16 +3,18 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper::header::HeaderValue;
 
 use crate::runtime::engine::Terms;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Call {
     /// Its id: the client's `X-Request-Id` where usable, else one made for it.
     pub id: String,
+    /// When the door let it in: the instant its deadlines count from.
+    pub arrived: Instant,
     /// Its priority and deadline, as the engine takes them with each of its jobs.
     pub terms: Terms,
     /// The highest priority its API key allows (0 without keys): a priority the body asks for
@@ -39,7 +41,15 @@ struct Learned {
 
 impl Call {
     pub fn new(id: String, terms: Terms, floor: u8, key: Option<String>, fresh: bool) -> Call {
-        Call { id, terms, floor, key, fresh, learned: Arc::default() }
+        Call { id, arrived: Instant::now(), terms, floor, key, fresh, learned: Arc::default() }
+    }
+
+    /// The same request with a deadline `timeout` after its arrival too (a body's own, such as
+    /// KServe's `parameters.timeout`): the earlier of that and any it came with.
+    pub fn within(&self, timeout: Duration) -> Call {
+        let asked = self.arrived.checked_add(timeout);
+        let deadline = self.terms.deadline.into_iter().chain(asked).min();
+        Call { terms: Terms { deadline, ..self.terms }, ..self.clone() }
     }
 
     /// The same request at the priority its body asks for, no higher than its key allows.
@@ -64,6 +74,12 @@ impl Call {
 
     pub fn load_wait(&self) -> Option<Duration> {
         self.learned.load_wait.get().copied()
+    }
+}
+
+impl Default for Call {
+    fn default() -> Call {
+        Call::new(String::new(), Terms::default(), 0, None, false)
     }
 }
 

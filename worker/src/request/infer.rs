@@ -1,6 +1,8 @@
 //! A KServe v2 inference request once parsed, REST or gRPC alike: the pipeline (text or image)
 //! for a pipelined model's BYTES input, the model's own tensors otherwise.
 
+use std::time::Duration;
+
 use base64::Engine as _;
 use serde_json::Value;
 
@@ -43,6 +45,11 @@ pub async fn run_v2(
             "parameter 'sequence_id' ({id}): inferd has no sequence batcher; its models keep no state between requests"
         )));
     }
+    // Triton's per-request timeout, in microseconds from its arrival; 0 is none, as there.
+    let call = &match timeout(&parsed.parameters)? {
+        Some(timeout) => call.within(timeout),
+        None => call.clone(),
+    };
     if let Some((input_name, outputs)) = pipeline_io(meta) {
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
             let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
@@ -63,6 +70,17 @@ pub async fn run_v2(
     let inputs = validate_inputs(given, &meta.inputs, model).map_err(ApiError::BadRequest)?;
     let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, call.terms).await?;
     Ok(Inferred { id, outputs, selection, outcome: None })
+}
+
+/// KServe's `parameters.timeout` (Triton's): a whole number of microseconds, 0 for none.
+fn timeout(parameters: &serde_json::Map<String, Value>) -> Result<Option<Duration>, ApiError> {
+    let Some(value) = parameters.get("timeout") else { return Ok(None) };
+    let micros = value.as_u64().ok_or_else(|| {
+        ApiError::BadRequest(format!(
+            "parameter 'timeout' ({value}) must be a whole number of microseconds, 0 or more (0: none)"
+        ))
+    })?;
+    Ok((micros > 0).then(|| Duration::from_micros(micros)))
 }
 
 pub type OutputSpec = (&'static str, &'static str, Vec<i64>);

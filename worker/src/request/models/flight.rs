@@ -175,14 +175,26 @@ impl OnDemand {
         };
         let limit = self.timeout;
         let waited = Instant::now();
-        let landed = match tokio::time::timeout(limit, outcome.wait_for(Option::is_some)).await {
-            Ok(Ok(done)) => done.clone(),
-            Ok(Err(_)) => return Err(failed("the loader has stopped".into())),
-            Err(_) => {
-                let why = format!("its load takes longer than models.load_timeout_secs = {}", limit.as_secs_f64());
-                return Err(busy(why));
-            }
-        };
+        // The wait ends at the load's time limit, or at the request's deadline if that is
+        // sooner (the load goes on for the requests after it).
+        let until = call.terms.deadline.filter(|&d| d < waited + limit);
+        let landed =
+            match tokio::time::timeout_at(until.unwrap_or(waited + limit).into(), outcome.wait_for(Option::is_some))
+                .await
+            {
+                Ok(Ok(done)) => done.clone(),
+                Ok(Err(_)) => return Err(failed("the loader has stopped".into())),
+                Err(_) if until.is_some() => {
+                    return Err(ApiError::DeadlineExceeded(format!(
+                    "the request's deadline passed after {:?} while model '{name}' loaded; it never reached the model",
+                    call.arrived.elapsed()
+                )))
+                }
+                Err(_) => {
+                    let why = format!("its load takes longer than models.load_timeout_secs = {}", limit.as_secs_f64());
+                    return Err(busy(why));
+                }
+            };
         call.waited_for_load(waited.elapsed());
         match landed.expect("waited for it") {
             Ok(found) => Ok(found),

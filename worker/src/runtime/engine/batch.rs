@@ -5,6 +5,8 @@
 //! are joined again ([`concat`]).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -51,6 +53,36 @@ pub(super) struct Job {
     pub(super) trace: Option<opentelemetry::trace::SpanContext>,
     /// Its request's priority, 0 the highest ([`Terms`]).
     pub(super) priority: u8,
+    /// Whether it has begun running or its waiter has given up on it.
+    pub(super) start: Start,
+}
+
+/// Which came first for a queued job: a lane beginning its run ([`Start::begin`]), or its
+/// waiter giving up at the job's deadline ([`Start::give_up`]). Decided once, so a job
+/// answered as timed out never runs, and one that began runs to its answer.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Start(Arc<AtomicU8>);
+
+const WAITING: u8 = 0;
+const RUNNING: u8 = 1;
+const GIVEN_UP: u8 = 2;
+
+impl Start {
+    /// Whether the job may run: true unless its waiter gave up first.
+    pub(super) fn begin(&self) -> bool {
+        match self.0.compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => true,
+            Err(state) => state == RUNNING,
+        }
+    }
+
+    /// Whether the waiter may answer without the job's outputs: true unless its run began.
+    pub(super) fn give_up(&self) -> bool {
+        match self.0.compare_exchange(WAITING, GIVEN_UP, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => true,
+            Err(state) => state == GIVEN_UP,
+        }
+    }
 }
 
 /// Whether two tensors can stand in one batch, row after row: the same name and element type,
@@ -87,7 +119,8 @@ impl Job {
         let (rows, width) = rows_and_width(&inputs, join);
         let trace = crate::trace::current();
         let Terms { priority, deadline } = terms;
-        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace, priority }
+        let start = Start::default();
+        Job { model, inputs, join, rows, width, queued_at: Instant::now(), deadline, reply, trace, priority, start }
     }
 
     /// Whether `other` can run in one ORT call with `self`.

@@ -327,7 +327,13 @@ impl Dispatcher {
             let free = self.lanes.iter().filter(|(_, s)| *s == LaneState::Idle).count();
             let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
             let sharing = if Some(lane) == self.background { 1 } else { self.regular_lanes() };
-            let batch = self.gather(anchor, waiting.div_ceil(sharing));
+            // A job whose waiter gave up at its deadline (answered 504 already) does not run.
+            let (batch, given_up): (Vec<Job>, Vec<Job>) =
+                self.gather(anchor, waiting.div_ceil(sharing)).into_iter().partition(|job| job.start.begin());
+            self.counters.queued(-(given_up.len() as i64));
+            if batch.is_empty() {
+                continue;
+            }
             self.note_batch(&batch);
             let now = Instant::now();
             let idle = batch.len() == 1 && self.pending.is_empty() && free == self.lanes.len();

@@ -293,6 +293,7 @@ impl Engine {
         let mut parts = Vec::with_capacity(runs.len());
         let mut sizes = Vec::with_capacity(runs.len());
         let mut timing = Timing::default();
+        let mut terms = terms;
         for range in runs {
             if Instant::now() >= stop_at {
                 return Err(EngineError::Stopped { model: name.clone(), limit: self.run_timeout.as_secs_f64() });
@@ -300,6 +301,8 @@ impl Engine {
             let n = range.len();
             let (part, spent) = self.queue(model, batch::take_rows(&inputs, range, rows), join, terms).await?;
             timing += spent;
+            // Its run has begun: the rest of its pieces complete it, deadline or not.
+            terms.deadline = None;
             // An output without the piece's rows (a model whose output has no batch dimension
             // after all) cannot be joined: the request runs whole, as it would have.
             if part.iter().any(|t| t.shape.first() != Some(&(n as i64))) {
@@ -328,12 +331,27 @@ impl Engine {
         join: Join,
         terms: Terms,
     ) -> Result<(Vec<Tensor>, Timing), EngineError> {
-        let (reply, answer) = oneshot::channel();
+        let begun = Instant::now();
+        let (reply, mut answer) = oneshot::channel();
         self.stats.queued(1);
         let queued = crate::trace::enabled().then(std::time::SystemTime::now);
+        let job = Job::new(model, inputs, join, terms, reply);
+        let start = job.start.clone();
         // Dropped unanswered if the engine is going down: EngineGone below.
-        self.dispatcher.handle(Event::Job(Job::new(model, inputs, join, terms, reply)));
-        let answered = answer.await.map_err(|_| EngineError::Gone)?;
+        self.dispatcher.handle(Event::Job(job));
+        let answered = match terms.deadline {
+            None => answer.await,
+            // Answered at its deadline if no lane has begun it by then (the lane that reaches
+            // it later skips it); a run that began is awaited to its end.
+            Some(deadline) => tokio::select! {
+                answered = &mut answer => answered,
+                () = tokio::time::sleep_until(deadline.into()) => match start.give_up() {
+                    true => return Err(EngineError::DeadlineExceeded { waited: deadline.saturating_duration_since(begun) }),
+                    false => answer.await,
+                },
+            },
+        };
+        let answered = answered.map_err(|_| EngineError::Gone)?;
         // Its wait for a lane, as a stage of its request (the run is a span of its own).
         if let (Some(queued), Ok((_, timing))) = (queued, &answered) {
             crate::trace::stage("queue wait", queued, queued + timing.queue, Vec::new());
