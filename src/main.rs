@@ -418,16 +418,69 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
         let (models, source) = inferd_supervisor::plan::memory::models_budget(configured, &budget);
         let share = models / k.max(1);
         println!("models budget:   {} MiB ({source}): {} MiB per worker", models >> 20, share >> 20);
-        if share <= one.private + one.shared {
+        let base = one.private + one.shared;
+        if share <= base {
             println!(
                 "                 TOO SMALL: a worker's share is not above what one holds with its pinned models \
                  ({} MiB): every load on demand is refused",
-                (one.private + one.shared) >> 20
+                base >> 20
             );
         }
+        on_demand_room(&config.on_demand_models(&resolved.models).0, share.saturating_sub(base), base, k);
     }
     println!("plan OK");
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `inferd check` says of the models loaded on demand against `room`, what a worker's
+/// share leaves beside the `base` it holds with its pinned models (`k` workers): the largest,
+/// the models that can never fit (refused with the figures), and those whose first load's
+/// estimated peak passes the room (the pool's memory may then pass the budget while it loads).
+fn on_demand_room(models: &[inferd_config::model::ModelEntry], room: u64, base: u64, k: u64) {
+    use inferd_worker::request::models::FIRST_LOAD_FACTOR;
+    let mut files: Vec<(&str, u64)> =
+        models.iter().map(|m| (m.name.as_str(), std::fs::metadata(&m.path).map_or(0, |f| f.len()))).collect();
+    files.sort_by_key(|&(_, file)| std::cmp::Reverse(file));
+    let Some(&(largest, file)) = files.first() else { return };
+    let mib = |bytes: u64| bytes >> 20;
+    println!(
+        "largest on demand: '{largest}', a file of {} MiB: its first load peaks at about {} MiB \
+         ({FIRST_LOAD_FACTOR} times its file, estimated; later loads as measured); a share's room: {} MiB",
+        mib(file),
+        mib(file.saturating_mul(FIRST_LOAD_FACTOR)),
+        mib(room)
+    );
+    let never: Vec<&str> = files.iter().filter(|&&(_, file)| file > room).map(|&(name, _)| name).collect();
+    if !never.is_empty() {
+        println!(
+            "                 NEVER FITS: {} (larger than a share's room): their requests are refused with the figures",
+            list(&never)
+        );
+    }
+    let peaking: Vec<(&str, u64)> = files
+        .iter()
+        .filter(|&&(_, file)| file <= room && file.saturating_mul(FIRST_LOAD_FACTOR) > room)
+        .copied()
+        .collect();
+    if let Some(&(_, file)) = peaking.first() {
+        let names: Vec<&str> = peaking.iter().map(|&(name, _)| name).collect();
+        let holds = (file.saturating_mul(FIRST_LOAD_FACTOR) + base).saturating_mul(k);
+        println!(
+            "                 WARNING: {} may peak past a share's room while loading: the pool may pass \
+             models.memory_budget for those moments; a budget of {} MiB or more holds them",
+            list(&names),
+            mib(holds).max(1)
+        );
+    }
+}
+
+/// Up to five names, then how many more.
+fn list(names: &[&str]) -> String {
+    let shown: Vec<String> = names.iter().take(5).map(|n| format!("'{n}'")).collect();
+    match names.len() > 5 {
+        true => format!("{} and {} more", shown.join(", "), names.len() - 5),
+        false => shown.join(", "),
+    }
 }
 
 fn init(args: InitArgs) -> Result<ExitCode, Failure> {

@@ -195,6 +195,29 @@ fn a_request_that_waits_past_the_load_timeout_is_answered_503_and_the_load_goes_
     assert_eq!(loads_logged(&server, "classifier", "loaded on demand"), 1, "{}", server.log());
 }
 
+/// A deadline bounds the wait for a load on demand as it bounds the wait for a lane: 504 at
+/// the deadline, naming the load; the load goes on for the requests after it.
+#[test]
+fn a_request_whose_deadline_passes_while_its_model_loads_is_answered_504_and_the_load_goes_on() {
+    let server = on_demand_server("on-demand-deadline", 1, &[]);
+    let body_of = text_request("in a hurry");
+    // A load takes milliseconds at least (ONNX Runtime's session, the warm-up).
+    let hurried =
+        request(server.addr, "POST", "/v2/models/classifier/infer", &[("X-Inferd-Deadline-Ms", "1")], &body_of)
+            .unwrap();
+    assert_eq!(hurried.status, 504, "{}", body(&hurried));
+    assert!(hurried.error().contains("while model 'classifier' loaded"), "{}", body(&hurried));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while server.request("POST", "/v2/models/classifier/infer", &body_of).status != 200 {
+        assert!(std::time::Instant::now() < deadline, "never served:\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Counted under "other", as every model loaded on demand is (rows are for pinned models).
+    let metrics = server.metrics_text();
+    let timed_out = "inferd_requests_total{model=\"other\",endpoint=\"infer\",code=\"504\"}";
+    assert_eq!(metric_value(&metrics, timed_out), Some(1.0), "{metrics}");
+}
+
 #[test]
 fn a_folder_added_while_serving_is_servable_after_a_reload() {
     let server = on_demand_server("on-demand-reload", test_workers(), &[]);

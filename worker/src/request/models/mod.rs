@@ -29,7 +29,7 @@ use crate::request::error::ApiError;
 use crate::request::placement::Placement;
 pub use eviction::Evicted;
 pub use flight::{Load, LoadError, OnDemand, Outcome, LOADS_QUEUED};
-pub use need::{Basis, Need};
+pub use need::{Basis, Need, FIRST_LOAD_FACTOR};
 use registry::{Entry, Registry};
 
 /// How many of its models a 404 for an unknown model names.
