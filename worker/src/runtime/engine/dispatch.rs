@@ -424,8 +424,16 @@ impl Dispatcher {
             && self.pending.len() == 1
             && self.lanes.iter().all(|(_, s)| *s == LaneState::Idle)
             && self.last_load.is_none_or(|t| t.elapsed() > RECENT_LOAD);
+        // While work of a higher priority comes, lower-priority work keeps off lane 0 where the
+        // background lane can take it: a higher-priority request then finds lane 0 free and
+        // runs beside it, with the core mostly its own, instead of waiting for that run's end.
+        let yields =
+            |job: &Job| self.priority_seen.is_some_and(|(p, t)| p < job.priority && t.elapsed() < PRIORITY_SEEN_FOR);
         let lane_for = |job: &Job| {
             let bulk = job.tokens() > self.policy(job.model).max_tokens;
+            if self.background.is_some() && yields(job) {
+                return background;
+            }
             match (job.heavy(), self.background.is_some()) {
                 (false, _) => regular,
                 (true, false) => regular.filter(|_| !reserved),
@@ -791,6 +799,43 @@ mod tests {
         d.take(Event::Job(text_job(4, 256, 0)));
         d.dispatch().unwrap();
         assert_eq!((handed(0), handed(1)), (None, Some((1, 256, false))), "1024 tokens: background");
+    }
+
+    #[test]
+    fn lower_priority_work_keeps_off_lane_0_while_higher_priority_work_comes() {
+        let mut d = dispatcher(32, 512, Vec::new());
+        let lanes = with_lanes(&mut d, 2);
+        let mut d = d.with_background_lane();
+        // The priorities of what each lane was handed.
+        let handed = |lane: usize| lanes[lane].try_recv().ok().map(|w| w.batch.iter().map(|j| j.priority).collect());
+        let now = Duration::ZERO;
+        // Bulk work alone runs on lane 0, as any light work does.
+        d.take(Event::Job(waiting(9, now, 0)));
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1)), (Some(vec![9]), None));
+        d.take(Event::Done { lane: 0 });
+        // Once an interactive request came, bulk work takes the background lane, and lane 0
+        // stays free for the next interactive request, which runs beside it.
+        d.take(Event::Job(waiting(0, now, 1)));
+        d.dispatch().unwrap();
+        assert_eq!(handed(0), Some(vec![0]));
+        d.take(Event::Done { lane: 0 });
+        for i in 0..3 {
+            d.take(Event::Job(waiting(9, now, 10 + i)));
+        }
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1), d.pending.len()), (None, Some(vec![9]), 2), "one bulk job, beside");
+        d.take(Event::Job(waiting(0, now, 20)));
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), d.pending.len()), (Some(vec![0]), 2), "the interactive request, on lane 0");
+        d.take(Event::Done { lane: 0 });
+        d.dispatch().unwrap();
+        assert_eq!(handed(0), None, "bulk work waits for the background lane");
+        // None came for PRIORITY_SEEN_FOR: bulk work takes lane 0 again, with company.
+        d.priority_seen = Some((0, Instant::now() - PRIORITY_SEEN_FOR));
+        d.take(Event::Done { lane: 1 });
+        d.dispatch().unwrap();
+        assert_eq!((handed(0), handed(1)), (Some(vec![9, 9]), None));
     }
 
     #[test]
