@@ -25,11 +25,18 @@
 //! ([`Entry::holder`]). What it reads may be a moment old: a worker that evicted the model
 //! since, or is gone, is found out when the forwarded request reaches it (it loads the model
 //! itself) or cannot (the sender serves the request).
+//!
+//! After the entries, one word for the whole pool: the most urgent request priority any worker
+//! saw within the last second, and when ([`Balance::saw_priority`]). A worker keeps
+//! lower-priority work off its first lane while it is recent, so a client that this table's
+//! balance moves to another worker finds that worker ready for it too.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::region::Region;
+use crate::stats::monotonic_nanos;
 
 /// File descriptor of the table in a worker.
 pub const WORKER_BALANCE_FD: i32 = 10;
@@ -44,7 +51,12 @@ const COUNTS_LEN: usize = ENTRIES * 8 + 8;
 /// Models loaded on demand an entry can say it holds (more are held, but not offered).
 pub const HOLDINGS: usize = 63;
 const PLACE_WORDS: usize = HOLDINGS + 1;
-const LEN: usize = COUNTS_LEN + ENTRIES * PLACE_WORDS * 8;
+/// After the placements, one word for the pool: the most urgent priority a worker saw lately
+/// and when ([`Balance::saw_priority`]).
+const URGENT: usize = COUNTS_LEN + ENTRIES * PLACE_WORDS * 8;
+const LEN: usize = URGENT + 8;
+/// The urgent word's time: CLOCK_MONOTONIC milliseconds, below the priority's 8 bits.
+const MS_MASK: u64 = (1 << 56) - 1;
 
 /// A worker with this many connections more than its least busy sibling sheds one.
 pub const EXCESS: u32 = 2;
@@ -110,6 +122,33 @@ impl Balance {
                 let _ = self.pid(entry).compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
             }
         }
+    }
+
+    /// A request of `priority` (0 the most urgent) arrived now at some worker of the pool:
+    /// recorded unless one more urgent was recorded within `window`.
+    pub fn saw_priority(&self, priority: u8, window: Duration) {
+        let word: &AtomicU64 = self.region.at(URGENT);
+        let now = monotonic_nanos() / 1_000_000;
+        let mut current = word.load(Ordering::Relaxed);
+        loop {
+            let (seen, at) = ((current >> 56) as u8, current & MS_MASK);
+            if current != 0 && seen < priority && now.saturating_sub(at) < window.as_millis() as u64 {
+                return;
+            }
+            let new = (u64::from(priority) << 56) | (now & MS_MASK);
+            match word.compare_exchange_weak(current, new, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(changed) => current = changed,
+            }
+        }
+    }
+
+    /// The most urgent priority any worker of the pool saw within `window` (None: none).
+    pub fn urgent(&self, window: Duration) -> Option<u8> {
+        let current = self.region.at::<AtomicU64>(URGENT).load(Ordering::Relaxed);
+        let at = current & MS_MASK;
+        let now = monotonic_nanos() / 1_000_000;
+        (current != 0 && now.saturating_sub(at) < window.as_millis() as u64).then_some((current >> 56) as u8)
     }
 
     /// The fewest connections any serving worker but `except` has open (None: no other).
@@ -190,6 +229,25 @@ impl Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_worker_sees_the_most_urgent_priority_any_saw_within_the_window() {
+        let (_supervisor, fd) = Balance::create().unwrap();
+        let (a, b) = (Balance::map(&fd).unwrap(), Balance::map(&fd).unwrap());
+        let window = Duration::from_secs(60);
+        assert_eq!(b.urgent(window), None, "nothing seen yet");
+        a.saw_priority(9, window);
+        assert_eq!(b.urgent(window), Some(9));
+        a.saw_priority(0, window);
+        b.saw_priority(9, window);
+        assert_eq!((a.urgent(window), b.urgent(window)), (Some(0), Some(0)), "9 does not hide a recent 0");
+        // Past the window, the 0 is forgotten and the next priority seen holds.
+        std::thread::sleep(Duration::from_millis(20));
+        let short = Duration::from_millis(10);
+        assert_eq!(b.urgent(short), None);
+        b.saw_priority(9, short);
+        assert_eq!(a.urgent(window), Some(9));
+    }
 
     #[test]
     fn a_worker_sheds_only_while_it_holds_two_more_than_its_least_busy_sibling() {

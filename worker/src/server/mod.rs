@@ -32,7 +32,7 @@ use crate::request::call::RequestIds;
 use crate::request::link::Link;
 use crate::request::models::{Models, OnDemand, LOADS_QUEUED};
 use crate::request::placement::Placement;
-use crate::runtime::engine::{Cores, Engine};
+use crate::runtime::engine::{Cores, Engine, Pool};
 use boot::{boot, read_spec, Booted};
 use connections::{accept_failed, balance_entry, draining, limits_seat, Connections, Drain, Fresh};
 use grpc::{serve_grpc, GrpcLimits};
@@ -102,7 +102,16 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
             return EXIT_BOOT;
         }
     };
-    let engine = Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator, cores);
+    // The pool's table, for the priorities every worker saw: a mapping of its own, beside the
+    // connection balance's (`balance_entry`, which takes the descriptor over later).
+    let priorities = spec.balance.then(|| {
+        // SAFETY: the supervisor hands this descriptor when the spec says `balance`; borrowed
+        // here, not closed.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(inferd_ipc::balance::WORKER_BALANCE_FD) };
+        inferd_ipc::balance::Balance::map(fd).map_err(|e| warn!("cannot map the pool's table for priorities: {e}")).ok()
+    });
+    let pool = Pool { cores, priorities: priorities.flatten() };
+    let engine = Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator, pool);
     let engine = match engine {
         Ok(engine) => engine,
         Err(e) => {

@@ -11,6 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use inferd_ipc::balance::Balance;
 use inferd_ipc::stats::WorkerCounters;
 
 use crate::runtime::engine::batch::{Job, Join, Policy};
@@ -93,6 +94,10 @@ pub(super) struct Dispatcher {
     /// The highest priority (the lowest number) among the jobs that arrived within
     /// [`PRIORITY_SEEN_FOR`], and when the last of that priority did.
     priority_seen: Option<(u8, Instant)>,
+    /// The pool's table, where every worker records the most urgent priority it saw lately
+    /// ([`Dispatcher::with_pool_priorities`]): a client moved to this worker by the pool's
+    /// connection balance is then as urgent here as it was there.
+    pool: Option<Balance>,
     /// Each model's limits, by model number.
     policies: HashMap<usize, Policy>,
     /// Each lane's work channel and what it runs.
@@ -222,6 +227,7 @@ impl Dispatcher {
             pending: VecDeque::new(),
             overtaken: 0,
             priority_seen: None,
+            pool: None,
             policies: policies.into_iter().enumerate().collect(),
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             has_wide,
@@ -245,6 +251,20 @@ impl Dispatcher {
     pub(super) fn with_wide_batches(mut self) -> Dispatcher {
         self.wide_batches = true;
         self
+    }
+
+    /// Shares the priorities seen with the pool's other workers ([`Dispatcher::pool`]).
+    pub(super) fn with_pool_priorities(mut self, pool: Balance) -> Dispatcher {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// The most urgent priority that arrived within [`PRIORITY_SEEN_FOR`], here or at a
+    /// sibling.
+    fn urgent(&self) -> Option<u8> {
+        let here = self.priority_seen.filter(|(_, t)| t.elapsed() < PRIORITY_SEEN_FOR).map(|(p, _)| p);
+        let pool = self.pool.as_ref().and_then(|pool| pool.urgent(PRIORITY_SEEN_FOR));
+        here.into_iter().chain(pool).min()
     }
 
     /// Makes the last lane the background lane ([`Dispatcher::background`]).
@@ -328,8 +348,10 @@ impl Dispatcher {
             let waiting = anchor.rows.unwrap_or(1) + self.pending.iter().filter_map(|j| j.rows).sum::<usize>();
             let sharing = if Some(lane) == self.background { 1 } else { self.regular_lanes() };
             // A job whose waiter gave up at its deadline (answered 504 already) does not run.
-            let (batch, given_up): (Vec<Job>, Vec<Job>) =
-                self.gather(anchor, waiting.div_ceil(sharing)).into_iter().partition(|job| job.start.begin());
+            let (batch, given_up): (Vec<Job>, Vec<Job>) = self
+                .gather(anchor, waiting.div_ceil(sharing), Some(lane) == self.background)
+                .into_iter()
+                .partition(|job| job.start.begin());
             self.counters.queued(-(given_up.len() as i64));
             if batch.is_empty() {
                 continue;
@@ -371,6 +393,9 @@ impl Dispatcher {
                 let now = Instant::now();
                 if self.priority_seen.is_none_or(|(p, t)| job.priority <= p || now - t >= PRIORITY_SEEN_FOR) {
                     self.priority_seen = Some((job.priority, now));
+                }
+                if let Some(pool) = &self.pool {
+                    pool.saw_priority(job.priority, PRIORITY_SEEN_FOR);
                 }
                 self.pending.push_back(job);
             }
@@ -427,8 +452,8 @@ impl Dispatcher {
         // While work of a higher priority comes, lower-priority work keeps off lane 0 where the
         // background lane can take it: a higher-priority request then finds lane 0 free and
         // runs beside it, with the core mostly its own, instead of waiting for that run's end.
-        let yields =
-            |job: &Job| self.priority_seen.is_some_and(|(p, t)| p < job.priority && t.elapsed() < PRIORITY_SEEN_FOR);
+        let urgent = self.urgent();
+        let yields = |job: &Job| urgent.is_some_and(|p| p < job.priority);
         let lane_for = |job: &Job| {
             let bulk = job.tokens() > self.policy(job.model).max_tokens;
             if self.background.is_some() && yields(job) {
@@ -494,8 +519,9 @@ impl Dispatcher {
         (rows < policy.max_rows && Instant::now() < until).then_some(until)
     }
 
-    /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`.
-    fn gather(&mut self, anchor: Job, max_rows: usize) -> Vec<Job> {
+    /// The anchor plus the waiting jobs that fit it within the model's limits and `max_rows`,
+    /// for the background lane (`background`) or a regular one.
+    fn gather(&mut self, anchor: Job, max_rows: usize, background: bool) -> Vec<Job> {
         let policy = self.policy(anchor.model).clone();
         let max_rows = max_rows.min(policy.max_rows);
         let Some(mut rows) = anchor.rows.filter(|_| max_rows > 1) else { return vec![anchor] };
@@ -503,9 +529,9 @@ impl Dispatcher {
         // Company of a lower priority than the anchor's would make its run longer: it waits for
         // its own. And while work of a higher priority than the anchor's comes, company of the
         // anchor's own priority would make a run such work waits for longer: the anchor takes
-        // only company of a higher priority.
-        let higher_comes =
-            self.priority_seen.is_some_and(|(p, t)| p < anchor.priority && t.elapsed() < PRIORITY_SEEN_FOR);
+        // only company of a higher priority. Not on the background lane, which such work never
+        // waits for.
+        let higher_comes = !background && self.urgent().is_some_and(|p| p < anchor.priority);
         let lowest = if higher_comes { anchor.priority.saturating_sub(1) } else { anchor.priority };
         let mut candidates: Vec<usize> = (0..self.pending.len())
             .filter(|&i| anchor.fits(&self.pending[i]) && self.pending[i].priority <= lowest)
@@ -618,10 +644,10 @@ mod tests {
         // A batch gathers the highest-priority company first, and none of a lower priority
         // than its anchor's (it would make the anchor's run longer).
         let mut d = dispatcher(3, 8192, vec![waiting(9, ms(10), 0), waiting(0, ms(0), 100), waiting(5, ms(0), 300)]);
-        let batch = d.gather(waiting(0, ms(0), 200), 64);
+        let batch = d.gather(waiting(0, ms(0), 200), 64, false);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [0, 0]);
         let mut d = dispatcher(3, 8192, vec![waiting(9, ms(10), 0), waiting(0, ms(0), 100)]);
-        let batch = d.gather(waiting(5, ms(0), 200), 64);
+        let batch = d.gather(waiting(5, ms(0), 200), 64, false);
         assert_eq!(batch.iter().map(|j| j.priority).collect::<Vec<_>>(), [5, 0], "a bulk anchor takes anyone");
 
         // While work of a higher priority comes, a bulk anchor runs without company of its
@@ -631,7 +657,7 @@ mod tests {
             let mut d = dispatcher(8, 8192, vec![waiting(9, ms(10), 0), waiting(9, ms(5), 100)]);
             d.take(Event::Job(waiting(0, ms(0), 300)));
             d.priority_seen = d.priority_seen.map(|(p, t)| (p, t - seen));
-            d.gather(waiting(9, ms(20), 200), 64).iter().map(|j| j.priority).collect::<Vec<_>>()
+            d.gather(waiting(9, ms(20), 200), 64, false).iter().map(|j| j.priority).collect::<Vec<_>>()
         };
         assert_eq!(bulk_batch(Duration::ZERO), [9, 0]);
         assert_eq!(bulk_batch(PRIORITY_SEEN_FOR), [9, 0, 9, 9]);
@@ -673,26 +699,26 @@ mod tests {
         let mut pending = shorts();
         pending.insert(3, text_job(1, 256, 0));
         let mut d = dispatcher(32, 8192, pending);
-        let batch = d.gather(text_job(1, 17, 99), 64);
+        let batch = d.gather(text_job(1, 17, 99), 64, false);
         assert_eq!(batch.len(), 16, "the anchor and the 15 short texts");
         assert!(batch.iter().all(|j| j.width == 17));
         assert_eq!(d.pending.len(), 1, "the long text waits for its own run");
 
         // No row is padded to more than twice its length: a long anchor runs without them.
         let mut d = dispatcher(32, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 256, 0), 64).len(), 1);
+        assert_eq!(d.gather(text_job(1, 256, 0), 64, false).len(), 1);
         let mut d = dispatcher(32, 8192, vec![text_job(1, 10, 0), text_job(1, 30, 0), text_job(1, 20, 0)]);
-        let widths: Vec<usize> = d.gather(text_job(1, 15, 0), 64).iter().map(|j| j.width).collect();
+        let widths: Vec<usize> = d.gather(text_job(1, 15, 0), 64, false).iter().map(|j| j.width).collect();
         assert_eq!(widths, [15, 20, 10], "closest first, then within 2x of the narrowest");
 
         // Rows and the token budget both bound a batch.
         let mut d = dispatcher(4, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 4);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64, false).len(), 4);
         let mut d = dispatcher(32, 17 * 6, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 6);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64, false).len(), 6);
         // Batching off (no dynamic batch dimension, or max_batch_size = 1): always alone.
         let mut d = dispatcher(1, 8192, shorts());
-        assert_eq!(d.gather(text_job(1, 17, 0), 64).len(), 1);
+        assert_eq!(d.gather(text_job(1, 17, 0), 64, false).len(), 1);
     }
 
     #[test]
@@ -824,13 +850,16 @@ mod tests {
             d.take(Event::Job(waiting(9, now, 10 + i)));
         }
         d.dispatch().unwrap();
-        assert_eq!((handed(0), handed(1), d.pending.len()), (None, Some(vec![9]), 2), "one bulk job, beside");
+        // Batched there: no interactive request waits for that lane.
+        assert_eq!((handed(0), handed(1)), (None, Some(vec![9, 9, 9])), "the bulk jobs, beside");
         d.take(Event::Job(waiting(0, now, 20)));
         d.dispatch().unwrap();
-        assert_eq!((handed(0), d.pending.len()), (Some(vec![0]), 2), "the interactive request, on lane 0");
+        assert_eq!(handed(0), Some(vec![0]), "the interactive request, on lane 0");
         d.take(Event::Done { lane: 0 });
+        d.take(Event::Job(waiting(9, now, 30)));
+        d.take(Event::Job(waiting(9, now, 31)));
         d.dispatch().unwrap();
-        assert_eq!(handed(0), None, "bulk work waits for the background lane");
+        assert_eq!((handed(0), d.pending.len()), (None, 2), "bulk work waits for the background lane");
         // None came for PRIORITY_SEEN_FOR: bulk work takes lane 0 again, with company.
         d.priority_seen = Some((0, Instant::now() - PRIORITY_SEEN_FOR));
         d.take(Event::Done { lane: 1 });

@@ -52,6 +52,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
+use inferd_ipc::balance::Balance;
 use inferd_ipc::stats::WorkerCounters;
 use tokio::sync::oneshot;
 
@@ -92,6 +93,16 @@ impl Sessions {
         let Sessions { narrow, wide, background } = self;
         narrow.iter_mut().chain(wide.as_mut()).chain(background.as_mut()).try_for_each(ModelSession::warm_up)
     }
+}
+
+/// What a worker's engine shares with its siblings: its part in the pool's core claims, when
+/// it lends ([`Cores`]); and the pool's table, where the priorities its requests came with are
+/// seen by every worker (`dispatch`: lower-priority work keeps off lane 0 while more urgent
+/// work comes, wherever the pool's balance moves its connection).
+#[derive(Default)]
+pub struct Pool {
+    pub cores: Option<Cores>,
+    pub priorities: Option<Balance>,
 }
 
 /// Handle to the lanes; cheap to clone.
@@ -139,7 +150,7 @@ impl Engine {
     ///
     /// Queue time, compute time and batch sizes go to `stats`, and so does a beat at least
     /// every second and the start of the oldest run in progress, which the supervisor watches
-    /// for a stuck model. `cores`: the worker's part in the pool's core claims, when it lends.
+    /// for a stuck model. `pool`: what it shares with its siblings.
     pub fn start(
         models: Vec<Sessions>,
         stats: Arc<WorkerCounters>,
@@ -147,8 +158,9 @@ impl Engine {
         run_timeout: Duration,
         poll_when_idle: bool,
         allocator: Allocator,
-        cores: Option<Cores>,
+        pool: Pool,
     ) -> std::io::Result<Engine> {
+        let Pool { cores, priorities } = pool;
         let cores = cores.map(Arc::new);
         let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
@@ -177,6 +189,10 @@ impl Engine {
             Dispatcher::new(limits, senders, has_wide, stats.clone(), clock.clone(), Arc::downgrade(&alive));
         let dispatcher = if borrows && lanes == 1 { dispatcher.with_wide_batches() } else { dispatcher };
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
+        let dispatcher = match priorities {
+            Some(table) => dispatcher.with_pool_priorities(table),
+            None => dispatcher,
+        };
         let dispatcher = Arc::new(Shared::new(dispatcher));
         for (index, queue) in queues.into_iter().enumerate() {
             let background = index == lanes;
