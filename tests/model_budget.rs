@@ -159,13 +159,7 @@ fn a_model_larger_than_the_budget_is_refused_naming_both_sizes_and_others_still_
     assert!(small.server_timing("load").is_some(), "{:?}", small.headers);
     // `inferd check` says so before any request: the largest, what never fits, and what may
     // peak past a share's room while it loads (5 times its file, estimated).
-    let check = std::process::Command::new(BIN)
-        .args(["check", "--config"])
-        .arg(server.dir.path().join("inferd.toml"))
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    assert!(check.status.success(), "{said}{}", String::from_utf8_lossy(&check.stderr));
+    let said = server.check();
     assert!(said.contains("largest on demand: 'large', a file of 160 MiB: its first load peaks at about"), "{said}");
     assert!(said.contains("NEVER FITS: 'large' (larger than a share's room)"), "{said}");
     let room: u64 = said.split("a share's room: ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap();

@@ -152,13 +152,7 @@ fn a_model_that_cannot_load_fails_its_requests_only_and_is_not_loaded_again_at_o
     // `inferd check` and in the log.
     assert_eq!(server.request("POST", "/v2/models/unreadable/infer", &typed_request()).status, 404);
     assert!(server.log().contains("model folder 'unreadable' cannot be loaded on demand"), "{}", server.log());
-    let check = std::process::Command::new(BIN)
-        .args(["check", "--config"])
-        .arg(server.dir.path().join("inferd.toml"))
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    assert!(check.status.success(), "{said}{}", String::from_utf8_lossy(&check.stderr));
+    let said = server.check();
     assert!(said.contains("on demand:       broken, classifier, mlp"), "{said}");
     assert!(said.contains("unreadable: cannot be loaded on demand"), "{said}");
     // Each worker tried once; the next requests were answered with that failure.

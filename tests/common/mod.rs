@@ -227,6 +227,15 @@ impl Server {
         self.process.log()
     }
 
+    /// What `inferd check` prints for this server's config, which it must pass.
+    pub fn check(&self) -> String {
+        let check =
+            Command::new(BIN).args(["check", "--config"]).arg(self.dir.path().join("inferd.toml")).output().unwrap();
+        let said = String::from_utf8_lossy(&check.stdout).into_owned();
+        assert!(check.status.success(), "{said}{}", String::from_utf8_lossy(&check.stderr));
+        said
+    }
+
     /// Whether the supervisor is still running.
     pub fn running(&mut self) -> bool {
         self.process.exited().is_none()
