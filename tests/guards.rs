@@ -245,6 +245,42 @@ fn deadlines_on_every_protocol_are_answered_in_time_and_never_run() {
     assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
 }
 
+/// `[batching] max_queue_size` (Triton's per-model queue): with one request of the model
+/// running and one waiting, the next is answered 503 with Retry-After at once, naming the
+/// setting; the ones in the queue are served, and so is another model.
+#[test]
+fn a_model_with_its_own_queue_size_refuses_the_request_past_it_at_once() {
+    let dir = temp_dir("model-queue");
+    let repository = model_repository(dir.path(), &["typed"]);
+    model_of_file(&repository, "slow", &test_models().join("slow/model.onnx"), "[batching]\nmax_queue_size = 1\n");
+    let port = free_port();
+    write_config(dir.path(), port, 1, &repository, "slow", &["typed"], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let addr = server.addr;
+    let send = move |iterations| {
+        std::thread::spawn(move || request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(iterations)).unwrap())
+    };
+    // Seconds of the worker's one lane, then one waiting behind it.
+    let long = send(1_000_000);
+    std::thread::sleep(Duration::from_millis(300));
+    let queued = send(10);
+    std::thread::sleep(Duration::from_millis(300));
+    let refused = request(addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)).unwrap();
+    assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
+    assert!(refused.header("retry-after").is_some(), "{:?}", refused.headers);
+    assert!(refused.error().contains("[batching] max_queue_size"), "{}", refused.error());
+    assert!(!long.is_finished(), "the long run ended before the refusal: nothing was queued");
+    // Another model queues as server.max_queue allows.
+    let other = request(addr, "POST", "/v2/models/typed/infer", &[], &typed_request()).unwrap();
+    assert_eq!(other.status, 200, "{}", String::from_utf8_lossy(&other.body));
+    assert_eq!((long.join().unwrap().status, queued.join().unwrap().status), (200, 200));
+    let refusals = metric(&server, "inferd_requests_total{model=\"slow\",endpoint=\"infer\",code=\"503\"}");
+    assert_eq!(refusals, 1.0);
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
+}
+
 fn metric(server: &Server, prefix: &str) -> f64 {
     metric_value(&server.metrics_text(), prefix).unwrap_or(0.0)
 }

@@ -38,6 +38,7 @@
 //!                        # (unset: 32 where the first dimension is a batch, see [`Batching`])
 //! max_batch_tokens = 512 # text: rows x padded length in one run
 //! max_queue_delay_ms = 0 # how long a request may wait for company; 0 = only what already waits
+//! max_queue_size = 0     # requests of this model waiting at most (then 503); 0 = server.max_queue only
 //! ```
 //!
 //! What can be checked without the model is checked here; whether the pipeline fits the

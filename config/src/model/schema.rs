@@ -193,6 +193,10 @@ pub struct Batching {
     /// How long the oldest waiting request may be held back for more to arrive. 0 = batch only
     /// what is already waiting, so an idle server adds no latency.
     pub max_queue_delay_ms: u64,
+    /// Most requests for this model waiting in a worker's queue (not running); one more is
+    /// answered 503 with Retry-After at once, as Triton's `max_queue_size`. 0 = no limit of its
+    /// own (`server.max_queue` bounds every model's together).
+    pub max_queue_size: usize,
 }
 
 /// The longest `max_queue_delay_ms` accepted: batching is for milliseconds, not seconds.
@@ -203,7 +207,7 @@ pub const DEFAULT_MAX_BATCH_SIZE: usize = 32;
 
 impl Default for Batching {
     fn default() -> Self {
-        Batching { max_batch_size: None, max_batch_tokens: 512, max_queue_delay_ms: 0 }
+        Batching { max_batch_size: None, max_batch_tokens: 512, max_queue_delay_ms: 0, max_queue_size: 0 }
     }
 }
 

@@ -110,7 +110,9 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Model(ModelError::InvalidInput { .. }) => ApiError::BadRequest(e.to_string()),
-            EngineError::Overloaded { .. } | EngineError::Unloaded => ApiError::Overloaded(e.to_string()),
+            EngineError::Overloaded { .. } | EngineError::ModelQueueFull { .. } | EngineError::Unloaded => {
+                ApiError::Overloaded(e.to_string())
+            }
             EngineError::DeadlineExceeded { .. } | EngineError::Stopped { .. } => {
                 ApiError::DeadlineExceeded(e.to_string())
             }

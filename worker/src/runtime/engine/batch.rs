@@ -157,13 +157,15 @@ pub(super) struct Policy {
     pub(super) max_rows: usize,
     pub(super) max_tokens: usize,
     pub(super) delay: Duration,
+    /// Most of its jobs waiting at once (`[batching] max_queue_size`; 0: no limit of its own).
+    pub(super) max_waiting: usize,
 }
 
 impl Policy {
     /// The limits of a job whose model was unloaded while it waited: it runs alone, and its
     /// lane answers that the model is gone.
     pub(super) const GONE: Policy =
-        Policy { batchable: false, max_rows: 1, max_tokens: usize::MAX, delay: Duration::ZERO };
+        Policy { batchable: false, max_rows: 1, max_tokens: usize::MAX, delay: Duration::ZERO, max_waiting: 0 };
 
     pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
@@ -173,6 +175,7 @@ impl Policy {
             max_rows: rows.unwrap_or(1),
             max_tokens: b.max_batch_tokens,
             delay: Duration::from_millis(b.max_queue_delay_ms),
+            max_waiting: b.max_queue_size,
         }
     }
 }
@@ -327,7 +330,13 @@ pub(super) mod tests {
 
     #[test]
     fn a_request_past_the_limits_is_cut_into_runs_within_them_and_joined_back() {
-        let policy = |max_rows, max_tokens| Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO };
+        let policy = |max_rows, max_tokens| Policy {
+            batchable: true,
+            max_rows,
+            max_tokens,
+            delay: Duration::ZERO,
+            max_waiting: 0,
+        };
         let request = text_job(5, 100, 0).inputs;
         // 512 tokens a run: 5 rows of 100 in runs of 5; of 250 tokens, runs of 2, 2 and 1.
         assert!(runs(&request, Join::PadSequence, &policy(32, 512)).is_none(), "it fits: one run");

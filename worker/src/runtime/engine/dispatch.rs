@@ -397,6 +397,14 @@ impl Dispatcher {
                 if let Some(pool) = &self.pool {
                     pool.saw_priority(job.priority, PRIORITY_SEEN_FOR);
                 }
+                // Its model's own queue full ([batching] max_queue_size): answered at once.
+                let limit = self.policy(job.model).max_waiting;
+                let waiting = self.pending.iter().filter(|j| j.model == job.model).count();
+                if limit > 0 && waiting >= limit {
+                    self.counters.queued(-1);
+                    let _ = job.reply.send(Err(EngineError::ModelQueueFull { waiting }));
+                    return;
+                }
                 self.pending.push_back(job);
             }
             Event::Done { lane } => {
@@ -572,7 +580,7 @@ mod tests {
     use crate::runtime::engine::batch::tests::text_job;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
-        let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO }];
+        let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO, max_waiting: 0 }];
         let counters = Arc::new(WorkerCounters::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
         let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1), Default::default()).unwrap());
@@ -825,6 +833,27 @@ mod tests {
         d.take(Event::Job(text_job(4, 256, 0)));
         d.dispatch().unwrap();
         assert_eq!((handed(0), handed(1)), (None, Some((1, 256, false))), "1024 tokens: background");
+    }
+
+    #[test]
+    fn a_job_past_its_models_own_queue_size_is_refused_at_once() {
+        let mut d = dispatcher(32, 512, Vec::new());
+        d.policies.get_mut(&0).unwrap().max_waiting = 2;
+        // No lanes: every job waits.
+        let mut answers: Vec<_> = (0..3)
+            .map(|i| {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                d.take(Event::Job(Job { reply, ..text_job(1, 17, i) }));
+                answer
+            })
+            .collect();
+        assert_eq!(d.pending.len(), 2);
+        let refused = answers.pop().unwrap().try_recv().unwrap().unwrap_err().to_string();
+        assert!(
+            refused.contains("2 requests are already waiting for this model ([batching] max_queue_size"),
+            "{refused}"
+        );
+        assert!(answers.iter_mut().all(|a| a.try_recv().is_err()), "the first two wait");
     }
 
     #[test]

@@ -33,6 +33,10 @@ pub enum EngineError {
         "overloaded: {waiting} requests are already waiting for this worker's model (server.max_queue); retry shortly"
     )]
     Overloaded { waiting: u64 },
+    #[error(
+        "overloaded: {waiting} requests are already waiting for this model ([batching] max_queue_size in its model.toml); retry shortly"
+    )]
+    ModelQueueFull { waiting: usize },
     #[error("the request's deadline passed after {waited:?} in the queue; it never reached the model")]
     DeadlineExceeded { waited: std::time::Duration },
     #[error("model '{model}' ran longer than server.request_timeout_secs = {limit} s and was stopped")]
