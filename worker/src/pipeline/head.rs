@@ -161,6 +161,23 @@ pub fn token_embeddings(output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<Ve
 
 /// Pools token vectors `[batch, sequence, dim]` (or passes `[batch, dim]` through), then
 /// L2-normalises when asked.
+/// The mean of `tokens`' states (each `dims` values), or with `max` the largest value of each
+/// dimension: mean and max pooling, for a whole text here and for a chunk of it in late
+/// chunking ([`super::late`]).
+pub(super) fn pool<'a>(tokens: impl Iterator<Item = &'a [f32]>, dims: usize, max: bool) -> Vec<f32> {
+    let mut pooled = vec![if max { f32::NEG_INFINITY } else { 0.0 }; dims];
+    let mut count = 0usize;
+    for token in tokens {
+        pooled.iter_mut().zip(token).for_each(|(a, &b)| *a = if max { a.max(b) } else { *a + b });
+        count = count.saturating_add(1);
+    }
+    if !max {
+        let n = count.max(1) as f32;
+        pooled.iter_mut().for_each(|x| *x /= n);
+    }
+    pooled
+}
+
 pub fn embeddings(
     output: &Tensor,
     lengths: &[usize],
@@ -194,20 +211,8 @@ pub fn embeddings(
                 match pooling {
                     Pooling::Cls => row[..*d].to_vec(),
                     Pooling::LastToken => tokens.next_back().unwrap_or(&row[..*d]).to_vec(),
-                    Pooling::Mean => {
-                        let mut sum = vec![0f32; *d];
-                        for token in tokens {
-                            sum.iter_mut().zip(token).for_each(|(a, b)| *a += b);
-                        }
-                        sum.iter().map(|x| x / n as f32).collect()
-                    }
-                    Pooling::Max => {
-                        let mut max = vec![f32::NEG_INFINITY; *d];
-                        for token in tokens {
-                            max.iter_mut().zip(token).for_each(|(a, &b)| *a = a.max(b));
-                        }
-                        max
-                    }
+                    Pooling::Mean => pool(tokens, *d, false),
+                    Pooling::Max => pool(tokens, *d, true),
                     // log(1 + relu(x)) grows with x: the largest x of each entry decides.
                     Pooling::Splade => {
                         let mut max = vec![0f32; *d];

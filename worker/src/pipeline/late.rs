@@ -112,20 +112,11 @@ fn sentences(text: &str) -> Vec<(usize, usize)> {
 }
 
 /// The mean (or, with `max`, the largest value of each dimension) of the token states in
-/// `tokens`.
+/// `tokens`, pooled as a whole text's are ([`super::head::pool`]).
 pub fn pool(states: &[Vec<f32>], tokens: Range<usize>, max: bool) -> Vec<f32> {
     let covered = &states[tokens];
     let dims = covered.first().map_or(0, Vec::len);
-    let start = if max { f32::NEG_INFINITY } else { 0.0 };
-    let mut pooled = covered.iter().fold(vec![start; dims], |mut acc, state| {
-        acc.iter_mut().zip(state).for_each(|(a, &v)| *a = if max { a.max(v) } else { *a + v });
-        acc
-    });
-    if !max {
-        let n = covered.len().max(1) as f32;
-        pooled.iter_mut().for_each(|x| *x /= n);
-    }
-    pooled
+    super::head::pool(covered.iter().map(Vec::as_slice), dims, max)
 }
 
 #[cfg(test)]
