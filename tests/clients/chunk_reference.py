@@ -17,22 +17,19 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from tokenizers import Tokenizer
+
+from references import one_thread_session, whole_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LENGTH = 256  # models/minilm/model.toml's [tokenizer] max_length
 overlap, pooling, texts = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 
-plain = Tokenizer.from_file(str(ROOT / "models/minilm/tokenizer.json"))
-plain.no_padding()
-plain.no_truncation()
+plain = whole_tokenizer(ROOT / "models/minilm/tokenizer.json")
 cut = Tokenizer.from_file(str(ROOT / "models/minilm/tokenizer.json"))
 cut.no_padding()
 cut.enable_truncation(max_length=MAX_LENGTH)
-options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-session = ort.InferenceSession(str(ROOT / "models/minilm/model.onnx"), options, providers=["CPUExecutionProvider"])
+session = one_thread_session(ROOT / "models/minilm/model.onnx")
 size = MAX_LENGTH - plain.post_processor.num_special_tokens_to_add(False)
 
 

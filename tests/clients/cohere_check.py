@@ -19,10 +19,10 @@ from pathlib import Path
 
 import cohere
 import numpy as np
-import onnxruntime as ort
 from langchain_cohere import CohereRerank
 from langchain_core.documents import Document
-from tokenizers import Tokenizer
+
+from references import one_thread_session, whole_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests/models/reranker"
@@ -30,12 +30,8 @@ MAX_LENGTH = 128  # tests/models/reranker/model.toml's [tokenizer] max_length
 addr = sys.argv[1]
 failures = []
 
-tokenizer = Tokenizer.from_file(str(ROOT / "models/minilm/tokenizer.json"))
-tokenizer.no_padding()
-tokenizer.no_truncation()
-options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-session = ort.InferenceSession(str(MODEL / "model.onnx"), options, providers=["CPUExecutionProvider"])
+tokenizer = whole_tokenizer(ROOT / "models/minilm/tokenizer.json")
+session = one_thread_session(MODEL / "model.onnx")
 
 
 def check(name, condition, detail=""):

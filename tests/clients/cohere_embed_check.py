@@ -26,9 +26,10 @@ from pathlib import Path
 
 import cohere
 import numpy as np
-import onnxruntime as ort
 from langchain_cohere import CohereEmbeddings
 from tokenizers import Tokenizer
+
+from references import one_thread_session
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models/minilm"
@@ -113,9 +114,7 @@ r = v2.embed(texts=TEXTS, model="minilm", input_type="search_query")
 check("v2: float by default", worst(r.embeddings.float_, reference) <= 1e-5 and r.embeddings.int8 is None)
 
 # Truncation, against onnxruntime on the model's tokenizer cutting on each side.
-options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-session = ort.InferenceSession(str(MODEL / "model.onnx"), options, providers=["CPUExecutionProvider"])
+session = one_thread_session(MODEL / "model.onnx")
 
 
 def embedded(text, direction):

@@ -15,18 +15,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
-from tokenizers import Tokenizer
+
+from references import one_thread_session, whole_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 text, spans = sys.argv[1], json.loads(sys.argv[2])
 
-tokenizer = Tokenizer.from_file(str(ROOT / "models/minilm/tokenizer.json"))
-tokenizer.no_padding()
-tokenizer.no_truncation()
-options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-session = ort.InferenceSession(str(ROOT / "models/minilm/model.onnx"), options, providers=["CPUExecutionProvider"])
+tokenizer = whole_tokenizer(ROOT / "models/minilm/tokenizer.json")
+session = one_thread_session(ROOT / "models/minilm/model.onnx")
 
 encoding = tokenizer.encode(text)
 ids = np.asarray([encoding.ids], np.int64)
