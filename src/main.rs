@@ -357,7 +357,7 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
     let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())
         .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error })?;
     for entry in &resolved.models {
-        let (meta, _session) = inferd_worker::load::one(&runtime, entry, Threads::Narrow)
+        let (meta, _session) = inferd_worker::load::one(&runtime, entry, Threads::Narrow, &resolved.access.signatures)
             .map_err(|error| Failure::Model { context: format!("checking model '{}'", entry.name), error })?;
         println!(
             "model {} (version {}, sha256 {}): {}",

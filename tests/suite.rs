@@ -44,6 +44,7 @@ mod reload;
 mod repository;
 mod robustness;
 mod shutdown;
+mod signatures;
 mod structure;
 mod systemd;
 mod systemd_unit;

@@ -444,7 +444,7 @@ impl Embedder {
         warm: &[String],
         batch: usize,
     ) -> anyhow::Result<Self> {
-        let (served, model) = inferd_worker::load::one(runtime, entry, threads)?;
+        let (served, model) = inferd_worker::load::one(runtime, entry, threads, &Default::default())?;
         let pipeline = served.pipeline;
         let Pipeline::Text(text) = &*pipeline else { bail!("this mode needs a text model") };
         let Head::Embedding { .. } = text.head else { bail!("this mode needs an embedding model") };

@@ -221,11 +221,14 @@ impl KeySettings {
 }
 
 /// What the supervisor reads for the public port at start and at every reload, and every
-/// worker of that generation serves with: the API keys and the TLS certificate.
+/// worker of that generation serves with: the API keys, the TLS certificate, and the key the
+/// models it loads must be signed with.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Access {
     pub api_keys: Option<ApiKeys>,
     pub tls: Option<crate::tls::Tls>,
+    #[serde(default)]
+    pub signatures: crate::signing::Trust,
 }
 
 /// Why a request was refused (the `reason` label of the refusal counter and the access log).

@@ -269,6 +269,11 @@ pub struct ModelsConfig {
     /// for, or a worker whose share has no free room for a model a serving sibling holds
     /// forwards the request to that sibling.
     pub placement: Placement,
+    /// Whether a model folder's OpenSSF model-signing signature (`model.sig`) is checked at
+    /// every load: off, verify (where there is one) or required.
+    pub signatures: crate::signing::Signatures,
+    /// The PEM public key signatures must verify against (the CLI's `key` method).
+    pub signature_public_key: Option<PathBuf>,
 }
 
 /// Where a model loaded on demand is served ([`ModelsConfig::placement`]).
@@ -434,6 +439,8 @@ impl Default for ModelsConfig {
             memory_budget: None,
             eviction: Eviction::default(),
             placement: Placement::default(),
+            signatures: crate::signing::Signatures::Off,
+            signature_public_key: None,
         }
     }
 }
@@ -787,10 +794,21 @@ impl Config {
         crate::auth::ApiKeys::load(file.as_deref(), self.auth.protect_health)
     }
 
-    /// What the public port serves and whom: the API keys and the TLS files, read now (at
-    /// start and at every reload).
+    /// What the public port serves and whom: the API keys, the TLS files and the key model
+    /// signatures verify against, read now (at start and at every reload).
     pub fn access(&self) -> Result<crate::auth::Access, ConfigError> {
-        Ok(crate::auth::Access { api_keys: self.api_keys()?, tls: self.server_tls().load("server")? })
+        Ok(crate::auth::Access {
+            api_keys: self.api_keys()?,
+            tls: self.server_tls().load("server")?,
+            signatures: self.trust()?,
+        })
+    }
+
+    /// `[models] signatures` with its public key, read now (at start and at every reload).
+    pub fn trust(&self) -> Result<crate::signing::Trust, ConfigError> {
+        let key = self.models.signature_public_key.as_ref().map(|k| self.resolve(k));
+        crate::signing::Trust::load(self.models.signatures, key.as_deref())
+            .map_err(|e| ConfigError::Invalid { key: "models.signature_public_key", message: e.to_string() })
     }
 
     /// `[server]`'s TLS files, resolved.

@@ -6,7 +6,8 @@
 //!   (`error.rs`: [`ConfigError`]), both re-exported by [`file`](mod@file);
 //! - the model repository layout ([`model`]): `models/<name>/model.toml` + `model.onnx`;
 //! - where the ONNX Runtime shared library is found ([`ortlib`]);
-//! - who may use the ports and what encrypts them: API keys ([`auth`]), TLS files ([`tls`]).
+//! - who may use the ports and what encrypts them: API keys ([`auth`]), TLS files ([`tls`]);
+//! - which models may be served: the key model signatures must verify against ([`signing`]).
 //!
 //! What the supervisor makes of it (the CPU and memory plans) lives in the supervisor's
 //! `plan`; what the supervisor and a worker say to each other in the `inferd-ipc` crate.
@@ -23,6 +24,7 @@ mod error;
 pub mod file;
 pub mod model;
 pub mod ortlib;
+pub mod signing;
 pub mod tls;
 
 pub use error::ConfigError;

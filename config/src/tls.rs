@@ -283,7 +283,7 @@ fn keys(section: &'static str) -> [&'static str; 3] {
 }
 
 /// A PEM file: a regular file of at most 1 MiB; `private`: only its owner may read it.
-fn read(path: &Path, private: bool) -> Result<String, TlsError> {
+pub(crate) fn read(path: &Path, private: bool) -> Result<String, TlsError> {
     use std::os::unix::fs::MetadataExt;
     let unreadable = |error| TlsError::Read { path: path.to_path_buf(), error };
     let meta = std::fs::metadata(path).map_err(unreadable)?;

@@ -41,6 +41,15 @@ pub struct ModelEntry {
     pub quantization: Quantization,
     #[serde(default)]
     pub custom_ops: Option<CustomOps>,
+    /// The model's folder, whose files a signature covers.
+    #[serde(default)]
+    pub folder: PathBuf,
+    /// The SHA-256 (hex) of the settings text this entry was made from: the folder's
+    /// model.toml, or the one its published files amount to. A load that verifies a signature
+    /// derives it again from the verified files ([`ModelEntry::settings_digest`]), so the entry
+    /// served is the one signed.
+    #[serde(default)]
+    pub settings_sha256: String,
 }
 
 impl ModelEntry {
@@ -96,18 +105,45 @@ impl ModelEntry {
             .map_err(|e| ConfigError::Model { model: name.into(), message: e.to_string() })
     }
 
+    /// The settings text of folder `dir` (its model.toml, or the one its published files
+    /// amount to) and the name to give it in messages.
+    fn settings(dir: &Path, name: &str) -> Result<(String, PathBuf), ConfigError> {
+        Ok(match ModelEntry::inferred_toml(dir, name)? {
+            Some(text) => (text, dir.join("(inferred model.toml)")),
+            None => {
+                let path = dir.join(MODEL_CONFIG_FILE);
+                let text = read_settings(&path)
+                    .map_err(|e| ConfigError::Model { model: name.to_string(), message: e.to_string() })?;
+                (text, path)
+            }
+        })
+    }
+
+    /// The SHA-256 (hex) of folder `dir`'s settings text as they read now
+    /// ([`ModelEntry::settings_sha256`]).
+    pub fn settings_digest(dir: &Path, name: &str) -> Result<String, ConfigError> {
+        ModelEntry::settings(dir, name).map(|(text, _)| sha256_hex(text.as_bytes()))
+    }
+
+    /// The files besides the settings that a load of this entry reads: the model file, its
+    /// tokenizer, Dense layers, calibration texts and custom operator libraries.
+    pub fn files(&self) -> Vec<&Path> {
+        let mut files = vec![self.path.as_path()];
+        files.extend(self.tokenizer.iter().map(|t| t.path.as_path()));
+        files.extend(self.embedding.iter().flat_map(|e| e.dense.iter().map(|d| d.file.as_path())));
+        files.extend(self.quantization.calibration.as_deref());
+        if let Some(ops) = &self.custom_ops {
+            files.push(&ops.library);
+            files.extend(ops.preload.iter().map(PathBuf::as_path));
+        }
+        files
+    }
+
     /// Reads `dir/model.toml`, which must describe model `name`; without one, the settings
     /// the folder's published files amount to ([`published`]).
     pub fn load_dir(dir: &Path, name: &str) -> Result<ModelEntry, ConfigError> {
         let err = |message: String| ConfigError::Model { model: name.to_string(), message };
-        let mut config_path = dir.join(MODEL_CONFIG_FILE);
-        let text = match ModelEntry::inferred_toml(dir, name)? {
-            Some(text) => {
-                config_path = dir.join("(inferred model.toml)");
-                text
-            }
-            None => read_settings(&config_path).map_err(|e| err(e.to_string()))?,
-        };
+        let (text, config_path) = ModelEntry::settings(dir, name)?;
         let file: ModelFile = toml::from_str(&text).map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         if file.name != name {
             return Err(err(format!("{} says name = \"{}\"; it must be \"{name}\"", config_path.display(), file.name)));
@@ -185,8 +221,15 @@ impl ModelEntry {
             precision: file.precision,
             quantization,
             custom_ops,
+            folder: std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf()),
+            settings_sha256: sha256_hex(text.as_bytes()),
         })
     }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The largest model.toml read.

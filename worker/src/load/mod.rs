@@ -12,13 +12,16 @@
 
 pub mod int8;
 pub mod model;
+pub mod signature;
 
 use std::path::Path;
 use std::sync::Arc;
 
 use inferd_config::model::{ModelEntry, Precision};
+use inferd_config::signing::Trust;
 use inferd_ipc::spec::Precision as Served;
 use sha2::{Digest, Sha256};
+use tracing::info;
 
 use crate::pipeline::BuildError;
 use crate::runtime::engine::Sessions;
@@ -35,9 +38,15 @@ pub struct Lanes {
     pub background: bool,
 }
 
-/// Loads `entry` into the sessions `lanes` asks for, not yet warmed up.
-pub fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), ModelError> {
-    let source = Source::prepare(runtime, entry)?;
+/// Loads `entry` into the sessions `lanes` asks for, not yet warmed up, if its folder's
+/// signature verifies as `trust` asks ([`signature`]).
+pub fn load(
+    runtime: &Runtime,
+    entry: &ModelEntry,
+    lanes: &Lanes,
+    trust: &Trust,
+) -> Result<(Model, Sessions), ModelError> {
+    let source = Source::prepare(runtime, entry, trust)?;
     let first = source.session(runtime, Threads::Narrow)?;
     // Before the other sessions: a model.toml that does not fit the model fails at once.
     let model = source.model(&first)?;
@@ -47,14 +56,22 @@ pub fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Mod
     }
     let wide = lanes.wide.map(|threads| source.session(runtime, threads)).transpose()?;
     let background = lanes.background.then(|| source.session(runtime, Threads::Narrow)).transpose()?;
+    source.unchanged()?;
     Ok((model, Sessions { narrow, wide, background }))
 }
 
-/// Loads `entry` into one session on `threads` (`inferd check`, benchmarks).
-pub fn one(runtime: &Runtime, entry: &ModelEntry, threads: Threads) -> Result<(Model, ModelSession), ModelError> {
-    let source = Source::prepare(runtime, entry)?;
+/// Loads `entry` into one session on `threads` (`inferd check`, benchmarks), as [`load`].
+pub fn one(
+    runtime: &Runtime,
+    entry: &ModelEntry,
+    threads: Threads,
+    trust: &Trust,
+) -> Result<(Model, ModelSession), ModelError> {
+    let source = Source::prepare(runtime, entry, trust)?;
     let session = source.session(runtime, threads)?;
-    Ok((source.model(&session)?, session))
+    let model = source.model(&session)?;
+    source.unchanged()?;
+    Ok((model, session))
 }
 
 /// What a model's sessions are loaded from: its int8 form as the guard prepared it, or the
@@ -69,6 +86,8 @@ struct Source<'a> {
     /// What status says of the precision served.
     precision: Served,
     scratch: Option<std::path::PathBuf>,
+    /// The folder's signature, verified before anything was read.
+    verified: Option<signature::Verified>,
 }
 
 /// Why a model's files were not made ready for ONNX Runtime (told as [`ModelError::Load`]'s
@@ -85,12 +104,24 @@ pub enum SourceError {
     Pipeline(#[from] BuildError),
     #[error("{0}")]
     Int8(#[from] int8::Int8Error),
+    #[error("refused by its signature: {0}")]
+    Signature(#[from] signature::Refusal),
 }
 
 impl<'a> Source<'a> {
-    fn prepare(runtime: &Runtime, entry: &'a ModelEntry) -> Result<Source<'a>, ModelError> {
+    fn prepare(runtime: &Runtime, entry: &'a ModelEntry, trust: &Trust) -> Result<Source<'a>, ModelError> {
         let fail = |e: SourceError| load_error(entry, e.to_string());
-        let sha256 = digest(&entry.path).map_err(fail)?;
+        let started = std::time::Instant::now();
+        let verified = signature::verify(entry, trust).map_err(|e| fail(e.into()))?;
+        let (sha256, external) = digest(&entry.path, verified.as_ref()).map_err(fail)?;
+        if let Some(verified) = &verified {
+            let folder = entry.path.parent().unwrap_or(Path::new("."));
+            for location in &external {
+                verified.covers(&folder.join(location)).map_err(|e| fail(e.into()))?;
+            }
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            info!(model = entry.name, "signature verified in {ms:.0} ms: signed by {}", verified.signer);
+        }
         let plain = ModelEntry { precision: Precision::Fp32, ..entry.clone() };
         let source = |file, file_sha256, precision, scratch| Source {
             entry,
@@ -99,8 +130,9 @@ impl<'a> Source<'a> {
             file_sha256,
             precision,
             scratch,
+            verified: None,
         };
-        Ok(match entry.precision {
+        let mut source = match entry.precision {
             Precision::Fp32 => source(plain, sha256.clone(), Served::FP32, None),
             _ => match int8::prepare(runtime, entry, &sha256).map_err(|e| fail(e.into()))? {
                 (Some(prepared), report) => {
@@ -111,12 +143,25 @@ impl<'a> Source<'a> {
                         report.precision(),
                         prepared.scratch,
                     );
-                    int8.file_sha256 = digest(&int8.file.path).map_err(fail)?;
+                    int8.file_sha256 = digest(&int8.file.path, None).map_err(fail)?.0;
                     int8
                 }
                 (None, report) => source(plain, sha256.clone(), report.precision(), None),
             },
-        })
+        };
+        source.verified = verified;
+        Ok(source)
+    }
+
+    /// Once every session and the pipeline are made: the signed files they read were the
+    /// verified ones ([`signature::Verified::unchanged`]).
+    fn unchanged(&self) -> Result<(), ModelError> {
+        match &self.verified {
+            Some(verified) => {
+                verified.unchanged().map_err(|e| load_error(self.entry, SourceError::from(e).to_string()))
+            }
+            None => Ok(()),
+        }
     }
 
     /// One session on `threads`, named as the model.
@@ -151,13 +196,12 @@ fn load_error(entry: &ModelEntry, message: String) -> ModelError {
 /// nothing to the worker's memory: a mapping of the whole file would count in its PSS (and
 /// against its share of models.memory_budget) while it is read. The external files are then
 /// found in a mapping of which only the graph's structure is read (a tensor's bytes are passed
-/// over, never touched).
-fn digest(path: &Path) -> Result<Vec<u8>, SourceError> {
+/// over, never touched). With the folder's signature verified, the file's own SHA-256 is the
+/// verified one, not read again. Returns the external files' locations too.
+fn digest(path: &Path, verified: Option<&signature::Verified>) -> Result<(Vec<u8>, Vec<String>), SourceError> {
     let io = |error| SourceError::Read { path: path.to_path_buf(), error };
     let mut file = std::fs::File::open(path).map_err(io)?;
     let len = usize::try_from(file.metadata().map_err(io)?.len()).map_err(|_| SourceError::TooLarge)?;
-    let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher).map_err(io)?;
     let mut external = Vec::new();
     if len > 0 {
         use std::os::fd::AsRawFd;
@@ -173,13 +217,18 @@ fn digest(path: &Path) -> Result<Vec<u8>, SourceError> {
         external = crate::onnx::external_files(bytes).unwrap_or_default();
         unsafe { libc::munmap(at, len) };
     }
+    if let (Some(known), true) = (verified.and_then(|v| v.digest(path)), external.is_empty()) {
+        return Ok((known.to_vec(), external));
+    }
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(io)?;
     let folder = path.parent().unwrap_or(Path::new("."));
-    for location in external {
-        let data = folder.join(&location);
+    for location in &external {
+        let data = folder.join(location);
         let mut data_file =
             std::fs::File::open(&data).map_err(|error| SourceError::ExternalData { path: data.clone(), error })?;
         hasher.update(location.as_bytes());
         std::io::copy(&mut data_file, &mut hasher).map_err(io)?;
     }
-    Ok(hasher.finalize().to_vec())
+    Ok((hasher.finalize().to_vec(), external))
 }

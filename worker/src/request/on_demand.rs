@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inferd_config::model::ModelEntry;
+use inferd_config::signing::Trust;
 use inferd_ipc::spec::{ModelCost, WorkerMessage};
 use opentelemetry::KeyValue;
 use tracing::{info, warn};
@@ -88,6 +89,8 @@ pub struct Loader {
     runtime: Runtime,
     catalog: Vec<ModelEntry>,
     lanes: Lanes,
+    /// The signatures models must carry ([`crate::load::signature`]).
+    trust: Trust,
     state: Arc<AppState>,
     budget: Option<Budget>,
 }
@@ -97,6 +100,7 @@ impl Loader {
         runtime: Runtime,
         catalog: Vec<ModelEntry>,
         lanes: Lanes,
+        trust: Trust,
         state: Arc<AppState>,
         share: Option<u64>,
     ) -> Self {
@@ -105,7 +109,7 @@ impl Loader {
             let mib = |b: u64| b >> 20;
             info!("models loaded on demand fit in {} MiB: this worker's share of models.memory_budget ({} MiB), less the {} MiB it holds with its pinned models", mib(share.saturating_sub(base)), mib(share), mib(base));
         }
-        Loader { runtime, catalog, lanes, state, budget }
+        Loader { runtime, catalog, lanes, trust, state, budget }
     }
 
     /// Serves loads from `queue` until every sender is gone; `told`: each model loaded or
@@ -197,7 +201,8 @@ impl Loader {
         }
         let (before, preparations) = (resident(), crate::runtime::weights::written());
         let (loaded, growth) = peak_growth(|| {
-            crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes)).unwrap_or(Err(Unloaded::Bug))
+            crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes, &self.trust))
+                .unwrap_or(Err(Unloaded::Bug))
         });
         let (model, sessions) = loaded.map_err(|e| LoadError::Failed(e.to_string()))?;
         let number = self.state.engine.add(sessions).map_err(LoadError::Failed)?;
@@ -251,8 +256,8 @@ impl Budget {
 }
 
 /// `entry`'s model and its sessions, warmed up.
-fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes) -> Result<(Model, Sessions), Unloaded> {
-    let (model, mut sessions) = crate::load::load(runtime, entry, lanes)?;
+fn load(runtime: &Runtime, entry: &ModelEntry, lanes: &Lanes, trust: &Trust) -> Result<(Model, Sessions), Unloaded> {
+    let (model, mut sessions) = crate::load::load(runtime, entry, lanes, trust)?;
     sessions.warm_up()?;
     Ok((model, sessions))
 }

@@ -124,10 +124,14 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
         true => (None, None),
         false => {
             let (queue, loads) = std::sync::mpsc::sync_channel(LOADS_QUEUED);
-            // A refusal holds until the model's file or its model.toml changes.
+            // A refusal holds until a file the model is loaded from, its model.toml or its
+            // signature changes.
             let files = |e: &inferd_config::model::ModelEntry| {
                 let folder = e.path.parent().unwrap_or(std::path::Path::new("."));
-                vec![e.path.clone(), folder.join(inferd_config::model::MODEL_CONFIG_FILE)]
+                let mut files: Vec<_> = e.files().into_iter().map(std::path::Path::to_path_buf).collect();
+                files.push(folder.join(inferd_config::model::MODEL_CONFIG_FILE));
+                files.push(e.folder.join(crate::load::signature::SIGNATURE_FILE));
+                files
             };
             let catalog = spec.on_demand.iter().map(|e| (e.name.clone(), files(e))).collect();
             let timeout = Duration::from_secs_f64(spec.load_timeout_secs);
@@ -154,11 +158,12 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());
+        let trust = spec.access.signatures.clone();
         let span = tracing::Span::current();
         let share = spec.memory_share;
         let started = std::thread::Builder::new().name("inferd-load".into()).spawn(move || {
             let _worker = span.enter();
-            let loader = crate::request::on_demand::Loader::new(runtime, catalog, lanes, state, share);
+            let loader = crate::request::on_demand::Loader::new(runtime, catalog, lanes, trust, state, share);
             loader.run(loads, |message| reporter.send(&message))
         });
         if let Err(e) = started {

@@ -1,0 +1,304 @@
+//! `[models] signatures`: model folders signed with OpenSSF model-signing's own CLI
+//! (`model_signing sign key`, from scripts/requirements.txt) are verified at every load. A
+//! signed folder serves (the default model's, a published sentence-transformers folder, a
+//! model with external data); a changed tokenizer.json, model.toml or model.onnx, an added or
+//! a missing file, a symbolic link, an unsigned folder, a folder signed by another key and a
+//! signature file that is not one are each refused with their reason: by `inferd check`, at
+//! start (exit 3, the configuration's code), at reload (under load, nothing fails and the old
+//! workers serve) and on demand (the request answered with the reason, the load not tried
+//! again until the folder's files change).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use crate::common::*;
+
+/// A P-256 key pair made with Python's `cryptography` (model-signing's own dependency):
+/// `<dir>/<name>.pem` (private) and `<dir>/<name>.pub.pem`.
+fn key_pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let (private, public) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.pub.pem")));
+    let script = "import sys\n\
+        from cryptography.hazmat.primitives import serialization as s\n\
+        from cryptography.hazmat.primitives.asymmetric import ec\n\
+        k = ec.generate_private_key(ec.SECP256R1())\n\
+        open(sys.argv[1], 'wb').write(k.private_bytes(s.Encoding.PEM, s.PrivateFormat.PKCS8, s.NoEncryption()))\n\
+        open(sys.argv[2], 'wb').write(k.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo))\n";
+    let out = Command::new(python()).args(["-c", script]).arg(&private).arg(&public).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    (private, public)
+}
+
+/// Signs `folder` with `private` as the CLI does: `model.sig` at its root.
+fn sign(folder: &Path, private: &Path) {
+    let cli = repo().join(".venv/bin/model_signing");
+    let out = Command::new(&cli)
+        .args(["sign", "key", "--private_key"])
+        .arg(private)
+        .arg("--signature")
+        .arg(folder.join("model.sig"))
+        .arg(folder)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (run `make setup`)", cli.display()));
+    assert!(out.status.success(), "signing {}: {}{}", folder.display(), text(&out), "");
+}
+
+/// A copy of folder `from` at `to`, links followed (a signed folder holds no links).
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for item in std::fs::read_dir(from).unwrap() {
+        let path = item.unwrap().path();
+        let target = to.join(path.file_name().unwrap());
+        match path.is_dir() {
+            true => copy_folder(&path, &target),
+            false => drop(std::fs::copy(&path, &target).unwrap()),
+        }
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// A repository in `dir` of signed copies: `typed` and `mlp` (test models), `embedder` (a
+/// published sentence-transformers folder, no model.toml), `external` (weights in
+/// model.onnx_data) and, with `minilm`, the default model's folder.
+fn signed_repository(dir: &Path, private: &Path, minilm: bool) -> PathBuf {
+    let repository = dir.join("repo");
+    let mut folders = vec![
+        ("typed", test_models().join("typed")),
+        ("mlp", test_models().join("mlp")),
+        ("embedder", test_models().join("published/st-embedder")),
+        ("external", test_models().join("published/external-data")),
+    ];
+    if minilm {
+        folders.push(("minilm", repo().join("models/minilm")));
+    }
+    for (name, from) in folders {
+        copy_folder(&from, &repository.join(name));
+        sign(&repository.join(name), private);
+    }
+    repository
+}
+
+/// Writes the test's inferd.toml: `[models] signatures = mode` with `public` as the key.
+fn config(dir: &Path, port: u16, repository: &Path, default: &str, load: &[&str], mode: &str, public: &Path) {
+    let config = write_config(dir, port, test_workers(), repository, default, load, "");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    // [models] is the file's last section.
+    text.push_str(&format!("signatures = \"{mode}\"\nsignature_public_key = \"{}\"\n", public.display()));
+    std::fs::write(&config, text).unwrap();
+}
+
+/// `inferd check` of the config in `dir`: whether it passed, and what it said.
+fn check(dir: &Path) -> (bool, String) {
+    let out = Command::new(BIN).args(["check", "--config"]).arg(dir.join("inferd.toml")).output().unwrap();
+    (out.status.success(), text(&out))
+}
+
+fn text_request(text: &str) -> Vec<u8> {
+    infer_body(serde_json::json!([{"name": "text", "shape": [1], "datatype": "BYTES", "data": [text]}]))
+}
+
+#[test]
+fn signed_folders_serve_and_every_change_is_refused_with_its_reason() {
+    let dir = temp_dir("signed");
+    let (private, public) = key_pair(dir.path(), "owner");
+    let (other, _) = key_pair(dir.path(), "other");
+    let repository = signed_repository(dir.path(), &private, true);
+    let port = free_port();
+    config(dir.path(), port, &repository, "minilm", &["typed", "embedder", "external"], "required", &public);
+    let (passed, said) = check(dir.path());
+    assert!(passed, "{said}");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    let embed = server.request("POST", "/embed", br#"{"inputs": "a signed model answers"}"#);
+    assert_eq!(embed.status, 200, "{}", String::from_utf8_lossy(&embed.body));
+    assert_eq!(server.request("POST", "/v2/models/typed/infer", &typed_request()).status, 200);
+    let published = server.request("POST", "/v2/models/embedder/infer", &text_request("a published folder"));
+    assert_eq!(published.status, 200, "{}", String::from_utf8_lossy(&published.body));
+    let log = server.log();
+    for model in ["minilm", "typed", "embedder", "external"] {
+        let verified = log
+            .lines()
+            .any(|l| l.contains("signature verified in") && l.contains("signed by key") && l.contains(&format!("model=\"{model}\"")));
+        assert!(verified, "{model} not verified:\n{log}");
+    }
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    server.wait_exit(Duration::from_secs(30));
+
+    // Each change on a fresh copy of a signed folder, refused by `inferd check` with its
+    // reason; the folder named is the model `check` loads besides the default one.
+    type Change = fn(&Path, &Path);
+    let cases: [(&str, &str, Change, &str); 11] = [
+        (
+            "embedder",
+            "tokenizer.json",
+            |f, _| append(&f.join("tokenizer.json")),
+            "tokenizer.json: its SHA-256 is not the signed one",
+        ),
+        ("typed", "model.toml", |f, _| append(&f.join("model.toml")), "model.toml: its SHA-256 is not the signed one"),
+        (
+            "typed",
+            "model.onnx",
+            |f, _| model_variant(&test_models().join("typed/model.onnx"), &f.join("model.onnx"), "changed"),
+            "model.onnx: its SHA-256 is not the signed one",
+        ),
+        (
+            "external",
+            "external data",
+            |f, _| append(&f.join("model.onnx_data")),
+            "model.onnx_data: its SHA-256 is not the signed one",
+        ),
+        (
+            "typed",
+            "an added file",
+            |f, _| std::fs::write(f.join("notes.txt"), "added").unwrap(),
+            "notes.txt: the folder holds a file the signature does not list",
+        ),
+        (
+            "embedder",
+            "a missing file",
+            |f, _| std::fs::remove_file(f.join("config_sentence_transformers.json")).unwrap(),
+            "config_sentence_transformers.json: the signature lists a file the folder does not hold",
+        ),
+        (
+            "typed",
+            "a link",
+            |f, _| std::os::unix::fs::symlink(f.join("model.onnx"), f.join("link.onnx")).unwrap(),
+            "link.onnx: a symbolic link",
+        ),
+        ("typed", "no signature", |f, _| std::fs::remove_file(f.join("model.sig")).unwrap(), "no signature:"),
+        ("typed", "another key", |f, other| sign(f, other), "signed by another key"),
+        (
+            "typed",
+            "a signature of gigabytes",
+            |f, _| std::fs::File::create(f.join("model.sig")).unwrap().set_len(4 << 30).unwrap(),
+            "4294967296 bytes; at most 8388608 are read",
+        ),
+        (
+            "typed",
+            "a broken bundle",
+            |f, _| {
+                std::fs::write(f.join("model.sig"), r#"{"verificationMaterial": {}, "dsseEnvelope": {"payload": "not base64!", "payloadType": "application/vnd.in-toto+json", "signatures": [{"sig": ""}]}}"#).unwrap()
+            },
+            "payload: not base64",
+        ),
+    ];
+    for (model, what, change, reason) in cases {
+        let case = temp_dir("signed-case");
+        let repository = case.path().join("repo");
+        copy_folder(&server.dir.path().join("repo").join(model), &repository.join(model));
+        change(&repository.join(model), &other);
+        config(case.path(), free_port(), &repository, model, &[], "required", &public);
+        let (passed, said) = check(case.path());
+        assert!(!passed, "{what}: passed\n{said}");
+        assert!(said.contains(&format!("model '{model}'")) && said.contains(reason), "{what}: {said}");
+    }
+
+    // At start: the server exits with the configuration's code, naming the model and why.
+    let case = temp_dir("signed-start");
+    let repository = case.path().join("repo");
+    copy_folder(&server.dir.path().join("repo/typed"), &repository.join("typed"));
+    append(&repository.join("typed/model.toml"));
+    let port = free_port();
+    config(case.path(), port, &repository, "typed", &[], "required", &public);
+    let mut refused = Server::start(case, port, &[]);
+    let status = refused.wait_exit(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(3), "{}", refused.log());
+    assert!(
+        refused.log().contains("refused by its signature: model.toml: its SHA-256 is not the signed one"),
+        "{}",
+        refused.log()
+    );
+}
+
+/// Appends a line to `file`: the same settings or bytes, another digest.
+fn append(file: &Path) {
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes.extend_from_slice(b"\n");
+    std::fs::write(file, bytes).unwrap();
+}
+
+#[test]
+fn verify_serves_unsigned_folders_and_still_refuses_a_signature_that_does_not_verify() {
+    let dir = temp_dir("signed-verify");
+    let (private, public) = key_pair(dir.path(), "owner");
+    let repository = signed_repository(dir.path(), &private, false);
+    std::fs::remove_file(repository.join("mlp/model.sig")).unwrap();
+    config(dir.path(), free_port(), &repository, "typed", &["mlp"], "verify", &public);
+    let (passed, said) = check(dir.path());
+    assert!(passed, "an unsigned folder passes with verify: {said}");
+    append(&repository.join("typed/model.toml"));
+    let (passed, said) = check(dir.path());
+    assert!(!passed && said.contains("model.toml: its SHA-256 is not the signed one"), "{said}");
+}
+
+#[test]
+fn a_reload_to_an_unsigned_change_fails_under_load_and_the_old_workers_serve() {
+    let dir = temp_dir("signed-reload");
+    let (private, public) = key_pair(dir.path(), "owner");
+    let repository = signed_repository(dir.path(), &private, false);
+    let port = free_port();
+    config(dir.path(), port, &repository, "typed", &[], "required", &public);
+    let mut server = Server::start(dir, port, &[]);
+    let before = server.wait_ready(Duration::from_secs(60));
+    let old = before["workers"][0]["models"][0]["sha256"].as_str().unwrap().to_string();
+    let reload = |server: &Server| {
+        Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap()
+    };
+    let model = repository.join("typed/model.onnx");
+    model_variant(&test_models().join("typed/model.onnx"), &model, "unsigned change");
+    let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
+    std::thread::sleep(Duration::from_millis(300));
+    let out = reload(&server);
+    let (served, failed, _) = load.finish();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("refused by its signature: model.onnx: its SHA-256 is not the signed one"),
+        "{}",
+        text(&out)
+    );
+    assert!(failed.is_empty() && served > 0, "{served} served, failed: {:?}", &failed[..failed.len().min(5)]);
+    let status = server.wait_ready(Duration::from_secs(30));
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] == old.as_str()));
+    // Signed again by its owner, the same change loads.
+    sign(&repository.join("typed"), &private);
+    let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
+    let out = reload(&server);
+    let (served, failed, _) = load.finish();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(failed.is_empty() && served > 0, "{served} served, failed: {:?}", &failed[..failed.len().min(5)]);
+    let status = server.wait_ready(Duration::from_secs(30));
+    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] != old.as_str()));
+}
+
+#[test]
+fn on_demand_an_unsigned_folder_is_answered_with_the_reason_until_it_is_signed() {
+    let dir = temp_dir("signed-on-demand");
+    let (private, public) = key_pair(dir.path(), "owner");
+    let repository = signed_repository(dir.path(), &private, false);
+    std::fs::remove_file(repository.join("mlp/model.sig")).unwrap();
+    let port = free_port();
+    config(dir.path(), port, &repository, "typed", &[], "required", &public);
+    let config_file = dir.path().join("inferd.toml");
+    let text_before = std::fs::read_to_string(&config_file).unwrap();
+    std::fs::write(&config_file, format!("{text_before}on_demand = true\n")).unwrap();
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let mlp =
+        infer_body(serde_json::json!([{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": vec![0.5; 16]}]));
+    for _ in 0..4 {
+        let response = server.request("POST", "/v2/models/mlp/infer", &mlp);
+        let body = String::from_utf8_lossy(&response.body).into_owned();
+        assert_eq!(response.status, 500, "{body}");
+        assert!(body.contains("refused by its signature: no signature"), "{body}");
+    }
+    let tries =
+        server.log().lines().filter(|l| l.contains("cannot load on demand") && l.contains("model=\"mlp\"")).count();
+    assert!((1..=test_workers()).contains(&tries), "{tries} loads tried:\n{}", server.log());
+    // Signed, the folder's files changed (model.sig is new): the next request loads it.
+    sign(&repository.join("mlp"), &private);
+    let response = server.request("POST", "/v2/models/mlp/infer", &mlp);
+    assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+}
