@@ -9,6 +9,7 @@ use inferd_ipc::spec::{EXIT_BOOT, EXIT_CONFIG, EXIT_MODEL_LOAD};
 use inferd_supervisor::control::ControlError;
 use inferd_supervisor::plan::ResolveError;
 use inferd_supervisor::SupervisorError;
+use inferd_worker::load::NotLoaded;
 use inferd_worker::runtime::model::ModelError;
 
 /// Exit code of a client command that the server answered with no (see `control`).
@@ -24,7 +25,7 @@ pub enum Failure {
     Supervisor(#[from] SupervisorError),
     /// `check` loading ONNX Runtime or a model as a worker would.
     #[error("{context}: {error}")]
-    Model { context: String, error: ModelError },
+    Model { context: String, error: NotLoaded },
     /// A control-socket command.
     #[error(transparent)]
     Control(#[from] ControlError),
@@ -57,7 +58,7 @@ impl Failure {
                 SupervisorError::Memory(_) | SupervisorError::PortHeld(_) => EXIT_CONFIG,
                 SupervisorError::Io(_) => 1,
             },
-            Failure::Model { error: ModelError::Runtime { .. }, .. } => EXIT_BOOT,
+            Failure::Model { error: NotLoaded::Model(ModelError::Runtime { .. }), .. } => EXIT_BOOT,
             Failure::Model { .. } => EXIT_MODEL_LOAD,
             Failure::Control(error) => error.exit_code(),
             Failure::Other(_) => 1,
@@ -83,7 +84,7 @@ mod tests {
         assert_eq!(port.code(), 4);
         let runtime = Failure::Model {
             context: "check".into(),
-            error: ModelError::Runtime { path: "/x".into(), message: "not a library".into() },
+            error: ModelError::Runtime { path: "/x".into(), message: "not a library".into() }.into(),
         };
         assert_eq!(runtime.code(), 4);
         assert_eq!(Failure::from(ControlError::Refused("a reload is running".into())).code(), 2);

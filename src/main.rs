@@ -355,7 +355,7 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
     }
     // As the workers will: an int8 preparation made here is theirs too.
     let runtime = Runtime::init(&resolved.ort.path, config.runtime.allocator, config.weights_cache())
-        .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error })?;
+        .map_err(|error| Failure::Model { context: "checking ONNX Runtime".into(), error: error.into() })?;
     for entry in &resolved.models {
         let (meta, _session) = inferd_worker::load::one(&runtime, entry, Threads::Narrow, &resolved.access.signatures)
             .map_err(|error| Failure::Model { context: format!("checking model '{}'", entry.name), error })?;

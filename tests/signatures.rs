@@ -29,6 +29,13 @@ fn key_pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     (private, public)
 }
 
+/// The hint a bundle names `public` by, as the CLI computes it: the SHA-256 of its PEM text.
+fn hint_of(public: &Path) -> String {
+    let script = "import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())";
+    let out = Command::new(python()).args(["-c", script]).arg(public).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
 /// Signs `folder` with `private` as the CLI does: `model.sig` at its root.
 fn sign(folder: &Path, private: &Path) {
     let cli = repo().join(".venv/bin/model_signing");
@@ -117,11 +124,20 @@ fn signed_folders_serve_and_every_change_is_refused_with_its_reason() {
     assert_eq!(server.request("POST", "/v2/models/typed/infer", &typed_request()).status, 200);
     let published = server.request("POST", "/v2/models/embedder/infer", &text_request("a published folder"));
     assert_eq!(published.status, 200, "{}", String::from_utf8_lossy(&published.body));
+    // Status names each model's signer.
+    let signer = format!("key {} (P-256)", hint_of(&public));
+    for worker in server.status()["workers"].as_array().unwrap() {
+        for model in worker["models"].as_array().unwrap() {
+            assert_eq!(model["signer"], signer.as_str(), "{model}");
+        }
+    }
     let log = server.log();
     for model in ["minilm", "typed", "embedder", "external"] {
-        let verified = log
-            .lines()
-            .any(|l| l.contains("signature verified in") && l.contains("signed by key") && l.contains(&format!("model=\"{model}\"")));
+        let verified = log.lines().any(|l| {
+            l.contains("signature verified in")
+                && l.contains("signed by key")
+                && l.contains(&format!("model=\"{model}\""))
+        });
         assert!(verified, "{model} not verified:\n{log}");
     }
     server.signal(nix::sys::signal::Signal::SIGTERM);
@@ -262,6 +278,9 @@ fn a_reload_to_an_unsigned_change_fails_under_load_and_the_old_workers_serve() {
     assert!(failed.is_empty() && served > 0, "{served} served, failed: {:?}", &failed[..failed.len().min(5)]);
     let status = server.wait_ready(Duration::from_secs(30));
     assert!(status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] == old.as_str()));
+    let refusals = r#"inferd_model_signature_refusals_total{model="typed",reason="digest_mismatch"}"#;
+    let metrics = server.metrics_text();
+    assert!(metric_value(&metrics, refusals).is_some_and(|n| n >= 1.0), "{metrics}");
     // Signed again by its owner, the same change loads.
     sign(&repository.join("typed"), &private);
     let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
@@ -269,8 +288,23 @@ fn a_reload_to_an_unsigned_change_fails_under_load_and_the_old_workers_serve() {
     let (served, failed, _) = load.finish();
     assert!(out.status.success(), "{}", text(&out));
     assert!(failed.is_empty() && served > 0, "{served} served, failed: {:?}", &failed[..failed.len().min(5)]);
-    let status = server.wait_ready(Duration::from_secs(30));
-    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] != old.as_str()));
+    // The old workers drain and leave status; every worker then serves the new file.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = server.wait_ready(Duration::from_secs(30));
+        let versions: Vec<_> =
+            status["workers"].as_array().unwrap().iter().map(|w| w["models"][0]["sha256"].clone()).collect();
+        if versions.iter().all(|v| v != old.as_str()) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{versions:?} after the reload:\n{}\n{}",
+            text(&out),
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
@@ -297,6 +331,9 @@ fn on_demand_an_unsigned_folder_is_answered_with_the_reason_until_it_is_signed()
     let tries =
         server.log().lines().filter(|l| l.contains("cannot load on demand") && l.contains("model=\"mlp\"")).count();
     assert!((1..=test_workers()).contains(&tries), "{tries} loads tried:\n{}", server.log());
+    let refusals = r#"inferd_model_signature_refusals_total{model="mlp",reason="no_signature"}"#;
+    let metrics = server.metrics_text();
+    assert_eq!(metric_value(&metrics, refusals), Some(tries as f64), "{metrics}");
     // Signed, the folder's files changed (model.sig is new): the next request loads it.
     sign(&repository.join("mlp"), &private);
     let response = server.request("POST", "/v2/models/mlp/infer", &mlp);

@@ -210,6 +210,9 @@ pub struct ModelInfo {
     pub sha256: String,
     pub weights: Weights,
     pub precision: Precision,
+    /// Who signed the folder it was loaded from, when its signature was verified
+    /// (`[models] signatures`): the key's hint and curve.
+    pub signer: Option<String>,
 }
 
 impl ModelInfo {
@@ -333,6 +336,8 @@ struct ModelInfoWire {
     weights_held: Option<Weights>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     precision_served: Option<Precision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    signer: Option<String>,
 }
 
 impl From<ModelInfo> for ModelInfoWire {
@@ -345,6 +350,7 @@ impl From<ModelInfo> for ModelInfoWire {
             name: m.name,
             version: m.version,
             sha256: m.sha256,
+            signer: m.signer,
         }
     }
 }
@@ -357,6 +363,7 @@ impl From<ModelInfoWire> for ModelInfo {
             name: w.name,
             version: w.version,
             sha256: w.sha256,
+            signer: w.signer,
         }
     }
 }
@@ -391,6 +398,9 @@ pub enum WorkerMessage {
     },
     /// The worker evicted `model`, loaded on demand, to make room for another.
     Evicted { model: String },
+    /// A load of `model` was refused by its signature, for `reason` (the refusal's kind:
+    /// `digest_mismatch`, `no_signature`, ...); at boot, sent before [`WorkerMessage::Failed`].
+    Refused { model: String, reason: String },
     /// A question for the supervisor (a client asked the main port for Triton's statistics
     /// or repository index); the supervisor writes a [`crate::triton::Answer`] line with the
     /// same `id` back on the socketpair.
@@ -432,6 +442,7 @@ mod tests {
             sha256: "0123456789abcdef".into(),
             weights: Weights::Shared,
             precision: Precision::FP32,
+            signer: Some("key 85ef3151 (P-256)".into()),
         };
         let cost = ModelCost { private: 3 << 20, mapped: 5 << 20 };
         let loaded = WorkerMessage::Loaded { model, cost, seconds: 0.25 };
@@ -461,6 +472,7 @@ mod tests {
             sha256: "ab".into(),
             weights: Weights::Private { why: "runtime.cache_dir is not set".into() },
             precision: Precision::Int8 { guard: guard.into() },
+            signer: None,
         };
         let line = serde_json::to_string(&model).unwrap();
         assert_eq!(

@@ -160,15 +160,17 @@ pub struct PoolMetrics {
     pub start_time: f64,
 }
 
-/// A model's loads and evictions since start (`inferd_model_loads_total`,
-/// `inferd_model_evictions_total`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// A model's loads, evictions and refused loads since start (`inferd_model_loads_total`,
+/// `inferd_model_evictions_total`, `inferd_model_signature_refusals_total`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ModelEvents {
     /// Loaded by a worker as it started (the default model and models.load).
     pub boot: u64,
     /// Loaded by a worker for a request ([models] on_demand).
     pub on_demand: u64,
     pub evictions: u64,
+    /// Loads its signature refused, by the refusal's kind.
+    pub refusals: BTreeMap<String, u64>,
 }
 
 /// Upper bounds (seconds) of `inferd_model_load_seconds`' buckets.
@@ -462,6 +464,22 @@ pub fn render(m: &PoolMetrics) -> String {
     }
     header(
         &mut out,
+        "inferd_model_signature_refusals_total",
+        "counter",
+        "Loads refused by the model folder's signature ([models] signatures), by model and reason.",
+    );
+    for (model, events) in &m.model_events {
+        for (reason, n) in &events.refusals {
+            let _ = writeln!(
+                out,
+                "inferd_model_signature_refusals_total{{model=\"{}\",reason=\"{}\"}} {n}",
+                label(model),
+                label(reason)
+            );
+        }
+    }
+    header(
+        &mut out,
         "inferd_model_load_seconds",
         "histogram",
         "Time a worker took to load a model on demand, warm-up included.",
@@ -517,6 +535,7 @@ mod tests {
                 sha256: "ab".into(),
                 weights: inferd_ipc::spec::Weights::Shared,
                 precision: inferd_ipc::spec::Precision::FP32,
+                signer: None,
             }],
             ..Default::default()
         });
@@ -564,7 +583,8 @@ mod tests {
         for seconds in [0.04, 0.3, 200.0] {
             load_seconds.observe(seconds);
         }
-        let events = ModelEvents { boot: 2, on_demand: 3, evictions: 1 };
+        let refusals = [("digest_mismatch".to_string(), 4)].into();
+        let events = ModelEvents { boot: 2, on_demand: 3, evictions: 1, refusals };
         let text = render(&PoolMetrics {
             model_events: [("m\"1".to_string(), events), ("quiet".to_string(), ModelEvents::default())].into(),
             load_seconds,
@@ -576,6 +596,7 @@ mod tests {
             r#"inferd_model_loads_total{model="m\"1",reason="boot"} 2"#,
             r#"inferd_model_loads_total{model="m\"1",reason="on_demand"} 3"#,
             r#"inferd_model_evictions_total{model="m\"1"} 1"#,
+            r#"inferd_model_signature_refusals_total{model="m\"1",reason="digest_mismatch"} 4"#,
             r#"inferd_model_bytes{model="m\"1",kind="private"} 5"#,
             r#"inferd_model_bytes{model="m\"1",kind="mapped"} 7"#,
             r#"inferd_model_load_seconds_bucket{le="0.05"} 1"#,

@@ -227,7 +227,11 @@ impl PoolStatus {
                         Some(cost) => format!(", on demand: {}", bytes(cost.total())),
                         None => String::new(),
                     };
-                    format!("{}:{} ({}, {precision}, {weights} weights{held})", m.name, m.version, m.sha256)
+                    let signed = match &m.signer {
+                        Some(signer) => format!(", signed by {signer}"),
+                        None => String::new(),
+                    };
+                    format!("{}:{} ({}, {precision}, {weights} weights{held}{signed})", m.name, m.version, m.sha256)
                 })
                 .collect::<Vec<_>>();
             rows.push(vec![
@@ -313,6 +317,7 @@ mod tests {
                 sha256: "abcd".into(),
                 weights: Weights::Shared,
                 precision: Precision::FP32,
+                signer: None,
             }],
             model_bytes: [("m".to_string(), ModelCost { private: 1 << 20, mapped: 24 << 20 })].into(),
             last_exit: None,

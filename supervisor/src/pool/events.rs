@@ -115,6 +115,9 @@ impl Supervisor {
                 self.totals.model_event(&model).evictions += 1;
                 worker.evicted(&model);
             }
+            WorkerMessage::Refused { model, reason } => {
+                *self.totals.model_event(&model).refusals.entry(reason).or_default() += 1;
+            }
             WorkerMessage::Ask { id, question } => {
                 let answers = worker.answers.clone();
                 self.answer(id, question, answers);

@@ -38,6 +38,26 @@ pub struct Lanes {
     pub background: bool,
 }
 
+/// Why a model was not loaded: ONNX Runtime or the pipeline could not make it, or its
+/// folder's signature refused it.
+#[derive(Debug, thiserror::Error)]
+pub enum NotLoaded {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("model '{model}' refused by its signature: {refusal}")]
+    Refused { model: String, refusal: signature::Refusal },
+}
+
+impl NotLoaded {
+    /// The model and the refusal's kind ([`signature::Refusal::reason`]), for a refusal.
+    pub fn refused(&self) -> Option<(&str, &'static str)> {
+        match self {
+            NotLoaded::Refused { model, refusal } => Some((model, refusal.reason())),
+            NotLoaded::Model(_) => None,
+        }
+    }
+}
+
 /// Loads `entry` into the sessions `lanes` asks for, not yet warmed up, if its folder's
 /// signature verifies as `trust` asks ([`signature`]).
 pub fn load(
@@ -45,7 +65,7 @@ pub fn load(
     entry: &ModelEntry,
     lanes: &Lanes,
     trust: &Trust,
-) -> Result<(Model, Sessions), ModelError> {
+) -> Result<(Model, Sessions), NotLoaded> {
     let source = Source::prepare(runtime, entry, trust)?;
     let first = source.session(runtime, Threads::Narrow)?;
     // Before the other sessions: a model.toml that does not fit the model fails at once.
@@ -66,7 +86,7 @@ pub fn one(
     entry: &ModelEntry,
     threads: Threads,
     trust: &Trust,
-) -> Result<(Model, ModelSession), ModelError> {
+) -> Result<(Model, ModelSession), NotLoaded> {
     let source = Source::prepare(runtime, entry, trust)?;
     let session = source.session(runtime, threads)?;
     let model = source.model(&session)?;
@@ -104,20 +124,19 @@ pub enum SourceError {
     Pipeline(#[from] BuildError),
     #[error("{0}")]
     Int8(#[from] int8::Int8Error),
-    #[error("refused by its signature: {0}")]
-    Signature(#[from] signature::Refusal),
 }
 
 impl<'a> Source<'a> {
-    fn prepare(runtime: &Runtime, entry: &'a ModelEntry, trust: &Trust) -> Result<Source<'a>, ModelError> {
+    fn prepare(runtime: &Runtime, entry: &'a ModelEntry, trust: &Trust) -> Result<Source<'a>, NotLoaded> {
         let fail = |e: SourceError| load_error(entry, e.to_string());
+        let refused = |refusal| NotLoaded::Refused { model: entry.name.clone(), refusal };
         let started = std::time::Instant::now();
-        let verified = signature::verify(entry, trust).map_err(|e| fail(e.into()))?;
+        let verified = signature::verify(entry, trust).map_err(refused)?;
         let (sha256, external) = digest(&entry.path, verified.as_ref()).map_err(fail)?;
         if let Some(verified) = &verified {
             let folder = entry.path.parent().unwrap_or(Path::new("."));
             for location in &external {
-                verified.covers(&folder.join(location)).map_err(|e| fail(e.into()))?;
+                verified.covers(&folder.join(location)).map_err(refused)?;
             }
             let ms = started.elapsed().as_secs_f64() * 1e3;
             info!(model = entry.name, "signature verified in {ms:.0} ms: signed by {}", verified.signer);
@@ -155,10 +174,10 @@ impl<'a> Source<'a> {
 
     /// Once every session and the pipeline are made: the signed files they read were the
     /// verified ones ([`signature::Verified::unchanged`]).
-    fn unchanged(&self) -> Result<(), ModelError> {
+    fn unchanged(&self) -> Result<(), NotLoaded> {
         match &self.verified {
             Some(verified) => {
-                verified.unchanged().map_err(|e| load_error(self.entry, SourceError::from(e).to_string()))
+                verified.unchanged().map_err(|refusal| NotLoaded::Refused { model: self.entry.name.clone(), refusal })
             }
             None => Ok(()),
         }
@@ -167,7 +186,8 @@ impl<'a> Source<'a> {
     /// One session on `threads`, named as the model.
     fn session(&self, runtime: &Runtime, threads: Threads) -> Result<ModelSession, ModelError> {
         let mut session = ModelSession::load(runtime, &self.file, threads, &self.file_sha256)?;
-        session.stand_for(self.entry, &self.sha256, self.precision.clone());
+        let signer = self.verified.as_ref().map(|v| v.signer.clone());
+        session.stand_for(self.entry, &self.sha256, self.precision.clone(), signer);
         Ok(session)
     }
 

@@ -61,6 +61,8 @@ struct Budget {
 enum Unloaded {
     #[error("{0}")]
     Model(#[from] ModelError),
+    #[error("{0}")]
+    NotLoaded(#[from] crate::load::NotLoaded),
     #[error("the server hit a bug loading it (logged)")]
     Bug,
     #[error(
@@ -204,7 +206,14 @@ impl Loader {
             crate::panics::guarded(|| load(&self.runtime, entry, &self.lanes, &self.trust))
                 .unwrap_or(Err(Unloaded::Bug))
         });
-        let (model, sessions) = loaded.map_err(|e| LoadError::Failed(e.to_string()))?;
+        let (model, sessions) = loaded.map_err(|e| {
+            if let Unloaded::NotLoaded(refused) = &e {
+                if let Some((model, reason)) = refused.refused() {
+                    told(WorkerMessage::Refused { model: model.into(), reason: reason.into() });
+                }
+            }
+            LoadError::Failed(e.to_string())
+        })?;
         let number = self.state.engine.add(sessions).map_err(LoadError::Failed)?;
         crate::runtime::allocator::trim();
         let cost = grown(resident(), before);

@@ -127,6 +127,7 @@ impl ModelMeta {
                 sha256: "0".into(),
                 weights: Default::default(),
                 precision: Default::default(),
+                signer: None,
             },
             task: Task::Raw,
             inputs: inputs.iter().map(spec).collect(),
@@ -332,6 +333,7 @@ impl ModelSession {
                     Weights::Private(why) => inferd_ipc::spec::Weights::Private { why: why.clone() },
                 },
                 precision: Precision::FP32,
+                signer: None,
             },
             task: entry.task,
             inputs,
@@ -343,9 +345,10 @@ impl ModelSession {
 
     /// This session as the model `entry` (loaded from another file, its int8 form): status,
     /// metadata and warm-up speak of `entry`, its SHA-256 `digest` and `precision`.
-    pub fn stand_for(&mut self, entry: &ModelEntry, digest: &[u8], precision: Precision) {
+    pub fn stand_for(&mut self, entry: &ModelEntry, digest: &[u8], precision: Precision, signer: Option<String>) {
         self.meta.info.sha256 = sha256_prefix(digest);
         self.meta.info.precision = precision;
+        self.meta.info.signer = signer;
         self.entry = entry.clone();
     }
 

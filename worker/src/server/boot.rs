@@ -92,8 +92,12 @@ pub(super) fn boot(spec: &WorkerSpec, reporter: &Link) -> Result<Booted, Failure
     let load_error = |e: ModelError| failure(FailureKind::ModelLoad)(e.to_string());
     let (mut served, mut models) = (Vec::with_capacity(spec.models.len()), Vec::with_capacity(spec.models.len()));
     for entry in &spec.models {
-        let (model, sessions) =
-            crate::load::load(&runtime, entry, &lanes, &spec.access.signatures).map_err(load_error)?;
+        let (model, sessions) = crate::load::load(&runtime, entry, &lanes, &spec.access.signatures).map_err(|e| {
+            if let Some((model, reason)) = e.refused() {
+                reporter.send(&WorkerMessage::Refused { model: model.into(), reason: reason.into() });
+            }
+            failure(FailureKind::ModelLoad)(e.to_string())
+        })?;
         served.push(model);
         models.push(sessions);
     }
