@@ -57,7 +57,7 @@ mod repository;
 mod schema;
 
 pub use overrides::ModelOverride;
-pub use repository::{ModelEntry, MODEL_CONFIG_FILE};
+pub use repository::{ModelEntry, MODEL_CONFIG_FILE, SIGNATURE_FILE};
 pub use schema::{
     Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, CustomOps, DenseActivation, DenseLayer,
     EmbeddingConfig, ImageConfig, Layout, LongTexts, Pooling, Precision, Quantization, Resample, Resize, SettingsError,

@@ -15,6 +15,8 @@ use crate::ConfigError;
 
 /// The file in a model's folder that says how to serve it.
 pub const MODEL_CONFIG_FILE: &str = "model.toml";
+/// The folder's signature unless model.toml names another (the model_signing CLI's default).
+pub const SIGNATURE_FILE: &str = "model.sig";
 
 /// A model as the workers will load it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,6 +52,9 @@ pub struct ModelEntry {
     /// served is the one signed.
     #[serde(default)]
     pub settings_sha256: String,
+    /// model.toml's `signature`, resolved: the folder's signature file when not `model.sig`.
+    #[serde(default)]
+    pub signature: Option<PathBuf>,
 }
 
 impl ModelEntry {
@@ -123,6 +128,15 @@ impl ModelEntry {
     /// ([`ModelEntry::settings_sha256`]).
     pub fn settings_digest(dir: &Path, name: &str) -> Result<String, ConfigError> {
         ModelEntry::settings(dir, name).map(|(text, _)| sha256_hex(text.as_bytes()))
+    }
+
+    /// The folder's signature file ([`SIGNATURE_FILE`] unless model.toml names another).
+    pub fn signature_file(&self) -> PathBuf {
+        let folder = match self.folder.as_os_str().is_empty() {
+            true => self.path.parent().unwrap_or(Path::new(".")),
+            false => &self.folder,
+        };
+        self.signature.clone().unwrap_or_else(|| folder.join(SIGNATURE_FILE))
     }
 
     /// The files besides the settings that a load of this entry reads: the model file, its
@@ -223,6 +237,7 @@ impl ModelEntry {
             custom_ops,
             folder: std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf()),
             settings_sha256: sha256_hex(text.as_bytes()),
+            signature: file.signature.as_deref().map(resolve),
         })
     }
 }

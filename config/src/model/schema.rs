@@ -31,6 +31,8 @@ pub(super) struct ModelFile {
     #[serde(default)]
     pub(super) quantization: Quantization,
     pub(super) custom_ops: Option<CustomOps>,
+    /// The folder's OpenSSF model-signing signature, relative to it (default `model.sig`).
+    pub(super) signature: Option<PathBuf>,
 }
 
 /// A shared library of custom operators the model's graph uses (ONNX Runtime's

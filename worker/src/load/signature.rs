@@ -1,9 +1,10 @@
 //! A model folder's OpenSSF model-signing signature, checked before the folder is loaded
 //! ([`verify`]) and again once the load is done ([`Verified::unchanged`]).
 //!
-//! The signature (`model.sig` at the folder's root, as the `model_signing` CLI writes it) is
-//! a Sigstore bundle holding a DSSE envelope; the envelope's payload is an in-toto statement
-//! whose predicate lists every file of the folder (path and SHA-256), and its subject's
+//! The signature (`model.sig` at the folder's root as the `model_signing` CLI writes it, or
+//! the file model.toml names as `signature`) is a Sigstore bundle holding a DSSE envelope;
+//! the envelope's payload is an in-toto statement whose predicate lists every file of the
+//! folder (path and SHA-256), and its subject's
 //! digest is the SHA-256 of those digests in order. A folder verifies when the envelope is
 //! the configured key's signature ([`inferd_config::signing`]) and the folder holds exactly
 //! the files listed (the statement's own ignored paths and the signature aside), each with
@@ -33,8 +34,6 @@ use inferd_config::signing::{PublicKey, Signatures, Trust};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-/// The signature's file name at the folder's root (the CLI's default).
-pub const SIGNATURE_FILE: &str = "model.sig";
 /// A larger signature file is refused unread (a statement for a thousand files is ~150 KiB).
 pub const MAX_SIGNATURE_BYTES: u64 = 8 << 20;
 /// The most files a statement may list, or a folder hold.
@@ -149,7 +148,7 @@ pub fn verify(entry: &ModelEntry, trust: &Trust) -> Result<Option<Verified>, Ref
         true => entry.path.parent().map(Path::to_path_buf).unwrap_or_default(),
         false => entry.folder.clone(),
     };
-    let file = folder.join(SIGNATURE_FILE);
+    let file = entry.signature_file();
     let bundle = match read_bounded(&file)? {
         None if trust.mode == Signatures::Verify => return Ok(None),
         None => return Err(Refusal::NoSignature { file }),
@@ -162,7 +161,9 @@ pub fn verify(entry: &ModelEntry, trust: &Trust) -> Result<Option<Verified>, Ref
         message: "no [models] signature_public_key to verify it with".into(),
     })?;
     let statement = open_envelope(&file, &bundle, &key)?;
-    let manifest = Manifest::of(&file, statement)?;
+    let mut manifest = Manifest::of(&file, statement)?;
+    // The signature file is no file of the model, wherever it lies in the folder.
+    manifest.ignored.extend(file.strip_prefix(&folder).ok().and_then(name_of));
     let found = walk(&folder, &manifest)?;
     if let Some(added) = found.keys().find(|name| !manifest.files.contains_key(*name)) {
         return Err(Refusal::Added { file: added.clone() });
@@ -403,11 +404,7 @@ impl Manifest {
 
     /// Whether the folder's file `name` is left out of the signature.
     fn ignores(&self, name: &str) -> bool {
-        name == SIGNATURE_FILE
-            || self
-                .ignored
-                .iter()
-                .any(|i| name == i || name.strip_prefix(i.as_str()).is_some_and(|r| r.starts_with('/')))
+        self.ignored.iter().any(|i| name == i || name.strip_prefix(i.as_str()).is_some_and(|r| r.starts_with('/')))
     }
 }
 
@@ -579,7 +576,7 @@ mod tests {
         let file = Path::new("model.sig");
         let manifest = Manifest::of(file, statement(&[("model.onnx", A), ("1_Pooling/config.json", A)])).unwrap();
         assert_eq!(manifest.files.keys().collect::<Vec<_>>(), ["1_Pooling/config.json", "model.onnx"]);
-        assert!(manifest.ignores(".git/HEAD") && manifest.ignores("model.sig") && !manifest.ignores(".github"));
+        assert!(manifest.ignores(".git/HEAD") && manifest.ignores(".git") && !manifest.ignores(".github"));
         for bad in ["../model.onnx", "/etc/passwd", "a/../../b", "./model.onnx", "a//b", ""] {
             let refused = Manifest::of(file, statement(&[(bad, A)]));
             assert!(

@@ -130,7 +130,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
                 let folder = e.path.parent().unwrap_or(std::path::Path::new("."));
                 let mut files: Vec<_> = e.files().into_iter().map(std::path::Path::to_path_buf).collect();
                 files.push(folder.join(inferd_config::model::MODEL_CONFIG_FILE));
-                files.push(e.folder.join(crate::load::signature::SIGNATURE_FILE));
+                files.push(e.signature_file());
                 files
             };
             let catalog = spec.on_demand.iter().map(|e| (e.name.clone(), files(e))).collect();
