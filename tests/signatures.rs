@@ -101,10 +101,16 @@ fn signed_repository(dir: &Path, private: &Path, minilm: bool) -> PathBuf {
 
 /// Writes the test's inferd.toml: `[models] signatures = mode` with `public` as the key.
 fn config(dir: &Path, port: u16, repository: &Path, default: &str, load: &[&str], mode: &str, public: &Path) {
+    let signatures = format!("signatures = \"{mode}\"\nsignature_public_key = \"{}\"\n", public.display());
+    config_with(dir, port, repository, default, load, &signatures);
+}
+
+/// Writes the test's inferd.toml with `models` lines in `[models]`.
+fn config_with(dir: &Path, port: u16, repository: &Path, default: &str, load: &[&str], models: &str) {
     let config = write_config(dir, port, test_workers(), repository, default, load, "");
     let mut text = std::fs::read_to_string(&config).unwrap();
     // [models] is the file's last section.
-    text.push_str(&format!("signatures = \"{mode}\"\nsignature_public_key = \"{}\"\n", public.display()));
+    text.push_str(models);
     std::fs::write(&config, text).unwrap();
 }
 
@@ -288,33 +294,77 @@ fn verify_serves_unsigned_folders_and_still_refuses_a_signature_that_does_not_ve
 fn a_reload_to_an_unsigned_change_fails_under_load_and_the_old_workers_serve() {
     let dir = temp_dir("signed-reload");
     let (private, public) = key_pair(dir.path(), "owner");
+    let (other, _) = key_pair(dir.path(), "other");
     let repository = signed_repository(dir.path(), &private, false);
+    let pristine = dir.path().join("pristine");
+    for name in ["typed", "embedder"] {
+        copy_folder(&repository.join(name), &pristine.join(name));
+    }
     let port = free_port();
-    config(dir.path(), port, &repository, "typed", &[], "required", &public);
+    config(dir.path(), port, &repository, "typed", &["embedder"], "required", &public);
     let mut server = Server::start(dir, port, &[]);
     let before = server.wait_ready(Duration::from_secs(60));
     let old = before["workers"][0]["models"][0]["sha256"].as_str().unwrap().to_string();
     let reload = |server: &Server| {
         Command::new(BIN).args(["reload", "--wait", "--control-socket"]).arg(&server.socket).output().unwrap()
     };
-    let model = repository.join("typed/model.onnx");
-    model_variant(&test_models().join("typed/model.onnx"), &model, "unsigned change");
-    let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
-    std::thread::sleep(Duration::from_millis(300));
-    let out = reload(&server);
-    let (served, failed, _) = load.finish();
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("refused by its signature: model.onnx: its SHA-256 is not the signed one"),
-        "{}",
-        text(&out)
-    );
-    assert!(failed.is_empty() && served > 0, "{served} served, failed: {:?}", &failed[..failed.len().min(5)]);
-    let status = server.wait_ready(Duration::from_secs(30));
-    assert!(status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] == old.as_str()));
-    let refusals = r#"inferd_model_signature_refusals_total{model="typed",reason="digest_mismatch"}"#;
-    let metrics = server.metrics_text();
-    assert!(metric_value(&metrics, refusals).is_some_and(|n| n >= 1.0), "{metrics}");
+    type Change = fn(&Path, &Path);
+    let cases: [(&str, Change, &str, &str); 6] = [
+        (
+            "embedder",
+            |f, _| append(&f.join("tokenizer.json")),
+            "tokenizer.json: its SHA-256 is not the signed one",
+            "digest_mismatch",
+        ),
+        (
+            "typed",
+            |f, _| append(&f.join("model.toml")),
+            "model.toml: its SHA-256 is not the signed one",
+            "digest_mismatch",
+        ),
+        (
+            "typed",
+            |f, _| std::fs::write(f.join("notes.txt"), "added").unwrap(),
+            "notes.txt: the folder holds a file",
+            "file_added",
+        ),
+        ("typed", |f, _| std::fs::remove_file(f.join("model.sig")).unwrap(), "no signature:", "no_signature"),
+        ("typed", |f, other| sign(f, other), "signed by another key", "unknown_key"),
+        (
+            "typed",
+            |f, _| model_variant(&test_models().join("typed/model.onnx"), &f.join("model.onnx"), "unsigned change"),
+            "model.onnx: its SHA-256 is not the signed one",
+            "digest_mismatch",
+        ),
+    ];
+    for (i, (model, change, reason, label)) in cases.into_iter().enumerate() {
+        if i > 0 {
+            // The folder the last case changed, as it was signed.
+            let (last, ..) = cases[i - 1];
+            std::fs::remove_dir_all(repository.join(last)).unwrap();
+            copy_folder(&pristine.join(last), &repository.join(last));
+        }
+        change(&repository.join(model), &other);
+        let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
+        std::thread::sleep(Duration::from_millis(300));
+        let out = reload(&server);
+        let (served, failed, _) = load.finish();
+        assert!(!out.status.success(), "{reason}: {}", text(&out));
+        assert!(text(&out).contains(&format!("model '{model}' refused by its signature: {reason}")), "{}", text(&out));
+        assert!(
+            failed.is_empty() && served > 0,
+            "{reason}: {served} served, failed: {:?}",
+            &failed[..failed.len().min(5)]
+        );
+        let status = server.wait_ready(Duration::from_secs(30));
+        assert!(
+            status["workers"].as_array().unwrap().iter().all(|w| w["models"][0]["sha256"] == old.as_str()),
+            "{reason}: {status}"
+        );
+        let refusals = format!(r#"inferd_model_signature_refusals_total{{model="{model}",reason="{label}"}}"#);
+        let metrics = server.metrics_text();
+        assert!(metric_value(&metrics, &refusals).is_some_and(|n| n >= 1.0), "{refusals}: {metrics}");
+    }
     // Signed again by its owner, the same change loads.
     sign(&repository.join("typed"), &private);
     let load = TypedLoad::start(&server, 2, Duration::ZERO, |_, _| ());
@@ -378,8 +428,87 @@ fn on_demand_an_unsigned_folder_is_answered_with_the_reason_until_it_is_signed()
         assert!(std::time::Instant::now() < deadline, "{tries} tried, {counted:?} counted:\n{metrics}\n{log}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    // Signed, the folder's files changed (model.sig is new): the next request loads it.
-    sign(&repository.join("mlp"), &private);
+    // Each change of the folder's files is tried again, and refused for its own reason: signed
+    // by another key; signed by the owner, then model.toml changed.
+    let folder = repository.join("mlp");
+    let settings = std::fs::read(folder.join("model.toml")).unwrap();
+    let (other, _) = key_pair(server.dir.path(), "other");
+    let refused = |reason: &str| {
+        let response = server.request("POST", "/v2/models/mlp/infer", &mlp);
+        let body = String::from_utf8_lossy(&response.body).into_owned();
+        assert_eq!(response.status, 500, "{reason}: {body}");
+        assert!(body.contains(&format!("refused by its signature: {reason}")), "{body}");
+    };
+    sign(&folder, &other);
+    refused("signed by another key");
+    sign(&folder, &private);
+    append(&folder.join("model.toml"));
+    refused("model.toml: its SHA-256 is not the signed one");
+    // As signed by its owner: the next request loads it.
+    std::fs::write(folder.join("model.toml"), settings).unwrap();
     let response = server.request("POST", "/v2/models/mlp/infer", &mlp);
     assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+}
+
+/// The CLI's `certificate` method: a folder whose signing certificate chains to
+/// `signature_certificate_chain`'s authority serves, signed by that certificate's subject; one
+/// whose certificate another authority issued, or one signed with a bare key, is refused.
+#[test]
+fn a_certificate_signature_verifies_against_the_configured_authority_only() {
+    let dir = temp_dir("signed-certificate");
+    let pki = dir.path().join("pki");
+    let out = Command::new(python()).arg(repo().join("tests/clients/signing_pki.py")).arg(&pki).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let repository = dir.path().join("repo");
+    let (private, _) = key_pair(dir.path(), "owner");
+    for (name, source, signer, authority) in [
+        ("typed", "typed", Some("signer"), "ca"),
+        ("mlp", "mlp", Some("outsider"), "other-ca"),
+        ("keyed", "typed", None, ""),
+    ] {
+        let folder = repository.join(name);
+        copy_folder(&test_models().join(source), &folder);
+        let toml = std::fs::read_to_string(folder.join("model.toml")).unwrap();
+        std::fs::write(folder.join("model.toml"), toml.replace(&format!("\"{source}\""), &format!("\"{name}\"")))
+            .unwrap();
+        let Some(signer) = signer else {
+            sign(&folder, &private);
+            continue;
+        };
+        let cli = repo().join(".venv/bin/model_signing");
+        let out = Command::new(&cli)
+            .args(["sign", "certificate", "--private_key"])
+            .arg(pki.join(format!("{signer}.key")))
+            .arg("--signing_certificate")
+            .arg(pki.join(format!("{signer}.pem")))
+            .arg("--certificate_chain")
+            .arg(pki.join(format!("{authority}.pem")))
+            .arg("--signature")
+            .arg(folder.join("model.sig"))
+            .arg(&folder)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "signing {name}: {}", text(&out));
+    }
+    let authority =
+        format!("signatures = \"required\"\nsignature_certificate_chain = [\"{}\"]\n", pki.join("ca.pem").display());
+    for (model, passes, said) in [
+        ("typed", true, "signed by certificate"),
+        ("mlp", false, "its signing certificate is not from [models] signature_certificate_chain's authorities"),
+        ("keyed", false, "signed with a key, and [models] signature_public_key names none"),
+    ] {
+        config_with(dir.path(), free_port(), &repository, model, &[], &authority);
+        let (passed, output) = check(dir.path());
+        assert_eq!(passed, passes, "{model}: {output}");
+        assert!(output.contains(said), "{model}: {output}");
+    }
+    // Served, and status names the certificate's subject.
+    let port = free_port();
+    config_with(dir.path(), port, &repository, "typed", &[], &authority);
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    assert_eq!(server.request("POST", "/v2/models/typed/infer", &typed_request()).status, 200);
+    let status = server.status();
+    let signer = status["workers"][0]["models"][0]["signer"].as_str().unwrap_or_default().to_string();
+    assert!(signer.starts_with("certificate ") && signer.contains("CN=model-publisher"), "{status}");
 }

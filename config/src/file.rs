@@ -274,6 +274,9 @@ pub struct ModelsConfig {
     pub signatures: crate::signing::Signatures,
     /// The PEM public key signatures must verify against (the CLI's `key` method).
     pub signature_public_key: Option<PathBuf>,
+    /// PEM files of the certificate authorities signing certificates must chain to (the
+    /// CLI's `certificate` method).
+    pub signature_certificate_chain: Vec<PathBuf>,
 }
 
 /// Where a model loaded on demand is served ([`ModelsConfig::placement`]).
@@ -441,6 +444,7 @@ impl Default for ModelsConfig {
             placement: Placement::default(),
             signatures: crate::signing::Signatures::Off,
             signature_public_key: None,
+            signature_certificate_chain: Vec::new(),
         }
     }
 }
@@ -807,7 +811,8 @@ impl Config {
     /// `[models] signatures` with its public key, read now (at start and at every reload).
     pub fn trust(&self) -> Result<crate::signing::Trust, ConfigError> {
         let key = self.models.signature_public_key.as_ref().map(|k| self.resolve(k));
-        crate::signing::Trust::load(self.models.signatures, key.as_deref())
+        let chain: Vec<PathBuf> = self.models.signature_certificate_chain.iter().map(|c| self.resolve(c)).collect();
+        crate::signing::Trust::load(self.models.signatures, key.as_deref(), &chain)
             .map_err(|e| ConfigError::Invalid { key: "models.signature_public_key", message: e.to_string() })
     }
 

@@ -1,6 +1,10 @@
-//! Which models may be served: `[models] signatures` ("off", "verify", "required") and the
-//! public key OpenSSF model-signing signatures must verify against
-//! (`[models] signature_public_key`, a PEM file as the `model_signing` CLI's `key` method takes).
+//! Which models may be served: `[models] signatures` ("off", "verify", "required"), and what
+//! OpenSSF model-signing signatures must verify against: a public key
+//! (`[models] signature_public_key`, a PEM file as the `model_signing` CLI's `key` method takes)
+//! or certificate authorities (`signature_certificate_chain`, PEM files, for its `certificate`
+//! method: the bundle's signing certificate must chain to one of them, as of the time it was
+//! issued, and be meant for signing: key usage digitalSignature or extended key usage
+//! codeSigning, as the CLI's verifier asks; [`Trust::certificate`]).
 //! The supervisor reads the key at start and at every reload ([`Trust`], in every worker's
 //! spec beside the API keys and TLS files); what a signature holds and how a model's folder is
 //! checked against it is the worker's loader's (`load/signature`).
@@ -12,6 +16,8 @@
 use std::path::{Path, PathBuf};
 
 use p256::pkcs8::{DecodePublicKey, EncodePublicKey, LineEnding};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, UnixTime};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -28,28 +34,95 @@ pub enum Signatures {
     Required,
 }
 
-/// The signature policy every worker of a generation loads models under: the mode and the
-/// public key's PEM text, as the supervisor read it (workers read no key file of their own).
+/// The signature policy every worker of a generation loads models under: the mode, the
+/// public key's PEM text and the authorities' certificates, as the supervisor read them
+/// (workers read no key file of their own).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Trust {
     pub mode: Signatures,
     pub public_key: Option<String>,
+    /// Each authority's certificate, PEM.
+    #[serde(default)]
+    pub certificate_chain: Vec<String>,
 }
 
 impl Trust {
-    /// Reads `key_file` for `mode`: a mode other than off needs a key that parses.
-    pub(crate) fn load(mode: Signatures, key_file: Option<&Path>) -> Result<Trust, KeyError> {
-        let public_key = match (mode, key_file) {
-            (Signatures::Off, _) => None,
-            (_, None) => return Err(KeyError::NoKey),
-            (_, Some(path)) => {
-                let pem = crate::tls::read(path, false)
-                    .map_err(|e| KeyError::Read { path: path.to_path_buf(), message: e.to_string() })?;
-                PublicKey::from_pem(&pem).map_err(|e| KeyError::In { path: path.to_path_buf(), error: Box::new(e) })?;
+    /// Reads `key_file` and `chain_files` for `mode`: a mode other than off needs a key or an
+    /// authority, each of which parses.
+    pub(crate) fn load(mode: Signatures, key_file: Option<&Path>, chain_files: &[PathBuf]) -> Result<Trust, KeyError> {
+        if mode == Signatures::Off {
+            return Ok(Trust::default());
+        }
+        if key_file.is_none() && chain_files.is_empty() {
+            return Err(KeyError::NoKey);
+        }
+        let read = |path: &Path| {
+            crate::tls::read(path, false)
+                .map_err(|e| KeyError::Read { path: path.to_path_buf(), message: e.to_string() })
+        };
+        let public_key = match key_file {
+            None => None,
+            Some(path) => {
+                let pem = read(path)?;
+                PublicKey::from_pem(&pem).map_err(|e| within(path, e))?;
                 Some(pem)
             }
         };
-        Ok(Trust { mode, public_key })
+        let mut certificate_chain = Vec::new();
+        for path in chain_files {
+            let pem = read(path)?;
+            let certificates = authorities(&pem).map_err(|e| within(path, e))?;
+            if certificates.is_empty() {
+                return Err(within(path, KeyError::NoCertificate));
+            }
+            for certificate in &certificates {
+                webpki::anchor_from_trusted_cert(certificate)
+                    .map_err(|e| within(path, KeyError::NotAnAuthority(format!("{e:?}"))))?;
+            }
+            certificate_chain.push(pem);
+        }
+        Ok(Trust { mode, public_key, certificate_chain })
+    }
+
+    /// The signer of a bundle signed with a certificate: `chain` (DER, the signing
+    /// certificate first, then the intermediates the bundle carries) must lead to one of the
+    /// configured authorities as of the signing certificate's start of validity (the CLI's
+    /// rule: a signature made while the certificate was valid stays valid), and the signing
+    /// certificate be meant for signing. Its key and its subject.
+    pub fn certificate(&self, chain: &[Vec<u8>]) -> Result<(PublicKey, String), CertificateError> {
+        use x509_cert::der::{Decode, Encode};
+        let roots: Vec<CertificateDer<'static>> =
+            self.certificate_chain.iter().flat_map(|pem| authorities(pem).unwrap_or_default()).collect();
+        if roots.is_empty() {
+            return Err(CertificateError::NoAuthorities);
+        }
+        let anchors: Vec<_> = roots.iter().filter_map(|c| webpki::anchor_from_trusted_cert(c).ok()).collect();
+        let Some((signer, rest)) = chain.split_first() else { return Err(CertificateError::Empty) };
+        let parsed =
+            x509_cert::Certificate::from_der(signer).map_err(|e| CertificateError::Unreadable(e.to_string()))?;
+        let tbs = &parsed.tbs_certificate;
+        let issued = tbs.validity.not_before.to_unix_duration();
+        let signer_der = CertificateDer::from(signer.as_slice());
+        let intermediates: Vec<_> = rest.iter().map(|c| CertificateDer::from(c.as_slice())).collect();
+        let end_entity =
+            webpki::EndEntityCert::try_from(&signer_der).map_err(|e| CertificateError::Unreadable(format!("{e:?}")))?;
+        end_entity
+            .verify_for_usage(
+                webpki::ALL_VERIFICATION_ALGS,
+                &anchors,
+                &intermediates,
+                UnixTime::since_unix_epoch(issued),
+                webpki::KeyUsage::required_if_present(CODE_SIGNING),
+                None,
+                None,
+            )
+            .map_err(|e| CertificateError::NotTrusted(format!("{e:?}")))?;
+        if !meant_for_signing(tbs) {
+            return Err(CertificateError::NotForSigning);
+        }
+        let spki = tbs.subject_public_key_info.to_der().map_err(|e| CertificateError::Unreadable(e.to_string()))?;
+        let key = PublicKey::from_spki(&spki).map_err(|_| CertificateError::NotAnEcKey)?;
+        Ok((key, tbs.subject.to_string()))
     }
 
     /// The key signatures must verify against (None with signatures off).
@@ -58,14 +131,71 @@ impl Trust {
     }
 }
 
-/// Why `signature_public_key` cannot be used.
+/// `error`, about file `path`.
+fn within(path: &Path, error: KeyError) -> KeyError {
+    KeyError::In { path: path.to_path_buf(), error: Box::new(error) }
+}
+
+/// The codeSigning extended key usage (1.3.6.1.5.5.7.3.3), as webpki takes an OID.
+const CODE_SIGNING: &[u8] = &[0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x03];
+
+/// Whether a signing certificate may sign: key usage digitalSignature, or extended key usage
+/// codeSigning (what the model_signing CLI's verifier accepts).
+fn meant_for_signing(tbs: &x509_cert::TbsCertificate) -> bool {
+    use x509_cert::der::oid::db::rfc5280::{ID_CE_EXT_KEY_USAGE, ID_CE_KEY_USAGE, ID_KP_CODE_SIGNING};
+    use x509_cert::der::Decode;
+    use x509_cert::ext::pkix::{ExtendedKeyUsage, KeyUsage};
+    tbs.extensions.iter().flatten().any(|e| match e.extn_id {
+        id if id == ID_CE_KEY_USAGE => KeyUsage::from_der(e.extn_value.as_bytes()).is_ok_and(|u| u.digital_signature()),
+        id if id == ID_CE_EXT_KEY_USAGE => {
+            ExtendedKeyUsage::from_der(e.extn_value.as_bytes()).is_ok_and(|u| u.0.contains(&ID_KP_CODE_SIGNING))
+        }
+        _ => false,
+    })
+}
+
+/// The certificates of a PEM file.
+fn authorities(pem: &str) -> Result<Vec<CertificateDer<'static>>, KeyError> {
+    CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| KeyError::NotACertificate(e.to_string()))
+}
+
+/// Why a bundle's signing certificate does not name a signer.
+#[derive(Debug, thiserror::Error)]
+pub enum CertificateError {
+    #[error(
+        "it is signed with a certificate, and [models] signature_certificate_chain names no authority to check it \
+         against"
+    )]
+    NoAuthorities,
+    #[error("its certificate chain is empty")]
+    Empty,
+    #[error("its signing certificate cannot be read: {0}")]
+    Unreadable(String),
+    #[error("its signing certificate is not from [models] signature_certificate_chain's authorities ({0})")]
+    NotTrusted(String),
+    #[error("its signing certificate is not meant for signing (no digitalSignature key usage or codeSigning extended key usage)")]
+    NotForSigning,
+    #[error("its signing certificate's key is not an elliptic-curve key on P-256, P-384 or P-521")]
+    NotAnEcKey,
+}
+
+/// Why `signature_public_key` or `signature_certificate_chain` cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error(
-        "is needed with signatures = \"verify\" or \"required\" (the PEM public key model folders are signed \
-         for; certificate and Sigstore signatures are not verified)"
+        "signature_public_key or signature_certificate_chain is needed with signatures = \"verify\" or \
+         \"required\" (the PEM public key model folders are signed with, or the authorities of the certificates \
+         they are signed with; keyless Sigstore signatures are not verified)"
     )]
     NoKey,
+    #[error("not a PEM certificate: {0}")]
+    NotACertificate(String),
+    #[error("holds no CERTIFICATE block")]
+    NoCertificate,
+    #[error("a certificate that cannot be an authority: {0}")]
+    NotAnAuthority(String),
     #[error("{}: {message}", path.display())]
     Read { path: PathBuf, message: String },
     #[error("{}: {error}", path.display())]
@@ -100,15 +230,21 @@ impl std::fmt::Debug for PublicKey {
 impl PublicKey {
     /// The key in a PEM `PUBLIC KEY` block (SubjectPublicKeyInfo).
     pub fn from_pem(pem: &str) -> Result<PublicKey, KeyError> {
-        if let Ok(key) = p256::PublicKey::from_public_key_pem(pem) {
+        let der = p256::pkcs8::Document::from_pem(pem).map_err(|_| KeyError::NotAnEcKey)?.1;
+        PublicKey::from_spki(der.as_bytes())
+    }
+
+    /// The key of a DER SubjectPublicKeyInfo.
+    fn from_spki(der: &[u8]) -> Result<PublicKey, KeyError> {
+        if let Ok(key) = p256::PublicKey::from_public_key_der(der) {
             let hint = hint(key.to_public_key_pem(LineEnding::LF))?;
             return Ok(PublicKey { key: Curve::P256(key.into()), hint });
         }
-        if let Ok(key) = p384::PublicKey::from_public_key_pem(pem) {
+        if let Ok(key) = p384::PublicKey::from_public_key_der(der) {
             let hint = hint(key.to_public_key_pem(LineEnding::LF))?;
             return Ok(PublicKey { key: Curve::P384(key.into()), hint });
         }
-        if let Ok(key) = p521::PublicKey::from_public_key_pem(pem) {
+        if let Ok(key) = p521::PublicKey::from_public_key_der(der) {
             let hint = hint(key.to_public_key_pem(LineEnding::LF))?;
             let key =
                 p521::ecdsa::VerifyingKey::from_sec1_bytes(&key.to_sec1_bytes()).map_err(|_| KeyError::NotAnEcKey)?;
@@ -229,8 +365,8 @@ ywAQ9AulyclK3/E3oVQ=
 
     #[test]
     fn off_needs_no_key_and_the_others_do() {
-        assert_eq!(Trust::load(Signatures::Off, None).unwrap(), Trust::default());
-        assert!(matches!(Trust::load(Signatures::Required, None), Err(KeyError::NoKey)));
-        assert!(matches!(Trust::load(Signatures::Verify, None), Err(KeyError::NoKey)));
+        assert_eq!(Trust::load(Signatures::Off, None, &[]).unwrap(), Trust::default());
+        assert!(matches!(Trust::load(Signatures::Required, None, &[]), Err(KeyError::NoKey)));
+        assert!(matches!(Trust::load(Signatures::Verify, None, &[]), Err(KeyError::NoKey)));
     }
 }

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 
 use base64::Engine as _;
 use inferd_config::model::ModelEntry;
-use inferd_config::signing::{PublicKey, Signatures, Trust};
+use inferd_config::signing::{Signatures, Trust};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -59,8 +59,10 @@ pub enum Refusal {
     Unsupported { file: PathBuf, message: String },
     #[error("signed by another key: the signature names key {hint}, [models] signature_public_key is key {expected}")]
     UnknownKey { hint: String, expected: String },
-    #[error("the signature does not verify with [models] signature_public_key (key {expected})")]
-    BadSignature { expected: String },
+    #[error("the signature does not verify with {signer}")]
+    BadSignature { signer: String },
+    #[error("signature {}: {error}", file.display())]
+    Certificate { file: PathBuf, error: inferd_config::signing::CertificateError },
     #[error("{file}: its SHA-256 is not the signed one (the file was changed after signing)")]
     DigestMismatch { file: String },
     #[error("{file}: the folder holds a file the signature does not list")]
@@ -73,6 +75,11 @@ pub enum Refusal {
     NotCovered { file: PathBuf, why: &'static str },
     #[error("{file}: changed while the model was loaded; the next load checks it again")]
     Changed { file: String },
+    #[error(
+        "{file}: the signed settings are not the ones read at start or at the last reload (changed and signed \
+         since?); `inferd reload` reads them again"
+    )]
+    SettingsChanged { file: String },
     #[error("{}: {error}", file.display())]
     Read { file: PathBuf, error: std::io::Error },
 }
@@ -86,12 +93,13 @@ impl Refusal {
             Refusal::Unsupported { .. } => "unsupported",
             Refusal::UnknownKey { .. } => "unknown_key",
             Refusal::BadSignature { .. } => "bad_signature",
+            Refusal::Certificate { .. } => "untrusted_certificate",
             Refusal::DigestMismatch { .. } => "digest_mismatch",
             Refusal::Added { .. } => "file_added",
             Refusal::Missing { .. } => "file_missing",
             Refusal::Symlink { .. } => "symlink",
             Refusal::NotCovered { .. } => "not_covered",
-            Refusal::Changed { .. } => "changed",
+            Refusal::Changed { .. } | Refusal::SettingsChanged { .. } => "changed",
             Refusal::Read { .. } => "unreadable",
         }
     }
@@ -154,13 +162,7 @@ pub fn verify(entry: &ModelEntry, trust: &Trust) -> Result<Option<Verified>, Ref
         None => return Err(Refusal::NoSignature { file }),
         Some(bytes) => bytes,
     };
-    // The supervisor parsed the key before starting this worker; a key it refused never
-    // reaches here, so this is the same key.
-    let key = trust.key().ok().flatten().ok_or_else(|| Refusal::Unsupported {
-        file: file.clone(),
-        message: "no [models] signature_public_key to verify it with".into(),
-    })?;
-    let statement = open_envelope(&file, &bundle, &key)?;
+    let (statement, signer) = open_envelope(&file, &bundle, trust)?;
     let mut manifest = Manifest::of(&file, statement)?;
     // The signature file is no file of the model, wherever it lies in the folder.
     manifest.ignored.extend(file.strip_prefix(&folder).ok().and_then(name_of));
@@ -176,19 +178,14 @@ pub fn verify(entry: &ModelEntry, trust: &Trust) -> Result<Option<Verified>, Ref
         let identity = hashed(&folder.join(name), manifest.follow_symlinks, signed, name)?;
         files.insert(name.clone(), (identity, *signed));
     }
-    let verified = Verified {
-        signer: format!("key {} ({})", key.hint(), key.curve()),
-        folder,
-        files,
-        follow_symlinks: manifest.follow_symlinks,
-    };
+    let verified = Verified { signer, folder, files, follow_symlinks: manifest.follow_symlinks };
     for path in entry.files() {
         verified.covers(path)?;
     }
     // The entry's settings, derived again from the files just verified.
     let settings = ModelEntry::settings_digest(&verified.folder, &entry.name).ok();
     if !entry.settings_sha256.is_empty() && settings.as_deref() != Some(entry.settings_sha256.as_str()) {
-        return Err(Refusal::Changed { file: inferd_config::model::MODEL_CONFIG_FILE.into() });
+        return Err(Refusal::SettingsChanged { file: inferd_config::model::MODEL_CONFIG_FILE.into() });
     }
     Ok(Some(verified))
 }
@@ -229,7 +226,18 @@ struct Bundle {
 struct Material {
     public_key: Option<KeyId>,
     certificate: Option<serde_json::Value>,
-    x509_certificate_chain: Option<serde_json::Value>,
+    x509_certificate_chain: Option<Chain>,
+}
+
+#[derive(Deserialize)]
+struct Chain {
+    certificates: Vec<RawBytes>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawBytes {
+    raw_bytes: String,
 }
 
 #[derive(Deserialize)]
@@ -252,31 +260,56 @@ struct EnvelopeSignature {
 }
 
 /// The envelope's statement, once its signature verified with `key`.
-fn open_envelope(file: &Path, bundle: &[u8], key: &PublicKey) -> Result<Statement, Refusal> {
+fn open_envelope(file: &Path, bundle: &[u8], trust: &Trust) -> Result<(Statement, String), Refusal> {
     let malformed = |message: String| Refusal::Malformed { file: file.to_path_buf(), message };
+    let unsupported = |message: &str| Refusal::Unsupported { file: file.to_path_buf(), message: message.into() };
     let bundle: Bundle =
         serde_json::from_slice(bundle).map_err(|e| malformed(format!("not a Sigstore bundle: {e}")))?;
     let material = &bundle.verification_material;
-    if material.certificate.is_some() || material.x509_certificate_chain.is_some() {
-        return Err(Refusal::Unsupported {
-            file: file.to_path_buf(),
-            message: "signed with a certificate (the CLI's `certificate` or `sigstore` method); inferd verifies \
-                      signatures made with a key (`model_signing sign key`) only"
-                .into(),
-        });
-    }
+    let b64 = base64::engine::general_purpose::STANDARD;
+    // Who must have signed: the certificate the bundle carries, if it chains to the configured
+    // authorities, or the configured key. The supervisor parsed both before starting this
+    // worker.
+    let (key, signer) = match (&material.x509_certificate_chain, &material.certificate) {
+        (_, Some(_)) => {
+            return Err(unsupported(
+                "a keyless Sigstore signature (`model_signing sign sigstore`): verifying it needs Sigstore's trust \
+                 root and transparency log, which inferd does not read; sign with a key or a certificate",
+            ))
+        }
+        (Some(chain), None) => {
+            let chain = chain
+                .certificates
+                .iter()
+                .map(|c| b64.decode(&c.raw_bytes))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| malformed(format!("certificate chain: not base64: {e}")))?;
+            let (key, subject) =
+                trust.certificate(&chain).map_err(|error| Refusal::Certificate { file: file.to_path_buf(), error })?;
+            let signer = format!("certificate {subject} ({})", key.curve());
+            (key, signer)
+        }
+        (None, None) => {
+            let Some(key) = trust.key().ok().flatten() else {
+                return Err(unsupported(
+                    "signed with a key, and [models] signature_public_key names none (only certificate authorities)",
+                ));
+            };
+            if let Some(hint) = material.public_key.as_ref().map(|k| k.hint.as_str()).filter(|h| !h.is_empty()) {
+                if hint != key.hint() {
+                    return Err(Refusal::UnknownKey { hint: hint.to_string(), expected: key.hint().to_string() });
+                }
+            }
+            let signer = format!("key {} ({})", key.hint(), key.curve());
+            (key, signer)
+        }
+    };
     let Some(envelope) = bundle.dsse_envelope else {
         return Err(malformed("the bundle holds no DSSE envelope".into()));
     };
-    if let Some(hint) = material.public_key.as_ref().map(|k| k.hint.as_str()).filter(|h| !h.is_empty()) {
-        if hint != key.hint() {
-            return Err(Refusal::UnknownKey { hint: hint.to_string(), expected: key.hint().to_string() });
-        }
-    }
     if envelope.payload_type != PAYLOAD_TYPE {
         return Err(malformed(format!("payload type '{}', not '{PAYLOAD_TYPE}'", envelope.payload_type)));
     }
-    let b64 = base64::engine::general_purpose::STANDARD;
     let payload = b64.decode(&envelope.payload).map_err(|e| malformed(format!("payload: not base64: {e}")))?;
     let [signature] = envelope.signatures.as_slice() else {
         return Err(malformed(format!("{} envelope signatures; one is read", envelope.signatures.len())));
@@ -286,9 +319,11 @@ fn open_envelope(file: &Path, bundle: &[u8], key: &PublicKey) -> Result<Statemen
     let mut signed = format!("DSSEv1 {} {PAYLOAD_TYPE} {} ", PAYLOAD_TYPE.len(), payload.len()).into_bytes();
     signed.extend_from_slice(&payload);
     if !key.verifies(&signed, &signature) {
-        return Err(Refusal::BadSignature { expected: key.hint().to_string() });
+        return Err(Refusal::BadSignature { signer });
     }
-    serde_json::from_slice(&payload).map_err(|e| malformed(format!("payload: not an in-toto statement: {e}")))
+    let statement =
+        serde_json::from_slice(&payload).map_err(|e| malformed(format!("payload: not an in-toto statement: {e}")))?;
+    Ok((statement, signer))
 }
 
 #[derive(Deserialize)]
@@ -596,5 +631,28 @@ mod tests {
         forged.subject[0].digest.insert("sha256".into(), A.into());
         let refused = Manifest::of(Path::new("model.sig"), forged);
         assert!(matches!(refused, Err(Refusal::Malformed { message, .. }) if message.contains("subject's digest")));
+    }
+
+    #[test]
+    fn keyless_bundles_are_unsupported_certificates_need_authorities_and_a_foreign_key_is_named() {
+        let pem = "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEdGs8sdxFtHHbSpypHTfxdzSn/moD\n\
+                   8R4GREgZ4ffeOC3GyAeN6ueQmcbXC3J01sDhZd8tsxBCdS7S/mwnJw5K3w==\n-----END PUBLIC KEY-----\n";
+        let trust = Trust { mode: Signatures::Required, public_key: Some(pem.into()), certificate_chain: Vec::new() };
+        let envelope = r#""dsseEnvelope": {"payload": "", "payloadType": "application/vnd.in-toto+json", "signatures": [{"sig": ""}]}"#;
+        let file = Path::new("model.sig");
+        let open = |material: &str| {
+            open_envelope(file, format!(r#"{{"verificationMaterial": {material}, {envelope}}}"#).as_bytes(), &trust)
+                .err()
+        };
+        let keyless = open(r#"{"certificate": {"rawBytes": ""}, "tlogEntries": [{}]}"#);
+        assert!(matches!(&keyless, Some(Refusal::Unsupported { message, .. }) if message.contains("keyless Sigstore")));
+        let chain = open(r#"{"x509CertificateChain": {"certificates": [{"rawBytes": "AAAA"}]}}"#);
+        assert!(matches!(
+            chain,
+            Some(Refusal::Certificate { error: inferd_config::signing::CertificateError::NoAuthorities, .. })
+        ));
+        let foreign = open(r#"{"publicKey": {"hint": "abc"}}"#);
+        assert!(matches!(&foreign, Some(Refusal::UnknownKey { hint, .. }) if hint == "abc"));
+        assert!(matches!(open("{}"), Some(Refusal::BadSignature { .. })));
     }
 }
