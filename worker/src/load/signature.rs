@@ -108,7 +108,8 @@ impl Refusal {
 /// A folder whose signature verified: who signed it, and each file's identity as hashed.
 #[derive(Debug)]
 pub struct Verified {
-    /// The signer: the key's hint (the SHA-256 of its PEM text) with its curve.
+    /// The signer: `key HINT (CURVE)`, HINT the SHA-256 of the key's PEM text, or
+    /// `certificate SUBJECT (CURVE)`.
     pub signer: String,
     folder: PathBuf,
     files: BTreeMap<String, (Identity, [u8; 32])>,
