@@ -321,6 +321,9 @@ fn check(args: ServeArgs) -> Result<ExitCode, Failure> {
         Some(keys) => println!("auth:            {}", keys.describe()),
         None => println!("auth:            none: every request is served ([auth] api_keys_file, INFERD_API_KEYS)"),
     }
+    if let Some(restricted) = resolved.access.restricted.describe() {
+        println!("restricted:      {restricted}");
+    }
     match &resolved.access.tls {
         Some(tls) => println!(
             "tls:             {} ({}){}",

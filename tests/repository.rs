@@ -223,3 +223,45 @@ fn the_main_port_loads_and_unloads_with_its_switch_on() {
     let status = server.status();
     assert_eq!((status["generation"].as_u64(), status["reloads_succeeded"].as_u64()), (Some(3), Some(2)), "{status}");
 }
+
+/// Triton's restricted APIs ([[auth.restricted]], as qa/L0_http and qa/L0_grpc start Triton
+/// with --http-restricted-api and --grpc-restricted-protocol), the server's name (server.name)
+/// and its trace settings, with tritonclient over HTTP and gRPC
+/// (tests/clients/triton_restricted_check.py: each call and its answer). A group that repeats
+/// a category or names an unknown one is refused at start in Triton's words.
+#[test]
+fn restricted_apis_need_their_header_the_server_has_its_name_and_trace_settings_read() {
+    let dir = temp_dir("repository-restricted");
+    let repository = model_repository(dir.path(), &["typed"]);
+    let port = free_port();
+    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &[], "name = \"triton\"");
+    let base = std::fs::read_to_string(&config).unwrap();
+    let group = |apis: &str, header: &str, value: &str| {
+        format!("[[auth.restricted]]\napis = [{apis}]\nheader = \"{header}\"\nvalue = \"{value}\"\n")
+    };
+    for (groups, refusal) in [
+        (
+            group("\"model-repository\", \"health\"", "k1", "v1") + &group("\"metadata\", \"health\"", "k2", "v2"),
+            "api 'health' can not be specified in multiple config groups",
+        ),
+        (group("\"model-reposit\", \"health\"", "k1", "v1"), "unknown restricted api 'model-reposit'"),
+        (group("\"health\"", "authorization", "v1"), "auth.restricted"),
+    ] {
+        std::fs::write(&config, format!("{base}{groups}")).unwrap();
+        let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success() && text.contains(refusal), "{refusal}: {text}");
+    }
+    let groups = group("\"model-repository\"", "admin-key", "admin-value")
+        + &group("\"inference\", \"health\"", "infer-key", "infer-value");
+    std::fs::write(&config, format!("{base}{groups}")).unwrap();
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(60));
+    let public = server.addr.to_string();
+    client_check("triton_restricted_check.py", &[&public, &grpc], &server, "restricted: all checks passed");
+    // TEI's routes are inference; its /info metadata, open.
+    let r = request(server.addr, "POST", "/embed", &[], b"{\"inputs\": \"x\"}").unwrap();
+    assert_eq!(r.status, 403, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(request(server.addr, "GET", "/v2", &[], b"").unwrap().status, 200);
+}

@@ -33,6 +33,8 @@ pub struct AuthConfig {
     /// `/ping`, gRPC's ServerLive, ServerReady, ModelReady) need a key too; by
     /// default they are open, for load balancers' and Kubernetes' probes.
     pub protect_health: bool,
+    /// API categories that need a header besides ([`crate::restricted`]).
+    pub restricted: Vec<crate::restricted::RestrictedGroup>,
 }
 
 /// The keys a worker checks requests against: digests, never the keys themselves, each with
@@ -229,6 +231,9 @@ pub struct Access {
     pub tls: Option<crate::tls::Tls>,
     #[serde(default)]
     pub signatures: crate::signing::Trust,
+    /// The categories that need a header ([[auth.restricted]]).
+    #[serde(default)]
+    pub restricted: crate::restricted::Restrictions,
 }
 
 /// Why a request was refused (the `reason` label of the refusal counter and the access log).

@@ -150,6 +150,9 @@ pub struct ServerConfig {
     /// Set net.ipv4.tcp_migrate_req=1 at start (when permitted) so connections queued on a
     /// worker that stops accepting move to its siblings instead of being reset.
     pub set_tcp_migrate_req: bool,
+    /// What KServe v2's server metadata calls the server (`GET /v2`, gRPC ServerMetadata):
+    /// "inferd" by default; "triton" for clients that check for Triton's name.
+    pub name: String,
 }
 
 impl Default for ServerConfig {
@@ -193,6 +196,7 @@ impl Default for ServerConfig {
             max_requests_jitter: 0,
             max_worker_age_secs: 0.0,
             set_tcp_migrate_req: true,
+            name: "inferd".into(),
         }
     }
 }
@@ -635,6 +639,11 @@ impl Config {
         }
         self.server_tls().validate("server")?;
         self.admin_tls().validate("admin")?;
+        self.restrictions()?;
+        let name = &self.server.name;
+        if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return invalid("server.name", format!("'{name}' is not 1 to 64 visible ASCII characters"));
+        }
         let tracing = &self.tracing_config();
         if let Some(protocol) = tracing.protocol.as_deref().filter(|p| !["grpc", "http/protobuf"].contains(p)) {
             return invalid("tracing.protocol", format!("'{protocol}' is not one of grpc, http/protobuf"));
@@ -805,7 +814,14 @@ impl Config {
             api_keys: self.api_keys()?,
             tls: self.server_tls().load("server")?,
             signatures: self.trust()?,
+            restricted: self.restrictions()?,
         })
+    }
+
+    /// `[[auth.restricted]]`, checked.
+    pub fn restrictions(&self) -> Result<crate::restricted::Restrictions, ConfigError> {
+        crate::restricted::Restrictions::of(&self.auth.restricted)
+            .map_err(|message| ConfigError::Invalid { key: "auth.restricted", message })
     }
 
     /// `[models] signatures` with its public key, read now (at start and at every reload).

@@ -24,6 +24,7 @@ mod error;
 pub mod file;
 pub mod model;
 pub mod ortlib;
+pub mod restricted;
 pub mod signing;
 pub mod tls;
 

@@ -63,8 +63,8 @@ pub enum Refused {
     UnknownVersion { name: String, version: String, serves: String },
     /// 403 / PERMISSION_DENIED.
     #[error(
-        "loading and unloading models on the main port is off: the operator turns it on with \
-         admin.model_control_on_main_port = true, or uses the admin listener"
+        "explicit model load / unload is not allowed on the main port: the operator turns it on \
+         with admin.model_control_on_main_port = true, or uses the admin listener"
     )]
     ModelControlOff,
     /// A load or unload refused before anything changed (400 / INVALID_ARGUMENT: an unknown

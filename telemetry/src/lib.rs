@@ -146,6 +146,23 @@ fn wanted(config: &TracingConfig) -> bool {
     })
 }
 
+/// The share of new traces (requests without a sampled parent) that are recorded, as [tracing]
+/// or the environment sets it; None: tracing is off.
+pub fn root_ratio(config: &TracingConfig) -> Option<f64> {
+    if !wanted(config) {
+        return None;
+    }
+    let ratio = |arg: Option<String>| arg.and_then(|a| a.trim().parse::<f64>().ok()).unwrap_or(1.0).clamp(0.0, 1.0);
+    if let Some(r) = config.sample_ratio {
+        return Some(r);
+    }
+    Some(match std::env::var("OTEL_TRACES_SAMPLER").unwrap_or_default().trim() {
+        "always_off" | "parentbased_always_off" => 0.0,
+        "traceidratio" | "parentbased_traceidratio" => ratio(std::env::var("OTEL_TRACES_SAMPLER_ARG").ok()),
+        _ => 1.0,
+    })
+}
+
 /// The sampler: [tracing] sample_ratio, else OTEL_TRACES_SAMPLER (and _ARG), else parent-based
 /// always-on.
 fn sampler(config: &TracingConfig) -> Sampler {

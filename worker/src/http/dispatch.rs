@@ -15,7 +15,7 @@ use inferd_ipc::stats::Endpoint;
 
 use crate::http::reply::{json_reply, Reply};
 use crate::http::route::{self, Route};
-use crate::http::{body, cohere, forward, model_config, openai, shared_memory, tei, v2};
+use crate::http::{body, cohere, forward, model_config, openai, shared_memory, tei, trace_setting, v2};
 use crate::request::app::{counted, found_index, AppState};
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -34,9 +34,10 @@ pub async fn routed(
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let route = route::parse(&segments).ok_or_else(|| ApiError::NotFound(format!("no route for {method} {path}")))?;
     let kind = route.kind();
-    let allowed = match kind.post {
-        true => method == Method::POST,
-        false => method == Method::GET || method == Method::HEAD,
+    let allowed = match method {
+        Method::POST => kind.post,
+        Method::GET | Method::HEAD => kind.get,
+        _ => false,
     };
     if !allowed {
         return Err(ApiError::MethodNotAllowed(method, path.clone()));
@@ -62,6 +63,20 @@ pub async fn routed(
         Route::Statistics(name, version) => v2::statistics(state, name, version).await,
         Route::RepositoryIndex => v2::repository_index(state, request).await,
         Route::RepositoryChange(name, load) => v2::repository_change(state, name, load, request).await,
+        Route::TraceSetting(model) => {
+            if let Some(name) = model.filter(|name| !state.models.loads_on_demand(name)) {
+                state.models.find(name, None, call).await?;
+            }
+            let settings = match method {
+                Method::POST => {
+                    let body = body::receive(state, request, call.terms.deadline).await?;
+                    trace_setting::update(state.trace_ratio, &trace_setting::asked_of_json(&body.bytes)?)?
+                }
+                _ => trace_setting::current(state.trace_ratio),
+            };
+            let answer = trace_setting::to_json(&settings);
+            Ok(json_reply(StatusCode::OK, serde_json::to_vec(&answer).expect("json")))
+        }
         Route::SharedMemory(memory, action) => shared_memory::answer(memory, action).map(|()| match action {
             // Every region's status: none is registered.
             shared_memory::Action::Status(_) => json_reply(StatusCode::OK, b"[]".to_vec()),

@@ -18,6 +18,7 @@ pub mod reply;
 pub mod route;
 pub mod shared_memory;
 pub mod tei;
+pub mod trace_setting;
 pub mod v2;
 pub mod write_timeout;
 
@@ -69,6 +70,8 @@ pub async fn handle(
         headers: request.headers(),
         probe: route.as_ref().is_some_and(|r| r.kind().probe),
         forwarded: request.extensions().get::<forward::Forwarded>().is_some(),
+        api: route.as_ref().map(|r| r.kind().api),
+        grpc: false,
     };
     let (routed, call) = match door::enter(&state, &visit, &arrival) {
         Err(e) => (Err(e), None),

@@ -1,6 +1,8 @@
 //! The HTTP routes: each path's endpoint, and what each endpoint is (its template, the model
 //! its path names, its error bodies' style, its method, whether it is a probe).
 
+use inferd_config::restricted::Api;
+
 use crate::http::{cohere, shared_memory};
 
 /// The endpoints; `/versions/{v}` is accepted wherever the protocol allows it, and a missing
@@ -22,6 +24,8 @@ pub enum Route<'a> {
     /// Triton's repository `load` (true) or `unload` of a model: a rolling reload the
     /// supervisor runs, with admin.model_control_on_main_port.
     RepositoryChange(&'a str, bool),
+    /// Triton's trace settings, the global ones (None) or a model's ([`crate::http::trace_setting`]).
+    TraceSetting(Option<&'a str>),
     /// Triton's shared-memory extensions ([`shared_memory`]).
     SharedMemory(shared_memory::Memory, shared_memory::Action<'a>),
     Embed(Option<&'a str>),
@@ -96,6 +100,8 @@ impl<'a> Route<'a> {
             Route::RepositoryIndex => "/v2/repository/index",
             Route::RepositoryChange(_, true) => "/v2/repository/models/{model}/load",
             Route::RepositoryChange(_, false) => "/v2/repository/models/{model}/unload",
+            Route::TraceSetting(None) => "/v2/trace/setting",
+            Route::TraceSetting(Some(_)) => "/v2/models/{model}/trace/setting",
             Route::SharedMemory(memory, action) => {
                 use shared_memory::{Action::*, Memory::*};
                 match (memory, action) {
@@ -141,7 +147,7 @@ impl<'a> Route<'a> {
         use ErrorStyle::*;
         let (style, post, probe) = match self {
             Route::Server | Route::Model(..) | Route::ModelConfig(..) | Route::Statistics(..) => (V2, false, false),
-            Route::RepositoryIndex | Route::RepositoryChange(..) => (V2, true, false),
+            Route::RepositoryIndex | Route::RepositoryChange(..) | Route::TraceSetting(_) => (V2, true, false),
             Route::SharedMemory(_, action) => (V2, !matches!(action, shared_memory::Action::Status(_)), false),
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
             Route::Infer(..) => (V2, true, false),
@@ -163,9 +169,42 @@ impl<'a> Route<'a> {
         // Triton compresses infer answers alone, and its asyncio client asks for gzip on every
         // route while it inflates only those: metadata, statistics and the repository's
         // answers go as they are.
-        let compress =
-            post && !matches!(self, Route::RepositoryIndex | Route::RepositoryChange(..) | Route::SharedMemory(..));
-        Kind { style, post, probe, compress }
+        let compress = post
+            && !matches!(
+                self,
+                Route::RepositoryIndex | Route::RepositoryChange(..) | Route::SharedMemory(..) | Route::TraceSetting(_)
+            );
+        // Trace settings are read by GET and changed by POST.
+        let get = !post || matches!(self, Route::TraceSetting(_));
+        Kind { style, post, get, probe, compress, api: self.api() }
+    }
+
+    /// Its API category, as Triton groups its routes ([[auth.restricted]]): TEI's `/info`
+    /// is metadata, and every route that runs a model (or its tokenizer) is inference.
+    fn api(&self) -> Api {
+        match self {
+            Route::Live | Route::Ready | Route::ModelReady(..) | Route::Ping => Api::Health,
+            Route::Server | Route::Model(..) | Route::Info => Api::Metadata,
+            Route::ModelConfig(..) => Api::ModelConfig,
+            Route::Statistics(..) => Api::Statistics,
+            Route::RepositoryIndex | Route::RepositoryChange(..) => Api::ModelRepository,
+            Route::SharedMemory(..) => Api::SharedMemory,
+            Route::TraceSetting(_) => Api::Trace,
+            Route::Infer(..)
+            | Route::Embed(_)
+            | Route::Predict(_)
+            | Route::OpenAiEmbeddings
+            | Route::Tokenize
+            | Route::Decode
+            | Route::Similarity
+            | Route::EmbedAll
+            | Route::EmbedChunks(_)
+            | Route::EmbedSparse(_)
+            | Route::Rerank(_)
+            | Route::CohereRerank(_)
+            | Route::CohereEmbed(_)
+            | Route::Invocations => Api::Inference,
+        }
     }
 }
 
@@ -179,6 +218,8 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "stats"] => Route::Statistics(Some(name), None),
         ["v2", "models", name, "versions", v, "stats"] => Route::Statistics(Some(name), Some(v)),
         ["v2", "repository", "index"] => Route::RepositoryIndex,
+        ["v2", "trace", "setting"] => Route::TraceSetting(None),
+        ["v2", "models", name, "trace", "setting"] => Route::TraceSetting(Some(name)),
         ["v2", memory @ ("systemsharedmemory" | "cudasharedmemory"), ref rest @ ..] => {
             use shared_memory::Action;
             let memory = match memory {
@@ -235,11 +276,15 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
 #[derive(Clone, Copy)]
 pub struct Kind {
     pub style: ErrorStyle,
-    /// Served to POST (an inference, or TEI's tokenizer); the others to GET and HEAD.
+    /// Served to POST (an inference, TEI's tokenizer, a change).
     pub post: bool,
+    /// Served to GET and HEAD (what is not POST's, and trace settings).
+    pub get: bool,
     /// A health or readiness probe ([`crate::request::door::Arrival::probe`]).
     pub probe: bool,
     /// Its answer is compressed where the client asks ([`crate::http::compress`]): an
     /// inference's (or TEI's tokenizer's), not metadata's.
     pub compress: bool,
+    /// Its API category ([[auth.restricted]]).
+    pub api: Api,
 }

@@ -18,11 +18,15 @@ use crate::request::infer::{pipeline_io, run_v2};
 use crate::request::model::Model;
 use crate::runtime::tensor::Tensor;
 
+/// The KServe v2 extensions (Triton's names) the main port serves, over REST and gRPC alike.
+pub const EXTENSIONS: [&str; 6] =
+    ["binary_tensor_data", "parameters", "model_configuration", "statistics", "model_repository", "trace"];
+
 pub fn server_metadata(state: &AppState) -> Reply {
     let body = json!({
-        "name": "inferd",
+        "name": state.server_name,
         "version": inferd_ipc::version(),
-        "extensions": ["binary_tensor_data"],
+        "extensions": EXTENSIONS,
         "models": state.models.loaded().iter().map(|m| m.info.name.clone()).collect::<Vec<_>>(),
         "loadable": state.models.loadable(),
     });

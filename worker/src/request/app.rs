@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use inferd_config::auth::ApiKeys;
+use inferd_config::restricted::Restrictions;
 use inferd_ipc::limits::Seat;
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
@@ -19,6 +20,10 @@ use crate::runtime::engine::Engine;
 /// Everything a request handler may touch.
 pub struct AppState {
     pub worker: usize,
+    /// What server metadata calls the server (server.name).
+    pub server_name: String,
+    /// The share of new requests traced; None: tracing off ([tracing], Triton's trace settings).
+    pub trace_ratio: Option<f64>,
     /// The models it serves, the default first; on demand, those it may load.
     pub models: Models,
     pub engine: Engine,
@@ -37,6 +42,8 @@ pub struct AppState {
     pub access_log: bool,
     /// The keys requests must carry ([auth]); None: every request is served.
     pub api_keys: Option<ApiKeys>,
+    /// API categories that need a header ([[auth.restricted]]).
+    pub restricted: Restrictions,
     pub request_ids: RequestIds,
     /// Answers already computed ([cache]); None: off.
     pub cache: Option<Cache>,

@@ -14,6 +14,7 @@ use opentelemetry::KeyValue;
 use tracing::{debug, info, warn};
 
 use inferd_config::auth::{bearer, KeySettings};
+use inferd_config::restricted::{Api, GRPC_PREFIX};
 use inferd_ipc::limits::{now_ns, KeyLimits, Over, Pass};
 
 use crate::request::app::AppState;
@@ -42,6 +43,10 @@ pub struct Arrival<'a> {
     /// Sent by a sibling (models.placement = "pool"), which admitted it and holds its place
     /// in its key's limits until the answer is relayed.
     pub forwarded: bool,
+    /// Its API category ([[auth.restricted]]); None: a path no route serves.
+    pub api: Option<Api>,
+    /// A gRPC call: a restriction's header is read with Triton's gRPC prefix.
+    pub grpc: bool,
 }
 
 /// A request let in: what the door learned, and its place in its key's limits until dropped.
@@ -56,6 +61,9 @@ pub fn enter<'s>(state: &'s AppState, visit: &Visit, arrival: &Arrival) -> Resul
     let headers = arrival.headers;
     let authorization = headers.get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
     let key = authorize(state, authorization, arrival.probe)?;
+    if !arrival.forwarded {
+        restrict(state, arrival)?;
+    }
     if let (Some(key), Some(cx)) = (key, &visit.span) {
         use opentelemetry::trace::TraceContextExt;
         cx.span().set_attribute(KeyValue::new("inferd.api_key.name", key.name.clone()));
@@ -77,6 +85,20 @@ pub fn enter<'s>(state: &'s AppState, visit: &Visit, arrival: &Arrival) -> Resul
     let fresh = no_cache(headers.get(hyper::header::CACHE_CONTROL));
     let call = Call::new(id, Terms { priority, deadline }, floor, key.map(|k| k.name.clone()), fresh);
     Ok(Entered { call, admission })
+}
+
+/// Whether the request carries the header its API category needs ([[auth.restricted]]); a
+/// forwarded request was checked by the sibling that let it in.
+fn restrict(state: &AppState, arrival: &Arrival) -> Result<(), ApiError> {
+    let Some(restriction) = arrival.api.and_then(|api| state.restricted.of_api(api)) else { return Ok(()) };
+    let header = match arrival.grpc {
+        true => format!("{GRPC_PREFIX}{}", restriction.header),
+        false => restriction.header.clone(),
+    };
+    match restriction.admits(arrival.headers.get(&header).map(HeaderValue::as_bytes)) {
+        true => Ok(()),
+        false => Err(ApiError::Restricted { header }),
+    }
 }
 
 /// Whether `Cache-Control` asks for a fresh answer.

@@ -61,6 +61,10 @@ pub enum ApiError {
     /// Not allowed here, whoever asks (an operator's switch is off): 403.
     #[error("{0}")]
     Forbidden(String),
+    /// A restricted API category without its header ([[auth.restricted]]): 403, in Triton's
+    /// words (gRPC's are its own, `http::grpc::status`).
+    #[error("This API is restricted, expecting header '{header}'")]
+    Restricted { header: String },
     /// No API key, or not one of the server's ([auth]).
     #[error("{}", match .0 {
         Refusal::Missing => "this server needs an API key: send it as `Authorization: Bearer KEY`",
@@ -84,7 +88,7 @@ impl ApiError {
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::Restricted { .. } => StatusCode::FORBIDDEN,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::TooManyRequests(..) => StatusCode::TOO_MANY_REQUESTS,
         }

@@ -140,6 +140,8 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
     };
     let state = Arc::new(AppState {
         worker: spec.index,
+        server_name: spec.server.name.clone(),
+        trace_ratio: inferd_telemetry::root_ratio(&spec.tracing).filter(|_| crate::trace::enabled()),
         models: Models::new(metas, on_demand),
         engine,
         max_body_bytes: spec.server.max_body_bytes,
@@ -151,6 +153,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
         stats,
         access_log: spec.log.access_log,
         api_keys: spec.access.api_keys.clone(),
+        restricted: spec.access.restricted.clone(),
         request_ids: RequestIds::default(),
         cache: crate::request::cache::Cache::new(spec.cache_bytes),
         limits: spec.limits.then(limits_seat).flatten(),

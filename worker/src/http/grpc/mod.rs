@@ -26,6 +26,9 @@ use crate::kserve::json as kserve;
 use crate::kserve::{InputTensor, Parsed, WantedOutput};
 use crate::request::app::{self, AppState, CountedAs};
 use crate::request::call::Call;
+use inferd_config::restricted::Api;
+
+use crate::http::trace_setting;
 use crate::request::door::{self, Answered, Arrival, Visit};
 use crate::request::error::ApiError;
 use crate::request::infer::{self, Inferred};
@@ -77,6 +80,10 @@ pub fn status(e: ApiError) -> Status {
         ApiError::Internal(_) => Status::internal(message),
         ApiError::Unauthorized(_) => Status::unauthenticated(message),
         ApiError::Forbidden(_) => Status::permission_denied(message),
+        // Triton's code and words for a restricted protocol.
+        ApiError::Restricted { header } => {
+            Status::unavailable(format!("This protocol is restricted, expecting header '{header}'"))
+        }
     }
 }
 
@@ -84,6 +91,23 @@ pub fn status(e: ApiError) -> Status {
 /// `/inference.GRPCInferenceService/NAME`).
 pub fn is_health_call(path: &str) -> bool {
     matches!(path.rsplit('/').next(), Some("ServerLive" | "ServerReady" | "ModelReady"))
+}
+
+/// A call's API category, as Triton groups its RPCs ([[auth.restricted]]); None: an RPC this
+/// server does not know (UNIMPLEMENTED either way).
+fn api(path: &str) -> Option<Api> {
+    Some(match path.rsplit('/').next()? {
+        "ServerLive" | "ServerReady" | "ModelReady" => Api::Health,
+        "ServerMetadata" | "ModelMetadata" => Api::Metadata,
+        "ModelInfer" | "ModelStreamInfer" => Api::Inference,
+        "ModelConfig" => Api::ModelConfig,
+        "ModelStatistics" => Api::Statistics,
+        "RepositoryIndex" | "RepositoryModelLoad" | "RepositoryModelUnload" => Api::ModelRepository,
+        "TraceSetting" => Api::Trace,
+        "LogSettings" => Api::Logging,
+        rpc if rpc.starts_with("SystemSharedMemory") || rpc.starts_with("CudaSharedMemory") => Api::SharedMemory,
+        _ => return None,
+    })
 }
 
 /// A model by name; an empty version means the one served.
@@ -127,7 +151,13 @@ pub async fn serve(
     });
     // Read before the intake takes the request's grpc-encoding off it.
     let encoding = crate::http::compress::grpc_accepted(request.headers());
-    let arrival = Arrival { headers: request.headers(), probe: is_health_call(&path), forwarded: false };
+    let arrival = Arrival {
+        headers: request.headers(),
+        probe: is_health_call(&path),
+        forwarded: false,
+        api: api(&path),
+        grpc: true,
+    };
     let (answer, call) = match door::enter(state, &visit, &arrival) {
         Err(e) => (Err(e), None),
         Ok(entered) => {
@@ -239,9 +269,9 @@ impl GrpcInferenceService for Grpc {
         _: Request<proto::ServerMetadataRequest>,
     ) -> Result<Response<proto::ServerMetadataResponse>, Status> {
         Ok(Response::new(proto::ServerMetadataResponse {
-            name: "inferd".into(),
+            name: self.state.server_name.clone(),
             version: inferd_ipc::version().into(),
-            extensions: Vec::new(),
+            extensions: crate::http::v2::EXTENSIONS.map(String::from).to_vec(),
         }))
     }
 
@@ -293,6 +323,24 @@ impl GrpcInferenceService for Grpc {
             })
             .collect();
         Ok(Response::new(proto::RepositoryIndexResponse { models }))
+    }
+
+    async fn trace_setting(
+        &self,
+        request: Request<proto::TraceSettingRequest>,
+    ) -> Result<Response<proto::TraceSettingResponse>, Status> {
+        let message = request.get_ref();
+        let name = &message.model_name;
+        if !name.is_empty() && !self.state.models.loads_on_demand(name) {
+            find(&self.state, &request, name, "").await.map_err(status)?;
+        }
+        // A setting without values resets a model's to the global one (Triton's rule).
+        let asked: Vec<(String, Option<Vec<String>>)> =
+            message.settings.iter().map(|(k, v)| (k.clone(), (!v.value.is_empty()).then(|| v.value.clone()))).collect();
+        let settings = trace_setting::update(self.state.trace_ratio, &asked).map_err(status)?;
+        let settings =
+            settings.into_iter().map(|(k, value)| (k, proto::trace_setting_response::SettingValue { value })).collect();
+        Ok(Response::new(proto::TraceSettingResponse { settings }))
     }
 
     async fn repository_model_load(
