@@ -114,9 +114,24 @@ pub fn declared(name: &str, datatype: &str, shape: &[i64], request_bytes: usize)
     if let Some(axis) = shape.iter().position(|&d| d < 0) {
         return Err(format!("input '{name}': dimension {axis} is {}; dimensions must not be negative", shape[axis]));
     }
-    match element_count(shape) {
-        Some(count) if count <= request_bytes => Ok((dtype, count)),
-        _ => Err(format!(
+    // Triton's words where its checks would refuse the shape too (qa/L0_http's overflow tests).
+    let count = element_count(shape).filter(|&c| i64::try_from(c).is_ok()).ok_or_else(|| {
+        format!(
+            "invalid shape for input '{name}': shape {} causes total element count to exceed maximum size of {}",
+            shape_text(shape),
+            i64::MAX
+        )
+    })?;
+    if let Some(size) = dtype.size().filter(|&size| count.checked_mul(size).is_none_or(|b| i64::try_from(b).is_err())) {
+        return Err(format!(
+            "byte size overflow for input '{name}': element count ({count}) * data type size ({size}) exceeds \
+             maximum allowed size ({})",
+            i64::MAX
+        ));
+    }
+    match count <= request_bytes {
+        true => Ok((dtype, count)),
+        false => Err(format!(
             "input '{name}': shape {} has more elements than the request's {request_bytes} bytes can carry",
             shape_text(shape)
         )),
@@ -126,7 +141,7 @@ pub fn declared(name: &str, datatype: &str, shape: &[i64], request_bytes: usize)
 fn json_data(name: &str, value: &Value, dtype: DataType, shape: &[i64], count: usize) -> Result<TensorData, String> {
     // Flatten without allocating for `count`: the shape is only trusted once the data matches it.
     let mut flat = Vec::new();
-    flatten(value, &mut flat).map_err(|m| format!("input '{name}': {m}"))?;
+    flatten(value, &mut flat, 1).map_err(|m| format!("input '{name}': {m}"))?;
     if flat.len() != count {
         return Err(format!("input '{name}': shape {} needs {count} values, got {}", shape_text(shape), flat.len()));
     }
@@ -136,12 +151,20 @@ fn json_data(name: &str, value: &Value, dtype: DataType, shape: &[i64], count: u
 }
 
 /// Accepts both the flat form and nested row-major arrays.
-fn flatten<'a>(value: &'a Value, out: &mut Vec<&'a Value>) -> Result<(), String> {
+/// How deep a tensor's `data` may nest (Triton's limit for a request's JSON): a shape has no
+/// more dimensions than this, and the recursion below stays bounded.
+const MAX_DEPTH: usize = 100;
+
+/// `value`'s elements in order, `depth` arrays deep.
+fn flatten<'a>(value: &'a Value, out: &mut Vec<&'a Value>, depth: usize) -> Result<(), String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("JSON nesting depth exceeds maximum allowed limit ({MAX_DEPTH})"));
+    }
     match value {
         Value::Array(items) => {
             for item in items {
                 match item {
-                    Value::Array(_) => flatten(item, out)?,
+                    Value::Array(_) => flatten(item, out, depth + 1)?,
                     other => out.push(other),
                 }
             }
@@ -363,7 +386,26 @@ mod tests {
         // 2^61 elements of 8 bytes: their byte count wraps to 0 in a release build.
         assert!(DataType::I64.parse_binary(&[], 1 << 61).is_err());
         assert!(DataType::Bytes.parse_binary(&u32::MAX.to_le_bytes(), 1).is_err());
+        // Triton's words for a count past i64, and for bytes past it (qa/L0_http's overflow test).
+        let e = declared("x", "FP32", &[16, (1 << 60) + 2], 1 << 20).unwrap_err();
+        assert!(e.contains("causes total element count to exceed maximum size of"), "{e}");
         let e = declared("x", "INT64", &[1, 1 << 61], 1 << 20).unwrap_err();
+        assert!(
+            e.starts_with("byte size overflow for input 'x': element count (2305843009213693952) * data type"),
+            "{e}"
+        );
+        let e = declared("x", "INT64", &[1, 1 << 40], 1 << 20).unwrap_err();
         assert!(e.contains("more elements than the request's 1048576 bytes"), "{e}");
+    }
+
+    #[test]
+    fn data_nested_past_the_limit_is_refused() {
+        let nested = |depth: usize| format!("{}5{}", "[".repeat(depth), "]".repeat(depth));
+        let body = |depth| {
+            format!(r#"{{"inputs":[{A},{{"name":"b","shape":[1],"datatype":"INT64","data":{}}}]}}"#, nested(depth))
+        };
+        assert!(parse_raw(&body(50)).is_ok());
+        let e = parse_raw(&body(101)).unwrap_err();
+        assert_eq!(e, "input 'b': JSON nesting depth exceeds maximum allowed limit (100)");
     }
 }

@@ -17,9 +17,10 @@ use crate::runtime::tensor::{shape_text, Tensor, TensorData};
 pub fn parse(body: &[u8], meta: &ModelMeta) -> Result<Parsed, String> {
     let [input] = meta.inputs.as_slice() else {
         return Err(format!(
-            "a raw binary request (Inference-Header-Content-Length: 0) needs a model of one input; model '{}' has {}",
-            meta.info.name,
-            meta.inputs.len()
+            "Raw request must only have 1 input (found 1) to be deduced but got {} inputs in model '{}': a raw \
+             binary request (Inference-Header-Content-Length: 0) carries one input's bytes",
+            meta.inputs.len(),
+            meta.info.name
         ));
     };
     let name = &input.name;
@@ -56,8 +57,8 @@ fn bytes_shape(name: &str, shape: &[i64]) -> Result<Vec<i64>, String> {
     match shape {
         [1] => Ok(vec![1]),
         _ => Err(format!(
-            "for a BYTES raw input '{name}' the model must have input shape [1] (besides a batch dimension), \
-             not {}",
+            "For BYTE datatype raw input '{name}', the model must have input shape [1] (besides a batch \
+             dimension), not {}",
             shape_text(shape)
         )),
     }
@@ -69,8 +70,8 @@ fn fixed_shape(name: &str, shape: &[i64], size: usize, len: usize) -> Result<Vec
     let variable = shape.iter().filter(|&&d| d < 0).count();
     if variable > 1 {
         return Err(format!(
-            "raw input '{name}': the model's input shape {} has {variable} variable dimensions besides a batch \
-             dimension; a raw binary request's shape can only be deduced with at most one",
+            "The shape of the raw input '{name}' can not be deduced because there are more than one \
+             variable-sized dimension: the model's input shape {} has {variable} besides a batch dimension",
             shape_text(shape)
         ));
     }
@@ -128,9 +129,9 @@ mod tests {
     #[test]
     fn what_cannot_be_deduced_is_refused_naming_why() {
         let two = model(&[("a", DataType::F32, &[-1]), ("b", DataType::F32, &[-1])], Some(0));
-        assert!(parse(&[0; 4], &two).unwrap_err().contains("needs a model of one input; model 'm' has 2"));
+        assert!(parse(&[0; 4], &two).unwrap_err().contains("to be deduced but got 2 inputs in model 'm'"));
         let err = parse(&[0; 8], &model(&[("x", DataType::F16, &[-1, -1])], Some(0))).unwrap_err();
-        assert!(err.contains("2 variable dimensions"), "{err}");
+        assert!(err.contains("more than one variable-sized dimension"), "{err}");
         let err = parse(&[0; 6], &model(&[("x", DataType::F32, &[-1, -1])], Some(8))).unwrap_err();
         assert!(err.contains("6 bytes do not fill"), "{err}");
         let err = parse(&[0; 12], &model(&[("x", DataType::F32, &[2])], Some(0))).unwrap_err();
