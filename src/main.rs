@@ -285,6 +285,7 @@ fn resolve(args: &ServeArgs) -> Result<Resolved, Failure> {
         model_override: ModelOverride {
             max_batch_size: args.max_batch_size,
             max_queue_delay_ms: args.max_queue_delay_ms,
+            max_queue_size: None,
             precision: args.precision,
             min_cosine: args.min_cosine,
             max_probability_error: args.max_probability_error,

@@ -9,6 +9,7 @@
 
 use std::path::PathBuf;
 
+use inferd_config::model::ModelOverride;
 use serde::{Deserialize, Serialize};
 
 /// What a worker asks the supervisor.
@@ -30,6 +31,9 @@ pub enum Question {
         model: String,
         #[serde(default)]
         path: Option<PathBuf>,
+        /// The settings of its Triton configuration ([`load_parameters`]).
+        #[serde(default)]
+        config: Option<ModelOverride>,
     },
     /// Triton's repository `unload` on the main port.
     Unload { model: String },
@@ -88,41 +92,124 @@ pub enum BadParameters {
     NotAnObject(serde_json::Value),
     #[error("parameters.path must be a string, got {0}")]
     Path(serde_json::Value),
+    #[error("parameters.config must be a Triton model configuration in JSON: {0}")]
+    ConfigNotJson(String),
     #[error(
-        "inferd does not take a Triton model configuration: give parameters.path, a folder with the model's \
-         model.toml, or put the model in the repository"
+        "inferd applies max_batch_size and dynamic_batching's max_queue_delay_microseconds and \
+         default_queue_policy.max_queue_size of a Triton model configuration, not '{0}': the rest is the \
+         model's model.toml (give parameters.path, a folder with it, or put the model in the repository)"
     )]
-    TritonConfig,
+    TritonConfig(String),
+    #[error("parameters.config: '{field}' {why}")]
+    ConfigValue { field: &'static str, why: String },
     #[error("inferd does not take model files in the request ('{0}'): give parameters.path")]
     Files(String),
 }
 
-/// The folder a repository `load`'s `parameters` name (`path`), if any; for an unload
-/// (`load` false) none, once `parameters` is an object. Triton's `config` and `file:`
-/// parameters (a Triton model configuration, model files in the request) have no inferd
-/// counterpart: a model is a folder with its model.toml, named by `path` or found in the
-/// repository. Other parameters (`unload_dependents`: inferd has no ensembles) are ignored.
-pub fn repository_path(parameters: Option<&serde_json::Value>, load: bool) -> Result<Option<PathBuf>, BadParameters> {
+/// What a repository `load` asks besides its model: the folder it names (`path`), and the
+/// settings its Triton configuration (`config`) gives over the model's own until its next
+/// load.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadParameters {
+    pub path: Option<PathBuf>,
+    pub config: Option<ModelOverride>,
+}
+
+/// What a repository `load`'s `parameters` ask ([`LoadParameters`]); for an unload (`load`
+/// false) nothing, once `parameters` is an object. Triton's `file:` parameters (model files in
+/// the request) have no inferd counterpart: a model is a folder with its model.toml, named by
+/// `path` or found in the repository. Other parameters (`unload_dependents`: inferd has no
+/// ensembles) are ignored.
+pub fn load_parameters(parameters: Option<&serde_json::Value>, load: bool) -> Result<LoadParameters, BadParameters> {
     use serde_json::Value;
     let parameters = match parameters {
-        None | Some(Value::Null) => return Ok(None),
+        None | Some(Value::Null) => return Ok(LoadParameters::default()),
         Some(Value::Object(p)) => p,
         Some(other) => return Err(BadParameters::NotAnObject(other.clone())),
     };
+    let mut asked = LoadParameters::default();
     if !load {
-        return Ok(None);
+        return Ok(asked);
     }
-    let mut path = None;
     for (key, value) in parameters {
         match (key.as_str(), value) {
-            ("path", Value::String(p)) => path = Some(PathBuf::from(p)),
+            ("path", Value::String(p)) => asked.path = Some(PathBuf::from(p)),
             ("path", other) => return Err(BadParameters::Path(other.clone())),
-            ("config", _) => return Err(BadParameters::TritonConfig),
+            ("config", Value::String(text)) => asked.config = Some(triton_config(text)?),
+            ("config", other) => return Err(BadParameters::ConfigNotJson(format!("a string of JSON, got {other}"))),
             (k, _) if k.starts_with("file:") => return Err(BadParameters::Files(key.clone())),
             _ => {}
         }
     }
-    Ok(path)
+    Ok(asked)
+}
+
+/// The settings a Triton model configuration (protobuf's JSON form, as tritonclient's
+/// `load_model(config=...)` sends it) gives that inferd applies: `max_batch_size`, and
+/// `dynamic_batching`'s `max_queue_delay_microseconds` (rounded up to whole milliseconds) and
+/// `default_queue_policy.max_queue_size`. Its name, platform and backend may be given where
+/// they are the model's own kind; anything else is refused, naming it, rather than ignored.
+fn triton_config(text: &str) -> Result<ModelOverride, BadParameters> {
+    use serde_json::{Map, Value};
+    let config: Map<String, Value> =
+        serde_json::from_str(text).map_err(|e| BadParameters::ConfigNotJson(e.to_string()))?;
+    // Protobuf's JSON writes 64-bit integers as strings, and accepts either.
+    let whole = |field: &'static str, v: &Value| -> Result<u64, BadParameters> {
+        let n = match v {
+            Value::Number(n) => n.as_u64(),
+            Value::String(s) => s.trim().parse().ok(),
+            _ => None,
+        };
+        n.ok_or_else(|| BadParameters::ConfigValue { field, why: format!("must be a whole number, got {v}") })
+    };
+    let object = |field: &'static str, v: &Value| -> Result<Map<String, Value>, BadParameters> {
+        v.as_object()
+            .cloned()
+            .ok_or_else(|| BadParameters::ConfigValue { field, why: format!("must be an object, got {v}") })
+    };
+    let mut settings = ModelOverride::default();
+    for (key, value) in &config {
+        match key.as_str() {
+            "name" => {}
+            "platform" | "backend" => match value.as_str() {
+                Some("onnxruntime_onnx" | "onnxruntime" | "") => {}
+                _ => {
+                    return Err(BadParameters::ConfigValue {
+                        field: "platform",
+                        why: format!("{value}: inferd runs ONNX models"),
+                    })
+                }
+            },
+            "max_batch_size" => settings.max_batch_size = Some(whole("max_batch_size", value)? as usize),
+            "dynamic_batching" => {
+                for (key, value) in object("dynamic_batching", value)? {
+                    match key.as_str() {
+                        "max_queue_delay_microseconds" => {
+                            settings.max_queue_delay_ms =
+                                Some(whole("max_queue_delay_microseconds", &value)?.div_ceil(1000))
+                        }
+                        "default_queue_policy" => {
+                            for (key, value) in object("default_queue_policy", &value)? {
+                                match key.as_str() {
+                                    "max_queue_size" => {
+                                        settings.max_queue_size = Some(whole("max_queue_size", &value)? as usize)
+                                    }
+                                    other => {
+                                        return Err(BadParameters::TritonConfig(format!(
+                                            "dynamic_batching.default_queue_policy.{other}"
+                                        )))
+                                    }
+                                }
+                            }
+                        }
+                        other => return Err(BadParameters::TritonConfig(format!("dynamic_batching.{other}"))),
+                    }
+                }
+            }
+            other => return Err(BadParameters::TritonConfig(other.to_string())),
+        }
+    }
+    Ok(settings)
 }
 
 /// One model's statistics (Triton's `ModelStatistics`).
@@ -192,6 +279,40 @@ mod tests {
     use super::*;
 
     /// The lines round-trip, and the JSON is Triton's shape (what the HTTP routes write).
+    #[test]
+    fn a_triton_configuration_gives_the_settings_inferd_applies_and_names_the_rest() {
+        let asked = |config: &str| {
+            load_parameters(Some(&serde_json::json!({"parameters": {"config": config}})["parameters"]), true)
+        };
+        let settings = asked(
+            r#"{"name": "m", "backend": "onnxruntime", "max_batch_size": "16",
+                "dynamic_batching": {"max_queue_delay_microseconds": 1500, "default_queue_policy": {"max_queue_size": 4}}}"#,
+        )
+        .unwrap()
+        .config
+        .unwrap();
+        let want = ModelOverride {
+            max_batch_size: Some(16),
+            max_queue_delay_ms: Some(2),
+            max_queue_size: Some(4),
+            ..Default::default()
+        };
+        assert_eq!(settings, want);
+        assert_eq!(asked("{}").unwrap().config, Some(ModelOverride::default()));
+        let e = asked(r#"{"instance_group": [{"count": 2}]}"#).unwrap_err().to_string();
+        assert!(e.contains("not 'instance_group'"), "{e}");
+        let e = asked(r#"{"dynamic_batching": {"preferred_batch_size": [4]}}"#).unwrap_err().to_string();
+        assert!(e.contains("not 'dynamic_batching.preferred_batch_size'"), "{e}");
+        let e = asked(r#"{"max_batch_size": -1}"#).unwrap_err().to_string();
+        assert!(e.contains("'max_batch_size' must be a whole number"), "{e}");
+        let e = asked(r#"{"platform": "tensorrt_plan"}"#).unwrap_err().to_string();
+        assert!(e.contains("inferd runs ONNX models"), "{e}");
+        assert!(matches!(asked("{{\"max_batch_size\""), Err(BadParameters::ConfigNotJson(_))));
+        // An unload takes none of it.
+        let unload = load_parameters(Some(&serde_json::json!({"config": "{}"})), false).unwrap();
+        assert_eq!(unload, LoadParameters::default());
+    }
+
     #[test]
     fn answers_round_trip_in_tritons_shape() {
         let stats = ModelStats {

@@ -35,7 +35,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use inferd_ipc::triton::{not_done, repository_path, BadParameters};
+use inferd_ipc::triton::{load_parameters, not_done, BadParameters};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -279,15 +279,15 @@ enum BadLoad {
     Unconfined(#[from] Unconfined),
 }
 
-/// The control request a `load` or `unload` body asks for ([`repository_path`]), its path
+/// The control request a `load` or `unload` body asks for ([`load_parameters`]), its path
 /// confined to the repository and admin.allowed_paths.
 fn load_request(model: String, load: bool, body: &Value, admin: &Admin) -> Result<control::Request, BadLoad> {
-    let path = repository_path(body.get("parameters"), load)?;
+    let asked = load_parameters(body.get("parameters"), load)?;
     if !load {
         return Ok(control::Request::Unload { model });
     }
-    let path = path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
-    Ok(control::Request::Load { model, path })
+    let path = asked.path.map(|p| confined(&p, &model, &admin.allowed, PathFrom::AdminLoad)).transpose()?;
+    Ok(control::Request::Load { model, path, config: asked.config })
 }
 
 /// Sends a control request to the loop and answers with its final response; a refusal or
@@ -381,6 +381,7 @@ fn stopping() -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use inferd_config::model::ModelOverride;
 
     fn routes(allowed: Vec<PathBuf>) -> Admin {
         Admin {
@@ -411,7 +412,12 @@ mod tests {
         let inside = model_dir(&repo, "m", "");
         let admin = routes(vec![repo.clone()]);
         let r = load_request("m".into(), true, &json!({}), &admin).unwrap();
-        assert!(matches!(r, control::Request::Load { ref model, path: None } if model == "m"));
+        assert!(matches!(r, control::Request::Load { ref model, path: None, config: None } if model == "m"));
+        // A Triton configuration's settings travel with the load; what inferd does not apply is named.
+        let body = json!({"parameters": {"config": "{\"max_batch_size\": \"16\"}"}});
+        let r = load_request("m".into(), true, &body, &admin).unwrap();
+        let sixteen = ModelOverride { max_batch_size: Some(16), ..Default::default() };
+        assert!(matches!(r, control::Request::Load { config: Some(c), .. } if c == sixteen));
         let body = json!({"parameters": {"path": inside.to_str().unwrap()}});
         let r = load_request("m".into(), true, &body, &admin).unwrap();
         let real = std::fs::canonicalize(&inside).unwrap();
@@ -435,7 +441,7 @@ mod tests {
             (path(&repo.join("link")), "is not inside the model repository"),
             (path(&named), "names"),
             (path(&fifo), "is not a regular file"),
-            (json!({"parameters": {"config": "{}"}}), "Triton model configuration"),
+            (json!({"parameters": {"config": "{\"instance_group\": []}"}}), "not 'instance_group'"),
             (json!({"parameters": {"file:1/model.onnx": "AAAA"}}), "'file:1/model.onnx'"),
             (json!({"parameters": {"path": 3}}), "parameters.path must be a string"),
             (json!({"parameters": []}), "'parameters' must be an object"),

@@ -53,6 +53,9 @@ pub enum Request {
         model: String,
         #[serde(default)]
         path: Option<PathBuf>,
+        /// Settings over the model's own until its next load (a Triton configuration's).
+        #[serde(default)]
+        config: Option<inferd_config::model::ModelOverride>,
     },
     /// Stop serving `model` (not the default one): a rolling reload without it.
     Unload {

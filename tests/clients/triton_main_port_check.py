@@ -22,7 +22,8 @@ statistics checks):
     admin.model_control_on_main_port; with it (the server has that switch on), the model
     control examples' calls (simple_http_model_control.py, simple_grpc_model_control.py):
     load `reranker` over HTTP, unload `classifier` over gRPC, each seen at once in
-    readiness and the index, and refusals that name the problem, as on the admin listener.
+    readiness and the index; a load with a Triton configuration sets `typed`'s max_batch_size
+    until a load without one; refusals that name the problem, as on the admin listener.
 Prints `main port: all checks passed` and exits 0, or the failed check and exits 1.
 """
 
@@ -164,8 +165,21 @@ def with_control(http, grpc):
     require(states["classifier"] == "UNAVAILABLE", f"index after the unload: {states}")
     refused(lambda: http.unload_model("typed"), "default model")
     refused(lambda: grpc.load_model("no_such_model"), "no_such_model", "no folder")
-    refused(lambda: grpc.load_model("slow", config='{"backend":"onnxruntime"}'), "failed to load 'slow': inferd does not take a Triton model configuration")
-    refused(lambda: http.load_model("slow", config='{"backend":"onnxruntime"}'), "failed to load 'slow': inferd does not take a Triton model configuration")
+    # Triton's simple_*_model_control: a load's configuration sets max_batch_size until the next
+    # load; what inferd does not apply is named, and the malformed is refused.
+    before = http.get_model_config("typed")["max_batch_size"]
+    http.load_model("typed", config='{"max_batch_size":"3"}')
+    config = http.get_model_config("typed")
+    require(config["max_batch_size"] == 3, f"HTTP: max_batch_size after a load with config, {before} before: {config}")
+    require(grpc.get_model_config("typed").config.max_batch_size == 3, "gRPC: max_batch_size after a load with config")
+    answer = http.infer("typed", typed_inputs())
+    require(answer.as_numpy("f32_out") is not None, "typed after a load with config")
+    grpc.load_model("typed")
+    after = http.get_model_config("typed")["max_batch_size"]
+    require(after == before, f"max_batch_size {after} after a load without config, {before} before")
+    instances = '{"instance_group": [{"count": 2}]}'
+    refused(lambda: grpc.load_model("slow", config=instances), "failed to load 'slow'", "not 'instance_group'")
+    refused(lambda: http.load_model("slow", config='{"max_batch_size": }'), "failed to load 'slow'", "parameters.config")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def main():
         step = "refusals"
         refused(lambda: admin.unload_model("typed"), "default model")
         refused(lambda: admin.load_model("no_such_model"), "no_such_model", "no folder")
-        refused(lambda: admin.load_model("slow", config='{"backend":"onnxruntime"}'), "failed to load 'slow': inferd does not take a Triton model configuration")
+        refused(lambda: admin.load_model("slow", config='{"instance_group": [{"count": 2}]}'), "failed to load 'slow'", "not 'instance_group'")
         refused(lambda: admin.get_inference_statistics("classifier"), "unknown model: 'classifier'")
     except Exception:
         print(f"FAIL  {step}\n{traceback.format_exc()}")

@@ -7,9 +7,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitStatus;
 
-use inferd_config::model::ModelEntry;
+use inferd_config::model::{ModelEntry, ModelOverride};
 use inferd_ipc::spec::{Cause, FailureKind, WorkerMessage, EXIT_BOOT, EXIT_MODEL_LOAD, EXIT_PANIC};
-use inferd_ipc::triton::{not_done, Answer, Answered, Question, Refused};
+use inferd_ipc::triton::{not_done, Answer, Answered, LoadParameters, Question, Refused};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, info, warn};
 
@@ -47,7 +47,7 @@ impl Supervisor {
                 Err(e) => Err(e),
             },
             Request::Scale { delta } => self.scale(delta).map(Response::message),
-            Request::Load { model, path } => match self.start_load(model, path, replies.clone()) {
+            Request::Load { model, path, config } => match self.start_load(model, path, config, replies.clone()) {
                 Ok(()) => return,
                 Err(e) => Err(e),
             },
@@ -140,7 +140,9 @@ impl Supervisor {
                 let (m, repository) = (self.report().metrics(), self.resolved.config.model_repository());
                 answer_later(id, answers, move || Ok(Answered::Index(triton::index(&m, &repository, ready))))
             }
-            Question::Load { model, path } => self.repository_change(id, model, Some(path), answers),
+            Question::Load { model, path, config } => {
+                self.repository_change(id, model, Some(LoadParameters { path, config }), answers)
+            }
             Question::Unload { model } => self.repository_change(id, model, None, answers),
         }
     }
@@ -267,7 +269,7 @@ impl Supervisor {
         &mut self,
         id: u64,
         model: String,
-        load: Option<Option<PathBuf>>,
+        load: Option<LoadParameters>,
         answers: UnboundedSender<Answer>,
     ) {
         let config = &self.resolved.config;
@@ -277,11 +279,15 @@ impl Supervisor {
                 Err(Refused::ModelControlOff)
             }
             None => Ok(Request::Unload { model: model.clone() }),
-            Some(None) => Ok(Request::Load { model: model.clone(), path: None }),
-            Some(Some(path)) => match confined(&path, &model, &config.allowed_model_paths(), PathFrom::AdminLoad) {
-                Ok(path) => Ok(Request::Load { model: model.clone(), path: Some(path) }),
-                Err(e) => Err(Refused::NotDone { message: not_done(&model, true, e), before_change: true }),
-            },
+            Some(LoadParameters { path: None, config: settings }) => {
+                Ok(Request::Load { model: model.clone(), path: None, config: settings })
+            }
+            Some(LoadParameters { path: Some(path), config: settings }) => {
+                match confined(&path, &model, &config.allowed_model_paths(), PathFrom::AdminLoad) {
+                    Ok(path) => Ok(Request::Load { model: model.clone(), path: Some(path), config: settings }),
+                    Err(e) => Err(Refused::NotDone { message: not_done(&model, true, e), before_change: true }),
+                }
+            }
         };
         let request = match request {
             Ok(request) => request,
@@ -319,13 +325,22 @@ impl Supervisor {
         &mut self,
         model: String,
         path: Option<PathBuf>,
+        settings: Option<ModelOverride>,
         replies: Option<Replies>,
     ) -> Result<(), ActionError> {
-        if self.pool.models.iter().any(|m| m.name == model) {
-            return self.start_reload(Some(model), path, true, replies);
+        let served = self.pool.models.iter().any(|m| m.name == model);
+        let roll = if served { Roll::Reload } else { Roll::Load };
+        self.reload.can_roll(roll, self.life.settled(), &self.pool)?;
+        let config = &self.resolved.config;
+        let mut models = match served {
+            true => reload::reload_models(&self.pool, config, Some(model.clone()), path)?,
+            false => reload::load_models(&self.pool, config, &model, path)?,
+        };
+        // A Triton configuration's settings, over the model's own until its next load.
+        if let Some(settings) = settings {
+            let entry = models.iter_mut().find(|m| m.name == model).expect("the model loaded");
+            *entry = settings.apply(entry.clone()).map_err(|e| ActionError::Config(Roll::Load, e))?;
         }
-        self.reload.can_roll(Roll::Load, self.life.settled(), &self.pool)?;
-        let models = reload::load_models(&self.pool, &self.resolved.config, &model, path)?;
         self.roll(models, true, replies)
     }
 

@@ -6,7 +6,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, StatusCode};
 use serde_json::{json, Value};
 
-use inferd_ipc::triton::{not_done, repository_path};
+use inferd_ipc::triton::{load_parameters, not_done};
 
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
@@ -64,7 +64,7 @@ pub async fn repository_index(state: &AppState, request: Request<Incoming>) -> R
 /// admin.model_control_on_main_port: the supervisor's rolling reload, answered once every
 /// worker runs the new model list (this one drains meanwhile and answers before it leaves).
 /// The body, `{"parameters": {...}}` or empty, is read as the admin listener reads it
-/// ([`repository_path`]).
+/// ([`load_parameters`]).
 pub async fn repository_change(
     state: &AppState,
     name: &str,
@@ -80,9 +80,9 @@ pub async fn repository_change(
     if !body.is_object() {
         return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
     }
-    let path =
-        repository_path(body.get("parameters"), load).map_err(|e| ApiError::BadRequest(not_done(name, load, e)))?;
-    let message = state.supervisor.change_repository(name, load, path).await?;
+    let asked =
+        load_parameters(body.get("parameters"), load).map_err(|e| ApiError::BadRequest(not_done(name, load, e)))?;
+    let message = state.supervisor.change_repository(name, load, asked).await?;
     Ok(json_reply(StatusCode::OK, serde_json::to_vec(&json!({ "message": message })).expect("json")))
 }
 

@@ -164,7 +164,7 @@ fn flatten<'a>(value: &'a Value, out: &mut Vec<&'a Value>, depth: usize) -> Resu
         Value::Array(items) => {
             for item in items {
                 match item {
-                    Value::Array(_) => flatten(item, out, depth + 1)?,
+                    Value::Array(_) => flatten(item, out, depth.saturating_add(1))?,
                     other => out.push(other),
                 }
             }

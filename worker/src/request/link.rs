@@ -86,18 +86,18 @@ impl Link {
         }
     }
 
-    /// Triton's repository `load` (`load` true, from the folder `path` if given) or `unload` of
+    /// Triton's repository `load` (`load` true, as `asked`: its folder, its settings) or `unload` of
     /// `model`: answered once every worker runs the new model list, however long the rolling
     /// reload takes (the supervisor always ends it: done, refused or failed).
     pub async fn change_repository(
         &self,
         model: &str,
         load: bool,
-        path: Option<std::path::PathBuf>,
+        asked: inferd_ipc::triton::LoadParameters,
     ) -> Result<String, AskError> {
         let model = model.to_string();
         let question = match load {
-            true => Question::Load { model, path },
+            true => Question::Load { model, path: asked.path, config: asked.config },
             false => Question::Unload { model },
         };
         match self.ask(question, None).await? {

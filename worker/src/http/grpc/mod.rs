@@ -15,7 +15,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use inferd_ipc::triton::{self, repository_path, ModelStats};
+use inferd_ipc::triton::{self, load_parameters, ModelStats};
 use opentelemetry::KeyValue;
 use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
@@ -457,7 +457,7 @@ fn statistics_message(s: &ModelStats) -> proto::ModelStatistics {
 
 impl Grpc {
     /// RepositoryModelLoad (`load`) and RepositoryModelUnload: their parameters read as the
-    /// HTTP route reads its JSON ones ([`repository_path`]), then the supervisor's reload.
+    /// HTTP route reads its JSON ones ([`load_parameters`]), then the supervisor's reload.
     async fn change_repository(
         &self,
         model: &str,
@@ -478,9 +478,9 @@ impl Grpc {
                 (key.clone(), value)
             })
             .collect();
-        let path = repository_path(Some(&Value::Object(parameters)), load)
+        let asked = load_parameters(Some(&Value::Object(parameters)), load)
             .map_err(|e| status(ApiError::BadRequest(triton::not_done(model, load, e))))?;
-        self.state.supervisor.change_repository(model, load, path).await.map_err(|e| status(e.into()))?;
+        self.state.supervisor.change_repository(model, load, asked).await.map_err(|e| status(e.into()))?;
         Ok(())
     }
 
