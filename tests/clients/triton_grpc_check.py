@@ -20,7 +20,8 @@ Checks, each against what the REST port or the Python onnxruntime references say
   - `classifier`: BYTES labels out, probabilities against tests/fixtures/classifier_reference.json;
   - mistakes are INVALID_ARGUMENT naming the input; a message over the size limit is refused;
     a request queued past its gRPC deadline ends DEADLINE_EXCEEDED; the server then still
-    answers.
+    answers;
+  - ModelStreamInfer, which inferd does not serve, is UNIMPLEMENTED while the stream is open.
 
 --load SECONDS instead runs 4 client threads of ModelInfer on `typed` for that long and prints
 `load: N requests, F failed` (the Rust test reloads the pool meanwhile and wants F = 0).
@@ -266,7 +267,36 @@ def check_deadline(client, stub, http_addr):
     compare(result.as_numpy("f32_sum"), expected_outputs()["f32_sum"][1], "f32_sum after the deadline")
 
 
-CHECKS = [check_health, check_metadata, check_typed_raw, check_text_raw, check_text_typed, check_classifier, check_mistakes, check_compressed, check_deadline]
+def check_stream_unimplemented(client, stub, http_addr):
+    """A streaming call inferd does not serve is answered UNIMPLEMENTED at once, while the
+    client keeps its side of the stream open (as tritonclient's start_stream does), not when
+    its deadline passes."""
+    errors = []
+    got = threading.Event()
+
+    def callback(result, error):
+        errors.append(error)
+        got.set()
+
+    started = time.monotonic()
+    client.start_stream(callback, stream_timeout=30)
+    try:
+        # The answer needs no message: it may come before any is sent, and the stream is over.
+        if not got.wait(2):
+            inp = grpcclient.InferInput("f32_in", [1, 4], "FP32")
+            inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+            client.async_stream_infer("typed", [inp])
+        require(got.wait(10), "no answer to ModelStreamInfer within 10 s of an open stream")
+    finally:
+        client.stop_stream(cancel_requests=True)
+    took = time.monotonic() - started
+    error = errors[0]
+    require(error is not None and error.status() == "StatusCode.UNIMPLEMENTED", f"stream answered {error}")
+    require("ModelStreamInfer" in error.message(), f"stream error {error.message()!r}")
+    print(f"      ModelStreamInfer: UNIMPLEMENTED after {took:.2f} s")
+
+
+CHECKS = [check_health, check_metadata, check_typed_raw, check_text_raw, check_text_typed, check_classifier, check_mistakes, check_compressed, check_deadline, check_stream_unimplemented]
 
 
 def load(grpc_addr, seconds):

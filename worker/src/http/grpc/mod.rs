@@ -163,6 +163,12 @@ pub async fn serve(
         Ok(entered) => {
             request.extensions_mut().insert(entered.call.clone());
             let served = visit.serve(async {
+                // An RPC the service lacks is answered at once: a streaming call's client keeps its
+                // side open, and reading the call whole would hold it until its deadline.
+                if matches!(path.rsplit('/').next(), Some("ModelStreamInfer" | "LogSettings")) || api(&path).is_none() {
+                    let message = format!("inferd does not serve {rpc} (docs/protocol.md)");
+                    return Ok(Status::unimplemented(message).into_http());
+                }
                 let request = intake::read(state, request).await;
                 Ok(service.call(request).await.unwrap_or_else(|never| match never {}))
             });
