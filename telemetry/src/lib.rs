@@ -152,31 +152,34 @@ pub fn root_ratio(config: &TracingConfig) -> Option<f64> {
     if !wanted(config) {
         return None;
     }
-    let ratio = |arg: Option<String>| arg.and_then(|a| a.trim().parse::<f64>().ok()).unwrap_or(1.0).clamp(0.0, 1.0);
     if let Some(r) = config.sample_ratio {
         return Some(r);
     }
     Some(match std::env::var("OTEL_TRACES_SAMPLER").unwrap_or_default().trim() {
         "always_off" | "parentbased_always_off" => 0.0,
-        "traceidratio" | "parentbased_traceidratio" => ratio(std::env::var("OTEL_TRACES_SAMPLER_ARG").ok()),
+        "traceidratio" | "parentbased_traceidratio" => env_ratio(),
         _ => 1.0,
     })
+}
+
+/// OTEL_TRACES_SAMPLER_ARG as a ratio (1 when unset or not a number).
+fn env_ratio() -> f64 {
+    let arg = std::env::var("OTEL_TRACES_SAMPLER_ARG").ok();
+    arg.and_then(|a| a.trim().parse::<f64>().ok()).unwrap_or(1.0).clamp(0.0, 1.0)
 }
 
 /// The sampler: [tracing] sample_ratio, else OTEL_TRACES_SAMPLER (and _ARG), else parent-based
 /// always-on.
 fn sampler(config: &TracingConfig) -> Sampler {
-    let ratio = |arg: Option<String>| arg.and_then(|a| a.trim().parse::<f64>().ok()).unwrap_or(1.0).clamp(0.0, 1.0);
     if let Some(r) = config.sample_ratio {
         return Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(r)));
     }
-    let arg = std::env::var("OTEL_TRACES_SAMPLER_ARG").ok();
     match std::env::var("OTEL_TRACES_SAMPLER").unwrap_or_default().trim() {
         "always_on" => Sampler::AlwaysOn,
         "always_off" => Sampler::AlwaysOff,
-        "traceidratio" => Sampler::TraceIdRatioBased(ratio(arg)),
+        "traceidratio" => Sampler::TraceIdRatioBased(env_ratio()),
         "parentbased_always_off" => Sampler::ParentBased(Box::new(Sampler::AlwaysOff)),
-        "parentbased_traceidratio" => Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio(arg)))),
+        "parentbased_traceidratio" => Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(env_ratio()))),
         _ => Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
     }
 }

@@ -64,16 +64,13 @@ pub async fn routed(
         Route::RepositoryIndex => v2::repository_index(state, request).await,
         Route::RepositoryChange(name, load) => v2::repository_change(state, name, load, request).await,
         Route::TraceSetting(model) => {
-            if let Some(name) = model.filter(|name| !state.models.loads_on_demand(name)) {
-                state.models.find(name, None, call).await?;
-            }
-            let settings = match method {
+            let asked = match method {
                 Method::POST => {
-                    let body = body::receive(state, request, call.terms.deadline).await?;
-                    trace_setting::update(state.trace_ratio, &trace_setting::asked_of_json(&body.bytes)?)?
+                    Some(trace_setting::asked_of_json(&body::receive(state, request, call.terms.deadline).await?)?)
                 }
-                _ => trace_setting::current(state.trace_ratio),
+                _ => None,
             };
+            let settings = trace_setting::answer(state, model, call, asked.as_ref()).await?;
             let answer = trace_setting::to_json(&settings);
             Ok(json_reply(StatusCode::OK, serde_json::to_vec(&answer).expect("json")))
         }

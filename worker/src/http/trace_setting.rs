@@ -7,6 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::request::app::AppState;
+use crate::request::call::Call;
 use crate::request::error::ApiError;
 
 /// A setting's values, as Triton's messages carry them (a list of strings).
@@ -55,6 +57,24 @@ pub fn update(ratio: Option<f64>, asked: &Asked) -> Result<Settings, ApiError> {
         }
     }
     Ok(settings)
+}
+
+/// The settings of `model` (None: the global ones) after `asked` (None: a read), for either
+/// protocol: an unknown model is refused as any route refuses it (one loaded on demand is
+/// known, and not loaded by being asked about).
+pub async fn answer(
+    state: &AppState,
+    model: Option<&str>,
+    call: &Call,
+    asked: Option<&Asked>,
+) -> Result<Settings, ApiError> {
+    if let Some(name) = model.filter(|name| !state.models.loads_on_demand(name)) {
+        state.models.find(name, None, call).await?;
+    }
+    match asked {
+        Some(asked) => update(state.trace_ratio, asked),
+        None => Ok(current(state.trace_ratio)),
+    }
 }
 
 /// A REST update's body: each setting a string, a number, a list of them, or null.

@@ -336,14 +336,12 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::TraceSettingRequest>,
     ) -> Result<Response<proto::TraceSettingResponse>, Status> {
         let message = request.get_ref();
-        let name = &message.model_name;
-        if !name.is_empty() && !self.state.models.loads_on_demand(name) {
-            find(&self.state, &request, name, "").await.map_err(status)?;
-        }
         // A setting without values resets a model's to the global one (Triton's rule).
-        let asked: Vec<(String, Option<Vec<String>>)> =
+        let asked: trace_setting::Asked =
             message.settings.iter().map(|(k, v)| (k.clone(), (!v.value.is_empty()).then(|| v.value.clone()))).collect();
-        let settings = trace_setting::update(self.state.trace_ratio, &asked).map_err(status)?;
+        let call = called(&request).map_err(status)?;
+        let model = some(&message.model_name);
+        let settings = trace_setting::answer(&self.state, model, &call, Some(&asked)).await.map_err(status)?;
         let settings =
             settings.into_iter().map(|(k, value)| (k, proto::trace_setting_response::SettingValue { value })).collect();
         Ok(Response::new(proto::TraceSettingResponse { settings }))
