@@ -36,6 +36,14 @@ fn with_admin(config: &Path, admin: &str) {
     std::fs::write(config, text).unwrap();
 }
 
+/// What `inferd check` said of `config`, which it must refuse.
+fn check_refuses(config: &Path) -> String {
+    let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(config).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "check passed: {text}");
+    text
+}
+
 fn admin_post(server: &Server, path: &str, body: &str) -> Response {
     request(server.admin_addr(), "POST", path, &[], body.as_bytes()).unwrap()
 }
@@ -209,9 +217,8 @@ fn the_main_port_loads_and_unloads_with_its_switch_on() {
     let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
     let original = std::fs::read_to_string(&config).unwrap();
     with_admin(&config, "model_control_on_main_port = true");
-    let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success() && text.contains("needs admin.model_control = true"), "{text}");
+    let text = check_refuses(&config);
+    assert!(text.contains("needs admin.model_control = true"), "{text}");
     std::fs::write(&config, original).unwrap();
     with_admin(&config, "model_control = true\ntoken_file = \"admin-token\"\nmodel_control_on_main_port = true");
     let grpc = format!("127.0.0.1:{}", free_port());
@@ -250,9 +257,8 @@ fn restricted_apis_need_their_header_the_server_has_its_name_and_trace_settings_
         (group("\"health\"", "authorization", "v1"), "auth.restricted"),
     ] {
         std::fs::write(&config, format!("{base}{groups}")).unwrap();
-        let out = std::process::Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
-        let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-        assert!(!out.status.success() && text.contains(refusal), "{refusal}: {text}");
+        let text = check_refuses(&config);
+        assert!(text.contains(refusal), "{refusal}: {text}");
     }
     let groups = group("\"model-repository\"", "admin-key", "admin-value")
         + &group("\"inference\", \"health\"", "infer-key", "infer-value");

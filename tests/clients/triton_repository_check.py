@@ -49,13 +49,16 @@ def require(cond, what):
         raise CheckFailed(what)
 
 
-def refused(call, *words):
+def refused(call, *words, status=None):
+    """`call` fails, its message saying each of `words`, with `status` where given (tritonclient's:
+    "403" over HTTP, "StatusCode.UNAVAILABLE" over gRPC)."""
     try:
         call()
     except InferenceServerException as e:
         message = e.message() or ""
         for word in words:
             require(word in message, f"error {message!r} does not say {word!r}")
+        require(status is None or e.status() == status, f"error {message!r} has status {e.status()}, not {status}")
         return
     raise CheckFailed(f"no error; expected one saying {words}")
 

@@ -32,30 +32,11 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tritonclient_check import INPUTS, expected_outputs  # noqa: E402
-
-
-class CheckFailed(Exception):
-    pass
-
-
-def require(cond, what):
-    if not cond:
-        raise CheckFailed(what)
-
-
-def refused(call, *words):
-    try:
-        call()
-    except InferenceServerException as e:
-        message = f"{e.status()} {e.message()}"
-        for word in words:
-            require(word in message, f"error {message!r} does not say {word!r}")
-        return message
-    raise CheckFailed(f"no error; expected one saying {words}")
+from triton_grpc_check import typed_inputs as grpc_typed_inputs  # noqa: E402
+from triton_repository_check import CheckFailed, refused, require, typed_inputs  # noqa: E402
+from tritonclient_check import expected_outputs  # noqa: E402
 
 
 PREFIX = "triton-grpc-protocol-"
@@ -74,15 +55,6 @@ def grpc_headers(headers):
     return {PREFIX + k: v for k, v in headers().items()}
 
 
-def infer_inputs(module):
-    inputs = []
-    for name, (datatype, data) in INPUTS.items():
-        inp = module.InferInput(name, list(data.shape), datatype)
-        inp.set_data_from_numpy(data)
-        inputs.append(inp)
-    return inputs
-
-
 def check_http(addr):
     client = httpclient.InferenceServerClient(addr)
     # Health and inference need infer-key.
@@ -97,7 +69,7 @@ def check_http(addr):
         body = json.loads(e.read())
         require(e.code == 403, f"status {e.code}")
         require(body["error"] == "This API is restricted, expecting header 'infer-key'", f"{body}")
-    inputs = infer_inputs(httpclient)
+    inputs = typed_inputs()
     refused(lambda: client.infer("typed", inputs, headers={"test": "1"}), "This API is restricted")
     answer = client.infer("typed", inputs, headers=INFER()).as_numpy("f32_out")
     require((answer == expected_outputs()["f32_out"][1]).all(), f"infer with the header: {answer}")
@@ -117,7 +89,7 @@ def check_http(addr):
     require(client.get_trace_settings(model_name="typed") == settings, "a model's settings are the global ones")
     same = client.update_trace_settings(model_name="typed", settings={"trace_level": ["OFF"], "trace_count": None})
     require(same == settings, f"an update that changes nothing: {same}")
-    refused(lambda: client.update_trace_settings(settings={"trace_rate": "10"}), "400", "'trace_rate'", "[tracing]")
+    refused(lambda: client.update_trace_settings(settings={"trace_rate": "10"}), "'trace_rate'", "[tracing]", status="400")
     refused(lambda: client.update_trace_settings(settings={"trace_fil": "x"}), "unknown trace setting 'trace_fil'")
     refused(lambda: client.get_trace_settings(model_name="nosuch"), "nosuch")
 
@@ -125,10 +97,10 @@ def check_http(addr):
 def check_grpc(addr):
     client = grpcclient.InferenceServerClient(addr)
     header = "This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'"
-    refused(lambda: client.is_server_live(), "StatusCode.UNAVAILABLE", header)
+    refused(lambda: client.is_server_live(), header, status="StatusCode.UNAVAILABLE")
     refused(lambda: client.is_server_live(headers=INFER()), header)
     require(client.is_server_live(headers=grpc_headers(INFER)), "live with the header")
-    inputs = infer_inputs(grpcclient)
+    inputs = grpc_typed_inputs()
     refused(lambda: client.infer("typed", inputs, headers={"test": "1"}), header)
     answer = client.infer("typed", inputs, headers=grpc_headers(INFER)).as_numpy("f32_out")
     require((answer == expected_outputs()["f32_out"][1]).all(), f"infer with the header over gRPC: {answer}")
@@ -143,8 +115,8 @@ def check_grpc(addr):
     require(settings["trace_level"]["value"] == ["OFF"], f"{settings}")
     updated = client.update_trace_settings(settings={"trace_rate": "0", "trace_count": None}, as_json=True)["settings"]
     require(updated == settings, f"an update that changes nothing: {updated}")
-    refused(lambda: client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}), "INVALID_ARGUMENT", "'trace_level'")
-    refused(lambda: client.get_trace_settings(model_name="nosuch"), "NOT_FOUND", "nosuch")
+    refused(lambda: client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}), "'trace_level'", status="StatusCode.INVALID_ARGUMENT")
+    refused(lambda: client.get_trace_settings(model_name="nosuch"), "nosuch", status="StatusCode.NOT_FOUND")
 
 
 def main():

@@ -144,15 +144,23 @@ impl<'a> Route<'a> {
 
     /// What the route is, beside its path: one row each.
     pub fn kind(&self) -> Kind {
+        use Api::*;
         use ErrorStyle::*;
-        let (style, post, probe) = match self {
-            Route::Server | Route::Model(..) | Route::ModelConfig(..) | Route::Statistics(..) => (V2, false, false),
-            Route::RepositoryIndex | Route::RepositoryChange(..) | Route::TraceSetting(_) => (V2, true, false),
-            Route::SharedMemory(_, action) => (V2, !matches!(action, shared_memory::Action::Status(_)), false),
-            Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true),
-            Route::Infer(..) => (V2, true, false),
-            Route::OpenAiEmbeddings => (OpenAi, true, false),
-            Route::CohereRerank(_) | Route::CohereEmbed(_) => (Cohere, true, false),
+        // Its API category is Triton's grouping ([[auth.restricted]]): TEI's `/info` is
+        // metadata, and every route that runs a model (or its tokenizer) is inference.
+        let (style, post, probe, api) = match self {
+            Route::Server | Route::Model(..) => (V2, false, false, Metadata),
+            Route::ModelConfig(..) => (V2, false, false, ModelConfig),
+            Route::Statistics(..) => (V2, false, false, Statistics),
+            Route::RepositoryIndex | Route::RepositoryChange(..) => (V2, true, false, ModelRepository),
+            Route::TraceSetting(_) => (V2, true, false, Trace),
+            Route::SharedMemory(_, action) => {
+                (V2, !matches!(action, shared_memory::Action::Status(_)), false, SharedMemory)
+            }
+            Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true, Health),
+            Route::Infer(..) => (V2, true, false, Inference),
+            Route::OpenAiEmbeddings => (OpenAi, true, false, Inference),
+            Route::CohereRerank(_) | Route::CohereEmbed(_) => (Cohere, true, false, Inference),
             Route::Embed(_)
             | Route::Predict(_)
             | Route::Tokenize
@@ -162,9 +170,9 @@ impl<'a> Route<'a> {
             | Route::EmbedChunks(_)
             | Route::EmbedSparse(_)
             | Route::Rerank(_)
-            | Route::Invocations => (Tei, true, false),
-            Route::Info => (Tei, false, false),
-            Route::Ping => (Tei, false, true),
+            | Route::Invocations => (Tei, true, false, Inference),
+            Route::Info => (Tei, false, false, Metadata),
+            Route::Ping => (Tei, false, true, Health),
         };
         // Triton compresses infer answers alone, and its asyncio client asks for gzip on every
         // route while it inflates only those: metadata, statistics and the repository's
@@ -176,35 +184,7 @@ impl<'a> Route<'a> {
             );
         // Trace settings are read by GET and changed by POST.
         let get = !post || matches!(self, Route::TraceSetting(_));
-        Kind { style, post, get, probe, compress, api: self.api() }
-    }
-
-    /// Its API category, as Triton groups its routes ([[auth.restricted]]): TEI's `/info`
-    /// is metadata, and every route that runs a model (or its tokenizer) is inference.
-    fn api(&self) -> Api {
-        match self {
-            Route::Live | Route::Ready | Route::ModelReady(..) | Route::Ping => Api::Health,
-            Route::Server | Route::Model(..) | Route::Info => Api::Metadata,
-            Route::ModelConfig(..) => Api::ModelConfig,
-            Route::Statistics(..) => Api::Statistics,
-            Route::RepositoryIndex | Route::RepositoryChange(..) => Api::ModelRepository,
-            Route::SharedMemory(..) => Api::SharedMemory,
-            Route::TraceSetting(_) => Api::Trace,
-            Route::Infer(..)
-            | Route::Embed(_)
-            | Route::Predict(_)
-            | Route::OpenAiEmbeddings
-            | Route::Tokenize
-            | Route::Decode
-            | Route::Similarity
-            | Route::EmbedAll
-            | Route::EmbedChunks(_)
-            | Route::EmbedSparse(_)
-            | Route::Rerank(_)
-            | Route::CohereRerank(_)
-            | Route::CohereEmbed(_)
-            | Route::Invocations => Api::Inference,
-        }
+        Kind { style, post, get, probe, compress, api }
     }
 }
 
