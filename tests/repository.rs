@@ -273,3 +273,84 @@ fn restricted_apis_need_their_header_the_server_has_its_name_and_trace_settings_
     assert_eq!(r.status, 403, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(request(server.addr, "GET", "/v2", &[], b"").unwrap().status, 200);
 }
+
+/// Triton's system shared memory, pool-wide: tritonclient's own shm utilities register
+/// regions, infer from them and into them, over HTTP and gRPC, and meet Triton's refusals
+/// (tests/clients/triton_shm_check.py: the calls of Triton's four shm examples). Then, on
+/// raw connections of their own, a region registered through one worker is listed and read by
+/// every worker of the pool (the `x-inferd-worker` header says which answered); a fresh start
+/// forgets it.
+#[test]
+fn system_shared_memory_regions_serve_every_worker_over_http_and_grpc() {
+    let dir = temp_dir("repository-shm");
+    let repository = model_repository(dir.path(), &["typed", "classifier"]);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier"], "");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(60));
+    let public = server.addr.to_string();
+    client_check("triton_shm_check.py", &[&public, &grpc], &server, "shm: all checks passed");
+
+    // Triton's BYTES layout: each element's length (u32, little-endian), then its bytes.
+    let text = "a fine day";
+    let object = format!("inferd-repository-shm-{}", std::process::id());
+    let path = Path::new("/dev/shm").join(&object);
+    let mut bytes = (text.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(text.as_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let register = format!(r#"{{"key": "/{object}", "offset": 0, "byte_size": {}}}"#, bytes.len());
+    let r = request(server.addr, "POST", "/v2/systemsharedmemory/region/words/register", &[], register.as_bytes());
+    assert_eq!(r.as_ref().map(|r| r.status).ok(), Some(200), "{r:?}");
+    let infer = format!(
+        r#"{{"inputs": [{{"name": "text", "shape": [1], "datatype": "BYTES",
+            "parameters": {{"shared_memory_region": "words", "shared_memory_byte_size": {}}}}}]}}"#,
+        bytes.len()
+    );
+    let plain = format!(r#"{{"inputs": [{{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["{text}"]}}]}}"#);
+    let want = request(server.addr, "POST", "/v2/models/classifier/infer", &[], plain.as_bytes()).unwrap().json();
+    let mut answered = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        let status = request(server.addr, "GET", "/v2/systemsharedmemory/region/words/status", &[], b"").unwrap();
+        assert_eq!(status.status, 200, "{}", String::from_utf8_lossy(&status.body));
+        assert_eq!(status.json()[0]["key"], format!("/{object}"), "{}", String::from_utf8_lossy(&status.body));
+        let r = request(server.addr, "POST", "/v2/models/classifier/infer", &[], infer.as_bytes()).unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["outputs"], want["outputs"]);
+        answered
+            .extend([status.header("x-inferd-worker"), r.header("x-inferd-worker")].map(|w| w.unwrap().to_string()));
+        if answered.len() == test_workers() {
+            break;
+        }
+    }
+    assert_eq!(answered.len(), test_workers(), "workers that read the region: {answered:?}");
+    // The registry is the pool's, and outlives no pool: stopped and started again, the server
+    // holds no region.
+    server.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(server.wait_exit(Duration::from_secs(60)).success(), "{}", server.log());
+    let dir = std::mem::replace(&mut server.dir, temp_dir("repository-shm-spare"));
+    drop(server);
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(60));
+    let r = request(server.addr, "GET", "/v2/systemsharedmemory/status", &[], b"").unwrap();
+    assert_eq!(r.json(), serde_json::json!([]));
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// Triton's image clients (image_client.py, grpc_image_client.py: their checks and calls in
+/// tests/clients/triton_image_check.py) against an image classification model: its
+/// configuration gives the pixel tensor's layout as Triton's `format`, and outputs asked for
+/// as classes (Triton's classification extension) come back as `value:index:label`, equal to
+/// the model's own logits, over HTTP and gRPC.
+#[test]
+fn triton_image_clients_read_the_layout_and_get_classes_over_http_and_grpc() {
+    let dir = temp_dir("repository-image");
+    let repository = model_repository(dir.path(), &["typed", "cnn", "classifier"]);
+    let port = free_port();
+    write_config(dir.path(), port, test_workers(), &repository, "typed", &["cnn", "classifier"], "");
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(dir, port, &["--grpc-listen", &grpc]);
+    server.wait_ready(Duration::from_secs(60));
+    let public = server.addr.to_string();
+    client_check("triton_image_check.py", &[&public, &grpc], &server, "image: all checks passed");
+}

@@ -873,6 +873,14 @@ impl Config {
         (!self.runtime.cache_dir.as_os_str().is_empty()).then(|| self.resolve(&self.runtime.cache_dir))
     }
 
+    /// The pool's registry of Triton's system shared-memory regions: a folder beside the
+    /// control socket (`control.sock.shm`), which the supervisor empties at a fresh start.
+    pub fn shared_memory_registry(&self) -> PathBuf {
+        let mut path = self.control_socket().into_os_string();
+        path.push(".shm");
+        PathBuf::from(path)
+    }
+
     pub fn model_repository(&self) -> PathBuf {
         self.resolve(&self.models.repository)
     }

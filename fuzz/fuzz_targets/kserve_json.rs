@@ -8,7 +8,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         _ => None,
     };
     let body = data.get(1..).unwrap_or_default();
-    if let Ok(parsed) = inferd_worker::kserve::json::parse(body, header) {
+    if let Ok(parsed) = inferd_worker::kserve::json::parse(body, header, &inferd_worker::kserve::SharedMemory::NONE) {
         for input in &parsed.inputs {
             // What the parser lets through must agree with its own shape.
             let count = inferd_worker::runtime::tensor::element_count(&input.tensor.shape);

@@ -11,6 +11,8 @@
 //!   with more than its share sheds some;
 //! - [`limits`]: each API key's rate and concurrency, and its requests by priority, shared by
 //!   the whole pool, so that a key's limits hold pool-wide;
+//! - [`shm`]: the system shared-memory regions clients register, shared by the whole pool
+//!   (a folder the supervisor empties at a fresh start);
 //! - [`triton`]: Triton's statistics and repository index, which a worker asks the
 //!   supervisor for to serve them on the main port.
 //!
@@ -20,6 +22,7 @@ pub mod balance;
 pub mod cores;
 pub mod limits;
 mod region;
+pub mod shm;
 pub mod spec;
 pub mod stats;
 pub mod triton;

@@ -75,6 +75,10 @@ pub struct WorkerSpec {
     /// `runtime.cache_dir`, resolved: where shared weights are prepared (None: off).
     #[serde(default)]
     pub weights_cache: Option<PathBuf>,
+    /// The pool's registry of system shared-memory regions ([`crate::shm`]); None: the
+    /// worker registers none.
+    #[serde(default)]
+    pub shared_memory: Option<PathBuf>,
     /// `runtime.allocator`.
     #[serde(default)]
     pub allocator: Allocator,

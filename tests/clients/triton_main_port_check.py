@@ -16,8 +16,9 @@ statistics checks):
   - tritonclient.grpc's (protobuf) carry the same counts, field for field;
   - the repository index, over HTTP and gRPC, equals the admin listener's (ready=True too);
   - an unknown model or version is refused naming it, over both;
-  - shared memory, over both: every status empty, unregistering succeeds, a named region's
-    status is not found and registering is refused with the reason (nothing is ever registered);
+  - shared memory, over both, before any region: unregistering succeeds, a named region's
+    status is not found, a key that does not exist and CUDA memory are refused with the reason,
+    every status empty (triton_shm_check.py registers and infers);
   - without `control`: load and unload are refused (403 / PERMISSION_DENIED) naming
     admin.model_control_on_main_port; with it (the server has that switch on), the model
     control examples' calls (simple_http_model_control.py, simple_grpc_model_control.py):
@@ -123,13 +124,10 @@ def main(admin, http_addr, grpc_addr):
 
 
 def shared_memory(http, grpc):
-    """Triton's shared-memory extensions, as a server that registers none: the calls of the
-    shm examples and of qa/L0_http/python_http_aio_test.py, qa/L0_grpc/python_grpc_aio_test.py
-    (status, unregister all, register refused)."""
-    require(http.get_system_shared_memory_status() == [], "HTTP system status is not []")
-    require(http.get_cuda_shared_memory_status() == [], "HTTP CUDA status is not []")
-    require(len(grpc.get_system_shared_memory_status().regions) == 0, "gRPC system status lists regions")
-    require(len(grpc.get_cuda_shared_memory_status().regions) == 0, "gRPC CUDA status lists regions")
+    """Triton's shared-memory extensions, the calls the shm examples and
+    qa/L0_http/python_http_aio_test.py, qa/L0_grpc/python_grpc_aio_test.py make before their
+    own regions (tests/clients/triton_shm_check.py registers and infers): statuses, unregister
+    all, a region that does not exist, CUDA memory refused."""
     for client in (http, grpc):
         # Nothing to drop: success, as Triton's for a region it does not hold.
         client.unregister_system_shared_memory()
@@ -139,10 +137,14 @@ def shared_memory(http, grpc):
                 "Unable to find system shared memory region: 'input_data'")
         refused(lambda: client.get_cuda_shared_memory_status("input_data"),
                 "Unable to find cuda shared memory region: 'input_data'")
-        refused(lambda: client.register_system_shared_memory("input_data", "/input_simple", 64),
-                "cannot register system shared memory region 'input_data'", "send the tensors in the request")
+        refused(lambda: client.register_system_shared_memory("input_data", "/inferd-no-such-key", 64),
+                "Unable to open shared memory region: '/inferd-no-such-key'")
         refused(lambda: client.register_cuda_shared_memory("input_data", b"\0" * 64, 0, 64),
-                "inferd takes no shared memory")
+                "cannot register cuda shared memory region 'input_data'", "inferd runs on CPUs")
+    require(http.get_system_shared_memory_status() == [], "HTTP system status is not []")
+    require(http.get_cuda_shared_memory_status() == [], "HTTP CUDA status is not []")
+    require(len(grpc.get_system_shared_memory_status().regions) == 0, "gRPC system status lists regions")
+    require(len(grpc.get_cuda_shared_memory_status().regions) == 0, "gRPC CUDA status lists regions")
 
 
 def without_control(http, grpc):

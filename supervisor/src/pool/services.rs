@@ -37,7 +37,15 @@ impl Services {
                 control.set_nonblocking(true)?;
                 (tokio::net::UnixListener::from_std(control)?, from.admin.take())
             }
-            None => (control_server::bind(&config.control_socket())?, None),
+            None => {
+                let control = control_server::bind(&config.control_socket())?;
+                // A fresh pool holds no shared-memory region (an upgrade's keeps its own).
+                let registry = config.shared_memory_registry();
+                inferd_ipc::shm::Registry::new(registry.clone())
+                    .reset()
+                    .map_err(|e| std::io::Error::new(e.kind(), format!("cannot create {}: {e}", registry.display())))?;
+                (control, None)
+            }
         };
         let admin_addr = &config.admin.listen;
         let admin = match (admin, admin_addr.is_empty()) {

@@ -78,6 +78,7 @@ impl Launcher {
             handoff: self.handoff.is_some(),
             log: config.log.clone(),
             weights_cache: config.weights_cache(),
+            shared_memory: Some(config.shared_memory_registry()),
             allocator: config.runtime.allocator,
             access: access.clone(),
             lending: match (&self.cores, placement.cpus.as_slice()) {

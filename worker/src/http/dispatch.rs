@@ -74,11 +74,27 @@ pub async fn routed(
             let answer = trace_setting::to_json(&settings);
             Ok(json_reply(StatusCode::OK, serde_json::to_vec(&answer).expect("json")))
         }
-        Route::SharedMemory(memory, action) => shared_memory::answer(memory, action).map(|()| match action {
-            // Every region's status: none is registered.
-            shared_memory::Action::Status(_) => json_reply(StatusCode::OK, b"[]".to_vec()),
-            _ => json_reply(StatusCode::OK, Vec::new()),
-        }),
+        Route::SharedMemory(memory, action) => {
+            let registration = match action {
+                shared_memory::Action::Register(name) if memory == shared_memory::Memory::System => {
+                    let body = body::receive(state, request, call.terms.deadline).await?;
+                    Some(serde_json::from_slice(&body.bytes).map_err(|e| {
+                        ApiError::BadRequest(format!(
+                            "registering shared memory region '{name}': the body must be {{\"key\": ..., \"offset\": \
+                             ..., \"byte_size\": ...}}: {e}"
+                        ))
+                    })?)
+                }
+                _ => None,
+            };
+            let regions = shared_memory::answer(state.shared_memory.as_ref(), memory, action, registration)?;
+            Ok(match action {
+                shared_memory::Action::Status(_) => {
+                    json_reply(StatusCode::OK, serde_json::to_vec(&shared_memory::to_json(&regions)).expect("json"))
+                }
+                _ => json_reply(StatusCode::OK, Vec::new()),
+            })
+        }
         // A model loaded on demand is not loaded by being asked about.
         Route::Model(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, None)),
         Route::ModelReady(name, None) if state.models.loads_on_demand(name) => Ok(v2::not_loaded(name, Some(ready))),

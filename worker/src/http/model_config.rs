@@ -5,16 +5,22 @@
 //!
 //! What it says, from what inferd serves ([`Config::of`]):
 //! - `max_batch_size`: 0 for a model without a batch dimension (`ModelMeta::batch_rows`), its
-//!   rows a run otherwise; for a pipelined model (text, images), the inputs a request may
-//!   carry (`server.max_batch_inputs`);
+//!   rows a run otherwise; for a text model, the inputs a request may carry
+//!   (`server.max_batch_inputs`);
 //! - `input` / `output`: each tensor a client sends and gets, its Triton type and its `dims`
-//!   without the batch dimension where there is one (a pipeline's one BYTES input per row is
-//!   `dims: [1]` reshaped to `[]`, as Triton writes a scalar per row);
+//!   without the batch dimension where there is one (a text model's one BYTES input per row
+//!   is `dims: [1]` reshaped to `[]`, as Triton writes a scalar per row);
+//! - an image model's (`[image]`) `input` is its own pixel tensor, its `format` the image's
+//!   layout (`FORMAT_NCHW`, `FORMAT_NHWC`), as Triton's image clients (image_client.py) expect:
+//!   they make the tensor themselves; the model takes encoded images beside it;
 //! - `dynamic_batching` with the model's `max_queue_delay_ms`, where it batches;
 //! - one CPU instance group, the platform `onnxruntime_onnx` and the backend `onnxruntime`.
 
 use serde_json::{json, Value};
 
+use inferd_config::model::Layout;
+
+use crate::pipeline::Pipeline;
 use crate::request::infer::pipeline_io;
 use crate::request::model::Model;
 
@@ -26,6 +32,8 @@ pub struct TensorConfig {
     pub dims: Vec<i64>,
     /// The shape the model sees where it differs from `dims` (a pipeline's scalar per row).
     pub reshape: Option<Vec<i64>>,
+    /// An image input's layout (Triton's `format`); None: `FORMAT_NONE`.
+    pub format: Option<Layout>,
 }
 
 impl TensorConfig {
@@ -48,6 +56,15 @@ pub struct Config {
     pub batching_delay_us: Option<u64>,
 }
 
+/// Triton's name of an input's format.
+pub fn format_name(layout: Option<Layout>) -> &'static str {
+    match layout {
+        None => "FORMAT_NONE",
+        Some(Layout::Nchw) => "FORMAT_NCHW",
+        Some(Layout::Nhwc) => "FORMAT_NHWC",
+    }
+}
+
 /// `dims` of a tensor whose first dimension is the batch where `batched`.
 fn dims(shape: &[i64], batched: bool) -> Vec<i64> {
     let skip = usize::from(batched && !shape.is_empty());
@@ -64,26 +81,36 @@ impl Config {
             datatype: datatype.to_string(),
             dims: dims(shape, batched),
             reshape: None,
+            format: None,
         };
-        let (max_batch_size, inputs, outputs) = match pipeline_io(meta) {
-            Some((name, outputs)) => {
+        let raw = |format: Option<Layout>| {
+            let batched = batch.is_some();
+            let of = |specs: &[crate::runtime::tensor::TensorSpec], format: Option<Layout>| {
+                let each = |t: &crate::runtime::tensor::TensorSpec| TensorConfig {
+                    format,
+                    ..tensor(&t.name, &t.datatype, &t.shape, batched)
+                };
+                specs.iter().map(each).collect()
+            };
+            (batch.unwrap_or(0), of(&meta.inputs, format), of(&meta.outputs, None))
+        };
+        let (max_batch_size, inputs, outputs) = match (&*meta.pipeline, pipeline_io(meta)) {
+            // Triton's image clients send the pixel tensor they made themselves (image_client.py
+            // reads its layout from `format`); inferd takes it beside encoded images.
+            (Pipeline::Image(image), _) => raw(Some(image.config.layout)),
+            (_, Some((name, outputs))) => {
                 let input = TensorConfig {
                     name: name.to_string(),
                     datatype: "BYTES".into(),
                     dims: vec![1],
                     reshape: Some(Vec::new()),
+                    format: None,
                 };
                 let outputs =
                     outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape, true)).collect();
                 (max_batch_inputs, vec![input], outputs)
             }
-            None => {
-                let batched = batch.is_some();
-                let of = |specs: &[crate::runtime::tensor::TensorSpec]| {
-                    specs.iter().map(|t| tensor(&t.name, &t.datatype, &t.shape, batched)).collect()
-                };
-                (batch.unwrap_or(0), of(&meta.inputs), of(&meta.outputs))
-            }
+            (_, None) => raw(None),
         };
         Config {
             name: meta.info.name.clone(),
@@ -99,7 +126,7 @@ impl Config {
         let tensor = |t: &TensorConfig, input: bool| {
             let mut v = json!({"name": t.name, "data_type": t.triton_type(), "dims": t.dims});
             if input {
-                v["format"] = json!("FORMAT_NONE");
+                v["format"] = json!(format_name(t.format));
             }
             if let Some(shape) = &t.reshape {
                 v["reshape"] = json!({"shape": shape});

@@ -11,6 +11,7 @@ use inferd_ipc::triton::{load_parameters, not_done};
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::kserve::json as kserve;
+use crate::kserve::{Delivery, SharedMemory};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -19,8 +20,16 @@ use crate::request::model::Model;
 use crate::runtime::tensor::Tensor;
 
 /// The KServe v2 extensions (Triton's names) the main port serves, over REST and gRPC alike.
-pub const EXTENSIONS: [&str; 6] =
-    ["binary_tensor_data", "parameters", "model_configuration", "statistics", "model_repository", "trace"];
+pub const EXTENSIONS: [&str; 8] = [
+    "binary_tensor_data",
+    "parameters",
+    "classification",
+    "model_configuration",
+    "system_shared_memory",
+    "statistics",
+    "model_repository",
+    "trace",
+];
 
 pub fn server_metadata(state: &AppState) -> Reply {
     let body = json!({
@@ -133,7 +142,10 @@ pub async fn infer(
     let body = body::receive(state, request, call.terms.deadline).await?;
     let parsed = match header_length {
         Some(0) => crate::kserve::raw::parse(&body, meta),
-        _ => kserve::parse(&body, header_length),
+        _ => {
+            let shared = SharedMemory { registry: state.shared_memory.as_ref(), limit: state.max_body_bytes as usize };
+            kserve::parse(&body, header_length, &shared)
+        }
     }
     .map_err(ApiError::BadRequest)?;
     let inferred = run_v2(state, call, index, meta, parsed).await?;
@@ -144,7 +156,7 @@ pub async fn infer(
     Ok(reply)
 }
 
-fn infer_reply(meta: &Model, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, bool)]) -> Reply {
+fn infer_reply(meta: &Model, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, Delivery)]) -> Reply {
     let (body, header_length) = kserve::infer_response(meta, id, outputs, selection);
     let mut reply = json_reply(StatusCode::OK, body);
     if let Some(n) = header_length {

@@ -13,7 +13,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::kserve::{InputTensor, Parsed, WantedOutput};
+use crate::kserve::{place_of, Delivery, InputTensor, Parsed, SharedMemory, WantedOutput};
 use crate::runtime::model::ModelMeta;
 use crate::runtime::tensor::{element_count, shape_text, DataType, Tensor, TensorData, TensorSpec};
 
@@ -54,8 +54,9 @@ struct RequestOutput {
 
 /// Parses an infer request body. `header_length` is the value of
 /// `Inference-Header-Content-Length`: the JSON is that many bytes, binary tensor data follows.
-/// The body is read as JSON whatever its Content-Type (tritonclient sends none).
-pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String> {
+/// The body is read as JSON whatever its Content-Type (tritonclient sends none). An input may
+/// instead name a region of `shared` memory its bytes are in.
+pub fn parse(body: &[u8], header_length: Option<usize>, shared: &SharedMemory) -> Result<Parsed, String> {
     let (json, mut binary) = match header_length {
         None => (body, &[][..]),
         Some(n) if n <= body.len() => body.split_at(n),
@@ -66,12 +67,21 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     let request: InferRequest =
         crate::jsonbody::parse(json).map_err(|e| format!("request body is not a valid inference request: {e}"))?;
     let mut inputs = Vec::with_capacity(request.inputs.len());
+    let mut taken = 0;
     for input in request.inputs {
         let name = input.name;
-        let (dtype, count) = declared(&name, &input.datatype, &input.shape, body.len())?;
+        let place = place_of(&format!("input '{name}'"), input.parameters.as_ref())?;
         let binary_size = input.parameters.as_ref().and_then(|p| p.get("binary_data_size"));
-        let (data, is_binary) = match (binary_size, &input.data) {
-            (Some(size), None) => {
+        let (data, is_binary) = match (place, binary_size, &input.data) {
+            (Some(place), None, None) => {
+                // Every element takes a byte of the region at least, as of a body.
+                let bound = usize::try_from(place.byte_size).unwrap_or(usize::MAX);
+                let (dtype, count) = declared(&name, &input.datatype, &input.shape, bound)?;
+                let bytes = shared.read(&name, &place, &mut taken)?;
+                (dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?, true)
+            }
+            (None, Some(size), None) => {
+                let (dtype, count) = declared(&name, &input.datatype, &input.shape, body.len())?;
                 let size = size.as_u64().ok_or_else(|| format!("input '{name}': binary_data_size must be a number"))?;
                 if size as usize > binary.len() {
                     return Err(format!(
@@ -83,9 +93,25 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
                 binary = rest;
                 (dtype.parse_binary(mine, count).map_err(|e| format!("input '{name}': {e}"))?, true)
             }
-            (None, Some(value)) => (json_data(&name, value, dtype, &input.shape, count)?, false),
-            (Some(_), Some(_)) => return Err(format!("input '{name}' has both 'data' and binary_data_size")),
-            (None, None) => return Err(format!("input '{name}' has no 'data' (and no binary_data_size)")),
+            (None, None, Some(value)) => {
+                let (dtype, count) = declared(&name, &input.datatype, &input.shape, body.len())?;
+                (json_data(&name, value, dtype, &input.shape, count)?, false)
+            }
+            (place, size, data) => {
+                let set: Vec<&str> = [(data.is_some(), "'data'"), (size.is_some(), "'binary_data_size'")]
+                    .into_iter()
+                    .chain([(place.is_some(), "'shared_memory_region'")])
+                    .filter_map(|(set, field)| set.then_some(field))
+                    .collect();
+                return Err(format!(
+                    "input '{name}': Input must set only one of the following fields: 'data', 'binary_data_size' in \
+                     'parameters', 'shared_memory_region' in 'parameters'. But {}",
+                    match set.is_empty() {
+                        true => "no field is set".to_string(),
+                        false => format!("set {}", set.join(" ")),
+                    }
+                ));
+            }
         };
         inputs.push(InputTensor { tensor: Tensor { name, shape: input.shape, data }, binary: is_binary });
     }
@@ -94,11 +120,14 @@ pub fn parse(body: &[u8], header_length: Option<usize>) -> Result<Parsed, String
     }
     let parameters = request.parameters.unwrap_or_default();
     let flag = |p: &Map<String, Value>, key: &str| p.get(key).and_then(Value::as_bool);
-    let outputs = request.outputs.map(|outs| {
-        outs.into_iter()
-            .map(|o| WantedOutput { binary: o.parameters.as_ref().and_then(|p| flag(p, "binary_data")), name: o.name })
-            .collect()
-    });
+    let outputs = match request.outputs {
+        None => None,
+        Some(outs) => Some(
+            outs.into_iter()
+                .map(|o| WantedOutput::of(o.name, o.parameters.as_ref()))
+                .collect::<Result<Vec<_>, String>>()?,
+        ),
+    };
     let binary_output = flag(&parameters, "binary_data_output").unwrap_or(false);
     Ok(Parsed { id: request.id, inputs, outputs, binary_output, parameters })
 }
@@ -211,33 +240,30 @@ pub fn infer_response(
     meta: &ModelMeta,
     id: Option<String>,
     outputs: Vec<Tensor>,
-    selection: &[(usize, bool)],
+    selection: &[(usize, Delivery)],
 ) -> (Vec<u8>, Option<usize>) {
     let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
     let mut binary = Vec::new();
     let mut json_outputs = Vec::with_capacity(selection.len());
-    for &(i, as_binary) in selection {
-        let Some(t) = taken.get_mut(i).and_then(Option::take) else { continue };
+    for (i, delivery) in selection {
+        let Some(t) = taken.get_mut(*i).and_then(Option::take) else { continue };
         let datatype = t.data.dtype().name();
-        if as_binary {
-            let bytes = t.data.to_binary();
-            let parameters = Some(serde_json::json!({ "binary_data_size": bytes.len() }));
-            binary.extend_from_slice(&bytes);
-            json_outputs.push(ResponseOutput { name: t.name, datatype, shape: t.shape, parameters, data: None });
-        } else {
-            json_outputs.push(ResponseOutput {
-                name: t.name,
-                datatype,
-                shape: t.shape,
-                parameters: None,
-                data: Some(t.data),
-            });
-        }
+        let (parameters, data) = match delivery {
+            Delivery::Binary => {
+                let bytes = t.data.to_binary();
+                binary.extend_from_slice(&bytes);
+                (Some(serde_json::json!({ "binary_data_size": bytes.len() })), None)
+            }
+            Delivery::Json => (None, Some(t.data)),
+            // Written there already (`request::infer`): named, as Triton's answer names it.
+            Delivery::SharedMemory(_) => (None, None),
+        };
+        json_outputs.push(ResponseOutput { name: t.name, datatype, shape: t.shape, parameters, data });
     }
     let body =
         InferResponse { model_name: &meta.info.name, model_version: &meta.info.version, id, outputs: json_outputs };
     let mut bytes = serde_json::to_vec(&body).expect("tensor data always serialises");
-    if selection.iter().any(|(_, b)| *b) {
+    if selection.iter().any(|(_, d)| *d == Delivery::Binary) {
         let header = bytes.len();
         bytes.extend_from_slice(&binary);
         (bytes, Some(header))
@@ -290,12 +316,12 @@ mod tests {
     }
 
     /// (id, inputs, output selection).
-    type Checked = (Option<String>, Vec<Tensor>, Vec<(usize, bool)>);
+    type Checked = (Option<String>, Vec<Tensor>, Vec<(usize, Delivery)>);
 
     /// Parses and validates like the raw `/infer` path.
     fn parse_raw(body: &str) -> Result<Checked, String> {
         let meta = meta();
-        let parsed = parse(body.as_bytes(), None)?;
+        let parsed = parse(body.as_bytes(), None, &SharedMemory::NONE)?;
         let available: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
         let selection = select_outputs(&parsed, &available, "m")?;
         let id = parsed.id.clone();
@@ -313,7 +339,7 @@ mod tests {
         assert_eq!(id.as_deref(), Some("7"));
         assert_eq!(inputs[0].name, "a");
         assert_eq!(inputs[0].data, TensorData::F32(vec![1.0, 2.0]));
-        assert_eq!(outputs, vec![(1, false)]);
+        assert_eq!(outputs, vec![(1, Delivery::Json)]);
     }
 
     #[test]
@@ -341,23 +367,43 @@ mod tests {
             "outputs":[{"name":"z","parameters":{"binary_data":false}},{"name":"y"}]}"#;
         let mut body = json.as_bytes().to_vec();
         body.extend_from_slice(&TensorData::F32(vec![1.5, -2.0]).to_binary());
-        let parsed = parse(&body, Some(json.len())).unwrap();
+        let parsed = parse(&body, Some(json.len()), &SharedMemory::NONE).unwrap();
         assert!(parsed.inputs[0].binary && !parsed.inputs[1].binary);
         assert_eq!(parsed.inputs[0].tensor.data, TensorData::F32(vec![1.5, -2.0]));
-        assert_eq!(select_outputs(&parsed, &["y", "z"], "m").unwrap(), vec![(1, false), (0, true)]);
+        assert_eq!(
+            select_outputs(&parsed, &["y", "z"], "m").unwrap(),
+            vec![(1, Delivery::Json), (0, Delivery::Binary)]
+        );
 
-        let e = parse(&body[..body.len() - 1], Some(json.len())).unwrap_err();
+        // Triton's refusals of an output both in shared memory and binary, or classified.
+        for (params, refusal) in [
+            (r#""binary_data": true"#, "can't set both 'shared_memory_region' and 'binary_data'"),
+            (r#""classification": 2"#, "can't set both 'shared_memory_region' and 'classification'"),
+        ] {
+            let both = format!(
+                r#"{{"inputs": [{B}], "outputs": [{{"name": "y", "parameters": {{"shared_memory_region": "r",
+                    "shared_memory_byte_size": 8, {params}}}}}]}}"#
+            );
+            let parsed = parse(both.as_bytes(), None, &SharedMemory::NONE).unwrap();
+            let e = select_outputs(&parsed, &["y", "z"], "m").unwrap_err();
+            assert!(e.contains(refusal), "{e}");
+        }
+        let e = parse(&body[..body.len() - 1], Some(json.len()), &SharedMemory::NONE).unwrap_err();
         assert!(e.contains("binary_data_size is 8, but only 7 bytes"), "{e}");
         let mut extra = body.clone();
         extra.push(0);
-        assert!(parse(&extra, Some(json.len())).unwrap_err().contains("1 bytes of binary data are left over"));
-        assert!(parse(&body, Some(body.len() + 1)).unwrap_err().contains("Inference-Header-Content-Length"));
+        assert!(parse(&extra, Some(json.len()), &SharedMemory::NONE)
+            .unwrap_err()
+            .contains("1 bytes of binary data are left over"));
+        assert!(parse(&body, Some(body.len() + 1), &SharedMemory::NONE)
+            .unwrap_err()
+            .contains("Inference-Header-Content-Length"));
 
         let out = vec![
             Tensor { name: "y".into(), shape: vec![1], data: TensorData::F32(vec![3.0]) },
             Tensor { name: "z".into(), shape: vec![1], data: TensorData::F32(vec![4.0]) },
         ];
-        let (bytes, header) = infer_response(&meta(), None, out, &[(1, false), (0, true)]);
+        let (bytes, header) = infer_response(&meta(), None, out, &[(1, Delivery::Json), (0, Delivery::Binary)]);
         let header = header.unwrap();
         let head: Value = serde_json::from_slice(&bytes[..header]).unwrap();
         assert_eq!(head["outputs"][0]["data"], serde_json::json!([4.0]));

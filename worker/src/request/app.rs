@@ -53,6 +53,8 @@ pub struct AppState {
     /// The socketpair to the supervisor: what the pool as a whole knows (Triton's statistics
     /// and repository index) is asked there.
     pub supervisor: Arc<crate::request::link::Link>,
+    /// The pool's registry of Triton's system shared-memory regions; None: none is taken.
+    pub shared_memory: Option<inferd_ipc::shm::Registry>,
 }
 
 /// The counter row of a looked-up model: its own for a model loaded at boot, the shared last

@@ -6,6 +6,7 @@ use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 
 use inferd_config::auth::Refusal;
+use inferd_ipc::shm::ShmError;
 use inferd_ipc::triton::Refused;
 
 use crate::request::link::AskError;
@@ -106,6 +107,16 @@ impl From<AskError> for ApiError {
             }
             AskError::Timeout(_) | AskError::Unreachable(_) => ApiError::Overloaded(e.to_string()),
             AskError::Mismatched(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<ShmError> for ApiError {
+    fn from(e: ShmError) -> Self {
+        match e {
+            ShmError::NotFound(_) => ApiError::NotFound(e.to_string()),
+            ShmError::AlreadyExists(_) | ShmError::Invalid(_) => ApiError::BadRequest(e.to_string()),
+            ShmError::Failed(_) => ApiError::Internal(e.to_string()),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::Value;
 
-use crate::kserve::{select_outputs, Parsed};
+use crate::kserve::{classification, select_outputs, Delivery, Parsed};
 use crate::pipeline::{Head, Pipeline, Side, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
@@ -20,8 +20,9 @@ use crate::runtime::tensor::{shape_text, validate_inputs, Tensor, TensorData};
 pub struct Inferred {
     pub id: Option<String>,
     pub outputs: Vec<Tensor>,
-    /// (index into `outputs`, binary): the outputs asked for, in the order asked.
-    pub selection: Vec<(usize, bool)>,
+    /// (index into `outputs`, how it goes back): the outputs asked for, in the order asked;
+    /// those asked into shared memory are written there already.
+    pub selection: Vec<(usize, Delivery)>,
     /// How a pipeline ran the request (for the Server-Timing header); `None` for raw tensors.
     pub outcome: Option<tasks::Outcome>,
 }
@@ -54,22 +55,83 @@ pub async fn run_v2(
         if parsed.inputs.len() == 1 && parsed.inputs[0].tensor.name == input_name {
             let names: Vec<&str> = outputs.iter().map(|o| o.0).collect();
             let selection = select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+            let classes = classes_asked(&parsed, &names);
             let truncate = parsed.parameters.get("truncate").and_then(Value::as_bool).unwrap_or(false);
             let id = parsed.id.clone();
             let input = pipeline_input(meta, parsed)?;
             let options = Options { truncate: truncate.then_some(Side::Right), ..Options::default() };
             let outcome = tasks::run_pipeline(state, call, index, meta, input, options).await?;
-            let outputs = pipeline_tensors(&outcome.rows);
+            let outputs = classified(meta, pipeline_tensors(&outcome.rows), &classes, true)?;
+            deliver(state, &outputs, &selection)?;
             return Ok(Inferred { id, outputs, selection, outcome: Some(outcome) });
         }
     }
     let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
     let selection = select_outputs(&parsed, &names, model).map_err(ApiError::BadRequest)?;
+    let classes = classes_asked(&parsed, &names);
     let id = parsed.id.clone();
     let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
     let inputs = validate_inputs(given, &meta.inputs, model).map_err(ApiError::BadRequest)?;
     let (outputs, _) = state.engine.submit(index, inputs, Join::Exact, call.terms).await?;
+    let outputs = classified(meta, outputs, &classes, meta.batch_rows().is_ok())?;
+    deliver(state, &outputs, &selection)?;
     Ok(Inferred { id, outputs, selection, outcome: None })
+}
+
+/// (output index in `names`, classes) of each output asked for as classes (Triton's
+/// classification extension); the names are known to be the model's ([`select_outputs`]).
+fn classes_asked(parsed: &Parsed, names: &[&str]) -> Vec<(usize, usize)> {
+    let asked = parsed.outputs.iter().flatten();
+    asked.filter_map(|o| Some((names.iter().position(|n| *n == o.name)?, o.classification?))).collect()
+}
+
+/// `outputs` with those asked for as classes answered so ([`classification`]), labelled with
+/// the model's labels where they fit; `batched`: the outputs' first dimension is the batch.
+fn classified(
+    meta: &Model,
+    mut outputs: Vec<Tensor>,
+    classes: &[(usize, usize)],
+    batched: bool,
+) -> Result<Vec<Tensor>, ApiError> {
+    let labels = match meta.pipeline.head() {
+        Some(Head::Classification { labels, .. }) => Some(labels.as_slice()),
+        _ => None,
+    };
+    for &(i, count) in classes {
+        if let Some(slot) = outputs.get_mut(i) {
+            let tensor = std::mem::replace(
+                slot,
+                Tensor { name: String::new(), shape: Vec::new(), data: TensorData::Bool(Vec::new()) },
+            );
+            *slot = classification::classify(tensor, count, batched, labels).map_err(ApiError::BadRequest)?;
+        }
+    }
+    Ok(outputs)
+}
+
+/// Writes the outputs asked into shared memory there (Triton's system shared memory): the
+/// answer names them without their data. Each is checked to fit before any is written.
+fn deliver(state: &AppState, outputs: &[Tensor], selection: &[(usize, Delivery)]) -> Result<(), ApiError> {
+    let mut writes = Vec::new();
+    for (i, delivery) in selection {
+        let (Delivery::SharedMemory(place), Some(output)) = (delivery, outputs.get(*i)) else { continue };
+        let bytes = output.data.to_binary();
+        if bytes.len() as u64 > place.byte_size {
+            // The registry's own words for it.
+            return Err(inferd_ipc::shm::Registry::too_small(place, &output.name, bytes.len()).into());
+        }
+        writes.push((place, &output.name, bytes));
+    }
+    if writes.is_empty() {
+        return Ok(());
+    }
+    let Some(registry) = &state.shared_memory else {
+        return Err(ApiError::BadRequest("shared memory is not taken here; ask for the outputs in the answer".into()));
+    };
+    for (place, name, bytes) in writes {
+        registry.write(place, name, &bytes)?;
+    }
+    Ok(())
 }
 
 /// KServe's `parameters.timeout` (Triton's): a whole number of microseconds, 0 for none.

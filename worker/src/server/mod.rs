@@ -158,6 +158,7 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
         cache: crate::request::cache::Cache::new(spec.cache_bytes),
         limits: spec.limits.then(limits_seat).flatten(),
         supervisor: reporter.clone(),
+        shared_memory: spec.shared_memory.clone().map(inferd_ipc::shm::Registry::new),
     });
     if let Some(loads) = loads {
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());

@@ -21,9 +21,9 @@ use serde_json::{Map, Value};
 use tonic::{Request, Response, Status};
 
 use crate::http::model_config::{Config, TensorConfig};
-use crate::http::shared_memory::{self, Action, Memory};
+use crate::http::shared_memory::{self, Action, Memory, Registration};
 use crate::kserve::json as kserve;
-use crate::kserve::{InputTensor, Parsed, WantedOutput};
+use crate::kserve::{Delivery, InputTensor, Parsed, SharedMemory, WantedOutput};
 use crate::request::app::{self, AppState, CountedAs};
 use crate::request::call::Call;
 use inferd_config::restricted::Api;
@@ -370,15 +370,28 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::SystemSharedMemoryStatusRequest>,
     ) -> Result<Response<proto::SystemSharedMemoryStatusResponse>, Status> {
         let name = &request.get_ref().name;
-        shared_memory::answer(Memory::System, Action::Status(some(name))).map_err(status)?;
-        Ok(Response::new(proto::SystemSharedMemoryStatusResponse::default()))
+        let regions = self.shared_memory(Action::Status(some(name)), None)?;
+        let regions = regions
+            .into_iter()
+            .map(|r| {
+                let status = proto::system_shared_memory_status_response::RegionStatus {
+                    name: r.name.clone(),
+                    key: r.key,
+                    offset: r.offset,
+                    byte_size: r.byte_size,
+                };
+                (r.name, status)
+            })
+            .collect();
+        Ok(Response::new(proto::SystemSharedMemoryStatusResponse { regions }))
     }
 
     async fn system_shared_memory_register(
         &self,
         request: Request<proto::SystemSharedMemoryRegisterRequest>,
     ) -> Result<Response<proto::SystemSharedMemoryRegisterResponse>, Status> {
-        shared_memory::answer(Memory::System, Action::Register(&request.get_ref().name)).map_err(status)?;
+        let proto::SystemSharedMemoryRegisterRequest { name, key, offset, byte_size } = request.into_inner();
+        self.shared_memory(Action::Register(&name), Some(Registration { key, offset, byte_size }))?;
         Ok(Response::new(proto::SystemSharedMemoryRegisterResponse {}))
     }
 
@@ -387,7 +400,7 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::SystemSharedMemoryUnregisterRequest>,
     ) -> Result<Response<proto::SystemSharedMemoryUnregisterResponse>, Status> {
         let name = &request.get_ref().name;
-        shared_memory::answer(Memory::System, Action::Unregister(some(name))).map_err(status)?;
+        self.shared_memory(Action::Unregister(some(name)), None)?;
         Ok(Response::new(proto::SystemSharedMemoryUnregisterResponse {}))
     }
 
@@ -396,7 +409,7 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::CudaSharedMemoryStatusRequest>,
     ) -> Result<Response<proto::CudaSharedMemoryStatusResponse>, Status> {
         let name = &request.get_ref().name;
-        shared_memory::answer(Memory::Cuda, Action::Status(some(name))).map_err(status)?;
+        shared_memory::answer(None, Memory::Cuda, Action::Status(some(name)), None).map_err(status)?;
         Ok(Response::new(proto::CudaSharedMemoryStatusResponse::default()))
     }
 
@@ -404,7 +417,7 @@ impl GrpcInferenceService for Grpc {
         &self,
         request: Request<proto::CudaSharedMemoryRegisterRequest>,
     ) -> Result<Response<proto::CudaSharedMemoryRegisterResponse>, Status> {
-        shared_memory::answer(Memory::Cuda, Action::Register(&request.get_ref().name)).map_err(status)?;
+        shared_memory::answer(None, Memory::Cuda, Action::Register(&request.get_ref().name), None).map_err(status)?;
         Ok(Response::new(proto::CudaSharedMemoryRegisterResponse {}))
     }
 
@@ -413,7 +426,7 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<proto::CudaSharedMemoryUnregisterResponse>, Status> {
         let name = &request.get_ref().name;
-        shared_memory::answer(Memory::Cuda, Action::Unregister(some(name))).map_err(status)?;
+        shared_memory::answer(None, Memory::Cuda, Action::Unregister(some(name)), None).map_err(status)?;
         Ok(Response::new(proto::CudaSharedMemoryUnregisterResponse {}))
     }
 
@@ -460,6 +473,15 @@ fn statistics_message(s: &ModelStats) -> proto::ModelStatistics {
 }
 
 impl Grpc {
+    /// Triton's system shared memory through the pool's registry ([`shared_memory`]).
+    fn shared_memory(
+        &self,
+        action: Action,
+        registration: Option<Registration>,
+    ) -> Result<Vec<inferd_ipc::shm::Region>, Status> {
+        shared_memory::answer(self.state.shared_memory.as_ref(), Memory::System, action, registration).map_err(status)
+    }
+
     /// RepositoryModelLoad (`load`) and RepositoryModelUnload: their parameters read as the
     /// HTTP route reads its JSON ones ([`load_parameters`]), then the supervisor's reload.
     async fn change_repository(
@@ -509,7 +531,8 @@ impl Grpc {
             let (index, meta) = found?;
             let rows = request.inputs.first().and_then(|i| usize::try_from(*i.shape.first()?).ok());
             crate::panics::test_switch("grpc", rows);
-            let parsed = parse(request).map_err(ApiError::BadRequest)?;
+            let shared = SharedMemory { registry: state.shared_memory.as_ref(), limit: state.max_body_bytes as usize };
+            let parsed = parse(request, &shared).map_err(ApiError::BadRequest)?;
             let inferred = infer::run_v2(state, &call, index, &meta, parsed).await?;
             Ok(Infer(encode(&meta, inferred)))
         };
@@ -534,7 +557,11 @@ fn metadata(meta: &Model) -> proto::ModelMetadataResponse {
         datatype: datatype.into(),
         shape: shape.to_vec(),
     };
-    let (inputs, outputs) = match infer::pipeline_io(meta) {
+    // A text model's BYTES in and out; an image model's own tensors, as its configuration
+    // lists them (Triton's image clients send the pixel tensor).
+    let pipelined =
+        infer::pipeline_io(meta).filter(|_| !matches!(&*meta.pipeline, crate::pipeline::Pipeline::Image(_)));
+    let (inputs, outputs) = match pipelined {
         Some((input, outputs)) => (
             vec![tensor(input, "BYTES", &[-1])],
             outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape)).collect(),
@@ -573,7 +600,11 @@ fn config_message(config: &Config) -> proto::ModelConfig {
             .map(|t| proto::ModelInput {
                 name: t.name.clone(),
                 data_type: data_type(t),
-                format: proto::model_input::Format::None as i32,
+                format: match t.format {
+                    None => proto::model_input::Format::None,
+                    Some(inferd_config::model::Layout::Nchw) => proto::model_input::Format::Nchw,
+                    Some(inferd_config::model::Layout::Nhwc) => proto::model_input::Format::Nhwc,
+                } as i32,
                 dims: t.dims.clone(),
                 reshape: reshape(t),
             })
@@ -604,44 +635,80 @@ fn config_message(config: &Config) -> proto::ModelConfig {
 /// entry: fuzz/fuzz_targets/grpc_infer.rs).
 pub fn parse_message(bytes: &[u8]) -> Result<Parsed, String> {
     let request = <proto::ModelInferRequest as prost::Message>::decode(bytes).map_err(|e| e.to_string())?;
-    parse(request)
+    parse(request, &SharedMemory::NONE)
 }
 
 /// A ModelInferRequest as the REST parser's [`Parsed`]: every input typed and checked against
-/// its own shape, from `raw_input_contents` (one entry per input) or its typed `contents`.
-fn parse(request: proto::ModelInferRequest) -> Result<Parsed, String> {
+/// its own shape, from `raw_input_contents` (one entry per input not in shared memory), its
+/// typed `contents` or a region of `shared` memory.
+fn parse(request: proto::ModelInferRequest, shared: &SharedMemory) -> Result<Parsed, String> {
     let bytes = prost::Message::encoded_len(&request);
     let proto::ModelInferRequest { id, parameters, inputs, outputs, raw_input_contents, .. } = request;
-    if !raw_input_contents.is_empty() && raw_input_contents.len() != inputs.len() {
+    let params = |p: std::collections::HashMap<String, InferParameter>| -> Map<String, Value> {
+        p.into_iter().map(|(k, v)| (k, parameter(v))).collect()
+    };
+    let mut placed = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let place =
+            crate::kserve::place_of(&format!("input '{}'", input.name), Some(&params(input.parameters.clone())))?;
+        placed.push((input, place));
+    }
+    let unplaced = placed.iter().filter(|(_, place)| place.is_none()).count();
+    if !raw_input_contents.is_empty() && raw_input_contents.len() != unplaced {
         return Err(format!(
-            "raw_input_contents has {} entries for {} inputs; send one per input, in order, or none",
+            "raw_input_contents has {} entries for {unplaced} inputs not in shared memory; send one per such \
+             input, in order, or none",
             raw_input_contents.len(),
-            inputs.len()
         ));
     }
     let mut raw = raw_input_contents.into_iter();
-    let mut tensors = Vec::with_capacity(inputs.len());
-    for input in inputs {
+    let mut tensors = Vec::with_capacity(placed.len());
+    let mut taken = 0;
+    for (input, place) in placed {
         let name = input.name;
-        let (dtype, count) = kserve::declared(&name, &input.datatype, &input.shape, bytes)?;
-        let data = match (raw.next(), input.contents) {
-            (Some(bytes), None) => dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?,
-            (Some(_), Some(_)) => {
-                return Err(format!("input '{name}' has both contents and raw_input_contents; send one of them"))
+        let data = match place {
+            Some(place) => {
+                if input.contents.is_some() {
+                    return Err(format!("input '{name}' has contents and a shared memory region; send one of them"));
+                }
+                let bound = usize::try_from(place.byte_size).unwrap_or(usize::MAX);
+                let (dtype, count) = kserve::declared(&name, &input.datatype, &input.shape, bound)?;
+                let bytes = shared.read(&name, &place, &mut taken)?;
+                dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?
             }
-            (None, Some(contents)) => typed(&name, dtype, count, contents)?,
-            (None, None) => {
-                return Err(format!("input '{name}' has no contents (and there are no raw_input_contents)"))
+            None => {
+                let (dtype, count) = kserve::declared(&name, &input.datatype, &input.shape, bytes)?;
+                match (raw.next(), input.contents) {
+                    (Some(bytes), None) => {
+                        dtype.parse_binary(&bytes, count).map_err(|e| format!("input '{name}': {e}"))?
+                    }
+                    (Some(_), Some(_)) => {
+                        return Err(format!(
+                            "input '{name}' has both contents and raw_input_contents; send one of them"
+                        ))
+                    }
+                    (None, Some(contents)) => typed(&name, dtype, count, contents)?,
+                    (None, None) => {
+                        return Err(format!("input '{name}' has no contents (and there are no raw_input_contents)"))
+                    }
+                }
             }
         };
         // gRPC carries bytes as bytes: an image pipeline takes them as they are (no base64).
         tensors.push(InputTensor { tensor: Tensor { name, shape: input.shape, data }, binary: true });
     }
-    let outputs = (!outputs.is_empty())
-        .then(|| outputs.into_iter().map(|o| WantedOutput { name: o.name, binary: None }).collect());
+    let outputs = match outputs.is_empty() {
+        true => None,
+        false => Some(
+            outputs
+                .into_iter()
+                .map(|o| WantedOutput::of(o.name, Some(&params(o.parameters))))
+                .collect::<Result<Vec<_>, String>>()?,
+        ),
+    };
     Ok(Parsed {
         id: Some(id).filter(|id| !id.is_empty()),
-        parameters: parameters.into_iter().map(|(k, v)| (k, parameter(v))).collect::<Map<String, Value>>(),
+        parameters: params(parameters),
         inputs: tensors,
         outputs,
         binary_output: false,
@@ -703,15 +770,19 @@ fn typed(name: &str, dtype: DataType, count: usize, c: InferTensorContents) -> R
 fn encode(meta: &Model, inferred: Inferred) -> proto::ModelInferResponse {
     let Inferred { id, outputs, selection, .. } = inferred;
     let mut taken: Vec<Option<Tensor>> = outputs.into_iter().map(Some).collect();
-    let chosen: Vec<Tensor> = selection.iter().filter_map(|&(i, _)| taken.get_mut(i).and_then(Option::take)).collect();
     let mut response = proto::ModelInferResponse {
         model_name: meta.info.name.clone(),
         model_version: meta.info.version.clone(),
         id: id.unwrap_or_default(),
         ..Default::default()
     };
-    for t in chosen {
-        response.raw_output_contents.push(t.data.to_binary());
+    for (i, delivery) in selection {
+        let Some(t) = taken.get_mut(i).and_then(Option::take) else { continue };
+        // An output written into shared memory keeps its (empty) place, as Triton's answer.
+        response.raw_output_contents.push(match delivery {
+            Delivery::SharedMemory(_) => Vec::new(),
+            Delivery::Json | Delivery::Binary => t.data.to_binary(),
+        });
         response.outputs.push(InferOutputTensor {
             name: t.name,
             datatype: t.data.dtype().name().into(),
@@ -758,7 +829,7 @@ mod tests {
             ..Default::default()
         };
         for request in [typed_request, raw_request] {
-            let parsed = parse(request).unwrap();
+            let parsed = parse(request, &SharedMemory::NONE).unwrap();
             assert_eq!(parsed.inputs[0].tensor.data, TensorData::I16(vec![-3, 300]));
             assert_eq!(parsed.inputs[0].tensor.shape, vec![1, 2]);
         }
@@ -784,11 +855,15 @@ mod tests {
             (
                 vec![input("x", "FP32", vec![1], None), input("y", "FP32", vec![1], None)],
                 vec![vec![0; 4]],
-                "1 entries for 2 inputs",
+                "1 entries for 2 inputs not in shared memory",
             ),
         ];
         for (inputs, raw_input_contents, message) in cases {
-            let err = parse(proto::ModelInferRequest { inputs, raw_input_contents, ..Default::default() }).unwrap_err();
+            let err = parse(
+                proto::ModelInferRequest { inputs, raw_input_contents, ..Default::default() },
+                &SharedMemory::NONE,
+            )
+            .unwrap_err();
             assert!(err.contains(message), "{err} (wanted {message})");
         }
     }
@@ -798,7 +873,12 @@ mod tests {
         let t = |name: &str, data| Tensor { name: name.into(), shape: vec![1], data };
         let meta = crate::runtime::model::ModelMeta::for_tests("m", &[], &[]);
         let meta = Model { meta, pipeline: Arc::new(crate::pipeline::Pipeline::Raw) };
-        let inferred = |outputs| Inferred { id: None, outputs, selection: vec![(0, false), (1, false)], outcome: None };
+        let inferred = |outputs| Inferred {
+            id: None,
+            outputs,
+            selection: vec![(0, Delivery::Json), (1, Delivery::Json)],
+            outcome: None,
+        };
         // Every output raw, as Triton answers, FP16 (which has no typed field) too.
         let half = TensorData::F16(vec![half::f16::from_f32(0.5)]);
         let raw = encode(&meta, inferred(vec![t("a", TensorData::F32(vec![1.0])), t("b", half)]));

@@ -87,7 +87,8 @@ pub(super) fn calibration(entry: &ModelEntry, meta: &ModelMeta, pipeline: &Pipel
             };
             for (n, line) in lines().enumerate() {
                 let unfit = |why: String| Int8Error::Calibration { place: place(n + 1), why };
-                let parsed = crate::kserve::json::parse(line.as_bytes(), None).map_err(unfit)?;
+                let parsed = crate::kserve::json::parse(line.as_bytes(), None, &crate::kserve::SharedMemory::NONE)
+                    .map_err(unfit)?;
                 let given = parsed.inputs.into_iter().map(|input| input.tensor).collect();
                 let tensors =
                     validate_inputs(given, &meta.inputs, &meta.info.name).map_err(|e| unfit(e.to_string()))?;
