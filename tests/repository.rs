@@ -328,6 +328,7 @@ fn system_shared_memory_regions_serve_every_worker_over_http_and_grpc() {
     // holds no region.
     server.signal(nix::sys::signal::Signal::SIGTERM);
     assert!(server.wait_exit(Duration::from_secs(60)).success(), "{}", server.log());
+    assert!(!server.dir.path().join("control.sock.shm").exists(), "the registry outlived its pool");
     let dir = std::mem::replace(&mut server.dir, temp_dir("repository-shm-spare"));
     drop(server);
     let mut server = Server::start(dir, port, &[]);

@@ -151,6 +151,12 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
+        // The shared-memory regions go with the pool (Services::open made the folder afresh).
+        let regions = resolved.config.shared_memory_registry();
+        let forget = || {
+            let _ = std::fs::remove_file(&socket);
+            let _ = std::fs::remove_dir_all(&regions);
+        };
         // The control socket's file is another supervisor's while this one takes over.
         let candidate = inherited.is_some();
         let (events, mut queue) = mpsc::unbounded_channel();
@@ -169,7 +175,7 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
             Ok(supervisor) => supervisor,
             Err(e) => {
                 if !candidate {
-                    let _ = std::fs::remove_file(&socket);
+                    forget();
                 }
                 return Err(e);
             }
@@ -178,9 +184,9 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
         if let Err(e) = &result {
             supervisor.upgrade.tell_old(Say::Failed { error: e.to_string() });
         }
-        // The file stays for the supervisor this one hands over to (or that started it).
+        // The files stay for the supervisor this one hands over to (or that started it).
         if !supervisor.upgrade.socket_is_not_ours() {
-            let _ = std::fs::remove_file(&socket);
+            forget();
         }
         crate::trace::shutdown(Duration::from_secs(2));
         result
