@@ -150,6 +150,41 @@ fn hostile_requests_cost_only_their_own_answer() {
     let body = infer_body(json!([{"name": "f32_in", "shape": [1, 1], "datatype": "FP32", "data": ["é".repeat(30)]}]));
     refused(&server, "multi-byte value in an error", infer, &[], &body, 400, "éé...");
 
+    // Shared memory: a region of 64 bytes registered, then requests that claim more of it, or
+    // more than a request may carry, or offsets and sizes that wrap; none reads past its region.
+    let object = format!("inferd-hostile-{}", std::process::id());
+    let path = std::path::Path::new("/dev/shm").join(&object);
+    std::fs::write(&path, [0u8; 64]).unwrap();
+    let register = |name: &str, offset: u64, size: u64| {
+        let body = format!(r#"{{"key": "/{object}", "offset": {offset}, "byte_size": {size}}}"#);
+        let path = format!("/v2/systemsharedmemory/region/{name}/register");
+        request(server.addr, "POST", &path, &[], body.as_bytes()).unwrap()
+    };
+    assert_eq!(register("r64", 0, 64).status, 200);
+    for (offset, size) in [(0, 65), (u64::MAX, 2), (1, u64::MAX), (65, 0)] {
+        let r = register("wide", offset, size);
+        assert_eq!(r.status, 400, "register {offset}+{size}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains("invalid args"), "{}", r.error());
+    }
+    let in_shm = |shape: serde_json::Value, offset: u64, size: u64| {
+        let parameters =
+            json!({"shared_memory_region": "r64", "shared_memory_offset": offset, "shared_memory_byte_size": size});
+        infer_body(json!([{"name": "i64_in", "shape": shape, "datatype": "INT64", "parameters": parameters}]))
+    };
+    for (what, body, message) in [
+        ("2^61 elements from 64 bytes", in_shm(json!([1, huge]), 0, 64), "byte size overflow for input 'i64_in'"),
+        ("2^40 elements from 64 bytes", in_shm(json!([1, 1_i64 << 40]), 0, 64), "more elements than the request's 64"),
+        ("a size past the region", in_shm(json!([1, 8]), 8, 64), "Invalid offset + byte size"),
+        ("a size that wraps", in_shm(json!([1, 1]), 8, u64::MAX), "Invalid offset + byte size"),
+        ("an offset that wraps", in_shm(json!([1, 1]), u64::MAX, 8), "Invalid offset for shared memory region"),
+        ("8 EiB claimed", in_shm(json!([1, 1]), 0, 1 << 63), "Invalid offset + byte size"),
+    ] {
+        refused(&server, what, infer, &[], &body, 400, message);
+    }
+    let r = request(server.addr, "POST", "/v2/systemsharedmemory/unregister", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    std::fs::remove_file(&path).unwrap();
+
     // Text: 16 MB (the body limit is 16 MiB) is refused before it is tokenized, on every route
     // that tokenizes; with truncation allowed it is cut first and answered at once.
     let text = "many words of text ".repeat(16_000_000 / 19);

@@ -89,7 +89,7 @@ fn classes_asked(parsed: &Parsed, names: &[&str]) -> Vec<(usize, usize)> {
 /// the model's labels where they fit; `batched`: the outputs' first dimension is the batch.
 fn classified(
     meta: &Model,
-    mut outputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
     classes: &[(usize, usize)],
     batched: bool,
 ) -> Result<Vec<Tensor>, ApiError> {
@@ -97,16 +97,12 @@ fn classified(
         Some(Head::Classification { labels, .. }) => Some(labels.as_slice()),
         _ => None,
     };
-    for &(i, count) in classes {
-        if let Some(slot) = outputs.get_mut(i) {
-            let tensor = std::mem::replace(
-                slot,
-                Tensor { name: String::new(), shape: Vec::new(), data: TensorData::Bool(Vec::new()) },
-            );
-            *slot = classification::classify(tensor, count, batched, labels).map_err(ApiError::BadRequest)?;
-        }
-    }
-    Ok(outputs)
+    let asked = |i: usize| classes.iter().find(|(j, _)| *j == i).map(|&(_, count)| count);
+    let each = |(i, tensor): (usize, Tensor)| match asked(i) {
+        Some(count) => classification::classify(tensor, count, batched, labels).map_err(ApiError::BadRequest),
+        None => Ok(tensor),
+    };
+    outputs.into_iter().enumerate().map(each).collect()
 }
 
 /// Writes the outputs asked into shared memory there (Triton's system shared memory): the
