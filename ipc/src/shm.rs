@@ -104,16 +104,12 @@ impl Registry {
                  unregister some first"
             )));
         }
-        let path = self.path(name);
-        if path.exists() {
-            return Err(ShmError::AlreadyExists(name.clone()));
-        }
-        // Written whole under a name of its own, then linked into place: the link fails when a
-        // sibling registered the name meanwhile.
+        // Written whole under a name of its own, then linked into place: the link fails when
+        // the name is registered already (by a sibling a moment ago, too).
         let staged = self.dir.join(format!(".staged-{}-{}", std::process::id(), hex(name)));
         let body = serde_json::to_vec(region).map_err(|e| self.failed(e))?;
         std::fs::write(&staged, body).map_err(|e| self.failed(e))?;
-        let linked = std::fs::hard_link(&staged, &path);
+        let linked = std::fs::hard_link(&staged, self.path(name));
         let _ = std::fs::remove_file(&staged);
         match linked {
             Ok(()) => Ok(()),

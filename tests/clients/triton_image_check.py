@@ -21,6 +21,7 @@ Prints `image: all checks passed` and exits 0, or prints the failed check and ex
 
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -29,27 +30,10 @@ import tritonclient.http as httpclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_repository_check import CheckFailed, refused, require  # noqa: E402
+
 LABELS = ["red", "green", "blue", "gray"]
-
-
-class CheckFailed(Exception):
-    pass
-
-
-def require(cond, what):
-    if not cond:
-        raise CheckFailed(what)
-
-
-def refused(call, *words):
-    try:
-        call()
-    except InferenceServerException as e:
-        message = e.message() or ""
-        for w in words:
-            require(w in message, f"refusal {message!r} lacks {w!r}")
-        return
-    raise CheckFailed(f"no error; expected one saying {words}")
 
 
 def layout(module, client):

@@ -37,29 +37,10 @@ from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_repository_check import CheckFailed, refused, require  # noqa: E402
 from tritonclient_check import INPUTS, expected_outputs  # noqa: E402
 
 TEXTS = ["a fine day", "terrible, awful service", "ok"]
-
-
-class CheckFailed(Exception):
-    pass
-
-
-def require(cond, what):
-    if not cond:
-        raise CheckFailed(what)
-
-
-def refused(call, *words):
-    try:
-        call()
-    except InferenceServerException as e:
-        message = e.message() or ""
-        for w in words:
-            require(w in message, f"refusal {message!r} lacks {w!r}")
-        return message
-    raise CheckFailed(f"no error; expected one saying {words}")
 
 
 def statuses(client):

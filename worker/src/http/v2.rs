@@ -11,7 +11,7 @@ use inferd_ipc::triton::{load_parameters, not_done};
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
 use crate::kserve::json as kserve;
-use crate::kserve::{Delivery, SharedMemory};
+use crate::kserve::Delivery;
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -143,7 +143,7 @@ pub async fn infer(
     let parsed = match header_length {
         Some(0) => crate::kserve::raw::parse(&body, meta),
         _ => {
-            let shared = SharedMemory { registry: state.shared_memory.as_ref(), limit: state.max_body_bytes as usize };
+            let shared = state.shared_memory_reader();
             kserve::parse(&body, header_length, &shared)
         }
     }

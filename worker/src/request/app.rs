@@ -10,6 +10,7 @@ use inferd_config::restricted::Restrictions;
 use inferd_ipc::limits::Seat;
 use inferd_ipc::stats::{Endpoint, Latency, WorkerCounters, MAX_MODELS};
 
+use crate::kserve::SharedMemory;
 use crate::request::cache::Cache;
 use crate::request::call::RequestIds;
 use crate::request::error::ApiError;
@@ -55,6 +56,14 @@ pub struct AppState {
     pub supervisor: Arc<crate::request::link::Link>,
     /// The pool's registry of Triton's system shared-memory regions; None: none is taken.
     pub shared_memory: Option<inferd_ipc::shm::Registry>,
+}
+
+impl AppState {
+    /// Where a v2 request's tensors in shared memory are read: the pool's registry, at most a
+    /// body's bound (server.max_body_bytes) per request.
+    pub fn shared_memory_reader(&self) -> SharedMemory<'_> {
+        SharedMemory { registry: self.shared_memory.as_ref(), limit: self.max_body_bytes as usize }
+    }
 }
 
 /// The counter row of a looked-up model: its own for a model loaded at boot, the shared last

@@ -531,7 +531,7 @@ impl Grpc {
             let (index, meta) = found?;
             let rows = request.inputs.first().and_then(|i| usize::try_from(*i.shape.first()?).ok());
             crate::panics::test_switch("grpc", rows);
-            let shared = SharedMemory { registry: state.shared_memory.as_ref(), limit: state.max_body_bytes as usize };
+            let shared = state.shared_memory_reader();
             let parsed = parse(request, &shared).map_err(ApiError::BadRequest)?;
             let inferred = infer::run_v2(state, &call, index, &meta, parsed).await?;
             Ok(Infer(encode(&meta, inferred)))
@@ -648,9 +648,9 @@ fn parse(request: proto::ModelInferRequest, shared: &SharedMemory) -> Result<Par
         p.into_iter().map(|(k, v)| (k, parameter(v))).collect()
     };
     let mut placed = Vec::with_capacity(inputs.len());
-    for input in inputs {
-        let place =
-            crate::kserve::place_of(&format!("input '{}'", input.name), Some(&params(input.parameters.clone())))?;
+    for mut input in inputs {
+        let parameters = params(std::mem::take(&mut input.parameters));
+        let place = crate::kserve::place_of(&format!("input '{}'", input.name), Some(&parameters))?;
         placed.push((input, place));
     }
     let unplaced = placed.iter().filter(|(_, place)| place.is_none()).count();
