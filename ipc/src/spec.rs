@@ -283,8 +283,16 @@ pub enum Precision {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         guard: Option<String>,
     },
-    /// int8, with what the guard measured against fp32.
-    Int8 { guard: String },
+    /// int8, with what the guard measured against fp32, the CPU's int8 class by CPUID
+    /// (`avx2`, `avx512-vnni`, ...) and the bits of the int8 weights (8; 7 without VNNI); empty
+    /// and 0 from a sender that did not say.
+    Int8 {
+        guard: String,
+        #[serde(default)]
+        cpu: String,
+        #[serde(default)]
+        weight_bits: u8,
+    },
     /// The prose of a sender this version does not understand, kept as it said it (empty: it
     /// said nothing). Never sent typed.
     #[serde(skip)]
@@ -309,7 +317,7 @@ impl Precision {
             (Some("fp32"), "") => Precision::FP32,
             (Some("fp32"), rest) if guard(rest).is_some() => Precision::Fp32 { guard: guard(rest) },
             (Some("int8"), rest) => match guard(rest) {
-                Some(guard) => Precision::Int8 { guard },
+                Some(guard) => Precision::Int8 { guard, cpu: String::new(), weight_bits: 0 },
                 None => Precision::Said(prose.to_string()),
             },
             _ => Precision::Said(prose.to_string()),
@@ -323,7 +331,7 @@ impl std::fmt::Display for Precision {
         match self {
             Precision::Fp32 { guard: None } => f.write_str("fp32"),
             Precision::Fp32 { guard: Some(guard) } => write!(f, "fp32 ({guard})"),
-            Precision::Int8 { guard } => write!(f, "int8 ({guard})"),
+            Precision::Int8 { guard, .. } => write!(f, "int8 ({guard})"),
             Precision::Said(prose) => f.write_str(prose),
         }
     }
@@ -479,14 +487,14 @@ mod tests {
             version: "1".into(),
             sha256: "ab".into(),
             weights: Weights::Private { why: "runtime.cache_dir is not set".into() },
-            precision: Precision::Int8 { guard: guard.into() },
+            precision: Precision::Int8 { guard: guard.into(), cpu: "avx2".into(), weight_bits: 7 },
             signer: None,
         };
         let line = serde_json::to_string(&model).unwrap();
         assert_eq!(
             line,
             format!(
-                r#"{{"name":"m","version":"1","sha256":"ab","weights":"private: runtime.cache_dir is not set","precision":"int8 ({guard})","weights_held":{{"held":"private","why":"runtime.cache_dir is not set"}},"precision_served":{{"served":"int8","guard":"{guard}"}}}}"#
+                r#"{{"name":"m","version":"1","sha256":"ab","weights":"private: runtime.cache_dir is not set","precision":"int8 ({guard})","weights_held":{{"held":"private","why":"runtime.cache_dir is not set"}},"precision_served":{{"served":"int8","guard":"{guard}","cpu":"avx2","weight_bits":7}}}}"#
             )
         );
         assert_eq!(serde_json::from_str::<ModelInfo>(&line).unwrap(), model);

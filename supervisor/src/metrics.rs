@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt::{self, Write};
 
 use inferd_config::auth::Refusal;
-use inferd_ipc::spec::{ModelCost, ModelInfo};
+use inferd_ipc::spec::{ModelCost, ModelInfo, Precision};
 use inferd_ipc::stats::{Endpoint, Histogram, Latency, Snapshot, BATCH_BUCKETS, CODES, LATENCY_BUCKETS, MAX_MODELS};
 
 /// Rolling reloads since start, by outcome.
@@ -442,6 +442,23 @@ pub fn render(m: &PoolMetrics) -> String {
     }
     header(
         &mut out,
+        "inferd_model_int8_info",
+        "gauge",
+        "Models served in int8: the CPU's int8 class (by CPUID) and the bits of their weights (7 without VNNI).",
+    );
+    for info in &m.model_info {
+        if let Precision::Int8 { cpu, weight_bits, .. } = &info.precision {
+            let _ = writeln!(
+                out,
+                "inferd_model_int8_info{{model=\"{}\",version=\"{}\",cpu_class=\"{}\",weight_bits=\"{weight_bits}\"}} 1",
+                label(&info.name),
+                label(&info.version),
+                label(cpu)
+            );
+        }
+    }
+    header(
+        &mut out,
         "inferd_model_loads_total",
         "counter",
         "Models loaded by the workers, by model and reason: boot (as a worker started) or on_demand (for a request).",
@@ -529,17 +546,29 @@ mod tests {
             recycles: BTreeMap::new(),
             reloads: Reloads::default(),
             generation: 1,
-            model_info: vec![ModelInfo {
-                name: "m\"0".into(),
-                version: "v\"1\\\n".into(),
-                sha256: "ab".into(),
-                weights: inferd_ipc::spec::Weights::Shared,
-                precision: inferd_ipc::spec::Precision::FP32,
-                signer: None,
-            }],
+            model_info: vec![
+                ModelInfo {
+                    name: "m\"0".into(),
+                    version: "v\"1\\\n".into(),
+                    sha256: "ab".into(),
+                    weights: inferd_ipc::spec::Weights::Shared,
+                    precision: Precision::FP32,
+                    signer: None,
+                },
+                ModelInfo {
+                    name: "q".into(),
+                    version: "1".into(),
+                    sha256: "cd".into(),
+                    weights: inferd_ipc::spec::Weights::Shared,
+                    precision: Precision::Int8 { guard: "...".into(), cpu: "avx2".into(), weight_bits: 7 },
+                    signer: None,
+                },
+            ],
             ..Default::default()
         });
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
+        assert!(text.contains(r#"inferd_model_int8_info{model="q",version="1",cpu_class="avx2",weight_bits="7"} 1"#));
+        assert_eq!(text.matches("inferd_model_int8_info{").count(), 1, "fp32 models have no int8 row");
         assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));
         assert!(!text.contains(r#"model="m8""#), "a ninth model has no counter row");
     }

@@ -217,11 +217,17 @@ impl PoolStatus {
                         Weights::Private { .. } => "private",
                         Weights::Said(prose) => prose.split(':').next().filter(|w| !w.is_empty()).unwrap_or("?"),
                     };
-                    // `int8` or `fp32` (the guard's figures are in the JSON).
+                    // `fp32`, or `int8` with the CPU's int8 class and the bits of its weights (the
+                    // guard's figures are in the JSON).
                     let precision = match &m.precision {
-                        Precision::Fp32 { .. } => "fp32",
-                        Precision::Int8 { .. } => "int8",
-                        Precision::Said(prose) => prose.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32"),
+                        Precision::Fp32 { .. } => "fp32".to_string(),
+                        Precision::Int8 { cpu, weight_bits, .. } if !cpu.is_empty() => {
+                            format!("int8 {cpu} {weight_bits}-bit")
+                        }
+                        Precision::Int8 { .. } => "int8".to_string(),
+                        Precision::Said(prose) => {
+                            prose.split(' ').next().filter(|p| !p.is_empty()).unwrap_or("fp32").to_string()
+                        }
                     };
                     let held = match w.model_bytes.get(&m.name) {
                         Some(cost) => format!(", on demand: {}", bytes(cost.total())),

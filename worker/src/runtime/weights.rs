@@ -426,10 +426,12 @@ fn remove_abandoned(root: &Path) {
     }
 }
 
-/// The CPU, as far as the optimised graph may depend on it: model name and feature flags.
+/// The CPU, as far as the optimised graph may depend on it: model name and feature flags, and
+/// the kernels' class by CPUID (an emulated or masked CPU shows the host's flags).
 fn cpu_id() -> String {
     let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let pick = |key: &str| text.lines().find(|l| l.starts_with(key)).unwrap_or("").to_string();
-    let id = format!("{}\n{}\n{}", std::env::consts::ARCH, pick("model name"), pick("flags"));
+    let class = super::cpu::Class::detect();
+    let id = format!("{}\n{}\n{}\n{class}", std::env::consts::ARCH, pick("model name"), pick("flags"));
     Sha256::digest(id.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect()
 }

@@ -211,7 +211,8 @@ pub(super) fn measure(
     // The candidate file goes however the measuring ends (an error included).
     let candidate = ScratchFile(dir.join("candidate.onnx"));
     let scratch = &candidate.0;
-    let range = rewrite::host_range();
+    let cpu = crate::runtime::cpu::Class::detect();
+    let range = rewrite::Range::of(cpu);
     // The model with every candidate but `keep` in int8, loaded from the scratch file.
     let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), Int8Error> {
         let rewritten = rewrite::rewrite(&source, keep, range)?;
@@ -319,6 +320,7 @@ pub(super) fn measure(
         fp32_ms,
         int8_ms,
         refused,
+        cpu,
     };
     Ok((report.int8.then_some(bytes), report))
 }

@@ -40,7 +40,7 @@ pub use error::Int8Error;
 pub use report::Report;
 
 /// Changes whenever what the preparation writes or how it measures changes.
-const FORMAT: &str = "q5";
+const FORMAT: &str = "q6";
 
 /// Preparations made without a cache_dir, by folder: the report and the int8 file's bytes.
 type Memo = HashMap<PathBuf, (Report, Option<Arc<Vec<u8>>>)>;
@@ -64,7 +64,7 @@ pub fn prepare(runtime: &Runtime, entry: &ModelEntry, sha256: &[u8]) -> Result<(
         entry.quantization.max_probability_error,
         entry.quantization.max_relative_error,
         entry.quantization.calibration.as_ref().map(|c| std::fs::read(c).unwrap_or_default()),
-        rewrite::host_range(),
+        crate::runtime::cpu::Class::detect(),
     );
     // What the calibration inputs and the guard's measure depend on: the task and its head,
     // the tokenizer (its file's text and max_length), the image settings, generated tensors'

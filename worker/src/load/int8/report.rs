@@ -4,6 +4,9 @@
 use inferd_ipc::spec::Precision as Served;
 use serde::{Deserialize, Serialize};
 
+use super::rewrite::Range;
+use crate::runtime::cpu::Class;
+
 /// What the guard measured, kept beside the int8 file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -31,6 +34,9 @@ pub struct Report {
     pub int8_ms: f64,
     /// Why int8 is not served, when it is not.
     pub refused: Option<String>,
+    /// The CPU's int8 class it was prepared for (by CPUID), which decides every int8 node's
+    /// formulation ([`Range::of`]).
+    pub cpu: Class,
 }
 
 impl Report {
@@ -52,6 +58,7 @@ impl Report {
             fp32_ms: 0.0,
             int8_ms: 0.0,
             refused: Some(why),
+            cpu: Class::detect(),
         }
     }
 
@@ -92,11 +99,16 @@ impl Report {
             n => format!("; {n} kept in fp32: {}", self.kept.join(", ")),
         };
         let what = format!(
-            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}",
-            self.quantized, self.candidates, self.inputs, self.of
+            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}; CPU class {} (CPUID): {}",
+            self.quantized,
+            self.candidates,
+            self.inputs,
+            self.of,
+            self.cpu,
+            Range::of(self.cpu).formulation()
         );
         match &self.refused {
-            None => Served::Int8 { guard: what },
+            None => Served::Int8 { guard: what, cpu: self.cpu.name().into(), weight_bits: Range::of(self.cpu).bits() },
             Some(why) => Served::Fp32 { guard: Some(format!("int8 refused: {why}; {what}")) },
         }
     }
@@ -124,6 +136,7 @@ mod tests {
             fp32_ms: 6.0,
             int8_ms: 3.0,
             refused: None,
+            cpu: Class::Avx2,
         };
         let s = report.summary();
         assert!(
@@ -133,6 +146,13 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("2.00x fp32's speed"), "{s}");
+        assert!(
+            s.ends_with(
+                "; CPU class avx2 (CPUID): u8 activations x s8 weights of 7 bits per output column (reduce_range))"
+            ),
+            "{s}"
+        );
+        assert!(matches!(report.precision(), Served::Int8 { cpu, weight_bits: 7, .. } if cpu == "avx2"));
         report.int8 = false;
         report.refused = Some("too slow".into());
         assert!(report.summary().starts_with("fp32 (int8 refused: too slow;"));

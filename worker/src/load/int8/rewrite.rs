@@ -85,6 +85,32 @@ pub enum Range {
     Reduced,
 }
 
+impl Range {
+    /// The range whose products `cpu`'s kernels add exactly.
+    pub fn of(cpu: crate::runtime::cpu::Class) -> Range {
+        match cpu.vnni() {
+            true => Range::Full,
+            false => Range::Reduced,
+        }
+    }
+
+    /// The bits of its weights.
+    pub fn bits(self) -> u8 {
+        match self {
+            Range::Full => 8,
+            Range::Reduced => 7,
+        }
+    }
+
+    /// The formulation of a node rewritten with weights of this range.
+    pub fn formulation(self) -> &'static str {
+        match self {
+            Range::Full => "u8 activations x s8 weights of 8 bits per output column",
+            Range::Reduced => "u8 activations x s8 weights of 7 bits per output column (reduce_range)",
+        }
+    }
+}
+
 /// A matrix's transpose (`Gemm`'s `transB`: the weight stored as [columns, rows]).
 fn transpose(weight: &Weight) -> Weight {
     let (rows, cols) = (weight.dims[0] as usize, weight.dims[1] as usize);
@@ -391,17 +417,6 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
         put_bytes(&mut out, 8, &opset);
     }
     Ok(Quantized { bytes: out, nodes: chosen.iter().map(|(i, n)| n.label(*i)).collect() })
-}
-
-/// The weight range that is exact on this CPU: full with VNNI (AVX-512 VNNI or AVX-VNNI, whose
-/// u8 x s8 dot products accumulate in 32 bits), reduced without.
-pub fn host_range() -> Range {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or("");
-    match flags.split_whitespace().any(|f| f == "avx512_vnni" || f == "avx_vnni") {
-        true => Range::Full,
-        false => Range::Reduced,
-    }
 }
 
 #[cfg(test)]
