@@ -284,12 +284,15 @@ pub enum Precision {
         guard: Option<String>,
     },
     /// int8, with what the guard measured against fp32, the CPU's int8 class by CPUID
-    /// (`avx2`, `avx512-vnni`, ...) and the bits of the int8 weights (8; 7 without VNNI); empty
-    /// and 0 from a sender that did not say.
+    /// (`avx2`, `avx512-vnni`, ...), and the type and bits of the weights (`s8` of 8 bits with
+    /// VNNI; without, `s8` of 7 bits or `u8` of 8, as the guard chose); empty and 0 from a
+    /// sender that did not say.
     Int8 {
         guard: String,
         #[serde(default)]
         cpu: String,
+        #[serde(default)]
+        weight_type: String,
         #[serde(default)]
         weight_bits: u8,
     },
@@ -317,7 +320,9 @@ impl Precision {
             (Some("fp32"), "") => Precision::FP32,
             (Some("fp32"), rest) if guard(rest).is_some() => Precision::Fp32 { guard: guard(rest) },
             (Some("int8"), rest) => match guard(rest) {
-                Some(guard) => Precision::Int8 { guard, cpu: String::new(), weight_bits: 0 },
+                Some(guard) => {
+                    Precision::Int8 { guard, cpu: String::new(), weight_type: String::new(), weight_bits: 0 }
+                }
                 None => Precision::Said(prose.to_string()),
             },
             _ => Precision::Said(prose.to_string()),
@@ -487,14 +492,19 @@ mod tests {
             version: "1".into(),
             sha256: "ab".into(),
             weights: Weights::Private { why: "runtime.cache_dir is not set".into() },
-            precision: Precision::Int8 { guard: guard.into(), cpu: "avx2".into(), weight_bits: 7 },
+            precision: Precision::Int8 {
+                guard: guard.into(),
+                cpu: "avx2".into(),
+                weight_type: "s8".into(),
+                weight_bits: 7,
+            },
             signer: None,
         };
         let line = serde_json::to_string(&model).unwrap();
         assert_eq!(
             line,
             format!(
-                r#"{{"name":"m","version":"1","sha256":"ab","weights":"private: runtime.cache_dir is not set","precision":"int8 ({guard})","weights_held":{{"held":"private","why":"runtime.cache_dir is not set"}},"precision_served":{{"served":"int8","guard":"{guard}","cpu":"avx2","weight_bits":7}}}}"#
+                r#"{{"name":"m","version":"1","sha256":"ab","weights":"private: runtime.cache_dir is not set","precision":"int8 ({guard})","weights_held":{{"held":"private","why":"runtime.cache_dir is not set"}},"precision_served":{{"served":"int8","guard":"{guard}","cpu":"avx2","weight_type":"s8","weight_bits":7}}}}"#
             )
         );
         assert_eq!(serde_json::from_str::<ModelInfo>(&line).unwrap(), model);

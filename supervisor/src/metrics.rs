@@ -444,16 +444,17 @@ pub fn render(m: &PoolMetrics) -> String {
         &mut out,
         "inferd_model_int8_info",
         "gauge",
-        "Models served in int8: the CPU's int8 class (by CPUID) and the bits of their weights (7 without VNNI).",
+        "Models served in int8: the CPU's int8 class (by CPUID), the type and bits of their weights.",
     );
     for info in &m.model_info {
-        if let Precision::Int8 { cpu, weight_bits, .. } = &info.precision {
+        if let Precision::Int8 { cpu, weight_type, weight_bits, .. } = &info.precision {
             let _ = writeln!(
                 out,
-                "inferd_model_int8_info{{model=\"{}\",version=\"{}\",cpu_class=\"{}\",weight_bits=\"{weight_bits}\"}} 1",
+                "inferd_model_int8_info{{model=\"{}\",version=\"{}\",cpu_class=\"{}\",weight_type=\"{}\",weight_bits=\"{weight_bits}\"}} 1",
                 label(&info.name),
                 label(&info.version),
-                label(cpu)
+                label(cpu),
+                label(weight_type)
             );
         }
     }
@@ -560,14 +561,21 @@ mod tests {
                     version: "1".into(),
                     sha256: "cd".into(),
                     weights: inferd_ipc::spec::Weights::Shared,
-                    precision: Precision::Int8 { guard: "...".into(), cpu: "avx2".into(), weight_bits: 7 },
+                    precision: Precision::Int8 {
+                        guard: "...".into(),
+                        cpu: "avx2".into(),
+                        weight_type: "s8".into(),
+                        weight_bits: 7,
+                    },
                     signer: None,
                 },
             ],
             ..Default::default()
         });
         assert!(text.contains(r#"inferd_model_info{model="m\"0",version="v\"1\\\n",sha256="ab"} 1"#), "{text}");
-        assert!(text.contains(r#"inferd_model_int8_info{model="q",version="1",cpu_class="avx2",weight_bits="7"} 1"#));
+        assert!(text.contains(
+            r#"inferd_model_int8_info{model="q",version="1",cpu_class="avx2",weight_type="s8",weight_bits="7"} 1"#
+        ));
         assert_eq!(text.matches("inferd_model_int8_info{").count(), 1, "fp32 models have no int8 row");
         assert!(text.contains(r#"inferd_batch_size_count{model="m7"} 0"#));
         assert!(!text.contains(r#"model="m8""#), "a ninth model has no counter row");

@@ -221,8 +221,8 @@ impl PoolStatus {
                     // guard's figures are in the JSON).
                     let precision = match &m.precision {
                         Precision::Fp32 { .. } => "fp32".to_string(),
-                        Precision::Int8 { cpu, weight_bits, .. } if !cpu.is_empty() => {
-                            format!("int8 {cpu} {weight_bits}-bit")
+                        Precision::Int8 { cpu, weight_type, weight_bits, .. } if !cpu.is_empty() => {
+                            format!("int8 {cpu} {weight_type} {weight_bits}-bit")
                         }
                         Precision::Int8 { .. } => "int8".to_string(),
                         Precision::Said(prose) => {

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::calibration::{calibration, Calibration, Sample};
 use super::error::Int8Error;
 use super::report::Report;
-use super::rewrite;
+use super::rewrite::{self, Range};
 use crate::pipeline::{embeddings, scores, Head, Pipeline, Side, Text};
 use crate::runtime::model::{ModelSession, Runtime, Threads};
 use crate::runtime::tensor::{Tensor, TensorData};
@@ -212,9 +212,9 @@ pub(super) fn measure(
     let candidate = ScratchFile(dir.join("candidate.onnx"));
     let scratch = &candidate.0;
     let cpu = crate::runtime::cpu::Class::detect();
-    let range = rewrite::Range::of(cpu);
-    // The model with every candidate but `keep` in int8, loaded from the scratch file.
-    let load = |keep: &HashSet<String>| -> Result<(Vec<u8>, ModelSession), Int8Error> {
+    // The model with every candidate but `keep` in int8 as `range` says, loaded from the
+    // scratch file.
+    let load = |keep: &HashSet<String>, range: Range| -> Result<(Vec<u8>, ModelSession), Int8Error> {
         let rewritten = rewrite::rewrite(&source, keep, range)?;
         std::fs::write(scratch, &rewritten.bytes).map_err(|error| Int8Error::File {
             action: "write",
@@ -226,8 +226,8 @@ pub(super) fn measure(
             .map_err(Int8Error::Int8Session)?;
         Ok((rewritten.bytes, model))
     };
-    let try_keep = |keep: &HashSet<String>| -> Result<(Vec<u8>, Deviation, f64), Int8Error> {
-        let (bytes, mut model) = load(keep)?;
+    let try_keep = |keep: &HashSet<String>, range: Range| -> Result<(Vec<u8>, Deviation, f64), Int8Error> {
+        let (bytes, mut model) = load(keep, range)?;
         let (got, ms) = run(&mut model, &pipeline, &samples)?;
         Ok((bytes, compare(&want, &got), ms))
     };
@@ -239,31 +239,73 @@ pub(super) fn measure(
         Kind::Tensors => (q.max_relative_error, "max_relative_error", "the largest relative error of an output"),
     };
     let limit = if want.kind == Kind::Embeddings { 1.0 - bound } else { bound };
-    let mut keep = HashSet::new();
-    let mut outcome = try_keep(&keep)?;
-    if outcome.1.worst > limit && candidates.len() > 1 {
-        // Each node alone in int8: what it costs, on every third input (the ranking needs no
-        // more, and a model has tens of nodes).
-        // Each input runs alone, so fp32's answers for the sample are those of the full set.
-        let sample: Vec<Sample> = samples.iter().step_by(3).cloned().collect();
-        let want_sample = want.every_third();
-        let mut costs = Vec::with_capacity(candidates.len());
-        for node in &candidates {
-            let others: HashSet<String> = candidates.iter().filter(|c| *c != node).cloned().collect();
-            let (_, mut model) = load(&others)?;
-            costs.push((compare(&want_sample, &run(&mut model, &pipeline, &sample)?.0).worst, node.clone()));
+    // One formulation: every node in int8, then the costliest kept in fp32 one by one.
+    let attempt = |range: Range| -> Result<Attempt, Int8Error> {
+        let mut keep = HashSet::new();
+        let mut outcome = try_keep(&keep, range)?;
+        if outcome.1.worst > limit && candidates.len() > 1 {
+            // Each node alone in int8: what it costs, on every third input (the ranking needs
+            // no more, and a model has tens of nodes).
+            // Each input runs alone, so fp32's answers for the sample are those of the full set.
+            let sample: Vec<Sample> = samples.iter().step_by(3).cloned().collect();
+            let want_sample = want.every_third();
+            let mut costs = Vec::with_capacity(candidates.len());
+            for node in &candidates {
+                let others: HashSet<String> = candidates.iter().filter(|c| *c != node).cloned().collect();
+                let (_, mut model) = load(&others, range)?;
+                costs.push((compare(&want_sample, &run(&mut model, &pipeline, &sample)?.0).worst, node.clone()));
+            }
+            costs.sort_by(|a, b| b.0.total_cmp(&a.0));
+            for (cost, node) in costs.into_iter().take(candidates.len() / 2) {
+                info!(model = entry.name, "int8 guard ({range:?}): keeping {node} in fp32 (alone it costs {cost:.4})");
+                keep.insert(node);
+                outcome = try_keep(&keep, range)?;
+                if outcome.1.worst <= limit {
+                    break;
+                }
+            }
         }
-        costs.sort_by(|a, b| b.0.total_cmp(&a.0));
-        for (cost, node) in costs.into_iter().take(candidates.len() / 2) {
-            info!(model = entry.name, "int8 guard: keeping {node} in fp32 (alone it costs {cost:.4})");
-            keep.insert(node);
-            outcome = try_keep(&keep)?;
-            if outcome.1.worst <= limit {
-                break;
+        let (bytes, error, int8_ms) = outcome;
+        Ok(Attempt { range, keep, bytes, error, int8_ms })
+    };
+    // Each formulation this CPU's kernels add exactly (two without VNNI): the one that passes
+    // and runs fastest, else the one closest to passing. One that cannot run is passed over
+    // while another can.
+    let mut attempts: Vec<Attempt> = Vec::new();
+    let mut failed = None;
+    for &range in Range::candidates(cpu) {
+        match attempt(range) {
+            Ok(a) => attempts.push(a),
+            Err(e) => {
+                warn!(model = entry.name, "int8 guard: {} cannot be measured: {e}", range.formulation());
+                failed.get_or_insert(e);
             }
         }
     }
-    let (bytes, error, int8_ms) = outcome;
+    let passes = |a: &Attempt| a.error.differ == 0 && a.error.worst.is_finite() && a.error.worst <= limit;
+    attempts.sort_by(|a, b| {
+        passes(b).cmp(&passes(a)).then(match passes(a) {
+            true => a.int8_ms.total_cmp(&b.int8_ms),
+            false => a.error.worst.total_cmp(&b.error.worst),
+        })
+    });
+    let figure = |worst: f64| if want.kind == Kind::Embeddings { 1.0 - worst } else { worst };
+    let alternatives: Vec<String> = attempts
+        .iter()
+        .skip(1)
+        .map(|a| {
+            format!(
+                "{}: {measured} {:.4} with {} kept in fp32, {:.2} ms",
+                a.range.formulation(),
+                figure(a.error.worst),
+                a.keep.len(),
+                a.int8_ms
+            )
+        })
+        .collect();
+    let Some(Attempt { range, keep, bytes, error, int8_ms }) = attempts.into_iter().next() else {
+        return Err(failed.expect("a formulation was tried"));
+    };
     let mut kept: Vec<String> = keep.into_iter().collect();
     kept.sort();
     let refused = if error.differ > 0 {
@@ -281,12 +323,9 @@ pub(super) fn measure(
             candidates.len()
         ))
     } else if error.worst > limit {
-        let figure = match want.kind {
-            Kind::Embeddings => 1.0 - error.worst,
-            _ => error.worst,
-        };
         Some(format!(
-            "{measured} is {figure:.4} with {} of {} nodes kept in fp32, {} quantization.{key} = {bound}",
+            "{measured} is {:.4} with {} of {} nodes kept in fp32, {} quantization.{key} = {bound}",
+            figure(error.worst),
             kept.len(),
             candidates.len(),
             if want.kind == Kind::Embeddings { "under" } else { "over" },
@@ -321,8 +360,19 @@ pub(super) fn measure(
         int8_ms,
         refused,
         cpu,
+        formulation: range,
+        alternatives,
     };
     Ok((report.int8.then_some(bytes), report))
+}
+
+/// One formulation's outcome: the nodes kept in fp32, the int8 file and its figures.
+struct Attempt {
+    range: Range,
+    keep: HashSet<String>,
+    bytes: Vec<u8>,
+    error: Deviation,
+    int8_ms: f64,
 }
 
 /// A file removed when this is dropped.

@@ -34,14 +34,18 @@ pub struct Report {
     pub int8_ms: f64,
     /// Why int8 is not served, when it is not.
     pub refused: Option<String>,
-    /// The CPU's int8 class it was prepared for (by CPUID), which decides every int8 node's
-    /// formulation ([`Range::of`]).
+    /// The CPU's int8 class it was prepared for (by CPUID), which decides the formulations
+    /// measured ([`Range::candidates`]), and the one chosen for every int8 node.
     pub cpu: Class,
+    pub formulation: Range,
+    /// The other formulations measured, with their figures.
+    pub alternatives: Vec<String>,
 }
 
 impl Report {
     /// Int8 refused before anything was measured, for `why`.
     pub(super) fn refused(candidates: usize, why: String) -> Report {
+        let cpu = Class::detect();
         Report {
             int8: false,
             quantized: 0,
@@ -58,7 +62,9 @@ impl Report {
             fp32_ms: 0.0,
             int8_ms: 0.0,
             refused: Some(why),
-            cpu: Class::detect(),
+            cpu,
+            formulation: Range::candidates(cpu)[0],
+            alternatives: Vec::new(),
         }
     }
 
@@ -98,17 +104,26 @@ impl Report {
             0 => String::new(),
             n => format!("; {n} kept in fp32: {}", self.kept.join(", ")),
         };
+        let others = match self.alternatives.len() {
+            0 => String::new(),
+            _ => format!(", chosen over {}", self.alternatives.join("; ")),
+        };
         let what = format!(
-            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}; CPU class {} (CPUID): {}",
+            "{} of {} MatMul/Gemm/Attention nodes in int8{kept}; {error} over {} {}; {speed}; CPU class {} (CPUID): {}{others}",
             self.quantized,
             self.candidates,
             self.inputs,
             self.of,
             self.cpu,
-            Range::of(self.cpu).formulation()
+            self.formulation.formulation()
         );
         match &self.refused {
-            None => Served::Int8 { guard: what, cpu: self.cpu.name().into(), weight_bits: Range::of(self.cpu).bits() },
+            None => Served::Int8 {
+                guard: what,
+                cpu: self.cpu.name().into(),
+                weight_type: self.formulation.weight_type().into(),
+                weight_bits: self.formulation.bits(),
+            },
             Some(why) => Served::Fp32 { guard: Some(format!("int8 refused: {why}; {what}")) },
         }
     }
@@ -137,6 +152,8 @@ mod tests {
             int8_ms: 3.0,
             refused: None,
             cpu: Class::Avx2,
+            formulation: Range::Reduced,
+            alternatives: Vec::new(),
         };
         let s = report.summary();
         assert!(
@@ -152,7 +169,9 @@ mod tests {
             ),
             "{s}"
         );
-        assert!(matches!(report.precision(), Served::Int8 { cpu, weight_bits: 7, .. } if cpu == "avx2"));
+        assert!(
+            matches!(report.precision(), Served::Int8 { cpu, weight_type, weight_bits: 7, .. } if cpu == "avx2" && weight_type == "s8")
+        );
         report.int8 = false;
         report.refused = Some("too slow".into());
         assert!(report.summary().starts_with("fp32 (int8 refused: too slow;"));

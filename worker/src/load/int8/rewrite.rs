@@ -22,6 +22,7 @@ use crate::protowire::{fields, put_bytes, put_number, varint, Field};
 
 /// TensorProto.DataType values used here.
 const FLOAT: u64 = 1;
+const UINT8: u64 = 2;
 const INT8: u64 = 3;
 
 /// An fp32 initializer's values and shape, when it is stored in the file itself.
@@ -75,29 +76,43 @@ fn tensor(name: &str, data_type: u64, dims: &[u64], raw: &[u8]) -> Vec<u8> {
     t
 }
 
-/// How the weights are quantised.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the weights are quantised: the formulation of every node the rewrite quantises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Range {
     /// Int8 in [-127, 127]: for CPUs with VNNI, whose u8 x s8 products do not saturate.
     Full,
     /// Int8 in [-63, 63] (7 bits): without VNNI, the AVX2 u8 x s8 kernels add pairs of
     /// products into 16 bits, which full-range weights can saturate (ORT's `reduce_range`).
     Reduced,
+    /// Uint8 in [1, 255] about a zero point of 128 (the full range's 8 bits, shifted): ORT's
+    /// u8 x u8 kernels without VNNI widen both to 16 bits before they multiply and add pairs
+    /// into 32 bits, so nothing saturates; fewer products a cycle than u8 x s8's.
+    Unsigned,
 }
 
 impl Range {
-    /// The range whose products `cpu`'s kernels add exactly.
-    pub fn of(cpu: crate::runtime::cpu::Class) -> Range {
+    /// The formulations whose products `cpu`'s kernels add exactly, for the guard to measure:
+    /// with VNNI the full range; without, 7-bit s8 weights and 8-bit u8 ones.
+    pub fn candidates(cpu: crate::runtime::cpu::Class) -> &'static [Range] {
         match cpu.vnni() {
-            true => Range::Full,
-            false => Range::Reduced,
+            true => &[Range::Full],
+            false => &[Range::Reduced, Range::Unsigned],
+        }
+    }
+
+    /// The type of its weights.
+    pub fn weight_type(self) -> &'static str {
+        match self {
+            Range::Full | Range::Reduced => "s8",
+            Range::Unsigned => "u8",
         }
     }
 
     /// The bits of its weights.
     pub fn bits(self) -> u8 {
         match self {
-            Range::Full => 8,
+            Range::Full | Range::Unsigned => 8,
             Range::Reduced => 7,
         }
     }
@@ -107,6 +122,7 @@ impl Range {
         match self {
             Range::Full => "u8 activations x s8 weights of 8 bits per output column",
             Range::Reduced => "u8 activations x s8 weights of 7 bits per output column (reduce_range)",
+            Range::Unsigned => "u8 activations x u8 weights of 8 bits per output column (zero point 128)",
         }
     }
 }
@@ -123,13 +139,15 @@ fn transpose(weight: &Weight) -> Weight {
     Weight { dims: vec![weight.dims[1], weight.dims[0]], values }
 }
 
-/// Per output column: the largest magnitude maps to the range's end; zero point 0.
+/// Per output column: the largest magnitude maps to the range's end; zero point 0 (128 for
+/// [`Range::Unsigned`], whose values are the full range's plus 128).
 fn quantize(weight: &Weight, range: Range) -> (Vec<u8>, Vec<u8>) {
     let (rows, cols) = (weight.dims[0] as usize, weight.dims[1] as usize);
     let top = match range {
-        Range::Full => 127.0f32,
+        Range::Full | Range::Unsigned => 127.0f32,
         Range::Reduced => 63.0,
     };
+    let shift = if range == Range::Unsigned { 128 } else { 0 };
     let mut scales = vec![0f32; cols];
     for row in weight.values.chunks_exact(cols) {
         for (s, v) in scales.iter_mut().zip(row) {
@@ -141,7 +159,7 @@ fn quantize(weight: &Weight, range: Range) -> (Vec<u8>, Vec<u8>) {
     }
     let mut q = Vec::with_capacity(rows * cols);
     for row in weight.values.chunks_exact(cols) {
-        q.extend(row.iter().zip(&scales).map(|(v, s)| (v / s).round().clamp(-top, top) as i8 as u8));
+        q.extend(row.iter().zip(&scales).map(|(v, s)| ((v / s).round().clamp(-top, top) as i32 + shift) as u8));
     }
     (q, scales.iter().flat_map(|s| s.to_le_bytes()).collect())
 }
@@ -373,9 +391,13 @@ pub fn rewrite(model: &[u8], keep: &HashSet<String>, range: Range) -> Result<Qua
                             let (q, scales) = quantize(weight, range);
                             let cols = weight.dims[1];
                             let [w_int8, w_scale, w_zero] = &quantized_names[&(name.as_str(), t)];
-                            made.push(tensor(w_int8, INT8, &weight.dims, &q));
+                            let (data_type, zero) = match range {
+                                Range::Unsigned => (UINT8, 128u8),
+                                Range::Full | Range::Reduced => (INT8, 0),
+                            };
+                            made.push(tensor(w_int8, data_type, &weight.dims, &q));
                             made.push(tensor(w_scale, FLOAT, &[cols], &scales));
-                            made.push(tensor(w_zero, INT8, &[cols], &vec![0u8; cols as usize]));
+                            made.push(tensor(w_zero, data_type, &[cols], &vec![zero; cols as usize]));
                         }
                         new_tensors.insert(name.clone(), made);
                         if still_read.contains(name.as_str()) {
@@ -435,6 +457,10 @@ mod tests {
         assert_eq!(q, vec![64, -127, 0, -127, 64, 0]);
         let (q, _) = quantize(&w, Range::Reduced);
         assert_eq!(q[3] as i8, -63);
+        // Unsigned: the full range's values about 128.
+        let (q, unsigned_scales) = quantize(&w, Range::Unsigned);
+        assert_eq!(q, vec![192, 1, 128, 1, 192, 128]);
+        assert_eq!(unsigned_scales, quantize(&w, Range::Full).1);
     }
 
     /// An INT (`i`) or FLOAT (`f`) attribute's bytes, field key included.
