@@ -69,7 +69,11 @@ def guard(name, round_):
     """The default model's precision as the server reports it (the guard's figures for int8)."""
     status = json.load(sys.stdin)
     models = status["workers"][0]["models"]
-    print(json.dumps({"name": name, "case": "guard", "round": round_, "text": models[0]["precision"]}))
+    served = models[0].get("precision_served", {})
+    # The CPU's int8 class (by CPUID) and the weights the guard chose for it.
+    kernels = f"{served.get('cpu', '?')}, {served.get('weight_type', '?')} weights of {served.get('weight_bits', '?')} bits"
+    print(json.dumps({"name": name, "case": "guard", "round": round_, "text": models[0]["precision"],
+                      "kernels": kernels}))
 
 
 def load(path):
@@ -208,12 +212,14 @@ def report(path, record, seconds, rounds):
         "| short texts' p99, alone / 1 in 8 long (c=16) | errors | RSS (PSS), all processes: after the 17-token load / after long inputs too |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    kernels = sorted({r.get("kernels", "?") for r in rows.get(("inferd-int8", "guard"), [])})
     for n in names:
+        label = LABELS[n] + (f" ({'; '.join(kernels)})" if n == "inferd-int8" and kernels else "")
         cell = lambda c, lat: f"{get(n, c, 'throughput'):.0f} ({get(n, c, lat):.1f})"
         errors = sum(r.get("errors", 0) for (m, _), rs in rows.items() if m == n for r in rs)
         mib = lambda case: f"{get(n, case, 'rss_bytes') / 2**20:.0f} ({get(n, case, 'pss_bytes') / 2**20:.0f})"
         lines.append(
-            f"| {LABELS[n]} | {cell('c=1', 'p50_ms')} | {get(n, 'c=4', 'throughput'):.0f} | {cell('c=16', 'p99_ms')} "
+            f"| {label} | {cell('c=1', 'p50_ms')} | {get(n, 'c=4', 'throughput'):.0f} | {cell('c=16', 'p99_ms')} "
             f"| {cell('c=32', 'p99_ms')} | {cell('open', 'p99_ms')} "
             f"| {get(n, 'short-only', 'p99_ms'):.1f} / {get(n, 'short-in-mix', 'p99_ms'):.1f} ms "
             f"| {errors} | {mib('memory-short')} / {mib('memory')} MiB |"
