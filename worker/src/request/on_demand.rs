@@ -21,9 +21,8 @@
 //! makes its room once it has its turn, by the worker's memory then. The one load of a model
 //! version that prepares its shared weights peaks higher than any later one, once for the
 //! pool: a sibling maps what the first prepared ([`crate::runtime::weights`]). A worker's PSS
-//! also grows without a load of its own, when a
-//! sibling unmaps weights both mapped: the loader looks every [`CHECK_EVERY`] while idle, and
-//! evicts what no longer fits.
+//! also grows without a load of its own, when a sibling unmaps weights both mapped: the loader
+//! looks every [`CHECK_EVERY`] while idle, and evicts what no longer fits.
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
