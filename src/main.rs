@@ -88,6 +88,9 @@ struct ServeArgs {
     /// repository load/unload), "" for none (admin.listen).
     #[arg(long)]
     admin_listen: Option<String>,
+    /// Largest request body in bytes (server.max_body_bytes); Triton's name for it is accepted.
+    #[arg(long, visible_alias = "http-max-input-size")]
+    max_body_bytes: Option<u64>,
     /// Number of worker processes; 0 = fill the CPU budget (server.workers).
     #[arg(long)]
     workers: Option<usize>,
@@ -280,6 +283,7 @@ fn resolve(args: &ServeArgs) -> Result<Resolved, Failure> {
         admin_listen: args.admin_listen.clone(),
         workers: args.workers,
         threads: args.threads,
+        max_body_bytes: args.max_body_bytes,
         control_socket: args.control_socket.clone(),
         model_dir: args.model.clone(),
         model_override: ModelOverride {

@@ -230,7 +230,7 @@ fn grpc_answers_are_compressed_as_their_requests_were() {
                 }
                 coding => {
                     assert_eq!((data[0], encoding.as_deref()), (1, Some(coding.name())), "{case}: a compressed answer");
-                    coding.decode(&data[5..], 1 << 24).unwrap()
+                    coding.decode(&data[5..], 1 << 24, |_| true).unwrap()
                 }
             };
             let answer = proto::ModelInferResponse::decode(&message[..]).unwrap();

@@ -185,7 +185,7 @@ fn hostile_requests_cost_only_their_own_answer() {
     assert_eq!(r.status, 200);
     std::fs::remove_file(&path).unwrap();
 
-    // Text: 16 MB (the body limit is 16 MiB) is refused before it is tokenized, on every route
+    // Text: 16 MB (within the body limit) is refused before it is tokenized, on every route
     // that tokenizes; with truncation allowed it is cut first and answered at once.
     let text = "many words of text ".repeat(16_000_000 / 19);
     let max = "at most 8192 bytes are tokenized";

@@ -172,7 +172,7 @@ impl Default for ServerConfig {
             lend_idle_cores: true,
             background_lane: true,
             control_socket: PathBuf::from("/run/inferd/control.sock"),
-            max_body_bytes: 16 * 1024 * 1024,
+            max_body_bytes: 64 * 1024 * 1024,
             max_batch_inputs: 64,
             graceful_timeout_secs: 30.0,
             boot_timeout_secs: 120.0,
@@ -548,6 +548,7 @@ pub struct Overrides {
     pub admin_listen: Option<String>,
     pub workers: Option<usize>,
     pub threads: Option<usize>,
+    pub max_body_bytes: Option<u64>,
     pub control_socket: Option<PathBuf>,
     pub model_override: ModelOverride,
     /// One model folder to serve, alone, in place of the repository's models (its parent
@@ -593,6 +594,9 @@ impl Config {
         }
         if let Some(threads) = overrides.threads {
             self.server.threads = threads;
+        }
+        if let Some(bytes) = overrides.max_body_bytes {
+            self.server.max_body_bytes = bytes;
         }
         self.model_override = overrides.model_override;
         if let Some(dir) = &overrides.model_dir {

@@ -15,7 +15,7 @@ use opentelemetry::KeyValue;
 
 use crate::http::encoding::{DecodeError, Encoding};
 use crate::request::app::AppState;
-use crate::request::error::ApiError;
+use crate::request::error::{ApiError, OverLimit};
 
 /// Set once a request's body has been read whole: a request whose body was left unread is
 /// answered with `Connection: close` (see `http::handle`).
@@ -44,33 +44,31 @@ impl std::ops::Deref for Body {
 }
 
 /// `request`'s body ([`Body`]): it must arrive within `server.body_timeout_secs` (408) and
-/// by the request's `deadline` (504).
+/// by the request's `deadline` (504); past `server.max_body_bytes`, [`OverLimit`].
 pub async fn receive(
     state: &AppState,
     request: Request<Incoming>,
     deadline: Option<Instant>,
 ) -> Result<Body, ApiError> {
     let limit = state.max_body_bytes;
-    let too_large = || {
-        ApiError::TooLarge(format!("request body is larger than the limit of {limit} bytes (server.max_body_bytes)"))
-    };
     let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let too_large = |inflated| ApiError::from(OverLimit { declared, inflated, limit });
     if declared.is_some_and(|len| len > limit) {
-        return Err(too_large());
+        return Err(too_large(false));
     }
     let content_encoding = request.headers().get(hyper::header::CONTENT_ENCODING).map(|v| v.to_str().unwrap_or("?"));
     let encoding = Encoding::from_header(content_encoding).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     // Bodies being read or held by this worker may not add up past its budget: many large
     // requests at once get a fast 503 instead of exhausting memory. A compressed body is
-    // charged for what it may inflate to: the limit.
-    let size = if encoding == Encoding::Identity { declared.unwrap_or(limit) } else { limit };
-    let claim = size.max(1).min(u32::MAX as u64) as u32;
-    let budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| {
+    // charged for what it inflates to as it grows, a mebibyte at a time.
+    let overloaded = || {
         ApiError::Overloaded(format!(
             "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
             state.body_budget_total
         ))
-    })?;
+    };
+    let claim = declared.unwrap_or(limit).max(1).min(u32::MAX as u64) as u32;
+    let mut budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| overloaded())?;
     let read = request.extensions().get::<Read>().cloned();
     let mut stage = crate::trace::Stage::start("read body");
     let collect = Limited::new(request.into_body(), limit as usize).collect();
@@ -90,7 +88,7 @@ pub async fn receive(
         })?
         .map_err(|e| {
             if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                too_large()
+                too_large(false)
             } else {
                 ApiError::BadRequest(format!("could not read the request body: {e}"))
             }
@@ -103,14 +101,24 @@ pub async fn receive(
     let bytes = match encoding {
         Encoding::Identity => bytes,
         // Inflating megabytes takes milliseconds: off the I/O thread.
-        _ => tokio::task::spawn_blocking(move || encoding.decode(&bytes, limit))
+        _ => {
+            let pool = state.body_budget.clone();
+            let (inflated, held) = tokio::task::spawn_blocking(move || {
+                let inflated = encoding.decode(&bytes, limit, |more| {
+                    let Ok(more) = u32::try_from(more) else { return false };
+                    pool.clone().try_acquire_many_owned(more).map(|more| budget.merge(more)).is_ok()
+                });
+                (inflated, budget)
+            })
             .await
-            .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?
-            .map(Bytes::from)
-            .map_err(|e| match e {
-                DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
+            .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?;
+            budget = held;
+            Bytes::from(inflated.map_err(|e| match e {
+                DecodeError::TooLarge(_) => too_large(true),
+                DecodeError::NoRoom => overloaded(),
                 _ => ApiError::BadRequest(e.to_string()),
-            })?,
+            })?)
+        }
     };
     Ok(Body { bytes, _budget: budget })
 }

@@ -233,6 +233,6 @@ mod tests {
         let frame = grpc_frame(Encoding::Gzip, &message).unwrap();
         let length = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]) as usize;
         assert_eq!((frame[0], length), (1, frame.len().saturating_sub(5)));
-        assert_eq!(Encoding::Gzip.decode(&frame[5..], 1 << 20).unwrap(), message);
+        assert_eq!(Encoding::Gzip.decode(&frame[5..], 1 << 20, |_| true).unwrap(), message);
     }
 }

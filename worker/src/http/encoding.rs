@@ -30,6 +30,9 @@ pub enum DecodeError {
     Unsupported(String),
     #[error("the request body inflates to more than the limit of {0} bytes (server.max_body_bytes)")]
     TooLarge(u64),
+    /// The caller had no room for more of it (its share of the worker's body budget).
+    #[error("the request body inflates to more than this worker has room for now")]
+    NoRoom,
     #[error("the request body is not valid {encoding}: {message}")]
     Corrupt { encoding: &'static str, message: String },
 }
@@ -145,24 +148,37 @@ impl Encoding {
         }
     }
 
-    /// `body` inflated, at most `limit` bytes of it.
-    pub fn decode(self, body: &[u8], limit: u64) -> Result<Vec<u8>, DecodeError> {
+    /// `body` inflated, at most `limit` bytes of it. `room` is asked before each mebibyte the
+    /// output may hold ([`GROWTH`]); where it says no, inflating stops ([`DecodeError::NoRoom`]).
+    pub fn decode(self, body: &[u8], limit: u64, mut room: impl FnMut(u64) -> bool) -> Result<Vec<u8>, DecodeError> {
         let (reader, encoding): (Box<dyn Read + '_>, &'static str) = match self {
             Encoding::Identity => return Ok(body.to_vec()),
             Encoding::Gzip => (Box::new(flate2::read::MultiGzDecoder::new(body)), "gzip"),
             Encoding::Deflate => (Box::new(flate2::read::ZlibDecoder::new(body)), "deflate (zlib)"),
         };
+        let mut reader = reader.take(limit.saturating_add(1));
         let mut out = Vec::new();
-        reader
-            .take(limit.saturating_add(1))
-            .read_to_end(&mut out)
-            .map_err(|e| DecodeError::Corrupt { encoding, message: e.to_string() })?;
+        loop {
+            if !room(GROWTH) {
+                return Err(DecodeError::NoRoom);
+            }
+            let read = (&mut reader)
+                .take(GROWTH)
+                .read_to_end(&mut out)
+                .map_err(|e| DecodeError::Corrupt { encoding, message: e.to_string() })?;
+            if (read as u64) < GROWTH {
+                break;
+            }
+        }
         if out.len() as u64 > limit {
             return Err(DecodeError::TooLarge(limit));
         }
         Ok(out)
     }
 }
+
+/// The steps an inflated body grows by, each asked of the caller first.
+pub const GROWTH: u64 = 1 << 20;
 
 /// A q-value (`0`, `0.5`, `1`, `1.000`) in thousandths; None when it is not one.
 fn qvalue(text: &str) -> Option<u16> {
@@ -192,15 +208,23 @@ mod tests {
     #[test]
     fn bodies_inflate_within_the_limit_and_a_bomb_stops_at_it() {
         let text = b"{\"inputs\": \"hello\"}".repeat(100);
-        assert_eq!(Encoding::Gzip.decode(&gzip(&text), 1 << 20).unwrap(), text);
+        assert_eq!(Encoding::Gzip.decode(&gzip(&text), 1 << 20, |_| true).unwrap(), text);
         let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
         z.write_all(&text).unwrap();
-        assert_eq!(Encoding::Deflate.decode(&z.finish().unwrap(), 1 << 20).unwrap(), text);
+        assert_eq!(Encoding::Deflate.decode(&z.finish().unwrap(), 1 << 20, |_| true).unwrap(), text);
         // 64 MiB of zeros gzip to ~64 KiB: refused at a 1 MiB limit, having inflated 1 MiB.
         let bomb = gzip(&vec![0u8; 64 << 20]);
         assert!(bomb.len() < 100 << 10);
-        assert!(matches!(Encoding::Gzip.decode(&bomb, 1 << 20), Err(DecodeError::TooLarge(_))));
-        assert!(matches!(Encoding::Gzip.decode(b"not gzip", 1 << 20), Err(DecodeError::Corrupt { .. })));
+        assert!(matches!(Encoding::Gzip.decode(&bomb, 1 << 20, |_| true), Err(DecodeError::TooLarge(_))));
+        assert!(matches!(Encoding::Gzip.decode(b"not gzip", 1 << 20, |_| true), Err(DecodeError::Corrupt { .. })));
+        // Room is asked a mebibyte at a time: a bomb stops where the caller's room does.
+        let mut asked = 0;
+        let no_room = Encoding::Gzip.decode(&bomb, 64 << 20, |n| {
+            asked += n;
+            asked <= 2 * GROWTH
+        });
+        assert!(matches!(no_room, Err(DecodeError::NoRoom)), "{no_room:?}");
+        assert_eq!(asked, 3 * GROWTH);
         assert!(matches!(Encoding::from_header(Some("br")), Err(DecodeError::Unsupported(_))));
         assert_eq!(Encoding::from_header(Some(" GZIP ")).unwrap(), Encoding::Gzip);
         assert_eq!(Encoding::from_header(None).unwrap(), Encoding::Identity);
@@ -246,11 +270,11 @@ mod tests {
         for encoding in [Encoding::Gzip, Encoding::Deflate] {
             let packed = encoding.encode(&text, Vec::new()).unwrap();
             assert!(packed.len() < text.len() / 4, "{encoding:?}: {}", packed.len());
-            assert_eq!(encoding.decode(&packed, 1 << 20).unwrap(), text);
+            assert_eq!(encoding.decode(&packed, 1 << 20, |_| true).unwrap(), text);
             // After a prefix (a gRPC frame's 5 bytes), which stays as it was.
             let framed = encoding.encode(&text, vec![1, 0, 0, 0, 0]).unwrap();
             assert_eq!(
-                (&framed[..5], encoding.decode(&framed[5..], 1 << 20).unwrap()),
+                (&framed[..5], encoding.decode(&framed[5..], 1 << 20, |_| true).unwrap()),
                 (&[1, 0, 0, 0, 0][..], text.to_vec())
             );
         }

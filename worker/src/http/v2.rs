@@ -14,7 +14,7 @@ use crate::kserve::json as kserve;
 use crate::kserve::Delivery;
 use crate::request::app::AppState;
 use crate::request::call::Call;
-use crate::request::error::ApiError;
+use crate::request::error::{ApiError, OverLimit};
 use crate::request::infer::{pipeline_io, run_v2};
 use crate::request::model::Model;
 use crate::runtime::tensor::Tensor;
@@ -139,7 +139,11 @@ pub async fn infer(
                 .ok_or_else(|| ApiError::BadRequest("Inference-Header-Content-Length must be a byte count".into()))?,
         ),
     };
-    let body = body::receive(state, request, call.terms.deadline).await?;
+    let raw = header_length == Some(0);
+    let body = body::receive(state, request, call.terms.deadline).await.map_err(|e| match e {
+        ApiError::BodyTooLarge(over) => ApiError::BadRequest(over_limit(&over, raw)),
+        e => e,
+    })?;
     let parsed = match header_length {
         Some(0) => crate::kserve::raw::parse(&body, meta),
         _ => {
@@ -154,6 +158,26 @@ pub async fn infer(
         annotate(&mut reply, outcome);
     }
     Ok(reply)
+}
+
+/// A body past `server.max_body_bytes` in Triton's words and status (400), which its HTTP QA
+/// tests match: its `--http-max-input-size` is inferd's `--max-body-bytes`.
+fn over_limit(over: &OverLimit, raw: bool) -> String {
+    let limit = over.limit;
+    let size = match over.declared {
+        Some(n) => format!("{n} bytes"),
+        None => format!("more than {limit} bytes"),
+    };
+    let what = match (over.inflated, raw) {
+        (true, _) => format!("Decompressed data size exceeds the maximum allowed value of {limit} bytes."),
+        (false, true) => {
+            format!("Raw input has a byte_size ({size}) that exceeds the maximum allowed value of {limit} bytes.")
+        }
+        (false, false) => {
+            format!("request JSON size of {size} exceeds the maximum allowed input size of {limit} bytes.")
+        }
+    };
+    format!("{what} Use --http-max-input-size to increase the limit. It is server.max_body_bytes in inferd.toml.")
 }
 
 fn infer_reply(meta: &Model, id: Option<String>, outputs: Vec<Tensor>, selection: &[(usize, Delivery)]) -> Reply {

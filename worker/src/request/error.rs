@@ -37,6 +37,16 @@ impl RateHeaders {
     }
 }
 
+/// A body past `server.max_body_bytes`: announced so (`declared`, refused unread), or past it
+/// as it arrived, or as it inflated (`inflated`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("request body is {} than the limit of {limit} bytes (server.max_body_bytes)", if *.inflated { "inflates to more" } else { "larger" })]
+pub struct OverLimit {
+    pub declared: Option<u64>,
+    pub inflated: bool,
+    pub limit: u64,
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error("{0}")]
@@ -48,6 +58,10 @@ pub enum ApiError {
     Empty(String),
     #[error("{0}")]
     TooLarge(String),
+    /// A request body past `server.max_body_bytes` (413; KServe's infer route answers it as
+    /// Triton does, `http::v2`).
+    #[error(transparent)]
+    BodyTooLarge(#[from] OverLimit),
     #[error("method {0} is not allowed on {1}")]
     MethodNotAllowed(Method, String),
     /// Backpressure: answered at once with 503 and Retry-After.
@@ -83,7 +97,7 @@ impl ApiError {
         match self {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::BadRequest(_) | ApiError::Empty(_) => StatusCode::BAD_REQUEST,
-            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TooLarge(_) | ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed(..) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,

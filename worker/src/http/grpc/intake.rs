@@ -171,7 +171,8 @@ async fn inflate(message: Bytes, encoding: Option<&str>, limit: u64) -> Result<V
             )))
         }
     };
-    let inflated = tokio::task::spawn_blocking(move || encoding.decode(&message, limit))
+    // Charged once inflated (`collect`), at most `limit` while it inflates.
+    let inflated = tokio::task::spawn_blocking(move || encoding.decode(&message, limit, |_| true))
         .await
         .map_err(|e| ApiError::Internal(format!("inflating the gRPC message: {e}")))?;
     inflated.map_err(|e| match e {

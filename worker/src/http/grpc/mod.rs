@@ -73,7 +73,7 @@ pub fn status(e: ApiError) -> Status {
             Status::invalid_argument(message)
         }
         // As grpc-core and grpc-java answer a message larger than the receiver's limit.
-        ApiError::TooLarge(_) | ApiError::Overloaded(_) | ApiError::TooManyRequests(..) => {
+        ApiError::TooLarge(_) | ApiError::BodyTooLarge(_) | ApiError::Overloaded(_) | ApiError::TooManyRequests(..) => {
             Status::resource_exhausted(message)
         }
         ApiError::Timeout(_) | ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
