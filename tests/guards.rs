@@ -281,6 +281,52 @@ fn a_model_with_its_own_queue_size_refuses_the_request_past_it_at_once() {
     assert_eq!(server.wait_exit(Duration::from_secs(30)).code(), Some(0));
 }
 
+/// The limit holds for the pool, as Triton's one queue does (its L0_http
+/// `test_descriptive_status_code`, whose second request comes on a new connection): with a
+/// run and a request waiting on one worker, a request that reaches the other worker, idle, is
+/// refused all the same; once the queue is empty, that worker serves the model again.
+#[test]
+fn a_models_queue_size_holds_across_the_pools_workers() {
+    let dir = temp_dir("pool-queue");
+    let repository = model_repository(dir.path(), &[]);
+    model_of_file(&repository, "slow", &test_models().join("slow/model.onnx"), "[batching]\nmax_queue_size = 1\n");
+    let server = serve(dir, 2, &repository, "slow", &[], "max_requests_per_connection = 0");
+    // Kept connections: two to worker 0, one to worker 1 (new connections until they are).
+    let (mut zero, mut one) = (Vec::new(), Vec::new());
+    for _ in 0..400 {
+        let mut c = Connection::open(server.addr).unwrap();
+        let r = c.send("GET", "/v2/health/ready", &[], b"").unwrap();
+        match r.header("x-inferd-worker").filter(|_| !r.closes()) {
+            Some("0") if zero.len() < 2 => zero.push(c),
+            Some("1") if one.is_empty() => one.push(c),
+            _ => {}
+        }
+        if zero.len() == 2 && one.len() == 1 {
+            break;
+        }
+    }
+    let (Some(mut third), Some(mut first), Some(mut second)) = (zero.pop(), zero.pop(), one.pop()) else {
+        panic!("400 connections did not reach both workers")
+    };
+    // Worker 0: one long run, then one request waiting behind it (its lane is busy).
+    let long = std::thread::spawn(move || first.post("/v2/models/slow/infer", &slow_body(1_000_000)).unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    let queued = std::thread::spawn(move || third.post("/v2/models/slow/infer", &slow_body(10)).unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let refused = second.post("/v2/models/slow/infer", &slow_body(10)).unwrap();
+    assert_eq!(refused.header("x-inferd-worker"), Some("1"));
+    assert_eq!(refused.status, 503, "worker 1 is idle, but the pool's queue is full: {}", refused.error());
+    assert!(refused.error().contains("1 requests are already waiting"), "{}", refused.error());
+    assert!(!long.is_finished(), "the long run ended before the refusal: nothing was queued");
+    let (long, queued) = (long.join().unwrap(), queued.join().unwrap());
+    assert_eq!((long.status, queued.status), (200, 200), "{} {}", long.error(), queued.error());
+    assert_eq!(queued.header("x-inferd-worker"), Some("0"));
+    // The queue is empty again: the model is served (on a new connection: the kept one may
+    // have been idle past the keep-alive timeout).
+    let served = request(server.addr, "POST", "/v2/models/slow/infer", &[], &slow_body(10)).unwrap();
+    assert_eq!(served.status, 200, "{}", served.error());
+}
+
 fn metric(server: &Server, prefix: &str) -> f64 {
     metric_value(&server.metrics_text(), prefix).unwrap_or(0.0)
 }

@@ -30,6 +30,13 @@
 //! saw within the last second, and when ([`Balance::saw_priority`]). A worker keeps
 //! lower-priority work off its first lane while it is recent, so a client that this table's
 //! balance moves to another worker finds that worker ready for it too.
+//!
+//! Last, one row per worker for the requests waiting in its queue for models with a queue
+//! limit of their own (`[batching] max_queue_size`, Triton's): a model's limit holds for the
+//! pool, not for each worker, so a client whose second connection lands on another worker is
+//! refused as Triton would refuse it ([`Waiting`]). A row is taken by the worker's pid and
+//! freed with its entry when the supervisor reaps it, so a dead worker's waiting requests
+//! never count.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -54,7 +61,16 @@ const PLACE_WORDS: usize = HOLDINGS + 1;
 /// After the placements, one word for the pool: the most urgent priority a worker saw lately
 /// and when ([`Balance::saw_priority`]).
 const URGENT: usize = COUNTS_LEN + ENTRIES * PLACE_WORDS * 8;
-const LEN: usize = URGENT + 8;
+/// Models with a queue limit a worker's row can count (more are limited in that worker alone).
+pub const LIMITED: usize = 15;
+/// A row: its pid, then a word per model: its key (above) and the requests waiting (below).
+const ROW_WORDS: usize = LIMITED + 1;
+const WAITING: usize = URGENT + 8;
+/// After the rows, how many were ever taken (as for the entries).
+const ROWS_USED: usize = WAITING + ENTRIES * ROW_WORDS * 8;
+const LEN: usize = ROWS_USED + 8;
+/// A waiting word's count: its low 24 bits; the model's key is the 40 above.
+const COUNT_BITS: u32 = 24;
 /// The urgent word's time: CLOCK_MONOTONIC milliseconds, below the priority's 8 bits.
 const MS_MASK: u64 = (1 << 56) - 1;
 
@@ -115,13 +131,42 @@ impl Balance {
         Some(Entry { balance: self, entry })
     }
 
-    /// Frees the entries of `pid`: the supervisor, for a worker it reaped.
+    /// Frees the entries and the waiting row of `pid`: the supervisor, for a worker it reaped.
     pub fn clear(&self, pid: u32) {
         for entry in 0..self.used() {
             for word in [pid, pid | DRAINING] {
                 let _ = self.pid(entry).compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
             }
         }
+        for row in 0..self.rows_used() {
+            if self.row_word(row, 0).load(Ordering::Acquire) == u64::from(pid) {
+                for word in 1..ROW_WORDS {
+                    self.row_word(row, word).store(0, Ordering::Relaxed);
+                }
+                self.row_word(row, 0).store(0, Ordering::Release);
+            }
+        }
+    }
+
+    fn row_word(&self, row: usize, word: usize) -> &AtomicU64 {
+        self.region.at(WAITING + (row * ROW_WORDS + word) * 8)
+    }
+
+    fn rows_used(&self) -> usize {
+        (self.region.at::<AtomicU32>(ROWS_USED).load(Ordering::Acquire) as usize).min(ENTRIES)
+    }
+
+    /// Takes a free waiting row for `pid` (None: the table is full; this worker's limits then
+    /// hold for itself alone).
+    pub fn waiting_row(self, pid: u32) -> Option<Waiting> {
+        let row = (0..ENTRIES).find(|&r| {
+            self.row_word(r, 0).compare_exchange(0, u64::from(pid), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        })?;
+        for word in 1..ROW_WORDS {
+            self.row_word(row, word).store(0, Ordering::Relaxed);
+        }
+        self.region.at::<AtomicU32>(ROWS_USED).fetch_max(row as u32 + 1, Ordering::AcqRel);
+        Some(Waiting { balance: self, row, slots: Vec::new() })
     }
 
     /// A request of `priority` (0 the most urgent) arrived now at some worker of the pool:
@@ -226,6 +271,49 @@ impl Entry {
     }
 }
 
+/// A worker's waiting row: how many requests wait in its queue for each model of a limited
+/// queue, and the sum over its siblings' rows.
+pub struct Waiting {
+    balance: Balance,
+    row: usize,
+    /// The keys of this row's words, in order (None past [`LIMITED`]).
+    slots: Vec<u64>,
+}
+
+impl Waiting {
+    /// A model's key: FNV-1a of its name, in the 40 bits a word holds, never 0.
+    pub fn key(name: &str) -> u64 {
+        let hash =
+            name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        (hash >> COUNT_BITS).max(1)
+    }
+
+    /// Says `count` requests wait here for the model of `key`.
+    pub fn set(&mut self, key: u64, count: usize) {
+        let slot = match self.slots.iter().position(|&k| k == key) {
+            Some(slot) => slot,
+            None if self.slots.len() < LIMITED && count > 0 => {
+                self.slots.push(key);
+                self.slots.len() - 1
+            }
+            None => return,
+        };
+        let count = (count as u64).min((1 << COUNT_BITS) - 1);
+        self.balance.row_word(self.row, slot + 1).store(key << COUNT_BITS | count, Ordering::Relaxed);
+    }
+
+    /// The requests waiting for the model of `key` in the serving siblings' queues.
+    pub fn elsewhere(&self, key: u64) -> usize {
+        let table = &self.balance;
+        (0..table.rows_used())
+            .filter(|&r| r != self.row && table.row_word(r, 0).load(Ordering::Acquire) != 0)
+            .flat_map(|r| (1..ROW_WORDS).map(move |w| table.row_word(r, w).load(Ordering::Relaxed)))
+            .filter(|word| word >> COUNT_BITS == key)
+            .map(|word| (word & ((1 << COUNT_BITS) - 1)) as usize)
+            .sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +335,34 @@ mod tests {
         assert_eq!(b.urgent(short), None);
         b.saw_priority(9, short);
         assert_eq!(a.urgent(window), Some(9));
+    }
+
+    #[test]
+    fn a_models_waiting_requests_add_up_over_the_pool_and_a_reaped_worker_counts_no_more() {
+        let (supervisor, fd) = Balance::create().unwrap();
+        let row = |pid| Balance::map(&fd).unwrap().waiting_row(pid).unwrap();
+        let (mut a, mut b, mut c) = (row(100), row(200), row(300));
+        let (m, n) = (Waiting::key("m"), Waiting::key("n"));
+        assert_ne!(m, n);
+        a.set(m, 2);
+        b.set(m, 1);
+        b.set(n, 5);
+        assert_eq!((c.elsewhere(m), c.elsewhere(n)), (3, 5));
+        assert_eq!(a.elsewhere(m), 1, "a worker's own row is not counted");
+        a.set(m, 0);
+        assert_eq!(c.elsewhere(m), 1);
+        // A reaped worker's row counts no more, and is taken again empty.
+        supervisor.clear(200);
+        assert_eq!(c.elsewhere(m) + c.elsewhere(n), 0);
+        let d = row(400);
+        assert_eq!(d.row, 1, "b's row");
+        assert_eq!(a.elsewhere(n), 0);
+        // Past LIMITED models a row counts no more of them (they are limited per worker).
+        for i in 0..LIMITED as u64 {
+            c.set(1000 + i, 1);
+        }
+        c.set(5000, 1);
+        assert_eq!((a.elsewhere(1000), a.elsewhere(5000)), (1, 0));
     }
 
     #[test]

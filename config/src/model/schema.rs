@@ -195,9 +195,9 @@ pub struct Batching {
     /// How long the oldest waiting request may be held back for more to arrive. 0 = batch only
     /// what is already waiting, so an idle server adds no latency.
     pub max_queue_delay_ms: u64,
-    /// Most requests for this model waiting in a worker's queue (not running); one more is
-    /// answered 503 with Retry-After at once, as Triton's `max_queue_size`. 0 = no limit of its
-    /// own (`server.max_queue` bounds every model's together).
+    /// Most requests for this model waiting in the pool's queues together (not running); one
+    /// more is answered 503 with Retry-After at once, as Triton's `max_queue_size`. 0 = no
+    /// limit of its own (`server.max_queue` bounds every model's together, per worker).
     pub max_queue_size: usize,
 }
 

@@ -104,13 +104,17 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
     };
     // The pool's table, for the priorities every worker saw: a mapping of its own, beside the
     // connection balance's (`balance_entry`, which takes the descriptor over later).
-    let priorities = spec.balance.then(|| {
-        // SAFETY: the supervisor hands this descriptor when the spec says `balance`; borrowed
-        // here, not closed.
-        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(inferd_ipc::balance::WORKER_BALANCE_FD) };
-        inferd_ipc::balance::Balance::map(fd).map_err(|e| warn!("cannot map the pool's table for priorities: {e}")).ok()
-    });
-    let pool = Pool { cores, priorities: priorities.flatten() };
+    // And another for the models' queue limits, which hold pool-wide.
+    let table = |what: &str| {
+        spec.balance.then(|| {
+            // SAFETY: the supervisor hands this descriptor when the spec says `balance`;
+            // borrowed here, not closed.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(inferd_ipc::balance::WORKER_BALANCE_FD) };
+            inferd_ipc::balance::Balance::map(fd).map_err(|e| warn!("cannot map the pool's table for {what}: {e}")).ok()
+        })?
+    };
+    let waiting = table("queue limits").and_then(|t| t.waiting_row(std::process::id()));
+    let pool = Pool { cores, priorities: table("priorities"), waiting };
     let engine = Engine::start(models, stats.clone(), max_queue, run_timeout, spinning, spec.allocator, pool);
     let engine = match engine {
         Ok(engine) => engine,

@@ -157,15 +157,18 @@ pub(super) struct Policy {
     pub(super) max_rows: usize,
     pub(super) max_tokens: usize,
     pub(super) delay: Duration,
-    /// Most of its jobs waiting at once (`[batching] max_queue_size`; 0: no limit of its own).
+    /// Most of its jobs waiting at once in the pool (`[batching] max_queue_size`; 0: no limit
+    /// of its own).
     pub(super) max_waiting: usize,
+    /// Its key in the pool's waiting rows ([`inferd_ipc::balance::Waiting`]).
+    pub(super) key: u64,
 }
 
 impl Policy {
     /// The limits of a job whose model was unloaded while it waited: it runs alone, and its
     /// lane answers that the model is gone.
     pub(super) const GONE: Policy =
-        Policy { batchable: false, max_rows: 1, max_tokens: usize::MAX, delay: Duration::ZERO, max_waiting: 0 };
+        Policy { batchable: false, max_rows: 1, max_tokens: usize::MAX, delay: Duration::ZERO, max_waiting: 0, key: 0 };
 
     pub(super) fn of(model: &ModelSession) -> Policy {
         let b = &model.entry().batching;
@@ -176,6 +179,7 @@ impl Policy {
             max_tokens: b.max_batch_tokens,
             delay: Duration::from_millis(b.max_queue_delay_ms),
             max_waiting: b.max_queue_size,
+            key: inferd_ipc::balance::Waiting::key(model.name()),
         }
     }
 }
@@ -336,6 +340,7 @@ pub(super) mod tests {
             max_tokens,
             delay: Duration::ZERO,
             max_waiting: 0,
+            key: 0,
         };
         let request = text_job(5, 100, 0).inputs;
         // 512 tokens a run: 5 rows of 100 in runs of 5; of 250 tokens, runs of 2, 2 and 1.

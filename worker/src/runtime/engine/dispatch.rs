@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use inferd_ipc::balance::Balance;
+use inferd_ipc::balance::{Balance, Waiting};
 use inferd_ipc::stats::WorkerCounters;
 
 use crate::runtime::engine::batch::{Job, Join, Policy};
@@ -98,6 +98,9 @@ pub(super) struct Dispatcher {
     /// ([`Dispatcher::with_pool_priorities`]): a client moved to this worker by the pool's
     /// connection balance is then as urgent here as it was there.
     pool: Option<Balance>,
+    /// This worker's row of the pool's waiting counts: a model's `max_queue_size` holds for
+    /// the pool ([`Dispatcher::with_pool_waiting`]).
+    waiting: Option<Waiting>,
     /// Each model's limits, by model number.
     policies: HashMap<usize, Policy>,
     /// Each lane's work channel and what it runs.
@@ -152,7 +155,10 @@ impl Shared {
 
     /// A model removed ([`super::Engine::remove`]): a job for it still waiting runs alone.
     pub(super) fn remove_policy(&self, model: usize) {
-        self.lock().policies.remove(&model);
+        let mut d = self.lock();
+        if let (Some(policy), Some(row)) = (d.policies.remove(&model), d.waiting.as_mut()) {
+            row.set(policy.key, 0);
+        }
     }
 
     /// A panic under the lock ends the process ([`Shared::handle`]): a poisoned lock is never
@@ -170,7 +176,9 @@ impl Shared {
             let waiting = d.company_until;
             d.take(event);
             d.drop_dead();
-            if let Err(e) = d.dispatch() {
+            let dispatched = d.dispatch();
+            d.publish_waiting();
+            if let Err(e) = dispatched {
                 // A lane ends only once close() dropped its channel: one gone before is a bug,
                 // and a worker that cannot reach its lanes must not stay ready, answering
                 // nothing. Unguarded, this panic ends the process and the slot is respawned.
@@ -197,7 +205,9 @@ impl Shared {
                 d = self.lock();
             }
             d.drop_dead();
-            if d.dispatch().is_err() || d.engine.strong_count() == 0 {
+            let dispatched = d.dispatch();
+            d.publish_waiting();
+            if dispatched.is_err() || d.engine.strong_count() == 0 {
                 d.close();
                 return;
             }
@@ -228,6 +238,7 @@ impl Dispatcher {
             overtaken: 0,
             priority_seen: None,
             pool: None,
+            waiting: None,
             policies: policies.into_iter().enumerate().collect(),
             lanes: lanes.into_iter().map(|l| (l, LaneState::Idle)).collect(),
             has_wide,
@@ -257,6 +268,20 @@ impl Dispatcher {
     pub(super) fn with_pool_priorities(mut self, pool: Balance) -> Dispatcher {
         self.pool = Some(pool);
         self
+    }
+
+    /// Counts the jobs waiting for models of a limited queue with the pool's.
+    pub(super) fn with_pool_waiting(mut self, row: Waiting) -> Dispatcher {
+        self.waiting = Some(row);
+        self
+    }
+
+    /// Says in the pool's table how many jobs wait here for each model of a limited queue.
+    fn publish_waiting(&mut self) {
+        let Some(row) = self.waiting.as_mut() else { return };
+        for (number, policy) in self.policies.iter().filter(|(_, p)| p.max_waiting > 0) {
+            row.set(policy.key, self.pending.iter().filter(|j| j.model == *number).count());
+        }
     }
 
     /// The most urgent priority that arrived within [`PRIORITY_SEEN_FOR`], here or at a
@@ -397,9 +422,16 @@ impl Dispatcher {
                 if let Some(pool) = &self.pool {
                     pool.saw_priority(job.priority, PRIORITY_SEEN_FOR);
                 }
-                // Its model's own queue full ([batching] max_queue_size): answered at once.
-                let limit = self.policy(job.model).max_waiting;
-                let waiting = self.pending.iter().filter(|j| j.model == job.model).count();
+                // Its model's own queue full in the pool ([batching] max_queue_size): answered
+                // at once.
+                let policy = self.policy(job.model);
+                let (limit, key) = (policy.max_waiting, policy.key);
+                let here = self.pending.iter().filter(|j| j.model == job.model).count();
+                let elsewhere = match (&self.waiting, limit) {
+                    (Some(row), 1..) => row.elsewhere(key),
+                    _ => 0,
+                };
+                let waiting = here + elsewhere;
                 if limit > 0 && waiting >= limit {
                     self.counters.queued(-1);
                     let _ = job.reply.send(Err(EngineError::ModelQueueFull { waiting }));
@@ -580,7 +612,8 @@ mod tests {
     use crate::runtime::engine::batch::tests::text_job;
 
     fn dispatcher(max_rows: usize, max_tokens: usize, pending: Vec<Job>) -> Dispatcher {
-        let policies = vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO, max_waiting: 0 }];
+        let policies =
+            vec![Policy { batchable: true, max_rows, max_tokens, delay: Duration::ZERO, max_waiting: 0, key: 0 }];
         let counters = Arc::new(WorkerCounters::create("inferd-engine-test").unwrap().0);
         // No lanes: no run options, so no ONNX Runtime needed.
         let clock = Arc::new(RunClock::new(0, counters.clone(), Duration::from_secs(1), Default::default()).unwrap());

@@ -52,7 +52,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inferd_config::file::Allocator;
-use inferd_ipc::balance::Balance;
+use inferd_ipc::balance::{Balance, Waiting};
 use inferd_ipc::stats::WorkerCounters;
 use tokio::sync::oneshot;
 
@@ -103,6 +103,8 @@ impl Sessions {
 pub struct Pool {
     pub cores: Option<Cores>,
     pub priorities: Option<Balance>,
+    /// This worker's row of the pool's waiting counts (models' `max_queue_size`).
+    pub waiting: Option<Waiting>,
 }
 
 /// Handle to the lanes; cheap to clone.
@@ -160,7 +162,7 @@ impl Engine {
         allocator: Allocator,
         pool: Pool,
     ) -> std::io::Result<Engine> {
-        let Pool { cores, priorities } = pool;
+        let Pool { cores, priorities, waiting } = pool;
         let cores = cores.map(Arc::new);
         let poll_when_idle = if poll_when_idle { IDLE_POLL } else { Duration::ZERO };
         let lanes = models.first().map_or(1, |m| m.narrow.len()).max(1);
@@ -191,6 +193,10 @@ impl Engine {
         let dispatcher = if has_background { dispatcher.with_background_lane() } else { dispatcher };
         let dispatcher = match priorities {
             Some(table) => dispatcher.with_pool_priorities(table),
+            None => dispatcher,
+        };
+        let dispatcher = match waiting {
+            Some(row) => dispatcher.with_pool_waiting(row),
             None => dispatcher,
         };
         let dispatcher = Arc::new(Shared::new(dispatcher));
