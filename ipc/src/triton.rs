@@ -65,10 +65,12 @@ pub enum Refused {
     /// 404 / NOT_FOUND.
     #[error("model '{name}' has no version '{version}'; it serves version '{serves}'")]
     UnknownVersion { name: String, version: String, serves: String },
-    /// 403 / PERMISSION_DENIED.
+    /// 403 / UNAVAILABLE, in Triton's words for a server whose model control is off (its QA
+    /// tests match them), then inferd's reason.
     #[error(
-        "explicit model load / unload is not allowed on the main port: the operator turns it on \
-         with admin.model_control_on_main_port = true, or uses the admin listener"
+        "explicit model load / unload is not allowed if polling is enabled (Triton's words when \
+         model control is off; inferd does not poll: load and unload are not allowed on the main \
+         port unless the operator sets admin.model_control_on_main_port = true, or on the admin listener)"
     )]
     ModelControlOff,
     /// A load or unload refused before anything changed (400 / INVALID_ARGUMENT: an unknown

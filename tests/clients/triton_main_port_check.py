@@ -19,7 +19,7 @@ statistics checks):
   - shared memory, over both, before any region: unregistering succeeds, a named region's
     status is not found, a key that does not exist and CUDA memory are refused with the reason,
     every status empty (triton_shm_check.py registers and infers);
-  - without `control`: load and unload are refused (403 / PERMISSION_DENIED) naming
+  - without `control`: load and unload are refused (403 / UNAVAILABLE, in Triton's words) naming
     admin.model_control_on_main_port; with it (the server has that switch on), the model
     control examples' calls (simple_http_model_control.py, simple_grpc_model_control.py):
     load `reranker` over HTTP, unload `classifier` over gRPC, each seen at once in
@@ -148,8 +148,11 @@ def shared_memory(http, grpc):
 
 
 def without_control(http, grpc):
-    refused(lambda: http.load_model("reranker"), "admin.model_control_on_main_port")
-    refused(lambda: grpc.unload_model("classifier"), "admin.model_control_on_main_port")
+    # Triton's words for it (its aio QA tests match them, and gRPC's UNAVAILABLE), then why.
+    triton = "explicit model load / unload is not allowed if polling is enabled"
+    refused(lambda: http.load_model("reranker"), triton, "admin.model_control_on_main_port", status="403")
+    refused(lambda: grpc.unload_model("classifier"), triton, "admin.model_control_on_main_port",
+            status="StatusCode.UNAVAILABLE")
     require(not http.is_model_ready("reranker"), "reranker loaded all the same")
 
 

@@ -76,6 +76,9 @@ pub enum ApiError {
     /// Not allowed here, whoever asks (an operator's switch is off): 403.
     #[error("{0}")]
     Forbidden(String),
+    /// Model control is off on this port: 403, and gRPC's UNAVAILABLE, Triton's code for it.
+    #[error("{0}")]
+    ModelControlOff(String),
     /// A restricted API category without its header ([[auth.restricted]]): 403, in Triton's
     /// words (gRPC's are its own, `http::grpc::status`).
     #[error("This API is restricted, expecting header '{header}'")]
@@ -103,7 +106,9 @@ impl ApiError {
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Forbidden(_) | ApiError::Restricted { .. } => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::ModelControlOff(_) | ApiError::Restricted { .. } => {
+                StatusCode::FORBIDDEN
+            }
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::TooManyRequests(..) => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -113,7 +118,7 @@ impl ApiError {
 impl From<AskError> for ApiError {
     fn from(e: AskError) -> Self {
         match e {
-            AskError::Refused(Refused::ModelControlOff) => ApiError::Forbidden(e.to_string()),
+            AskError::Refused(Refused::ModelControlOff) => ApiError::ModelControlOff(e.to_string()),
             AskError::Refused(Refused::NotDone { before_change: true, .. }) => ApiError::BadRequest(e.to_string()),
             AskError::Refused(Refused::NotDone { before_change: false, .. }) => ApiError::Internal(e.to_string()),
             AskError::Refused(Refused::UnknownModel { .. } | Refused::UnknownVersion { .. }) => {

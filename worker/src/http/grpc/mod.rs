@@ -80,6 +80,8 @@ pub fn status(e: ApiError) -> Status {
         ApiError::Internal(_) => Status::internal(message),
         ApiError::Unauthorized(_) => Status::unauthenticated(message),
         ApiError::Forbidden(_) => Status::permission_denied(message),
+        // Triton's code for a server whose model control is off.
+        ApiError::ModelControlOff(_) => Status::unavailable(message),
         // Triton's code and words for a restricted protocol.
         ApiError::Restricted { header } => {
             Status::unavailable(format!("This protocol is restricted, expecting header '{header}'"))
