@@ -276,7 +276,7 @@ impl Entry {
 pub struct Waiting {
     balance: Balance,
     row: usize,
-    /// The keys of this row's words, in order (None past [`LIMITED`]).
+    /// The keys of this row's words, in order (at most [`LIMITED`]).
     slots: Vec<u64>,
 }
 

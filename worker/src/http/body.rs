@@ -103,22 +103,43 @@ pub async fn receive(
         // Inflating megabytes takes milliseconds: off the I/O thread.
         _ => {
             let pool = state.body_budget.clone();
-            let (inflated, held) = tokio::task::spawn_blocking(move || {
-                let inflated = encoding.decode(&bytes, limit, |more| {
-                    let Ok(more) = u32::try_from(more) else { return false };
-                    pool.clone().try_acquire_many_owned(more).map(|more| budget.merge(more)).is_ok()
-                });
-                (inflated, budget)
-            })
-            .await
-            .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?;
-            budget = held;
-            Bytes::from(inflated.map_err(|e| match e {
-                DecodeError::TooLarge(_) => too_large(true),
-                DecodeError::NoRoom => overloaded(),
-                _ => ApiError::BadRequest(e.to_string()),
-            })?)
+            let (inflated, grown) =
+                tokio::task::spawn_blocking(move || inflate_charged(encoding, &bytes, limit, &pool))
+                    .await
+                    .map_err(|e| ApiError::Internal(format!("inflating the request body: {e}")))?
+                    .map_err(|e| match e {
+                        DecodeError::TooLarge(_) => too_large(true),
+                        DecodeError::NoRoom => overloaded(),
+                        _ => ApiError::BadRequest(e.to_string()),
+                    })?;
+            if let Some(grown) = grown {
+                budget.merge(grown);
+            }
+            Bytes::from(inflated)
         }
     };
     Ok(Body { bytes, _budget: budget })
+}
+
+/// `body` inflated within `limit` (blocking: call it off the I/O thread), each mebibyte of it
+/// charged to the worker's `budget` before it is held; the charge comes back with it
+/// ([`DecodeError::NoRoom`] where the budget has no more).
+pub fn inflate_charged(
+    encoding: Encoding,
+    body: &[u8],
+    limit: u64,
+    budget: &Arc<tokio::sync::Semaphore>,
+) -> Result<(Vec<u8>, Option<tokio::sync::OwnedSemaphorePermit>), DecodeError> {
+    let mut grown: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    let inflated = encoding.decode(body, limit, |more| {
+        let Ok(more) = budget.clone().try_acquire_many_owned(u32::try_from(more).unwrap_or(u32::MAX)) else {
+            return false;
+        };
+        match &mut grown {
+            Some(held) => held.merge(more),
+            None => grown = Some(more),
+        }
+        true
+    })?;
+    Ok((inflated, grown))
 }

@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 
+use crate::http::body::inflate_charged;
 use crate::http::encoding::{DecodeError, Encoding};
 use crate::http::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use crate::http::grpc::proto::{InferParameter, InferTensorContents};
@@ -125,8 +126,10 @@ async fn collect(
     let read = read.freeze();
     let read = match &read[..] {
         [1, l0, l1, l2, l3, message @ ..] if message.len() == u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize => {
-            let inflated = inflate(read.slice(5..), encoding, limit).await?;
-            claim_more(&mut claim, inflated.len() as u64)?;
+            let (inflated, grown) = inflate(read.slice(5..), encoding, limit, state, overloaded).await?;
+            if let (Some(held), Some(grown)) = (claim.as_mut(), grown) {
+                held.merge(grown);
+            }
             let length = u32::try_from(inflated.len()).map_err(|_| too_large("the inflated gRPC message"))?;
             let mut frame = BytesMut::with_capacity(inflated.len().saturating_add(5));
             frame.extend_from_slice(&[0]);
@@ -158,9 +161,16 @@ async fn collect(
     Ok((read, Claim(Arc::new(claim))))
 }
 
-/// A compressed message inflated, off the I/O thread, at most `limit` bytes of it; refused
-/// when its `grpc-encoding` is none inferd reads.
-async fn inflate(message: Bytes, encoding: Option<&str>, limit: u64) -> Result<Vec<u8>, ApiError> {
+/// A compressed message inflated, off the I/O thread, at most `limit` bytes of it, each
+/// mebibyte charged to the worker's body budget before it is held (the charge comes back with
+/// it); refused when its `grpc-encoding` is none inferd reads.
+async fn inflate(
+    message: Bytes,
+    encoding: Option<&str>,
+    limit: u64,
+    state: &AppState,
+    overloaded: impl Fn() -> ApiError,
+) -> Result<(Vec<u8>, Option<OwnedSemaphorePermit>), ApiError> {
     let encoding = match encoding.map(str::trim) {
         Some("gzip") => Encoding::Gzip,
         Some("deflate") => Encoding::Deflate,
@@ -171,12 +181,13 @@ async fn inflate(message: Bytes, encoding: Option<&str>, limit: u64) -> Result<V
             )))
         }
     };
-    // Charged once inflated (`collect`), at most `limit` while it inflates.
-    let inflated = tokio::task::spawn_blocking(move || encoding.decode(&message, limit, |_| true))
+    let budget = state.body_budget.clone();
+    let inflated = tokio::task::spawn_blocking(move || inflate_charged(encoding, &message, limit, &budget))
         .await
         .map_err(|e| ApiError::Internal(format!("inflating the gRPC message: {e}")))?;
     inflated.map_err(|e| match e {
         DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
+        DecodeError::NoRoom => overloaded(),
         _ => ApiError::BadRequest(e.to_string()),
     })
 }
