@@ -271,6 +271,11 @@ impl Entry {
     }
 }
 
+/// FNV-1a of `bytes`: the table's keys of models (placement's holdings, waiting rows).
+pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// A worker's waiting row: how many requests wait in its queue for each model of a limited
 /// queue, and the sum over its siblings' rows.
 pub struct Waiting {
@@ -283,9 +288,7 @@ pub struct Waiting {
 impl Waiting {
     /// A model's key: FNV-1a of its name, in the 40 bits a word holds, never 0.
     pub fn key(name: &str) -> u64 {
-        let hash =
-            name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-        (hash >> COUNT_BITS).max(1)
+        (fnv1a(name.bytes()) >> COUNT_BITS).max(1)
     }
 
     /// Says `count` requests wait here for the model of `key`.

@@ -61,12 +61,7 @@ pub async fn receive(
     // Bodies being read or held by this worker may not add up past its budget: many large
     // requests at once get a fast 503 instead of exhausting memory. A compressed body is
     // charged for what it inflates to as it grows, a mebibyte at a time.
-    let overloaded = || {
-        ApiError::Overloaded(format!(
-            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
-            state.body_budget_total
-        ))
-    };
+    let overloaded = || no_room(state);
     let claim = declared.unwrap_or(limit).max(1).min(u32::MAX as u64) as u32;
     let mut budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| overloaded())?;
     let read = request.extensions().get::<Read>().cloned();
@@ -119,6 +114,15 @@ pub async fn receive(
         }
     };
     Ok(Body { bytes, _budget: budget })
+}
+
+/// A request refused because the worker's body budget (`server.max_body_bytes_in_flight`)
+/// has no room for it now: 503, retry shortly.
+pub fn no_room(state: &AppState) -> ApiError {
+    ApiError::Overloaded(format!(
+        "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
+        state.body_budget_total
+    ))
 }
 
 /// `body` inflated within `limit` (blocking: call it off the I/O thread), each mebibyte of it

@@ -24,9 +24,7 @@ impl Placement {
 
     /// `name`'s key in the table: FNV-1a of the generation and the name, never 0 (a free place).
     fn key(&self, name: &str) -> u64 {
-        let bytes = self.generation.to_le_bytes().into_iter().chain(name.bytes());
-        let hash = bytes.fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-        hash.max(1)
+        inferd_ipc::balance::fnv1a(self.generation.to_le_bytes().into_iter().chain(name.bytes())).max(1)
     }
 
     /// This worker loaded `name` on demand: siblings may send its requests here.

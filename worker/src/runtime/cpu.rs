@@ -1,8 +1,8 @@
 //! The CPU as ONNX Runtime's kernels (MLAS) see it: its int8 class, which of their u8 x s8
-//! kernels run an int8 graph here, read as MLAS reads it, from CPUID (through std's feature detection, which also asks
-//! the OS whether it saves the wide registers). Never from /proc/cpuinfo: an emulated or
-//! masked CPU (a VM's CPU model, `qemu-x86_64 -cpu`) reports its own features through CPUID
-//! while /proc/cpuinfo still shows the host's flags.
+//! kernels run an int8 graph here, read as MLAS reads it, from CPUID (through std's feature
+//! detection, which also asks the OS whether it saves the wide registers). Never from
+//! /proc/cpuinfo: an emulated or masked CPU (a VM's CPU model, `qemu-x86_64 -cpu`) reports its
+//! own features through CPUID while /proc/cpuinfo still shows the host's flags.
 //!
 //! What the class decides: with VNNI (AVX-512 VNNI or AVX-VNNI), the kernels multiply u8 by s8
 //! and accumulate in 32 bits. Without, the AVX2 and AVX-512 kernels (`vpmaddubsw`) add each

@@ -19,7 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::http::body::inflate_charged;
+use crate::http::body::{inflate_charged, no_room};
 use crate::http::encoding::{DecodeError, Encoding};
 use crate::http::grpc::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use crate::http::grpc::proto::{InferParameter, InferTensorContents};
@@ -76,12 +76,7 @@ async fn collect(
     let too_large = |what: &str| {
         ApiError::TooLarge(format!("{what} is larger than the limit of {limit} bytes (server.max_body_bytes)"))
     };
-    let overloaded = || {
-        ApiError::Overloaded(format!(
-            "too many request bytes in flight on this worker (server.max_body_bytes_in_flight = {}); retry shortly",
-            state.body_budget_total
-        ))
-    };
+    let overloaded = || no_room(state);
     let claim_more = |claim: &mut Option<OwnedSemaphorePermit>, bytes: u64| -> Result<(), ApiError> {
         let bytes = u32::try_from(bytes).map_err(|_| overloaded())?;
         if bytes == 0 {
@@ -126,7 +121,7 @@ async fn collect(
     let read = read.freeze();
     let read = match &read[..] {
         [1, l0, l1, l2, l3, message @ ..] if message.len() == u32::from_be_bytes([*l0, *l1, *l2, *l3]) as usize => {
-            let (inflated, grown) = inflate(read.slice(5..), encoding, limit, state, overloaded).await?;
+            let (inflated, grown) = inflate(read.slice(5..), encoding, limit, state).await?;
             if let (Some(held), Some(grown)) = (claim.as_mut(), grown) {
                 held.merge(grown);
             }
@@ -169,7 +164,6 @@ async fn inflate(
     encoding: Option<&str>,
     limit: u64,
     state: &AppState,
-    overloaded: impl Fn() -> ApiError,
 ) -> Result<(Vec<u8>, Option<OwnedSemaphorePermit>), ApiError> {
     let encoding = match encoding.map(str::trim) {
         Some("gzip") => Encoding::Gzip,
@@ -187,7 +181,7 @@ async fn inflate(
         .map_err(|e| ApiError::Internal(format!("inflating the gRPC message: {e}")))?;
     inflated.map_err(|e| match e {
         DecodeError::TooLarge(_) => ApiError::TooLarge(e.to_string()),
-        DecodeError::NoRoom => overloaded(),
+        DecodeError::NoRoom => no_room(state),
         _ => ApiError::BadRequest(e.to_string()),
     })
 }
