@@ -13,8 +13,6 @@
 //!   the whole pool, so that a key's limits hold pool-wide;
 //! - [`shm`]: the system shared-memory regions clients register, shared by the whole pool
 //!   (a folder the supervisor empties at a fresh start);
-//! - [`turn`]: turns the pool's processes take one at a time (a shared `flock`): preparing a
-//!   model's weights, loading a model within the memory budget;
 //! - [`triton`]: Triton's statistics and repository index, which a worker asks the
 //!   supervisor for to serve them on the main port.
 //!
@@ -28,7 +26,6 @@ pub mod shm;
 pub mod spec;
 pub mod stats;
 pub mod triton;
-pub mod turn;
 
 /// The version this build reports (`inferd --version`, `inferd status`, the `x-inferd-version`
 /// header, the server metadata routes): `INFERD_VERSION` when the build set it (a release's

@@ -124,10 +124,6 @@ pub struct WorkerSpec {
     /// memory stays under it when it loads a model); None: no budget.
     #[serde(default)]
     pub memory_share: Option<u64>,
-    /// With a memory share: the pool's lock its workers take in turn to load a model on demand
-    /// ([`crate::turn::loads`]), so that two loads' transient peaks never add up.
-    #[serde(default)]
-    pub load_turns: Option<PathBuf>,
     /// models.eviction.
     #[serde(default)]
     pub eviction: inferd_config::file::Eviction,

@@ -151,13 +151,11 @@ pub fn run(mut resolved: Resolved) -> Result<(), SupervisorError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let socket = resolved.config.control_socket();
-        // The shared-memory regions and the lock of its loads go with the pool (Services::open
-        // made the regions' folder afresh).
+        // The shared-memory regions go with the pool (Services::open made the folder afresh).
         let regions = resolved.config.shared_memory_registry();
         let forget = || {
             let _ = std::fs::remove_file(&socket);
             let _ = std::fs::remove_dir_all(&regions);
-            let _ = std::fs::remove_file(inferd_ipc::turn::loads(&socket));
         };
         // The control socket's file is another supervisor's while this one takes over.
         let candidate = inherited.is_some();

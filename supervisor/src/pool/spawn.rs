@@ -94,7 +94,6 @@ impl Launcher {
                 _ => 0,
             },
             memory_share: order.memory_share,
-            load_turns: order.memory_share.map(|_| inferd_ipc::turn::loads(&config.control_socket())),
             on_demand,
             load_timeout_secs: config.models.load_timeout_secs,
             eviction: config.models.eviction,

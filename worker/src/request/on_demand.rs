@@ -16,15 +16,13 @@
 //! least its file) does not fit the share beside the worker's own memory and its pinned
 //! models is refused at once, naming both sizes. With nothing left to evict and nothing in
 //! use, a load goes on alone in the worker: a peak past the share's room is then the model's
-//! own, for the moments of its load. Loads are one at a time pool-wide (the pool's turn,
-//! [`inferd_ipc::turn::loads`]), so that two workers' transient peaks never add up, and each
-//! makes its room once it has its turn, by the worker's memory then. The one load of a model
-//! version that prepares its shared weights peaks higher than any later one, once for the
-//! pool: a sibling maps what the first prepared ([`crate::runtime::weights`]). A worker's PSS
-//! also grows without a load of its own, when a sibling unmaps weights both mapped: the loader
-//! looks every [`CHECK_EVERY`] while idle, and evicts what no longer fits.
+//! own, for the moments of its load. The one load of a model version that prepares its shared
+//! weights peaks higher than any later one, once for the pool: preparations of one artefact
+//! are one at a time pool-wide ([`crate::runtime::weights`]), and a sibling maps what the
+//! first prepared. A worker's PSS also grows without a load of its own, when a
+//! sibling unmaps weights both mapped: the loader looks every [`CHECK_EVERY`] while idle, and
+//! evicts what no longer fits.
 
-use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -49,13 +47,12 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 const IN_USE_WAIT: Duration = Duration::from_secs(2);
 const IN_USE_POLL: Duration = Duration::from_millis(10);
 
-/// The worker's share of models.memory_budget, what it held when the loader started (the
-/// worker itself, warm, with its pinned models), and the pool's lock its loads take in turn.
-#[derive(Debug)]
+/// The worker's share of models.memory_budget, and what it held when the loader started (the
+/// worker itself, warm, with its pinned models).
+#[derive(Debug, Clone, Copy)]
 struct Budget {
     share: u64,
     base: u64,
-    turns: Option<PathBuf>,
 }
 
 /// Why a model did not load on demand: told to the requests that wait for it
@@ -79,19 +76,14 @@ enum Unloaded {
 }
 
 /// A model loaded on demand: its number in the engine, what it holds, the peak its load took
-/// and whether that load prepared its shared weights; and the pool's turn, held until the
-/// worker is back within its share.
+/// and whether that load prepared its shared weights.
 struct Loaded {
     model: Model,
     number: usize,
     cost: ModelCost,
     peak: u64,
     prepared: bool,
-    turn: Option<Turn>,
 }
-
-/// The pool's turn to load ([`Budget::turn`]).
-type Turn = nix::fcntl::Flock<std::fs::File>;
 
 /// The loader's state: what may be loaded, where models go, the budget and what each model
 /// cost when it last loaded.
@@ -106,17 +98,16 @@ pub struct Loader {
 }
 
 impl Loader {
-    /// `budget`: the worker's share of models.memory_budget and the pool's lock for loads.
     pub fn new(
         runtime: Runtime,
         catalog: Vec<ModelEntry>,
         lanes: Lanes,
         trust: Trust,
         state: Arc<AppState>,
-        budget: Option<(u64, Option<PathBuf>)>,
+        share: Option<u64>,
     ) -> Self {
-        let budget = budget.map(|(share, turns)| Budget { share, base: resident().total(), turns });
-        if let Some(&Budget { share, base, .. }) = budget.as_ref() {
+        let budget = share.map(|share| Budget { share, base: resident().total() });
+        if let Some(Budget { share, base }) = budget {
             let mib = |b: u64| b >> 20;
             info!("models loaded on demand fit in {} MiB: this worker's share of models.memory_budget ({} MiB), less the {} MiB it holds with its pinned models", mib(share.saturating_sub(base)), mib(share), mib(base));
         }
@@ -130,7 +121,7 @@ impl Loader {
             let Load { name, done, trace } = match queue.recv_timeout(CHECK_EVERY) {
                 Ok(load) => load,
                 Err(RecvTimeoutError::Timeout) => {
-                    if let Some(budget) = &self.budget {
+                    if let Some(budget) = self.budget {
                         self.make_room(0, budget.share, None, &told);
                     }
                     continue;
@@ -148,7 +139,7 @@ impl Loader {
             let attributes = [vec![KeyValue::new("inferd.model", name.clone())], outcome].concat();
             crate::trace::child_of(trace.as_ref(), "load model", since, attributes, error);
             match loaded {
-                Ok(Loaded { model, number, cost, peak, prepared, turn }) => {
+                Ok(Loaded { model, number, cost, peak, prepared }) => {
                     let seconds = started.elapsed().as_secs_f64();
                     let info = model.info.clone();
                     info!(
@@ -166,12 +157,10 @@ impl Loader {
                     // its first answer is out.
                     told(WorkerMessage::Loaded { model: info, cost, seconds });
                     self.state.models.loaded_on_demand(model, number, cost, &done);
-                    // Measured above the estimate: others make room now, not at the next load, and
-                    // before a sibling's load starts.
-                    if let Some(budget) = &self.budget {
+                    // Measured above the estimate: others make room now, not at the next load.
+                    if let Some(budget) = self.budget {
                         self.make_room(0, budget.share, Some(number), &told);
                     }
-                    drop(turn);
                 }
                 Err(why) => {
                     warn!(model = name, trace_id = trace_id.as_deref(), "cannot load on demand: {why}");
@@ -187,10 +176,7 @@ impl Loader {
             return Err(LoadError::Failed("it is not in this worker's catalog".into()));
         };
         let file = std::fs::metadata(&entry.path).map(|m| m.len()).unwrap_or(0);
-        // Held to the end of the load: its room is made, and its peak taken, with no sibling's
-        // load beside it.
-        let mut turn = None;
-        if let Some(budget) = &self.budget {
+        if let Some(budget) = self.budget {
             let need = self.state.models.need(name).unwrap_or(Need { bytes: file, basis: Basis::File });
             // What it holds once loaded (as measured, or at least its file) must fit beside the
             // worker's start, or it never will.
@@ -199,7 +185,6 @@ impl Loader {
                 None => Need { bytes: file, basis: Basis::File },
             };
             budget.fits(name, sure).map_err(|e| LoadError::Failed(e.to_string()))?;
-            turn = budget.turn();
             // The load starts once its need fits the share: idle models are evicted for it,
             // models in use waited for a while (then 503). With nothing left on demand, the
             // load goes on alone in the worker: a peak past the share's room is then the
@@ -240,14 +225,14 @@ impl Loader {
         if !prepared {
             self.state.models.measured_load(name, peak, cost.total());
         }
-        if let Some(budget) = &self.budget {
+        if let Some(budget) = self.budget {
             if let Err(why) = budget.fits(name, Need { bytes: cost.total(), basis: Basis::Held }) {
                 self.state.engine.remove(number);
                 crate::runtime::allocator::trim();
                 return Err(LoadError::Failed(why.to_string()));
             }
         }
-        Ok(Loaded { model, number, cost, peak, prepared, turn })
+        Ok(Loaded { model, number, cost, peak, prepared })
     }
 
     /// Evicts idle models loaded on demand, but model number `spare`, until the worker's
@@ -270,17 +255,6 @@ impl Loader {
 }
 
 impl Budget {
-    /// The pool's turn to load, once no sibling loads; None without the lock (a load then goes
-    /// on without it, as the lock's failure is logged).
-    fn turn(&self) -> Option<Turn> {
-        let path = self.turns.as_ref()?;
-        inferd_ipc::turn::take(path)
-            .inspect_err(|e| {
-                warn!("loading without waiting for the pool's other loads: cannot lock {}: {e}", path.display())
-            })
-            .ok()
-    }
-
     /// Whether a load that needs `need` fits this worker at all.
     fn fits(&self, name: &str, need: Need) -> Result<(), Unloaded> {
         if self.base + need.bytes <= self.share {

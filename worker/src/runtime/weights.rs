@@ -245,8 +245,21 @@ fn prepare(
 /// second waits for the first and maps what it wrote. The kernel drops the lock with its
 /// holder, so a worker killed while preparing holds nobody up.
 fn turn(root: &Path, dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, WeightsError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = root.join(format!(".lock-{}", dir.file_name().unwrap_or_default().to_string_lossy()));
-    inferd_ipc::turn::take(&path).map_err(|error| WeightsError::File { action: "lock", path, error })
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|error| WeightsError::File { action: "open", path: path.clone(), error })?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, errno)| WeightsError::File {
+        action: "lock",
+        path,
+        error: errno.into(),
+    })
 }
 
 /// Lookup tables smaller than this are left as they are.

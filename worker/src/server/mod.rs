@@ -168,10 +168,10 @@ fn serve(spec: WorkerSpec, booted: Booted, reporter: Arc<Link>, stats: Arc<Worke
         let (state, reporter, catalog) = (state.clone(), reporter.clone(), spec.on_demand.clone());
         let trust = spec.access.signatures.clone();
         let span = tracing::Span::current();
-        let budget = spec.memory_share.map(|share| (share, spec.load_turns.clone()));
+        let share = spec.memory_share;
         let started = std::thread::Builder::new().name("inferd-load".into()).spawn(move || {
             let _worker = span.enter();
-            let loader = crate::request::on_demand::Loader::new(runtime, catalog, lanes, trust, state, budget);
+            let loader = crate::request::on_demand::Loader::new(runtime, catalog, lanes, trust, state, share);
             loader.run(loads, |message| reporter.send(&message))
         });
         if let Err(e) = started {
