@@ -1157,6 +1157,40 @@ def check_one_string(path):
     assert out.tolist() == items.tolist(), out
 
 
+def prompt_echo_model():
+    """Triton's `mock_llm` (qa/python_models/generate_models) in ONNX, as its generate tests
+    call it without streaming: a prompt and a flag in, the prompt back as TEXT; `input_ids`, an
+    input with an initializer ([[7]]), is optional (Triton's `optional: true`), its sum IDS."""
+    inputs = [
+        helper.make_tensor_value_info("PROMPT", TensorProto.STRING, [1, 1]),
+        helper.make_tensor_value_info("STREAM", TensorProto.BOOL, [1, 1]),
+        helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, "ids"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("TEXT", TensorProto.STRING, [1, 1]),
+        helper.make_tensor_value_info("IDS", TensorProto.INT32, [1, 1]),
+    ]
+    nodes = [
+        helper.make_node("Where", ["STREAM", "PROMPT", "PROMPT"], ["TEXT"], name="echo"),
+        helper.make_node("ReduceSum", ["input_ids", "axes"], ["IDS"], name="ids", keepdims=1),
+    ]
+    initializer = [
+        helper.make_tensor("input_ids", TensorProto.INT32, [1, 1], [7]),
+        const("axes", [1], np.int64),
+    ]
+    return make_model(helper.make_graph(nodes, "prompt_echo", inputs, outputs, initializer=initializer))
+
+
+def check_prompt_echo(path):
+    feeds = {"PROMPT": np.array([["hello world"]], dtype=object), "STREAM": np.array([[False]])}
+    sess = session(path)
+    assert [o.name for o in sess.get_overridable_initializers()] == ["input_ids"]
+    text, ids = sess.run(None, feeds)
+    assert text.tolist() == [["hello world"]] and ids.tolist() == [[7]], (text, ids)
+    _, ids = sess.run(None, {**feeds, "input_ids": np.array([[100, 200]], dtype=np.int32)})
+    assert ids.tolist() == [[300]], ids
+
+
 def digits_model():
     """Strings of digits cast to numbers (as Triton's `simple_string`): an empty string, the
     default warm-up's input, makes the run fail; `[warmup.inputs]` gives it digits."""
@@ -1242,6 +1276,7 @@ def main():
         ("bytes_identity", bytes_identity_model, check_bytes_identity),
         ("digits", digits_model, check_digits),
         ("one_string", one_string_model, check_one_string),
+        ("prompt_echo", prompt_echo_model, check_prompt_echo),
     ]:
         path = REPO / "tests" / "fixtures" / f"{name}.onnx"
         changed = write_if_changed(path, build().SerializeToString())

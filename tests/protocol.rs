@@ -189,7 +189,7 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_change_nothing() {
                 i.remove(3);
             }),
             400,
-            "missing input 'i64_in'",
+            "missing required input(s) ['i64_in']. Please provide all required input(s). The first missing is input 'i64_in'",
         ),
         (
             "unknown input",
@@ -326,7 +326,7 @@ fn model_configuration_in_tritons_shape() {
     assert_eq!(config["platform"], "onnxruntime_onnx");
     assert_eq!(
         config["input"][0],
-        json!({"name": "f32_in", "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [4]})
+        json!({"name": "f32_in", "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [4], "optional": false})
     );
     assert_eq!(config["output"][6], json!({"name": "f32_sum", "data_type": "TYPE_FP32", "dims": []}));
     assert_eq!(config["dynamic_batching"]["max_queue_delay_microseconds"], 0);
@@ -542,6 +542,154 @@ fn the_body_limit_is_tritons_on_kserve_infer() {
             client_check("triton_input_size_check.py", &[&addr, limit, "--leak", &worker], &server, "input size ok");
         eprintln!("{tag}: {said}");
     }
+}
+
+/// Triton's generate extension as its own QA tests call it (server qa/L0_http/
+/// generate_endpoint_test.py: `test_generate`, `test_generate_with_all_inputs`, `test_request_id`,
+/// `test_missing_inputs`, `test_invalid_input_types`, `test_duplicate_inputs`,
+/// `test_complex_schema`, `test_one_response`; http_input_size_limit_test.py's
+/// `test_json_dtype_size_expansion_exceeds_limit_error`), on an ONNX `mock_llm`
+/// (tests/fixtures/prompt_echo.onnx) and a running sum: members are inputs shaped as the model
+/// declares them, one JSON answer or one server-sent event, refusals in Triton's words that
+/// change nothing.
+#[test]
+fn tritons_generate_extension_answers_one_object() {
+    let dir = temp_dir("generate");
+    let repository = dir.path().join("models");
+    model_of_file(&repository, "mock_llm", &fixture("prompt_echo"), "optional_inputs = [\"input_ids\"]");
+    model_of_file(&repository, "cumsum", &fixture("cumsum"), "");
+    let server = serve(dir, 1, &repository, "cumsum", &["mock_llm"], "max_body_bytes = 4096");
+    let post = |path: &str, body: &str| {
+        request(server.addr, "POST", path, &[("Content-Type", "application/json")], body.as_bytes()).unwrap()
+    };
+    let answer = |r: &Response| -> Value {
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        serde_json::from_slice(&r.body).unwrap()
+    };
+
+    // The prompt back, with the request's id, and the parameters taken without a complaint.
+    let hello = r#"{"PROMPT": "hello world", "STREAM": false, "id": "42", "temperature": 0}"#;
+    let r = post("/v2/models/mock_llm/generate", hello);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let said = answer(&r);
+    assert_eq!(
+        (&said["TEXT"], &said["id"], &said["model_name"]),
+        (&json!("hello world"), &json!("42"), &json!("mock_llm"))
+    );
+    assert_eq!(said["model_version"], "1", "{said}");
+    let said = answer(&post("/v2/models/mock_llm/versions/1/generate", r#"{"PROMPT": "x", "STREAM": true, "id": ""}"#));
+    assert!(said.get("id").is_none() && said["TEXT"] == "x", "an empty id is none: {said}");
+    // The optional input, given: its sum (left out, its initializer's 7).
+    assert_eq!(said["IDS"], 7, "{said}");
+    let all = r#"{"PROMPT": "x", "STREAM": false, "input_ids": [100, 200]}"#;
+    assert_eq!(answer(&post("/v2/models/mock_llm/generate", all))["IDS"], 300);
+    // A list fills the innermost variable dimension: the running sum proves the order.
+    assert_eq!(
+        answer(&post("/v2/models/cumsum/generate", r#"{"x": [1, 2, 3, 4]}"#))["y"],
+        json!([1.0, 3.0, 6.0, 10.0])
+    );
+
+    // generate_stream: the same answer as one event.
+    let r = post("/v2/models/mock_llm/generate_stream", hello);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream; charset=utf-8"));
+    let event = String::from_utf8(r.body.clone()).unwrap();
+    let data = event.strip_prefix("data: ").and_then(|e| e.strip_suffix("\n\n")).unwrap_or_else(|| panic!("{event:?}"));
+    assert_eq!(serde_json::from_str::<Value>(data).unwrap()["TEXT"], "hello world");
+
+    // Refusals, each in Triton's words, on both routes as JSON errors.
+    let long = format!(r#"{{"PROMPT": "{}", "STREAM": false}}"#, "a".repeat(5000));
+    let ones = format!(r#"{{"x": [{}]}}"#, vec!["1"; 1200].join(","));
+    let refused = [
+        ("mock_llm", "{}", "expected number of inputs between 2 and 3 but got 0 inputs for model 'mock_llm'"),
+        ("mock_llm", r#"{"PROMPT": "hello"}"#, "expected number of inputs between 2 and 3 but got 1 inputs"),
+        ("cumsum", "{}", "expected 1 inputs but got 0 inputs for model 'cumsum'"),
+        ("mock_llm", r#"{"PROMPT": 123, "STREAM": false}"#, "attempt to access JSON non-string as string"),
+        ("mock_llm", r#"{"PROMPT": "hello", "STREAM": "false"}"#, "attempt to access JSON non-boolean as boolean"),
+        ("mock_llm", r#"{"PROMPT": {"USER": "a"}, "STREAM": true}"#, "attempt to access JSON non-string as string"),
+        ("mock_llm", r#"{"PROMPT": "a", "STREAM": false, "PROMPT": "b"}"#, "input 'PROMPT' already exists in request"),
+        ("mock_llm", r#"{"PROMPT": "a", "STREAM": true, "PARAMS": {"P": 0}}"#, "parameter 'PARAMS' has invalid type"),
+        ("mock_llm", r#"{"PROMPT": "a", "parameters": 1}"#, "Expected JSON object for keyword: 'parameters'"),
+        ("mock_llm", r#"{"PROMPT": ["a", "b"], "STREAM": false}"#, "can not convert input 'PROMPT' to tensor"),
+        ("mock_llm", &long, "exceeds the maximum allowed input size of 4096 bytes. Use --http-max-input-size"),
+        // 2.4 kB of JSON that would take 4.8 kB as FP32: bounded before it is decoded.
+        ("cumsum", &ones, "with input 'x' of size 4800 bytes exceeds the maximum allowed input size of 4096"),
+    ];
+    for route in ["generate", "generate_stream"] {
+        for (model, body, says) in refused {
+            let r = post(&format!("/v2/models/{model}/{route}"), body);
+            let text = String::from_utf8_lossy(&r.body);
+            assert_eq!(
+                (r.status, r.header("content-type")),
+                (400, Some("application/json")),
+                "{route} {body:.80}: {text}"
+            );
+            let error: Value = serde_json::from_slice(&r.body).unwrap();
+            assert!(error["error"].as_str().unwrap().contains(says), "{route} {body:.80}: {text}");
+        }
+    }
+    // Nothing changed: the models still answer.
+    assert_eq!(answer(&post("/v2/models/mock_llm/generate", hello))["TEXT"], "hello world");
+    assert_eq!(answer(&post("/v2/models/cumsum/generate", r#"{"x": 5}"#))["y"], json!(5.0));
+}
+
+/// Optional inputs (Triton's `optional: true`; its L0_input_validation cases
+/// `test_input_validation_optional*`): model.toml's `optional_inputs` names graph inputs that
+/// have an initializer; a request may give one or leave it out (the graph then runs with the
+/// initializer), over REST and gRPC, the model's configuration says which, a request without
+/// a required input is refused in Triton's words, and a name that is no such input is refused
+/// at start naming those the graph has.
+#[test]
+fn optional_inputs_may_be_given_or_left_out() {
+    let dir = temp_dir("optional");
+    let repository = dir.path().join("models");
+    model_of_file(&repository, "echo", &fixture("prompt_echo"), "optional_inputs = [\"input_ids\"]");
+    let server = serve(dir, 1, &repository, "echo", &[], "");
+    let infer = |inputs: Value| {
+        let body = json!({"inputs": inputs}).to_string();
+        let r = server.request("POST", "/v2/models/echo/infer", body.as_bytes());
+        (r.status, serde_json::from_slice::<Value>(&r.body).unwrap())
+    };
+    let prompt = json!({"name": "PROMPT", "datatype": "BYTES", "shape": [1, 1], "data": ["hi"]});
+    let stream = json!({"name": "STREAM", "datatype": "BOOL", "shape": [1, 1], "data": [false]});
+    let ids = json!({"name": "input_ids", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]});
+    let sum = |answer: &Value| {
+        answer["outputs"].as_array().unwrap().iter().find(|o| o["name"] == "IDS").unwrap()["data"].clone()
+    };
+    let (status, answer) = infer(json!([prompt, stream]));
+    assert_eq!((status, sum(&answer)), (200, json!([7])), "left out: the initializer's value; {answer}");
+    let (status, answer) = infer(json!([prompt, stream, ids]));
+    assert_eq!((status, sum(&answer)), (200, json!([6])), "given: its own; {answer}");
+    let (status, answer) = infer(json!([ids]));
+    assert_eq!(status, 400, "{answer}");
+    let error = answer["error"].as_str().unwrap();
+    assert!(error.contains("expected number of inputs between 2 and 3 but got 1 inputs for model 'echo'"), "{error}");
+    let config: Value = serde_json::from_slice(&server.request("GET", "/v2/models/echo/config", b"").body).unwrap();
+    let optional: Vec<(&str, bool)> = config["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| (i["name"].as_str().unwrap(), i["optional"] == true))
+        .collect();
+    assert_eq!(optional, [("PROMPT", false), ("STREAM", false), ("input_ids", true)], "{config}");
+    let addr = server.addr.to_string();
+    let said = client_check("triton_optional_check.py", &[&addr], &server, "optional ok");
+    eprintln!("{said}");
+
+    // A name that is no graph input with an initializer: refused by check, naming those there are.
+    let dir = temp_dir("optional-bad");
+    let repository = dir.path().join("models");
+    model_of_file(&repository, "echo", &fixture("prompt_echo"), "optional_inputs = [\"PROMPT\"]");
+    write_config(dir.path(), free_port(), 1, &repository, "echo", &[], "");
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config", "inferd.toml"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "accepted: {said}");
+    assert!(said.contains("optional_inputs names 'PROMPT', which is no graph input with an initializer"), "{said}");
+    assert!(said.contains("(those the graph has: input_ids)"), "{said}");
 }
 
 /// Triton's raw binary request (`Inference-Header-Content-Length: 0`: the body is the one

@@ -104,7 +104,12 @@ pub enum BadParameters {
     TritonConfig(String),
     #[error("parameters.config: '{field}' {why}")]
     ConfigValue { field: &'static str, why: String },
-    #[error("inferd does not take model files in the request ('{0}'): give parameters.path")]
+    // Triton's words first (its answer when it cannot write such a file), with its status of
+    // a bad request rather than its 500 (its own TODO, TRI-958, says 400).
+    #[error(
+        "failed to poll from model repository: inferd does not take model files in the request ('{0}'): give \
+         parameters.path"
+    )]
     Files(String),
 }
 

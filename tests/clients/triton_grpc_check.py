@@ -197,7 +197,7 @@ def check_mistakes(client, stub, http_addr):
     wrong = grpcclient.InferInput("f32_in", [2, 4], "FP64")
     wrong.set_data_from_numpy(np.zeros((2, 4), np.float64))
     refused(lambda: client.infer("typed", [wrong] + inputs[1:]), "INVALID_ARGUMENT", "f32_in", "expected FP32")
-    refused(lambda: client.infer("typed", inputs[1:]), "INVALID_ARGUMENT", "missing input 'f32_in'")
+    refused(lambda: client.infer("typed", inputs[1:]), "INVALID_ARGUMENT", "missing required input(s) ['f32_in']")
     refused(lambda: client.infer(UNKNOWN, inputs), "NOT_FOUND", UNKNOWN)
     refused(
         lambda: client.infer("typed", inputs, outputs=[grpcclient.InferRequestedOutput("nope")]),

@@ -27,6 +27,10 @@ pub struct ModelEntry {
     pub path: PathBuf,
     pub warmup: Warmup,
     pub batching: Batching,
+    /// model.toml's `optional_inputs`: graph inputs with an initializer that requests may
+    /// give (Triton's `optional: true`).
+    #[serde(default)]
+    pub optional_inputs: Vec<String>,
     pub task: Task,
     /// Sessions map one prepared copy of the weights (with `runtime.cache_dir` set); false:
     /// each session optimises and holds its own (a graph that must stay as written, or a load
@@ -226,6 +230,7 @@ impl ModelEntry {
             path,
             warmup: file.warmup,
             batching: file.batching,
+            optional_inputs: file.optional_inputs,
             task: file.task,
             share_weights: file.share_weights,
             tokenizer,

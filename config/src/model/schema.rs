@@ -22,6 +22,11 @@ pub(super) struct ModelFile {
     pub(super) warmup: Warmup,
     #[serde(default)]
     pub(super) batching: Batching,
+    /// Graph inputs that have an initializer (ONNX Runtime's overridable initializers) that a
+    /// request may give or leave out, Triton's `optional: true`: left out, the graph runs with
+    /// the initializer's value.
+    #[serde(default)]
+    pub(super) optional_inputs: Vec<String>,
     pub(super) tokenizer: Option<TokenizerFile>,
     pub(super) embedding: Option<EmbeddingConfig>,
     pub(super) classification: Option<ClassificationConfig>,

@@ -118,6 +118,16 @@ pub async fn routed(
             };
             counted(state, row, Endpoint::Infer, work).await
         }
+        // Counted as KServe inference: it is one, in another body.
+        Route::Generate(name, version, stream) => {
+            let found = state.models.find(name, version, call).await;
+            let row = found_index(state, &found);
+            let work = async {
+                let (index, meta) = found?;
+                v2::generate(state, call, index, &meta, request, stream).await.map(|r| versioned(r, &meta))
+            };
+            counted(state, row, Endpoint::Infer, work).await
+        }
         Route::Embed(name) => tei_route(state, name, request, call, Endpoint::Embed, tei::embed).await,
         Route::Predict(name) => tei_route(state, name, request, call, Endpoint::Predict, tei::predict).await,
         Route::OpenAiEmbeddings => {

@@ -34,6 +34,8 @@ pub struct TensorConfig {
     pub reshape: Option<Vec<i64>>,
     /// An image input's layout (Triton's `format`); None: `FORMAT_NONE`.
     pub format: Option<Layout>,
+    /// An input a request may leave out (Triton's `optional`).
+    pub optional: bool,
 }
 
 impl TensorConfig {
@@ -82,12 +84,14 @@ impl Config {
             dims: dims(shape, batched),
             reshape: None,
             format: None,
+            optional: false,
         };
         let raw = |format: Option<Layout>| {
             let batched = batch.is_some();
             let of = |specs: &[crate::runtime::tensor::TensorSpec], format: Option<Layout>| {
                 let each = |t: &crate::runtime::tensor::TensorSpec| TensorConfig {
                     format,
+                    optional: t.optional,
                     ..tensor(&t.name, &t.datatype, &t.shape, batched)
                 };
                 specs.iter().map(each).collect()
@@ -105,6 +109,7 @@ impl Config {
                     dims: vec![1],
                     reshape: Some(Vec::new()),
                     format: None,
+                    optional: false,
                 };
                 let outputs =
                     outputs.iter().map(|(name, datatype, shape)| tensor(name, datatype, shape, true)).collect();
@@ -127,6 +132,7 @@ impl Config {
             let mut v = json!({"name": t.name, "data_type": t.triton_type(), "dims": t.dims});
             if input {
                 v["format"] = json!(format_name(t.format));
+                v["optional"] = json!(t.optional);
             }
             if let Some(shape) = &t.reshape {
                 v["reshape"] = json!({"shape": shape});

@@ -16,6 +16,9 @@ pub enum Route<'a> {
     /// Triton's model configuration extension ([`model_config`]).
     ModelConfig(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    /// Triton's generate extension ([`crate::kserve::generate`]): one answer (false) or the
+    /// same answer as a server-sent event (`generate_stream`, true).
+    Generate(&'a str, Option<&'a str>, bool),
     /// Triton's statistics extension: every model's (None), or one's (of one version); the
     /// pool's counters, which the supervisor holds.
     Statistics(Option<&'a str>, Option<&'a str>),
@@ -69,9 +72,11 @@ impl<'a> Route<'a> {
     /// (OpenAI's names its model in the body).
     pub fn model(&self) -> Option<Option<&'a str>> {
         match *self {
-            Route::Model(m, _) | Route::ModelReady(m, _) | Route::ModelConfig(m, _) | Route::Infer(m, _) => {
-                Some(Some(m))
-            }
+            Route::Model(m, _)
+            | Route::ModelReady(m, _)
+            | Route::ModelConfig(m, _)
+            | Route::Infer(m, _)
+            | Route::Generate(m, _, _) => Some(Some(m)),
             Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) | Route::EmbedChunks(m) => {
                 Some(m)
             }
@@ -94,6 +99,10 @@ impl<'a> Route<'a> {
             Route::ModelConfig(_, Some(_)) => "/v2/models/{model}/versions/{version}/config",
             Route::Infer(_, None) => "/v2/models/{model}/infer",
             Route::Infer(_, Some(_)) => "/v2/models/{model}/versions/{version}/infer",
+            Route::Generate(_, None, false) => "/v2/models/{model}/generate",
+            Route::Generate(_, Some(_), false) => "/v2/models/{model}/versions/{version}/generate",
+            Route::Generate(_, None, true) => "/v2/models/{model}/generate_stream",
+            Route::Generate(_, Some(_), true) => "/v2/models/{model}/versions/{version}/generate_stream",
             Route::Statistics(None, _) => "/v2/models/stats",
             Route::Statistics(Some(_), None) => "/v2/models/{model}/stats",
             Route::Statistics(Some(_), Some(_)) => "/v2/models/{model}/versions/{version}/stats",
@@ -158,7 +167,7 @@ impl<'a> Route<'a> {
                 (V2, !matches!(action, shared_memory::Action::Status(_)), false, SharedMemory)
             }
             Route::Live | Route::Ready | Route::ModelReady(..) => (V2, false, true, Health),
-            Route::Infer(..) => (V2, true, false, Inference),
+            Route::Infer(..) | Route::Generate(..) => (V2, true, false, Inference),
             Route::OpenAiEmbeddings => (OpenAi, true, false, Inference),
             Route::CohereRerank(_) | Route::CohereEmbed(_) => (Cohere, true, false, Inference),
             Route::Embed(_)
@@ -175,12 +184,16 @@ impl<'a> Route<'a> {
             Route::Ping => (Tei, false, true, Health),
         };
         // Triton compresses infer answers alone, and its asyncio client asks for gzip on every
-        // route while it inflates only those: metadata, statistics and the repository's
-        // answers go as they are.
+        // route while it inflates only those: metadata, statistics, the repository's answers
+        // and generate's (which Triton does not compress) go as they are.
         let compress = post
             && !matches!(
                 self,
-                Route::RepositoryIndex | Route::RepositoryChange(..) | Route::SharedMemory(..) | Route::TraceSetting(_)
+                Route::RepositoryIndex
+                    | Route::RepositoryChange(..)
+                    | Route::SharedMemory(..)
+                    | Route::TraceSetting(_)
+                    | Route::Generate(..)
             );
         // Trace settings are read by GET and changed by POST.
         let get = !post || matches!(self, Route::TraceSetting(_));
@@ -226,6 +239,10 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "versions", v, "config"] => Route::ModelConfig(name, Some(v)),
         ["v2", "models", name, "infer"] => Route::Infer(name, None),
         ["v2", "models", name, "versions", v, "infer"] => Route::Infer(name, Some(v)),
+        ["v2", "models", name, "generate"] => Route::Generate(name, None, false),
+        ["v2", "models", name, "versions", v, "generate"] => Route::Generate(name, Some(v), false),
+        ["v2", "models", name, "generate_stream"] => Route::Generate(name, None, true),
+        ["v2", "models", name, "versions", v, "generate_stream"] => Route::Generate(name, Some(v), true),
         ["embed"] => Route::Embed(None),
         ["v2", "models", name, "embed"] => Route::Embed(Some(name)),
         ["predict"] => Route::Predict(None),

@@ -10,6 +10,7 @@ use inferd_ipc::triton::{load_parameters, not_done};
 
 use crate::http::body;
 use crate::http::reply::{annotate, json_reply, Reply};
+use crate::kserve::generate;
 use crate::kserve::json as kserve;
 use crate::kserve::Delivery;
 use crate::request::app::AppState;
@@ -17,7 +18,7 @@ use crate::request::call::Call;
 use crate::request::error::{ApiError, OverLimit};
 use crate::request::infer::{pipeline_io, run_v2};
 use crate::request::model::Model;
-use crate::runtime::tensor::Tensor;
+use crate::runtime::tensor::{DataType, Tensor, TensorSpec};
 
 /// The KServe v2 extensions (Triton's names) the main port serves, over REST and gRPC alike.
 pub const EXTENSIONS: [&str; 8] = [
@@ -154,6 +155,52 @@ pub async fn infer(
     .map_err(ApiError::BadRequest)?;
     let inferred = run_v2(state, call, index, meta, parsed).await?;
     let mut reply = infer_reply(meta, inferred.id, inferred.outputs, &inferred.selection);
+    if let Some(outcome) = &inferred.outcome {
+        annotate(&mut reply, outcome);
+    }
+    Ok(reply)
+}
+
+/// Triton's generate extension, `POST /v2/models/{model}/generate` (one JSON answer) and
+/// `/generate_stream` (that answer as a server-sent event): its codec is
+/// [`crate::kserve::generate`]. The members may name the model's own inputs or, for a model with
+/// a pipeline, its input (`text`, `image`). A model answers once, so the stream holds one event;
+/// an error, before or during the run, is a JSON error with its status, as Triton answers one
+/// that comes before the first event.
+pub async fn generate(
+    state: &AppState,
+    call: &Call,
+    index: usize,
+    meta: &Model,
+    request: Request<Incoming>,
+    stream: bool,
+) -> Result<Reply, ApiError> {
+    let body = body::receive(state, request, call.terms.deadline).await.map_err(|e| match e {
+        ApiError::BodyTooLarge(over) => ApiError::BadRequest(over_limit(&over, false)),
+        e => e,
+    })?;
+    let pipeline = pipeline_io(meta).map(|(name, _)| TensorSpec {
+        name: name.to_string(),
+        datatype: "BYTES".into(),
+        shape: vec![-1],
+        dtype: Some(DataType::Bytes),
+        first_dim: String::new(),
+        optional: false,
+    });
+    let inputs: Vec<TensorSpec> = pipeline.into_iter().chain(meta.inputs.iter().cloned()).collect();
+    let limit = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
+    let parsed = generate::parse(&body.bytes, &inputs, limit).map_err(ApiError::BadRequest)?;
+    let inferred = run_v2(state, call, index, meta, parsed).await?;
+    let answer = generate::response(&meta.info.name, &meta.info.version, inferred.id, inferred.outputs);
+    let mut reply = match stream {
+        false => json_reply(StatusCode::OK, answer),
+        true => {
+            let event = [&b"data: "[..], &answer, b"\n\n"].concat();
+            let mut reply = json_reply(StatusCode::OK, event);
+            reply.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+            reply
+        }
+    };
     if let Some(outcome) = &inferred.outcome {
         annotate(&mut reply, outcome);
     }

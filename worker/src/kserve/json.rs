@@ -141,7 +141,12 @@ pub fn declared(name: &str, datatype: &str, shape: &[i64], request_bytes: usize)
         return Err(format!("input '{name}': unknown datatype '{datatype}'"));
     };
     if let Some(axis) = shape.iter().position(|&d| d < 0) {
-        return Err(format!("input '{name}': dimension {axis} is {}; dimensions must not be negative", shape[axis]));
+        // Triton's words (its JSON reader's, which it answers with 500; a bad request is a 400).
+        return Err(format!(
+            "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer: input \
+             '{name}': dimension {axis} is {}; dimensions must not be negative",
+            shape[axis]
+        ));
     }
     // Triton's words where its checks would refuse the shape too (qa/L0_http's overflow tests).
     let count = element_count(shape).filter(|&c| i64::try_from(c).is_ok()).ok_or_else(|| {
@@ -348,7 +353,13 @@ mod tests {
         let e = parse_raw(&format!(r#"{{"inputs":[{wrong_type},{B}]}}"#)).unwrap_err();
         assert_eq!(e, "input 'a': expected FP32, got INT32");
         let e = parse_raw(&format!(r#"{{"inputs":[{A}]}}"#)).unwrap_err();
-        assert!(e.starts_with("missing input 'b' (INT64 [-1])"), "{e}");
+        assert!(
+            e.contains(
+                "expected 2 inputs but got 1 inputs for model 'm'. Got input(s) ['a'], but missing required input(s) \
+                 ['b']. Please provide all required input(s). The first missing is input 'b' (INT64 [-1])"
+            ),
+            "{e}"
+        );
         let wider = A.replace("[1,2],", "[1,3],").replace("[[1,2]]", "[[1,2,3]]");
         let e = parse_raw(&format!(r#"{{"inputs":[{wider},{B}]}}"#)).unwrap_err();
         assert!(e.contains("dimension 1 must be 2"), "{e}");

@@ -1,5 +1,5 @@
 //! KServe v2's inference request once decoded, whatever carried it (JSON and binary data over
-//! REST, [`json`], or a raw binary body, [`raw`]; protobuf over gRPC in `http::grpc`): its tensors, the outputs it asks for
+//! REST, [`json`], or a raw binary body, [`raw`], or Triton's generate extension, [`generate`]; protobuf over gRPC in `http::grpc`): its tensors, the outputs it asks for
 //! and how each goes back.
 
 use serde_json::{Map, Value};
@@ -9,6 +9,7 @@ use inferd_ipc::shm::{Place, Registry};
 use crate::runtime::tensor::Tensor;
 
 pub mod classification;
+pub mod generate;
 pub mod json;
 pub mod raw;
 

@@ -9,6 +9,7 @@ use inferd_config::model::ModelEntry;
 use crate::onnx::OnnxError;
 use crate::pipeline::{BuildError, Pipeline};
 use crate::runtime::model::ModelMeta;
+use crate::runtime::tensor::TensorSpec;
 
 /// A model as the handlers see it: what its sessions take and give ([`ModelMeta`], which it
 /// dereferences to) and the pipeline around them. Made by the loader ([`crate::load`]).
@@ -35,5 +36,7 @@ pub(crate) fn pipeline(entry: &ModelEntry, meta: &ModelMeta) -> Result<Pipeline,
         let bytes = std::fs::read(&entry.path).map_err(|error| OnnxError::Read { path: entry.path.clone(), error })?;
         crate::onnx::producer_of(&bytes, value)
     };
-    Pipeline::build(entry, &meta.inputs, &meta.outputs, &producer)
+    // A pipeline feeds the inputs a request must give; optional ones keep their initializers.
+    let required: Vec<TensorSpec> = meta.inputs.iter().filter(|s| !s.optional).cloned().collect();
+    Pipeline::build(entry, &required, &meta.outputs, &producer)
 }

@@ -119,6 +119,7 @@ impl ModelMeta {
             shape: shape.to_vec(),
             dtype: Some(*dtype),
             first_dim: String::new(),
+            optional: false,
         };
         ModelMeta {
             info: ModelInfo {
@@ -307,6 +308,7 @@ impl ModelSession {
                         shape: shape.to_vec(),
                         dtype: DataType::from_ort(*ty),
                         first_dim: dimension_symbols.first().cloned().unwrap_or_default(),
+                        optional: false,
                     },
                     other => TensorSpec {
                         name: o.name().to_string(),
@@ -314,11 +316,33 @@ impl ModelSession {
                         shape: Vec::new(),
                         dtype: None,
                         first_dim: String::new(),
+                        optional: false,
                     },
                 })
                 .collect()
         };
-        let inputs = describe(session.inputs());
+        let mut inputs = describe(session.inputs());
+        // Optional inputs: graph inputs with an initializer, after the required ones.
+        let overridable: Vec<ort::value::Outlet> = session
+            .overridable_initializers()
+            .into_iter()
+            .map(|o| ort::value::Outlet::new(o.name(), o.dtype().clone()))
+            .collect();
+        for name in &entry.optional_inputs {
+            if inputs.iter().any(|i| i.optional && &i.name == name) {
+                continue; // named twice
+            }
+            let Some(outlet) = overridable.iter().find(|o| o.name() == name) else {
+                let names: Vec<&str> = overridable.iter().map(|o| o.name()).collect();
+                return Err(fail(format!(
+                    "optional_inputs names '{name}', which is no graph input with an initializer (those the graph \
+                     has: {})",
+                    if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                )));
+            };
+            let spec = describe(std::slice::from_ref(outlet)).remove(0);
+            inputs.push(TensorSpec { optional: true, ..spec });
+        }
         let outputs = describe(session.outputs());
         if let Some(bad) = inputs.iter().find(|i| i.dtype.is_none()) {
             return Err(fail(format!("input '{}' has type {}, which inferd cannot feed", bad.name, bad.datatype)));
@@ -414,7 +438,9 @@ impl ModelSession {
         for &batch in &warmup.batch_sizes {
             let mut inputs = Vec::with_capacity(self.meta.inputs.len());
             let mut described = Vec::with_capacity(self.meta.inputs.len());
-            for spec in &self.meta.inputs {
+            // An optional input warms up on its initializer, unless [warmup.inputs] gives it.
+            let fed = self.meta.inputs.iter().filter(|s| !s.optional || warmup.inputs.contains_key(&s.name));
+            for spec in fed {
                 let shape = spec.filled(batch, warmup.dynamic_dim);
                 let len = element_count(&shape).unwrap_or(0);
                 let dtype = spec.dtype.expect("checked in load");

@@ -46,6 +46,10 @@ pub struct TensorSpec {
     /// The first dimension's symbolic name in the graph ("batch"), empty when it has none.
     #[serde(skip)]
     pub first_dim: String,
+    /// A request may leave it out (model.toml's `optional_inputs`: a graph input with an
+    /// initializer, which ONNX Runtime then feeds).
+    #[serde(skip)]
+    pub optional: bool,
 }
 
 impl TensorSpec {
@@ -372,8 +376,9 @@ pub fn shape_text(shape: &[i64]) -> String {
 
 /// Checks a request's tensors against `specs`, the inputs model `model` declares, and returns
 /// them in the model's order: each named once, of its declared type, rank and fixed
-/// dimensions, none missing. Every error names the input and says what was expected, e.g.
-/// `input 'input_ids': expected INT64, got FP32`.
+/// dimensions, none missing but optional ones (which the graph then feeds itself). Every error
+/// names the input and says what was expected, e.g. `input 'input_ids': expected INT64, got
+/// FP32`.
 pub fn validate_inputs(inputs: Vec<Tensor>, specs: &[TensorSpec], model: &str) -> Result<Vec<Tensor>, String> {
     let mut given: Vec<Option<Tensor>> = specs.iter().map(|_| None).collect();
     for tensor in inputs {
@@ -386,25 +391,37 @@ pub fn validate_inputs(inputs: Vec<Tensor>, specs: &[TensorSpec], model: &str) -
         specs[i].check(&tensor)?;
         given[i] = Some(tensor);
     }
-    specs
-        .iter()
-        .zip(given)
-        .map(|(spec, tensor)| {
-            tensor.ok_or_else(|| {
-                format!(
-                    "missing input '{}' ({} {}); model '{model}' needs {}",
-                    spec.name,
-                    spec.datatype,
-                    shape_text(&spec.shape),
-                    names(specs)
-                )
-            })
-        })
-        .collect()
+    let missing: Vec<&TensorSpec> =
+        specs.iter().zip(&given).filter(|(s, t)| t.is_none() && !s.optional).map(|(s, _)| s).collect();
+    if let Some(first) = missing.first() {
+        // Triton's sentence first (its QA tests match it whole), then which input is what.
+        let got: Vec<&TensorSpec> = specs.iter().zip(&given).filter(|(_, t)| t.is_some()).map(|(s, _)| s).collect();
+        let required = specs.iter().filter(|s| !s.optional).count();
+        let expected = match required == specs.len() {
+            true => format!("expected {required} inputs"),
+            false => format!("expected number of inputs between {required} and {}", specs.len()),
+        };
+        let quoted =
+            |specs: &[&TensorSpec]| specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(",");
+        return Err(format!(
+            "{expected} but got {} inputs for model '{model}'. Got input(s) [{}], but missing required input(s) \
+             [{}]. Please provide all required input(s). The first missing is input '{}' ({} {}); model '{model}' takes {}",
+            got.len(),
+            quoted(&got),
+            quoted(&missing),
+            first.name,
+            first.datatype,
+            shape_text(&first.shape),
+            names(specs)
+        ));
+    }
+    // Every required input is there: the model's order, optional ones left out where not given.
+    Ok(given.into_iter().flatten().collect())
 }
 
 fn names(specs: &[TensorSpec]) -> String {
-    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
+    let name = |s: &TensorSpec| format!("'{}'{}", s.name, if s.optional { " (optional)" } else { "" });
+    specs.iter().map(name).collect::<Vec<_>>().join(", ")
 }
 
 impl TensorSpec {

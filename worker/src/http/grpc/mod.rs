@@ -609,6 +609,7 @@ fn config_message(config: &Config) -> proto::ModelConfig {
                 } as i32,
                 dims: t.dims.clone(),
                 reshape: reshape(t),
+                optional: t.optional,
             })
             .collect(),
         output: config
