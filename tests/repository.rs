@@ -194,10 +194,16 @@ fn statistics_and_the_index_answer_on_the_main_port_over_http_and_grpc() {
     server.wait_ready(Duration::from_secs(60));
     let (admin, public) = (server.admin_addr().to_string(), server.addr.to_string());
     client_check("triton_main_port_check.py", &[&admin, &public, &grpc], &server, "main port: all checks passed");
-    // Bad bodies are refused naming the problem; the routes are not inference (not counted).
-    let r = request(server.addr, "POST", "/v2/repository/index", &[], b"{\"ready\": 3}").unwrap();
-    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
-    assert!(r.error().contains("repository index request"), "{}", r.error());
+    // Bad bodies are refused naming the problem, in Triton's words (its L0_http
+    // test_repository_index_deeply_nested_json: a `ready` nested 250000 lists deep, refused at
+    // the first); the routes are not inference (not counted).
+    let nested = format!("{{\"ready\":{}true{}}}", "[".repeat(250_000), "]".repeat(250_000));
+    for body in [&b"{\"ready\": 3}"[..], nested.as_bytes()] {
+        let r = request(server.addr, "POST", "/v2/repository/index", &[], body).unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        assert!(r.error().contains("Invalid value for 'ready': expected a boolean"), "{}", r.error());
+    }
+    assert_eq!(server.request("GET", "/v2/health/live", b"").status, 200);
     let r = request(server.addr, "GET", "/v2/repository/index", &[], b"").unwrap();
     assert_eq!(r.status, 405);
     let r = request(server.addr, "GET", "/v2/models/nosuch/stats", &[], b"").unwrap();
@@ -207,14 +213,16 @@ fn statistics_and_the_index_answer_on_the_main_port_over_http_and_grpc() {
 /// With admin.model_control_on_main_port, Triton's model control examples load and unload on
 /// the main port, over HTTP and gRPC (tests/clients/triton_main_port_check.py `control`):
 /// rolling reloads answered once every worker runs the new list, though the worker that took
-/// the call is among those replaced. The switch alone, without admin.model_control, is
+/// the call is among those replaced; a load's body past server.max_body_bytes (1 MiB here) is
+/// refused in Triton's words. The switch alone, without admin.model_control, is
 /// refused at start.
 #[test]
 fn the_main_port_loads_and_unloads_with_its_switch_on() {
     let dir = temp_dir("repository-main-control");
     let repository = model_repository(dir.path(), &["typed", "classifier", "slow", "reranker"]);
     let port = free_port();
-    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], "");
+    let extra = "max_body_bytes = 1048576";
+    let config = write_config(dir.path(), port, test_workers(), &repository, "typed", &["classifier", "slow"], extra);
     let original = std::fs::read_to_string(&config).unwrap();
     with_admin(&config, "model_control_on_main_port = true");
     let text = check_refuses(&config);

@@ -34,6 +34,7 @@ import traceback
 import urllib.request
 from pathlib import Path
 
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -156,7 +157,7 @@ def without_control(http, grpc):
     require(not http.is_model_ready("reranker"), "reranker loaded all the same")
 
 
-def with_control(http, grpc):
+def with_control(http, grpc, http_addr):
     require(not http.is_model_ready("reranker"), "reranker is ready before its load")
     http.load_model("reranker")
     require(http.is_model_ready("reranker") and grpc.is_model_ready("reranker"), "reranker not ready after its load")
@@ -185,6 +186,14 @@ def with_control(http, grpc):
     instances = '{"instance_group": [{"count": 2}]}'
     refused(lambda: grpc.load_model("slow", config=instances), "failed to load 'slow'", "not 'instance_group'")
     refused(lambda: http.load_model("slow", config='{"max_batch_size": }'), "failed to load 'slow'", "parameters.config")
+    # A load whose body is past server.max_body_bytes (the test's 1 MiB), as Triton's L0_http
+    # test_loading_large_invalid_model sends one with `requests` (which reads an answer given
+    # before its body is all sent): 400, in Triton's words, and nothing loaded.
+    big = {"parameters": {"config": "{}", "file:1/model.onnx": "A" * (2 << 20)}}
+    answer = requests.post(f"http://{http_addr}/v2/repository/models/typed/load", json=big, timeout=60)
+    said = answer.json().get("error", "")
+    require(answer.status_code == 400 and "request JSON size of " in said, f"a load past the body limit: {answer.status_code} {said}")
+    require(" exceeds the maximum allowed input size of 1048576" in said, said)
 
 
 if __name__ == "__main__":
@@ -193,7 +202,7 @@ if __name__ == "__main__":
             ADMIN_HEADERS["Authorization"] = f"Bearer {sys.argv[5]}"
         main(*sys.argv[1:4])
         http, grpc = httpclient.InferenceServerClient(sys.argv[2]), grpcclient.InferenceServerClient(sys.argv[3])
-        with_control(http, grpc) if sys.argv[4:5] == ["control"] else without_control(http, grpc)
+        with_control(http, grpc, sys.argv[2]) if sys.argv[4:5] == ["control"] else without_control(http, grpc)
         shared_memory(http, grpc)
     except (CheckFailed, InferenceServerException, AssertionError) as e:
         traceback.print_exc()
