@@ -692,6 +692,44 @@ fn optional_inputs_may_be_given_or_left_out() {
     assert!(said.contains("(those the graph has: input_ids)"), "{said}");
 }
 
+/// A chunked body is refused past Triton's 65536 non-empty chunks, in its words (server
+/// qa/L0_http/http_request_many_chunks.py, sent as it sends them: one-byte chunks on a raw
+/// socket, a raw binary infer request): exactly 65536 are served, 65537 and a million are 400,
+/// and the worker is the same one, answering, after a run of them.
+#[test]
+fn a_chunked_body_past_tritons_chunk_count_is_refused() {
+    use std::io::{Read, Write};
+    let dir = temp_dir("chunks");
+    let repository = dir.path().join("models");
+    model_of_file(&repository, "cumsum", &fixture("cumsum"), "");
+    let server = serve(dir, 1, &repository, "cumsum", &[], "");
+    let send = |chunks: usize| {
+        let mut socket = std::net::TcpStream::connect(server.addr).unwrap();
+        socket.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let head = "POST /v2/models/cumsum/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: 0\r\n\
+                    Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        socket.write_all(head.as_bytes()).unwrap();
+        let mut body = b"1\r\nA\r\n".repeat(chunks);
+        body.extend_from_slice(b"0\r\n\r\n");
+        // The server may answer and close before the body is all sent, as Triton's test allows.
+        let _ = socket.write_all(&body);
+        let mut answer = Vec::new();
+        let _ = socket.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let pid = server.worker_pids()[0];
+    // 65536 bytes of 'A': 16384 floats, their running sum.
+    let answer = send(65536);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:.300}");
+    let past = "Chunked request body exceeds maximum of 65536 non-empty chunks. Send fewer or larger HTTP chunks.";
+    for chunks in [65537, 1_000_000, 1_000_000, 1_000_000] {
+        let answer = send(chunks);
+        assert!(answer.starts_with("HTTP/1.1 400") && answer.contains(past), "{chunks}: {answer:.300}");
+    }
+    assert_eq!(server.worker_pids(), [pid], "the worker was replaced");
+    assert!(send(65536).starts_with("HTTP/1.1 200"));
+}
+
 /// Triton's raw binary request (`Inference-Header-Content-Length: 0`: the body is the one
 /// input's bytes), as Triton's own L0_http tests send it (http_test.py: `test_raw_binary`,
 /// `test_byte`, `test_byte_too_many_elements`): the shape deduced from the body's size, a

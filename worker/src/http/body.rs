@@ -1,6 +1,6 @@
 //! Request bodies received whole within the worker's limits: `server.max_body_bytes`, the
-//! bytes in flight (`server.max_body_bytes_in_flight`), `server.body_timeout_secs`, and a
-//! compressed body inflated within the same limit.
+//! bytes in flight (`server.max_body_bytes_in_flight`), `server.body_timeout_secs`, at most
+//! [`MAX_CHUNKS`] chunks, and a compressed body inflated within the same limit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::CONTENT_LENGTH;
+use hyper::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
 use hyper::Request;
 use opentelemetry::KeyValue;
 
@@ -43,6 +43,12 @@ impl std::ops::Deref for Body {
     }
 }
 
+/// Most non-empty chunks a chunked body may come in (Triton's `kMaxChunkedChunks`, and its
+/// words past it): each costs a frame's work whatever its size, so a body of one-byte chunks
+/// would cost far more than its bytes. Counted as the data frames hyper yields, which are the
+/// chunks as sent unless the network splits one across reads (then it counts twice).
+pub const MAX_CHUNKS: usize = 65536;
+
 /// `request`'s body ([`Body`]): it must arrive within `server.body_timeout_secs` (408) and
 /// by the request's `deadline` (504); past `server.max_body_bytes`, [`OverLimit`].
 pub async fn receive(
@@ -65,8 +71,9 @@ pub async fn receive(
     let claim = declared.unwrap_or(limit).max(1).min(u32::MAX as u64) as u32;
     let mut budget = state.body_budget.clone().try_acquire_many_owned(claim).map_err(|_| overloaded())?;
     let read = request.extensions().get::<Read>().cloned();
+    let chunked = request.headers().get(TRANSFER_ENCODING).is_some_and(|v| v.as_bytes().ends_with(b"chunked"));
     let mut stage = crate::trace::Stage::start("read body");
-    let collect = Limited::new(request.into_body(), limit as usize).collect();
+    let collect = gather(Limited::new(request.into_body(), limit as usize), declared, chunked);
     let timeout = state.body_timeout;
     let begun = Instant::now();
     let due = deadline.filter(|&d| d < begun + timeout);
@@ -81,14 +88,13 @@ pub async fn receive(
                 "the request body did not arrive within {timeout:?} (server.body_timeout_secs)"
             )),
         })?
-        .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                too_large(false)
-            } else {
-                ApiError::BadRequest(format!("could not read the request body: {e}"))
-            }
-        })?
-        .to_bytes();
+        .map_err(|e| match e {
+            Gathered::Chunks => ApiError::BadRequest(format!(
+                "Chunked request body exceeds maximum of {MAX_CHUNKS} non-empty chunks. Send fewer or larger HTTP chunks."
+            )),
+            Gathered::Read(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(false),
+            Gathered::Read(e) => ApiError::BadRequest(format!("could not read the request body: {e}")),
+        })?;
     if let Some(read) = read {
         read.0.store(true, Ordering::Relaxed);
     }
@@ -114,6 +120,33 @@ pub async fn receive(
         }
     };
     Ok(Body { bytes, _budget: budget })
+}
+
+/// Why a body could not be gathered: the connection's error (or the limit's), or too many chunks.
+enum Gathered {
+    Read(Box<dyn std::error::Error + Send + Sync>),
+    Chunks,
+}
+
+/// `body`'s bytes in one buffer, copied from each frame as it comes (a frame's buffer is not
+/// kept: a list of a million one-byte frames would hold far more than their bytes); a chunked
+/// body of more than [`MAX_CHUNKS`] chunks is refused as it passes them.
+async fn gather(mut body: Limited<Incoming>, declared: Option<u64>, chunked: bool) -> Result<Bytes, Gathered> {
+    // The declared length, up to a mebibyte, up front; past it the buffer grows as bytes come.
+    let mut bytes = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
+    let mut chunks = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(Gathered::Read)?.into_data() else { continue };
+        if data.is_empty() {
+            continue;
+        }
+        chunks += 1;
+        if chunked && chunks > MAX_CHUNKS {
+            return Err(Gathered::Chunks);
+        }
+        bytes.extend_from_slice(&data);
+    }
+    Ok(Bytes::from(bytes))
 }
 
 /// A request refused because the worker's body budget (`server.max_body_bytes_in_flight`)

@@ -17,8 +17,8 @@ use crate::runtime::tensor::{shape_text, Tensor, TensorData};
 pub fn parse(body: &[u8], meta: &ModelMeta) -> Result<Parsed, String> {
     let [input] = meta.inputs.as_slice() else {
         return Err(format!(
-            "Raw request must only have 1 input (found 1) to be deduced but got {} inputs in model '{}': a raw \
-             binary request (Inference-Header-Content-Length: 0) carries one input's bytes",
+            "Raw request must only have 1 input (found 1) to be deduced but got {} inputs in '{}' model \
+             configuration: a raw binary request (Inference-Header-Content-Length: 0) carries one input's bytes",
             meta.inputs.len(),
             meta.info.name
         ));
@@ -129,7 +129,9 @@ mod tests {
     #[test]
     fn what_cannot_be_deduced_is_refused_naming_why() {
         let two = model(&[("a", DataType::F32, &[-1]), ("b", DataType::F32, &[-1])], Some(0));
-        assert!(parse(&[0; 4], &two).unwrap_err().contains("to be deduced but got 2 inputs in model 'm'"));
+        assert!(parse(&[0; 4], &two)
+            .unwrap_err()
+            .contains("to be deduced but got 2 inputs in 'm' model configuration"));
         let err = parse(&[0; 8], &model(&[("x", DataType::F16, &[-1, -1])], Some(0))).unwrap_err();
         assert!(err.contains("more than one variable-sized dimension"), "{err}");
         let err = parse(&[0; 6], &model(&[("x", DataType::F32, &[-1, -1])], Some(8))).unwrap_err();
