@@ -21,6 +21,7 @@ fn pipeline() -> &'static Pipeline {
             shape,
             dtype: Some(dtype),
             first_dim: String::new(),
+            optional: false,
         };
         let inputs = [
             spec("input_ids", "INT64", DataType::I64, vec![-1, -1]),
