@@ -10,8 +10,7 @@
 //! worker's memory is its PSS: its own pages, and each page it maps divided among the
 //! processes that map it, so that the weights two workers map from the one prepared file count
 //! once for the pool, half in each (RSS would count them once per worker, and once per session
-//! in each). What a load needs is its peak (models/need.rs): measured across the model's last
-//! load here (the worker's own pages at their highest, sampled, and the weights it maps), or
+//! in each). What a load needs is its peak (models/need.rs): the highest its loads here measured (the worker's own pages at their highest, sampled, and the weights it maps), or
 //! before its first, a multiple of its file. A model whose size once loaded (measured, or at
 //! least its file) does not fit the share beside the worker's own memory and its pinned
 //! models is refused at once, naming both sizes. With nothing left to evict and nothing in
@@ -287,8 +286,7 @@ fn resident() -> ModelCost {
 
 /// The worker's own pages (RssAnon + RssShmem, from /proc/self/status: microseconds a read).
 fn own_pages() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    kb_field(&status, "RssAnon:").unwrap_or(0) + kb_field(&status, "RssShmem:").unwrap_or(0)
+    Status::read().own()
 }
 
 /// Field `name` (`"RssAnon:"`) of a /proc file that counts in kB, in bytes.
@@ -297,11 +295,44 @@ fn kb_field(text: &str, name: &str) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// What /proc/self/status says of the worker's resident pages, in bytes.
+#[derive(Debug, Default, Clone, Copy)]
+struct Status {
+    anon: u64,
+    file: u64,
+    shmem: u64,
+    /// VmHWM: the highest the resident set (all three) reached since start or since
+    /// [`reset_high_water`].
+    high_water: u64,
+}
+
+impl Status {
+    fn read() -> Status {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kb = |name: &str| kb_field(&status, name).unwrap_or(0);
+        Status { anon: kb("RssAnon:"), file: kb("RssFile:"), shmem: kb("RssShmem:"), high_water: kb("VmHWM:") }
+    }
+
+    fn own(&self) -> u64 {
+        self.anon + self.shmem
+    }
+}
+
+/// Sets the kernel's high-water mark of the worker's resident set to where it is now (Linux
+/// 4.0 and later); false where it cannot.
+fn reset_high_water() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Runs `work`, sampling the worker's own pages ([`own_pages`]) every [`PEAK_SAMPLE_EVERY`]
 /// on a thread of its own: returns its result and the most they grew above where they were
-/// when it started.
+/// when it started. A sampler starved of the CPU on a busy machine misses short peaks, so the
+/// kernel's high-water mark bounds them too: at the resident set's highest, its own pages were
+/// at least the mark less the file pages it mapped (which a load only adds to).
 fn peak_growth<T>(work: impl FnOnce() -> T) -> (T, u64) {
-    let start = own_pages();
+    let marked = reset_high_water();
+    let before = Status::read();
+    let start = before.own();
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let sampler = scope.spawn(|| {
@@ -314,8 +345,10 @@ fn peak_growth<T>(work: impl FnOnce() -> T) -> (T, u64) {
         });
         let result = work();
         done.store(true, std::sync::atomic::Ordering::Relaxed);
-        let peak = sampler.join().unwrap_or(start);
-        (result, peak.saturating_sub(start))
+        let sampled = sampler.join().unwrap_or(start);
+        let after = Status::read();
+        let marked_peak = if marked { after.high_water.saturating_sub(after.file.max(before.file)) } else { 0 };
+        (result, sampled.max(marked_peak).saturating_sub(start))
     })
 }
 

@@ -1,6 +1,6 @@
 //! What a model's load needs of the worker's share of models.memory_budget: the room its load
 //! takes at its peak (the worker's own pages at their highest while its sessions load, and the
-//! weights it maps). Once a model has loaded here, as that load measured; before,
+//! weights it maps). Once a model has loaded here, the highest peak its loads measured; before,
 //! [`FIRST_LOAD_FACTOR`] times its file. Only loads that mapped the model's shared weights are
 //! recorded: the one load of a model version that prepares them (an optimising session, 4 to
 //! 6 times the file) peaks once, never again.
@@ -23,7 +23,8 @@ pub const FIRST_LOAD_FACTOR: u64 = 5;
 /// The peaks of the loads measured in this worker.
 #[derive(Debug, Default)]
 pub struct Needs {
-    /// By model: its load's peak and what it held once loaded, as it last loaded.
+    /// By model: the highest peak its loads took, and what it held once loaded, as it last
+    /// loaded.
     loads: HashMap<String, (u64, u64)>,
 }
 
@@ -36,7 +37,7 @@ pub struct Need {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Basis {
-    /// The model's own last load here.
+    /// The model's own loads here: the highest peak they took.
     Measured,
     /// Not loaded here yet: [`FIRST_LOAD_FACTOR`] times the file.
     Guess,
@@ -48,9 +49,13 @@ pub enum Basis {
 }
 
 impl Needs {
-    /// `name`'s load peaked at `peak` and left it holding `held`.
+    /// `name`'s load peaked at `peak` and left it holding `held`. The need kept is the highest
+    /// peak measured: one model's loads under traffic peak from 1.2 to 4 times what it holds,
+    /// and a need taken from a low one let the next load past the share (the pool's PSS at
+    /// 1.105x the budget in a busy CI run of tests/model_budget.rs).
     pub fn record(&mut self, name: &str, peak: u64, held: u64) {
-        self.loads.insert(name.to_string(), (peak, held));
+        let highest = self.loads.get(name).map_or(peak, |&(before, _)| before.max(peak));
+        self.loads.insert(name.to_string(), (highest, held));
     }
 
     /// What `name` held once loaded, when a load of it was measured.
@@ -70,7 +75,7 @@ impl Needs {
 impl fmt::Display for Basis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Basis::Measured => write!(f, "its load's peak, measured when it last loaded"),
+            Basis::Measured => write!(f, "the highest peak its loads here took"),
             Basis::Guess => write!(f, "{FIRST_LOAD_FACTOR} times its file, before its first load here"),
             Basis::File => write!(f, "its file, the least its load needs"),
             Basis::Held => write!(f, "what it holds once loaded, measured as it loaded"),
@@ -83,15 +88,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_need_is_as_the_models_last_load_measured_or_a_multiple_of_its_file() {
+    fn a_need_is_the_highest_peak_its_loads_measured_or_a_multiple_of_its_file() {
         let mut needs = Needs::default();
         assert_eq!(needs.of("a", 10 << 20), Need { bytes: 50 << 20, basis: Basis::Guess });
         needs.record("a", 30 << 20, 20 << 20);
         assert_eq!(needs.of("a", 10 << 20), Need { bytes: 30 << 20, basis: Basis::Measured });
         assert_eq!((needs.held("a"), needs.held("b")), (Some(20 << 20), None));
-        // Measured again: the latest figure.
-        needs.record("a", 25 << 20, 20 << 20);
-        assert_eq!(needs.of("a", 10 << 20).bytes, 25 << 20);
+        // Measured again lower: the highest peak stays; what it holds is the latest.
+        needs.record("a", 25 << 20, 18 << 20);
+        assert_eq!(needs.of("a", 10 << 20).bytes, 30 << 20);
+        assert_eq!(needs.held("a"), Some(18 << 20));
+        needs.record("a", 40 << 20, 20 << 20);
+        assert_eq!(needs.of("a", 10 << 20).bytes, 40 << 20);
         assert_eq!(needs.of("b", 4 << 20).bytes, 20 << 20);
     }
 }
