@@ -57,6 +57,10 @@ pixels task = "classification" of images whose "scores" are the model's input it
 
 published/  model folders laid out as their publishers lay them out, without model.toml
        (inferd reads config.json, modules.json, 1_Pooling/config.json, ... instead):
+       colbert       a PyLate ColBERT folder: st-embedder's graph and tokenizer with the
+                     markers "[Q] " and "[D] " added, a pylate Dense module (16 -> 8, no
+                     bias), query_length 12 (expanded with [MASK]), document_length 16,
+                     punctuation skipped in documents
        st-dense      st-embedder with two Dense modules (Tanh with a bias, Identity in F16)
                      between Pooling and Normalize, their weights in model.safetensors
        st-embedder   sentence-transformers with onnx/model.onnx: mean pooling, Normalize,
@@ -897,6 +901,58 @@ def st_dense_folder(base):
     return folder
 
 
+def colbert_folder(base):
+    """A PyLate ColBERT folder as PyLate saves one: the transformer, then PyLate's Dense
+    module projecting each token's vector (PUBLISHED_DIM -> 8, no bias); the markers PyLate
+    adds to the tokenizer ("[Q] ", "[D] "); its recipe in config_sentence_transformers.json."""
+    import string
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(base["tokenizer.json"].decode())
+    tok.add_tokens(["[Q] ", "[D] "])
+    rng = np.random.default_rng(20261208)
+    return {
+        "onnx/model.onnx": base["onnx/model.onnx"],
+        "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
+        "tokenizer_config.json": json_bytes({"model_max_length": 512, "mask_token": "[MASK]", "pad_token": "[MASK]"}),
+        "config.json": base["config.json"],
+        "modules.json": json_bytes(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+            ]
+        ),
+        "1_Dense/config.json": json_bytes(
+            {
+                "in_features": PUBLISHED_DIM,
+                "out_features": 8,
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+                "use_residual": False,
+            }
+        ),
+        "1_Dense/model.safetensors": safetensors_bytes(
+            {"linear.weight": (rng.standard_normal((8, PUBLISHED_DIM)) * 0.4).astype(np.float32)}
+        ),
+        "config_sentence_transformers.json": json_bytes(
+            {
+                "model_type": "ColBERT",
+                "prompts": {},
+                "default_prompt_name": None,
+                "similarity_fn_name": "MaxSim",
+                "query_prefix": "[Q] ",
+                "document_prefix": "[D] ",
+                "query_length": 12,
+                "document_length": 16,
+                "attend_to_expansion_tokens": False,
+                "skiplist_words": list(string.punctuation),
+                "do_query_expansion": True,
+            }
+        ),
+    }
+
+
 def st_pooling(mode):
     keys = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
     config = {"word_embedding_dimension": PUBLISHED_DIM}
@@ -951,6 +1007,7 @@ def published_folders():
         },
     }
     folders["st-dense"] = st_dense_folder(folders["st-embedder"])
+    folders["colbert"] = colbert_folder(folders["st-embedder"])
     for name, problem in (("text-classifier", "single_label_classification"), ("text-multilabel", "multi_label_classification")):
         folders[name] = {
             "model.onnx": classifier_model(name=name).SerializeToString(),

@@ -525,3 +525,108 @@ fn dense_modules_are_written_by_init_and_what_does_not_fit_them_is_refused() {
         assert!(out.contains(message), "{name}: {out}");
     }
 }
+
+/// Each text's vectors in an OpenAI-shaped answer: `data[i].embedding`, a list of vectors.
+fn multi_vectors(answer: &Value) -> Vec<Value> {
+    answer["data"].as_array().unwrap().iter().map(|d| d["embedding"].clone()).collect()
+}
+
+#[test]
+fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() {
+    let dir = temp_dir("colbert");
+    let repository = dir.path().join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    for name in ["colbert", "st-embedder"] {
+        std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
+    }
+    let port = free_port();
+    write_config(dir.path(), port, 1, &repository, "colbert", &["st-embedder"], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    // A text past document_length (16) and one of punctuation the skiplist drops.
+    let texts = [
+        TEXTS[0],
+        TEXTS[1],
+        TEXTS[2],
+        "great product, works wonderfully! absolutely the best purchase ever made i think, really",
+    ];
+    let list = json!(texts).to_string();
+    let folder = published("colbert");
+    for (role, is_query) in [("query", json!(true)), ("document", json!(false)), ("query", Value::Null)] {
+        let want = reference(&["colbert", folder.to_str().unwrap(), &list, role]);
+        let mut body = json!({ "model": "colbert", "input": texts });
+        if !is_query.is_null() {
+            body["is_query"] = is_query.clone();
+        }
+        let r = post(&server, "/v1/embeddings", body);
+        assert_eq!(r.status, 200, "{role}: {}", r.error());
+        let got = multi_vectors(&r.json());
+        let want_rows = want["vectors"].as_array().unwrap();
+        assert_eq!(got.len(), texts.len());
+        for (i, (g, w)) in got.iter().zip(want_rows).enumerate() {
+            let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
+            assert_eq!(g.len(), w.len(), "{role} {i}: {} vectors, PyLate keeps {}", g.len(), w.len());
+            let d = worst(&Value::Array(g.clone()), &Value::Array(w.clone()));
+            assert!(d < 1e-5, "{role} {i} (is_query {is_query}): {d}");
+            assert_eq!(g[0].as_array().unwrap().len(), 8, "the Dense module's width");
+        }
+        let kept: Vec<usize> = want_rows.iter().map(|r| r.as_array().unwrap().len()).collect();
+        match role {
+            // Expanded to query_length with [MASK], every vector kept.
+            "query" => assert!(kept.iter().all(|&n| n == 12), "{kept:?}"),
+            // Cut at 16 tokens, punctuation left out: "rain today, snow tomorrow!" loses 2.
+            _ => assert!(kept[3] <= 16 && kept[2] < 16, "{kept:?}"),
+        }
+    }
+    // One text alone answers as it does beside others (batched with queries of other lengths).
+    let alone = post(&server, "/v1/embeddings", json!({ "model": "colbert", "input": texts[1], "is_query": false }));
+    let want = reference(&["colbert", folder.to_str().unwrap(), &json!([texts[1]]).to_string(), "document"]);
+    assert!(worst(&multi_vectors(&alone.json())[0], &want["vectors"][0]) < 1e-5);
+
+    // What does not fit a ColBERT model: 400 naming the field, nothing run.
+    for (body, words) in [
+        (json!({ "model": "colbert", "input": "x", "is_query": "yes" }), "'is_query' must be true or false"),
+        (
+            json!({ "model": "colbert", "input": "x", "encoding_format": "base64" }),
+            "'encoding_format' must be \"float\"",
+        ),
+        (json!({ "model": "colbert", "input": "x", "dimensions": 4 }), "'dimensions' cannot be asked"),
+        (json!({ "model": "colbert", "input": [1, 2, 3] }), "'input' must be texts"),
+        (json!({ "model": "colbert", "input": "" }), "input 0 is empty"),
+        (json!({ "model": "st-embedder", "input": "x", "is_query": true }), "'is_query' is for ColBERT models"),
+    ] {
+        let r = post(&server, "/v1/embeddings", body.clone());
+        let message = r.json()["error"]["message"].as_str().unwrap_or_default().to_string();
+        assert_eq!(r.status, 400, "{body}: {message}");
+        assert!(message.contains(words), "{body}: {message}");
+    }
+    let r = post(&server, "/v2/models/colbert/embed", json!({ "inputs": "x" }));
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("a vector per token") && r.error().contains("/v1/embeddings"), "{}", r.error());
+    // /embed_all (of the default model, colbert) still gives the graph's raw token states (16 values each).
+    let r = post(&server, "/embed_all", json!({ "inputs": "where is the cat" }));
+    assert_eq!(r.status, 200, "{}", r.error());
+    assert_eq!(r.json()[0][0].as_array().unwrap().len(), 16);
+
+    // inferd init writes the recipe it was served with.
+    let copy = temp_dir("colbert-init");
+    let target = copy.path().join("colbert");
+    copy_dir(&folder, &target);
+    let (ok, written) = inferd(&["init", target.to_str().unwrap()]);
+    assert!(ok, "{written}");
+    let toml = std::fs::read_to_string(target.join("model.toml")).unwrap();
+    for line in [
+        "pooling = \"colbert\"",
+        "normalize = true",
+        "file = \"1_Dense/model.safetensors\"",
+        "[embedding.colbert]",
+        "query_prefix = \"[Q] \"  # config_sentence_transformers.json: query_prefix",
+        "query_length = 12",
+        "document_length = 16",
+        "do_query_expansion = true",
+        "attend_to_expansion_tokens = false",
+        "mask_token = \"[MASK]\"  # tokenizer_config.json: mask_token",
+    ] {
+        assert!(toml.contains(line), "{line} missing from:\n{toml}");
+    }
+}

@@ -201,9 +201,60 @@ def image(folder):
     return cases
 
 
+def colbert(folder, texts, is_query):
+    """PyLate's ColBERT.encode (pylate/models/colbert.py: tokenize, insert_prefix_token,
+    skiplist_mask, encode) on the folder's files: each text cut to its length less the
+    marker, queries padded with the mask token to that length (attended only with
+    attend_to_expansion_tokens), the marker after the first token, the Dense modules on every
+    token, documents' padding and skiplist tokens left out, each vector normalised."""
+    st = load(folder, "config_sentence_transformers.json")
+    modules = load(folder, "modules.json")
+    length = st["query_length"] if is_query else st["document_length"]
+    prefix = st["query_prefix"] if is_query else st["document_prefix"]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    mask_token = load(folder, "tokenizer_config.json")["mask_token"]
+    mask_id = tok.token_to_id(mask_token)
+    # PyLate pads with the mask token: sentence-transformers' max_seq_length is length - 1.
+    tok.enable_truncation(length - 1)
+    expand = is_query and st["do_query_expansion"]
+    if expand:
+        tok.enable_padding(length=length - 1, pad_id=mask_id, pad_token=mask_token)
+    else:
+        tok.enable_padding(pad_id=mask_id, pad_token=mask_token)
+    enc = tok.encode_batch(texts)
+    ids = np.array([e.ids for e in enc], np.int64)
+    attention = np.array([e.attention_mask for e in enc], np.int64)
+    types = np.array([e.type_ids for e in enc], np.int64)
+    insert = lambda a, v: np.concatenate([a[:, :1], np.full((a.shape[0], 1), v, np.int64), a[:, 1:]], axis=1)
+    ids, attention, types = insert(ids, tok.token_to_id(prefix)), insert(attention, 1), insert(types, 0)
+    if is_query and st["attend_to_expansion_tokens"]:
+        attention[:] = 1
+    sess = session(folder)
+    values = {"input_ids": ids, "attention_mask": attention, "token_type_ids": types}
+    hidden = sess.run(None, {i.name: values[i.name] for i in sess.get_inputs()})[0].astype(np.float64)
+    for layer in dense_layers(folder, modules):
+        hidden = np.apply_along_axis(layer, 2, hidden)
+    if is_query and expand:
+        masks = np.ones_like(ids, bool)
+    elif is_query:
+        masks = attention.astype(bool)
+    else:
+        # transformers' convert_tokens_to_ids: a word that is not a token is the unknown one.
+        unk = tok.token_to_id(json.loads((folder / "tokenizer.json").read_text())["model"]["unk_token"])
+        skip = [tok.token_to_id(w) if tok.token_to_id(w) is not None else unk for w in st["skiplist_words"]]
+        masks = attention.astype(bool) & ~np.isin(ids, skip)
+    rows = []
+    for h, m in zip(hidden, masks):
+        kept = h[m]
+        rows.append((kept / np.maximum(np.linalg.norm(kept, axis=1, keepdims=True), 1e-12)).tolist())
+    return {"vectors": rows, "ids": [list(map(int, i[m])) for i, m in zip(ids, masks)]}
+
+
 def main():
     kind, folder = sys.argv[1], Path(sys.argv[2])
-    if kind == "embed":
+    if kind == "colbert":
+        result = colbert(folder, json.loads(sys.argv[3]), sys.argv[4] == "query")
+    elif kind == "embed":
         result = embed(folder, json.loads(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
     elif kind == "sparse":
         result = sparse(folder, json.loads(sys.argv[3]))

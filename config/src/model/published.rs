@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use super::ColbertConfig;
+
 /// The largest settings file read (`tokenizer_config.json` of a large vocabulary is the
 /// biggest of them, a few hundred KB).
 const JSON_LIMIT: u64 = 8 << 20;
@@ -304,6 +306,14 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
     let mut normalize = None;
     // Dense modules, in order: (folder, activation, where the activation came from).
     let mut dense = Vec::new();
+    let st = json(dir, "config_sentence_transformers.json")?;
+    // PyLate's ColBERT: its Dense modules project each token's vector, with no pooling.
+    let colbert = files
+        .modules
+        .as_ref()
+        .and_then(Value::as_array)
+        .is_some_and(|list| list.iter().any(|m| m["type"].as_str().is_some_and(|t| t.starts_with("pylate."))))
+        || st.as_ref().is_some_and(|c| c["model_type"] == "ColBERT");
     if let Some(modules) = &files.modules {
         let list = modules.as_array().ok_or("modules.json is not a list of modules")?;
         for module in list {
@@ -311,6 +321,7 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
             let path = module["path"].as_str().unwrap_or_default();
             match kind.rsplit('.').next().unwrap_or_default() {
                 "Transformer" | "MLMTransformer" => {}
+                "Dense" if colbert => dense.push(dense_module(dir, path)?),
                 "Pooling" => pooling_dir = Some(path.to_string()),
                 "SpladePooling" => splade_dir = Some(path.to_string()),
                 "Normalize" => normalize = Some(true),
@@ -336,6 +347,9 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
         pooling_dir = Some("1_Pooling".into());
     }
     t.section("embedding");
+    if colbert {
+        return colbert_section(t, dir, st.unwrap_or(Value::Null), dense);
+    }
     let config_of = |p: &str| format!("{}config.json", if p.is_empty() { String::new() } else { format!("{p}/") });
     match (splade_dir, pooling_dir) {
         (Some(_), Some(_)) => return Err("modules.json has both a Pooling and a SpladePooling module".into()),
@@ -368,13 +382,86 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
         Some(false) => t.key("normalize", false, "modules.json: no Normalize module"),
         None => t.key("normalize", true, "the default of /embed"),
     }
-    if let Some(st) = json(dir, "config_sentence_transformers.json")? {
-        prompts_section(t, &st)?;
+    if let Some(st) = &st {
+        prompts_section(t, st)?;
     }
+    dense_sections(t, dense);
+    Ok(())
+}
+
+fn dense_sections(t: &mut TomlText, dense: Vec<(String, &'static str, String)>) {
     for (file, activation, why) in dense {
         let _ = writeln!(t.0, "\n[[embedding.dense]]  # modules.json: a Dense module");
         t.key("file", file, "");
         t.key("activation", activation, &why);
+    }
+}
+
+/// A PyLate ColBERT folder: a vector per token, through its Dense modules, each normalised
+/// (PyLate's `encode` normalises by default), and its recipe from
+/// config_sentence_transformers.json (PyLate's defaults where a key is absent), the mask
+/// token from tokenizer_config.json.
+fn colbert_section(
+    t: &mut TomlText,
+    dir: &Path,
+    st: Value,
+    dense: Vec<(String, &'static str, String)>,
+) -> Result<(), PublishedError> {
+    const FILE: &str = "config_sentence_transformers.json";
+    t.key("pooling", "colbert", "PyLate's ColBERT: a vector per token");
+    t.key("normalize", true, "PyLate normalises each token's vector");
+    dense_sections(t, dense);
+    t.section("embedding.colbert");
+    let defaults = ColbertConfig::default();
+    let text = |key: &str, default: &str| -> Result<(String, String), PublishedError> {
+        match &st[key] {
+            Value::Null => Ok((default.to_string(), "PyLate's default".into())),
+            Value::String(s) => Ok((s.clone(), format!("{FILE}: {key}"))),
+            other => Err(format!("{FILE}: {key} = {other} is not a text").into()),
+        }
+    };
+    for (key, default) in [("query_prefix", &defaults.query_prefix), ("document_prefix", &defaults.document_prefix)] {
+        let (value, why) = text(key, default)?;
+        t.key(key, value, &why);
+    }
+    for (key, default) in [("query_length", defaults.query_length), ("document_length", defaults.document_length)] {
+        match &st[key] {
+            Value::Null => t.key(key, default as i64, "PyLate's default"),
+            v => match v.as_u64() {
+                Some(n) => t.key(key, n as i64, &format!("{FILE}: {key}")),
+                None => return Err(format!("{FILE}: {key} = {v} is not a number of tokens").into()),
+            },
+        }
+    }
+    let flags = [
+        ("do_query_expansion", defaults.do_query_expansion),
+        ("attend_to_expansion_tokens", defaults.attend_to_expansion_tokens),
+    ];
+    for (key, default) in flags {
+        match &st[key] {
+            Value::Null => t.key(key, default, "PyLate's default"),
+            Value::Bool(b) => t.key(key, *b, &format!("{FILE}: {key}")),
+            other => return Err(format!("{FILE}: {key} = {other} is not true or false").into()),
+        }
+    }
+    let (skiplist, why): (Vec<String>, String) = match &st["skiplist_words"] {
+        Value::Null => (defaults.skiplist_words.clone(), "PyLate's default: string.punctuation".into()),
+        v => (
+            serde_json::from_value(v.clone()).map_err(|e| format!("{FILE}: skiplist_words: {e}"))?,
+            format!("{FILE}: skiplist_words"),
+        ),
+    };
+    t.key("skiplist_words", skiplist, &why);
+    let tokenizer = json(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
+    // A token as text, or as an object with its `content`.
+    let mask = match &tokenizer["mask_token"] {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    };
+    match mask {
+        Some(mask) => t.key("mask_token", mask, "tokenizer_config.json: mask_token"),
+        None => t.key("mask_token", defaults.mask_token, "tokenizer_config.json names none: BERT's"),
     }
     Ok(())
 }
@@ -384,6 +471,12 @@ fn dense_module(dir: &Path, path: &str) -> Result<(String, &'static str, String)
     let file = format!("{path}/config.json");
     let config =
         json(dir, &file)?.ok_or(format!("modules.json names a Dense module in '{path}', but {file} is missing"))?;
+    if config.get("use_residual") == Some(&Value::Bool(true)) {
+        return Err(format!(
+            "{file}: use_residual = true (PyLate adds the module's input to its output), which inferd's Dense layers do not"
+        )
+        .into());
+    }
     let function =
         config.get("activation_function").and_then(Value::as_str).unwrap_or("torch.nn.modules.linear.Identity");
     let activation = match function.rsplit('.').next().unwrap_or_default() {

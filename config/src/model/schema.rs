@@ -119,6 +119,11 @@ pub enum SettingsError {
         "image.shortest_edge = {edge} must be between the crop's larger side ({larger}) and image.max_side ({max_side})"
     )]
     ShortestEdge { edge: u32, larger: u32, max_side: u32 },
+    #[error(
+        "embedding.colbert.{key} = {value} must be from {least} (a marker and the special tokens) to \
+         tokenizer.max_length = {max_length}"
+    )]
+    ColbertLength { key: &'static str, value: usize, least: usize, max_length: usize },
 }
 
 /// A `--precision` or `precision` that is none of fp32, int8 and auto.
@@ -300,6 +305,9 @@ pub enum Pooling {
     /// entry, the largest `log(1 + relu(logit))` over the tokens; a sparse vector
     /// (`/embed_sparse`).
     Splade,
+    /// No pooling: a vector per token, ColBERT's late interaction (`[embedding.colbert]`; the
+    /// OpenAI route's `is_query`, as PyLate's server).
+    Colbert,
 }
 
 impl Pooling {
@@ -310,6 +318,7 @@ impl Pooling {
             Pooling::Max => "max",
             Pooling::LastToken => "last_token",
             Pooling::Splade => "splade",
+            Pooling::Colbert => "colbert",
         }
     }
 }
@@ -345,6 +354,51 @@ pub struct EmbeddingConfig {
     /// (sentence-transformers' `Dense` modules).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub dense: Vec<DenseLayer>,
+    /// With `pooling = "colbert"`: how queries and documents are marked, cut and expanded
+    /// (PyLate's config_sentence_transformers.json); its defaults where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub colbert: Option<ColbertConfig>,
+}
+
+/// ColBERT's recipe as PyLate states it in a model's config_sentence_transformers.json: a
+/// marker token after the first token (`[CLS]`), texts cut to `query_length` /
+/// `document_length` tokens with it, queries padded to `query_length` with the mask token
+/// (query expansion), and the documents' tokens of `skiplist_words` (punctuation) left out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ColbertConfig {
+    /// The token put after a query's first token; empty: none.
+    pub query_prefix: String,
+    /// The token put after a document's first token; empty: none.
+    pub document_prefix: String,
+    /// A query's tokens, with its marker and special tokens.
+    pub query_length: usize,
+    /// The most tokens of a document, with its marker and special tokens.
+    pub document_length: usize,
+    /// Queries padded to `query_length` with `mask_token`, whose vectors are kept.
+    pub do_query_expansion: bool,
+    /// Whether the model attends to the expansion tokens (their attention mask 1).
+    pub attend_to_expansion_tokens: bool,
+    /// Tokens whose vectors a document leaves out (PyLate's default: each of Python's
+    /// `string.punctuation`).
+    pub skiplist_words: Vec<String>,
+    /// The token queries are expanded with (tokenizer_config.json's `mask_token`).
+    pub mask_token: String,
+}
+
+impl Default for ColbertConfig {
+    fn default() -> Self {
+        ColbertConfig {
+            query_prefix: "[unused0]".into(),
+            document_prefix: "[unused1]".into(),
+            query_length: 32,
+            document_length: 180,
+            do_query_expansion: true,
+            attend_to_expansion_tokens: false,
+            skiplist_words: "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~".chars().map(String::from).collect(),
+            mask_token: "[MASK]".into(),
+        }
+    }
 }
 
 /// One linear layer after pooling: `activation(W x + b)`, its weights in a safetensors file
@@ -413,6 +467,7 @@ impl Default for EmbeddingConfig {
             chunk_pooling: ChunkPooling::Mean,
             max_chunked_tokens: 8192,
             dense: Vec::new(),
+            colbert: None,
         }
     }
 }
@@ -617,6 +672,27 @@ pub(super) fn check_pipeline(
                 ));
             }
             if let (Some(e), Some(t)) = (embedding, tokenizer) {
+                if e.colbert.is_some() && e.pooling != Pooling::Colbert {
+                    return Err(SettingsError::Sections("[embedding.colbert] goes with pooling = \"colbert\""));
+                }
+                if e.pooling == Pooling::Colbert {
+                    if e.long_texts == LongTexts::Chunk {
+                        return Err(SettingsError::Sections(
+                            "pooling = \"colbert\" cuts texts at its own lengths: long_texts = \"chunk\" does not apply",
+                        ));
+                    }
+                    let c = e.colbert.clone().unwrap_or_default();
+                    for (key, value) in [("query_length", c.query_length), ("document_length", c.document_length)] {
+                        if !(4..=t.max_length).contains(&value) {
+                            return Err(SettingsError::ColbertLength {
+                                key,
+                                value,
+                                least: 4,
+                                max_length: t.max_length,
+                            });
+                        }
+                    }
+                }
                 if e.long_texts == LongTexts::Chunk {
                     if e.chunk_overlap.saturating_mul(2) >= t.max_length {
                         return Err(SettingsError::ChunkOverlap { overlap: e.chunk_overlap, max_length: t.max_length });

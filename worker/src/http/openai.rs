@@ -12,6 +12,9 @@
 //! - `dimensions`: fewer dimensions, for models trained for it (`matryoshka = true` in
 //!   model.toml's [embedding]); the prefix is normalised again.
 //! - `truncate` (inferd's own): cut texts at the model's limit instead of refusing them.
+//! - `is_query` (PyLate's server): for a ColBERT model (`pooling = "colbert"`), whether the
+//!   texts are queries (the default) or documents; each `embedding` is then a list of vectors,
+//!   one per kept token, as PyLate's server answers. Refused for other models.
 //!
 //! Errors come in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 // Sizes here come from request data: every operation on them is checked (issue: a
@@ -21,13 +24,15 @@
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use crate::http::reply::{ran, Reply};
-use crate::pipeline::{cut_dimensions, Head, Side, Text};
+use crate::http::reply::{annotate, large_json, ran, Reply};
+use crate::pipeline::colbert::Role;
+use crate::pipeline::{cut_dimensions, Head, Pipeline, Side, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
 use crate::request::model::Model;
-use crate::request::tasks::{self, Options, PipelineInput, Rows};
+use crate::request::tasks::{self, Options, PipelineInput, Rows, JSON_F32_BYTES};
+use inferd_config::model::Pooling;
 
 /// The request, checked field by field so that each mistake names its field.
 pub struct Request {
@@ -37,6 +42,8 @@ pub struct Request {
     base64: bool,
     dimensions: Option<usize>,
     truncate: bool,
+    /// PyLate's `is_query`, where given.
+    is_query: Option<bool>,
 }
 
 pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
@@ -67,7 +74,12 @@ pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("'truncate' must be true or false".into())),
     };
-    Ok(Request { texts, model, base64, dimensions, truncate })
+    let is_query = match fields.get("is_query") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(other) => return Err(bad(format!("'is_query' must be true or false, not {other}"))),
+    };
+    Ok(Request { texts, model, base64, dimensions, truncate, is_query })
 }
 
 /// `input` as texts or token-id lists.
@@ -111,6 +123,15 @@ pub async fn embeddings(
             meta.info.name
         )));
     };
+    if settings.pooling == Pooling::Colbert {
+        return multi_vector(state, call, (index, meta), request).await;
+    }
+    if request.is_query.is_some() {
+        return Err(ApiError::BadRequest(format!(
+            "'is_query' is for ColBERT models (pooling = \"colbert\"); model '{}' gives one vector per text",
+            meta.info.name
+        )));
+    }
     let (normalize, matryoshka) = (settings.normalize, settings.matryoshka);
     let options =
         Options { truncate: request.truncate.then_some(Side::Right), normalize: Some(normalize), ..Options::default() };
@@ -155,6 +176,105 @@ pub async fn embeddings(
         "usage": {"prompt_tokens": outcome.tokens, "total_tokens": outcome.tokens},
     });
     Ok(ran(serde_json::to_vec(&body).expect("json"), &outcome))
+}
+
+/// A ColBERT model's answer, as PyLate's server gives it: per text, the vector of each token
+/// it keeps. Bounded before the model runs, from the most tokens a text keeps and the width of
+/// a vector, in the worker's byte budget ([`large_json`]).
+async fn multi_vector(
+    state: &AppState,
+    call: &Call,
+    (index, meta): (usize, &Model),
+    request: Request,
+) -> Result<Reply, ApiError> {
+    let name = &meta.info.name;
+    let refused = |field: &str, why: &str| {
+        Err(ApiError::BadRequest(format!("'{field}' {why}: model '{name}' gives a vector per token (ColBERT)")))
+    };
+    if request.base64 {
+        return refused("encoding_format", "must be \"float\"");
+    }
+    if request.dimensions.is_some() {
+        return refused("dimensions", "cannot be asked");
+    }
+    let texts = request
+        .texts
+        .into_iter()
+        .map(|t| match t {
+            Text::Single(s) => Ok(s),
+            _ => Err(ApiError::BadRequest(format!(
+                "'input' must be texts: model '{name}' tokenizes them its own way (ColBERT)"
+            ))),
+        })
+        .collect::<Result<Vec<String>, ApiError>>()?;
+    let role = if request.is_query.unwrap_or(true) { Role::Query } else { Role::Document };
+    let (Pipeline::Text(p), Some(Head::Embedding { dense, .. })) = (&*meta.pipeline, meta.pipeline.head()) else {
+        unreachable!("ColBERT models are text embedders")
+    };
+    let tokens = p.colbert.as_ref().map_or(0, |c| c.length(role));
+    let width = dense.outputs().or_else(|| {
+        let spec = meta.outputs.get(meta.pipeline.head().map_or(0, Head::output))?;
+        spec.shape.last().and_then(|&d| usize::try_from(d).ok())
+    });
+    // Each float, and each vector's brackets and comma; the texts' and the envelope's own.
+    let per_text =
+        width.map(|w| (tokens as u64).saturating_mul((w as u64).saturating_mul(JSON_F32_BYTES).saturating_add(3)));
+    let bound = per_text.map(|b| b.saturating_add(80).saturating_mul(texts.len() as u64).saturating_add(200));
+    if let Some(bound) = bound.filter(|&b| b > state.body_budget_total) {
+        return Err(ApiError::TooLarge(format!(
+            "{} texts of up to {tokens} vectors of {} values would take up to {bound} bytes, more than a worker holds \
+             at once (server.max_body_bytes_in_flight = {}); send fewer texts",
+            texts.len(),
+            width.unwrap_or_default(),
+            state.body_budget_total
+        )));
+    }
+    let mut outcome = tasks::run_colbert(state, call, index, meta, texts, role).await?;
+    let Rows::Tokens(rows) = std::mem::replace(&mut outcome.rows, Rows::Tokens(Vec::new())) else {
+        unreachable!("ColBERT answers token vectors")
+    };
+    let floats: usize = rows.iter().flatten().map(Vec::len).sum();
+    let vectors: usize = rows.iter().map(Vec::len).sum();
+    let written = (floats as u64)
+        .saturating_mul(JSON_F32_BYTES)
+        .saturating_add((vectors as u64).saturating_mul(3))
+        .saturating_add((rows.len() as u64).saturating_mul(80))
+        .saturating_add(200);
+    let body = MultiVectors {
+        object: "list",
+        data: rows
+            .into_iter()
+            .enumerate()
+            .map(|(index, embedding)| Item { object: "embedding", index, embedding })
+            .collect(),
+        model: name.clone(),
+        usage: Usage { prompt_tokens: outcome.tokens, total_tokens: outcome.tokens },
+    };
+    let mut reply = large_json(state, body, written).await?;
+    annotate(&mut reply, &outcome);
+    Ok(reply)
+}
+
+/// [`multi_vector`]'s answer, written straight from its vectors.
+#[derive(serde::Serialize)]
+struct MultiVectors {
+    object: &'static str,
+    data: Vec<Item>,
+    model: String,
+    usage: Usage,
+}
+
+#[derive(serde::Serialize)]
+struct Item {
+    object: &'static str,
+    index: usize,
+    embedding: Vec<Vec<f32>>,
+}
+
+#[derive(serde::Serialize)]
+struct Usage {
+    prompt_tokens: usize,
+    total_tokens: usize,
 }
 
 /// An error in OpenAI's shape.

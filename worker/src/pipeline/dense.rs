@@ -74,6 +74,11 @@ impl Dense {
     pub fn inputs(&self) -> Option<usize> {
         self.layers.first().map(|l| l.inputs)
     }
+
+    /// How many values the last layer gives, if there is one.
+    pub fn outputs(&self) -> Option<usize> {
+        self.layers.last().map(|l| l.outputs)
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, String> {

@@ -38,6 +38,11 @@ pub enum PipelineError {
         "the model's output does not fit the pipeline: '{output}' has shape {shape:?}: token embeddings need [batch, sequence, dim]"
     )]
     NoTokenVectors { output: String, shape: Vec<i64> },
+    /// One vector per text asked of a ColBERT model, which gives one per token.
+    #[error(
+        "the model gives a vector per token (pooling = \"colbert\"), not one per text: ask POST /v1/embeddings, with \"is_query\" true for queries and false for documents"
+    )]
+    PerToken,
 }
 
 /// Why model.toml's pipeline does not fit the model it names: the model is refused when it
@@ -46,6 +51,10 @@ pub enum PipelineError {
 pub enum BuildError {
     #[error("a classification model needs [tokenizer] or [image]")]
     NoPipeline,
+    #[error("embedding.colbert.{key} = '{token}' is not a token of the model's tokenizer")]
+    ColbertToken { key: &'static str, token: String },
+    #[error("output '{name}' is {datatype} {shape:?}; pooling = \"colbert\" needs FP32 [batch, sequence, dim]")]
+    ColbertOutput { name: String, datatype: String, shape: Vec<i64> },
     #[error("output '{name}' is not an output of the model ({})", outputs.join(", "))]
     NotAnOutput { name: String, outputs: Vec<String> },
     #[error("the model has no outputs")]

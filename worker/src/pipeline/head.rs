@@ -74,6 +74,13 @@ impl Head {
                 }
                 // The pooled vector's length, where the output declares its last dimension.
                 let width = spec.shape.last().and_then(|&d| usize::try_from(d).ok()).filter(|&d| d > 0);
+                if e.pooling == Pooling::Colbert && spec.shape.len() != 3 {
+                    return Err(BuildError::ColbertOutput {
+                        name: spec.name.clone(),
+                        datatype: spec.datatype.clone(),
+                        shape: spec.shape.clone(),
+                    });
+                }
                 let dense = Arc::new(Dense::load(&e.dense, width)?);
                 Ok(Head::Embedding { output, settings: e, dense })
             }
@@ -184,6 +191,9 @@ pub fn embeddings(
     (pooling, dense): (Pooling, &Dense),
     normalize: bool,
 ) -> Result<Vec<Vec<f32>>, PipelineError> {
+    if pooling == Pooling::Colbert {
+        return Err(PipelineError::PerToken);
+    }
     let TensorData::F32(values) = &output.data else {
         return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
     };
@@ -221,6 +231,7 @@ pub fn embeddings(
                         }
                         max.iter().map(|x| x.ln_1p()).collect()
                     }
+                    Pooling::Colbert => unreachable!("refused above"),
                 }
             })
             .collect(),

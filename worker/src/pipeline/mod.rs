@@ -14,6 +14,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 pub mod codes;
+pub mod colbert;
 pub mod dense;
 mod error;
 pub mod head;

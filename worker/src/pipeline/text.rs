@@ -7,9 +7,10 @@
 
 use std::sync::OnceLock;
 
-use inferd_config::model::TokenizerConfig;
+use inferd_config::model::{Pooling, TokenizerConfig};
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationDirection, TruncationParams};
 
+use super::colbert::{Colbert, Role};
 use super::error::{BuildError, PipelineError};
 use super::head::Head;
 use super::text_bound::BYTES_PER_TOKEN;
@@ -34,6 +35,8 @@ pub struct TextPipeline {
     /// For every model input, in the model's order: what feeds it and its element type.
     feeds: Vec<(String, TextFeed, DataType)>,
     pub head: Head,
+    /// With `pooling = "colbert"`: its recipe, its tokens resolved.
+    pub colbert: Option<Colbert>,
 }
 
 /// Which end of a text longer than the model takes is cut, where a request allows it: the
@@ -76,6 +79,13 @@ pub struct Encoded {
     pub truncated: Vec<usize>,
 }
 
+/// Texts as ColBERT feeds them ([`TextPipeline::encode_colbert`]), and the positions of each
+/// row that give a vector.
+pub struct ColbertBatch {
+    pub encoded: Encoded,
+    pub keep: Vec<Vec<bool>>,
+}
+
 impl TextPipeline {
     /// The text pipeline `tokenizer` asks for, feeding `inputs` (input_ids, and attention_mask
     /// and token_type_ids when the model takes them), in front of `head`.
@@ -106,7 +116,13 @@ impl TextPipeline {
         if !feeds.iter().any(|(_, f, _)| matches!(f, TextFeed::Ids)) {
             return Err(BuildError::NoInputIds);
         }
-        Ok(TextPipeline { plain, truncating: Default::default(), max_length: t.max_length, feeds, head })
+        let colbert = match &head {
+            Head::Embedding { settings, .. } if settings.pooling == Pooling::Colbert => {
+                Some(Colbert::build(&settings.colbert.clone().unwrap_or_default(), &plain)?)
+            }
+            _ => None,
+        };
+        Ok(TextPipeline { plain, truncating: Default::default(), max_length: t.max_length, feeds, head, colbert })
     }
 }
 
@@ -214,16 +230,38 @@ impl TextPipeline {
             }
             encodings.push(encoding);
         }
+        let inputs = self.batch(&encodings)?;
+        Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
+    }
+
+    /// `texts` as ColBERT marks them for `role` ([`Colbert::mark`]), padded into a batch, and
+    /// which tokens of each row give a vector; None for a model that is not ColBERT. A text is
+    /// cut to the recipe's length: at most that many tokens' bytes are tokenized.
+    pub fn encode_colbert(&self, texts: &[String], role: Role) -> Result<Option<ColbertBatch>, PipelineError> {
+        let Some(colbert) = &self.colbert else { return Ok(None) };
+        let bounded: Vec<&str> = texts
+            .iter()
+            .enumerate()
+            .map(|(index, text)| self.bounded(index, text, Some(Side::Right)))
+            .collect::<Result<_, _>>()?;
+        let marked = colbert.mark(&self.plain, self.special_tokens(false), &bounded, role)?;
+        let inputs = self.batch(&marked.rows)?;
+        let lengths = marked.rows.iter().map(Encoding::len).collect();
+        Ok(Some(ColbertBatch { encoded: Encoded { inputs, lengths, truncated: Vec::new() }, keep: marked.keep }))
+    }
+
+    /// `encodings` padded to the longest of them, as the model's input tensors.
+    fn batch(&self, encodings: &[Encoding]) -> Result<Vec<Tensor>, PipelineError> {
         let rows = encodings.len();
         let width = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
         // rows <= server.max_batch_inputs, width <= max_length: checked all the same.
         let size = rows.checked_mul(width).ok_or_else(|| PipelineError::Output("batch too large".into()))?;
-        let inputs = self
+        Ok(self
             .feeds
             .iter()
             .map(|(name, feed, dtype)| {
                 let mut flat = vec![0i64; size];
-                for (row, e) in flat.chunks_mut(width.max(1)).zip(&encodings) {
+                for (row, e) in flat.chunks_mut(width.max(1)).zip(encodings) {
                     let values = match feed {
                         TextFeed::Ids => e.get_ids(),
                         TextFeed::Mask => e.get_attention_mask(),
@@ -237,8 +275,7 @@ impl TextPipeline {
                 };
                 Tensor { name: name.clone(), shape: vec![rows as i64, width as i64], data }
             })
-            .collect();
-        Ok(Encoded { inputs, lengths: encodings.iter().map(|e| e.len()).collect(), truncated })
+            .collect())
     }
 
     /// A text (or a pair) with the model's special tokens; with `truncate`, cut to `max_length`
@@ -403,6 +440,7 @@ mod tests {
                             activation: Activation::AsIs,
                             why: String::new(),
                         },
+                        colbert: None,
                     };
                     // What fits is encoded by the plain tokenizer alone.
                     pipeline.encode_text("hi", None, Some(side)).unwrap();

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 
+use crate::pipeline::colbert::{Colbert, Role};
+use crate::pipeline::text::ColbertBatch;
 use crate::pipeline::{
     embeddings, l2_normalize, scores, token_embeddings, Head, Pipeline, PipelineError, Side, Text, TextPipeline,
     BYTES_PER_TOKEN,
@@ -18,7 +20,7 @@ use crate::request::error::ApiError;
 use crate::request::model::Model;
 use crate::runtime::engine::{Join, Timing};
 use crate::runtime::tensor::Tensor;
-use inferd_config::model::{ChunkPooling, EmbeddingConfig, LongTexts};
+use inferd_config::model::{ChunkPooling, EmbeddingConfig, LongTexts, Pooling};
 
 /// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
 const INLINE_TEXT_BYTES: usize = 4096;
@@ -83,7 +85,8 @@ impl From<PipelineError> for ApiError {
             PipelineError::Empty { .. } => ApiError::Empty(e.to_string()),
             PipelineError::Tokenizer { .. }
             | PipelineError::NotAnImage { .. }
-            | PipelineError::NoTokenVectors { .. } => ApiError::BadRequest(e.to_string()),
+            | PipelineError::NoTokenVectors { .. }
+            | PipelineError::PerToken => ApiError::BadRequest(e.to_string()),
         }
     }
 }
@@ -285,6 +288,11 @@ async fn run_rows(
     }
     within_limit(state, count)?;
     let model = &meta.info.name;
+    if matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Colbert)
+        && !options.tokens
+    {
+        return Err(PipelineError::PerToken.into());
+    }
     let started = Instant::now();
     let mut stage = crate::trace::Stage::start(match &input {
         PipelineInput::Texts(_) => "tokenize",
@@ -400,6 +408,55 @@ async fn run_rows(
     };
     let cached = cache.map(|_| (count - misses.len(), count));
     Ok(Outcome { rows, truncated, tokens, prepare, model: model_time, engine, cached })
+}
+
+/// A ColBERT model's vectors for `texts` as `role` ([`crate::pipeline::colbert`]): each
+/// text's kept tokens, projected and normalised as the model's recipe says.
+pub async fn run_colbert(
+    state: &AppState,
+    call: &Call,
+    index: usize,
+    meta: &Model,
+    texts: Vec<String>,
+    role: Role,
+) -> Result<Outcome, ApiError> {
+    if texts.is_empty() {
+        return Err(ApiError::BadRequest("no inputs".into()));
+    }
+    within_limit(state, texts.len())?;
+    let (Pipeline::Text(p), Some(Head::Embedding { settings, dense, .. })) = (&*meta.pipeline, meta.pipeline.head())
+    else {
+        return Err(ApiError::BadRequest(format!("model '{}' is not a ColBERT model", meta.info.name)));
+    };
+    let started = Instant::now();
+    let stage = crate::trace::Stage::start("tokenize");
+    let bytes: usize = texts.iter().map(String::len).sum();
+    let encoded = if bytes <= INLINE_TEXT_BYTES {
+        p.encode_colbert(&texts, role)?
+    } else {
+        let pipeline = Arc::clone(&meta.pipeline);
+        off_io_thread("tokenizing", move || match &*pipeline {
+            Pipeline::Text(p) => p.encode_colbert(&texts, role),
+            _ => unreachable!("matched above"),
+        })
+        .await?
+    };
+    let Some(ColbertBatch { encoded, keep }) = encoded else {
+        return Err(ApiError::BadRequest(format!(
+            "model '{}' gives one vector per text, not one per token (its pooling is \"{}\", not \"colbert\")",
+            meta.info.name,
+            settings.pooling.as_str()
+        )));
+    };
+    drop(stage);
+    let prepare = started.elapsed();
+    let tokens = encoded.lengths.iter().sum();
+    let (outputs, engine) = state.engine.submit(index, encoded.inputs, Join::PadSequence, call.terms).await?;
+    let model = started.elapsed() - prepare;
+    let _post = crate::trace::Stage::start("post-process");
+    let head = meta.pipeline.head().expect("matched above");
+    let rows = Colbert::vectors(&outputs[head.output()], &keep, dense, settings.normalize)?;
+    Ok(Outcome { rows: Rows::Tokens(rows), truncated: Vec::new(), tokens, prepare, model, engine, cached: None })
 }
 
 /// The batch of `tensors` (each of `count` rows) with only rows `keep`, at the same width, and
