@@ -61,6 +61,9 @@ published/  model folders laid out as their publishers lay them out, without mod
                      markers "[Q] " and "[D] " added, a pylate Dense module (16 -> 8, no
                      bias), query_length 12 (expanded with [MASK]), document_length 16,
                      punctuation skipped in documents
+       bge-m3        a BGE-M3 folder: st-embedder's graph and tokenizer with FlagEmbedding's
+                     heads as safetensors (colbert_linear 16 -> 16, sparse_linear 16 -> 1,
+                     each with a bias), max_seq_length 24
        st-dense      st-embedder with two Dense modules (Tanh with a bias, Identity in F16)
                      between Pooling and Normalize, their weights in model.safetensors
        st-embedder   sentence-transformers with onnx/model.onnx: mean pooling, Normalize,
@@ -953,6 +956,34 @@ def colbert_folder(base):
     }
 
 
+def bge_m3_folder(base):
+    """A BGE-M3 folder as BAAI publishes it (sentence-transformers files: CLS pooling and
+    Normalize), with FlagEmbedding's two heads (torch.nn.Linear state dicts: weight, bias)
+    as safetensors instead of its colbert_linear.pt / sparse_linear.pt pickles."""
+    rng = np.random.default_rng(20261209)
+    folder = dict(base)
+    folder["modules.json"] = json_bytes(st_modules(True))
+    folder["1_Pooling/config.json"] = json_bytes(st_pooling("cls_token"))
+    folder["sentence_bert_config.json"] = json_bytes({"max_seq_length": 24, "do_lower_case": False})
+    folder["config_sentence_transformers.json"] = json_bytes({"prompts": {}, "similarity_fn_name": "cosine"})
+    folder["special_tokens_map.json"] = json_bytes(
+        {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]"}
+    )
+    folder["colbert_linear.safetensors"] = safetensors_bytes(
+        {
+            "weight": (rng.standard_normal((PUBLISHED_DIM, PUBLISHED_DIM)) * 0.3).astype(np.float32),
+            "bias": (rng.standard_normal(PUBLISHED_DIM) * 0.1).astype(np.float32),
+        }
+    )
+    folder["sparse_linear.safetensors"] = safetensors_bytes(
+        {
+            "weight": (rng.standard_normal((1, PUBLISHED_DIM)) * 0.3).astype(np.float32),
+            "bias": np.array([0.05], np.float32),
+        }
+    )
+    return folder
+
+
 def st_pooling(mode):
     keys = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"]
     config = {"word_embedding_dimension": PUBLISHED_DIM}
@@ -1008,6 +1039,7 @@ def published_folders():
     }
     folders["st-dense"] = st_dense_folder(folders["st-embedder"])
     folders["colbert"] = colbert_folder(folders["st-embedder"])
+    folders["bge-m3"] = bge_m3_folder(folders["st-embedder"])
     for name, problem in (("text-classifier", "single_label_classification"), ("text-multilabel", "multi_label_classification")):
         folders[name] = {
             "model.onnx": classifier_model(name=name).SerializeToString(),

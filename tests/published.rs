@@ -630,3 +630,92 @@ fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() 
         assert!(toml.contains(line), "{line} missing from:\n{toml}");
     }
 }
+
+#[test]
+fn a_bge_m3_folder_gives_its_three_outputs_from_one_run_as_flagembedding_computes_them() {
+    let dir = temp_dir("bge-m3");
+    let repository = dir.path().join("repo");
+    std::fs::create_dir_all(&repository).unwrap();
+    for name in ["bge-m3", "st-embedder"] {
+        std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
+    }
+    let port = free_port();
+    write_config(dir.path(), port, 1, &repository, "bge-m3", &["st-embedder"], "");
+    let mut server = Server::start(dir, port, &[]);
+    server.wait_ready(Duration::from_secs(90));
+    // The last is past max_seq_length (24): cut, as FlagEmbedding cuts it.
+    let texts = [
+        TEXTS[0],
+        TEXTS[1],
+        TEXTS[2],
+        "great product, works wonderfully! absolutely the best purchase ever made i think, really, it is",
+    ];
+    let folder = published("bge-m3");
+    let want = reference(&["bge-m3", folder.to_str().unwrap(), &json!(texts).to_string()]);
+    let body = json!({ "inputs": texts, "return_dense": true, "return_sparse": true, "return_colbert_vecs": true });
+    for path in ["/encode", "/v2/models/bge-m3/encode"] {
+        let r = post(&server, path, body.clone());
+        assert_eq!(r.status, 200, "{path}: {}", r.error());
+        let got = r.json();
+        assert!(worst(&got["dense_vecs"], &want["dense_vecs"]) < 1e-5, "{path}: dense");
+        for (i, (g, w)) in
+            got["colbert_vecs"].as_array().unwrap().iter().zip(want["colbert_vecs"].as_array().unwrap()).enumerate()
+        {
+            assert_eq!(g.as_array().unwrap().len(), w.as_array().unwrap().len(), "{path}: text {i}'s ColBERT vectors");
+            assert!(worst(g, w) < 1e-5, "{path}: text {i}'s ColBERT vectors");
+        }
+        let lexical = got["lexical_weights"].as_array().unwrap();
+        for (i, (g, w)) in lexical.iter().zip(want["lexical_weights"].as_array().unwrap()).enumerate() {
+            let (g, w) = (g.as_object().unwrap(), w.as_object().unwrap());
+            assert!(!w.is_empty(), "the reference gives text {i} some weights");
+            let mut keys: Vec<&String> = g.keys().collect();
+            keys.sort();
+            let mut want_keys: Vec<&String> = w.keys().collect();
+            want_keys.sort();
+            assert_eq!(keys, want_keys, "{path}: text {i}'s token ids");
+            for (id, weight) in w {
+                assert!((g[id].as_f64().unwrap() - weight.as_f64().unwrap()).abs() < 1e-5, "{path}: text {i}, id {id}");
+            }
+        }
+    }
+    // FlagEmbedding's defaults: the dense vectors alone.
+    let r = post(&server, "/encode", json!({ "inputs": texts[1] }));
+    assert_eq!(r.status, 200, "{}", r.error());
+    let answer = r.json();
+    let keys: Vec<&String> = answer.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["dense_vecs"], "{answer}");
+    assert!(worst(&r.json()["dense_vecs"], &json!([want["dense_vecs"][1]])) < 1e-5);
+
+    // What does not fit: 400 naming it.
+    for (path, body, words) in [
+        ("/encode", json!({ "inputs": "x", "return_dense": false }), "ask for one or more"),
+        ("/encode", json!({ "inputs": "x", "return_lexical": true }), "unknown field `return_lexical`"),
+        ("/v2/models/st-embedder/encode", json!({ "inputs": "x" }), "needs a BGE-M3 model"),
+        ("/v2/models/bge-m3/embed", json!({ "inputs": "x" }), "ask POST /encode"),
+    ] {
+        let r = post(&server, path, body.clone());
+        assert_eq!(r.status, 400, "{path} {body}: {}", r.error());
+        assert!(r.error().contains(words), "{path} {body}: {}", r.error());
+    }
+
+    // inferd init writes the heads; FlagEmbedding's own pickles are refused naming the conversion.
+    let copy = temp_dir("bge-m3-init");
+    let target = copy.path().join("bge-m3");
+    copy_dir(&folder, &target);
+    let (ok, written) = inferd(&["init", target.to_str().unwrap()]);
+    assert!(ok, "{written}");
+    let toml = std::fs::read_to_string(target.join("model.toml")).unwrap();
+    for line in [
+        "pooling = \"bge_m3\"",
+        "[embedding.bge_m3]",
+        "colbert_linear = \"colbert_linear.safetensors\"",
+        "sparse_linear = \"sparse_linear.safetensors\"",
+        "unused_tokens = [\"[CLS]\", \"[PAD]\", \"[UNK]\"]",
+    ] {
+        assert!(toml.contains(line), "{line} missing from:\n{toml}");
+    }
+    std::fs::remove_file(target.join("model.toml")).unwrap();
+    std::fs::rename(target.join("sparse_linear.safetensors"), target.join("sparse_linear.pt")).unwrap();
+    let (ok, refused) = inferd(&["init", target.to_str().unwrap()]);
+    assert!(!ok && refused.contains("sparse_linear.pt holds BGE-M3's sparse_linear head as a pickle"), "{refused}");
+}

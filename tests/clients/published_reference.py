@@ -250,9 +250,48 @@ def colbert(folder, texts, is_query):
     return {"vectors": rows, "ids": [list(map(int, i[m])) for i, m in zip(ids, masks)]}
 
 
+def bge_m3(folder, texts):
+    """FlagEmbedding's BGEM3FlagModel.encode (inference/embedder/encoder_only/m3.py:
+    _process_token_weights, _process_colbert_vecs; finetune/.../m3/modeling.py:
+    _dense_embedding with cls pooling, _sparse_embedding, _colbert_embedding) on the folder's
+    files, texts cut at sentence_bert_config.json's max_seq_length, normalize_embeddings on."""
+    max_length = load(folder, "sentence_bert_config.json")["max_seq_length"]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_truncation(max_length)
+    names = load(folder, "special_tokens_map.json")
+    pad = tok.token_to_id(names["pad_token"])
+    tok.enable_padding(pad_id=pad, pad_token=names["pad_token"])
+    enc = tok.encode_batch(texts)
+    ids = np.array([e.ids for e in enc], np.int64)
+    attention = np.array([e.attention_mask for e in enc], np.int64)
+    types = np.array([e.type_ids for e in enc], np.int64)
+    sess = session(folder)
+    values = {"input_ids": ids, "attention_mask": attention, "token_type_ids": types}
+    h = sess.run(None, {i.name: values[i.name] for i in sess.get_inputs()})[0].astype(np.float64)
+    normalize = lambda x: x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    dense = normalize(h[:, 0])
+    sparse = safetensors(folder / "sparse_linear.safetensors")
+    weights = np.maximum(h @ sparse["weight"].T + sparse["bias"], 0)[..., 0]
+    unused = {tok.token_to_id(names[k]) for k in ("cls_token", "eos_token", "pad_token", "unk_token") if k in names}
+    lexical = []
+    for w_row, id_row in zip(weights, ids.tolist()):
+        result = {}
+        for w, idx in zip(w_row, id_row):
+            if idx not in unused and w > 0:
+                result[str(idx)] = max(result.get(str(idx), 0), float(w))
+        lexical.append(result)
+    colbert = safetensors(folder / "colbert_linear.safetensors")
+    vecs = (h[:, 1:] @ colbert["weight"].T + colbert["bias"]) * attention[:, 1:][:, :, None]
+    vecs = normalize(vecs)
+    colbert_vecs = [v[: int(m.sum()) - 1].tolist() for v, m in zip(vecs, attention)]
+    return {"dense_vecs": dense.tolist(), "lexical_weights": lexical, "colbert_vecs": colbert_vecs}
+
+
 def main():
     kind, folder = sys.argv[1], Path(sys.argv[2])
-    if kind == "colbert":
+    if kind == "bge-m3":
+        result = bge_m3(folder, json.loads(sys.argv[3]))
+    elif kind == "colbert":
         result = colbert(folder, json.loads(sys.argv[3]), sys.argv[4] == "query")
     elif kind == "embed":
         result = embed(folder, json.loads(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)

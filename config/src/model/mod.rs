@@ -59,7 +59,8 @@ mod schema;
 pub use overrides::ModelOverride;
 pub use repository::{ModelEntry, MODEL_CONFIG_FILE, SIGNATURE_FILE};
 pub use schema::{
-    Activation, Batching, ChannelOrder, ChunkPooling, ClassificationConfig, ColbertConfig, CustomOps, DenseActivation,
-    DenseLayer, EmbeddingConfig, ImageConfig, Layout, LongTexts, Pooling, Precision, Quantization, Resample, Resize,
-    SettingsError, Task, TokenizerConfig, UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE, MAX_QUEUE_DELAY_MS,
+    Activation, Batching, BgeM3Config, ChannelOrder, ChunkPooling, ClassificationConfig, ColbertConfig, CustomOps,
+    DenseActivation, DenseLayer, EmbeddingConfig, ImageConfig, Layout, LongTexts, Pooling, Precision, Quantization,
+    Resample, Resize, SettingsError, Task, TokenizerConfig, UnknownPrecision, Warmup, DEFAULT_MAX_BATCH_SIZE,
+    MAX_QUEUE_DELAY_MS,
 };

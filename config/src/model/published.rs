@@ -347,6 +347,9 @@ fn embedding_section(t: &mut TomlText, dir: &Path, files: &Files) -> Result<(), 
         pooling_dir = Some("1_Pooling".into());
     }
     t.section("embedding");
+    if dir.join("colbert_linear.pt").is_file() || dir.join("colbert_linear.safetensors").is_file() {
+        return bge_m3_section(t, dir);
+    }
     if colbert {
         return colbert_section(t, dir, st.unwrap_or(Value::Null), dense);
     }
@@ -395,6 +398,40 @@ fn dense_sections(t: &mut TomlText, dense: Vec<(String, &'static str, String)>) 
         t.key("file", file, "");
         t.key("activation", activation, &why);
     }
+}
+
+/// A BGE-M3 folder (FlagEmbedding's `colbert_linear` and `sparse_linear` heads beside the
+/// model): its three outputs, dense and ColBERT vectors normalised (`BGEM3FlagModel`'s
+/// default), the heads' weights from safetensors (a pickle is refused, naming the
+/// conversion), no lexical weight for the tokenizer's cls, eos, pad and unk tokens.
+fn bge_m3_section(t: &mut TomlText, dir: &Path) -> Result<(), PublishedError> {
+    t.key("pooling", "bge_m3", "colbert_linear and sparse_linear beside the model: BGE-M3");
+    t.key("normalize", true, "BGEM3FlagModel's default");
+    t.section("embedding.bge_m3");
+    for head in ["colbert_linear", "sparse_linear"] {
+        let file = format!("{head}.safetensors");
+        if !dir.join(&file).is_file() {
+            return Err(format!(
+                "{head}.pt holds BGE-M3's {head} head as a pickle, which inferd does not read (loading one runs the \
+                 code it holds); save its tensors with safetensors: python -c \"import torch, safetensors.torch as s; \
+                 s.save_file(torch.load('{head}.pt', weights_only=True), '{file}')\""
+            )
+            .into());
+        }
+        t.key(head, file, "");
+    }
+    // FlagEmbedding's unused tokens: those of the four the tokenizer names.
+    let names = json(dir, "special_tokens_map.json")?.or(json(dir, "tokenizer_config.json")?).unwrap_or(Value::Null);
+    let unused: Vec<String> = ["cls_token", "eos_token", "pad_token", "unk_token"]
+        .iter()
+        .filter_map(|key| match &names[*key] {
+            Value::String(s) => Some(s.clone()),
+            Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+            _ => None,
+        })
+        .collect();
+    t.key("unused_tokens", unused, "special_tokens_map.json: cls, eos, pad and unk tokens (those named)");
+    Ok(())
 }
 
 /// A PyLate ColBERT folder: a vector per token, through its Dense modules, each normalised

@@ -149,6 +149,9 @@ impl ModelEntry {
         let mut files = vec![self.path.as_path()];
         files.extend(self.tokenizer.iter().map(|t| t.path.as_path()));
         files.extend(self.embedding.iter().flat_map(|e| e.dense.iter().map(|d| d.file.as_path())));
+        if let Some(m3) = self.embedding.as_ref().and_then(|e| e.bge_m3.as_ref()) {
+            files.extend([m3.colbert_linear.as_path(), m3.sparse_linear.as_path()]);
+        }
         files.extend(self.quantization.calibration.as_deref());
         if let Some(ops) = &self.custom_ops {
             files.push(&ops.library);
@@ -201,6 +204,16 @@ impl ModelEntry {
                 layer.file = resolve(&layer.file);
                 if !layer.file.is_file() {
                     return Err(err(format!("embedding.dense[{i}]: {} not found", layer.file.display())));
+                }
+            }
+            if let Some(m3) = &mut e.bge_m3 {
+                for (key, file) in
+                    [("colbert_linear", &mut m3.colbert_linear), ("sparse_linear", &mut m3.sparse_linear)]
+                {
+                    *file = resolve(file);
+                    if !file.is_file() {
+                        return Err(err(format!("embedding.bge_m3.{key}: {} not found", file.display())));
+                    }
                 }
             }
         }

@@ -308,6 +308,11 @@ pub enum Pooling {
     /// No pooling: a vector per token, ColBERT's late interaction (`[embedding.colbert]`; the
     /// OpenAI route's `is_query`, as PyLate's server).
     Colbert,
+    /// BGE-M3 (FlagEmbedding's `BGEM3FlagModel`): from one run, the first token's vector
+    /// (dense), per token id the largest `relu(sparse_linear(state))` (lexical weights) and
+    /// `colbert_linear(state)` of every token after the first (ColBERT vectors); its heads in
+    /// `[embedding.bge_m3]`.
+    BgeM3,
 }
 
 impl Pooling {
@@ -319,6 +324,7 @@ impl Pooling {
             Pooling::LastToken => "last_token",
             Pooling::Splade => "splade",
             Pooling::Colbert => "colbert",
+            Pooling::BgeM3 => "bge_m3",
         }
     }
 }
@@ -358,6 +364,25 @@ pub struct EmbeddingConfig {
     /// (PyLate's config_sentence_transformers.json); its defaults where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub colbert: Option<ColbertConfig>,
+    /// With `pooling = "bge_m3"`: its two heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bge_m3: Option<BgeM3Config>,
+}
+
+/// BGE-M3's heads as FlagEmbedding saves them (`colbert_linear.pt`, `sparse_linear.pt`, each a
+/// `torch.nn.Linear`), converted to safetensors (`weight` `[out, in]` and `bias`): inferd does
+/// not read pickles.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BgeM3Config {
+    /// hidden -> ColBERT vector, relative to the model's folder (absolute once read).
+    pub colbert_linear: PathBuf,
+    /// hidden -> one weight per token.
+    pub sparse_linear: PathBuf,
+    /// Tokens that get no lexical weight (FlagEmbedding's: the tokenizer's cls, eos, pad and
+    /// unk tokens, those it has).
+    #[serde(default)]
+    pub unused_tokens: Vec<String>,
 }
 
 /// ColBERT's recipe as PyLate states it in a model's config_sentence_transformers.json: a
@@ -468,6 +493,7 @@ impl Default for EmbeddingConfig {
             max_chunked_tokens: 8192,
             dense: Vec::new(),
             colbert: None,
+            bge_m3: None,
         }
     }
 }
@@ -674,6 +700,16 @@ pub(super) fn check_pipeline(
             if let (Some(e), Some(t)) = (embedding, tokenizer) {
                 if e.colbert.is_some() && e.pooling != Pooling::Colbert {
                     return Err(SettingsError::Sections("[embedding.colbert] goes with pooling = \"colbert\""));
+                }
+                if e.bge_m3.is_some() != (e.pooling == Pooling::BgeM3) {
+                    return Err(SettingsError::Sections(
+                        "pooling = \"bge_m3\" and an [embedding.bge_m3] section naming its heads go together",
+                    ));
+                }
+                if e.pooling == Pooling::BgeM3 && (e.long_texts == LongTexts::Chunk || !e.dense.is_empty()) {
+                    return Err(SettingsError::Sections(
+                        "pooling = \"bge_m3\" has its own heads: no [[embedding.dense]] and no long_texts = \"chunk\"",
+                    ));
                 }
                 if e.pooling == Pooling::Colbert {
                     if e.long_texts == LongTexts::Chunk {

@@ -225,6 +225,8 @@ pub async fn routed(
         Route::EmbedSparse(name) => {
             tei_route(state, name, request, call, Endpoint::EmbedSparse, tei::embed_sparse).await
         }
+        // Counted with /embed: the shared counters' rows of endpoints stay as they are.
+        Route::Encode(name) => tei_route(state, name, request, call, Endpoint::Embed, tei::encode).await,
         Route::Invocations => {
             let meta = &state.models.default_model();
             let embedding = match meta.task {

@@ -44,6 +44,8 @@ pub enum Route<'a> {
     /// `/embed_chunks` (late chunking), for the default model or one named in the path.
     EmbedChunks(Option<&'a str>),
     EmbedSparse(Option<&'a str>),
+    /// `/encode` (BGE-M3's three outputs), for the default model or one named in the path.
+    Encode(Option<&'a str>),
     Rerank(Option<&'a str>),
     /// Cohere's `POST /v1/rerank` and `/v2/rerank`; the model is named in the body.
     CohereRerank(cohere::Version),
@@ -77,9 +79,12 @@ impl<'a> Route<'a> {
             | Route::ModelConfig(m, _)
             | Route::Infer(m, _)
             | Route::Generate(m, _, _) => Some(Some(m)),
-            Route::Embed(m) | Route::Predict(m) | Route::Rerank(m) | Route::EmbedSparse(m) | Route::EmbedChunks(m) => {
-                Some(m)
-            }
+            Route::Embed(m)
+            | Route::Predict(m)
+            | Route::Rerank(m)
+            | Route::EmbedSparse(m)
+            | Route::EmbedChunks(m)
+            | Route::Encode(m) => Some(m),
             Route::Similarity | Route::EmbedAll | Route::Info | Route::Tokenize | Route::Decode => Some(None),
             _ => None,
         }
@@ -140,6 +145,8 @@ impl<'a> Route<'a> {
             Route::EmbedChunks(Some(_)) => "/v2/models/{model}/embed_chunks",
             Route::EmbedSparse(None) => "/embed_sparse",
             Route::EmbedSparse(Some(_)) => "/v2/models/{model}/embed_sparse",
+            Route::Encode(None) => "/encode",
+            Route::Encode(Some(_)) => "/v2/models/{model}/encode",
             Route::Rerank(None) => "/rerank",
             Route::Rerank(Some(_)) => "/v2/models/{model}/rerank",
             Route::CohereRerank(cohere::Version::V1) => "/v1/rerank",
@@ -178,6 +185,7 @@ impl<'a> Route<'a> {
             | Route::EmbedAll
             | Route::EmbedChunks(_)
             | Route::EmbedSparse(_)
+            | Route::Encode(_)
             | Route::Rerank(_)
             | Route::Invocations => (Tei, true, false, Inference),
             Route::Info => (Tei, false, false, Metadata),
@@ -257,6 +265,8 @@ pub fn parse<'a>(segments: &[&'a str]) -> Option<Route<'a>> {
         ["v2", "models", name, "embed_chunks"] => Route::EmbedChunks(Some(name)),
         ["embed_sparse"] => Route::EmbedSparse(None),
         ["v2", "models", name, "embed_sparse"] => Route::EmbedSparse(Some(name)),
+        ["encode"] => Route::Encode(None),
+        ["v2", "models", name, "encode"] => Route::Encode(Some(name)),
         ["rerank"] => Route::Rerank(None),
         ["v1", "rerank"] => Route::CohereRerank(cohere::Version::V1),
         ["v2", "rerank"] => Route::CohereRerank(cohere::Version::V2),

@@ -106,14 +106,17 @@ impl Layer {
             };
             Ok(Some((view.shape().to_vec(), values)))
         };
-        let (shape, weight) = floats("linear.weight")?.ok_or("it has no 'linear.weight'")?;
+        // sentence-transformers' Dense saves its torch.nn.Linear as `linear`; a bare
+        // torch.nn.Linear's state (BGE-M3's heads) has `weight` and `bias`.
+        let prefix = if tensors.tensor("linear.weight").is_ok() { "linear." } else { "" };
+        let (shape, weight) = floats(&format!("{prefix}weight"))?.ok_or("it has no 'linear.weight' (nor 'weight')")?;
         let [outputs, inputs] = shape[..] else {
             return Err(format!("'linear.weight' has shape {shape:?}; it must be [out_features, in_features]"));
         };
         if outputs == 0 || inputs == 0 || outputs.checked_mul(inputs) != Some(weight.len()) {
             return Err(format!("'linear.weight' has shape {shape:?}: no values"));
         }
-        let bias = match floats("linear.bias")? {
+        let bias = match floats(&format!("{prefix}bias"))? {
             None => None,
             Some((shape, bias)) if shape == [outputs] => Some(bias),
             Some((shape, _)) => return Err(format!("'linear.bias' has shape {shape:?}; it must be [{outputs}]")),

@@ -43,6 +43,11 @@ pub enum PipelineError {
         "the model gives a vector per token (pooling = \"colbert\"), not one per text: ask POST /v1/embeddings, with \"is_query\" true for queries and false for documents"
     )]
     PerToken,
+    /// One vector per text asked of a BGE-M3 model, which gives three kinds at once.
+    #[error(
+        "the model gives BGE-M3's three outputs (pooling = \"bge_m3\"): ask POST /encode (or /v2/models/NAME/encode) for them"
+    )]
+    ThreeOutputs,
 }
 
 /// Why model.toml's pipeline does not fit the model it names: the model is refused when it
@@ -51,9 +56,16 @@ pub enum PipelineError {
 pub enum BuildError {
     #[error("a classification model needs [tokenizer] or [image]")]
     NoPipeline,
+    #[error(
+        "BGE-M3's heads do not fit together: colbert_linear takes {:?} and gives {:?}, sparse_linear takes {:?} and gives {:?} (it must give 1, and take what colbert_linear takes)",
+        colbert.0, colbert.1, sparse.0, sparse.1
+    )]
+    BgeM3Heads { colbert: (Option<usize>, Option<usize>), sparse: (Option<usize>, Option<usize>) },
+    #[error("embedding.bge_m3.unused_tokens: '{0}' is not a token of the model's tokenizer")]
+    UnusedToken(String),
     #[error("embedding.colbert.{key} = '{token}' is not a token of the model's tokenizer")]
     ColbertToken { key: &'static str, token: String },
-    #[error("output '{name}' is {datatype} {shape:?}; pooling = \"colbert\" needs FP32 [batch, sequence, dim]")]
+    #[error("output '{name}' is {datatype} {shape:?}; a vector per token (pooling = \"colbert\" or \"bge_m3\") needs FP32 [batch, sequence, dim]")]
     ColbertOutput { name: String, datatype: String, shape: Vec<i64> },
     #[error("output '{name}' is not an output of the model ({})", outputs.join(", "))]
     NotAnOutput { name: String, outputs: Vec<String> },

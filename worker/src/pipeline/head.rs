@@ -18,7 +18,7 @@ use crate::runtime::tensor::{element_count, DataType, Tensor, TensorData, Tensor
 pub enum Head {
     /// `settings`: model.toml's `[embedding]` (pooling, normalisation, prompts); `dense`: its
     /// Dense layers' weights, read at load.
-    Embedding { output: usize, settings: EmbeddingConfig, dense: Arc<Dense> },
+    Embedding { output: usize, settings: Box<EmbeddingConfig>, dense: Arc<Dense> },
     /// `why`: where `activation` came from (model.toml, or what the graph ends in).
     Classification { output: usize, labels: Vec<String>, activation: Activation, why: String },
 }
@@ -74,7 +74,7 @@ impl Head {
                 }
                 // The pooled vector's length, where the output declares its last dimension.
                 let width = spec.shape.last().and_then(|&d| usize::try_from(d).ok()).filter(|&d| d > 0);
-                if e.pooling == Pooling::Colbert && spec.shape.len() != 3 {
+                if matches!(e.pooling, Pooling::Colbert | Pooling::BgeM3) && spec.shape.len() != 3 {
                     return Err(BuildError::ColbertOutput {
                         name: spec.name.clone(),
                         datatype: spec.datatype.clone(),
@@ -82,7 +82,7 @@ impl Head {
                     });
                 }
                 let dense = Arc::new(Dense::load(&e.dense, width)?);
-                Ok(Head::Embedding { output, settings: e, dense })
+                Ok(Head::Embedding { output, settings: Box::new(e), dense })
             }
             Task::Classification => {
                 let c = entry.classification.clone().expect("checked when model.toml was read");
@@ -191,8 +191,10 @@ pub fn embeddings(
     (pooling, dense): (Pooling, &Dense),
     normalize: bool,
 ) -> Result<Vec<Vec<f32>>, PipelineError> {
-    if pooling == Pooling::Colbert {
-        return Err(PipelineError::PerToken);
+    match pooling {
+        Pooling::Colbert => return Err(PipelineError::PerToken),
+        Pooling::BgeM3 => return Err(PipelineError::ThreeOutputs),
+        _ => {}
     }
     let TensorData::F32(values) = &output.data else {
         return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
@@ -231,7 +233,7 @@ pub fn embeddings(
                         }
                         max.iter().map(|x| x.ln_1p()).collect()
                     }
-                    Pooling::Colbert => unreachable!("refused above"),
+                    Pooling::Colbert | Pooling::BgeM3 => unreachable!("refused above"),
                 }
             })
             .collect(),

@@ -13,6 +13,7 @@
 // wrapped `count * size` once let a 2^61-element tensor through in release builds).
 #![deny(clippy::arithmetic_side_effects)]
 
+pub mod bge_m3;
 pub mod codes;
 pub mod colbert;
 pub mod dense;

@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 use inferd_config::model::{Pooling, TokenizerConfig};
 use tokenizers::{EncodeInput, Encoding, Token, Tokenizer, TruncationDirection, TruncationParams};
 
+use super::bge_m3::BgeM3;
 use super::colbert::{Colbert, Role};
 use super::error::{BuildError, PipelineError};
 use super::head::Head;
@@ -37,6 +38,8 @@ pub struct TextPipeline {
     pub head: Head,
     /// With `pooling = "colbert"`: its recipe, its tokens resolved.
     pub colbert: Option<Colbert>,
+    /// With `pooling = "bge_m3"`: its heads.
+    pub bge_m3: Option<BgeM3>,
 }
 
 /// Which end of a text longer than the model takes is cut, where a request allows it: the
@@ -122,7 +125,22 @@ impl TextPipeline {
             }
             _ => None,
         };
-        Ok(TextPipeline { plain, truncating: Default::default(), max_length: t.max_length, feeds, head, colbert })
+        let bge_m3 = match &head {
+            Head::Embedding { settings, .. } => match &settings.bge_m3 {
+                Some(config) if settings.pooling == Pooling::BgeM3 => Some(BgeM3::build(config, &plain)?),
+                _ => None,
+            },
+            _ => None,
+        };
+        Ok(TextPipeline {
+            plain,
+            truncating: Default::default(),
+            max_length: t.max_length,
+            feeds,
+            head,
+            colbert,
+            bge_m3,
+        })
     }
 }
 
@@ -441,6 +459,7 @@ mod tests {
                             why: String::new(),
                         },
                         colbert: None,
+                        bge_m3: None,
                     };
                     // What fits is encoded by the plain tokenizer alone.
                     pipeline.encode_text("hi", None, Some(side)).unwrap();

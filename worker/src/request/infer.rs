@@ -225,6 +225,8 @@ fn pipeline_tensors(rows: &Rows) -> Vec<Tensor> {
                 data: TensorData::F32(data),
             }]
         }
+        // No v2 route runs a BGE-M3 model's three outputs (the pipeline refuses it there).
+        Rows::BgeM3(_) => Vec::new(),
         Rows::Scores { labels, scores } => {
             let n = scores.len() as i64;
             let best: Vec<usize> = scores

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 
+use crate::pipeline::bge_m3;
 use crate::pipeline::colbert::{Colbert, Role};
 use crate::pipeline::text::ColbertBatch;
 use crate::pipeline::{
@@ -19,7 +20,7 @@ use crate::request::call::Call;
 use crate::request::error::ApiError;
 use crate::request::model::Model;
 use crate::runtime::engine::{Join, Timing};
-use crate::runtime::tensor::Tensor;
+use crate::runtime::tensor::{Tensor, TensorData};
 use inferd_config::model::{ChunkPooling, EmbeddingConfig, LongTexts, Pooling};
 
 /// Texts of at most this many bytes in all are tokenised on the I/O thread (~1 ms of work).
@@ -50,6 +51,8 @@ pub enum Rows {
     Embeddings(Vec<Vec<f32>>),
     /// Per input, the vector of each of its tokens.
     Tokens(Vec<Vec<Vec<f32>>>),
+    /// Per input, BGE-M3's three outputs.
+    BgeM3(Vec<bge_m3::Encoded>),
     Scores {
         labels: Vec<String>,
         scores: Vec<Vec<f32>>,
@@ -86,7 +89,8 @@ impl From<PipelineError> for ApiError {
             PipelineError::Tokenizer { .. }
             | PipelineError::NotAnImage { .. }
             | PipelineError::NoTokenVectors { .. }
-            | PipelineError::PerToken => ApiError::BadRequest(e.to_string()),
+            | PipelineError::PerToken
+            | PipelineError::ThreeOutputs => ApiError::BadRequest(e.to_string()),
         }
     }
 }
@@ -288,10 +292,12 @@ async fn run_rows(
     }
     within_limit(state, count)?;
     let model = &meta.info.name;
-    if matches!(meta.pipeline.head(), Some(Head::Embedding { settings, .. }) if settings.pooling == Pooling::Colbert)
-        && !options.tokens
-    {
-        return Err(PipelineError::PerToken.into());
+    if let Some(Head::Embedding { settings, .. }) = meta.pipeline.head() {
+        match settings.pooling {
+            Pooling::Colbert if !options.tokens => return Err(PipelineError::PerToken.into()),
+            Pooling::BgeM3 if !options.tokens => return Err(PipelineError::ThreeOutputs.into()),
+            _ => {}
+        }
     }
     let started = Instant::now();
     let mut stage = crate::trace::Stage::start(match &input {
@@ -457,6 +463,67 @@ pub async fn run_colbert(
     let head = meta.pipeline.head().expect("matched above");
     let rows = Colbert::vectors(&outputs[head.output()], &keep, dense, settings.normalize)?;
     Ok(Outcome { rows: Rows::Tokens(rows), truncated: Vec::new(), tokens, prepare, model, engine, cached: None })
+}
+
+/// A BGE-M3 model's three outputs for `texts` ([`crate::pipeline::bge_m3`]), each cut at the
+/// model's length as FlagEmbedding cuts it.
+pub async fn run_bge_m3(
+    state: &AppState,
+    call: &Call,
+    index: usize,
+    meta: &Model,
+    texts: Vec<Text>,
+) -> Result<Outcome, ApiError> {
+    if texts.is_empty() {
+        return Err(ApiError::BadRequest("no inputs".into()));
+    }
+    within_limit(state, texts.len())?;
+    let (Pipeline::Text(p), Some(Head::Embedding { settings, .. })) = (&*meta.pipeline, meta.pipeline.head()) else {
+        return Err(ApiError::BadRequest(format!("model '{}' is not a BGE-M3 model", meta.info.name)));
+    };
+    let Some(m3) = &p.bge_m3 else {
+        return Err(ApiError::BadRequest(format!(
+            "model '{}' is not a BGE-M3 model (its pooling is \"{}\", not \"bge_m3\"): use /embed",
+            meta.info.name,
+            settings.pooling.as_str()
+        )));
+    };
+    let started = Instant::now();
+    let stage = crate::trace::Stage::start("tokenize");
+    let bytes: usize = texts.iter().map(Text::bytes).sum();
+    let encoded = if bytes <= INLINE_TEXT_BYTES {
+        p.encode(&texts, Some(Side::Right))?
+    } else {
+        let pipeline = Arc::clone(&meta.pipeline);
+        off_io_thread("tokenizing", move || match &*pipeline {
+            Pipeline::Text(p) => p.encode(&texts, Some(Side::Right)),
+            _ => unreachable!("matched above"),
+        })
+        .await?
+    };
+    drop(stage);
+    let prepare = started.elapsed();
+    // Each row's own ids: the ids input, its padding left out.
+    let ids: Vec<Vec<u32>> = match encoded.inputs.iter().find(|t| t.name == "input_ids").map(|t| &t.data) {
+        Some(TensorData::I64(v)) => ids_of(v.iter().map(|&x| x as u32), &encoded.lengths),
+        Some(TensorData::I32(v)) => ids_of(v.iter().map(|&x| x as u32), &encoded.lengths),
+        _ => return Err(ApiError::Internal("the text pipeline gave no input_ids".into())),
+    };
+    let tokens = encoded.lengths.iter().sum();
+    let truncated = encoded.truncated;
+    let (outputs, engine) = state.engine.submit(index, encoded.inputs, Join::PadSequence, call.terms).await?;
+    let model = started.elapsed() - prepare;
+    let _post = crate::trace::Stage::start("post-process");
+    let head = meta.pipeline.head().expect("matched above");
+    let rows = m3.outputs(&outputs[head.output()], &ids, settings.normalize)?;
+    Ok(Outcome { rows: Rows::BgeM3(rows), truncated, tokens, prepare, model, engine, cached: None })
+}
+
+/// A padded batch of ids split into its rows, each `lengths[r]` long.
+fn ids_of(flat: impl ExactSizeIterator<Item = u32>, lengths: &[usize]) -> Vec<Vec<u32>> {
+    let all: Vec<u32> = flat.collect();
+    let width = all.len() / lengths.len().max(1);
+    lengths.iter().enumerate().map(|(r, &n)| all[r * width..][..n.min(width)].to_vec()).collect()
 }
 
 /// The batch of `tensors` (each of `count` rows) with only rows `keep`, at the same width, and

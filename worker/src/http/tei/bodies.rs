@@ -156,6 +156,19 @@ pub(super) struct SparseRequest {
     pub(super) threshold: Option<f32>,
 }
 
+/// `/encode` (BGE-M3): FlagEmbedding's `encode` and its three switches, with its defaults.
+#[derive(Deserialize)]
+#[serde(expecting = "a JSON object", deny_unknown_fields)]
+pub(super) struct EncodeRequest {
+    pub(super) inputs: OneOrMany<EmbedInput>,
+    #[serde(default = "yes")]
+    pub(super) return_dense: bool,
+    #[serde(default)]
+    pub(super) return_sparse: bool,
+    #[serde(default)]
+    pub(super) return_colbert_vecs: bool,
+}
+
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object")]
 pub(super) struct SimilarityRequest {

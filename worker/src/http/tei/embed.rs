@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 use crate::http::reply::{ran, Reply};
-use crate::http::tei::bodies::{ChunkBy, ChunksRequest, EmbedRequest, SimilarityRequest, SparseRequest};
+use crate::http::tei::bodies::{ChunkBy, ChunksRequest, EmbedRequest, EncodeRequest, SimilarityRequest, SparseRequest};
 use crate::http::tei::open::{Inference, Needs};
 use crate::pipeline::late::{self, Rule};
 use crate::pipeline::{cut_dimensions, l2_normalize, sparse, Head, Pipeline, Text};
@@ -105,6 +105,73 @@ pub async fn embed_sparse(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiE
         .saturating_mul(tasks::JSON_F32_BYTES.saturating_add(40))
         .saturating_add((rows.len() as u64).saturating_mul(3).saturating_add(2));
     tei.ran_large(&outcome, rows, bound).await
+}
+
+/// `POST /encode` (BGE-M3, `pooling = "bge_m3"`): FlagEmbedding's `encode` from one run:
+/// `{"inputs", "return_dense": true, "return_sparse": false, "return_colbert_vecs": false}`
+/// -> `{"dense_vecs": [[...]], "lexical_weights": [{"id": weight}], "colbert_vecs": [[[...]]]}`,
+/// each key where asked. Texts are cut at the model's length, as FlagEmbedding cuts them.
+pub async fn encode(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> {
+    let request: EncodeRequest = tei.open(Needs::BgeM3, "/encode", body)?;
+    if !(request.return_dense || request.return_sparse || request.return_colbert_vecs) {
+        return Err(ApiError::BadRequest(
+            "return_dense, return_sparse and return_colbert_vecs are all false: ask for one or more".into(),
+        ));
+    }
+    let (texts, _) = request.inputs.into_vec();
+    let texts: Vec<Text> = texts.into_iter().map(Into::into).collect();
+    // Bounded before the run: every text at the model's length, its ColBERT vectors and its
+    // lexical weights (an id and a float each) beside its dense vector.
+    if let Pipeline::Text(p) = &*tei.meta.pipeline {
+        let width = p.bge_m3.as_ref().map_or(0, |m3| m3.colbert_width());
+        let per_token = (width as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add(40);
+        let per_text = (p.max_length as u64).saturating_mul(per_token).saturating_add(4096);
+        let bound = per_text.saturating_mul(texts.len() as u64);
+        if bound > tei.state.body_budget_total {
+            return Err(ApiError::TooLarge(format!(
+                "{} texts of up to {} tokens would answer up to {bound} bytes, more than a worker holds at once \
+                 (server.max_body_bytes_in_flight = {}); send fewer texts",
+                texts.len(),
+                p.max_length,
+                tei.state.body_budget_total
+            )));
+        }
+    }
+    let mut outcome = tasks::run_bge_m3(tei.state, tei.call, tei.index, tei.meta, texts).await?;
+    let Rows::BgeM3(rows) = std::mem::replace(&mut outcome.rows, Rows::BgeM3(Vec::new())) else {
+        unreachable!("BGE-M3 answers its three outputs")
+    };
+    let floats: usize = rows
+        .iter()
+        .map(|r| r.dense.len().saturating_add(r.lexical.len()).saturating_add(r.colbert.iter().map(Vec::len).sum()))
+        .sum();
+    let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES.saturating_add(16)).saturating_add(4096);
+    let answer = Encoded {
+        dense_vecs: request.return_dense.then(|| rows.iter().map(|r| r.dense.clone()).collect()),
+        lexical_weights: request.return_sparse.then(|| rows.iter().map(|r| Weights(r.lexical.clone())).collect()),
+        colbert_vecs: request.return_colbert_vecs.then(|| rows.into_iter().map(|r| r.colbert).collect()),
+    };
+    tei.ran_large(&outcome, answer, bound).await
+}
+
+/// `/encode`'s answer, FlagEmbedding's keys (a lexical weight's key is its token id, as text).
+#[derive(Serialize)]
+struct Encoded {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dense_vecs: Option<Vec<Vec<f32>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lexical_weights: Option<Vec<Weights>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    colbert_vecs: Option<Vec<Vec<Vec<f32>>>>,
+}
+
+/// One text's lexical weights as a JSON object, in the order the ids first came.
+struct Weights(Vec<(u32, f32)>);
+
+impl Serialize for Weights {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(id, w)| (id.to_string(), w)))
+    }
 }
 
 /// `POST /similarity` (sentence-transformers' sentence similarity): the cosine similarity of

@@ -41,7 +41,7 @@ mod tokenizer;
 
 pub use bodies::parse_bodies;
 pub use classify::{predict, rerank};
-pub use embed::{embed, embed_all, embed_chunks, embed_sparse, similarity};
+pub use embed::{embed, embed_all, embed_chunks, embed_sparse, encode, similarity};
 pub use open::Inference;
 pub use tokenizer::{decode, info, tokenize};
 

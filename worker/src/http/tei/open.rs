@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::http::reply::{annotate, large_json, Reply};
 use crate::http::tei::bodies::parse;
 use crate::jsonbody::OneOrMany;
-use crate::pipeline::{Head, Text};
+use crate::pipeline::{Head, Pipeline, Text};
 use crate::request::app::AppState;
 use crate::request::call::Call;
 use crate::request::error::ApiError;
@@ -33,6 +33,8 @@ pub(super) enum Needs {
     Embedding,
     /// An embedding model with SPLADE pooling (`/embed_sparse`).
     Splade,
+    /// An embedding model with BGE-M3's heads (`/encode`).
+    BgeM3,
     /// A classification model (`/predict`).
     Classification,
     /// A cross-encoder (`/rerank`): a classification model, then one of one label
@@ -60,6 +62,16 @@ impl Inference<'_> {
                 if !splade {
                     return Err(ApiError::BadRequest(format!(
                         "{endpoint} needs a SPLADE model (pooling = \"splade\"); '{}' gives dense vectors: use /embed",
+                        meta.info.name
+                    )));
+                }
+            }
+            Needs::BgeM3 => {
+                require(meta, Task::Embedding, endpoint)?;
+                let m3 = matches!(&*meta.pipeline, Pipeline::Text(p) if p.bge_m3.is_some());
+                if !m3 {
+                    return Err(ApiError::BadRequest(format!(
+                        "{endpoint} needs a BGE-M3 model (pooling = \"bge_m3\"); '{}' gives one vector per text: use /embed",
                         meta.info.name
                     )));
                 }

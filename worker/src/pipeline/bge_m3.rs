@@ -1,0 +1,129 @@
+//! BGE-M3's three outputs from one run (`pooling = "bge_m3"`), as FlagEmbedding's
+//! `BGEM3FlagModel.encode` computes them (FlagEmbedding/inference/embedder/encoder_only/m3.py
+//! and finetune/embedder/encoder_only/m3/modeling.py):
+//!
+//! - dense: the first token's state (`sentence_pooling_method = "cls"`), normalised;
+//! - lexical weights: `relu(sparse_linear(state))` of each token, and per token id the largest,
+//!   where it is above 0 and the token is not one of `unused_tokens` (the tokenizer's cls, eos,
+//!   pad and unk tokens), in the order the ids first come;
+//! - ColBERT vectors: `colbert_linear(state)` of every token after the first, normalised.
+// Sizes here come from request data: every operation on them is checked.
+#![deny(clippy::arithmetic_side_effects)]
+
+use std::collections::{HashMap, HashSet};
+
+use inferd_config::model::{BgeM3Config, DenseActivation, DenseLayer};
+use tokenizers::Tokenizer;
+
+use super::dense::Dense;
+use super::error::{BuildError, PipelineError};
+use super::head::l2_normalize;
+use crate::runtime::tensor::{element_count, Tensor, TensorData};
+
+/// The two heads, read when the model loads, and the ids that get no lexical weight.
+#[derive(Debug)]
+pub struct BgeM3 {
+    colbert: Dense,
+    sparse: Dense,
+    unused: HashSet<u32>,
+}
+
+/// One text's outputs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Encoded {
+    pub dense: Vec<f32>,
+    /// (token id, weight), in the order the ids first come.
+    pub lexical: Vec<(u32, f32)>,
+    pub colbert: Vec<Vec<f32>>,
+}
+
+impl BgeM3 {
+    /// The heads of `config` (safetensors with `weight` and `bias`); an unused token the
+    /// tokenizer does not have is refused.
+    pub fn build(config: &BgeM3Config, tokenizer: &Tokenizer) -> Result<BgeM3, BuildError> {
+        let head = |file: &std::path::Path, activation| {
+            Dense::load(&[DenseLayer { file: file.to_path_buf(), activation }], None)
+        };
+        let colbert = head(&config.colbert_linear, DenseActivation::Identity)?;
+        let sparse = head(&config.sparse_linear, DenseActivation::Relu)?;
+        if sparse.outputs() != Some(1) || colbert.inputs() != sparse.inputs() {
+            return Err(BuildError::BgeM3Heads {
+                colbert: (colbert.inputs(), colbert.outputs()),
+                sparse: (sparse.inputs(), sparse.outputs()),
+            });
+        }
+        let unused = config
+            .unused_tokens
+            .iter()
+            .map(|t| tokenizer.token_to_id(t).ok_or_else(|| BuildError::UnusedToken(t.clone())))
+            .collect::<Result<_, _>>()?;
+        Ok(BgeM3 { colbert, sparse, unused })
+    }
+
+    /// Each row's outputs from `output` (`[batch, sequence, hidden]`), its first `lengths[r]`
+    /// tokens being `ids[r]`; dense and ColBERT vectors normalised when `normalize`.
+    pub fn outputs(&self, output: &Tensor, ids: &[Vec<u32>], normalize: bool) -> Result<Vec<Encoded>, PipelineError> {
+        let TensorData::F32(values) = &output.data else {
+            return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
+        };
+        let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
+        let [b, s, d] = dims[..] else {
+            return Err(PipelineError::NoTokenVectors { output: output.name.clone(), shape: output.shape.clone() });
+        };
+        let fits = ids.iter().all(|row| !row.is_empty() && row.len() <= s);
+        if b != ids.len() || !fits || element_count(&output.shape) != Some(values.len()) {
+            return Err(PipelineError::Output(format!(
+                "'{}' has shape {:?} for {} rows",
+                output.name,
+                output.shape,
+                ids.len()
+            )));
+        }
+        if self.colbert.inputs() != Some(d) {
+            return Err(PipelineError::Output(format!(
+                "'{}' gives vectors of {d} values; BGE-M3's heads take {:?}",
+                output.name,
+                self.colbert.inputs()
+            )));
+        }
+        let scaled = |mut v: Vec<f32>| {
+            if normalize {
+                l2_normalize(&mut v);
+            }
+            v
+        };
+        // s x d is at most values.len(), checked above.
+        Ok(values
+            .chunks(s.saturating_mul(d).max(1))
+            .zip(ids)
+            .map(|(row, ids)| {
+                let states: Vec<&[f32]> = row.chunks(d).take(ids.len()).collect();
+                let mut lexical: Vec<(u32, f32)> = Vec::new();
+                let mut at: HashMap<u32, usize> = HashMap::new();
+                for (state, &id) in states.iter().zip(ids) {
+                    let weight = self.sparse.apply(state.to_vec()).first().copied().unwrap_or(0.0);
+                    if self.unused.contains(&id) || weight <= 0.0 {
+                        continue;
+                    }
+                    match at.get(&id) {
+                        Some(&i) => lexical[i].1 = lexical[i].1.max(weight),
+                        None => {
+                            at.insert(id, lexical.len());
+                            lexical.push((id, weight));
+                        }
+                    }
+                }
+                Encoded {
+                    dense: scaled(states[0].to_vec()),
+                    lexical,
+                    colbert: states[1..].iter().map(|s| scaled(self.colbert.apply(s.to_vec()))).collect(),
+                }
+            })
+            .collect())
+    }
+
+    /// The width of a ColBERT vector.
+    pub fn colbert_width(&self) -> usize {
+        self.colbert.outputs().unwrap_or(0)
+    }
+}
