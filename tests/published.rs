@@ -600,6 +600,13 @@ fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() 
         assert_eq!(r.status, 400, "{body}: {message}");
         assert!(message.contains(words), "{body}: {message}");
     }
+    // Cohere's embed with a name it does not serve takes the default model when it embeds
+    // texts into one vector each: here not the default (colbert) but st-embedder.
+    let body =
+        json!({ "model": "embed-v4.0", "texts": ["x"], "input_type": "search_query", "embedding_types": ["float"] });
+    let r = post(&server, "/v2/embed", body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["embeddings"]["float"][0].as_array().unwrap().len(), 16, "{}", r.json());
     let r = post(&server, "/v2/models/colbert/embed", json!({ "inputs": "x" }));
     assert_eq!(r.status, 400);
     assert!(r.error().contains("a vector per token") && r.error().contains("/v1/embeddings"), "{}", r.error());

@@ -30,7 +30,7 @@ pub struct BgeM3 {
 
 /// One text's outputs.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Encoded {
+pub struct Outputs {
     pub dense: Vec<f32>,
     /// (token id, weight), in the order the ids first come.
     pub lexical: Vec<(u32, f32)>,
@@ -60,9 +60,9 @@ impl BgeM3 {
         Ok(BgeM3 { colbert, sparse, unused })
     }
 
-    /// Each row's outputs from `output` (`[batch, sequence, hidden]`), its first `lengths[r]`
+    /// Each row's outputs from `output` (`[batch, sequence, hidden]`), its first `ids[r].len()`
     /// tokens being `ids[r]`; dense and ColBERT vectors normalised when `normalize`.
-    pub fn outputs(&self, output: &Tensor, ids: &[Vec<u32>], normalize: bool) -> Result<Vec<Encoded>, PipelineError> {
+    pub fn outputs(&self, output: &Tensor, ids: &[Vec<u32>], normalize: bool) -> Result<Vec<Outputs>, PipelineError> {
         let TensorData::F32(values) = &output.data else {
             return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
         };
@@ -113,7 +113,7 @@ impl BgeM3 {
                         }
                     }
                 }
-                Encoded {
+                Outputs {
                     dense: scaled(states[0].to_vec()),
                     lexical,
                     colbert: states[1..].iter().map(|s| scaled(self.colbert.apply(s.to_vec()))).collect(),

@@ -52,7 +52,7 @@ pub enum Rows {
     /// Per input, the vector of each of its tokens.
     Tokens(Vec<Vec<Vec<f32>>>),
     /// Per input, BGE-M3's three outputs.
-    BgeM3(Vec<bge_m3::Encoded>),
+    BgeM3(Vec<bge_m3::Outputs>),
     Scores {
         labels: Vec<String>,
         scores: Vec<Vec<f32>>,
@@ -108,6 +108,29 @@ pub async fn off_io_thread<T: Send + 'static>(
         .and_then(Result::ok)
         .ok_or_else(|| ApiError::Internal(format!("{what} failed: the server hit a bug (logged)")))?;
     Ok(result?)
+}
+
+/// `work` on `meta`'s text pipeline: on the I/O thread for `bytes` of text up to
+/// [`INLINE_TEXT_BYTES`] (well under a millisecond), else on the runtime's one blocking thread,
+/// so that the worker's other connections are not held up behind a long request (up to
+/// max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each).
+async fn tokenized<T: Send + 'static>(
+    meta: &Model,
+    bytes: usize,
+    work: impl FnOnce(&TextPipeline) -> Result<T, PipelineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let Pipeline::Text(p) = &*meta.pipeline else {
+        return Err(ApiError::BadRequest(format!("model '{}' does not take text", meta.info.name)));
+    };
+    if bytes <= INLINE_TEXT_BYTES {
+        return Ok(work(p)?);
+    }
+    let pipeline = Arc::clone(&meta.pipeline);
+    off_io_thread("tokenizing", move || match &*pipeline {
+        Pipeline::Text(p) => work(p),
+        _ => unreachable!("a text pipeline, matched above"),
+    })
+    .await
 }
 
 /// The most bytes one f32 takes in JSON, with its comma (`-1.17549435e-38,`).
@@ -311,21 +334,8 @@ async fn run_rows(
             let by_config =
                 matches!(&p.head, Head::Embedding { settings, .. } if settings.long_texts == LongTexts::Truncate);
             let truncate = options.truncate.or(by_config.then_some(Side::Right));
-            // A short request is tokenised on the I/O thread (well under a millisecond); a long
-            // one (up to max_batch_inputs texts of max_length x BYTES_PER_TOKEN bytes each)
-            // goes to the runtime's one blocking thread, so that the other connections of the
-            // worker are not held up behind it.
             let bytes: usize = texts.iter().map(Text::bytes).sum();
-            let encoded = if bytes <= INLINE_TEXT_BYTES {
-                p.encode(&texts, truncate)?
-            } else {
-                let pipeline = Arc::clone(&meta.pipeline);
-                off_io_thread("tokenizing", move || match &*pipeline {
-                    Pipeline::Text(p) => p.encode(&texts, truncate),
-                    _ => unreachable!("matched above"),
-                })
-                .await?
-            };
+            let encoded = tokenized(meta, bytes, move |p| p.encode(&texts, truncate)).await?;
             (encoded.inputs, encoded.lengths, encoded.truncated, Join::PadSequence)
         }
         (Pipeline::Image(_), PipelineInput::Images(images)) => {
@@ -430,23 +440,14 @@ pub async fn run_colbert(
         return Err(ApiError::BadRequest("no inputs".into()));
     }
     within_limit(state, texts.len())?;
-    let (Pipeline::Text(p), Some(Head::Embedding { settings, dense, .. })) = (&*meta.pipeline, meta.pipeline.head())
+    let (Pipeline::Text(_), Some(Head::Embedding { settings, dense, .. })) = (&*meta.pipeline, meta.pipeline.head())
     else {
         return Err(ApiError::BadRequest(format!("model '{}' is not a ColBERT model", meta.info.name)));
     };
     let started = Instant::now();
     let stage = crate::trace::Stage::start("tokenize");
     let bytes: usize = texts.iter().map(String::len).sum();
-    let encoded = if bytes <= INLINE_TEXT_BYTES {
-        p.encode_colbert(&texts, role)?
-    } else {
-        let pipeline = Arc::clone(&meta.pipeline);
-        off_io_thread("tokenizing", move || match &*pipeline {
-            Pipeline::Text(p) => p.encode_colbert(&texts, role),
-            _ => unreachable!("matched above"),
-        })
-        .await?
-    };
+    let encoded = tokenized(meta, bytes, move |p| p.encode_colbert(&texts, role)).await?;
     let Some(ColbertBatch { encoded, keep }) = encoded else {
         return Err(ApiError::BadRequest(format!(
             "model '{}' gives one vector per text, not one per token (its pooling is \"{}\", not \"colbert\")",
@@ -491,16 +492,7 @@ pub async fn run_bge_m3(
     let started = Instant::now();
     let stage = crate::trace::Stage::start("tokenize");
     let bytes: usize = texts.iter().map(Text::bytes).sum();
-    let encoded = if bytes <= INLINE_TEXT_BYTES {
-        p.encode(&texts, Some(Side::Right))?
-    } else {
-        let pipeline = Arc::clone(&meta.pipeline);
-        off_io_thread("tokenizing", move || match &*pipeline {
-            Pipeline::Text(p) => p.encode(&texts, Some(Side::Right)),
-            _ => unreachable!("matched above"),
-        })
-        .await?
-    };
+    let encoded = tokenized(meta, bytes, move |p| p.encode(&texts, Some(Side::Right))).await?;
     drop(stage);
     let prepare = started.elapsed();
     // Each row's own ids: the ids input, its padding left out.

@@ -223,7 +223,11 @@ enum Vectors<'a> {
 /// Refuses a model that cannot answer `/v{1,2}/embed`: dense embeddings of texts.
 fn embeds(meta: &Model) -> Result<(), ApiError> {
     match (&*meta.pipeline, meta.pipeline.head()) {
-        (Pipeline::Text(_), Some(Head::Embedding { settings, .. })) if settings.pooling != Pooling::Splade => Ok(()),
+        (Pipeline::Text(_), Some(Head::Embedding { settings, .. }))
+            if !matches!(settings.pooling, Pooling::Splade | Pooling::Colbert | Pooling::BgeM3) =>
+        {
+            Ok(())
+        }
         _ => Err(bad(format!("model '{}' does not embed texts into dense vectors; embed needs one", meta.info.name))),
     }
 }

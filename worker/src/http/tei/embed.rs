@@ -146,7 +146,7 @@ pub async fn encode(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> 
         .map(|r| r.dense.len().saturating_add(r.lexical.len()).saturating_add(r.colbert.iter().map(Vec::len).sum()))
         .sum();
     let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES.saturating_add(16)).saturating_add(4096);
-    let answer = Encoded {
+    let answer = EncodeAnswer {
         dense_vecs: request.return_dense.then(|| rows.iter().map(|r| r.dense.clone()).collect()),
         lexical_weights: request.return_sparse.then(|| rows.iter().map(|r| Weights(r.lexical.clone())).collect()),
         colbert_vecs: request.return_colbert_vecs.then(|| rows.into_iter().map(|r| r.colbert).collect()),
@@ -156,7 +156,7 @@ pub async fn encode(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> 
 
 /// `/encode`'s answer, FlagEmbedding's keys (a lexical weight's key is its token id, as text).
 #[derive(Serialize)]
-struct Encoded {
+struct EncodeAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     dense_vecs: Option<Vec<Vec<f32>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
