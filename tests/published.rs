@@ -647,7 +647,9 @@ fn a_bge_m3_folder_gives_its_three_outputs_from_one_run_as_flagembedding_compute
         std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
     }
     let port = free_port();
-    write_config(dir.path(), port, 1, &repository, "bge-m3", &["st-embedder"], "");
+    // A small byte budget, to see /encode's answers bounded before the run.
+    let budget = "max_body_bytes = 65536\nmax_body_bytes_in_flight = 131072";
+    write_config(dir.path(), port, 1, &repository, "bge-m3", &["st-embedder"], budget);
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(90));
     // The last is past max_seq_length (24): cut, as FlagEmbedding cuts it.
@@ -692,6 +694,17 @@ fn a_bge_m3_folder_gives_its_three_outputs_from_one_run_as_flagembedding_compute
     let keys: Vec<&String> = answer.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["dense_vecs"], "{answer}");
     assert!(worst(&r.json()["dense_vecs"], &json!([want["dense_vecs"][1]])) < 1e-5);
+
+    // Thirty texts of 24 tokens: their ColBERT vectors would pass the byte budget (413, before
+    // the run); their dense vectors alone fit it.
+    let long = vec![texts[3]; 30];
+    let r = post(&server, "/encode", json!({ "inputs": long, "return_colbert_vecs": true }));
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    let refused = r.error();
+    assert!(refused.contains("the answer to 30 texts") && refused.contains("= 131072"), "{refused}");
+    let r = post(&server, "/encode", json!({ "inputs": long }));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["dense_vecs"].as_array().unwrap().len(), 30);
 
     // What does not fit: 400 naming it.
     for (path, body, words) in [

@@ -122,8 +122,19 @@ impl BgeM3 {
             .collect())
     }
 
-    /// The width of a ColBERT vector.
-    pub fn colbert_width(&self) -> usize {
-        self.colbert.outputs().unwrap_or(0)
+    /// The most bytes the JSON answer for a text of `tokens` tokens takes, with the outputs
+    /// asked for (dense, lexical, ColBERT): each float with its comma, each weight with its
+    /// id, each list's brackets.
+    pub fn answer_bound(&self, tokens: usize, (dense, lexical, colbert): (bool, bool, bool)) -> u64 {
+        const FLOAT: u64 = 16;
+        let hidden = self.colbert.inputs().unwrap_or(0) as u64;
+        let width = self.colbert.outputs().unwrap_or(0) as u64;
+        let per_token = match colbert {
+            true => width.saturating_mul(FLOAT).saturating_add(3),
+            false => 0,
+        }
+        .saturating_add(if lexical { FLOAT.saturating_add(16) } else { 0 });
+        let fixed = if dense { hidden.saturating_mul(FLOAT) } else { 0 };
+        (tokens as u64).saturating_mul(per_token).saturating_add(fixed).saturating_add(16)
     }
 }

@@ -120,19 +120,22 @@ pub async fn encode(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> 
     }
     let (texts, _) = request.inputs.into_vec();
     let texts: Vec<Text> = texts.into_iter().map(Into::into).collect();
-    // Bounded before the run: every text at the model's length, its ColBERT vectors and its
-    // lexical weights (an id and a float each) beside its dense vector.
+    // Bounded before the run, before it is tokenized: a text has at most its bytes' worth of
+    // tokens beside its special tokens, and at most the model's length.
+    let asked = (request.return_dense, request.return_sparse, request.return_colbert_vecs);
     if let Pipeline::Text(p) = &*tei.meta.pipeline {
-        let width = p.bge_m3.as_ref().map_or(0, |m3| m3.colbert_width());
-        let per_token = (width as u64).saturating_mul(tasks::JSON_F32_BYTES).saturating_add(40);
-        let per_text = (p.max_length as u64).saturating_mul(per_token).saturating_add(4096);
-        let bound = per_text.saturating_mul(texts.len() as u64);
+        let bound = texts
+            .iter()
+            .map(|t| {
+                let tokens = t.bytes().saturating_add(p.special_tokens(false)).min(p.max_length);
+                p.bge_m3.as_ref().map_or(0, |m3| m3.answer_bound(tokens, asked))
+            })
+            .fold(64u64, u64::saturating_add);
         if bound > tei.state.body_budget_total {
             return Err(ApiError::TooLarge(format!(
-                "{} texts of up to {} tokens would answer up to {bound} bytes, more than a worker holds at once \
-                 (server.max_body_bytes_in_flight = {}); send fewer texts",
+                "the answer to {} texts would take up to {bound} bytes, more than a worker holds at once \
+                 (server.max_body_bytes_in_flight = {}); send fewer or shorter texts, or fewer outputs",
                 texts.len(),
-                p.max_length,
                 tei.state.body_budget_total
             )));
         }
@@ -141,11 +144,13 @@ pub async fn encode(tei: Inference<'_>, body: &[u8]) -> Result<Reply, ApiError> 
     let Rows::BgeM3(rows) = std::mem::replace(&mut outcome.rows, Rows::BgeM3(Vec::new())) else {
         unreachable!("BGE-M3 answers its three outputs")
     };
-    let floats: usize = rows
-        .iter()
-        .map(|r| r.dense.len().saturating_add(r.lexical.len()).saturating_add(r.colbert.iter().map(Vec::len).sum()))
-        .sum();
-    let bound = (floats as u64).saturating_mul(tasks::JSON_F32_BYTES.saturating_add(16)).saturating_add(4096);
+    // The same bound, of the tokens each text had.
+    let bound = match &*tei.meta.pipeline {
+        Pipeline::Text(p) => p.bge_m3.as_ref().map_or(0, |m3| {
+            rows.iter().map(|r| m3.answer_bound(r.colbert.len().saturating_add(1), asked)).fold(64, u64::saturating_add)
+        }),
+        _ => 0,
+    };
     let answer = EncodeAnswer {
         dense_vecs: request.return_dense.then(|| rows.iter().map(|r| r.dense.clone()).collect()),
         lexical_weights: request.return_sparse.then(|| rows.iter().map(|r| Weights(r.lexical.clone())).collect()),
