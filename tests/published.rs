@@ -49,18 +49,36 @@ fn worst(got: &Value, want: &Value) -> f64 {
 
 /// One server with every generated folder as a model of its repository, none with a model.toml.
 fn server() -> Server {
-    let dir = temp_dir("published");
+    folders_server("published", &FOLDERS, "")
+}
+
+/// A server of one worker whose repository holds the generated `folders` (the first the
+/// default), each without a model.toml, with `extra` lines in `[server]`.
+fn folders_server(tag: &str, folders: &[&str], extra: &str) -> Server {
+    let dir = temp_dir(tag);
     let repository = dir.path().join("repo");
     std::fs::create_dir_all(&repository).unwrap();
-    for name in FOLDERS {
+    for name in folders {
         assert!(!published(name).join("model.toml").exists(), "{name} must have no model.toml");
         std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
     }
     let port = free_port();
-    write_config(dir.path(), port, 1, &repository, FOLDERS[0], &FOLDERS[1..], "");
+    write_config(dir.path(), port, 1, &repository, folders[0], &folders[1..], extra);
     let mut server = Server::start(dir, port, &[]);
     server.wait_ready(Duration::from_secs(90));
     server
+}
+
+/// A copy of generated folder `name` and the model.toml `inferd init` wrote into it (which must
+/// succeed); the copy lives as long as the returned directory.
+fn initialised(name: &str) -> (TempDir, PathBuf, String) {
+    let copy = temp_dir(&format!("{name}-init"));
+    let target = copy.path().join(name);
+    copy_dir(&published(name), &target);
+    let (ok, written) = inferd(&["init", target.to_str().unwrap()]);
+    assert!(ok, "{written}");
+    let toml = std::fs::read_to_string(target.join("model.toml")).unwrap();
+    (copy, target, toml)
 }
 
 const TEXTS: [&str; 3] =
@@ -533,16 +551,7 @@ fn multi_vectors(answer: &Value) -> Vec<Value> {
 
 #[test]
 fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() {
-    let dir = temp_dir("colbert");
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    for name in ["colbert", "st-embedder"] {
-        std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
-    }
-    let port = free_port();
-    write_config(dir.path(), port, 1, &repository, "colbert", &["st-embedder"], "");
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(90));
+    let server = folders_server("colbert", &["colbert", "st-embedder"], "");
     // A text past document_length (16) and one of punctuation the skiplist drops.
     let texts = [
         TEXTS[0],
@@ -616,12 +625,7 @@ fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() 
     assert_eq!(r.json()[0][0].as_array().unwrap().len(), 16);
 
     // inferd init writes the recipe it was served with.
-    let copy = temp_dir("colbert-init");
-    let target = copy.path().join("colbert");
-    copy_dir(&folder, &target);
-    let (ok, written) = inferd(&["init", target.to_str().unwrap()]);
-    assert!(ok, "{written}");
-    let toml = std::fs::read_to_string(target.join("model.toml")).unwrap();
+    let (_copy, _, toml) = initialised("colbert");
     for line in [
         "pooling = \"colbert\"",
         "normalize = true",
@@ -640,18 +644,9 @@ fn a_pylate_colbert_folder_gives_each_kept_tokens_vector_as_pylate_encodes_it() 
 
 #[test]
 fn a_bge_m3_folder_gives_its_three_outputs_from_one_run_as_flagembedding_computes_them() {
-    let dir = temp_dir("bge-m3");
-    let repository = dir.path().join("repo");
-    std::fs::create_dir_all(&repository).unwrap();
-    for name in ["bge-m3", "st-embedder"] {
-        std::os::unix::fs::symlink(published(name), repository.join(name)).unwrap();
-    }
-    let port = free_port();
     // A small byte budget, to see /encode's answers bounded before the run.
     let budget = "max_body_bytes = 65536\nmax_body_bytes_in_flight = 131072";
-    write_config(dir.path(), port, 1, &repository, "bge-m3", &["st-embedder"], budget);
-    let mut server = Server::start(dir, port, &[]);
-    server.wait_ready(Duration::from_secs(90));
+    let server = folders_server("bge-m3", &["bge-m3", "st-embedder"], budget);
     // The last is past max_seq_length (24): cut, as FlagEmbedding cuts it.
     let texts = [
         TEXTS[0],
@@ -719,12 +714,7 @@ fn a_bge_m3_folder_gives_its_three_outputs_from_one_run_as_flagembedding_compute
     }
 
     // inferd init writes the heads; FlagEmbedding's own pickles are refused naming the conversion.
-    let copy = temp_dir("bge-m3-init");
-    let target = copy.path().join("bge-m3");
-    copy_dir(&folder, &target);
-    let (ok, written) = inferd(&["init", target.to_str().unwrap()]);
-    assert!(ok, "{written}");
-    let toml = std::fs::read_to_string(target.join("model.toml")).unwrap();
+    let (_copy, target, toml) = initialised("bge-m3");
     for line in [
         "pooling = \"bge_m3\"",
         "[embedding.bge_m3]",

@@ -17,8 +17,8 @@ use tokenizers::Tokenizer;
 
 use super::dense::Dense;
 use super::error::{BuildError, PipelineError};
-use super::head::l2_normalize;
-use crate::runtime::tensor::{element_count, Tensor, TensorData};
+use super::head::{l2_normalize, token_embeddings};
+use crate::runtime::tensor::Tensor;
 
 /// The two heads, read when the model loads, and the ids that get no lexical weight.
 #[derive(Debug)]
@@ -63,25 +63,18 @@ impl BgeM3 {
     /// Each row's outputs from `output` (`[batch, sequence, hidden]`), its first `ids[r].len()`
     /// tokens being `ids[r]`; dense and ColBERT vectors normalised when `normalize`.
     pub fn outputs(&self, output: &Tensor, ids: &[Vec<u32>], normalize: bool) -> Result<Vec<Outputs>, PipelineError> {
-        let TensorData::F32(values) = &output.data else {
-            return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
-        };
-        let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
-        let [b, s, d] = dims[..] else {
-            return Err(PipelineError::NoTokenVectors { output: output.name.clone(), shape: output.shape.clone() });
-        };
-        let fits = ids.iter().all(|row| !row.is_empty() && row.len() <= s);
-        if b != ids.len() || !fits || element_count(&output.shape) != Some(values.len()) {
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        let rows = token_embeddings(output, &lengths)?;
+        if rows.iter().zip(&lengths).any(|(row, &n)| row.is_empty() || row.len() != n) {
             return Err(PipelineError::Output(format!(
-                "'{}' has shape {:?} for {} rows",
-                output.name,
-                output.shape,
-                ids.len()
+                "'{}' has shape {:?} for rows of {lengths:?} tokens",
+                output.name, output.shape
             )));
         }
-        if self.colbert.inputs() != Some(d) {
+        let width = rows.iter().flatten().next().map_or(0, Vec::len);
+        if self.colbert.inputs() != Some(width) {
             return Err(PipelineError::Output(format!(
-                "'{}' gives vectors of {d} values; BGE-M3's heads take {:?}",
+                "'{}' gives vectors of {width} values; BGE-M3's heads take {:?}",
                 output.name,
                 self.colbert.inputs()
             )));
@@ -92,16 +85,14 @@ impl BgeM3 {
             }
             v
         };
-        // s x d is at most values.len(), checked above.
-        Ok(values
-            .chunks(s.saturating_mul(d).max(1))
+        Ok(rows
+            .into_iter()
             .zip(ids)
-            .map(|(row, ids)| {
-                let states: Vec<&[f32]> = row.chunks(d).take(ids.len()).collect();
+            .map(|(states, ids)| {
                 let mut lexical: Vec<(u32, f32)> = Vec::new();
                 let mut at: HashMap<u32, usize> = HashMap::new();
                 for (state, &id) in states.iter().zip(ids) {
-                    let weight = self.sparse.apply(state.to_vec()).first().copied().unwrap_or(0.0);
+                    let weight = self.sparse.apply(state.clone()).first().copied().unwrap_or(0.0);
                     if self.unused.contains(&id) || weight <= 0.0 {
                         continue;
                     }
@@ -113,11 +104,9 @@ impl BgeM3 {
                         }
                     }
                 }
-                Outputs {
-                    dense: scaled(states[0].to_vec()),
-                    lexical,
-                    colbert: states[1..].iter().map(|s| scaled(self.colbert.apply(s.to_vec()))).collect(),
-                }
+                let mut states = states.into_iter();
+                let dense = scaled(states.next().unwrap_or_default());
+                Outputs { dense, lexical, colbert: states.map(|s| scaled(self.colbert.apply(s))).collect() }
             })
             .collect())
     }

@@ -22,8 +22,8 @@ use tokenizers::{Encoding, Tokenizer, TruncationDirection};
 
 use super::dense::Dense;
 use super::error::{BuildError, PipelineError};
-use super::head::l2_normalize;
-use crate::runtime::tensor::{element_count, Tensor, TensorData};
+use super::head::{l2_normalize, token_embeddings};
+use crate::runtime::tensor::Tensor;
 
 /// Which side of a search a text is: PyLate's `is_query`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,40 +149,26 @@ impl Colbert {
         dense: &Dense,
         normalize: bool,
     ) -> Result<Vec<Vec<Vec<f32>>>, PipelineError> {
-        let TensorData::F32(values) = &output.data else {
-            return Err(PipelineError::Output(format!("'{}' is not FP32", output.name)));
-        };
-        let dims: Vec<usize> = output.shape.iter().map(|&d| d.max(0) as usize).collect();
-        let [b, s, d] = dims[..] else {
-            return Err(PipelineError::NoTokenVectors { output: output.name.clone(), shape: output.shape.clone() });
-        };
-        let fits = keep.iter().all(|k| k.len() <= s);
-        if b != keep.len() || d == 0 || !fits || element_count(&output.shape) != Some(values.len()) {
+        let lengths: Vec<usize> = keep.iter().map(Vec::len).collect();
+        let rows = token_embeddings(output, &lengths)?;
+        let width = rows.iter().flatten().next().map_or(0, Vec::len);
+        if dense.inputs().is_some_and(|inputs| inputs != width) {
             return Err(PipelineError::Output(format!(
-                "'{}' has shape {:?} for {} values and {} rows",
-                output.name,
-                output.shape,
-                values.len(),
-                keep.len()
-            )));
-        }
-        if dense.inputs().is_some_and(|inputs| inputs != d) {
-            return Err(PipelineError::Output(format!(
-                "'{}' gives vectors of {d} values; the model's Dense layers take {:?}",
+                "'{}' gives vectors of {width} values; the model's Dense layers take {:?}",
                 output.name,
                 dense.inputs()
             )));
         }
-        // s x d is at most values.len(), checked above.
-        Ok(values
-            .chunks(s.saturating_mul(d).max(1))
+        Ok(rows
+            .into_iter()
             .zip(keep)
-            .map(|(row, kept)| {
-                row.chunks(d)
+            .map(|(tokens, kept)| {
+                tokens
+                    .into_iter()
                     .zip(kept)
                     .filter(|(_, &k)| k)
                     .map(|(token, _)| {
-                        let mut v = dense.apply(token.to_vec());
+                        let mut v = dense.apply(token);
                         if normalize {
                             l2_normalize(&mut v);
                         }
